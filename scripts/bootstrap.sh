@@ -1,21 +1,22 @@
 # Sourced by scripts/proxy and scripts/test: make .venv with Python >= 3.12 and install sessionpin.
-# Usage: . scripts/bootstrap.sh [extras]   (extras e.g. "test"; sets $VENV)
+# Usage: EXTRAS=test . scripts/bootstrap.sh   (EXTRAS optional; sets $ROOT and $VENV)
+# (Not a positional argument: a sourced file sees its caller's arguments.)
 # A fresh machine of this kind has python3 = 3.11 and 3.12/3.13 under pyenv, so we look there too.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
-extras="${1:-}"
+extras="${EXTRAS:-}"
 
 find_python() {
     local c v
-    for c in "${SESSIONPIN_PYTHON:-}" python3.13 python3.12 python3; do
+    for c in "${SESSIONPIN_PYTHON:-}" python3.12 python3.13 python3; do
         [ -n "$c" ] || continue
         if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
             command -v "$c"; return 0
         fi
     done
     if command -v pyenv >/dev/null 2>&1; then
-        for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])(\.|$)' | sort -V -r); do
+        for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])(\.|$)' | sort -V); do
             c="$(pyenv root)/versions/$v/bin/python3"
             if [ -x "$c" ]; then echo "$c"; return 0; fi
         done

@@ -1,0 +1,319 @@
+"""A fake inference server, as a mitmdump addon, for recording real agent traffic offline.
+
+Run it with ``mitmdump -s scripts/record/fake_upstream.py -w out.flow`` and point a coding agent at the
+proxy (``HTTPS_PROXY``, the mitmproxy CA, a fake key). Every request is answered here, in the
+``request`` hook, so nothing leaves the machine and the flow file holds the client's exact request.
+
+Rules it keeps:
+- The wire format follows the path: ``.../messages/count_tokens`` -> ``{"input_tokens": N}``;
+  ``.../messages`` -> Anthropic Messages (SSE when the body asks for a stream, JSON otherwise);
+  ``.../chat/completions`` -> OpenAI chat; ``.../responses`` (POST) -> OpenAI Responses; a WebSocket
+  upgrade (``GET .../responses``) -> 426 so the client falls back to HTTPS; ``.../models`` -> a small list;
+  anything else -> 200 ``{}``.
+- What the model "says" follows the last user prompt, so a scenario is driven by what you type:
+  ``RUNTOOL`` -> a shell tool call (``echo hi``) when the request offers a shell tool; ``RUNTASK`` -> a
+  subagent tool call (Claude Code Agent/Task, opencode task, Codex spawn_agent) when offered; after a tool
+  result, or for anything else, plain text. A request whose last message is a tool result always gets
+  text, so a tool loop ends after one round.
+- A request with no tools that asks for JSON output (Claude Code's title) gets ``{"title": ...}``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+
+from mitmproxy import http
+
+log = logging.getLogger(__name__)
+
+_counter = itertools.count(1)
+
+SHELL_TOOLS = ("Bash", "bash", "shell", "shell_command", "exec_command", "local_shell")
+TASK_TOOLS = ("Agent", "Task", "task", "spawn_agent")
+SUBAGENT_PROMPT = "Reply with the single word hi. Do not use any tool."
+
+
+# ---------------------------------------------------------------- reading the request
+
+
+def _text_of(content) -> str:
+    """All text in a message content (string, or a list of blocks/parts)."""
+    if isinstance(content, str):
+        return content
+    out = []
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict):
+                for key in ("text", "input_text"):
+                    if isinstance(part.get(key), str):
+                        out.append(part[key])
+                if part.get("type") in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+                    pass
+    return "\n".join(out)
+
+
+def _last_turn(body: dict) -> tuple[str, bool]:
+    """(text of the last user prompt, whether the last input item is a tool result)."""
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        # Claude Code puts ``role: "system"`` entries after the user prompt: look past them.
+        msgs = [m for m in msgs if not (isinstance(m, dict) and m.get("role") in ("system", "developer"))]
+    if isinstance(msgs, list) and msgs:
+        last = msgs[-1]
+        if isinstance(last, dict):
+            if last.get("role") == "tool":
+                return "", True
+            content = last.get("content")
+            if isinstance(content, list) and any(
+                isinstance(b, dict) and b.get("type") == "tool_result" for b in content
+            ):
+                return "", True
+            if last.get("role") == "user":
+                return _text_of(content), False
+            return "", False
+    items = body.get("input")
+    if isinstance(items, str):
+        return items, False
+    if isinstance(items, list) and items:
+        items = [i for i in items if not (isinstance(i, dict) and i.get("role") in ("system", "developer"))]
+        last = items[-1] if items else None
+        if isinstance(last, dict):
+            if last.get("type") in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
+                return "", True
+            if last.get("role") == "user":
+                return _text_of(last.get("content")), False
+    return "", False
+
+
+def _tools(body: dict) -> dict[str, dict]:
+    """Tool name -> JSON schema of its input, for Anthropic and OpenAI tool lists."""
+    out: dict[str, dict] = {}
+    for tool in body.get("tools") or []:
+        if not isinstance(tool, dict):
+            continue
+        if isinstance(tool.get("function"), dict):  # OpenAI chat
+            fn = tool["function"]
+            out[fn.get("name", "")] = fn.get("parameters") or {}
+        elif "name" in tool:  # Anthropic, OpenAI responses
+            out[tool["name"]] = tool.get("input_schema") or tool.get("parameters") or {}
+    return out
+
+
+def _fill(schema: dict, name: str, kind: str) -> dict:
+    """Arguments for a tool call: the required properties, filled with harmless values."""
+    props = schema.get("properties") or {}
+    required = list(schema.get("required") or [])
+    args: dict = {}
+    for prop in required or list(props):
+        spec = props.get(prop) or {}
+        typ = spec.get("type")
+        if prop in ("command", "cmd"):
+            args[prop] = ["bash", "-lc", "echo hi"] if typ == "array" else "echo hi"
+        elif prop == "description":
+            args[prop] = "Print hi" if kind == "shell" else "Say hi"
+        elif prop in ("prompt", "message", "task", "instructions"):
+            args[prop] = SUBAGENT_PROMPT
+        elif prop == "subagent_type":
+            enum = spec.get("enum")
+            args[prop] = enum[0] if enum else ("general-purpose" if name in ("Agent", "Task") else "general")
+        elif prop == "agent_type":
+            enum = spec.get("enum")
+            args[prop] = enum[0] if enum else "default"
+        elif "enum" in spec:
+            args[prop] = spec["enum"][0]
+        elif typ == "string":
+            args[prop] = "hi"
+        elif typ in ("integer", "number"):
+            args[prop] = 1
+        elif typ == "boolean":
+            args[prop] = False
+        elif typ == "array":
+            args[prop] = []
+        elif typ == "object":
+            args[prop] = {}
+        if not required and prop not in ("command", "cmd", "description"):
+            args.pop(prop, None)
+    return args
+
+
+def decide(body: dict) -> dict:
+    """What to answer: {"text": str} or {"tool": name, "args": dict}."""
+    prompt, after_tool = _last_turn(body)
+    tools = _tools(body)
+    if not after_tool:
+        wanted = None
+        if "RUNTASK" in prompt:
+            wanted = next((t for t in TASK_TOOLS if t in tools), None)
+            kind = "task"
+        elif "RUNTOOL" in prompt:
+            wanted = next((t for t in SHELL_TOOLS if t in tools), None)
+            kind = "shell"
+        if wanted:
+            return {"tool": wanted, "args": _fill(tools[wanted], wanted, kind)}
+    if not tools and ("json_schema" in json.dumps(body.get("output_format") or body.get("output_config") or "")):
+        return {"text": json.dumps({"title": "Echo hi in the shell"})}
+    if not tools and "title" in json.dumps(body.get("system") or "")[:4000].lower():
+        return {"text": "Echo hi in the shell"}
+    return {"text": "hi" if not after_tool else "Done: the command printed hi."}
+
+
+# ---------------------------------------------------------------- wire formats
+
+
+def _sse(events: list[tuple[str | None, dict | str]]) -> bytes:
+    out = []
+    for name, data in events:
+        payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        out.append((f"event: {name}\n" if name else "") + f"data: {payload}\n\n")
+    return "".join(out).encode()
+
+
+def anthropic(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
+    model = body.get("model") or "claude-fake"
+    msg_id = f"msg_fake{n:06d}"
+    usage = {"input_tokens": 100, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 5}
+    if "tool" in answer:
+        block = {"type": "tool_use", "id": f"toolu_fake{n:06d}", "name": answer["tool"], "input": answer["args"]}
+        stop = "tool_use"
+    else:
+        block = {"type": "text", "text": answer["text"]}
+        stop = "end_turn"
+    if not body.get("stream"):
+        return json.dumps({
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [block],
+            "stop_reason": stop, "stop_sequence": None, "usage": usage,
+        }).encode(), "application/json"
+    start = dict(block, input={}) if "tool" in answer else dict(block, text="")
+    delta = (
+        {"type": "input_json_delta", "partial_json": json.dumps(answer["args"])}
+        if "tool" in answer else {"type": "text_delta", "text": answer["text"]}
+    )
+    events = [
+        ("message_start", {"type": "message_start", "message": {
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": dict(usage, output_tokens=1)}}),
+        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": start}),
+        ("ping", {"type": "ping"}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                           "usage": {"output_tokens": 5}}),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    return _sse(events), "text/event-stream; charset=utf-8"
+
+
+def openai_chat(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
+    model = body.get("model") or "gpt-fake"
+    cid, created = f"chatcmpl-fake{n:06d}", int(time.time())
+    usage = {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}
+    if "tool" in answer:
+        call = {"id": f"call_fake{n:06d}", "type": "function",
+                "function": {"name": answer["tool"], "arguments": json.dumps(answer["args"])}}
+        message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+    else:
+        message, finish = {"role": "assistant", "content": answer["text"]}, "stop"
+    if not body.get("stream"):
+        return json.dumps({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                           "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                           "usage": usage}).encode(), "application/json"
+
+    def chunk(delta, finish_reason=None, **extra):
+        return (None, dict({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}, **extra))
+
+    events = [chunk({"role": "assistant", "content": ""})]
+    if "tool" in answer:
+        events.append(chunk({"tool_calls": [dict(call, index=0)]}))
+    else:
+        events.append(chunk({"content": answer["text"]}))
+    events.append(chunk({}, finish, usage=usage))
+    events.append((None, "[DONE]"))
+    return _sse(events), "text/event-stream; charset=utf-8"
+
+
+def openai_responses(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
+    model = body.get("model") or "gpt-fake"
+    rid, created = f"resp_fake{n:06d}", int(time.time())
+    usage = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5,
+             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 105}
+    if "tool" in answer:
+        item = {"id": f"fc_fake{n:06d}", "type": "function_call", "status": "completed",
+                "call_id": f"call_fake{n:06d}", "name": answer["tool"], "arguments": json.dumps(answer["args"])}
+    else:
+        item = {"id": f"msg_fake{n:06d}", "type": "message", "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": answer["text"], "annotations": []}]}
+    base = {"id": rid, "object": "response", "created_at": created, "model": model, "error": None,
+            "incomplete_details": None, "instructions": None, "parallel_tool_calls": True,
+            "tool_choice": "auto", "tools": []}
+    done = dict(base, status="completed", output=[item], usage=usage)
+    if not body.get("stream"):
+        return json.dumps(done).encode(), "application/json"
+    seq = itertools.count()
+    ev = lambda name, **data: (name, dict({"type": name, "sequence_number": next(seq)}, **data))  # noqa: E731
+    pending = dict(item, status="in_progress")
+    events = [ev("response.created", response=dict(base, status="in_progress", output=[], usage=None)),
+              ev("response.in_progress", response=dict(base, status="in_progress", output=[], usage=None))]
+    if "tool" in answer:
+        events += [
+            ev("response.output_item.added", output_index=0, item=dict(pending, arguments="")),
+            ev("response.function_call_arguments.delta", item_id=item["id"], output_index=0, delta=item["arguments"]),
+            ev("response.function_call_arguments.done", item_id=item["id"], output_index=0, arguments=item["arguments"]),
+        ]
+    else:
+        text = answer["text"]
+        part = {"type": "output_text", "text": "", "annotations": []}
+        events += [
+            ev("response.output_item.added", output_index=0, item=dict(pending, content=[])),
+            ev("response.content_part.added", item_id=item["id"], output_index=0, content_index=0, part=part),
+            ev("response.output_text.delta", item_id=item["id"], output_index=0, content_index=0, delta=text),
+            ev("response.output_text.done", item_id=item["id"], output_index=0, content_index=0, text=text),
+            ev("response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
+               part=dict(part, text=text)),
+        ]
+    events += [ev("response.output_item.done", output_index=0, item=item), ev("response.completed", response=done)]
+    return _sse(events), "text/event-stream; charset=utf-8"
+
+
+MODELS = {"object": "list", "data": [
+    {"id": m, "object": "model", "created": 0, "owned_by": "fake"}
+    for m in ("claude-sonnet-4-5", "claude-haiku-4-5", "gpt-5-nano", "gpt-5.1-codex", "qwen3-coder")]}
+
+
+class FakeUpstream:
+    def request(self, flow: http.HTTPFlow) -> None:
+        req = flow.request
+        path = req.path.split("?", 1)[0].rstrip("/")
+        n = next(_counter)
+        headers = {"request-id": f"req_fake{n:06d}", "x-request-id": f"req_fake{n:06d}"}
+        if req.method == "GET" and req.headers.get("upgrade", "").lower() == "websocket":
+            flow.response = http.Response.make(426, b"websocket not offered by the fake", headers)
+            return
+        body = None
+        if req.method == "POST":
+            try:
+                body = json.loads(req.get_content(strict=False) or b"null")
+            except ValueError:
+                body = None
+        if isinstance(body, dict) and path.endswith("/messages/count_tokens"):
+            content, ctype = json.dumps({"input_tokens": 1234}).encode(), "application/json"
+        elif isinstance(body, dict) and path.endswith("/messages"):
+            content, ctype = anthropic(body, decide(body), n)
+        elif isinstance(body, dict) and path.endswith("/chat/completions"):
+            content, ctype = openai_chat(body, decide(body), n)
+        elif isinstance(body, dict) and path.endswith("/responses"):
+            content, ctype = openai_responses(body, decide(body), n)
+        elif req.method == "GET" and path.endswith("/models"):
+            content, ctype = json.dumps(MODELS).encode(), "application/json"
+        else:
+            content, ctype = b"{}", "application/json"
+        headers["content-type"] = ctype
+        flow.response = http.Response.make(200, content, headers)
+        log.info("fake: %s %s -> %s", req.method, req.pretty_url[:120], ctype)
+
+
+addons = [FakeUpstream()]

@@ -1,0 +1,1 @@
+"""End-to-end tests: a real mitmdump, real TLS, fake inference servers on loopback (see harness.py)."""

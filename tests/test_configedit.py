@@ -1,0 +1,148 @@
+import os
+import stat
+import tomllib
+
+import pytest
+
+from sessionpin import config, configedit
+
+ISSUE_EXAMPLE = '''\
+# servers I use
+[servers.anthropic]
+url = "https://api.anthropic.com"        # a server is an origin plus an optional path prefix
+
+[servers.glm]
+url = "https://api.z.ai/api/anthropic"
+key_env = "ZAI_API_KEY"                  # its key is read from this environment variable
+# auth = "x-api-key" | "bearer"          # default: the style the agent used
+# models = { "claude-opus-*" = "glm-4.6", "claude-haiku-*" = "glm-4.5-air" }
+
+# glm is slow before 9am
+[agents.claude-code]
+server = "glm"                           # new conversations go here; absent or "" = not routed
+'''
+
+
+def changed_lines(before: str, after: str) -> list[tuple[str, str]]:
+    a, b = before.splitlines(), after.splitlines()
+    assert len(a) == len(b)
+    return [(x, y) for x, y in zip(a, b) if x != y]
+
+
+def test_set_server_rewrites_only_the_value_and_keeps_its_comment():
+    out = configedit.set_agent_server(ISSUE_EXAMPLE, "claude-code", "anthropic")
+    assert changed_lines(ISSUE_EXAMPLE, out) == [(
+        'server = "glm"                           # new conversations go here; absent or "" = not routed',
+        'server = "anthropic"                           # new conversations go here; absent or "" = not routed',
+    )]
+    assert config.parse(out).current("claude-code") == "anthropic"
+
+
+def test_not_routed_writes_empty_string():
+    out = configedit.set_agent_server(ISSUE_EXAMPLE, "claude-code", None)
+    assert config.parse(out).current("claude-code") is None
+    assert 'server = ""   ' in out
+    assert "# glm is slow before 9am" in out
+
+
+def test_missing_agent_table_is_appended():
+    out = configedit.set_agent_server(ISSUE_EXAMPLE, "opencode", "glm")
+    assert out.startswith(ISSUE_EXAMPLE)
+    assert out[len(ISSUE_EXAMPLE):] == '\n[agents.opencode]\nserver = "glm"\n'
+    cfg = config.parse(out)
+    assert cfg.current("opencode") == "glm" and cfg.current("claude-code") == "glm"
+
+
+def test_table_without_server_line_gets_one_under_its_header():
+    text = '[servers.a]\nurl = "https://a.example"\n\n[agents.pi]   # pi here\n# nothing yet\n'
+    out = configedit.set_agent_server(text, "pi", "a")
+    assert out == '[servers.a]\nurl = "https://a.example"\n\n[agents.pi]   # pi here\nserver = "a"\n# nothing yet\n'
+
+
+def test_quoted_header_and_literal_value():
+    text = "[servers.a]\nurl = 'https://a.example'\n[servers.b]\nurl = 'https://b.example'\n[agents.\"codex\"]\nserver='a'#c\n"
+    out = configedit.set_agent_server(text, "codex", "b")
+    assert out.endswith('server="b"#c\n')
+    assert config.parse(out).current("codex") == "b"
+
+
+def test_dotted_key_under_agents_table():
+    text = '[servers.a]\nurl = "https://a.example"\n[agents]\ncodex.server = "" # later\n'
+    out = configedit.set_agent_server(text, "codex", "a")
+    assert out.endswith('codex.server = "a" # later\n')
+
+
+def test_inline_table_is_not_understood_and_the_result_fails_to_parse():
+    # The caller's check refuses this: the module never pretends it edited the setting.
+    text = '[servers.a]\nurl = "https://a.example"\n[agents]\ncodex = { server = "" }\n'
+    out = configedit.set_agent_server(text, "codex", "a")
+    with pytest.raises(config.ConfigError):
+        config.parse(out)
+
+
+def test_header_lookalike_inside_multiline_string_is_ignored():
+    text = 'x = """\n[agents.pi]\nserver = "no"\n"""\n'
+    out = configedit.set_agent_server(text, "pi", "a")
+    assert out.startswith(text)
+    assert tomllib.loads(out)["x"] == '[agents.pi]\nserver = "no"\n'
+    assert tomllib.loads(out)["agents"]["pi"]["server"] == "a"
+
+
+def test_crlf_file_stays_crlf():
+    text = ISSUE_EXAMPLE.replace("\n", "\r\n")
+    out = configedit.set_agent_server(text, "pi", "anthropic")
+    assert "\n" not in out.replace("\r\n", "")
+    assert config.parse(out).current("pi") == "anthropic"
+
+
+def test_empty_file():
+    assert configedit.set_agent_server("", "pi", "a") == '[agents.pi]\nserver = "a"\n'
+
+
+def test_add_server_goes_after_the_last_server_and_its_own_comments():
+    out = configedit.add_server(ISSUE_EXAMPLE, "ete", "https://ete.example/v1", key_env="ETE_KEY", auth="bearer")
+    # glm's commented-out lines stay with glm; the agent's comment stays with the agent.
+    assert ('# models = { "claude-opus-*" = "glm-4.6", "claude-haiku-*" = "glm-4.5-air" }\n\n'
+            '[servers.ete]\nurl = "https://ete.example/v1"\nkey_env = "ETE_KEY"\nauth = "bearer"\n\n'
+            '# glm is slow before 9am\n[agents.claude-code]\n') in out
+    cfg = config.parse(out)
+    assert cfg.servers["ete"].key_env == "ETE_KEY"
+    assert cfg.servers["ete"].prefix == "/v1"
+    assert configedit.remove_server(out, "ete") == ISSUE_EXAMPLE
+
+
+def test_add_server_to_empty_and_to_file_without_servers():
+    assert configedit.add_server("", "a", "https://a.example") == '[servers.a]\nurl = "https://a.example"\n'
+    out = configedit.add_server("# mine\n[agents.pi]\n", "a", "https://a.example")
+    assert out == '# mine\n[agents.pi]\n\n[servers.a]\nurl = "https://a.example"\n'
+
+
+def test_add_server_with_a_dot_in_its_name_is_quoted():
+    out = configedit.add_server("", "glm.fast", "https://a.example")
+    assert '[servers."glm.fast"]' in out
+    assert "glm.fast" in config.parse(out).servers
+
+
+def test_remove_server_takes_its_comments_and_sub_tables():
+    text = ('[servers.a]\nurl = "https://a.example"\n\n# b is the backup\n[servers.b]\nurl = "https://b.example"\n'
+            '[servers.b.models]\n"claude-*" = "m"\n\n[agents.pi]\nserver = "a"\n')
+    out = configedit.remove_server(text, "b")
+    assert out == '[servers.a]\nurl = "https://a.example"\n\n[agents.pi]\nserver = "a"\n'
+
+
+def test_remove_last_table_and_unknown_name():
+    text = '[servers.a]\nurl = "https://a.example"\n\n[servers.b]\nurl = "https://b.example"\n'
+    assert configedit.remove_server(text, "b") == '[servers.a]\nurl = "https://a.example"\n'
+    assert configedit.remove_server(text, "zzz") == text
+
+
+def test_write_atomic_keeps_mode_and_new_file_is_private(tmp_path):
+    p = tmp_path / "sub" / "config.toml"
+    configedit.write_atomic(p, "a = 1\n")
+    assert p.read_text() == "a = 1\n"
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    os.chmod(p, 0o640)
+    configedit.write_atomic(p, "a = 2\n")
+    assert p.read_text() == "a = 2\n"
+    assert stat.S_IMODE(p.stat().st_mode) == 0o640
+    assert [x.name for x in p.parent.iterdir()] == ["config.toml"]   # no temp file left

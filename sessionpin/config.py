@@ -1,0 +1,323 @@
+"""The router's configuration: a TOML file, validated into plain data.
+
+Rules this module keeps:
+- The file names servers (an origin plus an optional path prefix, a key's environment
+  variable, an auth style, model renames) and, per agent, the server new conversations
+  go to. Nothing else: which server a *running* conversation uses is the pin's business.
+- Validation is strict: an unknown key, a bad URL, an agent name sessionpin does not
+  know, or an agent pointed at a server that is not configured is an error. Every error
+  is one line naming the file, the line and the key:
+  ``config.toml:12: agents.claude-code.server: no server named 'glmm' (servers: anthropic, glm)``.
+- A missing file is an empty configuration: nothing is in scope, nothing is routed.
+- Parsing is pure (text in, ``Config`` out); only ``load`` touches the disk, and no
+  key is read here (``key_env`` names a variable that is read when a request is routed).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from .facts import AGENTS
+
+AUTH_STYLES = ("x-api-key", "bearer")
+SERVER_KEYS = ("url", "key_env", "auth", "models")
+AGENT_KEYS = ("server",)
+TOP_KEYS = ("servers", "agents")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DEFAULT_PORT = {"http": 80, "https": 443}
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; ``str()`` is one line: file:line: key: message."""
+
+    def __init__(self, path: str | None, line: int | None, key: str | None, message: str):
+        self.path = path
+        self.line = line
+        self.key = key
+        self.message = message
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = Path(self.path).name if self.path else "config"
+        if self.line:
+            where += f":{self.line}"
+        return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    url: str
+    scheme: str
+    host: str
+    port: int
+    prefix: str = ""                  # "" or e.g. "/api/anthropic" (no trailing slash)
+    key_env: str | None = None        # environment variable holding this server's key
+    auth: str | None = None           # "x-api-key" | "bearer" | None: the style the agent used
+    models: tuple[tuple[str, str], ...] = ()   # (glob, name), first match wins
+
+    @property
+    def origin(self) -> str:
+        default = _DEFAULT_PORT.get(self.scheme)
+        port = "" if self.port == default else f":{self.port}"
+        return f"{self.scheme}://{self.host}{port}"
+
+    def addresses(self, scheme: str, host: str, port: int, path: str) -> bool:
+        """Whether a request to scheme://host:port/path is addressed to this server."""
+        if scheme.lower() != self.scheme or host.lower().rstrip(".") != self.host or port != self.port:
+            return False
+        return _under(path, self.prefix)
+
+    def map_model(self, model: str) -> str:
+        """The name this server knows ``model`` by: the first matching glob's, else unchanged."""
+        for pattern, name in self.models:
+            if fnmatch.fnmatchcase(model, pattern):
+                return name
+        return model
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str
+    server: str | None = None         # None: not routed
+
+
+@dataclass(frozen=True)
+class Config:
+    path: str | None = None
+    servers: dict[str, Server] = field(default_factory=dict)
+    agents: dict[str, Agent] = field(default_factory=dict)
+
+    def server_for(self, scheme: str, host: str, port: int, path: str) -> Server | None:
+        """The configured server a request addresses (the longest matching prefix wins)."""
+        best: Server | None = None
+        for server in self.servers.values():
+            if server.addresses(scheme, host, port, path):
+                if best is None or len(server.prefix) > len(best.prefix):
+                    best = server
+        return best
+
+    def addresses_origin(self, scheme: str, host: str, port: int) -> bool:
+        """Whether scheme://host:port is the origin of any configured server."""
+        return any(s.addresses(scheme, host, port, s.prefix or "/") for s in self.servers.values())
+
+    def current(self, agent: str) -> str | None:
+        """The server new conversations of ``agent`` go to; None: not routed."""
+        a = self.agents.get(agent)
+        return a.server if a else None
+
+
+def default_path() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("sessionpin")) / "config.toml"
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Config:
+    """Read and validate ``path`` (default: ``default_path()``); a missing file is an empty Config."""
+    p = Path(path) if path else default_path()
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        return Config(path=str(p))
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(p), None, None, f"not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise ConfigError(str(p), None, None, f"cannot read: {e.strerror or e}") from None
+    return parse(text, str(p))
+
+
+def parse(text: str, path: str | None = None) -> Config:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        msg = str(e)
+        m = re.search(r"\s*\(at line (\d+), column \d+\)$", msg)
+        line = int(m.group(1)) if m else getattr(e, "lineno", None)
+        if m:
+            msg = msg[: m.start()]
+        elif msg.endswith(" (at end of document)"):
+            msg = msg[: -len(" (at end of document)")]
+            line = text.count("\n") + 1
+        raise ConfigError(path, line, None, f"TOML syntax: {msg}") from None
+    return _Validator(text, path).config(doc)
+
+
+def _under(path: str, prefix: str) -> bool:
+    if not prefix:
+        return True
+    if not path.startswith(prefix):
+        return False
+    rest = path[len(prefix):]
+    return rest == "" or rest[0] in "/?"
+
+
+class _Validator:
+    def __init__(self, text: str, path: str | None):
+        self.path = path
+        self.lines = _KeyLines(text)
+
+    def error(self, keys: tuple[str, ...], message: str) -> ConfigError:
+        return ConfigError(self.path, self.lines.find(keys), ".".join(_show(k) for k in keys), message)
+
+    def table(self, value: object, keys: tuple[str, ...]) -> dict:
+        if not isinstance(value, dict):
+            raise self.error(keys, f"must be a table, not {_kind(value)}")
+        return value
+
+    def string(self, value: object, keys: tuple[str, ...]) -> str:
+        if not isinstance(value, str):
+            raise self.error(keys, f"must be a string, not {_kind(value)}")
+        return value
+
+    def unknown(self, table: dict, known: tuple[str, ...], keys: tuple[str, ...]) -> None:
+        for k in table:
+            if k not in known:
+                raise self.error(keys + (k,), f"unknown key (known: {', '.join(known)})")
+
+    def config(self, doc: dict) -> Config:
+        self.unknown(doc, TOP_KEYS, ())
+        servers: dict[str, Server] = {}
+        for name, body in self.table(doc.get("servers", {}), ("servers",)).items():
+            servers[name] = self.server(name, self.table(body, ("servers", name)))
+        seen: dict[tuple[str, str], str] = {}
+        for s in servers.values():
+            other = seen.setdefault((s.origin, s.prefix), s.name)
+            if other != s.name:
+                raise self.error(("servers", s.name, "url"), f"same origin and prefix as server '{other}'")
+        agents: dict[str, Agent] = {}
+        for name, body in self.table(doc.get("agents", {}), ("agents",)).items():
+            agents[name] = self.agent(name, self.table(body, ("agents", name)), servers)
+        return Config(path=self.path, servers=servers, agents=agents)
+
+    def server(self, name: str, body: dict) -> Server:
+        at = ("servers", name)
+        if not _NAME.match(name):
+            raise self.error(at, "a server name is letters, digits, '_', '-' and '.'")
+        self.unknown(body, SERVER_KEYS, at)
+        if "url" not in body:
+            raise self.error(at, "missing url (e.g. url = \"https://api.anthropic.com\")")
+        url = self.string(body["url"], at + ("url",)).strip()
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError as e:
+            raise self.error(at + ("url",), f"not a URL: {e}") from None
+        if parts.scheme not in _DEFAULT_PORT:
+            raise self.error(at + ("url",), f"must start with https:// or http://, got {url!r}")
+        if not parts.hostname:
+            raise self.error(at + ("url",), f"no host in {url!r}")
+        if parts.query or parts.fragment or parts.username or parts.password:
+            raise self.error(at + ("url",), "an origin and a path prefix only: no query, fragment or user")
+        prefix = parts.path.rstrip("/")
+        key_env = None
+        if "key_env" in body:
+            key_env = self.string(body["key_env"], at + ("key_env",)).strip() or None
+            if key_env and not _ENV_NAME.match(key_env):
+                raise self.error(at + ("key_env",), f"not an environment variable name: {key_env!r}")
+        auth = None
+        if "auth" in body:
+            auth = self.string(body["auth"], at + ("auth",)).strip().lower() or None
+            if auth not in (None, *AUTH_STYLES):
+                raise self.error(at + ("auth",), f"must be one of {', '.join(AUTH_STYLES)}, got {auth!r}")
+        models: list[tuple[str, str]] = []
+        if "models" in body:
+            for pattern, target in self.table(body["models"], at + ("models",)).items():
+                target = self.string(target, at + ("models", pattern))
+                if not target:
+                    raise self.error(at + ("models", pattern), "maps to an empty model name")
+                models.append((pattern, target))
+        return Server(
+            name=name, url=url, scheme=parts.scheme, host=parts.hostname.lower().rstrip("."),
+            port=port or _DEFAULT_PORT[parts.scheme], prefix=prefix, key_env=key_env, auth=auth,
+            models=tuple(models),
+        )
+
+    def agent(self, name: str, body: dict, servers: dict[str, Server]) -> Agent:
+        at = ("agents", name)
+        if name not in AGENTS:
+            raise self.error(at, f"unknown agent (known: {', '.join(AGENTS)})")
+        self.unknown(body, AGENT_KEYS, at)
+        server = self.string(body.get("server", ""), at + ("server",)).strip() or None
+        if server is not None and server not in servers:
+            known = ", ".join(servers) or "none configured"
+            raise self.error(at + ("server",), f"no server named {server!r} (servers: {known})")
+        return Agent(name=name, server=server)
+
+
+def _kind(value: object) -> str:
+    return {str: "a string", int: "a number", float: "a number", bool: "true/false",
+            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _show(key: str) -> str:
+    return key if re.match(r"^[A-Za-z0-9_-]+$", key) else f'"{key}"'
+
+
+class _KeyLines:
+    """Finds the line a dotted key was written on, for error messages.
+
+    A light reading of TOML's shape, not a parser: table headers (``[a.b]``), and
+    ``key = value`` lines, including dotted and quoted keys, and keys inside one-line
+    inline tables. The longest written prefix of the key wins (a table's header line
+    when the key itself is absent).
+    """
+
+    _HEADER = re.compile(r"^\s*\[\[?\s*(.+?)\s*\]\]?\s*(#.*)?$")
+    _ASSIGN = re.compile(r'^\s*((?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\'))*)\s*=(.*)$')
+    _PART = re.compile(r'\s*([A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\')\s*(?:\.|$)')
+
+    def __init__(self, text: str):
+        self.written: list[tuple[tuple[str, ...], int]] = []
+        table: tuple[str, ...] = ()
+        for n, line in enumerate(text.splitlines(), 1):
+            h = self._HEADER.match(line)
+            if h:
+                table = self._split(h.group(1))
+                self.written.append((table, n))
+                continue
+            a = self._ASSIGN.match(line)
+            if a:
+                key = table + self._split(a.group(1))
+                self.written.append((key, n))
+                rest = a.group(2).strip()
+                if rest.startswith("{"):
+                    for inner in re.finditer(r'(?:^|[{,])\s*([A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\')\s*=', rest):
+                        self.written.append((key + self._split(inner.group(1)), n))
+
+    @classmethod
+    def _split(cls, dotted: str) -> tuple[str, ...]:
+        parts = []
+        for m in cls._PART.finditer(dotted):
+            p = m.group(1)
+            if p[0] == '"':
+                try:
+                    p = tomllib.loads(f"x = {p}")["x"]
+                except tomllib.TOMLDecodeError:
+                    p = p[1:-1]
+            elif p[0] == "'":
+                p = p[1:-1]
+            parts.append(p)
+        return tuple(parts)
+
+    def find(self, keys: tuple[str, ...]) -> int | None:
+        best, best_len = None, 0
+        for written, n in self.written:
+            k = len(written)
+            if k <= len(keys) and written == keys[:k] and k > best_len:
+                best, best_len = n, k
+        if best_len < len(keys):
+            # The key itself was not written on a line of its own ([servers.a] names
+            # "servers"): the first line that writes inside it.
+            for written, n in self.written:
+                if written[: len(keys)] == keys:
+                    return n
+        return best

@@ -1,0 +1,171 @@
+import pytest
+
+from sessionpin import config
+from sessionpin.config import ConfigError
+
+EXAMPLE = '''\
+[servers.anthropic]
+url = "https://api.anthropic.com"        # a server is an origin plus an optional path prefix
+
+[servers.glm]
+url = "https://api.z.ai/api/anthropic"
+key_env = "ZAI_API_KEY"                  # its key is read from this environment variable
+# auth = "x-api-key" | "bearer"          # default: the style the agent used
+models = { "claude-opus-*" = "glm-4.6", "claude-haiku-*" = "glm-4.5-air" }
+
+[agents.claude-code]
+server = "glm"                           # new conversations go here; absent or "" = not routed
+'''
+
+
+def test_the_issue_example_parses():
+    c = config.parse(EXAMPLE, "/somewhere/config.toml")
+    assert c.path == "/somewhere/config.toml"
+    assert list(c.servers) == ["anthropic", "glm"]
+    glm = c.servers["glm"]
+    assert (glm.scheme, glm.host, glm.port, glm.prefix) == ("https", "api.z.ai", 443, "/api/anthropic")
+    assert glm.origin == "https://api.z.ai"
+    assert glm.key_env == "ZAI_API_KEY" and glm.auth is None
+    assert c.servers["anthropic"].prefix == "" and c.servers["anthropic"].key_env is None
+    assert c.current("claude-code") == "glm"
+    assert c.current("opencode") is None
+    assert c.current("unknown") is None
+
+
+@pytest.mark.parametrize("model, mapped", [
+    ("claude-opus-4-1-20250805", "glm-4.6"),
+    ("claude-haiku-4-5", "glm-4.5-air"),
+    ("claude-sonnet-4-5", "claude-sonnet-4-5"),     # no pattern: unchanged
+    ("", ""),
+])
+def test_map_model(model, mapped):
+    assert config.parse(EXAMPLE).servers["glm"].map_model(model) == mapped
+
+
+def test_first_matching_glob_wins_in_written_order():
+    c = config.parse('[servers.s]\nurl = "https://s"\nmodels = { "claude-opus-4*" = "a", "claude-*" = "b", "*" = "c" }\n')
+    s = c.servers["s"]
+    assert [s.map_model(m) for m in ("claude-opus-4", "claude-haiku", "gpt-5")] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("scheme, host, port, path, server", [
+    ("https", "api.anthropic.com", 443, "/v1/messages", "anthropic"),
+    ("https", "API.Anthropic.com", 443, "/v1/messages?beta=true", "anthropic"),
+    ("https", "api.z.ai", 443, "/api/anthropic/v1/messages", "glm"),
+    ("https", "api.z.ai", 443, "/api/anthropic", "glm"),
+    ("https", "api.z.ai", 443, "/api/anthropicx/v1/messages", None),   # prefix is a path segment
+    ("https", "api.z.ai", 443, "/v1/messages", None),                  # the origin alone is not enough
+    ("http", "api.anthropic.com", 80, "/v1/messages", None),           # scheme is part of the origin
+    ("https", "api.anthropic.com", 8443, "/v1/messages", None),
+    ("https", "example.com", 443, "/v1/messages", None),
+])
+def test_server_for(scheme, host, port, path, server):
+    s = config.parse(EXAMPLE).server_for(scheme, host, port, path)
+    assert (s.name if s else None) == server
+
+
+def test_longest_prefix_wins_on_a_shared_origin():
+    c = config.parse('[servers.root]\nurl = "https://h"\n[servers.sub]\nurl = "https://h/api/v2/"\n')
+    assert c.servers["sub"].prefix == "/api/v2"
+    assert c.server_for("https", "h", 443, "/api/v2/messages").name == "sub"
+    assert c.server_for("https", "h", 443, "/api/v1/messages").name == "root"
+    assert c.addresses_origin("https", "h", 443) and not c.addresses_origin("https", "h", 444)
+
+
+def test_explicit_port_and_http():
+    s = config.parse('[servers.local]\nurl = "http://127.0.0.1:8080/v1"\n').servers["local"]
+    assert (s.scheme, s.host, s.port, s.prefix, s.origin) == ("http", "127.0.0.1", 8080, "/v1", "http://127.0.0.1:8080")
+
+
+def test_empty_server_means_not_routed_and_agents_are_optional():
+    c = config.parse('[servers.a]\nurl = "https://a"\n[agents.pi]\nserver = ""\n[agents.codex]\n')
+    assert c.current("pi") is None and c.current("codex") is None and c.agents["pi"].server is None
+
+
+def test_auth_styles():
+    c = config.parse('[servers.a]\nurl = "https://a"\nauth = "Bearer"\n[servers.b]\nurl = "https://b"\nauth = "x-api-key"\n')
+    assert c.servers["a"].auth == "bearer" and c.servers["b"].auth == "x-api-key"
+
+
+def test_empty_text_is_an_empty_config():
+    c = config.parse("")
+    assert c.servers == {} and c.agents == {}
+    assert c.server_for("https", "api.anthropic.com", 443, "/v1/messages") is None
+
+
+def test_load_missing_file_is_empty(tmp_path):
+    c = config.load(tmp_path / "nope.toml")
+    assert c.servers == {} and c.path == str(tmp_path / "nope.toml")
+
+
+def test_load_reads_the_file(tmp_path):
+    p = tmp_path / "config.toml"
+    p.write_text(EXAMPLE)
+    assert config.load(p).current("claude-code") == "glm"
+    p.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        config.load(p)
+
+
+def test_default_path_is_in_the_user_config_dir():
+    p = config.default_path()
+    assert p.name == "config.toml" and p.parent.name == "sessionpin"
+
+
+def err(text: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        config.parse(text, "/home/u/.config/sessionpin/config.toml")
+    return str(e.value)
+
+
+def test_error_names_file_line_key_and_the_servers():
+    text = EXAMPLE.replace('server = "glm"', 'server = "glmm"')
+    assert err(text) == "config.toml:11: agents.claude-code.server: no server named 'glmm' (servers: anthropic, glm)"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('[servers.a]\nurl = "https://a"\n\n[agents.claude-code]\nserver = "b"\n',
+     "config.toml:5: agents.claude-code.server: no server named 'b' (servers: a)"),
+    ('[agents.claude-code]\nserver = "b"\n',
+     "config.toml:2: agents.claude-code.server: no server named 'b' (servers: none configured)"),
+    ('[servers.a]\nurl = "https://a"\n[agents.claude]\nserver = "a"\n',
+     "config.toml:3: agents.claude: unknown agent (known: claude-code, opencode, pi, codex, gemini-cli)"),
+    ('[agents.unknown]\n', "config.toml:1: agents.unknown: unknown agent (known: claude-code, opencode, pi, codex, gemini-cli)"),
+    ('[servers.a]\n\nurl = 3\n', "config.toml:3: servers.a.url: must be a string, not a number"),
+    ('[servers.a]\nkey_env = "K"\n', 'config.toml:1: servers.a: missing url (e.g. url = "https://api.anthropic.com")'),
+    ('[servers.a]\nurl = "ftp://a"\n', "config.toml:2: servers.a.url: must start with https:// or http://, got 'ftp://a'"),
+    ('[servers.a]\nurl = "https://a?x=1"\n', "config.toml:2: servers.a.url: an origin and a path prefix only: no query, fragment or user"),
+    ('[servers.a]\nurl = "https://"\n', "config.toml:2: servers.a.url: no host in 'https://'"),
+    ('[servers.a]\nurl = "https://a:99999"\n', "config.toml:2: servers.a.url: not a URL: Port out of range 0-65535"),
+    ('[servers.a]\nurl = "https://a"\nkey_env = "MY KEY"\n', "config.toml:3: servers.a.key_env: not an environment variable name: 'MY KEY'"),
+    ('[servers.a]\nurl = "https://a"\nauth = "basic"\n', "config.toml:3: servers.a.auth: must be one of x-api-key, bearer, got 'basic'"),
+    ('[servers.a]\nurl = "https://a"\nmodels = { "x" = 1 }\n', "config.toml:3: servers.a.models.x: must be a string, not a number"),
+    ('[servers.a]\nurl = "https://a"\nmodels = { "claude-*" = "" }\n', 'config.toml:3: servers.a.models."claude-*": maps to an empty model name'),
+    ('[servers.a]\nurl = "https://a"\nmodel = {}\n', "config.toml:3: servers.a.model: unknown key (known: url, key_env, auth, models)"),
+    ('[server.a]\nurl = "https://a"\n', "config.toml:1: server: unknown key (known: servers, agents)"),
+    ('servers = 1\n', "config.toml:1: servers: must be a table, not a number"),
+    ('[servers.a]\nurl = "https://a"\n[servers.b]\nurl = "https://a/"\n', "config.toml:4: servers.b.url: same origin and prefix as server 'a'"),
+    ('[servers."a b"]\nurl = "https://a"\n', 'config.toml:1: servers."a b": a server name is letters, digits, \'_\', \'-\' and \'.\''),
+    ('servers.a.url = "https://a"\nagents.pi.server = "x"\n', "config.toml:2: agents.pi.server: no server named 'x' (servers: a)"),
+    ('[agents]\npi = { server = "x" }\n', "config.toml:2: agents.pi.server: no server named 'x' (servers: none configured)"),
+])
+def test_semantic_errors(text, expected):
+    assert err(text) == expected
+
+
+@pytest.mark.parametrize("text, line", [
+    ('[servers.a]\nurl = "https://a\n', 2),
+    ('[servers.a]\nurl = "https://a"\nurl = "https://b"\n', 3),
+    ('[servers.a\n', 1),
+])
+def test_syntax_errors_carry_the_line(text, line):
+    e = err(text)
+    assert e.startswith(f"config.toml:{line}: TOML syntax: "), e
+    assert "\n" not in e
+
+
+def test_error_without_a_path():
+    with pytest.raises(ConfigError) as e:
+        config.parse('[agents.x]\n')
+    assert str(e.value).startswith("config:1: agents.x: unknown agent")
+    assert e.value.line == 1 and e.value.key == "agents.x" and e.value.path is None

@@ -1,0 +1,122 @@
+import pytest
+
+from sessionpin import facts as F
+from sessionpin import ladder
+from sessionpin.config import parse
+from sessionpin.pins import Pin
+
+CONFIG = parse('''
+[servers.anthropic]
+url = "https://api.anthropic.com"
+[servers.glm]
+url = "https://api.z.ai/api/anthropic"
+key_env = "ZAI_API_KEY"
+[servers.zen]
+url = "https://opencode.ai/zen"
+[agents.claude-code]
+server = "glm"
+[agents.opencode]
+server = "zen"
+[agents.pi]
+server = ""
+''')
+SRC = CONFIG.servers["anthropic"]
+
+
+def facts(turn=F.OPENING, agent=F.CLAUDE_CODE, session="s-1", api=F.ANTHROPIC_MESSAGES, **kw):
+    return F.Facts(api=api, agent=agent, session=session, turn=turn, **kw)
+
+
+def pin(server, agent=F.CLAUDE_CODE):
+    return Pin(agent=agent, server=server, since=1.0, renewed=1.0)
+
+
+# (name, facts, pin, expected (target, pin_action, rule, refuse))
+CASES = [
+    # rule 1: a pin of the same agent decides, whatever the turn
+    ("pin followed (opening)", facts(), pin("anthropic"), ("anthropic", "renew", "pinned", None)),
+    ("pin followed (continuation)", facts(F.CONTINUATION, has_history=True), pin("glm"), ("glm", "renew", "pinned", None)),
+    ("pin followed (side)", facts(F.SIDE), pin("anthropic"), ("anthropic", "renew", "pinned", None)),
+    ("pin followed (subagent)", facts(F.SUBAGENT), pin("anthropic"), ("anthropic", "renew", "pinned", None)),
+    ("pin followed (count_tokens)", facts(F.SIDE, api=F.ANTHROPIC_COUNT_TOKENS, has_history=True), pin("glm"), ("glm", "renew", "pinned", None)),
+    ("pin followed (unknown turn)", facts(F.UNKNOWN_TURN), pin("glm"), ("glm", "renew", "pinned", None)),
+    ("pin followed, body unreadable", facts(F.UNKNOWN_TURN, parsed=False), pin("glm"), ("glm", "renew", "pinned", None)),
+    ("pin 'not routed' followed", facts(), pin(None), (None, "renew", "pinned-not-routed", None)),
+    ("pinned server no longer configured", facts(F.CONTINUATION), pin("ete"), (None, "none", "pinned-server-gone", 503)),
+    ("another agent's pin: not followed, not overwritten", facts(agent=F.OPENCODE), pin("glm"), (None, "none", "other-agent-pin", None)),
+    ("another agent's 'not routed' pin", facts(agent=F.OPENCODE), pin(None), (None, "none", "other-agent-pin", None)),
+    # rule 2: the agent is not routed
+    ("not routed: opening", facts(agent=F.PI), None, (None, "create", "not-routed", None)),
+    ("not routed: continuation", facts(F.CONTINUATION, agent=F.PI), None, (None, "create", "not-routed", None)),
+    ("not routed: unknown turn", facts(F.UNKNOWN_TURN, agent=F.CODEX), None, (None, "create", "not-routed", None)),
+    ("not routed: side makes no pin", facts(F.SIDE, agent=F.PI), None, (None, "none", "side-not-routed", None)),
+    # rule 3: opening turn
+    ("opening turn", facts(), None, ("glm", "create", "opening", None)),
+    ("opening turn (opencode)", facts(agent=F.OPENCODE, api=F.OPENAI_CHAT), None, ("zen", "create", "opening", None)),
+    # rule 4: continuation never seen begin
+    ("continuation unseen", facts(F.CONTINUATION, has_history=True), None, (None, "create", "continuation-unseen", None)),
+    # rule 5: side requests and subagents never create a pin
+    ("title before the opening turn", facts(F.SIDE), None, ("glm", "none", "side-current", None)),
+    ("count_tokens before the opening turn", facts(F.SIDE, api=F.ANTHROPIC_COUNT_TOKENS), None, ("glm", "none", "side-current", None)),
+    ("side request with history: unseen", facts(F.SIDE, has_history=True), None, (None, "none", "side-unseen", None)),
+    ("subagent without a pin", facts(F.SUBAGENT), None, (None, "none", "subagent-unseen", None)),
+    # rule 6: a turn that cannot be told
+    ("unknown turn with a session", facts(F.UNKNOWN_TURN), None, ("glm", "create", "unknown-turn", None)),
+    ("unknown turn, no session", facts(F.UNKNOWN_TURN, session=None), None, (None, "none", "no-session", None)),
+    ("opening, no session", facts(session=None), None, (None, "none", "no-session", None)),
+    ("empty session id", facts(session=""), None, (None, "none", "no-session", None)),
+    # beyond the six rules
+    ("unreadable body, no pin", facts(F.UNKNOWN_TURN, parsed=False, reason="bad json"), None, (None, "none", "unreadable", None)),
+    ("unknown agent is never routed", facts(agent=F.UNKNOWN_AGENT), None, (None, "none", "unknown-agent", None)),
+    ("unknown agent ignores pins", facts(agent=F.UNKNOWN_AGENT), pin("glm"), (None, "none", "unknown-agent", None)),
+    ("non-inference api", facts(None, api=F.OTHER), pin("glm"), (None, "none", "out-of-scope", None)),
+]
+
+
+@pytest.mark.parametrize("f, p, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_ladder(f, p, expected):
+    d = ladder.decide(f, p, CONFIG, SRC)
+    assert (d.target, d.pin_action, d.rule, d.refuse) == expected
+    assert d.why
+
+
+def test_not_addressed_to_a_configured_server_is_out_of_scope():
+    d = ladder.decide(facts(), pin("glm"), CONFIG, None)
+    assert (d.target, d.pin_action, d.rule) == (None, "none", "out-of-scope")
+
+
+def test_current_server_change_moves_only_new_conversations():
+    moved = parse(CONFIG_TEXT_SWITCHED)
+    running = ladder.decide(facts(F.CONTINUATION, has_history=True), pin("glm"), moved, SRC)
+    new = ladder.decide(facts(session="s-2"), None, moved, SRC)
+    assert running.target == "glm" and new.target == "anthropic"
+
+
+CONFIG_TEXT_SWITCHED = '''
+[servers.anthropic]
+url = "https://api.anthropic.com"
+[servers.glm]
+url = "https://api.z.ai/api/anthropic"
+[agents.claude-code]
+server = "anthropic"
+'''
+
+
+def test_outcomes():
+    assert ladder.decide(facts(), None, CONFIG, SRC).outcome == ladder.ROUTED
+    assert ladder.decide(facts(F.CONTINUATION), None, CONFIG, SRC).outcome == ladder.LEFT_ALONE
+    assert ladder.decide(facts(), pin("gone"), CONFIG, SRC).outcome == ladder.REFUSED
+
+
+def test_the_ladder_never_targets_an_unconfigured_server():
+    # every combination of turn / history / pin / routing lands on a configured server or nowhere
+    for turn in (F.OPENING, F.CONTINUATION, F.SIDE, F.SUBAGENT, F.UNKNOWN_TURN, None):
+        for hist in (False, True):
+            for p in (None, pin("glm"), pin(None), pin("gone"), pin("glm", agent=F.PI)):
+                for agent in (*F.AGENTS, F.UNKNOWN_AGENT):
+                    d = ladder.decide(facts(turn, agent=agent, has_history=hist), p, CONFIG, SRC)
+                    assert d.target is None or d.target in CONFIG.servers
+                    if d.pin_action == "create":
+                        assert p is None and turn not in (F.SIDE, F.SUBAGENT)
+                    if p is not None and p.agent != agent:
+                        assert d.pin_action == "none" and d.target is None

@@ -1,0 +1,209 @@
+"""The in-memory store: the Store rules of ``base`` with redis semantics, in one process.
+
+Rules it keeps (beyond those of ``base``):
+- One lock guards every call, so threads see each call as atomic.
+- Time comes from ``clock`` (``time.time`` unless a test injects one); a key whose
+  ``expires_at <= clock()`` is absent to every read and is dropped when next touched
+  or by ``sweep``.
+- ``incr``/``hincr`` on a value that is not an integer raise ``StoreError`` (redis'
+  "value is not an integer"); the hash loses its last field → the key is gone (redis).
+- ``durable`` is accepted and means nothing here: nothing is ever on disk.
+
+The file store uses a MemoryStore as its overlay while the disk is failing, through
+``_state``/``_restore`` (one key's whole state, copied in and out).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from .base import StoreError, WrongType
+
+STRING = "s"
+HASH = "h"
+
+
+def as_int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise StoreError(f"value is not an integer: {value[:40]!r}") from None
+
+
+def prefix_end(prefix: str) -> str | None:
+    """The least string greater than every string starting with ``prefix`` (None: no bound)."""
+    chars = list(prefix)
+    while chars:
+        c = ord(chars.pop())
+        if c < 0x10FFFF:
+            c += 1
+            if 0xD800 <= c <= 0xDFFF:  # surrogates do not encode; UTF-8 order skips them
+                c = 0xE000
+            return "".join(chars) + chr(c)
+    return None
+
+
+class _Entry:
+    __slots__ = ("kind", "value", "expires_at")
+
+    def __init__(self, kind: str, value, expires_at: float | None) -> None:
+        self.kind = kind
+        self.value = value          # str for a string, dict[str, str] for a hash
+        self.expires_at = expires_at
+
+
+class MemoryStore:
+    def __init__(self, url: str = "memory:", *, clock: Callable[[], float] = time.time) -> None:
+        self.url = url
+        self._clock = clock
+        self._data: dict[str, _Entry] = {}
+        self._lock = threading.RLock()
+
+    # -- helpers (call with the lock held) -------------------------------------------
+    def _live(self, key: str) -> _Entry | None:
+        entry = self._data.get(key)
+        if entry is not None and entry.expires_at is not None and entry.expires_at <= self._clock():
+            del self._data[key]
+            return None
+        return entry
+
+    def _typed(self, key: str, kind: str) -> _Entry | None:
+        entry = self._live(key)
+        if entry is not None and entry.kind != kind:
+            raise WrongType(f"{key!r} holds a {'hash' if entry.kind == HASH else 'string'}")
+        return entry
+
+    def _hash_for_write(self, key: str) -> dict[str, str]:
+        entry = self._typed(key, HASH)
+        if entry is None:
+            entry = self._data[key] = _Entry(HASH, {}, None)
+        return entry.value
+
+    # -- strings ---------------------------------------------------------------------
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            entry = self._typed(key, STRING)
+            return None if entry is None else entry.value
+
+    def set(self, key: str, value: str, ttl: float | None = None, *, nx: bool = False, durable: bool = False) -> bool:
+        with self._lock:
+            if nx and self._live(key) is not None:
+                return False
+            if ttl is not None and ttl <= 0:
+                # redis refuses a non-positive EX; a key that expires now is a delete.
+                self._data.pop(key, None)
+                return True
+            expires = None if ttl is None else self._clock() + ttl
+            self._data[key] = _Entry(STRING, value, expires)
+            return True
+
+    def delete(self, key: str, *, durable: bool = False) -> bool:
+        with self._lock:
+            found = self._live(key) is not None
+            self._data.pop(key, None)
+            return found
+
+    def expire(self, key: str, ttl: float, *, durable: bool = False) -> bool:
+        with self._lock:
+            entry = self._live(key)
+            if entry is None:
+                return False
+            if ttl <= 0:
+                del self._data[key]
+            else:
+                entry.expires_at = self._clock() + ttl
+            return True
+
+    def ttl(self, key: str) -> float | None:
+        with self._lock:
+            entry = self._live(key)
+            if entry is None or entry.expires_at is None:
+                return None
+            return entry.expires_at - self._clock()
+
+    def incr(self, key: str, by: int = 1, *, durable: bool = False) -> int:
+        with self._lock:
+            entry = self._typed(key, STRING)
+            if entry is None:
+                entry = self._data[key] = _Entry(STRING, "0", None)
+            n = as_int(entry.value) + by
+            entry.value = str(n)
+            return n
+
+    # -- hashes ----------------------------------------------------------------------
+    def hget(self, key: str, field: str) -> str | None:
+        with self._lock:
+            entry = self._typed(key, HASH)
+            return None if entry is None else entry.value.get(field)
+
+    def hgetall(self, key: str) -> dict[str, str]:
+        with self._lock:
+            entry = self._typed(key, HASH)
+            return {} if entry is None else dict(entry.value)
+
+    def hset(self, key: str, field: str, value: str, *, durable: bool = False) -> None:
+        with self._lock:
+            self._hash_for_write(key)[field] = value
+
+    def hsetnx(self, key: str, field: str, value: str, *, durable: bool = False) -> bool:
+        with self._lock:
+            fields = self._hash_for_write(key)
+            if field in fields:
+                return False
+            fields[field] = value
+            return True
+
+    def hdel(self, key: str, field: str, *, durable: bool = False) -> bool:
+        with self._lock:
+            entry = self._typed(key, HASH)
+            if entry is None or field not in entry.value:
+                return False
+            del entry.value[field]
+            if not entry.value:
+                del self._data[key]
+            return True
+
+    def hincr(self, key: str, field: str, by: int = 1, *, durable: bool = False) -> int:
+        with self._lock:
+            fields = self._hash_for_write(key)
+            n = as_int(fields.get(field, "0")) + by
+            fields[field] = str(n)
+            return n
+
+    # -- keys ------------------------------------------------------------------------
+    def keys(self, prefix: str = "") -> list[str]:
+        with self._lock:
+            return sorted(k for k in list(self._data) if k.startswith(prefix) and self._live(k) is not None)
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Drop expired keys (at most ``limit``); return how many were dropped."""
+        with self._lock:
+            now = self._clock()
+            dead = [k for k, e in self._data.items() if e.expires_at is not None and e.expires_at <= now]
+            for k in dead[:limit]:
+                del self._data[k]
+            return len(dead[:limit])
+
+    def close(self) -> None:
+        pass
+
+    # -- whole-key state, for the file store's overlay ---------------------------------
+    def _state(self, key: str) -> tuple[str, object, float | None] | None:
+        with self._lock:
+            e = self._live(key)
+            if e is None:
+                return None
+            return (e.kind, dict(e.value) if e.kind == HASH else e.value, e.expires_at)
+
+    def _restore(self, key: str, state: tuple[str, object, float | None] | None) -> None:
+        with self._lock:
+            if state is None:
+                self._data.pop(key, None)
+            else:
+                kind, value, expires_at = state
+                self._data[key] = _Entry(kind, dict(value) if kind == HASH else value, expires_at)
+
+    def __repr__(self) -> str:
+        return f"<MemoryStore {self.url} keys={len(self._data)}>"

@@ -1,0 +1,212 @@
+"""Rewriting: the exact changes that send one request to its decided server.
+
+``plan(decision, request, source, config, env)`` is pure (the environment is passed in)
+and returns ``Changes``; the addon applies them all or none. Rules it keeps:
+- Origin and prefix move together: scheme, host, port and the path prefix are the
+  target server's; the path after the source server's prefix is kept (query included).
+- **An agent's credentials never reach a server other than the one it addressed.**
+  Going to another server drops every credential header the agent sent (x-api-key,
+  authorization, proxy-authorization, cookie, and any header whose name contains key,
+  token, auth, cookie or secret) and sets the target's key, read from its ``key_env``,
+  as ``x-api-key: K`` or ``authorization: Bearer K`` (the server's ``auth``, else the
+  style the agent used, else the api's own).
+- A target with no ``key_env`` only receives requests addressed to its own origin
+  (the agent's key is for it); anything else is refused, never sent with a wrong key.
+  So is a target whose ``key_env`` is unset or empty in the proxy's environment.
+- A request that stays on the server it addressed keeps its headers as they are.
+- ``models``: only the top-level ``"model"`` value changes, in place; every other byte
+  of the body is the agent's (re-serialising breaks thinking signatures). A body whose
+  model cannot be located exactly is refused rather than sent unmapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import msgspec
+
+from . import facts as F
+from .config import Config, Server
+from .ladder import Decision
+
+CREDENTIAL_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie"})
+CREDENTIAL_WORDS = ("key", "token", "auth", "cookie", "secret")
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What rewriting needs to know about a request (all plain data)."""
+    scheme: str
+    host: str
+    port: int
+    path: str                                   # path and query, as sent
+    headers: tuple[tuple[str, str], ...] = ()   # (name, value) as sent
+    body: bytes | None = None                   # decoded body (only needed to map the model)
+    api: str = F.OTHER
+    model: str | None = None                    # the body's top-level model, from the reader
+
+
+@dataclass(frozen=True)
+class Changes:
+    scheme: str
+    host: str
+    port: int
+    path: str
+    drop_headers: tuple[str, ...] = ()          # lower-case names to remove (all values)
+    set_headers: tuple[tuple[str, str], ...] = ()
+    body: bytes | None = None                   # the new decoded body, when the model changed
+    model: tuple[str, str] | None = None        # (as sent, as forwarded)
+    refuse: str | None = None                   # why the request must not be sent (502)
+
+
+class ModelNotFound(ValueError):
+    """The body's top-level model could not be located byte for byte."""
+
+
+def is_credential(name: str) -> bool:
+    n = name.lower()
+    return n in CREDENTIAL_HEADERS or any(w in n for w in CREDENTIAL_WORDS)
+
+
+def auth_style(server: Server, request: RequestView) -> str:
+    if server.auth:
+        return server.auth
+    names = {n.lower(): v for n, v in request.headers}
+    if "x-api-key" in names:
+        return "x-api-key"
+    if names.get("authorization", "").lower().startswith("bearer "):
+        return "bearer"
+    return "x-api-key" if request.api in (F.ANTHROPIC_MESSAGES, F.ANTHROPIC_COUNT_TOKENS) else "bearer"
+
+
+def _refused(request: RequestView, why: str) -> Changes:
+    return Changes(request.scheme, request.host, request.port, request.path, refuse=why)
+
+
+def plan(decision: Decision, request: RequestView, source: Server, config: Config,
+         env: Mapping[str, str]) -> Changes:
+    if decision.target is None:
+        raise ValueError("plan() is for a decision with a target")
+    target = config.servers.get(decision.target)
+    if target is None:
+        return _refused(request, f"server {decision.target!r} is not configured")
+
+    changes = Changes(request.scheme, request.host, request.port, request.path)
+    if target.name != source.name:
+        rest = request.path[len(source.prefix):] if request.path.startswith(source.prefix) else request.path
+        path = target.prefix + rest
+        if not path.startswith("/"):
+            path = "/" + path
+        drop: tuple[str, ...] = ()
+        add: tuple[tuple[str, str], ...] = ()
+        if target.key_env:
+            key = env.get(target.key_env, "")
+            if not key.strip():
+                return _refused(request, f"server {target.name}: {target.key_env} is not set in the proxy's environment")
+            drop = tuple(dict.fromkeys(n.lower() for n, _ in request.headers if is_credential(n)))
+            if auth_style(target, request) == "x-api-key":
+                add = (("x-api-key", key.strip()),)
+            else:
+                add = (("authorization", f"Bearer {key.strip()}"),)
+        elif target.origin != source.origin:
+            return _refused(
+                request,
+                f"server {target.name} has no key_env, so it only takes requests addressed to {target.origin}; "
+                f"this one was addressed to {source.origin} (set servers.{target.name}.key_env)",
+            )
+        changes = Changes(target.scheme, target.host, target.port, path, drop, add)
+
+    if request.model is not None and target.models:
+        mapped = target.map_model(request.model)
+        if mapped != request.model:
+            try:
+                body = replace_model(request.body or b"", request.model, mapped)
+            except ModelNotFound as e:
+                return _refused(request, f"cannot rename model for server {target.name}: {e}")
+            changes = Changes(changes.scheme, changes.host, changes.port, changes.path,
+                              changes.drop_headers, changes.set_headers, body, (request.model, mapped))
+    return changes
+
+
+_WS = b" \t\r\n"
+_decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_decode_str = msgspec.json.Decoder(str)
+
+
+def model_span(body: bytes) -> tuple[int, int]:
+    """The byte span of the top-level "model" value (the quotes included).
+
+    The body is decoded once (in C) into its top-level keys and raw values; then a walk
+    over just those keys finds where each value starts, and a raw value's length says
+    where it ends, so the cost does not grow with the size of messages.
+    """
+    try:
+        top = _decode_top.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ModelNotFound(f"body is not a JSON object ({e})") from None
+    if "model" not in top:
+        raise ModelNotFound("no top-level model")
+    if not bytes(top["model"]).startswith(b'"'):
+        raise ModelNotFound("the model is not a string")
+    n = len(body)
+    i = _skip(body, 0)
+    if i >= n or body[i] != 0x7B:  # {
+        raise ModelNotFound("body is not a JSON object")
+    i += 1
+    span = None
+    seen = 0
+    for _ in range(len(top) + 1):
+        i = _skip(body, i)
+        if i < n and body[i] == 0x7D:  # }
+            break
+        if i >= n or body[i] != 0x22:
+            raise ModelNotFound("unexpected bytes in the body")
+        j = _string_end(body, i)
+        name = _decode_str.decode(body[i:j])
+        i = _skip(body, j)
+        if i >= n or body[i] != 0x3A:  # :
+            raise ModelNotFound("unexpected bytes in the body")
+        i = _skip(body, i + 1)
+        raw = bytes(top.get(name, b""))
+        if not raw or body[i:i + len(raw)] != raw:
+            # a duplicate key (the decoder kept the last) or an unexpected layout
+            raise ModelNotFound("duplicate top-level keys")
+        if name == "model":
+            span = (i, i + len(raw))
+        seen += 1
+        i = _skip(body, i + len(raw))
+        if i < n and body[i] == 0x2C:  # ,
+            i += 1
+    if seen != len(top) or span is None:
+        raise ModelNotFound("duplicate top-level keys")
+    return span
+
+
+def replace_model(body: bytes, old: str, new: str) -> bytes:
+    start, end = model_span(body)
+    if _decode_str.decode(body[start:end]) != old:
+        raise ModelNotFound("the body's model is not the one read")
+    return body[:start] + msgspec.json.encode(new) + body[end:]
+
+
+def _skip(body: bytes, i: int) -> int:
+    n = len(body)
+    while i < n and body[i] in _WS:
+        i += 1
+    return i
+
+
+def _string_end(body: bytes, i: int) -> int:
+    """Index just past the JSON string starting at body[i] (a quote)."""
+    j = i + 1
+    while True:
+        j = body.find(b'"', j)
+        if j < 0:
+            raise ModelNotFound("unterminated string")
+        k = j - 1
+        while body[k] == 0x5C:  # count the backslashes before the quote
+            k -= 1
+        if (j - 1 - k) % 2 == 0:
+            return j + 1
+        j += 1

@@ -1,0 +1,215 @@
+import json
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sessionpin import facts as F
+from sessionpin import rewrite
+from sessionpin.config import parse
+from sessionpin.ladder import Decision
+from sessionpin.rewrite import ModelNotFound, RequestView
+
+CONFIG = parse('''
+[servers.anthropic]
+url = "https://api.anthropic.com"
+[servers.glm]
+url = "https://api.z.ai/api/anthropic"
+key_env = "ZAI_API_KEY"
+models = { "claude-opus-*" = "glm-4.6", "claude-haiku-*" = "glm-4.5-air" }
+[servers.bearer]
+url = "http://127.0.0.1:9000/v1/"
+key_env = "LOCAL_KEY"
+auth = "bearer"
+[servers.zai-other]
+url = "https://api.z.ai/api/paas"
+[servers.nokey]
+url = "https://nokey.example"
+''')
+ENV = {"ZAI_API_KEY": "zai-sentinel", "LOCAL_KEY": "local-sentinel"}
+ANTHROPIC = CONFIG.servers["anthropic"]
+GLM = CONFIG.servers["glm"]
+
+BODY = b'{"model":"claude-opus-4-1","max_tokens":10,"messages":[{"role":"user","content":"hi \\"model\\":\\"x\\""}]}'
+AGENT_HEADERS = (
+    ("Host", "api.anthropic.com"),
+    ("X-Api-Key", "agent-sentinel"),
+    ("Authorization", "Bearer agent-oauth"),
+    ("Cookie", "sid=1"),
+    ("anthropic-version", "2023-06-01"),
+    ("x-claude-code-session-id", "s-1"),
+    ("X-Refresh-Token", "t"),
+    ("x-my-secret", "s"),
+    ("x-goog-api-key", "g"),
+    ("Proxy-Authorization", "Basic x"),
+    ("content-type", "application/json"),
+)
+
+
+def view(path="/v1/messages?beta=true", headers=AGENT_HEADERS, body=BODY, model="claude-opus-4-1", **kw):
+    return RequestView(scheme=kw.pop("scheme", "https"), host=kw.pop("host", "api.anthropic.com"),
+                       port=kw.pop("port", 443), path=path, headers=headers, body=body,
+                       api=kw.pop("api", F.ANTHROPIC_MESSAGES), model=model)
+
+
+def go(target):
+    return Decision(target, "create", "opening", "pinned")
+
+
+def test_route_to_another_server_moves_origin_prefix_and_key():
+    c = rewrite.plan(go("glm"), view(), ANTHROPIC, CONFIG, ENV)
+    assert c.refuse is None
+    assert (c.scheme, c.host, c.port, c.path) == ("https", "api.z.ai", 443, "/api/anthropic/v1/messages?beta=true")
+    assert set(c.drop_headers) == {"x-api-key", "authorization", "cookie", "x-refresh-token", "x-my-secret",
+                                   "x-goog-api-key", "proxy-authorization"}
+    assert c.set_headers == (("x-api-key", "zai-sentinel"),)
+    assert c.model == ("claude-opus-4-1", "glm-4.6")
+    assert c.body == BODY.replace(b'"claude-opus-4-1"', b'"glm-4.6"')
+
+
+def test_keeps_the_path_after_the_source_prefix():
+    c = rewrite.plan(go("anthropic"), view(path="/api/anthropic/v1/messages/count_tokens", host="api.z.ai",
+                                           model=None), GLM, CONFIG, ENV)
+    # anthropic has no key_env and the request was addressed to api.z.ai: refused
+    assert c.refuse and "anthropic has no key_env" in c.refuse and "https://api.z.ai" in c.refuse
+    c = rewrite.plan(go("bearer"), view(path="/api/anthropic/v1/messages/count_tokens", host="api.z.ai",
+                                        model=None), GLM, CONFIG, ENV)
+    assert (c.scheme, c.host, c.port, c.path) == ("http", "127.0.0.1", 9000, "/v1/v1/messages/count_tokens")
+
+
+def test_bare_prefix_path():
+    c = rewrite.plan(go("bearer"), view(path="/api/anthropic", host="api.z.ai", model=None), GLM, CONFIG, ENV)
+    assert c.path == "/v1"
+    c = rewrite.plan(go("glm"), view(path="/", model=None), ANTHROPIC, CONFIG, ENV)
+    assert c.path == "/api/anthropic/"
+
+
+def test_no_credentials_sent_when_the_agent_sent_none():
+    c = rewrite.plan(go("glm"), view(headers=(("content-type", "application/json"),)), ANTHROPIC, CONFIG, ENV)
+    assert c.drop_headers == () and c.set_headers == (("x-api-key", "zai-sentinel"),)
+
+
+@pytest.mark.parametrize("headers, api, style", [
+    ((("x-api-key", "a"),), F.ANTHROPIC_MESSAGES, "x-api-key"),
+    ((("authorization", "Bearer a"),), F.ANTHROPIC_MESSAGES, "bearer"),
+    ((), F.ANTHROPIC_MESSAGES, "x-api-key"),
+    ((), F.OPENAI_CHAT, "bearer"),
+    ((("authorization", "Basic a"),), F.OPENAI_RESPONSES, "bearer"),
+])
+def test_auth_style_follows_the_agent(headers, api, style):
+    assert rewrite.auth_style(GLM, view(headers=headers, api=api)) == style
+
+
+def test_bearer_style_when_the_server_says_so():
+    c = rewrite.plan(go("bearer"), view(headers=(("x-api-key", "agent"),), model=None), ANTHROPIC, CONFIG, ENV)
+    assert c.drop_headers == ("x-api-key",) and c.set_headers == (("authorization", "Bearer local-sentinel"),)
+
+
+def test_bearer_agent_gets_bearer_key():
+    c = rewrite.plan(go("glm"), view(headers=(("Authorization", "Bearer oauth"),)), ANTHROPIC, CONFIG, ENV)
+    assert c.set_headers == (("authorization", "Bearer zai-sentinel"),) and c.drop_headers == ("authorization",)
+
+
+@pytest.mark.parametrize("env", [{}, {"ZAI_API_KEY": ""}, {"ZAI_API_KEY": "  "}])
+def test_missing_key_is_refused(env):
+    c = rewrite.plan(go("glm"), view(), ANTHROPIC, CONFIG, env)
+    assert c.refuse == "server glm: ZAI_API_KEY is not set in the proxy's environment"
+
+
+def test_server_without_key_env_only_takes_its_own_origin():
+    c = rewrite.plan(go("nokey"), view(), ANTHROPIC, CONFIG, ENV)
+    assert c.refuse and "nokey has no key_env" in c.refuse and "servers.nokey.key_env" in c.refuse
+    # same origin, other prefix: the agent's key was for this origin, it stays
+    c = rewrite.plan(go("zai-other"), view(host="api.z.ai", path="/api/anthropic/v1/messages"), GLM, CONFIG, ENV)
+    assert c.refuse is None and c.path == "/api/paas/v1/messages"
+    assert c.drop_headers == () and c.set_headers == ()
+
+
+def test_staying_on_the_addressed_server_keeps_headers_and_maps_the_model():
+    c = rewrite.plan(go("glm"), view(host="api.z.ai", path="/api/anthropic/v1/messages"), GLM, CONFIG, {})
+    assert c.refuse is None
+    assert (c.host, c.path, c.drop_headers, c.set_headers) == ("api.z.ai", "/api/anthropic/v1/messages", (), ())
+    assert c.model == ("claude-opus-4-1", "glm-4.6")
+
+
+def test_unmapped_model_leaves_the_body_alone():
+    c = rewrite.plan(go("glm"), view(model="claude-sonnet-4-5"), ANTHROPIC, CONFIG, ENV)
+    assert c.body is None and c.model is None
+    c = rewrite.plan(go("glm"), view(model=None), ANTHROPIC, CONFIG, ENV)
+    assert c.body is None
+
+
+def test_model_that_cannot_be_located_is_refused():
+    body = b'{"model":"claude-opus-4-1","model":"claude-opus-4-1"}'
+    c = rewrite.plan(go("glm"), view(body=body), ANTHROPIC, CONFIG, ENV)
+    assert c.refuse and "cannot rename model" in c.refuse
+
+
+def test_refuses_a_target_that_is_not_configured():
+    assert "not configured" in rewrite.plan(go("gone"), view(), ANTHROPIC, CONFIG, ENV).refuse
+    with pytest.raises(ValueError):
+        rewrite.plan(Decision(None, "none", "x", "y"), view(), ANTHROPIC, CONFIG, ENV)
+
+
+@pytest.mark.parametrize("body, expected", [
+    (b'{"model":"a"}', b'{"model":"b-1"}'),
+    (b' {\n  "stream" : true ,\n  "model"\t:\t"a" , "x": {"model": "a"}\n}\n', b' {\n  "stream" : true ,\n  "model"\t:\t"b-1" , "x": {"model": "a"}\n}\n'),
+    (b'{"x": {"model": "a"}, "messages": ["\\"model\\": \\"a\\""], "model": "a"}',
+     b'{"x": {"model": "a"}, "messages": ["\\"model\\": \\"a\\""], "model": "b-1"}'),
+    (b'{"m\\u006fdel":"a","y":[1,{"a":"}"}]}', b'{"m\\u006fdel":"b-1","y":[1,{"a":"}"}]}'),
+    (b'{"k\\\\":"\\\\","model":"a"}', b'{"k\\\\":"\\\\","model":"b-1"}'),
+    ('{"é":"ü","model":"a"}'.encode(), '{"é":"ü","model":"b-1"}'.encode()),
+])
+def test_replace_model_changes_only_the_model_bytes(body, expected):
+    assert rewrite.replace_model(body, "a", "b-1") == expected
+
+
+@pytest.mark.parametrize("body", [
+    b"", b"not json", b"[]", b'{"model": 3}', b'{"x": 1}', b'{"model":"a","model":"a"}', b'{"model":"a"',
+    b'{"model":"other"}',
+])
+def test_replace_model_refuses_what_it_cannot_locate(body):
+    with pytest.raises(ModelNotFound):
+        rewrite.replace_model(body, "a", "b")
+
+
+def test_replace_model_in_a_large_body_is_byte_exact():
+    messages = [{"role": "user", "content": "x" * 1000 + '"model":"claude-opus-4-1"'} for _ in range(2000)]
+    body = json.dumps({"messages": messages, "model": "claude-opus-4-1", "thinking": {"signature": "abc=="}},
+                      separators=(", ", ": ")).encode()
+    out = rewrite.replace_model(body, "claude-opus-4-1", "glm-4.6")
+    i = body.rindex(b'"claude-opus-4-1"')
+    assert out == body[:i] + b'"glm-4.6"' + body[i + len(b'"claude-opus-4-1"'):]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=6).filter(lambda k: k != "model"), json_values, max_size=5),
+       st.integers(min_value=0, max_value=5), st.sampled_from([(",", ":"), (", ", ": "), (" ,\n ", " :\t")]),
+       st.text(min_size=1, max_size=10))
+def test_replace_model_property(other, at, seps, new):
+    items = list(other.items())
+    items.insert(min(at, len(items)), ("model", "claude-opus-4-1"))
+    body = json.dumps(dict(items), separators=seps, ensure_ascii=False).encode()
+    out = rewrite.replace_model(body, "claude-opus-4-1", new)
+    decoded = msgspec.json.decode(out)
+    assert decoded == {**dict(items), "model": new}
+    start, end = rewrite.model_span(body)
+    assert out[:start] == body[:start] and out[start + len(msgspec.json.encode(new)):] == body[end:]
+
+
+@pytest.mark.parametrize("name, credential", [
+    ("x-api-key", True), ("Authorization", True), ("proxy-authorization", True), ("Cookie", True),
+    ("x-goog-api-key", True), ("x-auth-token", True), ("X-Client-Secret", True), ("set-cookie", True),
+    ("anthropic-version", False), ("x-claude-code-session-id", False), ("content-type", False),
+    ("user-agent", False), ("x-opencode-session", False),
+])
+def test_is_credential(name, credential):
+    assert rewrite.is_credential(name) is credential

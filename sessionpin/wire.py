@@ -1,0 +1,81 @@
+"""The parts of an inference request body that the facts need, as msgspec structs.
+
+Rules this module keeps:
+- Decode only what a fact needs: model, stream, system / instructions, tools (counted, not
+  read), metadata.user_id, prompt_cache_key, previous_response_id, and for every message or
+  input item only its ``role`` and ``type``. Message contents stay ``msgspec.Raw`` (skipped,
+  not built), so a long conversation costs a scan, not a tree of Python objects.
+- Unknown fields are ignored (msgspec's default), so new client fields never break a read.
+- A field of the wrong type raises ``msgspec.ValidationError`` in the fast path; the reader
+  then reads the top level as ``dict[str, Raw]`` and decodes each field on its own, so one bad field does not
+  hide the others.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Raw, Struct
+
+# A Raw that was not in the body (a real JSON value is never empty).
+ABSENT = Raw(b"")
+
+
+class Block(Struct):
+    """A content block or part: Anthropic ``{"type":"text","text":…}``, OpenAI chat
+    ``{"type":"text"}``, Responses ``{"type":"input_text"}``. Other fields (cache_control,
+    source, tool_use_id, nested content…) are skipped."""
+
+    type: str | None = None
+    text: str | None = None
+
+
+# ``system`` / message content: a string, or a list of blocks.
+Content = str | list[Block] | None
+
+
+class Message(Struct):
+    """A chat message or a Responses input item: only what says who spoke."""
+
+    role: str | None = None
+    type: str | None = None
+    content: Raw = ABSENT
+
+
+class Metadata(Struct):
+    user_id: str | None = None
+
+
+class Body(Struct):
+    """The request body of every inference api (Anthropic Messages and count_tokens,
+    OpenAI chat/completions and Responses) in one struct: absent fields stay at their default."""
+
+    model: str | None = None
+    stream: bool | None = None
+    system: Content = None
+    instructions: Content = None          # Responses: the system prompt
+    messages: list[Message] | None = None
+    input: str | list[Message] | None = None  # Responses
+    tools: list[Raw] | None = None
+    metadata: Metadata | None = None
+    prompt_cache_key: str | None = None
+    previous_response_id: str | None = None
+
+
+# The fields of Body and their types, for the field-by-field fallback.
+FIELD_TYPES: dict[str, object] = {
+    "model": str | None,
+    "stream": bool | None,
+    "system": Content,
+    "instructions": Content,
+    "messages": list[Message] | None,
+    "input": str | list[Message] | None,
+    "tools": list[Raw] | None,
+    "metadata": Metadata | None,
+    "prompt_cache_key": str | None,
+    "previous_response_id": str | None,
+}
+
+body_decoder = msgspec.json.Decoder(Body)
+loose_decoder = msgspec.json.Decoder(dict[str, Raw])
+content_decoder = msgspec.json.Decoder(Content)
+field_decoders = {name: msgspec.json.Decoder(t) for name, t in FIELD_TYPES.items()}

@@ -1,0 +1,62 @@
+"""The OpenCode session-id pool (seeds/002), adapted to a proxy. See docs/pool.md.
+
+Modules, each with the rules it keeps in its docstring:
+``options`` (knobs as plain data), ``signals`` (server-timing, Retry-After, classification),
+``state`` (spares, bindings, retirement over the Store), ``acquire`` (the acquisition
+algorithm), ``observe`` (real responses), ``refresh`` (one background cycle), ``prober``
+(the only network code), ``service`` (what the addon calls), ``report`` (CLI/status views).
+
+``MANAGER`` is the one pool of the process. It lives in this module, not in the addon
+script, so an edited ``addons/route.py`` that mitmproxy re-executes finds the same
+service: the old addon's ``done()`` detaches (the refresh loop is cancelled, an in-flight
+probe puts its claimed spare back), the new addon's ``load/configure`` attach and its
+``running()`` starts one loop again, which first waits for the old one to finish. Spares
+live in the store and credentials and schedules on the service, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+from .options import OPTIONS, PoolConfig, parse
+from .service import PoolService, Route
+from ..store.base import Store
+
+__all__ = ["MANAGER", "Manager", "OPTIONS", "PoolConfig", "PoolService", "Route", "parse"]
+
+
+class Manager:
+    """Owns the process's PoolService across addon instances (refcount by owner identity)."""
+
+    def __init__(self) -> None:
+        self.service: PoolService | None = None
+        self.owners: set[int] = set()
+        self.generation = 0      # bumped on every attach; an attach after a detach-to-zero is a reload
+
+    def attach(self, owner: object, cfg: PoolConfig, store: Store, **kw) -> PoolService:
+        """Called from the addon's configure: create the service or hand over the existing one."""
+        if self.service is None:
+            self.service = PoolService(cfg, store, **kw)
+        else:
+            self.service.configure(cfg, store)
+        self.owners.add(id(owner))
+        self.generation += 1
+        return self.service
+
+    def start(self, owner: object) -> None:
+        """Called from the addon's running (sync, inside the event loop)."""
+        if self.service is not None and id(owner) in self.owners and self.service.cfg.enabled:
+            self.service.start()
+
+    def detach(self, owner: object) -> None:
+        """Called from the addon's done: the last owner out stops the loop (the service stays)."""
+        self.owners.discard(id(owner))
+        if not self.owners and self.service is not None:
+            self.service.stop()
+
+    def reset(self) -> None:
+        """Forget everything (tests)."""
+        if self.service is not None:
+            self.service.stop()
+        self.__init__()
+
+
+MANAGER = Manager()

@@ -15,6 +15,7 @@ Rules it keeps:
   subagent tool call (Claude Code Agent/Task, opencode task, Codex spawn_agent) when offered; after a tool
   result, or for anything else, plain text. A request whose last message is a tool result always gets
   text, so a tool loop ends after one round.
+- Claude Code's auto-mode classifier (stop sequence ``</block>``) gets ``<block>no`` (allow).
 - A request with no tools that asks for JSON output (Claude Code's title) gets ``{"title": ...}``.
 """
 
@@ -31,6 +32,7 @@ from mitmproxy import http
 log = logging.getLogger(__name__)
 
 _counter = itertools.count(1)
+_RUN = uuid.uuid4().hex[:6]  # ids differ between proxy runs (Claude Code echoes them back in cc_prev_req)
 
 SHELL_TOOLS = ("Bash", "bash", "shell", "shell_command", "exec_command", "local_shell")
 TASK_TOOLS = ("Agent", "Task", "task", "spawn_agent")
@@ -154,6 +156,8 @@ def decide(body: dict) -> dict:
             kind = "shell"
         if wanted:
             return {"tool": wanted, "args": _fill(tools[wanted], wanted, kind)}
+    if "</block>" in (body.get("stop_sequences") or []):  # Claude Code's auto-mode classifier: allow
+        return {"text": "<block>no"}
     if not tools and ("json_schema" in json.dumps(body.get("output_format") or body.get("output_config") or "")):
         return {"text": json.dumps({"title": "Echo hi in the shell"})}
     if not tools and "title" in json.dumps(body.get("system") or "")[:4000].lower():
@@ -174,10 +178,10 @@ def _sse(events: list[tuple[str | None, dict | str]]) -> bytes:
 
 def anthropic(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
     model = body.get("model") or "claude-fake"
-    msg_id = f"msg_fake{n:06d}"
+    msg_id = f"msg_fake{_RUN}{n:06d}"
     usage = {"input_tokens": 100, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 5}
     if "tool" in answer:
-        block = {"type": "tool_use", "id": f"toolu_fake{n:06d}", "name": answer["tool"], "input": answer["args"]}
+        block = {"type": "tool_use", "id": f"toolu_fake{_RUN}{n:06d}", "name": answer["tool"], "input": answer["args"]}
         stop = "tool_use"
     else:
         block = {"type": "text", "text": answer["text"]}
@@ -212,7 +216,7 @@ def openai_chat(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
     cid, created = f"chatcmpl-fake{n:06d}", int(time.time())
     usage = {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}
     if "tool" in answer:
-        call = {"id": f"call_fake{n:06d}", "type": "function",
+        call = {"id": f"call_fake{_RUN}{n:06d}", "type": "function",
                 "function": {"name": answer["tool"], "arguments": json.dumps(answer["args"])}}
         message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
     else:
@@ -243,9 +247,9 @@ def openai_responses(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 105}
     if "tool" in answer:
         item = {"id": f"fc_fake{n:06d}", "type": "function_call", "status": "completed",
-                "call_id": f"call_fake{n:06d}", "name": answer["tool"], "arguments": json.dumps(answer["args"])}
+                "call_id": f"call_fake{_RUN}{n:06d}", "name": answer["tool"], "arguments": json.dumps(answer["args"])}
     else:
-        item = {"id": f"msg_fake{n:06d}", "type": "message", "status": "completed", "role": "assistant",
+        item = {"id": f"msg_fake{_RUN}{n:06d}", "type": "message", "status": "completed", "role": "assistant",
                 "content": [{"type": "output_text", "text": answer["text"], "annotations": []}]}
     base = {"id": rid, "object": "response", "created_at": created, "model": model, "error": None,
             "incomplete_details": None, "instructions": None, "parallel_tool_calls": True,
@@ -289,7 +293,7 @@ class FakeUpstream:
         req = flow.request
         path = req.path.split("?", 1)[0].rstrip("/")
         n = next(_counter)
-        headers = {"request-id": f"req_fake{n:06d}", "x-request-id": f"req_fake{n:06d}"}
+        headers = {"request-id": f"req_fake{_RUN}{n:06d}", "x-request-id": f"req_fake{_RUN}{n:06d}"}
         if req.method == "GET" and req.headers.get("upgrade", "").lower() == "websocket":
             flow.response = http.Response.make(426, b"websocket not offered by the fake", headers)
             return

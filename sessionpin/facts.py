@@ -191,7 +191,11 @@ def api_of(method: str, url: str) -> str:
 
 def agent_of(h: dict[str, str]) -> str:
     ua = h.get("user-agent", "").lower()
-    if ua.startswith(("claude-cli/", "claude-code/")) or "x-claude-code-session-id" in h:
+    if (
+        ua.startswith(("claude-cli/", "claude-code/"))
+        or "x-claude-code-session-id" in h
+        or h.get("x-service-name", "").lower() == "claude-code"  # its telemetry (UA Bun/…)
+    ):
         return CLAUDE_CODE
     if ua.startswith("opencode/") or "x-opencode-session" in h or "x-opencode-client" in h:
         return OPENCODE

@@ -1,0 +1,715 @@
+"""The request reader: every fact, from recordings (tests/fixtures/traffic) and by hand."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from collections import defaultdict
+from pathlib import Path
+
+import brotli
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sessionpin import facts
+from sessionpin.facts import read
+
+try:
+    from compression import zstd
+except ImportError:  # Python < 3.14: what mitmproxy installs
+    from backports import zstd
+
+FIXTURES = Path(__file__).parent / "fixtures" / "traffic"
+FACT_FIELDS = set(facts.Facts.__struct_fields__)
+
+CC_UA = "claude-cli/2.1.332 (external, cli)"
+CC_SID = "5d1f3c2e-0000-4000-8000-00000000c0de"
+MESSAGES = "https://api.anthropic.com/v1/messages?beta=true"
+
+
+def enc(body) -> bytes:
+    return json.dumps(body).encode()
+
+
+def billing(extra: str = "") -> dict:
+    return {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.332.abc; cc_entrypoint=cli;{extra}"}
+
+
+def cc_body(*, line=True, subagent=False, tools=True, history=False, user_id=None, system=None) -> dict:
+    sys_blocks = [billing(" cc_is_subagent=true;" if subagent else "")] if line else []
+    sys_blocks.append({"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}})
+    messages = [{"role": "user", "content": [{"type": "text", "text": "fix the bug"}]}]
+    if history:
+        messages += [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
+        ]
+    body = {
+        "model": "claude-sonnet-4-5",
+        "stream": True,
+        "system": sys_blocks if system is None else system,
+        "messages": messages,
+        "max_tokens": 32000,
+    }
+    if tools:
+        body["tools"] = [{"name": "Bash", "input_schema": {}}, {"name": "Read", "input_schema": {}}]
+    if user_id is not None:
+        body["metadata"] = {"user_id": user_id}
+    return body
+
+
+def cc(body, request_class=None, extra=(), session=CC_SID, url=MESSAGES):
+    headers = [("User-Agent", CC_UA)]
+    if session:
+        headers.append(("X-Claude-Code-Session-Id", session))
+    if request_class:
+        headers.append(("x-claude-code-request-class", request_class))
+    headers += list(extra)
+    return read("POST", url, headers, enc(body) if not isinstance(body, bytes) else body)
+
+
+# ---------------------------------------------------------------- recordings
+
+
+def _fixtures() -> list[Path]:
+    return sorted(FIXTURES.glob("*/*.json")) if FIXTURES.is_dir() else []
+
+
+def _read_fixture(path: Path) -> tuple[dict, facts.Facts]:
+    fx = json.loads(path.read_text())
+    body = fx.get("body")
+    raw = None if body is None else body.encode() if isinstance(body, str) else msgspec.json.encode(body)
+    # The body is stored decoded; its content-encoding header is kept for the record.
+    return fx, read(fx["method"], fx["url"], fx["headers"], raw, "identity")
+
+
+# Expectations the reader does not meet on purpose (reported to the lead, not edited in the
+# recordings): {fixture: {fact: why}}.
+DISAGREE = {
+    # GET downloads.claude.ai/... with User-Agent axios/…: nothing in the request names Claude
+    # Code (no UA, no header of its own); the recording labels it by the process that made it.
+    "claude-code/interactive-02-model-catalog": {"agent": "no agent signal in the request"},
+}
+
+
+@pytest.mark.parametrize("path", _fixtures(), ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_recorded_request(path):
+    fx, f = _read_fixture(path)
+    exp = fx["expect"]
+    skip = DISAGREE.get(f"{path.parent.name}/{path.stem}", {})
+    checked = 0
+    for key, want in exp.items():
+        if key not in FACT_FIELDS or key in skip:
+            continue
+        got = getattr(f, key)
+        if key == "session" and want == "fingerprint":
+            assert f.session and f.session.startswith(facts.FINGERPRINT_PREFIX), f
+            assert f.session_source == "fingerprint"
+        else:
+            assert got == want, f"{key}: {got!r} != {want!r} ({f.reason}; {fx.get('note', '')})"
+        checked += 1
+    assert checked >= 3 and f.parsed, f
+
+
+def _claude_recordings():
+    for path in _fixtures():
+        if path.parent.name == "claude-code":
+            fx = json.loads(path.read_text())
+            if fx["expect"]["api"] != facts.OTHER:
+                yield path, fx
+
+
+# Kinds an older client (no request-class header) cannot tell apart: a prompt suggestion has the
+# main conversation's system, tools and history.
+BILLING_LINE_BLIND = {"prompt-suggestion"}
+
+
+def test_recorded_claude_code_turns_without_the_request_class_header():
+    seen = 0
+    for path, fx in _claude_recordings():
+        if fx["expect"]["kind"] in BILLING_LINE_BLIND:
+            continue
+        headers = [h for h in fx["headers"] if h[0].lower() != "x-claude-code-request-class"]
+        f = read(fx["method"], fx["url"], headers, msgspec.json.encode(fx["body"]), "identity")
+        assert f.turn == fx["expect"]["turn"], f"{path.stem}: {f.reason}"
+        seen += 1
+    if not seen:
+        pytest.skip("no Claude Code recordings yet")
+
+
+def test_recorded_claude_code_sessions_without_the_session_header_come_from_metadata():
+    seen = 0
+    for path, fx in _claude_recordings():
+        body = fx["body"]
+        if not isinstance(body, dict) or "metadata" not in body:
+            continue  # count_tokens bodies have no metadata
+        headers = [h for h in fx["headers"] if h[0].lower() != "x-claude-code-session-id"]
+        f = read(fx["method"], fx["url"], headers, msgspec.json.encode(body), "identity")
+        assert (f.session, f.session_source) == (fx["expect"]["session"], "metadata.user_id"), path.stem
+        seen += 1
+    if not seen:
+        pytest.skip("no Claude Code recordings yet")
+
+
+def test_recorded_fingerprints_group_by_conversation():
+    by_conversation: dict[str, set[str]] = defaultdict(set)
+    for path in _fixtures():
+        fx, f = _read_fixture(path)
+        if fx["expect"].get("session") == "fingerprint":
+            by_conversation[f"{path.parent.name}/{fx['expect']['conversation']}"].add(f.session)
+    if not by_conversation:
+        pytest.skip("no fingerprint recordings yet")
+    for conversation, fps in by_conversation.items():
+        assert len(fps) == 1, f"{conversation}: turns of one conversation got {len(fps)} fingerprints"
+    all_fps = [next(iter(v)) for v in by_conversation.values()]
+    assert len(set(all_fps)) == len(all_fps), "two conversations share a fingerprint"
+
+
+# ---------------------------------------------------------------- api and agent
+
+
+@pytest.mark.parametrize(
+    "method,url,api",
+    [
+        ("POST", MESSAGES, facts.ANTHROPIC_MESSAGES),
+        ("POST", "https://api.anthropic.com/v1/messages/count_tokens?beta=true", facts.ANTHROPIC_COUNT_TOKENS),
+        ("POST", "/zen/v1/messages", facts.ANTHROPIC_MESSAGES),
+        ("POST", "https://opencode.ai/zen/go/v1/chat/completions", facts.OPENAI_CHAT),
+        ("POST", "https://api.openai.com/v1/responses", facts.OPENAI_RESPONSES),
+        ("POST", "https://api.openai.com/v1/responses/", facts.OPENAI_RESPONSES),
+        ("POST", "https://chatgpt.com/backend-api/codex/responses/compact", facts.OPENAI_RESPONSES),
+        (b"POST", b"/V1/Messages", facts.ANTHROPIC_MESSAGES),
+        ("GET", "https://api.openai.com/v1/responses", facts.OTHER),  # Codex's WebSocket upgrade
+        ("POST", "https://api.anthropic.com/api/event_logging/batch", facts.OTHER),
+        ("GET", "https://api.anthropic.com/api/claude_code/settings", facts.OTHER),
+        ("POST", "https://api.anthropic.com/v1/messages/batches", facts.OTHER),
+        ("POST", "https://x/v1/models", facts.OTHER),
+        ("POST", "", facts.OTHER),
+        (None, None, facts.OTHER),
+    ],
+)
+def test_api(method, url, api):
+    assert read(method, url, [], b"{}").api == api
+
+
+@pytest.mark.parametrize(
+    "headers,agent",
+    [
+        ([("User-Agent", CC_UA)], facts.CLAUDE_CODE),
+        ([("user-agent", "claude-cli/1.0.0 (external, sdk-cli)")], facts.CLAUDE_CODE),
+        ([("x-claude-code-session-id", CC_SID)], facts.CLAUDE_CODE),
+        ([("user-agent", "Bun/1.4.6"), ("x-service-name", "claude-code")], facts.CLAUDE_CODE),
+        ([("user-agent", "opencode/1.18.33")], facts.OPENCODE),
+        ([("x-opencode-session", "ses_1")], facts.OPENCODE),
+        ([("user-agent", "codex_cli_rs/0.171.0 (Debian 12; x86_64) xterm")], facts.CODEX),
+        ([("originator", "codex_cli_rs")], facts.CODEX),
+        ([("user-agent", "GeminiCLI/0.9.0 (linux; x64)")], facts.GEMINI_CLI),
+        ([("user-agent", "curl/8.0")], facts.UNKNOWN_AGENT),
+        ([], facts.UNKNOWN_AGENT),
+    ],
+)
+def test_agent(headers, agent):
+    assert read("POST", MESSAGES, headers, enc(cc_body())).agent == agent
+
+
+def test_header_names_are_case_insensitive_and_bytes_work():
+    f = read(b"POST", MESSAGES.encode(), [(b"USER-AGENT", CC_UA.encode()), (b"X-Claude-Code-Session-ID", b"abc")],
+             enc(cc_body()))
+    assert (f.agent, f.session, f.session_source) == (facts.CLAUDE_CODE, "abc", "header:x-claude-code-session-id")
+
+
+def test_headers_as_a_mapping():
+    f = read("POST", MESSAGES, {"User-Agent": CC_UA, "X-Claude-Code-Session-Id": "abc"}, enc(cc_body()))
+    assert (f.agent, f.session) == (facts.CLAUDE_CODE, "abc")
+
+
+def test_the_first_of_duplicate_headers_wins():
+    f = cc(cc_body(), session=None, extra=[("x-claude-code-session-id", "one"), ("x-claude-code-session-id", "two")])
+    assert f.session == "one"
+
+
+# ---------------------------------------------------------------- Claude Code
+
+
+@pytest.mark.parametrize(
+    "request_class,kwargs,turn",
+    [
+        ("main", {}, facts.OPENING),
+        ("main", {"history": True}, facts.CONTINUATION),
+        ("MAIN", {"history": True}, facts.CONTINUATION),
+        ("subagent", {"line": True, "subagent": True}, facts.SUBAGENT),
+        ("auxiliary", {"tools": False}, facts.SIDE),
+        # a prompt suggestion looks like a continuation but for its class
+        ("auxiliary", {"history": True}, facts.SIDE),
+        ("compaction", {"history": True}, facts.CONTINUATION),
+        # no class: the billing line of system[0] (seeds/000)
+        (None, {}, facts.OPENING),
+        (None, {"history": True}, facts.CONTINUATION),
+        (None, {"tools": False}, facts.SIDE),
+        (None, {"tools": False, "history": True}, facts.SIDE),
+        (None, {"subagent": True}, facts.SUBAGENT),
+        (None, {"line": False}, facts.UNKNOWN_TURN),
+        (None, {"line": False, "history": True}, facts.UNKNOWN_TURN),
+        # an unknown class falls back to the billing line
+        ("speculative", {"history": True}, facts.CONTINUATION),
+        ("speculative", {"line": False}, facts.UNKNOWN_TURN),
+    ],
+)
+def test_claude_code_turn(request_class, kwargs, turn):
+    f = cc(cc_body(**kwargs), request_class)
+    assert f.turn == turn, f.reason
+    assert f.parsed and f.reason
+    assert f.session == CC_SID and f.has_history == kwargs.get("history", False)
+
+
+def test_claude_code_request_class_outranks_the_billing_line():
+    # The auto-mode classifier: class auxiliary, though the billing line says main with tools.
+    assert cc(cc_body(history=True), "auxiliary").turn == facts.SIDE
+    assert cc(cc_body(subagent=True), "main").turn == facts.OPENING
+
+
+def test_claude_code_system_as_a_string_with_the_billing_line():
+    body = cc_body(system="x-anthropic-billing-header: cc_version=1.0.80; cc_entrypoint=cli\nYou are Claude Code.")
+    assert cc(body).turn == facts.OPENING
+    assert cc(cc_body(system="You are Claude Code.")).turn == facts.UNKNOWN_TURN
+
+
+def test_count_tokens_is_side_with_the_header_session():
+    body = {"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "Bash"}]}
+    f = cc(body, "auxiliary", url="https://api.anthropic.com/v1/messages/count_tokens?beta=true")
+    assert (f.api, f.turn, f.session, f.stream, f.reason) == (
+        facts.ANTHROPIC_COUNT_TOKENS, facts.SIDE, CC_SID, False, "count_tokens")
+    # even with no class header and a main-looking body
+    f = cc(cc_body(), url="https://api.anthropic.com/v1/messages/count_tokens")
+    assert f.turn == facts.SIDE
+
+
+def test_claude_code_session_from_metadata_user_id_json():
+    uid = json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": "sess-json-1"})
+    f = cc(cc_body(user_id=uid), "main", session=None)
+    assert (f.session, f.session_source) == ("sess-json-1", "metadata.user_id")
+
+
+def test_claude_code_session_from_legacy_metadata_user_id():
+    uid = "user_" + "ab" * 32 + "_account_1b2c3d4e-0000-4000-8000-000000000001_session_9f8e7d6c-0000-4000-8000-000000000002"
+    f = cc(cc_body(user_id=uid), session=None)
+    assert (f.session, f.session_source) == ("9f8e7d6c-0000-4000-8000-000000000002", "metadata.user_id:legacy")
+    uid = "user_" + "ab" * 32 + "_account__session_9f8e7d6c-0000-4000-8000-000000000003"
+    assert cc(cc_body(user_id=uid), session=None).session == "9f8e7d6c-0000-4000-8000-000000000003"
+
+
+def test_the_session_header_outranks_metadata():
+    uid = json.dumps({"session_id": "from-body"})
+    assert cc(cc_body(user_id=uid)).session == CC_SID
+
+
+@pytest.mark.parametrize("uid", ["", "{not json", '{"session_id": 5}', "[1]", "user_abc_account_x", "fp:abc"])
+def test_claude_code_unusable_user_id_falls_through_to_the_fingerprint(uid):
+    f = cc(cc_body(user_id=uid), session=None)
+    assert f.session_source == "fingerprint" and f.parsed
+
+
+def test_role_system_messages_mid_conversation_are_not_history():
+    body = cc_body()
+    body["messages"].append({"role": "system", "content": "<system-reminder>todo list changed</system-reminder>"})
+    f = cc(body, "main")
+    assert (f.turn, f.has_history) == (facts.OPENING, False)
+
+
+# ---------------------------------------------------------------- opencode
+
+
+OC_UA = [("User-Agent", "opencode/1.18.33")]
+
+
+def chat(messages, tools=True, system="You are opencode.", model="glm-4.6", stream=True):
+    body = {"model": model, "stream": stream, "messages": [{"role": "system", "content": system}] + messages}
+    if tools:
+        body["tools"] = [{"type": "function", "function": {"name": "bash"}}]
+    return body
+
+
+U1 = {"role": "user", "content": "add a test"}
+A1 = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}
+T1 = {"role": "tool", "tool_call_id": "c1", "content": "done"}
+
+
+def test_opencode_gateway_session_and_turns():
+    h = OC_UA + [("x-opencode-session", "ses_parent"), ("x-opencode-request", "msg_1")]
+    url = "https://opencode.ai/zen/v1/chat/completions"
+    f = read("POST", url, h, enc(chat([U1])))
+    assert (f.api, f.agent, f.session, f.session_source, f.turn) == (
+        facts.OPENAI_CHAT, facts.OPENCODE, "ses_parent", "header:x-opencode-session", facts.OPENING)
+    assert read("POST", url, h, enc(chat([U1, A1, T1]))).turn == facts.CONTINUATION
+
+
+def test_opencode_other_provider_session_headers():
+    h = OC_UA + [("x-session-affinity", "ses_aff"), ("x-session-id", "ses_id")]
+    f = read("POST", MESSAGES, h, enc(cc_body(line=False)))
+    assert (f.session, f.session_source, f.turn) == ("ses_id", "header:x-session-id", facts.OPENING)
+    f = read("POST", MESSAGES, OC_UA + [("x-session-affinity", "ses_aff")], enc(cc_body(line=False)))
+    assert (f.session, f.session_source) == ("ses_aff", "header:x-session-affinity")
+
+
+def test_opencode_subagent_follows_its_parent():
+    h = OC_UA + [("x-opencode-session", "ses_child"), ("x-parent-session-id", "ses_parent")]
+    f = read("POST", "https://opencode.ai/zen/v1/chat/completions", h, enc(chat([U1])))
+    assert (f.session, f.session_source, f.turn) == ("ses_parent", "header:x-parent-session-id", facts.SUBAGENT)
+    # known from the header even when the body is unreadable
+    f = read("POST", "https://opencode.ai/zen/v1/chat/completions", h, b"{oops")
+    assert (f.session, f.turn, f.parsed) == ("ses_parent", facts.SUBAGENT, False)
+
+
+def test_opencode_title_request_is_side():
+    body = {"model": "gpt-5-nano", "input": [{"role": "user", "content": "add a test"}],
+            "instructions": "You are a title generator."}
+    f = read("POST", "https://opencode.ai/zen/v1/responses", OC_UA + [("x-opencode-session", "ses_1")], enc(body))
+    assert (f.api, f.turn, f.session) == (facts.OPENAI_RESPONSES, facts.SIDE, "ses_1")
+
+
+# ---------------------------------------------------------------- Codex
+
+
+CODEX_H = [("user-agent", "codex_cli_rs/0.171.0 (Debian 12; x86_64)"), ("originator", "codex_cli_rs"),
+           ("session-id", "0199aaaa-0000-7000-8000-000000000001"), ("content-encoding", "zstd")]
+
+
+def codex_body(history=False):
+    items = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "perms"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+    ]
+    if history:
+        items += [
+            {"type": "reasoning", "summary": []},
+            {"type": "function_call", "name": "shell", "arguments": "{}", "call_id": "c"},
+            {"type": "function_call_output", "call_id": "c", "output": "hi"},
+        ]
+    return {"model": "gpt-5-codex", "instructions": "You are Codex.", "input": items, "tools": [{"type": "function"}],
+            "stream": True, "prompt_cache_key": "0199aaaa-0000-7000-8000-000000000001"}
+
+
+def meta(**kw) -> tuple[str, str]:
+    base = {"session_id": "0199aaaa-0000-7000-8000-000000000001", "request_kind": "turn",
+            "history_initialization": "new", "thread_source": "user"}
+    return ("x-codex-turn-metadata", json.dumps(base | kw))
+
+
+def test_codex_zstd_body_session_and_history():
+    url = "https://api.openai.com/v1/responses"
+    f = read("POST", url, CODEX_H, zstd.compress(enc(codex_body())))
+    assert (f.api, f.agent, f.session, f.turn, f.model, f.stream, f.parsed) == (
+        facts.OPENAI_RESPONSES, facts.CODEX, "0199aaaa-0000-7000-8000-000000000001", facts.OPENING,
+        "gpt-5-codex", True, True)
+    f = read("POST", url, CODEX_H, zstd.compress(enc(codex_body(history=True))))
+    assert (f.turn, f.has_history) == (facts.CONTINUATION, True)
+
+
+@pytest.mark.parametrize(
+    "extra,turn",
+    [
+        ([("x-openai-subagent", "collab_spawn")], facts.SUBAGENT),
+        ([meta(thread_source="subagent", parent_thread_id="t0")], facts.SUBAGENT),
+        ([meta(request_kind="prewarm")], facts.SIDE),
+        ([meta(history_initialization="cold_fork", forked_from_thread_id="t0")], facts.CONTINUATION),
+        ([meta(history_initialization="cold_resume")], facts.CONTINUATION),
+        ([meta()], facts.OPENING),
+        ([("x-codex-turn-metadata", "{garbage")], facts.OPENING),
+        ([("x-openai-subagent", "compact")], facts.CONTINUATION),
+    ],
+)
+def test_codex_turn_from_headers(extra, turn):
+    f = read("POST", "https://api.openai.com/v1/responses", CODEX_H + extra, zstd.compress(enc(codex_body())))
+    assert f.turn == turn, f.reason
+
+
+def test_codex_session_from_turn_metadata_then_prompt_cache_key():
+    h = [CODEX_H[0], meta(session_id="from-meta")]
+    assert read("POST", "/v1/responses", h, enc(codex_body())).session_source == "header:x-codex-turn-metadata"
+    f = read("POST", "/v1/responses", [CODEX_H[0]], enc(codex_body()))
+    assert (f.session, f.session_source) == ("0199aaaa-0000-7000-8000-000000000001", "body:prompt_cache_key")
+
+
+def test_codex_websocket_upgrade_is_other():
+    f = read("GET", "https://api.openai.com/v1/responses", CODEX_H + [("upgrade", "websocket")], None)
+    assert (f.api, f.agent, f.session, f.turn, f.model, f.stream) == (facts.OTHER, facts.CODEX, None, None, None, None)
+
+
+# ---------------------------------------------------------------- pi and fingerprints
+
+
+def pi_chat(*turns, system="You are pi, a coding agent."):
+    return enc(chat(list(turns), system=system))
+
+
+def test_pi_chat_has_no_id_so_a_fingerprint_stays_with_the_conversation():
+    url = "https://opencode.ai/zen/go/v1/chat/completions"
+    first = read("POST", url, [], pi_chat(U1))
+    later = read("POST", url, [], pi_chat(U1, A1, T1, {"role": "user", "content": "and another"}))
+    assert first.session.startswith("fp:") and first.session_source == "fingerprint"
+    assert first.session == later.session
+    assert (first.turn, later.turn) == (facts.OPENING, facts.CONTINUATION)
+    other = read("POST", url, [], pi_chat({"role": "user", "content": "something else"}))
+    assert other.session != first.session
+    other_system = read("POST", url, [], pi_chat(U1, system="You are another agent."))
+    assert other_system.session != first.session
+
+
+def test_fingerprint_is_only_a_hash():
+    f = read("POST", "/v1/chat/completions", [], pi_chat({"role": "user", "content": "secret words"}))
+    assert len(f.session) == len("fp:") + 32 and "secret" not in f.session
+    int(f.session[3:], 16)
+
+
+def test_fingerprint_ignores_cache_control_moves_block_vs_string_and_billing_line():
+    one = cc_body(line=True, tools=True)
+    one["system"][0] = billing(" cc_prev_req=req_1;")
+    two = cc_body(line=True, tools=True, history=True)
+    two["system"][0] = billing(" cc_prev_req=req_2;")
+    two["system"][1].pop("cache_control")
+    two["messages"][0]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    two["messages"].append({"role": "system", "content": "mid-conversation note"})
+    three = cc_body(line=False, history=True, system="You are Claude Code.")
+    three["messages"][0]["content"] = "fix the bug"
+    fps = {cc(b, session=None).session for b in (one, two, three)}
+    assert len(fps) == 1 and next(iter(fps)).startswith("fp:")
+
+
+def test_fingerprint_of_responses_input():
+    url = "https://opencode.ai/zen/v1/responses"
+    b1 = {"model": "gpt-5", "instructions": "be pi", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+    b2 = {"model": "gpt-5", "instructions": "be pi", "input": [{"role": "user", "content": "hi"},
+          {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yo"}]},
+          {"role": "user", "content": "more"}]}
+    f1, f2 = read("POST", url, [], enc(b1)), read("POST", url, [], enc(b2))
+    assert f1.session == f2.session and (f1.turn, f2.turn) == (facts.OPENING, facts.CONTINUATION)
+    assert read("POST", url, [], enc({"model": "m", "input": "hi", "instructions": "be pi"})).session == f1.session
+
+
+def test_no_system_and_no_user_message_means_no_session():
+    f = read("POST", "/v1/chat/completions", [], enc({"model": "m", "messages": [{"role": "assistant", "content": "x"}]}))
+    assert (f.session, f.session_source, f.parsed) == (None, None, True)
+    f = read("POST", "/v1/messages", [], enc({"model": "m", "messages": []}))
+    assert f.session is None
+
+
+def test_pi_responses_session_header_and_prompt_cache_key():
+    h = [("session_id", "pi-sess-1"), ("x-client-request-id", "pi-sess-1")]
+    body = {"model": "gpt-5", "input": [{"role": "user", "content": "hi"}], "prompt_cache_key": "pi-sess-1"}
+    f = read("POST", "https://opencode.ai/zen/v1/responses", h, enc(body))
+    assert (f.session, f.session_source) == ("pi-sess-1", "header:session_id")
+
+
+def test_generic_session_headers_for_an_unknown_agent():
+    f = read("POST", "/v1/chat/completions", [("x-session-id", "abc")], pi_chat(U1))
+    assert (f.agent, f.session, f.session_source, f.turn) == (facts.UNKNOWN_AGENT, "abc", "header:x-session-id", facts.OPENING)
+
+
+@pytest.mark.parametrize("bad", ["", "   ", "fp:0123", "x" * 300, "a\tb", "a\x00b"])
+def test_a_client_id_that_could_pass_for_a_fingerprint_or_is_odd_is_not_taken(bad):
+    f = read("POST", "/v1/chat/completions", [("x-session-id", bad)], pi_chat(U1))
+    assert f.session_source == "fingerprint"
+
+
+# ---------------------------------------------------------------- encodings
+
+
+@pytest.mark.parametrize(
+    "encoding,compress",
+    [
+        ("gzip", gzip.compress),
+        ("deflate", zlib.compress),
+        ("br", brotli.compress),
+        ("zstd", zstd.compress),
+        ("identity", lambda d: d),
+        ("gzip, zstd", lambda d: zstd.compress(gzip.compress(d))),
+        ("ZSTD", zstd.compress),
+    ],
+)
+def test_decoded_encodings(encoding, compress):
+    f = read("POST", MESSAGES, [("User-Agent", CC_UA), ("content-encoding", encoding)], compress(enc(cc_body(history=True))))
+    assert (f.parsed, f.turn, f.model) == (True, facts.CONTINUATION, "claude-sonnet-4-5"), f.reason
+
+
+def test_raw_deflate():
+    c = zlib.compressobj(wbits=-15)
+    data = c.compress(enc(cc_body())) + c.flush()
+    assert read("POST", MESSAGES, [("User-Agent", CC_UA)], data, "deflate").turn == facts.OPENING
+
+
+def test_explicit_content_encoding_outranks_the_header():
+    data = enc(cc_body())
+    assert read("POST", MESSAGES, [("content-encoding", "zstd")], data, "identity").parsed
+    assert read("POST", MESSAGES, [], zstd.compress(data), b"zstd").parsed
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _bad(body, encoding=None, headers=()):
+    return read("POST", MESSAGES, [("User-Agent", CC_UA), ("X-Claude-Code-Session-Id", CC_SID),
+                                  ("x-claude-code-request-class", "main"), *headers], body, encoding)
+
+
+@pytest.mark.parametrize(
+    "body,encoding,reason",
+    [
+        (b"not json at all", None, "not JSON"),
+        (enc(cc_body())[:-40], None, "not JSON: truncated"),
+        (b"", None, "empty body"),
+        (None, None, "no body"),
+        (b"[1, 2]", None, "body is not a JSON object"),
+        (b'"a string"', None, "body is not a JSON object"),
+        (b'{"model": "m", "messages": "hello"}', None, "wrong shape: messages"),
+        (b'{"model": 5, "stream": "yes", "messages": [{"role": 1}]}', None, "wrong shape: model, stream, messages"),
+        (b'{"system": {"a": 1}, "messages": []}', None, "wrong shape: system"),
+        (b"{}", "compress", "unknown content-encoding 'compress'"),
+        (b"\x00garbage", "gzip", "bad gzip body"),
+        (gzip.compress(enc(cc_body()))[:-30], "gzip", "bad gzip body"),
+        (zstd.compress(enc(cc_body()))[:-10], "zstd", "bad zstd body"),
+        (b"garbage", "br", "bad br body"),
+        (b"\xff\xfe{}", None, "not JSON"),
+        (b"{\"model\": \"\xff\"}", None, "not JSON"),
+    ],
+)
+def test_bad_body_gives_unparsed_facts_with_the_header_facts(body, encoding, reason):
+    f = _bad(body, encoding)
+    assert (f.parsed, f.reason, f.turn) == (False, reason, facts.UNKNOWN_TURN)
+    assert (f.api, f.agent, f.session) == (facts.ANTHROPIC_MESSAGES, facts.CLAUDE_CODE, CC_SID)
+
+
+def test_a_wrong_field_does_not_hide_the_others():
+    body = cc_body()
+    body["stream"] = "yes"
+    f = _bad(enc(body))
+    assert (f.parsed, f.reason, f.model, f.turn) == (False, "wrong shape: stream", "claude-sonnet-4-5", facts.UNKNOWN_TURN)
+    f = read("POST", "/v1/chat/completions", [], enc(chat([U1], model=7)))
+    assert not f.parsed and f.session_source == "fingerprint"  # the fingerprint's parts were readable
+
+
+def test_header_decided_turns_survive_an_unreadable_body():
+    f = read("POST", MESSAGES, [("User-Agent", CC_UA), ("x-claude-code-request-class", "subagent")], b"{nope")
+    assert (f.turn, f.parsed, f.reason) == (facts.SUBAGENT, False, "not JSON; request-class subagent")
+
+
+def test_too_large(monkeypatch):
+    monkeypatch.setattr(facts, "MAX_BODY", 1000)
+    big = enc(cc_body()) + b" " * 2000
+    assert _bad(big).reason == "too large"
+    for encoding, compress in (("gzip", gzip.compress), ("zstd", zstd.compress), ("br", brotli.compress),
+                               ("deflate", zlib.compress)):
+        f = _bad(compress(big), encoding)
+        assert (f.parsed, f.reason, f.session) == (False, "too large", CC_SID), encoding
+
+
+def test_a_real_decompression_bomb_is_capped():
+    bomb = zstd.compress(b"{" + b" " * (facts.MAX_BODY + 10))
+    assert len(bomb) < 100_000
+    assert _bad(bomb, "zstd").reason == "too large"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [(b"\xff\xfe", b"\xc3\x28"), (b"User-Agent", b"claude-cli/2 \xff")],
+        [("user-agent", "claude-cli/2\udcff"), ("x-claude-code-session-id", "id\udcfe")],
+        [(1, 2), ("a",), None, ("b", "c", "d")],
+        "not headers",
+        12,
+        None,
+        iter([("user-agent", CC_UA), 5]),
+    ],
+)
+def test_garbled_headers_never_raise(headers):
+    f = read("POST", MESSAGES, headers, enc(cc_body()))
+    assert f.parsed and f.api == facts.ANTHROPIC_MESSAGES
+    assert f.session is None or f.session.encode("utf-8")
+
+
+def test_a_header_iterable_that_breaks_keeps_what_it_read():
+    def gen():
+        yield ("user-agent", CC_UA)
+        raise RuntimeError("boom")
+
+    assert read("POST", MESSAGES, gen(), enc(cc_body())).agent == facts.CLAUDE_CODE
+
+
+def test_non_inference_has_no_session_or_turn():
+    f = read("GET", "https://api.anthropic.com/api/claude_code/settings",
+             [("User-Agent", CC_UA), ("x-claude-code-session-id", CC_SID)], None)
+    assert (f.api, f.agent, f.session, f.turn, f.model, f.stream, f.parsed) == (
+        facts.OTHER, facts.CLAUDE_CODE, None, None, None, None, True)
+
+
+# ---------------------------------------------------------------- never raises
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
+        st.sampled_from(["model", "stream", "system", "messages", "input", "tools", "metadata", "role",
+                         "content", "type", "text", "user_id", "instructions", "prompt_cache_key",
+                         "previous_response_id", "x"]) | st.text(max_size=5), kids, max_size=5),
+    max_leaves=25,
+)
+_SEEDS = [enc(cc_body(history=True, user_id="user_ab_account__session_x")), enc(codex_body(history=True)),
+          pi_chat(U1, A1, T1)]
+_header_part = st.binary(max_size=12) | st.text(max_size=12) | st.sampled_from(
+    ["user-agent", "x-claude-code-session-id", "x-claude-code-request-class", "x-parent-session-id",
+     "x-codex-turn-metadata", "x-openai-subagent", "content-encoding", "session_id", CC_UA, "main", "gzip", "zstd"])
+
+
+@st.composite
+def _mutated(draw):
+    data = bytearray(draw(st.sampled_from(_SEEDS)))
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert"]))
+        i = draw(st.integers(0, max(len(data) - 1, 0)))
+        if op == "flip" and data:
+            data[i] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del data[i:]
+        else:
+            data[i:i] = draw(st.sampled_from([b"[", b"{", b'"', b",", b"null", b"\xff", b'{"role":"assistant"}']))
+    return bytes(data)
+
+
+def _check(f):
+    assert isinstance(f, facts.Facts)
+    assert not f.reason.startswith("internal error"), f.reason
+    if f.api == facts.OTHER:
+        assert f.turn is None and f.session is None
+    else:
+        assert f.turn in (facts.OPENING, facts.CONTINUATION, facts.SIDE, facts.SUBAGENT, facts.UNKNOWN_TURN)
+    if f.session is not None:
+        assert f.session.startswith("fp:") == (f.session_source == "fingerprint")
+        f.session.encode("utf-8")
+    msgspec.json.encode(f)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    method=st.sampled_from(["POST", "GET", b"POST", "post"]) | st.text(max_size=5),
+    url=st.sampled_from([MESSAGES, "/v1/chat/completions", "/v1/responses", "/v1/messages/count_tokens"]) | st.text(max_size=20),
+    headers=st.lists(st.tuples(_header_part, _header_part), max_size=6),
+    body=st.none() | st.binary(max_size=64) | _json.map(lambda v: json.dumps(v).encode()) | _mutated(),
+    encoding=st.none() | st.sampled_from(["gzip", "zstd", "br", "deflate", "identity", "x", "gzip,br", ""]),
+)
+def test_random_requests_never_raise(method, url, headers, body, encoding):
+    _check(read(method, url, headers, body, encoding))
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=_mutated(), request_class=st.sampled_from([None, "main", "subagent", "auxiliary", "compaction", "??"]),
+       encoding=st.sampled_from(["gzip", "zstd", "br", "deflate"]))
+def test_mutated_compressed_bodies_never_raise(body, request_class, encoding):
+    compress = {"gzip": gzip.compress, "zstd": zstd.compress, "br": brotli.compress, "deflate": zlib.compress}[encoding]
+    data = bytearray(compress(body))
+    data[len(data) // 2] ^= 0x5A
+    for candidate in (compress(body), bytes(data)):
+        f = cc(candidate, request_class, extra=[("content-encoding", encoding)])
+        _check(f)
+        assert f.session == CC_SID

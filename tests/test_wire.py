@@ -1,0 +1,47 @@
+import msgspec
+import pytest
+
+from sessionpin import wire
+
+
+def test_contents_stay_raw_and_unknown_fields_are_skipped():
+    data = (
+        b'{"model":"m","stream":true,"extra":{"deep":[1,2,3]},'
+        b'"system":[{"type":"text","text":"s","cache_control":{"type":"ephemeral"}}],'
+        b'"messages":[{"role":"user","content":[{"type":"tool_result","content":[{"type":"text","text":"x"}]}]},'
+        b'{"role":"assistant","content":"ok","id":7}],'
+        b'"tools":[{"name":"Bash","input_schema":{}}],"metadata":{"user_id":"u","other":1}}'
+    )
+    b = wire.body_decoder.decode(data)
+    assert b.model == "m" and b.stream is True
+    assert b.system == [wire.Block(type="text", text="s")]
+    assert [m.role for m in b.messages] == ["user", "assistant"]
+    assert isinstance(b.messages[0].content, msgspec.Raw)
+    assert bytes(b.messages[1].content) == b'"ok"'
+    assert len(b.tools) == 1 and b.metadata.user_id == "u"
+
+
+def test_absent_content_is_empty_raw():
+    b = wire.body_decoder.decode(b'{"input":[{"type":"function_call_output","call_id":"c"}]}')
+    assert len(b.input[0].content) == 0 and b.input[0].type == "function_call_output"
+
+
+def test_input_may_be_a_string():
+    assert wire.body_decoder.decode(b'{"input":"hi"}').input == "hi"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b'{"messages":"x"}', b'{"model":1}', b'{"system":[1]}', b'{"messages":[{"role":3}]}', b'{"tools":{}}'],
+)
+def test_a_wrong_type_is_a_validation_error_and_each_field_decodes_alone(data):
+    with pytest.raises(msgspec.ValidationError):
+        wire.body_decoder.decode(data)
+    fields = wire.loose_decoder.decode(data)
+    (name,) = fields
+    with pytest.raises(msgspec.ValidationError):
+        wire.field_decoders[name].decode(fields[name])
+
+
+def test_field_decoders_cover_every_body_field():
+    assert set(wire.field_decoders) == set(wire.Body.__struct_fields__)

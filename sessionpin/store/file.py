@@ -104,6 +104,7 @@ class FileStore:
         sweep_batch: int = 500,
         retry_interval: float = 1.0,
         busy_timeout: float = 2.0,
+        on_connect: Callable[[sqlite3.Connection], None] | None = None,
     ) -> None:
         self.path = Path(path).expanduser().absolute()
         self.url = url or f"file:{path}"
@@ -113,6 +114,7 @@ class FileStore:
         self._sweep_batch = sweep_batch
         self._retry_interval = retry_interval
         self._busy_timeout = busy_timeout
+        self._on_connect = on_connect  # runs on every new connection (tests set limits with it)
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._checked = False        # quick_check ran on this file (once per store)
@@ -225,6 +227,8 @@ class FileStore:
         if conn.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
             raise StoreError(f"{self.path}: SQLite would not use WAL mode here")
         conn.execute("PRAGMA synchronous = NORMAL")
+        if self._on_connect is not None:
+            self._on_connect(conn)
         if not self._checked:
             try:
                 verdict = [r[0] for r in conn.execute("PRAGMA quick_check")]
@@ -416,12 +420,15 @@ class FileStore:
     # == background: flush, sweep, retry ==============================================
     def _background(self) -> None:
         tick = min(self._flush_interval, self._retry_interval, self._sweep_interval)
+        next_flush = time.monotonic() + self._flush_interval
         next_sweep = time.monotonic() + self._sweep_interval
         next_retry = time.monotonic() + self._retry_interval
         while not self._stop.wait(tick):
             try:
-                self._flush()
                 now = time.monotonic()
+                if now >= next_flush:
+                    next_flush = now + self._flush_interval
+                    self._flush()
                 if now >= next_retry:
                     next_retry = now + self._retry_interval
                     self._retry()

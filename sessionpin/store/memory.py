@@ -8,6 +8,8 @@ Rules it keeps (beyond those of ``base``):
 - ``incr``/``hincr`` on a value that is not an integer raise ``StoreError`` (redis'
   "value is not an integer"); the hash loses its last field → the key is gone (redis).
 - ``durable`` is accepted and means nothing here: nothing is ever on disk.
+- Expired keys do not pile up: a write sweeps them all when ``SWEEP_EVERY`` seconds have
+  passed since the last sweep (amortised: one pass over the keys per interval).
 
 The file store uses a MemoryStore as its overlay while the disk is failing, through
 ``_state``/``_restore`` (one key's whole state, copied in and out).
@@ -54,12 +56,20 @@ class _Entry:
         self.expires_at = expires_at
 
 
+SWEEP_EVERY = 10.0
+
+
 class MemoryStore:
     def __init__(self, url: str = "memory:", *, clock: Callable[[], float] = time.time) -> None:
         self.url = url
         self._clock = clock
         self._data: dict[str, _Entry] = {}
         self._lock = threading.RLock()
+        self._last_sweep = clock()
+
+    def _maybe_sweep(self) -> None:
+        if self._clock() - self._last_sweep >= SWEEP_EVERY:
+            self.sweep()
 
     # -- helpers (call with the lock held) -------------------------------------------
     def _live(self, key: str) -> _Entry | None:
@@ -76,6 +86,7 @@ class MemoryStore:
         return entry
 
     def _hash_for_write(self, key: str) -> dict[str, str]:
+        self._maybe_sweep()
         entry = self._typed(key, HASH)
         if entry is None:
             entry = self._data[key] = _Entry(HASH, {}, None)
@@ -89,6 +100,7 @@ class MemoryStore:
 
     def set(self, key: str, value: str, ttl: float | None = None, *, nx: bool = False, durable: bool = False) -> bool:
         with self._lock:
+            self._maybe_sweep()
             if nx and self._live(key) is not None:
                 return False
             if ttl is not None and ttl <= 0:
@@ -125,6 +137,7 @@ class MemoryStore:
 
     def incr(self, key: str, by: int = 1, *, durable: bool = False) -> int:
         with self._lock:
+            self._maybe_sweep()
             entry = self._typed(key, STRING)
             if entry is None:
                 entry = self._data[key] = _Entry(STRING, "0", None)
@@ -180,7 +193,7 @@ class MemoryStore:
     def sweep(self, limit: int | None = None) -> int:
         """Drop expired keys (at most ``limit``); return how many were dropped."""
         with self._lock:
-            now = self._clock()
+            now = self._last_sweep = self._clock()
             dead = [k for k, e in self._data.items() if e.expires_at is not None and e.expires_at <= now]
             for k in dead[:limit]:
                 del self._data[k]

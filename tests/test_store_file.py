@@ -1,0 +1,558 @@
+"""The file store's own promises (sessionpin/store/file.py), beyond the shared Store rules.
+
+Durable commits are fsync'd before they return and ordinary ones within 2 s and on close;
+the files are private from the moment they exist; a garbage file is set aside (never over
+an earlier one), a newer format is refused untouched, a torn WAL frame is no corruption;
+expired rows are dropped at open and swept while running. Processes and faults have their
+own files (test_store_processes.py, test_store_faults.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import platformdirs
+import pytest
+
+from sessionpin.store import StoreError, StoreVersionError, default_store_url, open_store
+from sessionpin.store.file import APPLICATION_ID, FORMAT_VERSION, FileStore
+from sessionpin.store.memory import MemoryStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(code: str, *args: str, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=60, **kw)
+
+
+def raw_rows(path: Path) -> dict:
+    """What is in the file, read by a separate connection (not through the store)."""
+    c = sqlite3.connect(path)
+    try:
+        strings = {k: (v, e) for k, v, e in c.execute("SELECT key, value, expires_at FROM entries WHERE kind = 's'")}
+        fields = {(k, f): v for k, f, v in c.execute("SELECT key, field, value FROM fields")}
+        return {"strings": strings, "fields": fields}
+    finally:
+        c.close()
+
+
+def listing(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+# == open_store and URLs ==================================================================
+
+def test_open_store_urls(tmp_path, monkeypatch):
+    m = open_store("memory:")
+    assert isinstance(m, MemoryStore) and m.url == "memory:"
+    monkeypatch.chdir(tmp_path)
+    rel = open_store("file:rel/state.db")
+    assert rel.path == tmp_path / "rel" / "state.db" and rel.url == "file:rel/state.db"
+    rel.close()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home = open_store("file:~/s/state.db")
+    assert home.path == tmp_path / "home" / "s" / "state.db"
+    home.close()
+    absolute = open_store(f"file://{tmp_path}/abs.db")
+    assert absolute.path == tmp_path / "abs.db"
+    absolute.close()
+
+
+@pytest.mark.parametrize("url, words", [
+    ("redis://localhost:6379/0", "redis"),
+    ("ftp://x", "unknown scheme"),
+    ("state.db", "no scheme"),
+    ("file:", "names no file"),
+    ("memory:/x", "takes no path"),
+])
+def test_open_store_refuses(url, words):
+    with pytest.raises(StoreError, match=words):
+        open_store(url)
+
+
+def test_default_store_url(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    url = default_store_url()
+    assert url == f"file:{platformdirs.user_state_dir('sessionpin')}/state.db"
+    assert url == f"file:{tmp_path}/state/sessionpin/state.db"
+    s = open_store(url)
+    s.set("a", "1", durable=True)
+    s.close()
+    assert stat.S_IMODE((tmp_path / "state" / "sessionpin").stat().st_mode) == 0o700
+
+
+# == permissions ==========================================================================
+
+def test_modes(tmp_path):
+    d = tmp_path / "new" / "dir"
+    s = FileStore(d / "state.db")
+    s.set("a", "1")
+    for name in ("state.db", "state.db-wal", "state.db-shm"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o600, name
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    s.close()
+
+
+MODES_CHILD = r"""
+import os, sys, stat, threading
+os.umask(0)                                    # nothing masks: the modes are ours alone
+from sessionpin.store.file import FileStore
+path = sys.argv[1]
+watched = [os.path.dirname(path), path, path + "-wal", path + "-shm"]
+seen, stop = {}, []
+def watch():
+    while not stop:
+        for p in watched:
+            try:
+                seen.setdefault(p, set()).add(stat.S_IMODE(os.stat(p).st_mode))
+            except FileNotFoundError:
+                pass
+t = threading.Thread(target=watch); t.start()
+s = FileStore(path)
+s.set("a", "1"); s.set("b", "2", durable=True)
+stop.append(1); t.join()
+for p in watched:
+    print(os.path.basename(p), sorted(seen.get(p, ())))
+s.close()
+"""
+
+
+def test_modes_from_creation_under_umask_0(tmp_path):
+    path = tmp_path / "private" / "state.db"
+    out = child(MODES_CHILD, str(path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:4] == [
+        "private [448]", "state.db [384]", "state.db-wal [384]", "state.db-shm [384]",  # 0700, 0600
+    ]
+
+
+def test_existing_dirs_and_files(tmp_path, monkeypatch):
+    # a directory we did not create keeps its mode; our default one is made private
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    FileStore(shared / "s.db").close()
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    ours = Path(platformdirs.user_state_dir("sessionpin"))
+    ours.mkdir(parents=True)
+    os.chmod(ours, 0o755)
+    open_store(default_store_url()).close()
+    assert stat.S_IMODE(ours.stat().st_mode) == 0o700
+    # an existing store file that is readable by others is made 0600
+    loose = tmp_path / "loose.db"
+    FileStore(loose).close()
+    os.chmod(loose, 0o644)
+    FileStore(loose).close()
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o600
+
+
+# == durable and ordinary writes reach the disk ============================================
+
+STRACE_CHILD = r"""
+import os, sys
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1], flush_interval=3600)
+def mark(m): os.write(1, (m + "\n").encode())
+s.set("warm", "up", durable=True)
+mark("MARK durable-start"); s.set("pin:a", "x", durable=True); mark("MARK durable-end")
+mark("MARK ordinary-start"); s.set("seen:a", "y"); s.hincr("h", "n"); mark("MARK ordinary-end")
+mark("MARK close-start"); s.close(); mark("MARK close-end")
+"""
+
+
+def strace(tmp_path, code: str, *args: str) -> list[str]:
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    trace = tmp_path / "trace"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        ["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=openat,mkdir,close,fsync,fdatasync,write",
+         sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=60)
+    if out.returncode != 0 and "ptrace" in out.stderr:
+        pytest.skip(f"strace cannot trace here: {out.stderr.strip()[:200]}")
+    assert out.returncode == 0, out.stderr
+    return trace.read_text().splitlines()
+
+
+def syncs_between(lines: list[str], start: str, end: str) -> list[str]:
+    """Paths fsync'd/fdatasync'd between two markers, following fds through openat/close."""
+    fds: dict[tuple[str, str], str] = {}
+    inside, synced = False, []
+    for line in lines:
+        pid, _, call = line.partition(" ")
+        if f'"MARK {start}' in call:
+            inside = True
+        elif f'"MARK {end}' in call:
+            inside = False
+        elif m := re.match(r'openat\(AT_FDCWD, "([^"]+)", .*\) = (\d+)$', call):
+            fds[pid, m[2]] = m[1]
+        elif m := re.match(r"close\((\d+)\)", call):
+            fds.pop((pid, m[1]), None)
+        elif inside and (m := re.match(r"f(?:data)?sync\((\d+)\) += 0", call)):
+            synced.append(fds.get((pid, m[1]), "?"))
+    return synced
+
+
+def test_durable_write_is_fsynced_before_it_returns(tmp_path):
+    path = tmp_path / "state.db"
+    lines = strace(tmp_path, STRACE_CHILD, str(path))
+    assert f"{path}-wal" in syncs_between(lines, "durable-start", "durable-end")
+    assert syncs_between(lines, "ordinary-start", "ordinary-end") == []   # NORMAL: no fsync inline
+    at_close = syncs_between(lines, "close-start", "close-end")
+    assert f"{path}-wal" in at_close and str(path) in at_close and str(tmp_path) in at_close
+
+
+def test_creation_modes_and_directory_fsync_in_the_syscalls(tmp_path):
+    # The modes are given to open()/mkdir() themselves (no window with a wider mode), and
+    # the directory is fsync'd after the database file is created and after the WAL is.
+    path = tmp_path / "d" / "state.db"
+    lines = strace(tmp_path, STRACE_CHILD, str(path))
+    mkdirs = [l for l in lines if f'mkdir("{path.parent}"' in l]
+    assert mkdirs and all(", 0700)" in l for l in mkdirs)
+    first_create = {}   # the first open(O_CREAT) of each file is the one that made it
+    for line in lines:
+        if "O_CREAT" in line and (m := re.search(r'"([^"]+)"', line)) and m[1].startswith(str(path)):
+            first_create.setdefault(m[1], line)
+    # (-journal: SQLite's rollback journal, used once while switching the new file to WAL)
+    assert set(first_create) - {f"{path}-journal"} == {str(path), f"{path}-wal", f"{path}-shm"}
+    assert "O_EXCL" in first_create[str(path)]
+    for line in first_create.values():
+        assert re.search(r", 0600\) = \d+$", line), line
+    all_syncs = syncs_between(['0 write(1, "MARK all-start")'] + lines + ['0 write(1, "MARK all-end")'],
+                              "all-start", "all-end")
+    assert str(path.parent) in all_syncs
+    assert str(tmp_path) in all_syncs          # the new directory's entry in its parent
+
+
+# Page-cache state of a file, from the kernel (cachestat(2), Linux >= 6.5): how many of its
+# pages are dirty (not yet on stable storage) or being written back.
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+
+def unsynced_pages(path: Path) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        cs = _CacheStat()
+        if libc.syscall(451, fd, ctypes.byref(_Range(0, 0)), ctypes.byref(cs), 0) != 0:
+            err = ctypes.get_errno()
+            pytest.skip(f"cachestat(2) unavailable: {os.strerror(err)}")
+        return cs.dirty + cs.writeback
+    finally:
+        os.close(fd)
+
+
+def needs_dirty_tracking(path: Path) -> None:
+    if os.uname().machine != "x86_64":
+        pytest.skip("cachestat syscall number is for x86_64")
+    if subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True).stdout.strip() == "tmpfs":
+        pytest.skip("tmpfs has no stable storage to flush to")
+
+
+def test_ordinary_writes_reach_disk_within_2s(tmp_path):
+    needs_dirty_tracking(tmp_path)
+    path = tmp_path / "state.db"
+    s = FileStore(path)
+    try:
+        s.set("warm", "up", durable=True)
+        s.set("seen:a", "x" * 20_000)          # several pages, committed with synchronous=NORMAL
+        wal = Path(f"{path}-wal")
+        before = unsynced_pages(wal)
+        if before == 0:
+            pytest.skip("the kernel wrote the pages back before we could look")
+        t0 = time.monotonic()
+        while unsynced_pages(wal) and time.monotonic() - t0 < 2.0:
+            time.sleep(0.05)
+        assert unsynced_pages(wal) == 0, "WAL still has dirty pages 2 s after an ordinary write"
+        # and another connection (another process would be the same) reads it from the file
+        assert raw_rows(path)["strings"]["seen:a"][0] == "x" * 20_000
+    finally:
+        s.close()
+
+
+def test_ordinary_writes_reach_disk_on_close(tmp_path):
+    needs_dirty_tracking(tmp_path)
+    path = tmp_path / "state.db"
+    s = FileStore(path, flush_interval=3600)   # no background flush: only close can do it
+    keep = sqlite3.connect(path)               # another connection keeps the WAL from being removed
+    keep.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    try:
+        s.set("warm", "up", durable=True)
+        s.set("seen:a", "y" * 20_000)
+        wal = Path(f"{path}-wal")
+        if unsynced_pages(wal) == 0:
+            pytest.skip("the kernel wrote the pages back before we could look")
+        s.close()
+        assert unsynced_pages(wal) == 0 and unsynced_pages(path) == 0
+        assert raw_rows(path)["strings"]["seen:a"][0] == "y" * 20_000
+    finally:
+        keep.close()
+
+
+def test_closed_store_refuses_calls(tmp_path):
+    s = FileStore(tmp_path / "s.db")
+    s.close()
+    s.close()  # twice is fine
+    with pytest.raises(StoreError, match="closed"):
+        s.get("a")
+
+
+# == format, version, corruption ==========================================================
+
+def test_format(tmp_path):
+    path = tmp_path / "s.db"
+    s = FileStore(path)
+    s.set("a", "1", 10)
+    s.hset("h", "f", "v")
+    s.close()
+    c = sqlite3.connect(path)
+    assert c.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    assert c.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION
+    assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == {"entries", "fields"}
+    c.close()
+    rows = raw_rows(path)
+    assert rows["strings"]["a"][0] == "1" and rows["strings"]["a"][1] > time.time()
+    assert rows["fields"] == {("h", "f"): "v"}
+
+
+def make_newer(path: Path) -> None:
+    s = FileStore(path)
+    s.set("pin:a", "x", durable=True)
+    s.close()
+    c = sqlite3.connect(path)
+    c.execute(f"PRAGMA user_version = {FORMAT_VERSION + 1}")
+    c.close()
+
+
+def test_newer_version_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "s.db"
+    make_newer(path)
+    before, names, mtime = path.read_bytes(), listing(tmp_path), path.stat().st_mtime_ns
+    with pytest.raises(StoreVersionError, match=r"newer sessionpin \(store format 2, this one reads 1\)"):
+        open_store(f"file:{path}")
+    assert path.read_bytes() == before
+    assert listing(tmp_path) == names
+    assert path.stat().st_mtime_ns == mtime
+
+
+def test_newer_version_in_the_wal_is_refused(tmp_path):
+    # the header on disk still says 1; the newer version is only in the WAL
+    path = tmp_path / "s.db"
+    s = FileStore(path)
+    s.set("a", "1", durable=True)
+    c = sqlite3.connect(path)
+    c.execute("PRAGMA wal_autocheckpoint = 0")
+    c.execute(f"PRAGMA user_version = {FORMAT_VERSION + 1}")
+    with pytest.raises(StoreVersionError):
+        FileStore(path)
+    c.close()
+    s.close()
+
+
+def test_a_database_of_something_else_is_not_touched(tmp_path):
+    path = tmp_path / "other.db"
+    c = sqlite3.connect(path)
+    c.execute("CREATE TABLE songs (title)")
+    c.commit()
+    c.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="something else"):
+        FileStore(path)
+    c = sqlite3.connect(path)
+    c.execute("PRAGMA application_id = 42")
+    c.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="another application"):
+        FileStore(path)
+    assert path.read_bytes() == before
+
+
+def test_garbage_is_set_aside_twice_never_overwritten(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    asides = []
+    for round_, garbage in enumerate([b"not a database at all\n" * 10, b"\x00\xff" * 3000]):
+        path.write_bytes(garbage)
+        Path(f"{path}-wal").write_bytes(b"wal junk %d" % round_)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sessionpin.store.file"):
+            s = open_store(f"file:{path}")
+        assert s.keys() == []                             # starts empty
+        s.set("fresh", str(round_), durable=True)
+        s.close()
+        new = sorted(set(tmp_path.glob("state.db.corrupt-*")) - set(asides) - {Path(f"{a}-wal") for a in asides})
+        aside = [p for p in new if not p.name.endswith("-wal")]
+        assert len(aside) == 1
+        assert re.fullmatch(r"state\.db\.corrupt-\d{8}T\d{6}Z-\d+-\d+", aside[0].name)
+        assert aside[0].read_bytes() == garbage            # moved, not rewritten
+        assert Path(f"{aside[0]}-wal").read_bytes() == b"wal junk %d" % round_
+        [record] = [r for r in caplog.records if "moved it aside" in r.getMessage()]
+        assert str(path) in record.getMessage() and str(aside[0]) in record.getMessage()
+        asides.append(aside[0])
+    assert asides[0] != asides[1]
+    assert asides[0].read_bytes() != asides[1].read_bytes()
+    assert FileStore(path).get("fresh") == "1"
+
+
+def test_set_aside_does_not_overwrite_a_same_second_name(tmp_path, monkeypatch):
+    # Same second, same pid: the counter moves on instead of overwriting.
+    monkeypatch.setattr(time, "strftime", lambda fmt, t=None: "20260101T000000Z")
+    path = tmp_path / "state.db"
+    for i in range(3):
+        path.write_bytes(b"garbage %d" % i * 20)
+        FileStore(path).close()
+    names = sorted(p.name for p in tmp_path.glob("state.db.corrupt-*"))
+    pid = os.getpid()
+    assert names == [f"state.db.corrupt-20260101T000000Z-{pid}-{n}" for n in range(3)]
+    assert {(tmp_path / n).read_bytes() for n in names} == {b"garbage %d" % i * 20 for i in range(3)}
+
+
+def test_damaged_pages_are_set_aside(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    s = FileStore(path)
+    for i in range(2000):
+        s.set(f"k{i}", "v" * 50)
+    s.close()
+    data = bytearray(path.read_bytes())
+    assert len(data) > 8 * 4096
+    data[4096 * 3: 4096 * 6] = os.urandom(4096 * 3)    # pages 4-6: keep the header valid
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="sessionpin.store.file"):
+        s = FileStore(path)
+    assert s.keys() == []
+    s.close()
+    assert any("moved it aside" in r.getMessage() for r in caplog.records)
+    assert len(list(tmp_path.glob("state.db.corrupt-*"))) == 1
+
+
+TORN_CHILD = r"""
+import os, signal, sys
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1])
+for i in range(40):
+    s.set(f"k{i}", str(i), durable=True)
+os.kill(os.getpid(), signal.SIGKILL)              # a crash: no close, no checkpoint
+"""
+
+
+@pytest.mark.parametrize("tear", ["truncate", "scribble"])
+def test_torn_wal_frame_keeps_every_earlier_commit(tmp_path, caplog, tear):
+    path = tmp_path / "state.db"
+    out = child(TORN_CHILD, str(path))
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    wal = Path(f"{path}-wal")
+    size = wal.stat().st_size
+    assert size > 40 * 4096                                # the commits are in the WAL only
+    if tear == "truncate":
+        os.truncate(wal, size - 1000)                      # the last frame is cut mid-page
+    else:
+        with open(wal, "r+b") as f:                        # the last frame's bytes are half written
+            f.seek(size - 1000)
+            f.write(os.urandom(500))
+    with caplog.at_level(logging.WARNING, logger="sessionpin.store.file"):
+        s = FileStore(path)
+    assert [s.get(f"k{i}") for i in range(39)] == [str(i) for i in range(39)]
+    assert s.get("k39") is None                            # only the torn commit is gone
+    s.set("after", "1", durable=True)
+    s.close()
+    assert not list(tmp_path.glob("*.corrupt-*"))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert FileStore(path).get("after") == "1"
+
+
+# == expiry ==============================================================================
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def count_rows(path: Path) -> tuple[int, int]:
+    c = sqlite3.connect(path)
+    try:
+        return (c.execute("SELECT count(*) FROM entries").fetchone()[0],
+                c.execute("SELECT count(*) FROM fields").fetchone()[0])
+    finally:
+        c.close()
+
+
+def test_expired_rows_are_dropped_on_load(tmp_path):
+    clock = Clock()
+    path = tmp_path / "s.db"
+    s = FileStore(path, clock=clock, sweep_interval=3600)
+    for i in range(300):
+        s.set(f"short{i}", "x", 10)
+        s.hset(f"hash{i}", "f", "v")
+        s.expire(f"hash{i}", 10)
+    s.set("long", "x", 1000)
+    s.set("forever", "x")
+    s.close()
+    assert count_rows(path) == (602, 300)
+    clock.t += 10
+    s = FileStore(path, clock=clock, sweep_interval=3600)
+    assert count_rows(path) == (2, 0)                      # gone from the file, not just hidden
+    assert s.keys() == ["forever", "long"]
+    s.close()
+
+
+def test_expired_rows_are_swept_while_running(tmp_path):
+    clock = Clock()
+    path = tmp_path / "s.db"
+    s = FileStore(path, clock=clock, sweep_interval=0.05, sweep_batch=100)
+    try:
+        for i in range(1000):
+            s.set(f"short{i}", "x", 5)
+        s.hset("h", "f", "v")
+        s.expire("h", 5)
+        s.set("keep", "x")
+        clock.t += 5
+        assert s.keys() == ["keep"]                        # absent at once...
+        t0 = time.monotonic()
+        while count_rows(path) != (1, 0) and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert count_rows(path) == (1, 0)                  # ...and deleted soon after, in batches
+    finally:
+        s.close()
+
+
+def test_sweep_is_bounded(tmp_path):
+    clock = Clock()
+    s = FileStore(tmp_path / "s.db", clock=clock, sweep_interval=3600, sweep_batch=50)
+    for i in range(120):
+        s.set(f"k{i}", "x", 1)
+    clock.t += 1
+    assert s.sweep(limit=70) == 70
+    assert s.sweep() == 50                                 # 50, then the last batch of 0 ends it
+    assert s.sweep() == 0
+    s.close()
+
+
+def test_memory_store_sweeps_too():
+    clock = Clock()
+    m = MemoryStore(clock=clock)
+    for i in range(100):
+        m.set(f"k{i}", "x", 1)
+    clock.t += 11
+    m.set("new", "x")
+    assert len(m._data) == 1

@@ -1,0 +1,456 @@
+"""The sessionpin command, against a real config file and a real file store in a tmp dir."""
+
+import io
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sessionpin import cli, config, pins
+from sessionpin.store import open_store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFIG = '''\
+# my servers
+[servers.anthropic]
+url = "https://api.anthropic.com"
+
+[servers.glm]
+url = "https://api.z.ai/api/anthropic"
+key_env = "SP_TEST_GLM_KEY"   # set where the proxy runs
+
+# glm is slow today
+[agents.claude-code]
+server = "anthropic"          # new conversations go here
+
+[agents.opencode]
+server = "glm"
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A config file and a store URL in tmp_path, given to the CLI through its variables."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(CONFIG)
+    url = f"file:{tmp_path / 'state' / 'state.db'}"
+    monkeypatch.setenv("SESSIONPIN_CONFIG", str(cfg))
+    monkeypatch.setenv("SESSIONPIN_STORE", url)
+    monkeypatch.delenv("SP_TEST_GLM_KEY", raising=False)
+    # Nothing listens here: the "is a proxy answering" fallback must not find a teammate's proxy.
+    monkeypatch.setattr(cli, "DEFAULT_LISTEN", ("127.0.0.1", free_port()))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    return type("Env", (), {"cfg": cfg, "url": url, "dir": tmp_path})
+
+
+def put_pins(url: str, entries: list[tuple]) -> None:
+    """entries: (session, agent, server, since_ago_s, last_seen_ago_s or None, requests)."""
+    store = open_store(url)
+    now = time.time()
+    try:
+        for session, agent, server, since_ago, last_ago, requests in entries:
+            t = now - since_ago
+            pins.create(store, session, pins.Pin(agent=agent, server=server, since=t, renewed=t,
+                                                 rule="opening", turn="opening"))
+            if last_ago is not None:
+                pins.record_seen(store, session, now - last_ago, requests)
+    finally:
+        store.close()
+
+
+def read_pin(url: str, session: str) -> pins.Pin | None:
+    store = open_store(url)
+    try:
+        return pins.load(store, session)
+    finally:
+        store.close()
+
+
+RUNNING = [
+    ("1f0c9a2b-aaaa-4000-8000-000000000001", "claude-code", "anthropic", 7200, 120, 41),
+    ("1f0c9a2b-bbbb-4000-8000-000000000002", "claude-code", "anthropic", 90000, 20000, 3),
+    ("77e1d3c4-cccc-4000-8000-000000000003", "claude-code", None, 600, 30, 5),
+    ("ses_5a1b2c3d4e5f", "opencode", "glm", 300, 10, 12),
+]
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    o, e = capsys.readouterr()
+    return code, o, e
+
+
+# --- use --------------------------------------------------------------------------
+
+
+def test_use_rewrites_only_that_setting_and_says_what_stays(env, capsys):
+    put_pins(env.url, RUNNING)
+    code, o, e = run(capsys, "use", "claude-code", "glm")
+    assert code == 0, e
+    assert o.splitlines()[0] == "New claude-code conversations → glm. (was: anthropic)"
+    assert o.splitlines()[1] == "3 running conversations stay where they are: 2 on anthropic, 1 not routed."
+    assert "1 active in the last hour" not in o          # two were active in the last hour
+    assert "2 active in the last hour" in o
+    # Only the one line changed, its comment kept.
+    before, after = CONFIG.splitlines(), env.cfg.read_text().splitlines()
+    assert [(a, b) for a, b in zip(before, after) if a != b] == [
+        ('server = "anthropic"          # new conversations go here',
+         'server = "glm"          # new conversations go here')]
+    assert config.load(env.cfg).current("claude-code") == "glm"
+    assert "No proxy is answering" in o
+    assert "SP_TEST_GLM_KEY is not set" in e
+
+
+def test_use_choice_in_force_writes_nothing(env, capsys):
+    mtime = env.cfg.stat().st_mtime_ns
+    code, o, _ = run(capsys, "use", "claude-code", "anthropic")
+    assert code == 0
+    assert o == "New claude-code conversations already go to anthropic; nothing written.\n"
+    assert env.cfg.stat().st_mtime_ns == mtime and env.cfg.read_text() == CONFIG
+
+
+def test_use_not_routed_and_new_agent_table(env, capsys):
+    code, o, _ = run(capsys, "use", "claude-code", "--not-routed")
+    assert code == 0
+    assert o.startswith("New claude-code conversations → not routed (left alone: they go where claude-code sends them).")
+    assert "No running claude-code conversations" in o
+    code, o, _ = run(capsys, "use", "pi", "glm")
+    assert code == 0
+    cfg = config.load(env.cfg)
+    assert cfg.current("claude-code") is None and cfg.current("pi") == "glm" and cfg.current("opencode") == "glm"
+    text = env.cfg.read_text()
+    assert "# glm is slow today" in text and text.endswith('[agents.pi]\nserver = "glm"\n')
+
+
+def test_use_singular_sentence(env, capsys):
+    put_pins(env.url, RUNNING[3:])
+    code, o, _ = run(capsys, "use", "opencode", "anthropic")
+    assert code == 0
+    assert "1 running conversation stays where it is: 1 on glm." in o
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["use", "claude", "glm"], "sessionpin: unknown agent 'claude' (known: claude-code, opencode, pi, codex, gemini-cli)"),
+    (["use", "claude-code", "glmm"], "sessionpin: no server named 'glmm' in"),
+    (["use", "claude-code", "glm", "--not-routed"], "sessionpin: give a SERVER or --not-routed, not both"),
+    (["move", "1f0c", "nowhere", "--yes"], "sessionpin: no server named 'nowhere'"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(env, capsys, argv, message):
+    put_pins(env.url, RUNNING)
+    code, o, e = run(capsys, *argv)
+    assert code == 1
+    assert o == ""
+    assert e.startswith(message) and e.count("\n") == 1
+    assert env.cfg.read_text() == CONFIG
+
+
+def test_broken_config_names_file_line_and_key(env, capsys):
+    env.cfg.write_text(CONFIG.replace('server = "glm"', 'server = "glmm"'))
+    code, o, e = run(capsys, "use", "claude-code", "glm")
+    assert code == 1 and o == ""
+    assert e.startswith("sessionpin: config.toml:14: agents.opencode.server: no server named 'glmm'")
+    assert e.count("\n") == 1
+    code, _, e = run(capsys, "status")
+    assert code == 1 and "config.toml:14" in e
+
+
+def test_edit_that_would_not_say_what_was_asked_is_refused(env, capsys):
+    text = '[servers.a]\nurl = "https://a.example"\n[agents]\ncodex = { server = "" }\n'
+    env.cfg.write_text(text)
+    code, _, e = run(capsys, "use", "codex", "a")
+    assert code == 1
+    assert "could not change agents.codex.server" in e and "nothing written" in e
+    assert env.cfg.read_text() == text
+
+
+# --- sessions, prefixes -------------------------------------------------------------
+
+
+def test_sessions_table_and_filters(env, capsys):
+    put_pins(env.url, RUNNING)
+    code, o, _ = run(capsys, "sessions")
+    assert code == 0
+    lines = o.splitlines()
+    assert lines[0].split() == ["SESSION", "AGENT", "SERVER", "PINNED", "LAST", "SEEN", "REQUESTS"]
+    # Most recently seen first.
+    assert lines[1].split() == ["ses_5a1b2c3d", "opencode", "glm", "5m", "ago", "10s", "ago", "12"]
+    assert lines[2].split()[:3] == ["77e1d3c4", "claude-code", "not"]
+    assert len(lines) == 5
+    code, o, _ = run(capsys, "sessions", "--agent", "claude-code", "--server", "anthropic")
+    assert [line.split()[0] for line in o.splitlines()[1:]] == ["1f0c9a2b", "1f0c9a2b"]
+    code, o, _ = run(capsys, "sessions", "--not-routed", "--json")
+    data = json.loads(o)
+    assert [d["session"] for d in data] == ["77e1d3c4-cccc-4000-8000-000000000003"]
+    assert data[0]["server"] is None and data[0]["requests"] == 5 and data[0]["agent"] == "claude-code"
+
+
+def test_sessions_unknown_filter(env, capsys):
+    put_pins(env.url, RUNNING)
+    code, _, e = run(capsys, "sessions", "--server", "nope")
+    assert code == 1 and "no server named 'nope' and no conversation pinned to it" in e
+    code, _, e = run(capsys, "sessions", "--agent", "claudecode")
+    assert code == 1 and "unknown agent" in e
+
+
+def test_ambiguous_prefix_lists_candidates(env, capsys):
+    put_pins(env.url, RUNNING)
+    code, o, e = run(capsys, "forget", "1f0c9a2b", "--yes")
+    assert code == 1 and o == ""
+    assert "'1f0c9a2b' matches 2 conversations: 1f0c9a2b-aaaa" in e and "1f0c9a2b-bbbb" in e
+    assert "give more characters" in e
+    code, _, e = run(capsys, "forget", "zzz", "--yes")
+    assert code == 1 and "no pinned conversation starts with 'zzz'" in e
+
+
+# --- move, forget -------------------------------------------------------------------
+
+
+def test_move_without_yes_and_no_terminal_is_refused(env, capsys):
+    put_pins(env.url, RUNNING)
+    code, o, e = run(capsys, "move", "1f0c9a2b-a", "glm")
+    assert code == 1 and o == ""
+    assert "Moving running conversation 1f0c9a2b (claude-code" in e and "from anthropic to glm" in e
+    assert "context window (400" in e and "invalid signature" in e and "(403" in e
+    assert e.splitlines()[-1] == "sessionpin: 1f0c9a2b not moved: confirm with --yes (stdin is not a terminal, so sessionpin cannot ask)"
+    assert read_pin(env.url, RUNNING[0][0]).server == "anthropic"
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_move_confirmed_at_a_terminal(env, capsys, monkeypatch):
+    put_pins(env.url, RUNNING)
+    monkeypatch.setattr(sys, "stdin", Terminal("n\n"))
+    code, _, e = run(capsys, "move", "1f0c9a2b-a", "glm")
+    assert code == 1 and "not confirmed" in e
+    assert read_pin(env.url, RUNNING[0][0]).server == "anthropic"
+    monkeypatch.setattr(sys, "stdin", Terminal("y\n"))
+    code, o, _ = run(capsys, "move", "1f0c9a2b-a", "glm")
+    assert code == 0
+    assert o.startswith("Moved 1f0c9a2b (claude-code) from anthropic to glm.")
+    pin = read_pin(env.url, RUNNING[0][0])
+    assert pin.server == "glm" and pin.agent == "claude-code" and pin.rule == "operator"
+
+
+def test_move_yes_and_not_routed_and_already_there(env, capsys):
+    put_pins(env.url, RUNNING)
+    code, o, _ = run(capsys, "move", "ses_5a", "--not-routed", "--yes")
+    assert code == 0 and "from glm to not routed" in o
+    assert read_pin(env.url, "ses_5a1b2c3d4e5f").server is None
+    code, o, _ = run(capsys, "move", "ses_5a", "--not-routed", "--yes")
+    assert code == 0 and "already not routed; nothing written" in o
+
+
+def test_forget(env, capsys):
+    put_pins(env.url, RUNNING)
+    # A not-routed pin: forgetting it moves nothing, no question asked.
+    code, o, _ = run(capsys, "forget", "77e1")
+    assert code == 0 and o.startswith("Forgot 77e1d3c4 (claude-code, was not routed).")
+    assert read_pin(env.url, RUNNING[2][0]) is None
+    # A routed one: forgetting it moves it, so it is confirmed like a move.
+    code, _, e = run(capsys, "forget", "ses_5a")
+    assert code == 1 and "moves it" in e and "not forgotten: confirm with --yes" in e
+    assert read_pin(env.url, "ses_5a1b2c3d4e5f") is not None
+    code, _, _ = run(capsys, "forget", "ses_5a", "-y")
+    assert code == 0 and read_pin(env.url, "ses_5a1b2c3d4e5f") is None
+
+
+def test_missing_store(env, capsys, tmp_path):
+    missing = tmp_path / "nowhere" / "state.db"
+    code, o, _ = run(capsys, "--store", f"file:{missing}", "sessions")
+    assert code == 0 and "no pinned conversations (no store file yet at" in o
+    code, _, e = run(capsys, "move", "abc", "glm", "--store", f"file:{missing}", "--yes")
+    assert code == 1 and e.startswith(f"sessionpin: no store at {missing} yet") and e.count("\n") == 1
+    assert not missing.parent.exists()          # reading never creates it
+    code, _, e = run(capsys, "sessions", "--store", "redis://localhost")
+    assert code == 1 and e.startswith("sessionpin: cannot open the store redis://localhost:") and e.count("\n") == 1
+
+
+# --- servers ------------------------------------------------------------------------
+
+
+def test_servers_add_and_list(env, capsys):
+    code, o, _ = run(capsys, "servers", "add", "ete", "https://ete.example/anthropic", "--key-env", "ETE_KEY")
+    assert code == 0 and o.startswith("Added server ete: https://ete.example/anthropic.")
+    text = env.cfg.read_text()
+    assert text.startswith(CONFIG.split("# glm is slow today")[0])
+    assert '[servers.ete]\nurl = "https://ete.example/anthropic"\nkey_env = "ETE_KEY"\n\n# glm is slow today' in text
+    code, o, _ = run(capsys, "servers", "--json")
+    assert [s["name"] for s in json.loads(o)] == ["anthropic", "glm", "ete"]
+    code, _, e = run(capsys, "servers", "add", "ete", "https://x.example")
+    assert code == 1 and "a server named 'ete' exists" in e
+    code, _, e = run(capsys, "servers", "add", "bad", "ftp://x.example")
+    assert code == 1 and "servers.bad.url: must start with https://" in e and "nothing written" in e
+
+
+def test_servers_remove_warns_and_needs_force(env, capsys):
+    put_pins(env.url, RUNNING)
+    code, _, e = run(capsys, "servers", "remove", "glm")
+    assert code == 1 and "new opencode conversations go to glm; first send them elsewhere" in e
+    run(capsys, "use", "opencode", "anthropic")
+    code, o, e = run(capsys, "servers", "remove", "glm")
+    assert code == 1 and o == ""
+    assert "1 running conversation is pinned to glm (1 opencode; 1 active in the last hour)." in e
+    assert "refuses their requests with 503" in e
+    assert e.splitlines()[-1] == "sessionpin: glm not removed: run again with --force to remove it anyway"
+    assert "glm" in config.load(env.cfg).servers
+    code, o, _ = run(capsys, "servers", "remove", "glm", "--force")
+    assert code == 0 and "1 conversation pinned to glm now get 503" in o
+    cfg = config.load(env.cfg)
+    assert list(cfg.servers) == ["anthropic"]
+    text = env.cfg.read_text()
+    assert "# my servers" in text and "# glm is slow today" in text and "SP_TEST_GLM_KEY" not in text
+    # The pins stay: the operator decides (status shows them as pinned to an unconfigured server).
+    code, o, _ = run(capsys, "status", "--json")
+    assert json.loads(o)["unconfigured_servers_with_pins"] == [{"name": "glm", "pinned": 1, "active_last_hour": 1}]
+
+
+def test_servers_remove_without_pins_needs_no_force(env, capsys):
+    run(capsys, "use", "opencode", "anthropic")
+    code, o, _ = run(capsys, "servers", "remove", "glm")
+    assert code == 0 and o.startswith("Removed server glm")
+
+
+# --- status, doctor -----------------------------------------------------------------
+
+
+def test_status(env, capsys, monkeypatch):
+    put_pins(env.url, RUNNING)
+    code, o, _ = run(capsys, "status", "--json")
+    assert code == 0
+    s = json.loads(o)
+    assert s["config"] == str(env.cfg) and s["store"] == env.url
+    assert s["proxy"]["answering"] is False and "no proxy heartbeat in the store" in s["proxy"]["why"]
+    by = {x["name"]: x for x in s["servers"]}
+    assert (by["anthropic"]["pinned"], by["anthropic"]["active_last_hour"]) == (2, 1)
+    assert (by["glm"]["pinned"], by["glm"]["active_last_hour"], by["glm"]["key_set"]) == (1, 1, False)
+    assert s["not_routed"] == {"pinned": 1, "active_last_hour": 1}
+    assert s["agents"]["claude-code"] == "anthropic" and s["agents"]["pi"] is None
+    monkeypatch.setenv("SP_TEST_GLM_KEY", "x")
+    code, o, _ = run(capsys, "status")
+    assert code == 0
+    rows = {line.split()[0]: line.split()[1:] for line in o.splitlines() if line.strip()}
+    assert rows["glm"] == ["https://api.z.ai/api/anthropic", "$SP_TEST_GLM_KEY", "set", "1", "1"]
+    assert rows["anthropic"] == ["https://api.anthropic.com", "the", "agent's", "own", "2", "1"]
+    assert rows["(not"] == ["routed)", "-", "-", "1", "1"]
+    assert "(keys checked in this shell's environment)" in o
+    assert "proxy   not answering: no proxy heartbeat in the store" in o
+
+
+def test_doctor(env, capsys):
+    put_pins(env.url, RUNNING)
+    confdir = env.dir / "mitm"
+    confdir.mkdir()
+    code, o, _ = run(capsys, "doctor", "--confdir", str(confdir))
+    assert code == 1
+    lines = o.splitlines()
+    assert lines[0].startswith("ok    config")
+    assert lines[1].startswith("ok    store") and "mode 0600 in a 0700 directory" in lines[1]
+    assert any(line.startswith("FAIL  CA") and "start the proxy once" in line for line in lines)
+    assert any(line.startswith("FAIL  proxy") for line in lines)
+    assert any(line.startswith("FAIL  key glm") and "$SP_TEST_GLM_KEY is not set in this shell" in line for line in lines)
+    assert lines[-1] == "3 problems to fix."
+    (confdir / "mitmproxy-ca-cert.pem").write_text("x")
+    db = cli.store_file(env.url)
+    os.chmod(db, 0o644)
+    os.chmod(db.parent, 0o755)
+    code, o, _ = run(capsys, "doctor", "--confdir", str(confdir), "--json")
+    checks = {c["check"]: c for c in json.loads(o)["checks"]}
+    assert checks["CA"]["state"] == "ok"
+    assert checks["store mode"]["state"] == "warn" and "was mode 0644" in checks["store mode"]["detail"]
+    assert checks["store"]["state"] == "fail" and f"chmod 700 {db.parent}" in checks["store"]["detail"]
+
+
+def test_doctor_broken_config(env, capsys):
+    env.cfg.write_text("[servers.a]\nurl = 3\n")
+    code, o, _ = run(capsys, "doctor")
+    assert code == 1 and "FAIL  config  config.toml:2: servers.a.url: must be a string" in o
+
+
+# --- env, exec, run -----------------------------------------------------------------
+
+
+def test_env_lines_per_runtime(env, capsys):
+    confdir = env.dir / "mitm"
+    code, o, _ = run(capsys, "env", "claude-code", "--confdir", str(confdir))
+    assert code == 0
+    exports = [line for line in o.splitlines() if line.startswith("export")]
+    port = cli.DEFAULT_LISTEN[1]
+    assert exports == [f"export HTTPS_PROXY=http://127.0.0.1:{port}", f"export HTTP_PROXY=http://127.0.0.1:{port}",
+                       f"export NODE_EXTRA_CA_CERTS={confdir / 'mitmproxy-ca-cert.pem'}"]
+    assert "does not exist yet" in o and "no proxy is answering yet" in o
+    code, o, _ = run(capsys, "env", "codex", "--confdir", str(confdir), "--json")
+    e = json.loads(o)["env"]
+    assert set(e) == {"HTTPS_PROXY", "HTTP_PROXY", "SSL_CERT_FILE", "CODEX_CA_CERTIFICATE"}
+    code, o, _ = run(capsys, "env", "claude-code", "--reverse", "8081")
+    assert "export ANTHROPIC_BASE_URL=http://127.0.0.1:8081" in o
+    assert "sessionpin run --mode reverse:https://api.anthropic.com@8081" in o
+    code, _, e = run(capsys, "env", "pi", "--reverse", "8081")
+    assert code == 1 and "pi has no base-URL variable" in e
+
+
+def test_exec_runs_the_command_with_the_variables(env, tmp_path):
+    script = "import os, json; print(json.dumps({k: os.environ.get(k) for k in ('HTTPS_PROXY', 'NODE_EXTRA_CA_CERTS', 'SSL_CERT_FILE')}))"
+    p = subprocess.run([sys.executable, "-m", "sessionpin.cli", "exec", "--proxy", "127.0.0.1:9999",
+                        "--confdir", str(tmp_path), "--", sys.executable, "-c", script],
+                       capture_output=True, text=True, env=os.environ, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"HTTPS_PROXY": "http://127.0.0.1:9999",
+                                    "NODE_EXTRA_CA_CERTS": str(tmp_path / "mitmproxy-ca-cert.pem"),
+                                    "SSL_CERT_FILE": str(tmp_path / "mitmproxy-ca-cert.pem")}
+    p = subprocess.run([sys.executable, "-m", "sessionpin.cli", "exec", "--", "no-such-command-xyz"],
+                       capture_output=True, text=True, env=os.environ, cwd=ROOT, timeout=60)
+    assert p.returncode == 127 and p.stderr.splitlines()[-1] == "sessionpin: command not found: no-such-command-xyz"
+
+
+def test_run_command_line(env, capsys):
+    code, o, _ = run(capsys, "run", "--dry-run")
+    assert code == 0
+    import shlex
+    cmd = shlex.split(o)
+    assert Path(cmd[0]).name == "mitmdump"
+    assert cmd[1:5] == ["--listen-host", "127.0.0.1", "--listen-port", str(cli.DEFAULT_LISTEN[1])]
+    script = Path(cmd[cmd.index("-s") + 1])
+    assert script.is_file() and "make_addons" in script.read_text()
+    assert f"sessionpin_config={env.cfg}" in cmd and f"sessionpin_store={env.url}" in cmd
+    assert "connection_strategy=lazy" in cmd
+    code, o, _ = run(capsys, "run", "--web", "--dry-run", "-p", "9090", "--set", "termlog_verbosity=warn")
+    cmd = shlex.split(o)
+    assert Path(cmd[0]).name == "mitmweb"
+    assert "--listen-port" not in cmd and cmd[-4:] == ["-p", "9090", "--set", "termlog_verbosity=warn"]
+    assert any(a.startswith("web_columns=") and a.endswith(",comment") for a in cmd)
+
+
+def test_run_refuses_a_broken_config(env, capsys):
+    env.cfg.write_text("[agents.nobody]\n")
+    code, _, e = run(capsys, "run", "--dry-run")
+    assert code == 1 and "agents.nobody: unknown agent" in e
+
+
+# --- the installed script -------------------------------------------------------------
+
+
+def test_console_script_errors_without_traceback(env):
+    exe = Path(sys.executable).parent / "sessionpin"
+    argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "sessionpin.cli"]
+    env.cfg.write_text("[servers.a\n")
+    p = subprocess.run(argv + ["status"], capture_output=True, text=True, env=os.environ, timeout=60)
+    assert p.returncode == 1
+    assert p.stderr.startswith("sessionpin: config.toml:1: TOML syntax:") and p.stderr.count("\n") == 1
+    p = subprocess.run(argv + ["use"], capture_output=True, text=True, env=os.environ, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1

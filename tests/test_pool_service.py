@@ -1,0 +1,257 @@
+"""The service the addon calls: scope, routing decisions, observation, fallbacks, the loop."""
+import asyncio
+
+import pytest
+
+import sessionpin.pool as pool
+from fakegateway import FakeClock, ScriptedProbe
+from sessionpin.pool import state
+from sessionpin.pool.options import PoolConfig
+from sessionpin.pool.service import PoolService, conversation_of, scope_of
+from sessionpin.pool.signals import ProbeResult
+from sessionpin.store import open_store
+from sessionpin.store.base import StoreError
+
+GW = "https://opencode.ai"
+CHAT = GW + "/zen/go/v1/chat/completions"
+M = "deepseek-v4.1-flash"
+AUTH = {"authorization": "Bearer k1"}
+FAST = ProbeResult("fast", 200, 900, "upstream")
+SLOW = ProbeResult("slow", 200, 20_000, "upstream")
+
+
+@pytest.mark.parametrize("method,url,expect", [
+    ("POST", CHAT, ("opencode-go", "chat/completions")),
+    ("POST", GW + "/zen/v1/messages", ("opencode", "messages")),
+    ("POST", GW + "/zen/v1/responses?x=1", ("opencode", "responses")),
+    ("post", "https://OPENCODE.AI:443/zen/v1/chat/completions", ("opencode", "chat/completions")),
+    ("GET", CHAT, None),
+    ("POST", GW + "/zen/v1/models", None),
+    ("POST", GW + "/inference/v1/chat/completions", None),
+    ("POST", "https://api.anthropic.com/v1/messages", None),
+    ("POST", "http://opencode.ai/zen/v1/messages", None),
+    ("POST", "not a url", None),
+])
+def test_scope(method, url, expect):
+    sc = scope_of(PoolConfig(), method, url)
+    assert (sc and (sc.provider, sc.kind)) == (expect or None)
+
+
+def test_scope_off_switch_and_custom_gateway():
+    assert scope_of(PoolConfig(enabled=False), "POST", CHAT) is None
+    cfg = PoolConfig(gateways=("https://127.0.0.1:9443",))
+    assert scope_of(cfg, "POST", "https://127.0.0.1:9443/zen/v1/messages").provider == "opencode"
+    assert scope_of(cfg, "POST", CHAT) is None
+
+
+def test_conversation_prefers_the_client_header_then_the_reader():
+    assert conversation_of({"x-opencode-session": "ses_1"}, "fp:abc") == "ses_1"
+    assert conversation_of({}, "fp:abc") == "fp:abc"
+    assert conversation_of({"x-opencode-session": "x" * 300}, None) is None
+    assert conversation_of({"x-opencode-session": "a\nb"}, "fp:z") == "fp:z"
+
+
+def make(cfg=PoolConfig(), script=(), default=None, takes_ms=1000):
+    clock = FakeClock()
+    scripted = ScriptedProbe(clock, script, default=default, takes_ms=takes_ms)
+
+    async def probe(target, sid, timeout):
+        return await scripted(sid, timeout)
+
+    svc = PoolService(cfg, open_store("memory:"), clock=clock, probe=probe)
+    return svc, clock, scripted
+
+
+def add_spare(svc, clock, sid, provider="opencode-go", model=M):
+    state.add_spare(svc.store, provider, model, sid, state.Spare(upstream_ms=900, verified_at=clock.now,
+                                                                  created_at=clock.now))
+
+
+async def test_opencode_client_gets_a_fresh_spare_then_keeps_it():
+    svc, clock, _ = make()
+    add_spare(svc, clock, "spare-1")
+    h = {"X-OpenCode-Session": "ses_abc", **AUTH}
+    r = await svc.route("POST", CHAT, h, session="ses_abc", model=M)
+    assert (r.routed_id, r.how, r.client_id) == ("spare-1", "spare", "ses_abc")
+    assert r.key == "ses_abc::opencode-go::deepseek-v4.1-flash"
+    add_spare(svc, clock, "spare-2")
+    again = await svc.route("POST", CHAT, h, session="ses_abc", model=M)
+    assert (again.routed_id, again.how) == ("spare-1", "binding")
+    assert svc.refill_at == clock.now + svc.cfg.refill_delay_ms       # a take asks for a refill
+
+
+async def test_no_spare_no_budget_opencode_keeps_its_own_id_pi_gets_one_id_for_good():
+    svc, clock, probe = make()
+    oc = await svc.route("POST", CHAT, {"x-opencode-session": "ses_1", **AUTH}, session="ses_1", model=M)
+    assert (oc.routed_id, oc.how, oc.observed) == ("ses_1", "client", False)
+    pi1 = await svc.route("POST", CHAT, AUTH, session="fp:0123", model=M)
+    assert pi1.how == "fresh" and pi1.client_id is None
+    add_spare(svc, clock, "spare-1")
+    pi2 = await svc.route("POST", CHAT, AUTH, session="fp:0123", model=M)
+    assert pi2.routed_id == pi1.routed_id and pi2.how == "binding"
+    assert probe.calls == []                                        # nothing on the request path
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(method="POST", url=CHAT, headers={"x-opencode-session": "s"}, session="s", model=M),   # no credentials
+    dict(method="POST", url=CHAT, headers=AUTH, session=None, model=M),                          # no conversation
+    dict(method="POST", url=CHAT, headers=AUTH, session="s", model=None),                        # no model
+    dict(method="GET", url=CHAT, headers=AUTH, session="s", model=M),
+])
+async def test_left_alone(kwargs):
+    svc, *_ = make()
+    assert await svc.route(**kwargs) is None
+
+
+async def test_concurrent_requests_of_one_key_share_one_acquisition():
+    svc, clock, probe = make(PoolConfig(startup_budget_ms=5000), [FAST])
+    h = {"x-opencode-session": "ses_1", **AUTH}
+    a, b = await asyncio.gather(*(svc.route("POST", CHAT, h, session="ses_1", model=M, opening=True)
+                                  for _ in range(2)))
+    assert a.routed_id == b.routed_id and a.how == "probe" and len(probe.calls) == 1
+    assert svc.counters["deduped"] == 1
+
+
+async def test_failed_budgeted_acquisition_cools_the_key_down():
+    cfg = PoolConfig(request_budget_ms=3000, min_probe_interval_ms=0)
+    svc, clock, probe = make(cfg, default=SLOW, takes_ms=1000)
+    h = {"x-opencode-session": "ses_1", **AUTH}
+    first = await svc.route("POST", CHAT, h, session="ses_1", model=M)
+    assert first.how == "client" and len(probe.calls) == 2 and svc.counters["cooldowns"] == 1
+    await svc.route("POST", CHAT, h, session="ses_1", model=M)
+    assert len(probe.calls) == 2                                     # no second tax
+    clock.now += cfg.probe_cooldown_ms
+    await svc.route("POST", CHAT, h, session="ses_1", model=M)
+    assert len(probe.calls) == 4
+
+
+async def test_startup_budget_applies_to_the_opening_request_only():
+    svc, clock, probe = make(PoolConfig(startup_budget_ms=5000), [FAST])
+    h = {"x-opencode-session": "ses_9", **AUTH}
+    assert (await svc.route("POST", CHAT, h, session="ses_9", model=M)).how == "client"
+    assert probe.calls == []
+    assert (await svc.route("POST", CHAT, h, session="ses_9", model=M, opening=True)).how == "probe"
+
+
+async def test_rejected_key_blocks_until_a_new_key_is_seen():
+    svc, clock, probe = make(PoolConfig(request_budget_ms=5000), [ProbeResult("unauthorized", 401)], default=FAST)
+    await svc.route("POST", CHAT, {"x-opencode-session": "a", **AUTH}, session="a", model=M)
+    await svc.route("POST", CHAT, {"x-opencode-session": "b", **AUTH}, session="b", model=M)
+    assert len(probe.calls) == 1
+    r = await svc.route("POST", CHAT, {"x-opencode-session": "c", "authorization": "Bearer k2"}, session="c", model=M)
+    assert r.how == "probe" and len(probe.calls) == 2
+
+
+async def test_observe_retires_and_the_next_request_gets_a_new_id():
+    svc, clock, _ = make()
+    add_spare(svc, clock, "s1")
+    add_spare(svc, clock, "s2")
+    h = {"x-opencode-session": "ses_1", **AUTH}
+    r = await svc.route("POST", CHAT, h, session="ses_1", model=M)
+    assert svc.observe(r, 200, {"Server-Timing": "upstream;dur=9000"}) == "retire"
+    r2 = await svc.route("POST", CHAT, h, session="ses_1", model=M)
+    assert r2.routed_id != r.routed_id and r2.how == "spare"
+    assert svc.observe(r, 200, {"server-timing": "upstream;dur=100"}) == "unbound"
+
+
+class BrokenStore:
+    url = "file:/broken"
+
+    def __getattr__(self, name):
+        def fail(*a, **k):
+            raise StoreError("disk is gone")
+        return fail
+
+
+async def test_unwritable_store_routing_continues_from_memory():
+    svc, clock, _ = make()
+    svc.configure(svc.cfg, BrokenStore())
+    r = await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
+    assert r.how == "fresh" and svc.counters["store_errors"] == 1
+    again = await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
+    assert again.routed_id == r.routed_id
+    assert svc.observe(again, 200, {"server-timing": "upstream;dur=10"}) == "healthy"
+
+
+async def test_probe_credentials_stay_in_memory_and_are_replaced():
+    svc, clock, _ = make()
+    await svc.route("POST", CHAT, {"authorization": "Bearer k1", "x-opencode-session": "a", "cookie": "c"},
+                    session="a", model=M)
+    (t,) = svc.targets.values()
+    assert dict(t.probe_target.headers) == {"authorization": "Bearer k1"}
+    await svc.route("POST", CHAT, {"authorization": "Bearer k2"}, session="fp:1", model=M)
+    assert dict(t.probe_target.headers) == {"authorization": "Bearer k2"}
+    dump = repr({k: svc.store.hgetall(k) for k in svc.store.keys("")})
+    assert "k1" not in dump and "k2" not in dump and "opencode.ai" not in dump
+
+
+# ---- the loop and its survival across a reload --------------------------------------------
+
+def real(cfg, script=(), default=None):
+    """A service on the real clock (short delays) with a scripted probe."""
+    calls = []
+
+    async def probe(target, sid, timeout):
+        calls.append(sid)
+        item = script.pop(0) if script else default
+        if isinstance(item, float):
+            await asyncio.sleep(item)
+            return FAST
+        return item or FAST
+
+    return PoolService(cfg, open_store("memory:"), probe=probe), calls
+
+
+LOOP_CFG = PoolConfig(size=1, refill_delay_ms=50, refresh_interval_ms=1000, min_probe_interval_ms=0)
+
+
+async def test_first_run_is_delayed_then_the_pool_fills_and_start_is_idempotent():
+    svc, calls = real(LOOP_CFG)
+    await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)   # learns a target
+    svc.start()
+    task = svc._task
+    svc.start()
+    assert svc._task is task
+    await asyncio.sleep(0.02)
+    assert calls == []                                             # delayed by refill_delay_ms
+    await asyncio.sleep(0.2)
+    assert len(state.spares(svc.store, "opencode-go", M)) == 1
+    svc.stop()
+    await asyncio.sleep(0)
+
+
+async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare():
+    pool.MANAGER.reset()
+    try:
+        store = open_store("memory:")
+        clock = FakeClock()
+        old_spare = state.Spare(upstream_ms=900, verified_at=clock.now - 10**9, created_at=clock.now - 10**9)
+        gate = asyncio.Event()
+
+        async def probe(target, sid, timeout):
+            await gate.wait()
+            return FAST
+
+        old, new = object(), object()
+        svc = pool.MANAGER.attach(old, LOOP_CFG, store, probe=probe)
+        await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
+        state.add_spare(store, "opencode-go", M, "stale-1", old_spare)
+        pool.MANAGER.start(old)
+        await asyncio.sleep(0.15)                                  # the cycle is probing stale-1
+        assert state.spares(store, "opencode-go", M) == {}
+        first_task = svc._task
+        # mitmproxy's reload: done() on the old addon, then load/configure/running on the new one
+        pool.MANAGER.detach(old)
+        assert pool.MANAGER.attach(new, LOOP_CFG, store) is svc
+        pool.MANAGER.start(new)
+        await asyncio.sleep(0.01)
+        assert first_task.done() and first_task.cancelled()        # no orphan probe
+        assert "stale-1" in state.spares(store, "opencode-go", M)   # no lost spare
+        loops = [t for t in asyncio.all_tasks() if t.get_name() == "sessionpin-pool" and not t.done()]
+        assert loops == [svc._task]                                 # one loop
+        gate.set()
+        pool.MANAGER.detach(new)
+        await asyncio.sleep(0.01)
+        assert not svc.running
+    finally:
+        pool.MANAGER.reset()

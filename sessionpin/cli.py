@@ -49,8 +49,7 @@ CA_FILE = "mitmproxy-ca-cert.pem"
 WEB_COLUMNS = ["icon", "method", "path", "status", "size", "time", "comment"]
 
 # One wording, used everywhere, for what happens to a conversation the proxy has no pin for.
-NOT_SEEN_BEGIN = ("a conversation the proxy did not see begin is left alone (not routed) "
-                  "and pinned so")
+NOT_SEEN_BEGIN = "the proxy leaves a conversation it did not see begin alone (not routed)"
 
 # How each agent's runtime is told to trust the mitmproxy CA.
 NODE_AGENTS = ("claude-code", "opencode", "pi", "gemini-cli")
@@ -319,6 +318,7 @@ class Proxy:
     started: float | None = None
     beat: dict[str, Any] | None = None
     why: str = ""
+    status: dict[str, Any] | None = None     # the router's /__sessionpin/status answer
 
     @property
     def url(self) -> str | None:
@@ -333,8 +333,10 @@ def find_proxy(store: Store | None, store_url: str) -> Proxy:
     beats = heartbeats(store)
     for beat in beats:
         for addr in listen_addresses(beat):
-            if probe(*addr) is not None:
-                return Proxy(True, _int(beat.get("pid")), addr, beat.get("confdir"), _float(beat.get("started")), beat)
+            status = probe(*addr)
+            if status is not None:
+                return Proxy(True, _int(beat.get("pid")), addr, beat.get("confdir"), _float(beat.get("started")),
+                             beat, status=status)
     if beats:
         pids = ", ".join(str(b.get("pid", "?")) for b in beats)
         return Proxy(False, _int(beats[0].get("pid")), None, beats[0].get("confdir"), None, beats[0],
@@ -363,31 +365,27 @@ def _float(v: Any) -> float | None:
         return None
 
 
-def proxy_environ(proxy: Proxy) -> dict[str, str] | None:
-    """The environment the running proxy was started with (Linux, same user), else None."""
-    if not proxy.answering or not proxy.pid:
+def proxy_keys(proxy: Proxy) -> dict[str, bool] | None:
+    """Whether each server's key variable is set, as the running proxy sees it (its status)."""
+    if not proxy.answering or not proxy.status:
         return None
-    try:
-        cmdline = Path(f"/proc/{proxy.pid}/cmdline").read_bytes()
-        if b"mitm" not in cmdline and b"sessionpin" not in cmdline:
-            return None
-        raw = Path(f"/proc/{proxy.pid}/environ").read_bytes()
-    except OSError:
+    servers = proxy.status.get("servers")
+    if not isinstance(servers, dict):
         return None
-    env = {}
-    for item in raw.split(b"\0"):
-        k, sep, v = item.partition(b"=")
-        if sep:
-            env[k.decode(errors="replace")] = v.decode(errors="replace")
-    return env
+    return {name: bool(s.get("key_set")) for name, s in servers.items()
+            if isinstance(s, dict) and s.get("key_env")}
 
 
-def key_state(server: configmod.Server, proxy_env: dict[str, str] | None) -> tuple[bool | None, str]:
-    """(is the key set, where that was checked) for a server with a key_env."""
+def key_state(server: configmod.Server, keys: dict[str, bool] | None) -> tuple[bool | None, str]:
+    """(is the key set, where that was checked) for a server with a key_env.
+
+    The proxy reads keys from its own environment, so its answer wins; a server the
+    proxy has not loaded yet (or no proxy) is checked in this shell, and says so.
+    """
     if not server.key_env:
         return None, ""
-    if proxy_env is not None:
-        return bool(proxy_env.get(server.key_env)), "the running proxy's environment"
+    if keys is not None and server.name in keys:
+        return keys[server.name], "the running proxy's environment"
     return bool(os.environ.get(server.key_env)), "this shell"
 
 
@@ -408,7 +406,7 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     now = time.time()
     all_rows = rows(store)
     proxy = find_proxy(store, ctx.store_url)
-    penv = proxy_environ(proxy)
+    penv = proxy_keys(proxy)
 
     def counts(server: str | None) -> tuple[int, int]:
         mine = [r for r in all_rows if r.pin.server == server]
@@ -454,8 +452,9 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     grid.append(["(not routed)", "-", "-", str(nr_pinned), str(nr_active)])
     for line in table(grid):
         out(line)
-    if any(s["key_env"] for s in servers):
-        out(f"(keys checked in {'the running proxy' if penv is not None else 'this shell'}'s environment)")
+    checked_in = sorted({s["key_checked_in"] for s in servers if s["key_checked_in"]})
+    if checked_in:
+        out(f"(keys checked in {' and '.join(checked_in)})")
     out()
     grid = [["AGENT", "NEW CONVERSATIONS GO TO"]]
     for a, s in agents.items():
@@ -500,8 +499,8 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
 def describe_running(store: Store | None, agent: str, now: float) -> str:
     agent_rows = [r for r in rows(store) if r.pin.agent == agent]
     if not agent_rows:
-        return (f"No running {agent} conversations (none pinned in the store). "
-                f"Conversations running elsewhere stay there: {NOT_SEEN_BEGIN}.")
+        return (f"No running {agent} conversation is pinned. One the proxy has not seen yet stays where "
+                f"it is: {NOT_SEEN_BEGIN}.")
     by: dict[str | None, int] = {}
     for r in agent_rows:
         by[r.pin.server] = by.get(r.pin.server, 0) + 1
@@ -511,14 +510,26 @@ def describe_running(store: Store | None, agent: str, now: float) -> str:
     active = sum(1 for r in agent_rows if r.seen.last >= now - HOUR)
     verb = "stays where it is" if n == 1 else "stay where they are"
     return (f"{plural(n, 'running conversation')} {verb}: {parts}.\n"
-            f"  (running = {agent} conversations pinned in the last 30 days; {active} active in the last hour. "
-            f"One not pinned yet stays where it is too: {NOT_SEEN_BEGIN}.)")
+            f"  (running = {agent} conversations with a pin, i.e. seen by the proxy in the last 29 to 30 days; "
+            f"{active} active in the last hour. One it has not seen yet stays where it is too: {NOT_SEEN_BEGIN}.)")
 
 
-def proxy_line(proxy: Proxy) -> str:
-    if proxy.answering:
-        return f"The proxy at {proxy.url} (pid {proxy.pid}) applies this within 1 s."
-    return f"No proxy is answering ({proxy.why}): this applies when one starts."
+def config_mismatch(proxy: Proxy, config_path: Path) -> str | None:
+    """A warning when the answering proxy reads another config file than this command."""
+    if not proxy.answering:
+        return None
+    theirs = (proxy.status or {}).get("config") or (proxy.beat or {}).get("config")
+    if theirs and Path(theirs).expanduser().absolute() != config_path.expanduser().absolute():
+        return (f"Warning: the proxy at {proxy.url} (pid {proxy.pid}) reads {theirs}, not {config_path}: "
+                f"this change does not reach it; use --config {theirs}")
+    return None
+
+
+def proxy_line(proxy: Proxy, config_path: Path) -> str:
+    if not proxy.answering:
+        return f"No proxy is answering ({proxy.why}): this applies when one starts."
+    return config_mismatch(proxy, config_path) or \
+        f"The proxy at {proxy.url} (pid {proxy.pid}) applies this within 1 s."
 
 
 def cmd_use(ctx: Ctx, args: argparse.Namespace) -> int:
@@ -538,7 +549,11 @@ def cmd_use(ctx: Ctx, args: argparse.Namespace) -> int:
                    f"add it with `sessionpin servers add {target} URL`")
     current = cfg.current(agent)
     if current == target:
-        out(f"New {agent} conversations already go to {where(target)}; nothing written.")
+        state = f"already go to {target}" if target else "are already not routed"
+        out(f"New {agent} conversations {state}; nothing written.")
+        mismatch = config_mismatch(find_proxy(ctx.store(), ctx.store_url), ctx.config_path)
+        if mismatch:
+            err(mismatch)
         return 0
     text = ctx.config_text()
     new_text = configedit.set_agent_server(text, agent, target)
@@ -556,7 +571,7 @@ def cmd_use(ctx: Ctx, args: argparse.Namespace) -> int:
     out(f"{arrow}. (was: {where(current)})")
     out(describe_running(store, agent, now))
     proxy = find_proxy(store, ctx.store_url)
-    out(proxy_line(proxy))
+    out(proxy_line(proxy, ctx.config_path))
     warn_key(cfg, target, proxy)
     return 0
 
@@ -565,7 +580,7 @@ def warn_key(cfg: configmod.Config, target: str | None, proxy: Proxy) -> None:
     if target is None:
         return
     server = cfg.servers[target]
-    is_set, checked = key_state(server, proxy_environ(proxy))
+    is_set, checked = key_state(server, proxy_keys(proxy))
     if is_set is False:
         err(f"Warning: ${server.key_env} is not set in {checked}; the proxy needs it to send requests to {target}.")
 
@@ -946,7 +961,8 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
             if mode & 0o077:
                 problems.append(f"file mode {mode:04o}, others can read it: chmod 600 {f}")
             if dmode & 0o077:
-                problems.append(f"directory mode {dmode:04o}, others can list it: chmod 700 {f.parent}")
+                add("store dir", "warn", f"{f.parent} is mode {dmode:04o}: others can see the store's name; "
+                    f"chmod 700 {f.parent} to hide it")
         if problems:
             add("store", "FAIL", f"{ctx.store_url}: " + "; ".join(problems))
         else:
@@ -967,7 +983,7 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
             + (f" --store {ctx.store_url}" if "uses" in proxy.why else ""))
 
     if cfg is not None:
-        penv = proxy_environ(proxy)
+        penv = proxy_keys(proxy)
         routed = sorted({x.server for x in cfg.agents.values() if x.server})
         for name in routed:
             s = cfg.servers[name]

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""What one store call costs, and whether it grows with the number of keys.
+
+For a file store holding 1,000 and then 100,000 keys (prefilled in one transaction), time:
+  durable write   set(new pin key, value, 30 d TTL, nx=True, durable=True)   (pins.create)
+  ordinary write  set(existing key, value, 30 d TTL)                          (pins.renew)
+  hash write      hincr(seen key, "requests")                                 (record_seen)
+  read            get(existing key)                                           (pins.load)
+and print the median and 90th percentile per call, and the ratio 100k / 1k of the medians
+(goal for writes: <= 2). Both sizes are measured in this one run, on the same disk.
+
+    .venv/bin/python scripts/bench_store.py [--dir DIR] [--durable N] [--ops N]
+
+DIR should be on the disk the store will live on (durable writes cost an fsync there);
+default: the system temp directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sessionpin.store.file import FileStore  # noqa: E402
+
+TTL = 30 * 86_400.0
+VALUE = '{"agent":"claude-code","server":"gpu-a","since":1764460800.0,"renewed":1764460800.0,"rule":"new"}'
+
+
+def prefill(path: Path, n: int) -> None:
+    """n keys (9 in 10 pins, 1 in 10 hashes of two fields) in one transaction."""
+    FileStore(path).close()                      # creates the schema
+    c = sqlite3.connect(path, isolation_level=None)
+    now = time.time()
+    c.execute("BEGIN")
+    c.executemany(
+        "INSERT INTO entries (key, kind, value, expires_at) VALUES (?, ?, ?, ?)",
+        ((f"pin:{i:08d}", "s", VALUE, now + TTL) if i % 10 else (f"seen:{i:08d}", "h", None, now + TTL)
+         for i in range(n)))
+    c.executemany(
+        "INSERT INTO fields (key, field, value) VALUES (?, ?, ?)",
+        ((f"seen:{i:08d}", f, "1") for i in range(0, n, 10) for f in ("requests", "last")))
+    c.execute("COMMIT")
+    c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    c.close()
+
+
+def timed(calls) -> list[float]:
+    out = []
+    for call in calls:
+        t0 = time.perf_counter_ns()
+        call()
+        out.append((time.perf_counter_ns() - t0) / 1000)   # µs
+    return out
+
+
+def measure(d: Path, sizes: tuple[int, ...], durable_ops: int, ops: int, rounds: int = 10) -> dict:
+    """Per-call times by size and operation; the sizes take turns in ``rounds`` blocks, so
+    drift in the disk (other load, writeback) falls on both alike."""
+    stores, pins, seen, opened = {}, {}, {}, {}
+    for n in sizes:
+        prefill(d / f"bench-{n}.db", n)
+        t0 = time.perf_counter()
+        stores[n] = FileStore(d / f"bench-{n}.db")   # includes PRAGMA quick_check of the file
+        opened[n] = (time.perf_counter() - t0) * 1000
+        pins[n] = [f"pin:{i:08d}" for i in range(n) if i % 10]
+        seen[n] = [f"seen:{i:08d}" for i in range(0, n, 10)]
+    rng = random.Random(1)
+    times: dict = {n: {op: [] for op in ("durable write", "ordinary write", "hash write", "read")} for n in sizes}
+    try:
+        for n in sizes:   # warm the page cache, as a running proxy has it
+            for k in rng.sample(pins[n], min(2000, len(pins[n]))):
+                stores[n].get(k)
+        for r in range(rounds):
+            for n in sizes:
+                s, t = stores[n], times[n]
+                t["durable write"] += timed(
+                    (lambda k=f"pin:new-{r}-{j}": s.set(k, VALUE, TTL, nx=True, durable=True))
+                    for j in range(durable_ops // rounds))
+                t["ordinary write"] += timed(
+                    (lambda k=rng.choice(pins[n]): s.set(k, VALUE, TTL)) for _ in range(ops // rounds))
+                t["hash write"] += timed(
+                    (lambda k=rng.choice(seen[n]): s.hincr(k, "requests")) for _ in range(ops // rounds))
+                t["read"] += timed(
+                    (lambda k=rng.choice(pins[n]): s.get(k)) for _ in range(ops // rounds))
+        for n in sizes:
+            assert len(stores[n].keys("pin:new-")) == durable_ops // rounds * rounds
+        return times, opened
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--durable", type=int, default=500, help="durable writes per size")
+    ap.add_argument("--ops", type=int, default=5000, help="ordinary writes / reads per size")
+    args = ap.parse_args()
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(args.dir)], capture_output=True, text=True).stdout.strip()
+    print(f"python {sys.version.split()[0]}, SQLite {sqlite3.sqlite_version}, dir on {fs or '?'}")
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-store-") as tmp:
+        sizes = (1_000, 100_000)
+        t0 = time.perf_counter()
+        runs, opened = measure(Path(tmp), sizes, args.durable, args.ops)
+        print(f"(measured in {time.perf_counter() - t0:.1f} s)\n")
+    head = f"{'operation':<16}" + "".join(f"{f'median {n:,}':>16}{f'p90 {n:,}':>14}" for n in sizes) + f"{'ratio 100k/1k':>16}"
+    print(head)
+    print("-" * len(head))
+    worst = 0.0
+    for op in runs[sizes[0]]:
+        row = f"{op:<16}"
+        medians = []
+        for n in sizes:
+            xs = runs[n][op]
+            med, p90 = statistics.median(xs), statistics.quantiles(xs, n=10)[-1]
+            medians.append(med)
+            row += f"{med:>13.1f} µs{p90:>11.1f} µs"
+        ratio = medians[1] / medians[0]
+        if "write" in op:
+            worst = max(worst, ratio)
+        print(row + f"{ratio:>16.2f}")
+    print("open (one-time)" + "".join(f"{opened[n]:>13.1f} ms{'':>14}" for n in sizes))
+    print(f"\nworst write ratio 100k/1k: {worst:.2f} (goal <= 2): {'ok' if worst <= 2 else 'OVER'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,8 @@
 """What each recorded request IS, known from how it was produced (see docs/traffic.md).
 
+``expect.identifiable`` is False on the few non-model requests where nothing in the request (User-Agent,
+headers) names the agent that sent it; ``expect.agent`` is still the true sender.
+
 Each scenario: the flow file, the agent, and ``requests`` — one label per inference request of the
 flow, in flow order. A label's ``kind`` names what the request is; ``skip`` leaves it out of the
 fixture set (e.g. most of a 27-request count_tokens burst). ``other`` picks a few non-inference
@@ -40,7 +43,8 @@ def _labels(*kinds: str, **extra) -> list[dict]:
 CC_OTHER = [
     {"match": r"/api/claude_code/settings", "kind": "settings", "note": "Non-model: managed settings fetch, no session id."},
     {"match": r"/api/claude_code/policy_limits", "kind": "policy-limits", "note": "Non-model: policy limits, no session id."},
-    {"match": r"/api/event_logging/", "kind": "telemetry", "note": "Non-model: telemetry batch."},
+    {"match": r"/api/event_logging/", "kind": "telemetry", "identifiable": False,
+     "note": "Non-model: telemetry batch (User-Agent Bun/..., nothing names Claude Code)."},
 ]
 
 SCENARIOS["cc-print"] = {
@@ -92,7 +96,8 @@ SCENARIOS["cc-interactive"] = {
         {"kind": "after-compaction", "note": "Next prompt after /compact: x-claude-code-context-compacted, history replaced by the summary."},
     ],
     "other": [
-        {"match": r"downloads\.claude\.ai/model-catalog", "kind": "model-catalog", "note": "Non-model: model catalog fetch (another host)."},
+        {"match": r"downloads\.claude\.ai/model-catalog", "kind": "model-catalog", "identifiable": False,
+         "note": "Non-model: model catalog fetch (another host, User-Agent axios/...)."},
         {"match": r"/api/claude_cli/bootstrap", "kind": "bootstrap", "note": "Non-model: bootstrap."},
     ],
 }
@@ -113,5 +118,110 @@ SCENARIOS["cc-fork"] = {
     "requests": [
         {"kind": "fork", "note": "First request of the fork: new session id, parent's full history."},
         {"kind": "tool-result", "note": "After the Bash tool result, still the fork's session id."},
+    ],
+}
+
+# ---------------------------------------------------------------- opencode
+
+OC_TITLE = {"kind": "title", "note": "Title request of a new session: no tools, same session headers and x-opencode-request as the main turn."}
+
+SCENARIOS["oc-zen"] = {
+    "flow": "oc-zen.flow", "agent": "opencode", "scenario": "zen-messages",
+    "note": "opencode run -m opencode/claude-sonnet-4-5 'RUNTOOL: ...' against the OpenCode Zen gateway (fake).",
+    "requests": [
+        dict(OC_TITLE, note="Title request on /zen/v1/responses with gpt-5.4-nano although the main model is a claude on /zen/v1/messages."),
+        {"kind": "opening"},
+        {"kind": "tool-result", "note": "Same x-opencode-request (user message id) as the opening turn."},
+    ],
+}
+
+SCENARIOS["oc-zen-task"] = {
+    "flow": "oc-zen-task.flow", "agent": "opencode", "scenario": "zen-task",
+    "note": "opencode run -m opencode/claude-sonnet-4-5 'RUNTASK: ...': the fake answers a task tool call.",
+    "requests": [
+        OC_TITLE,
+        {"kind": "opening"},
+        {"kind": "subagent", "note": "Child session: its own x-opencode-session plus x-parent-session-id (expect.session is the PARENT); no title request for the child."},
+        {"kind": "tool-result", "note": "Parent turn after the task result."},
+    ],
+}
+
+SCENARIOS["oc-zen-cont"] = {
+    "flow": "oc-zen-cont.flow", "agent": "opencode", "scenario": "zen-continue",
+    "note": "opencode run --session <id of zen-messages> 'hello again': same id, whole history, no title request.",
+    "requests": [{"kind": "resume"}],
+}
+
+SCENARIOS["oc-zen-fork"] = {
+    "flow": "oc-zen-fork.flow", "agent": "opencode", "scenario": "zen-fork",
+    "note": "opencode run --session <id> --fork 'hello from a fork': a NEW session id with the full history, no title request.",
+    "requests": [{"kind": "fork"}],
+}
+
+SCENARIOS["oc-zen-chat"] = {
+    "flow": "oc-zen-chat.flow", "agent": "opencode", "scenario": "zen-chat",
+    "note": "opencode run -m opencode/glm-5.1 'RUNTOOL: ...': main turns on /zen/v1/chat/completions.",
+    "requests": [dict(OC_TITLE, note="Title on /zen/v1/responses (gpt-5.4-nano) while the main model uses chat/completions."),
+                 {"kind": "opening"}, {"kind": "tool-result"}],
+}
+
+SCENARIOS["oc-zen-gpt"] = {
+    "flow": "oc-zen-gpt.flow", "agent": "opencode", "scenario": "zen-responses",
+    "note": "opencode run -m opencode/gpt-5.1-codex 'RUNTOOL: ...': main turns on /zen/v1/responses.",
+    "requests": [OC_TITLE, {"kind": "opening"}, {"kind": "tool-result"}],
+}
+
+SCENARIOS["oc-go"] = {
+    "flow": "oc-go.flow", "agent": "opencode", "scenario": "go-chat",
+    "note": "opencode run -m opencode-go/kimi-k2.6 'RUNTOOL: ...' against the OpenCode Go gateway (/zen/go/v1/chat/completions).",
+    "requests": [dict(OC_TITLE, note="Title on the same endpoint and model as the main turn (kimi-k2.6)."),
+                 {"kind": "opening"}, {"kind": "tool-result"}],
+}
+
+SCENARIOS["oc-anthropic"] = {
+    "flow": "oc-anthropic.flow", "agent": "opencode", "scenario": "anthropic-task",
+    "note": "opencode run -m anthropic/claude-sonnet-4-5 'RUNTASK: ...' straight to api.anthropic.com: x-session-id/x-session-affinity, no x-opencode-* headers.",
+    "requests": [
+        dict(OC_TITLE, note="Title with claude-haiku-4-5-20251001, no tools."),
+        {"kind": "opening"},
+        {"kind": "subagent", "note": "Child session in x-session-id/x-session-affinity, parent in x-parent-session-id (expect.session is the PARENT)."},
+        {"kind": "tool-result"},
+    ],
+    "other": [{"match": r"registry\.npmjs\.org", "kind": "plugin-check", "identifiable": False,
+               "note": "Non-model: opencode looks up its plugin package on the npm registry (User-Agent npm/...)."}],
+}
+
+# ---------------------------------------------------------------- pi
+
+PI_NOTE = (" pi sends the SDK's User-Agent (OpenAI/JS or Anthropic/JS), no agent header: only the system prompt"
+           " ('operating inside pi, a coding agent harness') names pi.")
+
+SCENARIOS["pi-chat"] = {
+    "flow": "pi-chat.flow", "agent": "pi", "scenario": "zen-chat", "conversation": "pi-zen-chat-A",
+    "note": "pi -p --model opencode/glm-5.1 'RUNTOOL: ...', then pi -p --continue 'hello again'. No session id on chat/completions." + PI_NOTE,
+    "requests": [{"kind": "opening"}, {"kind": "tool-result"},
+                 {"kind": "resume", "note": "pi --continue in a new process: same conversation, whole history, still no id." + PI_NOTE}],
+}
+
+SCENARIOS["pi-messages"] = {
+    "flow": "pi-messages.flow", "agent": "pi", "scenario": "zen-messages", "conversation": "pi-zen-messages-A",
+    "note": "pi -p --model opencode/claude-sonnet-4-5 'RUNTOOL: ...', then --continue. No session id on /zen/v1/messages." + PI_NOTE,
+    "requests": [{"kind": "opening"}, {"kind": "tool-result"}, {"kind": "resume"}],
+}
+
+SCENARIOS["pi-responses"] = {
+    "flow": "pi-responses.flow", "agent": "pi", "scenario": "zen-responses",
+    "note": "pi -p --model opencode/gpt-5.1-codex 'RUNTOOL: ...', then --continue. On /zen/v1/responses pi sends session_id, x-client-request-id and body prompt_cache_key (all the pi session id)." + PI_NOTE,
+    "requests": [{"kind": "opening"}, {"kind": "tool-result"}, {"kind": "resume"}],
+}
+
+SCENARIOS["pi-go"] = {
+    "flow": "pi-go.flow", "agent": "pi", "scenario": "go-chat",
+    "note": "Two conversations through the OpenCode Go gateway (opencode-go/kimi-k2.6): A = 'RUNTOOL: ...' (2 requests), B = a new unrelated prompt, then --continue of B. No session id anywhere: fingerprints must tell A from B and tie B's turns." + PI_NOTE,
+    "requests": [
+        {"kind": "opening", "conversation": "pi-go-A"},
+        {"kind": "tool-result", "conversation": "pi-go-A"},
+        {"kind": "opening", "conversation": "pi-go-B"},
+        {"kind": "resume", "conversation": "pi-go-B"},
     ],
 }

@@ -150,6 +150,8 @@ def expect_for(scn: dict, label: dict, flow, body, api: str) -> dict:
     exp["model"] = body.get("model") if isinstance(body, dict) and inference else None
     exp["stream"] = bool(body.get("stream")) if isinstance(body, dict) and inference else None
     exp["kind"] = kind
+    if label.get("identifiable") is False:
+        exp["identifiable"] = False  # nothing in the request (User-Agent, headers) names the agent
     return exp
 
 

@@ -22,7 +22,8 @@ API (import with ``from e2e.harness import ...`` from tests/, or ``from .harness
     Behaviour knobs (plain attributes, or ``with fake.behave(pause_ms=1000): ...`` to restore them):
     ``pause_ms`` between SSE events, ``pause_after_first_ms`` after the first event only,
     ``status`` (answer every request with this status and an error JSON), ``deltas`` (text deltas
-    per stream), ``reply_bytes`` (pad non-streamed message replies to about this size).
+    per stream), ``reply_bytes`` (pad non-streamed message replies to about this size), ``keep_bodies``
+    (False: log bodies as b"", for benchmarks).
     ``stop()`` closes the listener *and* every open connection: the server is unreachable.
 
 ``Mitmdump(workdir, script=ROUTE_SCRIPT, options={...}, env={...}, modes=[...])``
@@ -54,6 +55,7 @@ and friends give the exact bytes the fake servers stream.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import http.client
 import ipaddress
@@ -296,6 +298,8 @@ class _TLSServer(ThreadingHTTPServer):
 
     def get_request(self) -> tuple[socket.socket, Any]:
         sock, addr = self.socket.accept()
+        # Headers and body go out in separate writes: without this, Nagle + delayed ACK add 40 ms.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # The handshake happens on first read, in the handler's thread: a slow client
         # never blocks the accept loop.
         tls = self.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
@@ -352,7 +356,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         fake = self.server.fake
         rec = Received(self.command, self.path, list(self.headers.items()), body, time.monotonic())
-        n = fake._record(rec)
+        n = fake._record(rec if fake.keep_bodies else dataclasses.replace(rec, body=b""))
         try:
             fake._answer(self, rec, n)
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError, OSError):
@@ -402,6 +406,7 @@ class FakeServer:
         self.status: int | None = None
         self.deltas = 3
         self.reply_bytes = 0
+        self.keep_bodies = True     # False: record bodies as b"" (benchmarks send many megabytes)
         self._cond = threading.Condition()
         self._server: _TLSServer | None = None
         self._thread: threading.Thread | None = None

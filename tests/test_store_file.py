@@ -556,3 +556,13 @@ def test_memory_store_sweeps_too():
     clock.t += 11
     m.set("new", "x")
     assert len(m._data) == 1
+
+
+def test_text_that_is_not_unicode_is_a_store_error(tmp_path):
+    s = FileStore(tmp_path / "s.db")
+    with pytest.raises(StoreError, match="Unicode"):
+        s.set("pin:\ud800", "x")
+    with pytest.raises(StoreError, match="Unicode"):
+        s.get("pin:\ud800")
+    assert not s.degraded
+    s.close()

@@ -225,7 +225,8 @@ class FileStore:
             raise
         self._check_ids(application_id & 0xFFFFFFFF, user_version)
         if conn.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
-            raise StoreError(f"{self.path}: SQLite would not use WAL mode here")
+            # a file we may not write (or a filesystem without shared memory): a fault, retried
+            raise OSError(f"{self.path}: SQLite could not switch the file to WAL mode")
         conn.execute("PRAGMA synchronous = NORMAL")
         if self._on_connect is not None:
             self._on_connect(conn)
@@ -268,14 +269,19 @@ class FileStore:
         n = 0
         while True:
             dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{os.getpid()}-{n}")
-            if not _move_no_clobber(self.path, dest):
-                n += 1
-                continue
-            break
+            try:
+                if _move_no_clobber(self.path, dest):
+                    break
+            except FileNotFoundError:
+                log.warning("store file %s could not be read (%s); another process set it aside", self.path, why)
+                return
+            n += 1
         for suffix in ("-wal", "-shm"):
             src = Path(f"{self.path}{suffix}")
-            if src.exists():
+            try:
                 _move_no_clobber(src, Path(f"{dest}{suffix}"))
+            except FileNotFoundError:
+                pass
         fsync_dir(self.path.parent)
         log.warning("store file %s could not be read (%s); moved it aside to %s and started empty", self.path, why, dest)
 
@@ -304,6 +310,12 @@ class FileStore:
         return result
 
     def _write(self, op: str, key: str, args: tuple, durable: bool):
+        try:
+            return self._write_now(op, key, args, durable)
+        except UnicodeEncodeError as exc:  # a lone surrogate: SQLite takes only UTF-8
+            raise StoreError(f"key or value is not valid Unicode text: {exc.reason}") from None
+
+    def _write_now(self, op: str, key: str, args: tuple, durable: bool):
         now = self._clock()
         with self._lock:
             self._check_open()
@@ -332,6 +344,8 @@ class FileStore:
                 return from_overlay(self._overlay)
             try:
                 return query(self._conn, self._clock())
+            except UnicodeEncodeError as exc:
+                raise StoreError(f"key is not valid Unicode text: {exc.reason}") from None
             except Exception as exc:
                 if not is_fault(exc):
                     raise
@@ -768,9 +782,11 @@ def fsync_dir(path: Path) -> None:
 def _move_no_clobber(src: Path, dest: Path) -> bool:
     """Move ``src`` to ``dest`` unless ``dest`` exists (then False). link+unlink: no race."""
     try:
-        os.link(src, dest)
+        os.link(src, dest)          # FileNotFoundError: src is gone (another process moved it)
     except FileExistsError:
         return False
+    except FileNotFoundError:
+        raise
     except OSError:
         # no hard links here: fall back to a checked rename
         if dest.exists():

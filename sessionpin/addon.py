@@ -292,6 +292,7 @@ class Router:
         """Config watch every reload_ms; activity flush every 5 s; heartbeat every 10 s."""
         last_flush = last_beat = 0.0
         first = True
+        begun = time.monotonic()
         while True:
             try:
                 await asyncio.sleep(max(ctx.options.sessionpin_reload_ms, 10) / 1000)
@@ -305,7 +306,8 @@ class Router:
                     await self._in_store(self._flush_activity, store)
                 if first or now - last_beat >= HEARTBEAT_EVERY:
                     beat = self._heartbeat()
-                    if beat["listen"] or not first:
+                    # the first beat waits (up to 2 s) for the listeners to come up
+                    if beat["listen"] or not first or now - begun > 2.0:
                         first = False
                         last_beat = now
                         await self._in_store(store.set, HEARTBEAT_PREFIX + str(os.getpid()),

@@ -108,7 +108,7 @@ def _read(method, url, headers, body, content_encoding) -> Facts:
     data, problem = decode_body(body, _text(content_encoding))
     parsed_body: wire.Body | None = None
     if not problem:
-        parsed_body, problem = parse_body(data)
+        parsed_body, problem = parse_body(data, api)
     b = parsed_body if parsed_body is not None else wire.Body()
     ok = not problem
 
@@ -318,10 +318,26 @@ def decode_body(body: bytes | None, content_encoding: str) -> tuple[bytes, str]:
     return data, ""
 
 
-def parse_body(data: bytes) -> tuple[wire.Body | None, str]:
-    """The body's facts fields, and "" or why some could not be read."""
+_FLAVOUR = {
+    ANTHROPIC_MESSAGES: "anthropic",
+    ANTHROPIC_COUNT_TOKENS: "anthropic",
+    OPENAI_CHAT: "chat",
+    OPENAI_RESPONSES: "responses",
+}
+
+
+def parse_body(data: bytes, api: str | None = None) -> tuple[wire.Body | None, str]:
+    """The body's facts fields, and "" or why some could not be read. A large body of a
+    known api is read in parts (``wire.fast_decode``); anything odd there reads it whole."""
     if not data.strip():
         return None, "empty body"
+    if len(data) >= wire.FAST_MIN and api in _FLAVOUR:
+        try:
+            fast = wire.fast_decode(data, _FLAVOUR[api])
+        except Exception:  # pragma: no cover - the whole-body path below is the safe one
+            fast = None
+        if fast is not None:
+            return fast
     try:
         return wire.body_decoder.decode(data), ""
     except msgspec.ValidationError:

@@ -79,3 +79,166 @@ body_decoder = msgspec.json.Decoder(Body)
 loose_decoder = msgspec.json.Decoder(dict[str, Raw])
 content_decoder = msgspec.json.Decoder(Content)
 field_decoders = {name: msgspec.json.Decoder(t) for name, t in FIELD_TYPES.items()}
+
+
+# ---------------------------------------------------------------- large bodies
+#
+# A long conversation is megabytes of message contents the facts never look at, and even
+# skipping them costs a full scan. For a large body the reader instead decodes three small
+# parts and leaves the middle alone:
+#   1. the head: the top-level members before the messages array ("model", …);
+#   2. the first messages, one at a time, until an assistant turn (history) and the first
+#      user message (fingerprint) are both known - or the array ends;
+#   3. the tail: the top-level members after the messages array, found by key.
+# Every part is proved top-level with msgspec, not guessed: in JSON a quote preceded by
+# ``,`` or ``{`` is never inside a string, and a slice that decodes as one complete object
+# (``{`` + the text after a comma, or the text before one + ``}``) can only start or end at
+# depth 1. What is not proved is the well-formedness of message contents after the last
+# message read: a body corrupt deep inside them is the server's to reject.
+# Anything unexpected returns None and the caller decodes the whole body.
+
+import re  # noqa: E402
+
+FAST_MIN = 256 * 1024
+_WS = b" \t\r\n"
+# The end of one array element: ``}`` then either the next element, which every known client
+# starts with its "role" or "type" member (``{"`` is never inside a string, so this cannot match
+# inside message text), or the end of the array.
+_ELEMENT_END = re.compile(rb'\}[ \t\r\n]*(?:,[ \t\r\n]*(\{)[ \t\r\n]*"(?:role|type)"[ \t\r\n]*:|(\]))')
+# Keys of each api's body worth looking for after the messages array. A key that is absent
+# costs one scan of the body, so only the ones that api has.
+NEEDED = {
+    "anthropic": ("model", "stream", "system", "tools", "metadata"),
+    "chat": ("model", "stream", "tools"),
+    "responses": ("model", "stream", "instructions", "tools", "prompt_cache_key", "previous_response_id"),
+}
+_message_decoder = msgspec.json.Decoder(Message)
+# Give up (and decode the whole body) after this many bytes of failed element candidates.
+_CANDIDATE_BUDGET = 4 * 1024 * 1024
+
+
+def _skip_ws(data: bytes, i: int) -> int:
+    n = len(data)
+    while i < n and data[i] in _WS:
+        i += 1
+    return i
+
+
+def _skip_ws_back(data: bytes, i: int) -> int:
+    """The index of the last non-space byte at or before i (-1 if none)."""
+    while i >= 0 and data[i] in _WS:
+        i -= 1
+    return i
+
+
+def _key_at(data: bytes, key: bytes, lo: int, hi: int, last: bool) -> tuple[int, int]:
+    """The next (first or last) ``"key"`` in data[lo:hi] that is a member name: preceded by
+    ``,`` or ``{`` and followed by ``:``. Returns (position of that ``,``/``{``, position
+    after the ``:``), or (-1, -1)."""
+    needle = b'"' + key + b'"'
+    while lo < hi:
+        p = data.rfind(needle, lo, hi) if last else data.find(needle, lo, hi)
+        if p == -1:
+            return -1, -1
+        before = _skip_ws_back(data, p - 1)
+        after = _skip_ws(data, p + len(needle))
+        if before >= 0 and data[before] in b",{" and after < len(data) and data[after] == ord(":"):
+            return before, after + 1
+        if last:
+            hi = p
+        else:
+            lo = p + 1
+    return -1, -1
+
+
+def _tail_members(data: bytes, comma: int) -> dict[str, Raw] | None:
+    """The top-level members from the one after ``comma``, or None if it is not top-level."""
+    try:
+        return loose_decoder.decode(b"{" + data[comma + 1 :])
+    except msgspec.DecodeError:
+        return None
+
+
+def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
+    """A large body's facts fields without reading its message contents; None to fall back."""
+    array_key = b"input" if flavour == "responses" else b"messages"
+    # 1. the head
+    start = _skip_ws(data, 0)
+    if start >= len(data) or data[start] != ord("{"):
+        return None
+    lo = start
+    while True:
+        before, value = _key_at(data, array_key, lo, min(len(data), start + 1024 * 1024), last=False)
+        if before == -1:
+            return None
+        try:
+            head = loose_decoder.decode(b"{}" if before == start else data[start:before] + b"}")
+            break
+        except msgspec.DecodeError:
+            lo = value
+    array_start = _skip_ws(data, value)
+    if array_start >= len(data) or data[array_start] != ord("["):
+        return None
+    # 2. the first messages
+    messages: list[Message] = []
+    s = _skip_ws(data, array_start + 1)
+    ended = s < len(data) and data[s] == ord("]")
+    history = first_user = False
+    spent = 0
+    view = memoryview(data)
+    while not ended and not (history and first_user):
+        if s >= len(data) or data[s] != ord("{"):
+            return None
+        for m in _ELEMENT_END.finditer(data, s):
+            e = m.start() + 1
+            try:
+                msg = _message_decoder.decode(view[s:e])
+            except msgspec.DecodeError:
+                spent += e - s
+                if spent > _CANDIDATE_BUDGET:
+                    return None
+                continue
+            messages.append(msg)
+            history = history or msg.role == "assistant" or (msg.type is not None and msg.type != "message")
+            first_user = first_user or msg.role == "user"
+            ended = m.group(2) is not None
+            s = m.start(1) if not ended else m.end()
+            break
+        else:
+            return None
+    # 3. the tail: each needed key not in the head, found from the end and proved top-level
+    tail: dict[str, Raw] = {}
+    tail_from = len(data)
+    for name in NEEDED[flavour]:
+        if name in head or name in tail:
+            continue
+        hi = len(data)
+        while True:
+            comma, _ = _key_at(data, name.encode(), array_start, hi, last=True)
+            if comma == -1 or data[comma] != ord(","):
+                if comma != -1:  # ``{"name"``: the first member of a nested object
+                    hi = comma
+                    continue
+                break
+            if comma > tail_from:  # inside the tail already decoded, so nested there
+                hi = comma
+                continue
+            members = _tail_members(data, comma)
+            if members is None:
+                hi = comma
+                continue
+            tail, tail_from = members, comma
+            break
+    fields = {**tail, **head}
+    values: dict[str, object] = {}
+    bad: list[str] = []
+    for name, decoder in field_decoders.items():
+        raw = fields.get(name)
+        if raw is None:
+            continue
+        try:
+            values[name] = decoder.decode(raw)
+        except msgspec.DecodeError:
+            bad.append(name)
+    values["input" if flavour == "responses" else "messages"] = messages
+    return Body(**values), ("wrong shape: " + ", ".join(bad)) if bad else ""

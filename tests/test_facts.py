@@ -713,3 +713,108 @@ def test_mutated_compressed_bodies_never_raise(body, request_class, encoding):
         f = cc(candidate, request_class, extra=[("content-encoding", encoding)])
         _check(f)
         assert f.session == CC_SID
+
+
+# ---------------------------------------------------------------- large bodies read in parts
+
+
+def _pad_history(body: dict, key: str, n_bytes: int, item) -> dict:
+    """The body with tool rounds appended until its array holds ~n_bytes."""
+    body = json.loads(json.dumps(body))
+    i = 0
+    while len(json.dumps(body[key])) < n_bytes:
+        body[key].extend(item(i))
+        i += 1
+    return body
+
+
+def _anthropic_round(i):
+    code = 'x = {"role": "assistant"}\n},{"role":"user"}]\\ "quoted" },{ é → ' * 40
+    return [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "Bash",
+                                           "input": {"messages": [{"role": "user"}], "stream": True, "system": "s"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                      "content": [{"type": "text", "text": code}]}]},
+    ]
+
+
+def _chat_round(i):
+    return [{"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", "type": "function",
+             "function": {"name": "bash", "arguments": '{"tools": [], "stream": false}'}}]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": "line },{ \"x\"\n" * 200}]
+
+
+def _responses_round(i):
+    return [{"type": "function_call", "name": "shell", "arguments": "{}", "call_id": f"c{i}"},
+            {"type": "function_call_output", "call_id": f"c{i}", "output": "out },{\"role\":\"user\"} " * 150}]
+
+
+def _variants():
+    size = 300_000
+    cc = cc_body(history=True, user_id=json.dumps({"session_id": "s1"}))
+    cc["tools"][0]["input_schema"] = {"properties": {"stream": {"type": "boolean"}, "system": {}}}
+    big_cc = _pad_history(cc, "messages", size, _anthropic_round)
+    yield "claude-code", MESSAGES, [("User-Agent", CC_UA)], big_cc
+    no_stream = dict(big_cc)
+    no_stream.pop("stream")
+    yield "claude-code no stream", MESSAGES, [("User-Agent", CC_UA)], no_stream
+    reordered = {"messages": big_cc["messages"], "stream": True, "tools": big_cc["tools"],
+                 "model": big_cc["model"], "system": big_cc["system"], "metadata": big_cc["metadata"]}
+    yield "messages first", MESSAGES, [("User-Agent", CC_UA)], reordered
+    opening = cc_body()
+    opening["messages"][0]["content"].append({"type": "text", "text": "pasted },{ file " * 30_000})
+    yield "large opening", MESSAGES, [("User-Agent", CC_UA), ("x-claude-code-request-class", "main")], opening
+    chat_body = _pad_history(chat([U1]), "messages", size, _chat_round)
+    yield "chat", "/v1/chat/completions", [], chat_body
+    yield "chat no tools", "/v1/chat/completions", [], {k: v for k, v in chat_body.items() if k != "tools"}
+    resp = _pad_history(codex_body(), "input", size, _responses_round)
+    yield "responses", "/v1/responses", CODEX_H[:1], resp
+    yield "responses prompt_cache_key", "/v1/responses", [], resp
+    first_assistant = _pad_history(chat([A1, U1]), "messages", size, _chat_round)
+    yield "assistant first", "/v1/chat/completions", [], first_assistant
+    count = {"model": "m", "messages": big_cc["messages"], "tools": big_cc["tools"]}
+    yield "count_tokens", "https://api.anthropic.com/v1/messages/count_tokens", [("User-Agent", CC_UA)], count
+
+
+@pytest.mark.parametrize("indent", [None, 1])
+@pytest.mark.parametrize("name,url,headers,body", list(_variants()), ids=lambda v: v if isinstance(v, str) and " " in v or v in ("claude-code", "chat", "responses", "count_tokens") else None)
+def test_large_bodies_read_in_parts_agree_with_the_whole_body(monkeypatch, name, url, headers, body, indent):
+    data = json.dumps(body, indent=indent, ensure_ascii=False).encode()
+    assert len(data) >= facts.wire.FAST_MIN
+    fast_decoded = facts.wire.fast_decode(data, facts._FLAVOUR[facts.api_of("POST", url)])
+    assert fast_decoded is not None, "the large-body path fell back"
+    fast = read("POST", url, headers, data)
+    monkeypatch.setattr(facts.wire, "FAST_MIN", 1 << 62)
+    whole = read("POST", url, headers, data)
+    assert fast == whole
+    assert whole.parsed
+
+
+def test_large_body_with_a_bad_field_says_which():
+    body = _pad_history(cc_body(history=True), "messages", 300_000, _anthropic_round)
+    body["stream"] = "yes"
+    f = cc(body)
+    assert (f.parsed, f.reason, f.model, f.session) == (False, "wrong shape: stream", "claude-sonnet-4-5", CC_SID)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_large_mutated_bodies_never_raise(data):
+    body = bytearray(_LARGE)
+    for _ in range(data.draw(st.integers(1, 3))):
+        if not body:
+            break
+        i = data.draw(st.integers(0, len(body) - 1))
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if op == "flip":
+            body[i] = data.draw(st.sampled_from(b'{}[],:"\\ax\xff'))
+        elif op == "cut":
+            del body[i:]
+        else:
+            body[i:i] = data.draw(st.sampled_from([b'"messages":[', b',"stream":true', b"}]", b'{"role":"assistant"}']))
+    f = cc(bytes(body), "main")
+    _check(f)
+    assert f.session == CC_SID
+
+
+_LARGE = json.dumps(_pad_history(cc_body(history=True), "messages", 300_000, _anthropic_round)).encode()

@@ -459,7 +459,12 @@ class FileStore:
                 return
             self._dirty = False
         try:
-            for p in (Path(f"{self.path}-wal"), self.path):
+            # The WAL only. Opening and closing a descriptor of the database file itself
+            # drops every POSIX lock this process holds on it, SQLite's included: another
+            # process closing its connection then believes it is the last one, checkpoints
+            # and deletes the WAL under our open connection, and our later commits vanish.
+            # SQLite fsyncs the database file itself after each checkpoint.
+            for p in (Path(f"{self.path}-wal"),):
                 try:
                     fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:

@@ -569,10 +569,11 @@ class Router:
         if decision.refuse:
             where = f"refused {decision.refuse}"
         elif changes is not None and changes.refuse:
-            where = f"{decision.target}, refused 502"
+            where = f"{decision.target} refused 502"
         else:
             where = decision.target or "left alone"
-        flow.comment = f"{turn} {sid} → {where} ({decision.why})"
+        why = changes.refuse if changes is not None and changes.refuse else decision.why
+        flow.comment = f"{turn} {sid} → {where} ({why})"
         if decision.target is not None and not decision.refuse and not (changes and changes.refuse):
             flow.marked = ":pushpin:"
         meta: dict[str, Any] = {
@@ -645,12 +646,28 @@ class Router:
         path = flow.request.path.split("?", 1)[0].rstrip("/")
         if path == "/__sessionpin/status":
             counts = await self._pin_counts()
-            body = json.dumps(self.status(counts), indent=2).encode()
+            status = self.status(counts)
+            for p in self.participants:
+                if hasattr(p, "status"):
+                    try:
+                        status.setdefault("participants", {})[_name(p)] = p.status()
+                    except Exception as e:
+                        log.warning("sessionpin: participant %s status: %s", _name(p), e)
+            body = json.dumps(status, indent=2, default=str).encode()
             flow.response = http.Response.make(200, body, {"content-type": "application/json"})
         elif path == "/__sessionpin/metrics":
             counts = await self._pin_counts()
-            flow.response = http.Response.make(200, self.metrics.render(counts).encode(),
-                                               {"content-type": "text/plain; version=0.0.4"})
+            text = self.metrics.render(counts)
+            for p in self.participants:
+                if hasattr(p, "metrics"):
+                    try:
+                        more = await self._in_store(p.metrics)   # may read a store: off the event loop
+                    except Exception as e:
+                        log.warning("sessionpin: participant %s metrics: %s", _name(p), e)
+                        continue
+                    if more:
+                        text += more if more.endswith("\n") else more + "\n"
+            flow.response = http.Response.make(200, text.encode(), {"content-type": "text/plain; version=0.0.4"})
         else:
             flow.response = http.Response.make(404, b"sessionpin: /__sessionpin/status or /__sessionpin/metrics\n",
                                                {"content-type": "text/plain"})
@@ -702,6 +719,10 @@ class Router:
             fn(*args)
         except Exception:
             log.exception("sessionpin: participant %s.%s failed", type(p).__name__, name)
+
+
+def _name(p: Any) -> str:
+    return str(getattr(p, "name", None) or type(p).__name__)
 
 
 def _read(path: Path) -> bytes | None:

@@ -268,6 +268,12 @@ async def test_participants_see_routed_requests_and_response_headers(cfg_path):
         def configure_store(self, store):
             seen.append(("store", store.url))
 
+        def status(self):
+            return {"enabled": True}
+
+        def metrics(self):
+            return "sessionpin_pool_ids 3"
+
     r = Router([Pool()], env=dict(ENV))
     with taddons.context(r) as tctx:
         tctx.configure(r, sessionpin_config=str(cfg_path), sessionpin_store="memory:")
@@ -277,6 +283,12 @@ async def test_participants_see_routed_requests_and_response_headers(cfg_path):
         r.responseheaders(f)
         out = flow(host="example.com")
         await r.request(out)
+        st = flow(path="/__sessionpin/status", method=b"GET", content=b"")
+        await r.request(st)
+        assert json.loads(st.response.content)["participants"] == {"Pool": {"enabled": True}}
+        m = flow(path="/__sessionpin/metrics", method=b"GET", content=b"")
+        await r.request(m)
+        assert m.response.text.endswith("sessionpin_pool_ids 3\n")
         r.done()
     assert seen == [("store", "memory:"), ("request", "api.z.ai", "opening", "opening"),
                     ("responseheaders", True), ("request", "example.com", "opening", None)]

@@ -113,7 +113,10 @@ def _read(method, url, headers, body, content_encoding) -> Facts:
     ok = not problem
 
     history = has_history(b)
-    session, source, parent_rule = session_of(agent, h, b)
+    parts = opening(b)
+    if agent == UNKNOWN_AGENT and any(PI_MARKER in text for text in parts[0]):
+        agent = PI
+    session, source, parent_rule = session_of(agent, h, b, parts)
     turn, why = turn_of(api, agent, h, b, history, ok, parent_rule)
     if ok:
         reason = why
@@ -189,7 +192,13 @@ def api_of(method: str, url: str) -> str:
     return OTHER
 
 
+# pi sends its SDK's User-Agent (OpenAI/JS, Anthropic/JS) and no header of its own: only its
+# default system prompt names it (recordings of pi 0.73.1).
+PI_MARKER = "operating inside pi, a coding agent harness"
+
+
 def agent_of(h: dict[str, str]) -> str:
+    """The agent by its headers; pi, which has none, is recognised later by its system prompt."""
     ua = h.get("user-agent", "").lower()
     if (
         ua.startswith(("claude-cli/", "claude-code/"))
@@ -469,7 +478,9 @@ def codex_turn_metadata(h: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, str)}
 
 
-def session_of(agent: str, h: dict[str, str], b: wire.Body) -> tuple[str | None, str | None, str | None]:
+def session_of(
+    agent: str, h: dict[str, str], b: wire.Body, parts: tuple[list[str], list[str]] | None = None
+) -> tuple[str | None, str | None, str | None]:
     """(session, where it came from, the rule if a parent header named it)."""
     if agent not in (CLAUDE_CODE, CODEX):
         parent = clean_id(h.get("x-parent-session-id"))
@@ -495,7 +506,7 @@ def session_of(agent: str, h: dict[str, str], b: wire.Body) -> tuple[str | None,
         sid = clean_id(b.prompt_cache_key)
         if sid:
             return sid, "body:prompt_cache_key", None
-    fp = fingerprint(b)
+    fp = fingerprint(b, parts)
     if fp:
         return fp, "fingerprint", None
     return None, None, None
@@ -534,10 +545,10 @@ def _content_texts(raw: msgspec.Raw) -> list[str]:
         return []
 
 
-def fingerprint(b: wire.Body) -> str | None:
-    """``fp:`` + blake2b-128 of the normalised opening: system prompt (``system`` or
-    ``instructions``, plus system/developer messages before the first user message) and
-    the first user message's text. None when the body has neither."""
+def opening(b: wire.Body) -> tuple[list[str], list[str]]:
+    """(system prompt texts, first user message texts), normalised: the system prompt is
+    ``system`` or ``instructions`` plus the system/developer messages before the first user
+    message (later ones are mid-conversation notes)."""
     system = _texts(b.system) + _texts(b.instructions)
     user: list[str] = []
     items = b.messages if b.messages is not None else b.input
@@ -550,6 +561,13 @@ def fingerprint(b: wire.Body) -> str | None:
             elif m.role == "user":
                 user = _content_texts(m.content)
                 break
+    return system, user
+
+
+def fingerprint(b: wire.Body, parts: tuple[list[str], list[str]] | None = None) -> str | None:
+    """``fp:`` + blake2b-128 of the normalised opening (system prompt and first user
+    message). None when the body has neither."""
+    system, user = parts if parts is not None else opening(b)
     if not system and not user:
         return None
     payload = "\x1e".join(system) + "\x1d" + "\x1e".join(user)

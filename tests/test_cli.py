@@ -443,6 +443,25 @@ def test_run_refuses_a_broken_config(env, capsys):
     assert code == 1 and "agents.nobody: unknown agent" in e
 
 
+def test_reading_the_store_does_not_disturb_a_proxy_holding_it_open(env):
+    # The proxy keeps its store open for hours while operators run `sessionpin` beside it.
+    # Once, a CLI closing its connection deleted the WAL under the proxy's open connection
+    # (the store's flush had dropped SQLite's locks), and the proxy's later pins vanished.
+    held = open_store(env.url)
+    try:
+        held.set("warm", "1")                  # an ordinary write: the store's flush thread runs
+        time.sleep(1.0)
+        argv = [sys.executable, "-m", "sessionpin.cli", "sessions", "--json"]
+        p = subprocess.run(argv, capture_output=True, text=True, env=os.environ, cwd=ROOT, timeout=60)
+        assert p.returncode == 0 and json.loads(p.stdout) == []
+        now = time.time()
+        pins.create(held, "after-the-cli", pins.Pin(agent="claude-code", server="glm", since=now, renewed=now))
+        p = subprocess.run(argv, capture_output=True, text=True, env=os.environ, cwd=ROOT, timeout=60)
+        assert [r["session"] for r in json.loads(p.stdout)] == ["after-the-cli"]
+    finally:
+        held.close()
+
+
 # --- the installed script -------------------------------------------------------------
 
 

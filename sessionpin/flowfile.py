@@ -38,8 +38,8 @@ def looks_like_flowfile(data: bytes) -> bool:
     return colon > 0 and data[:colon].isdigit()
 
 
-def _parse(data: bytes, pos: int, depth: int) -> tuple[object, int]:
-    """One tnetstring at ``pos``: (value, position after it)."""
+def _parse(data: bytes, pos: int, depth: int, stop: int) -> tuple[object, int]:
+    """One tnetstring at ``pos`` that ends before ``stop``: (value, position after it)."""
     if depth > MAX_DEPTH:
         raise FlowFileError("nested too deeply")
     colon = data.find(b":", pos, pos + _MAX_LENGTH_DIGITS + 1)
@@ -48,8 +48,8 @@ def _parse(data: bytes, pos: int, depth: int) -> tuple[object, int]:
     length = int(data[pos:colon])
     start = colon + 1
     end = start + length
-    if end >= len(data):
-        raise FlowFileError(f"truncated at byte {pos}")
+    if end >= stop:
+        raise FlowFileError(f"truncated at byte {pos}" if stop == len(data) else f"bad length at byte {pos}")
     kind = data[end : end + 1]
     after = end + 1
     if kind == b",":
@@ -78,7 +78,7 @@ def _parse(data: bytes, pos: int, depth: int) -> tuple[object, int]:
         items = []
         p = start
         while p < end:
-            item, p = _parse(data, p, depth + 1)
+            item, p = _parse(data, p, depth + 1, end)
             items.append(item)
         if p != end:
             raise FlowFileError(f"bad list at byte {pos}")
@@ -87,10 +87,10 @@ def _parse(data: bytes, pos: int, depth: int) -> tuple[object, int]:
         out: dict[object, object] = {}
         p = start
         while p < end:
-            key, p = _parse(data, p, depth + 1)
+            key, p = _parse(data, p, depth + 1, end)
             if p >= end:
                 raise FlowFileError(f"dict key without value at byte {pos}")
-            value, p = _parse(data, p, depth + 1)
+            value, p = _parse(data, p, depth + 1, end)
             if isinstance(key, bytes):
                 key = key.decode("utf-8", "surrogateescape")
             if not isinstance(key, (str, int, float, bool)) and key is not None:
@@ -111,7 +111,7 @@ def loads_all(data: bytes) -> Iterator[object]:
             pos += 1
         if pos >= n:
             return
-        value, pos = _parse(data, pos, 0)
+        value, pos = _parse(data, pos, 0, n)
         yield value
 
 

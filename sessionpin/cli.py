@@ -1028,6 +1028,23 @@ def cmd_delegate(module: str, argv: list[str]) -> int:
     return int(mod.main(argv) or 0)
 
 
+def cmd_pool(ctx: Ctx, args: argparse.Namespace) -> int:
+    """The pool engineer's report (sessionpin.pool.report), read from the shared store."""
+    try:
+        from .pool import report
+        from .pool.options import PoolConfig
+    except ImportError:
+        raise Fail("`sessionpin pool` is not available in this installation") from None
+    ttl_ms = args.ttl_ms if args.ttl_ms is not None else PoolConfig().ttl_ms
+    store = ctx.store()
+    if store is None:
+        snap = {"groups": [], "retired": 0}
+    else:
+        snap = report.snapshot(store, int(time.time() * 1000), ttl_ms)
+    out(report.json_text(snap) if args.json else report.text(snap))
+    return 0
+
+
 # --- argument parsing ----------------------------------------------------------------
 
 
@@ -1114,8 +1131,10 @@ def parser() -> Parser:
 
     c = cmd("classify", "read recorded requests and say what each one is (FILE...)", add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)
-    c = cmd("pool", "the OpenCode id pool report", add_help=False)
-    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c = cmd("pool", "the OpenCode session-id pool: spares and bindings per provider and model")
+    c.add_argument("--ttl-ms", type=int, metavar="MS",
+                   help="a spare verified within this is fresh (default: the pool's default)")
+    c.add_argument("--json", action="store_true")
     return p
 
 
@@ -1133,11 +1152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     command = args.command
-    if command in ("classify", "pool"):
-        rest = [*extra, *args.rest]
-        module = "sessionpin.classify" if command == "classify" else "sessionpin.pool.report"
+    if command == "classify":
         try:
-            return cmd_delegate(module, rest)
+            return cmd_delegate("sessionpin.classify", [*extra, *args.rest])
         except Fail as e:
             err(f"sessionpin: {e}")
             return e.code
@@ -1181,6 +1198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 COMMANDS = {
+    "pool": cmd_pool,
     "status": cmd_status,
     "sessions": cmd_sessions,
     "use": cmd_use,

@@ -443,6 +443,36 @@ def test_run_refuses_a_broken_config(env, capsys):
     assert code == 1 and "agents.nobody: unknown agent" in e
 
 
+def test_classify_joins_the_command(capsys):
+    fixture = ROOT / "tests" / "fixtures" / "traffic" / "claude-code" / "interactive-04-opening.json"
+    code, o, _ = run(capsys, "classify", str(fixture))
+    assert code == 0
+    line = json.loads(o.splitlines()[0])
+    assert (line["agent"], line["turn"]) == ("claude-code", "opening")
+    code, _, e = run(capsys, "classify", str(ROOT / "no-such-file.json"))
+    assert code == 1 and "no-such-file.json" in e
+
+
+def test_pool_report_reads_the_shared_store(env, capsys):
+    from sessionpin.pool import state
+
+    code, o, _ = run(capsys, "pool")
+    assert code == 0 and o.startswith("pool: empty")
+    store = open_store(env.url)
+    now = int(time.time() * 1000)
+    try:
+        state.add_spare(store, "opencode", "big-pickle", "ses_spare1",
+                        state.Spare(upstream_ms=420, verified_at=now - 5000, created_at=now - 9000))
+    finally:
+        store.close()
+    code, o, _ = run(capsys, "pool", "--json")
+    assert code == 0
+    group = json.loads(o)["groups"][0]
+    assert (group["provider"], group["model"], group["fresh_spares"]) == ("opencode", "big-pickle", 1)
+    code, o, _ = run(capsys, "pool", "--ttl-ms", "1000")
+    assert "0 fresh spare(s) of 1" in o and "STALE" in o
+
+
 def test_reading_the_store_does_not_disturb_a_proxy_holding_it_open(env):
     # The proxy keeps its store open for hours while operators run `sessionpin` beside it.
     # Once, a CLI closing its connection deleted the WAL under the proxy's open connection

@@ -118,10 +118,15 @@ class FakeGateway:
         return self.fast_ms
 
     # ---- lifecycle --------------------------------------------------------------------
-    def start(self, tmpdir: Path) -> "FakeGateway":
-        self.ca, cert, key = make_ca_and_cert(tmpdir)
+    def start(self, tmpdir: Path, *, cert_and_key: Path | None = None, ca: Path | None = None) -> "FakeGateway":
+        """Serve with a fresh CA of its own, or with a certificate+key PEM (e.g. the e2e TestCA's)."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(cert, key)
+        if cert_and_key is not None:
+            self.ca = ca
+            ctx.load_cert_chain(cert_and_key)
+        else:
+            self.ca, cert, key = make_ca_and_cert(tmpdir)
+            ctx.load_cert_chain(cert, key)
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
 

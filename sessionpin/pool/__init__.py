@@ -12,9 +12,16 @@ service: the old addon's ``done()`` detaches (the refresh loop is cancelled, an 
 probe puts its claimed spare back), the new addon's ``load/configure`` attach and its
 ``running()`` starts one loop again, which first waits for the old one to finish. Spares
 live in the store and credentials and schedules on the service, so nothing is lost.
+
+The pool keeps its own handle on the router's store (same URL, opened again for a
+``file:`` store): the router closes its handle in ``done()``, before a cancelled probe has
+had the chance to put its spare back; the pool's handle stays open across reloads and is
+closed at exit.
 """
 
 from __future__ import annotations
+
+import atexit
 
 from .options import OPTIONS, PoolConfig, parse
 from .service import PoolService, Route
@@ -30,9 +37,29 @@ class Manager:
         self.service: PoolService | None = None
         self.owners: set[int] = set()
         self.generation = 0      # bumped on every attach; an attach after a detach-to-zero is a reload
+        self.store_url: str | None = None
+
+    @staticmethod
+    def _own(store: Store) -> Store:
+        url = getattr(store, "url", "")
+        if not url.startswith("file:"):
+            return store                       # memory: one object per process, nothing to reopen
+        from ..store import open_store
+        try:
+            own = open_store(url)
+        except Exception:
+            return store
+        atexit.register(own.close)
+        return own
 
     def attach(self, owner: object, cfg: PoolConfig, store: Store, **kw) -> PoolService:
         """Called from the addon's configure: create the service or hand over the existing one."""
+        url = getattr(store, "url", "")
+        if self.service is not None and url and url == self.store_url:
+            store = self.service._store        # the pool's own handle, kept across reloads
+        else:
+            store = self._own(store)
+            self.store_url = url
         if self.service is None:
             self.service = PoolService(cfg, store, **kw)
         else:

@@ -84,9 +84,10 @@ COUNTERS = (
 )
 
 
-def status(counters: Counter[str] | Mapping[str, int], *, running: bool, enabled: bool) -> dict[str, Any]:
+def status(counters: Counter[str] | Mapping[str, int], *, running: bool, enabled: bool,
+           loops: int = 0) -> dict[str, Any]:
     """The pool's part of /__sessionpin/status."""
-    return {"enabled": enabled, "refresh_running": running,
+    return {"enabled": enabled, "refresh_running": running, "refresh_loops": loops,
             "counters": {name: int(counters.get(name, 0)) for name in COUNTERS}}
 
 

@@ -142,6 +142,7 @@ class PoolService:
         self._wake: asyncio.Event | None = None
         self.next_cycle_at: int | None = None     # survives stop/start (reload)
         self.refill_at: int | None = None
+        self.loops_alive = 0                      # refresh loops past their start-up (never > 1)
 
     # ---- configuration and store ------------------------------------------------------
 
@@ -317,16 +318,25 @@ class PoolService:
             self.next_cycle_at = self.clock.now_ms() + self.cfg.refill_delay_ms   # first run delayed
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._loop(self._previous), name="sessionpin-pool")
+        log.info("sessionpin pool: refresh loop started (next cycle in %d ms)", max(0, self._due() - self.clock.now_ms()))
 
     def stop(self) -> None:
         """Cancel the loop (sync, for done()); an in-flight probe puts its claimed spare back."""
         if self._task is not None:
             self._task.cancel()
             self._previous, self._task = self._task, None
+            log.info("sessionpin pool: refresh loop stopped")
 
     async def _loop(self, previous: asyncio.Task | None) -> None:
         if previous is not None and not previous.done():
             await asyncio.wait([previous])   # the old loop's cleanup first: never two cycles at once
+        self.loops_alive += 1
+        try:
+            await self._cycles()
+        finally:
+            self.loops_alive -= 1
+
+    async def _cycles(self) -> None:
         while True:
             try:
                 wait = self._due() - self.clock.now_ms()
@@ -350,13 +360,21 @@ class PoolService:
 
     async def refresh_once(self) -> int:
         plan = Plan(((p, m), self._probe_fn(t), t.state) for (o, p, m), t in self.targets.items())
+        before = self.counters["probes_fast"]
+        now = self.clock.now_ms()
+        self._cooldown = {k: until for k, until in self._cooldown.items() if until > now}
         try:
-            return await cycle(lambda: self.store, plan, self.cfg, self.clock, self.counters)
+            sent = await cycle(lambda: self.store, plan, self.cfg, self.clock, self.counters)
         except Exception as e:
             if not _is_store_fault(e):
                 raise
             self._store_failed(e)
             return 0
+        log.debug("sessionpin pool: refresh cycle over %d target(s): %d probe(s)", len(plan.items), sent)
+        if sent:
+            log.info("sessionpin pool: refresh: %d probe(s), %d fast, over %d target(s)", sent,
+                     self.counters["probes_fast"] - before, len(plan.items))
+        return sent
 
 
 def _is_store_fault(e: BaseException) -> bool:

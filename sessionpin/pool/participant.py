@@ -1,0 +1,149 @@
+"""The pool's side of the router's participant seam (sessionpin/addon.py ``Router``).
+
+Duck-typed over mitmproxy's objects, so this module does not import mitmproxy: it reads
+``flow.request.method/url/headers``, sets one request header, keeps its decision in
+``flow.metadata["sessionpin_pool"]`` and reads ``flow.response.status_code/headers``.
+
+Hooks, in the order mitmproxy drives them:
+- ``PoolOptions.load(loader)``: registers every option of ``pool.options.OPTIONS``; it
+  keeps ``loader.master.options`` to read values from (no ``mitmproxy.ctx``).
+- ``PoolOptions.configure(updated)`` -> ``PoolParticipant.configure(values)``: parse the
+  options (``ValueError`` -> the addon's OptionsError).
+- ``configure_store(store)`` (called by the router when its store opens): with both a
+  config and a store, attach to ``pool.MANAGER`` (the same service after a reload).
+- ``running()``: start the refresh loop (sync). ``done()``: detach (sync).
+- ``request(flow, facts, decision)``: after the router decided; the request's *current*
+  URL decides the scope, so a request the router sent elsewhere is left alone.
+- ``responseheaders(flow)``: hands the observation to a worker thread and returns at once,
+  so the stream is never held up (seeds/002 §7: observe is not awaited).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import MANAGER, report
+from .options import OPTIONS, PoolConfig, parse
+from .service import HEADER, PoolService, Route
+
+log = logging.getLogger(__name__)
+META = "sessionpin_pool"
+
+
+class PoolParticipant:
+    def __init__(self, manager=MANAGER) -> None:
+        self.manager = manager
+        self.cfg: PoolConfig | None = None
+        self.store = None
+        self.service: PoolService | None = None
+        self._observer: ThreadPoolExecutor | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def configure(self, values: dict[str, Any]) -> None:
+        self.cfg = parse(values)
+        self._attach()
+
+    def configure_store(self, store) -> None:
+        self.store = store
+        self._attach()
+
+    def _attach(self) -> None:
+        if self.cfg is not None and self.store is not None:
+            self.service = self.manager.attach(self, self.cfg, self.store)
+            if not self.cfg.enabled:
+                self.service.stop()
+            elif self._observer is not None:   # configured while running: (re)start
+                self.manager.start(self)
+
+    def running(self) -> None:
+        if self._observer is None:
+            self._observer = ThreadPoolExecutor(1, thread_name_prefix="sessionpin-pool-observe")
+        self.manager.start(self)
+
+    def done(self) -> None:
+        self.manager.detach(self)
+        if self._observer is not None:
+            self._observer.shutdown(wait=False)
+            self._observer = None
+
+    # ---- flows -------------------------------------------------------------------------------
+
+    async def request(self, flow, facts=None, decision=None) -> None:
+        svc = self.service
+        if svc is None or not svc.cfg.enabled or flow.response is not None:
+            return
+        req = flow.request
+        if facts is None:
+            from .. import facts as F
+            facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
+                           req.headers.get("content-encoding"))
+        route = await svc.route(req.method, req.url, req.headers, session=facts.session, model=facts.model,
+                                opening=not facts.has_history)
+        if route is None:
+            return
+        if req.headers.get(HEADER) != route.routed_id:
+            req.headers[HEADER] = route.routed_id
+        flow.metadata[META] = {"key": route.key, "id": route.routed_id, "how": route.how,
+                               "provider": route.provider, "model": route.model, "origin": route.origin,
+                               "client_id": route.client_id}
+        log.info("sessionpin pool: %s %s -> %s (%s)", route.provider, route.model, route.routed_id[:8], route.how)
+
+    def responseheaders(self, flow) -> None:
+        meta = flow.metadata.get(META)
+        svc = self.service
+        if not meta or svc is None or flow.response is None:
+            return
+        route = Route(meta["key"], meta["id"], meta["how"], meta["provider"], meta["model"], meta["origin"],
+                      meta["client_id"])
+        if not route.observed:
+            return
+        headers = {k.lower(): v for k, v in flow.response.headers.items()}
+        status = flow.response.status_code
+        if self._observer is not None:
+            self._observer.submit(svc.observe, route, status, headers)
+        else:
+            svc.observe(route, status, headers)
+
+    # ---- status ------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        svc = self.service
+        if svc is None:
+            return {"enabled": False, "refresh_running": False, "counters": {}}
+        return report.status(svc.counters, running=svc.running, enabled=svc.cfg.enabled, loops=svc.loops_alive)
+
+    def metrics(self) -> str:
+        svc = self.service
+        if svc is None:
+            return ""
+        try:
+            snap = report.snapshot(svc.store, svc.clock.now_ms(), svc.cfg.ttl_ms)
+        except Exception:
+            snap = None
+        return report.metrics(svc.counters, snap)
+
+
+class PoolOptions:
+    """A tiny addon that only owns the pool's options (load/configure), feeding the participant."""
+
+    def __init__(self, participant: PoolParticipant, error: type[Exception] = ValueError) -> None:
+        self.participant = participant
+        self.error = error       # the addon passes mitmproxy's OptionsError
+        self._options = None
+
+    def load(self, loader) -> None:
+        for o in OPTIONS:
+            loader.add_option(o.name, o.type, o.default, o.help)
+        self._options = loader.master.options
+
+    def configure(self, updated: set[str]) -> None:
+        if self._options is None or not any(n.startswith("sessionpin_pool") for n in updated):
+            return
+        try:
+            self.participant.configure({o.name: getattr(self._options, o.name) for o in OPTIONS})
+        except ValueError as e:
+            raise self.error(str(e)) from None

@@ -1,0 +1,200 @@
+"""The OpenCode id pool end to end: a real mitmdump, real TLS, the fake gateway, real clients' shapes.
+
+One mitmdump serves the module; it runs a copy of the route script (so a test may edit it and
+watch mitmproxy reload it) wiring the real Router with the pool participant. The gateway is
+the fake of tests/fakegateway.py with a certificate from the harness' test CA; the proxy and
+the pool's probes both trust that CA. The pool's state is read back from the same file store.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fakegateway import FakeGateway, is_fast_id
+from sessionpin.pool import report, state
+from sessionpin.store import open_store
+
+from .harness import Client, Mitmdump, TestCA
+
+RUN = uuid.uuid4().hex[:6]
+KEY = "good-key"
+MODEL = "deepseek-v4.1-flash"
+SCRIPT = '''"""sessionpin router with the OpenCode id pool ({marker})."""
+from mitmproxy import exceptions
+
+from sessionpin.addon import Router
+from sessionpin.pool.participant import PoolOptions, PoolParticipant
+
+pool = PoolParticipant()
+addons = [Router([pool]), PoolOptions(pool, exceptions.OptionsError)]
+'''
+
+
+@pytest.fixture(scope="module")
+def env():
+    # Not tmp_path_factory: pytest prunes old base temp dirs of *other* concurrent runs by the
+    # same user, which would delete the store under a running mitmdump.
+    with tempfile.TemporaryDirectory(prefix="sessionpin-pool-e2e-") as tmp:
+        yield from _env(Path(tmp))
+
+
+def _env(work: Path):
+    ca = TestCA(work / "ca")
+    gw = FakeGateway(keys={KEY}).start(work, cert_and_key=ca.issue("gateway"), ca=ca.pem)
+    script = work / "route_pool.py"
+    script.write_text(SCRIPT.format(marker="v1"))
+    (work / "config.toml").write_text("")
+    opts = {
+        "sessionpin_config": str(work / "config.toml"),
+        "sessionpin_store": f"file:{work / 'state.db'}",
+        "ssl_verify_upstream_trusted_ca": str(ca.pem),
+        "connection_strategy": "lazy",
+        "sessionpin_pool_gateways": gw.origin,
+        "sessionpin_pool_ca_file": str(ca.pem),
+        "sessionpin_pool_size": 2,
+        "sessionpin_pool_refill_delay_ms": 200,
+        "sessionpin_pool_min_probe_interval_ms": 0,
+        "sessionpin_pool_refresh_interval_ms": 1000,
+    }
+    m = Mitmdump(work, script=script, options=opts)
+    m.start()
+    yield {"gw": gw, "m": m, "client": Client.via_proxy(m.port, m.mitm_ca), "store_url": opts["sessionpin_store"],
+           "script": script, "work": work}
+    m.stop()
+    gw.stop()
+
+
+def chat(env, headers: list[tuple[str, str]], messages: list[dict], path="/zen/go/v1/chat/completions"):
+    body = json.dumps({"model": MODEL, "messages": messages, "stream": True}).encode()
+    return env["client"].request("POST", env["gw"].origin + path, headers=headers, body=body)
+
+
+def spares(env) -> dict:
+    store = open_store(env["store_url"])
+    try:
+        return state.spares(store, "opencode-go", MODEL)
+    finally:
+        store.close()
+
+
+def wait_spares(env, n: int, timeout=15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = spares(env)
+        if len(s) >= n:
+            return s
+        time.sleep(0.25)
+    st = open_store(env["store_url"])
+    keys = st.keys("")
+    st.close()
+    raise AssertionError(f"pool did not fill: {spares(env)} {keys}\n{env['m'].tail(30)}")
+
+
+def last_request(env):
+    return env["gw"].requests()[-1]
+
+
+OPENCODE_HEADERS = [("user-agent", "opencode/1.18.33"), ("authorization", f"Bearer {KEY}"),
+                    ("x-opencode-project", "prj_1"), ("x-opencode-request", "msg_1"),
+                    ("x-opencode-client", "cli"), ("content-type", "application/json")]
+
+
+def test_opencode_client_first_keeps_its_id_then_new_conversations_get_verified_spares(env):
+    own = f"ses_{RUN}_a"
+    r = chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", own)], [{"role": "user", "content": "hi"}])
+    assert r.status == 200 and r.events                                # streamed through
+    assert last_request(env).session == own                            # no spare yet: its own id
+    pool = wait_spares(env, 2)                                         # refilled with the client's key
+    assert all(is_fast_id(i) for i in pool)                            # only fast ids were kept
+    assert all(p.session not in pool or is_fast_id(p.session) for p in env["gw"].probes())
+
+    other = f"ses_{RUN}_b"
+    r = chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", other)], [{"role": "user", "content": "hello"}])
+    assert r.status == 200
+    routed = last_request(env).session
+    assert routed in pool and routed != other
+    assert routed not in spares(env)                                   # taken, not shared
+    # the same conversation keeps its id; the first one stays on its own id
+    chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", other)], [{"role": "user", "content": "again"}])
+    assert last_request(env).session == routed
+
+
+def test_only_the_session_header_changes(env):
+    wait_spares(env, 1)
+    gw = env["gw"]
+    before = len(gw.requests())
+    conv = f"ses_{RUN}_c"
+    chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", conv)], [{"role": "user", "content": "x"}])
+    (seen,) = gw.requests()[before:]
+    assert seen.session != conv and seen.credential == "authorization"
+
+
+def test_pi_shaped_client_without_a_session_header_gets_one_id_for_the_whole_conversation(env):
+    wait_spares(env, 1)
+    pi = [("user-agent", "pi-coding-agent"), ("authorization", f"Bearer {KEY}"), ("content-type", "application/json")]
+    system = {"role": "system", "content": f"You are pi {RUN}"}
+    first = [system, {"role": "user", "content": "list files"}]
+    r = chat(env, pi, first)
+    assert r.status == 200                         # the gateway got a session header
+    routed = last_request(env).session
+    assert routed and is_fast_id(routed)
+    turn2 = [*first, {"role": "assistant", "content": "a b c"}, {"role": "user", "content": "thanks"}]
+    chat(env, pi, turn2)
+    assert last_request(env).session == routed
+
+
+def test_a_bound_id_that_turns_slow_is_retired_and_replaced(env):
+    wait_spares(env, 2)
+    conv = f"ses_{RUN}_slow"
+    h = [*OPENCODE_HEADERS, ("x-opencode-session", conv)]
+    chat(env, h, [{"role": "user", "content": "1"}])
+    routed = last_request(env).session
+    env["gw"].slow_ids.add(routed)
+    chat(env, h, [{"role": "user", "content": "2"}])                  # answered with upstream;dur=20000
+    assert last_request(env).session == routed
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:                                 # observation runs off the stream's path
+        chat(env, h, [{"role": "user", "content": "3"}])
+        if last_request(env).session != routed:
+            break
+        time.sleep(0.1)
+    assert last_request(env).session not in (routed, conv)
+    store = open_store(env["store_url"])
+    try:
+        assert state.is_retired(store, routed)
+        snap = report.snapshot(store, int(time.time() * 1000), 1_800_000)
+    finally:
+        store.close()
+    assert routed not in json.dumps(snap["groups"])                    # gone from spares and bindings
+
+
+def test_bad_key_is_not_probed_again_and_the_request_passes(env):
+    gw = env["gw"]
+    probes_before = len(gw.probes())
+    bad = [("authorization", "Bearer wrong"), ("content-type", "application/json")]
+    r = chat(env, [*bad, ("x-opencode-session", f"ses_{RUN}_bad")], [{"role": "user", "content": "x"}],
+             path="/zen/v1/chat/completions")
+    assert r.status == 401                                             # the gateway's own answer, untouched
+    assert len(gw.probes()) == probes_before
+
+
+def test_the_pool_survives_a_reload_of_the_script(env):
+    m, gw = env["m"], env["gw"]
+    kept = wait_spares(env, 2)
+    mark = m.line_count
+    env["script"].write_text(SCRIPT.format(marker="v2"))
+    assert m.wait_output(r"refresh loop started", timeout=15, since=mark), m.tail(30)
+    out = m.output.splitlines()[mark:]
+    assert sum("refresh loop started" in line for line in out) == 1
+    assert sum("refresh loop stopped" in line for line in out) == 1
+    assert set(kept) <= set(spares(env))                               # no spare lost
+    conv = f"ses_{RUN}_after"
+    chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", conv)], [{"role": "user", "content": "x"}])
+    assert last_request(env).session in kept                           # the same pool serves
+    assert m.alive

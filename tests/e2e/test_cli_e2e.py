@@ -236,3 +236,55 @@ def test_servers_remove_warns_with_the_count_and_the_503_it_announces_happens(ri
             assert (GLM_KEY.encode() in r.raw()) == (name == "glm" and r.header("x-api-key") == GLM_KEY)
             if name == "glm":
                 assert CLIENT_KEY.encode() not in r.raw()
+
+
+class SessionpinRun(Mitmdump):
+    """``sessionpin run`` itself (it execs mitmdump with the script shipped in the package)."""
+
+    def __init__(self, workdir: Path, config: Path, store: str, ca: TestCA) -> None:
+        super().__init__(workdir, options={"ssl_verify_upstream_trusted_ca": str(ca.pem)}, env={GLM_ENV: GLM_KEY})
+        self.config_path = config
+        self.store_url = store
+
+    def command(self) -> list[str]:
+        return [*sessionpin_argv(), "--config", str(self.config_path), "--store", self.store_url, "run",
+                "-p", "0", "--set", f"confdir={self.confdir}",
+                "--set", f"ssl_verify_upstream_trusted_ca={self.options['ssl_verify_upstream_trusted_ca']}"]
+
+
+def test_sessionpin_run_starts_the_router_from_the_installed_package(tmp_path):
+    ca = TestCA(tmp_path / "ca")
+    fakes = {"anthropic": FakeServer("anthropic", ca), "glm": FakeServer("glm", ca)}
+    for f in fakes.values():
+        f.start()
+    config = tmp_path / "config.toml"
+    config.write_text(toml_config({"anthropic": {"url": fakes["anthropic"].url},
+                                   "glm": {"url": fakes["glm"].url, "key_env": GLM_ENV}}, {"claude-code": "glm"}))
+    store = f"file:{tmp_path / 'state.db'}"
+    proxy = SessionpinRun(tmp_path / "run", config, store, ca)
+    try:
+        port = proxy.start()
+        assert "sessionpin/mitmscript/route.py" in proxy.output
+        assert proxy.wait_output(r"sessionpin: config .*claude-code → glm", timeout=5)
+        session = str(uuid.uuid4())
+        headers, body = claude_code("opening", session)
+        reply = Client.via_proxy(port, proxy.mitm_ca).request(
+            "POST", fakes["anthropic"].origin + "/v1/messages?beta=true", headers, body)
+        assert reply.status == 200
+        got = fakes["glm"].received()
+        assert len(got) == 1 and got[0].header("x-api-key") == GLM_KEY
+        assert fakes["anthropic"].received() == []
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_")}
+        deadline = time.monotonic() + 10
+        while True:
+            p = subprocess.run([*sessionpin_argv(), "--config", str(config), "--store", store, "status", "--json"],
+                               capture_output=True, text=True, env=env, timeout=60)
+            answering = json.loads(p.stdout)["proxy"]
+            if answering["answering"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert answering["answering"] and answering["address"] == f"http://127.0.0.1:{port}"
+    finally:
+        proxy.stop()
+        for f in fakes.values():
+            f.stop()

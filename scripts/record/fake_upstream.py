@@ -35,7 +35,7 @@ _counter = itertools.count(1)
 _RUN = uuid.uuid4().hex[:6]  # ids differ between proxy runs (Claude Code echoes them back in cc_prev_req)
 
 SHELL_TOOLS = ("Bash", "bash", "shell", "shell_command", "exec_command", "local_shell")
-TASK_TOOLS = ("Agent", "Task", "task", "spawn_agent")
+TASK_TOOLS = ("Agent", "Task", "task", "spawn_agent")  # Codex: spawn_agent in the "collaboration" namespace
 SUBAGENT_PROMPT = "Reply with the single word hi. Do not use any tool."
 
 
@@ -92,16 +92,31 @@ def _last_turn(body: dict) -> tuple[str, bool]:
 
 
 def _tools(body: dict) -> dict[str, dict]:
-    """Tool name -> JSON schema of its input, for Anthropic and OpenAI tool lists."""
+    """Tool name -> {"schema", "type", "namespace"}, from Anthropic and OpenAI tool lists, including
+    Responses namespaces and Codex's ``additional_tools`` input item (responses-lite)."""
     out: dict[str, dict] = {}
-    for tool in body.get("tools") or []:
+
+    def add(tool, namespace=None):
         if not isinstance(tool, dict):
-            continue
-        if isinstance(tool.get("function"), dict):  # OpenAI chat
+            return
+        if tool.get("type") == "namespace":
+            for inner in tool.get("tools") or []:
+                add(inner, tool.get("name"))
+        elif isinstance(tool.get("function"), dict):  # OpenAI chat
             fn = tool["function"]
-            out[fn.get("name", "")] = fn.get("parameters") or {}
+            out[fn.get("name", "")] = {"schema": fn.get("parameters") or {}, "type": "function", "namespace": None}
         elif "name" in tool:  # Anthropic, OpenAI responses
-            out[tool["name"]] = tool.get("input_schema") or tool.get("parameters") or {}
+            out[tool["name"]] = {"schema": tool.get("input_schema") or tool.get("parameters") or {},
+                                 "type": tool.get("type") or "function", "namespace": namespace}
+
+    for tool in body.get("tools") or []:
+        add(tool)
+    items = body.get("input")
+    if isinstance(items, list):
+        for item in items:
+            if isinstance(item, dict) and item.get("type") == "additional_tools":
+                for tool in item.get("tools") or []:
+                    add(tool)
     return out
 
 
@@ -117,6 +132,8 @@ def _fill(schema: dict, name: str, kind: str) -> dict:
             args[prop] = ["bash", "-lc", "echo hi"] if typ == "array" else "echo hi"
         elif prop == "description":
             args[prop] = "Print hi" if kind == "shell" else "Say hi"
+        elif prop == "task_name":
+            args[prop] = "say_hi"
         elif prop in ("prompt", "message", "task", "instructions"):
             args[prop] = SUBAGENT_PROMPT
         elif prop == "subagent_type":
@@ -155,7 +172,11 @@ def decide(body: dict) -> dict:
             wanted = next((t for t in SHELL_TOOLS if t in tools), None)
             kind = "shell"
         if wanted:
-            return {"tool": wanted, "args": _fill(tools[wanted], wanted, kind)}
+            return {"tool": wanted, "args": _fill(tools[wanted]["schema"], wanted, kind),
+                    "namespace": tools[wanted]["namespace"]}
+        if "RUNTOOL" in prompt and tools.get("exec", {}).get("type") == "custom":
+            # Codex (responses-lite): the only direct tool is ``exec``, a custom tool taking JavaScript.
+            return {"tool": "exec", "custom_input": 'text("hi")', "namespace": tools["exec"]["namespace"]}
     if "</block>" in (body.get("stop_sequences") or []):  # Claude Code's auto-mode classifier: allow
         return {"text": "<block>no"}
     if not tools and ("json_schema" in json.dumps(body.get("output_format") or body.get("output_config") or "")):
@@ -245,9 +266,14 @@ def openai_responses(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
     rid, created = f"resp_fake{n:06d}", int(time.time())
     usage = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5,
              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 105}
-    if "tool" in answer:
-        item = {"id": f"fc_fake{n:06d}", "type": "function_call", "status": "completed",
+    if "custom_input" in answer:
+        item = {"id": f"ctc_fake{_RUN}{n:06d}", "type": "custom_tool_call", "status": "completed",
+                "call_id": f"call_fake{_RUN}{n:06d}", "name": answer["tool"], "input": answer["custom_input"]}
+    elif "tool" in answer:
+        item = {"id": f"fc_fake{_RUN}{n:06d}", "type": "function_call", "status": "completed",
                 "call_id": f"call_fake{_RUN}{n:06d}", "name": answer["tool"], "arguments": json.dumps(answer["args"])}
+    if "tool" in answer and answer.get("namespace"):
+        item["namespace"] = answer["namespace"]
     else:
         item = {"id": f"msg_fake{_RUN}{n:06d}", "type": "message", "status": "completed", "role": "assistant",
                 "content": [{"type": "output_text", "text": answer["text"], "annotations": []}]}
@@ -262,7 +288,13 @@ def openai_responses(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
     pending = dict(item, status="in_progress")
     events = [ev("response.created", response=dict(base, status="in_progress", output=[], usage=None)),
               ev("response.in_progress", response=dict(base, status="in_progress", output=[], usage=None))]
-    if "tool" in answer:
+    if "custom_input" in answer:
+        events += [
+            ev("response.output_item.added", output_index=0, item=dict(pending, input="")),
+            ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=0, delta=item["input"]),
+            ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=0, input=item["input"]),
+        ]
+    elif "tool" in answer:
         events += [
             ev("response.output_item.added", output_index=0, item=dict(pending, arguments="")),
             ev("response.function_call_arguments.delta", item_id=item["id"], output_index=0, delta=item["arguments"]),
@@ -311,6 +343,17 @@ class FakeUpstream:
             content, ctype = openai_chat(body, decide(body), n)
         elif isinstance(body, dict) and path.endswith("/responses"):
             content, ctype = openai_responses(body, decide(body), n)
+        elif req.method == "GET" and path.endswith("/accounts/check"):
+            # Codex signed in with (fake) ChatGPT tokens discovers its workspace here before any turn.
+            acct = "00000000-0000-0000-0000-000000000000"
+            content, ctype = json.dumps({"accounts": {acct: {"account": {
+                "account_id": acct, "structure": "personal", "plan_type": "plus", "is_deactivated": False,
+                "name": None, "profile_picture_url": None, "workspace_backend_origin": "https://chatgpt.com",
+                "backend_origin": "https://chatgpt.com",
+                "account_routing_override": None}, "workspace_backend_origin": "https://chatgpt.com", "backend_origin": "https://chatgpt.com"}},
+                "account_ordering": [acct], "workspace_backend_origin": "https://chatgpt.com"}).encode(), "application/json"
+        elif req.method == "GET" and path.endswith("/codex/models"):
+            content, ctype = json.dumps({"models": []}).encode(), "application/json"
         elif req.method == "GET" and path.endswith("/models"):
             content, ctype = json.dumps(MODELS).encode(), "application/json"
         else:

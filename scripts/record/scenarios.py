@@ -225,3 +225,46 @@ SCENARIOS["pi-go"] = {
         {"kind": "resume", "conversation": "pi-go-B"},
     ],
 }
+
+# ---------------------------------------------------------------- Codex
+
+CX_WS = {"match": r"api\.openai\.com/v1/responses", "kind": "websocket-upgrade", "max": 2,
+         "note": "GET /v1/responses WebSocket upgrade (request_kind prewarm in x-codex-turn-metadata); the fake answers 426 and Codex falls back to HTTPS POST."}
+
+SCENARIOS["cx-tool"] = {
+    "flow": "cx-tool.flow", "agent": "codex", "scenario": "exec-tool",
+    "note": "codex exec 'RUNTOOL: ...' with an API key (api.openai.com). Tools come in an input item of type additional_tools (responses-lite); the fake calls the custom tool exec.",
+    "requests": [{"kind": "opening"}, {"kind": "tool-result", "note": "After the custom_tool_call_output of exec."}],
+    "other": [CX_WS],
+}
+
+SCENARIOS["cx-task"] = {
+    "flow": "cx-task.flow", "agent": "codex", "scenario": "exec-subagent",
+    "note": "codex exec 'RUNTASK: ...': the fake calls collaboration.spawn_agent.",
+    "requests": [
+        {"kind": "opening"},
+        {"kind": "tool-result", "note": "Parent after spawn_agent's output."},
+        {"kind": "subagent", "note": "Subagent: same session-id, its own thread-id, x-openai-subagent collab_spawn, turn metadata thread_source subagent, history_initialization warm_fork with the parent's history."},
+    ],
+    "other": [dict(CX_WS, note=CX_WS["note"] + " The second one is the subagent's (x-openai-subagent).")],
+}
+
+SCENARIOS["cx-resume"] = {
+    "flow": "cx-resume.flow", "agent": "codex", "scenario": "exec-resume",
+    "note": "codex exec resume <id of exec-tool> 'hello again': same session-id, history_initialization cold_resume.",
+    "requests": [{"kind": "resume"}],
+}
+
+SCENARIOS["cx-fork"] = {
+    "flow": "cx-fork.flow", "agent": "codex", "scenario": "exec-fork",
+    "note": "codex exec fork <id of exec-tool> 'hello from a fork': a NEW session-id, history_initialization cold_fork, forked_from_thread_id = the parent.",
+    "requests": [{"kind": "fork"}],
+}
+
+SCENARIOS["cx-zstd"] = {
+    "flow": "cx-zstd.flow", "agent": "codex", "scenario": "exec-metrics",
+    "note": "codex exec 'RUNTASK: ...' again, kept for its zstd-compressed OTLP metrics POST (the only zstd body Codex sent with API-key auth).",
+    "requests": [{"kind": "opening", "skip": True}, {"kind": "tool-result", "skip": True}, {"kind": "subagent", "skip": True}],
+    "other": [{"match": r"ab\.chatgpt\.com/otlp", "kind": "telemetry", "identifiable": False,
+               "note": "Non-model: OTLP metrics, Content-Encoding zstd, User-Agent OTel-OTLP-Exporter-Rust (nothing names Codex)."}],
+}

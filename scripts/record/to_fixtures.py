@@ -1,6 +1,7 @@
 """Turn recorded flows (``mitmdump -w``) into redacted request fixtures for the request reader.
 
 usage: python scripts/record/to_fixtures.py FLOWDIR OUTDIR [SCENARIO...]
+       python scripts/record/to_fixtures.py --flow IN.flow OUT.flow   (redacted copy of a raw flow file)
 
 Each scenario in ``scenarios.py`` names a flow file, the agent that made it, and — in flow order —
 what every inference request in it IS, as known from how the recording was produced (which prompt
@@ -22,6 +23,7 @@ Rules it keeps:
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import sys
@@ -36,7 +38,7 @@ from scenarios import SCENARIOS, TURN_OF_KIND  # noqa: E402
 CREDENTIAL_HEADERS = {
     "x-api-key", "authorization", "proxy-authorization", "cookie", "set-cookie", "api-key",
     "x-goog-api-key", "openai-api-key", "x-anthropic-api-key", "anthropic-api-key", "x-auth-token",
-    "chatgpt-account-id",
+    "chatgpt-account-id", "statsig-api-key", "x-stainless-api-key", "openai-organization", "openai-project",
 }
 # The fake keys used while recording (scripts/record/README in docs/traffic.md): any of them left in a
 # header, URL or body is replaced too.
@@ -110,7 +112,11 @@ def read_body(flow):
     try:
         return json.loads(raw), encoding
     except ValueError:
-        return raw.decode("utf-8", "replace"), encoding
+        pass
+    try:
+        return raw.decode("utf-8"), encoding
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(raw).decode()}, encoding  # binary: see body_base64
 
 
 def header(flow, name: str) -> str | None:
@@ -193,6 +199,8 @@ def convert(scn: dict, flowdir: Path, outdir: Path) -> list[Path]:
             "expect": exp,
             "note": label.get("note", scn.get("note", "")),
         }
+        if isinstance(body, dict) and set(body) == {"base64"} and not isinstance(read_body(fl)[0], str):
+            fixture["body"], fixture["body_base64"] = body["base64"], True
         if fl.request.http_version:
             fixture["http_version"] = fl.request.http_version
         if encoding and encoding != "identity":
@@ -209,7 +217,33 @@ def convert(scn: dict, flowdir: Path, outdir: Path) -> list[Path]:
     return written
 
 
+def redact_flow_file(src: Path, dst: Path) -> int:
+    """Copy a flow file with every credential header replaced; bodies stay byte-exact (still compressed)."""
+    n = 0
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        writer = mio.FlowWriter(out)
+        for fl in mio.FlowReader(f).stream():
+            for msg in (fl.request, getattr(fl, "response", None)):
+                if msg is None:
+                    continue
+                for name in list(msg.headers.keys()):
+                    values = msg.headers.get_all(name)
+                    if name.lower() in CREDENTIAL_HEADERS:
+                        msg.headers.set_all(name, [redact_value(name, v) for v in values])
+                    else:
+                        msg.headers.set_all(name, [redact_text(v) for v in values])
+                if FAKE_KEY_RE.search((msg.get_content(strict=False) or b"").decode("utf-8", "replace")):
+                    raise SystemExit(f"{src}: a key string is inside a body; refusing to copy it")
+            fl.request.url = redact_url(fl.request.pretty_url)
+            writer.add(fl)
+            n += 1
+    return n
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[1] == "--flow":
+        print(f"{argv[3]}: {redact_flow_file(Path(argv[2]), Path(argv[3]))} flows")
+        return 0
     if len(argv) < 3:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2

@@ -56,8 +56,7 @@ HEARTBEAT_PREFIX = "proxy:"
 HEARTBEAT_TTL = 30.0
 HEARTBEAT_EVERY = 10.0
 FLUSH_EVERY = 5.0
-UNREACHABLE_FOR = 30.0        # how long a connect failure makes the router check first
-PROBE_TIMEOUT = 5.0
+PROBE_TIMEOUT = 10.0          # a routed server that does not accept TCP within this is unreachable
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson", "application/jsonl",
                 "application/stream+json")
 
@@ -178,6 +177,7 @@ class Router:
         self.metrics = Metrics()
         self.activity: dict[str, list] = {}          # session -> [last seen, requests since flush]
         self.unreachable: dict[tuple[str, int], tuple[str, str, float]] = {}  # addr -> (server, error, when)
+        self.moved_to: dict[tuple[str, int], str] = {}  # addresses requests were moved to -> server name
         self.started = time.time()
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
@@ -463,9 +463,6 @@ class Router:
                 self._decided(flow, facts, decision, source, pin, changes)
                 self._refuse(flow, facts, 502, f"sessionpin: {changes.refuse}; the request was not sent", "rewrite")
                 return decision
-            await self._check_reachable(flow, facts, cfg.servers[decision.target])
-            if flow.response is not None:
-                return decision
 
         if decision.pin_action == ladder.CREATE and facts.session and store is not None:
             new = pins.Pin(agent=facts.agent, server=decision.target, since=now, renewed=now,
@@ -502,6 +499,8 @@ class Router:
                 log.warning("sessionpin: cannot renew the pin of %s: %s", short(facts.session), e)
 
         if changes is not None:
+            if (changes.host, changes.port) != (req.host, req.port) and decision.target:
+                self.moved_to[(changes.host, changes.port)] = decision.target
             _apply(req, changes)
         self._decided(flow, facts, decision, source, pin, changes)
         return decision
@@ -517,27 +516,6 @@ class Router:
             headers=tuple(req.headers.items(multi=True)), body=body, api=facts.api, model=facts.model,
         )
         return rewrite.plan(decision, view, source, cfg, self.env)
-
-    async def _check_reachable(self, flow: http.HTTPFlow, facts: F.Facts, target: Server) -> None:
-        """After a connect failure to a server, check it before sending (so the agent hears its name)."""
-        addr = (target.host, target.port)
-        mark = self.unreachable.get(addr)
-        if mark is None:
-            return
-        if time.monotonic() - mark[2] > UNREACHABLE_FOR:
-            self.unreachable.pop(addr, None)
-            return
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(*addr), PROBE_TIMEOUT)
-            writer.close()
-            self.unreachable.pop(addr, None)
-        except (OSError, asyncio.TimeoutError) as e:
-            err = str(e) or type(e).__name__
-            self.metrics.refusals["unreachable"] += 1
-            self._refuse(flow, facts, 502,
-                         f"sessionpin: server {target.name} ({target.origin}) cannot be reached: {err}. "
-                         f"The conversation stays on {target.name}; try again when it is back.", "unreachable",
-                         count=False)
 
     def _gone_message(self, facts: F.Facts, pin: pins.Pin | None) -> str:
         server = pin.server if pin else "?"
@@ -617,6 +595,33 @@ class Router:
                     p.responseheaders(flow)
                 except Exception:
                     log.exception("sessionpin: participant %s failed", type(p).__name__)
+
+    async def server_connect(self, data) -> None:
+        """Before connecting to a server requests were moved to: check it accepts connections.
+
+        mitmproxy answers a failed connect with a 502 naming only the address; a server
+        the agent never addressed must be named (``alt``, not ``127.0.0.1:4433``), so the
+        router tries a TCP connect first and, when it fails, ends the attempt with its own
+        message. It costs one TCP handshake per new upstream connection, only to servers
+        the router moved requests to (connections are reused across requests).
+        """
+        server = data.server
+        if not server.address or server.error:
+            return
+        name = self.moved_to.get((str(server.address[0]).lower(), server.address[1]))
+        if name is None:
+            return
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(*server.address[:2]), PROBE_TIMEOUT)
+            writer.close()
+            self.unreachable.pop((str(server.address[0]).lower(), server.address[1]), None)
+        except (OSError, asyncio.TimeoutError) as e:
+            err = str(e) or type(e).__name__
+            cfg_server = self.config.servers.get(name)
+            origin = cfg_server.origin if cfg_server else f"{server.address[0]}:{server.address[1]}"
+            server.error = (f"sessionpin: server {name} ({origin}) cannot be reached: {err}. "
+                            f"The conversation stays on {name}; try again when it is back.")
+            self.metrics.refusals["unreachable"] += 1
 
     def server_connect_error(self, data) -> None:
         addr = data.server.address
@@ -760,4 +765,11 @@ def _apply(req: http.Request, c: rewrite.Changes) -> None:
 
 
 def make_addons(participants: list[Any] | None = None) -> list[object]:
+    if participants is None:
+        # The OpenCode session-id pool (issue 6, sessionpin/pool, docs/pool.md): a participant
+        # of the router, plus a small addon that owns its options. Pass participants to leave it out.
+        from .pool.participant import PoolOptions, PoolParticipant
+
+        pool = PoolParticipant()
+        return [Router([pool]), PoolOptions(pool, exceptions.OptionsError)]
     return [Router(participants)]

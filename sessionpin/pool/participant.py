@@ -34,6 +34,8 @@ META = "sessionpin_pool"
 
 
 class PoolParticipant:
+    name = "pool"        # its key under "participants" in /__sessionpin/status
+
     def __init__(self, manager=MANAGER) -> None:
         self.manager = manager
         self.cfg: PoolConfig | None = None

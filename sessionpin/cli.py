@@ -107,6 +107,20 @@ def ago(then: float | None, now: float) -> str:
     return f"{int(d // 86400)}d ago"
 
 
+# Why a pin says what it says: the ladder rule that made it (ladder.py), in words.
+PIN_WHY = {
+    "opening": "began here",
+    "unknown-turn": "turn unknown",
+    "not-routed": "agent not routed",
+    "continuation-unseen": "not seen begin",
+    "operator": "moved",
+}
+
+
+def why(pin: pins.Pin) -> str:
+    return PIN_WHY.get(pin.rule, pin.rule or "-")
+
+
 def iso(t: float | None) -> str | None:
     if not t:
         return None
@@ -216,7 +230,8 @@ class Row:
         return {
             "session": self.session, "short": short(self.session), "agent": self.pin.agent,
             "server": self.pin.server, "pinned_since": iso(self.pin.since), "last_seen": iso(self.seen.last),
-            "requests": self.seen.requests, "rule": self.pin.rule or None, "turn": self.pin.turn or None,
+            "requests": self.seen.requests, "rule": self.pin.rule or None, "why": why(self.pin),
+            "turn": self.pin.turn or None,
             "since_epoch": self.pin.since, "last_seen_epoch": self.seen.last or None,
         }
 
@@ -487,9 +502,9 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
         what = "no pinned conversations" + ("" if store is not None else f" (no store file yet at {ctx.store_file()})")
         out(what + (" match" if (args.agent or args.server or args.not_routed) and store is not None else ""))
         return 0
-    grid = [["SESSION", "AGENT", "SERVER", "PINNED", "LAST SEEN", "REQUESTS"]]
+    grid = [["SESSION", "AGENT", "SERVER", "WHY", "PINNED", "LAST SEEN", "REQUESTS"]]
     for r in selected:
-        grid.append([short(r.session), r.pin.agent, where(r.pin.server), ago(r.pin.since, now),
+        grid.append([short(r.session), r.pin.agent, where(r.pin.server), why(r.pin), ago(r.pin.since, now),
                      ago(r.seen.last, now), str(r.seen.requests)])
     for line in table(grid):
         out(line)

@@ -184,9 +184,9 @@ def test_sessions_table_and_filters(env, capsys):
     code, o, _ = run(capsys, "sessions")
     assert code == 0
     lines = o.splitlines()
-    assert lines[0].split() == ["SESSION", "AGENT", "SERVER", "PINNED", "LAST", "SEEN", "REQUESTS"]
+    assert lines[0].split() == ["SESSION", "AGENT", "SERVER", "WHY", "PINNED", "LAST", "SEEN", "REQUESTS"]
     # Most recently seen first.
-    assert lines[1].split() == ["ses_5a1b2c3d", "opencode", "glm", "5m", "ago", "10s", "ago", "12"]
+    assert lines[1].split() == ["ses_5a1b2c3d", "opencode", "glm", "began", "here", "5m", "ago", "10s", "ago", "12"]
     assert lines[2].split()[:3] == ["77e1d3c4", "claude-code", "not"]
     assert len(lines) == 5
     code, o, _ = run(capsys, "sessions", "--agent", "claude-code", "--server", "anthropic")

@@ -380,9 +380,7 @@ def has_history(b: wire.Body) -> bool:
         if m.role == "assistant":
             return True
     if isinstance(b.input, list):
-        for item in b.input:
-            if item.role == "assistant" or (item.type is not None and item.type != "message"):
-                return True
+        return any(wire.is_history(item) for item in b.input)
     return False
 
 

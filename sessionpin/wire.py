@@ -41,6 +41,18 @@ class Message(Struct):
     content: Raw = ABSENT
 
 
+def is_history(m: Message) -> bool:
+    """The item shows the conversation under way: an assistant message, or a Responses item
+    only a model turn makes (a tool call, its output, reasoning, a compaction). Other typed
+    items (Codex's ``additional_tools``, a developer ``message``) are part of any opening."""
+    if m.role == "assistant":
+        return True
+    t = m.type
+    if t is None or t == "message":
+        return False
+    return t == "reasoning" or t.startswith("compaction") or t.endswith(("_call", "_output"))
+
+
 class Metadata(Struct):
     user_id: str | None = None
 
@@ -199,7 +211,7 @@ def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
                     return None
                 continue
             messages.append(msg)
-            history = history or msg.role == "assistant" or (msg.type is not None and msg.type != "message")
+            history = history or is_history(msg)
             first_user = first_user or msg.role == "user"
             ended = m.group(2) is not None
             s = m.start(1) if not ended else m.end()

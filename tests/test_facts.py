@@ -94,6 +94,8 @@ DISAGREE = {
     "claude-code/interactive-02-model-catalog": {"agent": "no agent signal in the request"},
     # GET registry.npmjs.org/@opencode-ai/plugin with User-Agent npm/…: the same.
     "opencode/anthropic-task-01-plugin-check": {"agent": "no agent signal in the request"},
+    # POST ab.chatgpt.com/otlp/v1/metrics, User-Agent OTel-OTLP-Exporter-Rust: the same.
+    "codex/exec-metrics-01-telemetry": {"agent": "no agent signal in the request"},
 }
 
 
@@ -390,6 +392,7 @@ CODEX_H = [("user-agent", "codex_cli_rs/0.171.0 (Debian 12; x86_64)"), ("origina
 
 def codex_body(history=False):
     items = [
+        {"type": "additional_tools", "role": "developer", "tools": [{"type": "namespace", "name": "functions"}]},
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "perms"}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]},
     ]

@@ -45,3 +45,24 @@ def test_a_wrong_type_is_a_validation_error_and_each_field_decodes_alone(data):
 
 def test_field_decoders_cover_every_body_field():
     assert set(wire.field_decoders) == set(wire.Body.__struct_fields__)
+
+
+@pytest.mark.parametrize(
+    "item,history",
+    [
+        ({"role": "assistant"}, True),
+        ({"type": "message", "role": "assistant"}, True),
+        ({"type": "function_call"}, True),
+        ({"type": "function_call_output"}, True),
+        ({"type": "custom_tool_call_output"}, True),
+        ({"type": "reasoning"}, True),
+        ({"type": "compaction_summary"}, True),
+        ({"type": "message", "role": "user"}, False),
+        ({"type": "message", "role": "developer"}, False),
+        ({"type": "additional_tools", "role": "developer"}, False),  # Codex 0.171's first item
+        ({"role": "system"}, False),
+        ({}, False),
+    ],
+)
+def test_is_history(item, history):
+    assert wire.is_history(msgspec.json.decode(msgspec.json.encode(item), type=wire.Message)) is history

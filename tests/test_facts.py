@@ -832,3 +832,40 @@ def test_large_mutated_bodies_never_raise(data):
 
 
 _LARGE = json.dumps(_pad_history(cc_body(history=True), "messages", 300_000, _anthropic_round)).encode()
+
+
+_ROUNDS = {"anthropic": _anthropic_round, "chat": _chat_round, "responses": _responses_round}
+
+
+def _inference_recordings():
+    for path in _fixtures():
+        fx = json.loads(path.read_text())
+        if fx["expect"]["api"] != facts.OTHER and isinstance(fx["body"], dict):
+            yield path
+
+
+@pytest.mark.parametrize("path", list(_inference_recordings()), ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_recordings_made_large_read_the_same_in_parts(monkeypatch, path):
+    """Each recorded body, grown past FAST_MIN (more tool rounds; or, for an opening, a large
+    first prompt), reads the same in parts as whole - on real key orders and item shapes."""
+    fx = json.loads(path.read_text())
+    api = facts.api_of(fx["method"], fx["url"])
+    flavour = facts._FLAVOUR[api]
+    key = "input" if flavour == "responses" else "messages"
+    body = fx["body"]
+    if not isinstance(body.get(key), list):
+        pytest.skip(f"no {key} array")
+    grown = _pad_history(body, key, facts.wire.FAST_MIN, _ROUNDS[flavour])
+    opening = json.loads(json.dumps(body))
+    for item in opening[key]:
+        if item.get("role") == "user":
+            item["content"] = [{"type": "text", "text": "big },{ prompt " * 20_000}]
+            break
+    for variant in (grown, opening):
+        data = msgspec.json.encode(variant)
+        assert facts.wire.fast_decode(data, flavour) is not None, "fell back"
+        with monkeypatch.context() as m:
+            fast = read(fx["method"], fx["url"], fx["headers"], data, "identity")
+            m.setattr(facts.wire, "FAST_MIN", 1 << 62)
+            whole = read(fx["method"], fx["url"], fx["headers"], data, "identity")
+        assert fast == whole

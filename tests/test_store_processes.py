@@ -47,10 +47,14 @@ def test_sigkill_loses_no_acknowledged_durable_write(tmp_path):
     acked_total = 0
     for r in range(24):
         p = spawn(DURABLE_CHILD, str(path), str(r))
-        # some kills land while the child is still opening (or creating) the file
+        first = ""
+        if r % 2:
+            first = p.stdout.readline()   # odd rounds: die while writing, whatever the load
+        # even rounds: some kills land while the child is still opening (or creating) the file
         time.sleep(rng.uniform(0.0, 0.3))
         p.send_signal(signal.SIGKILL)
         out, err = p.communicate(timeout=30)
+        out = first + out
         assert p.returncode == -signal.SIGKILL, err
         acked = [tuple(map(int, line.split())) for line in out.split("\n")[:-1]]  # only whole lines
         assert [i for i, _ in acked] == list(range(len(acked)))
@@ -76,7 +80,7 @@ def test_sigkill_loses_no_acknowledged_durable_write(tmp_path):
             assert set(s.hgetall("acks")) <= {str(x) for x in range(r + 1)}
         finally:
             s.close()
-    assert acked_total > 100   # the test did exercise many acknowledged writes
+    assert acked_total >= 12   # the test did exercise acknowledged writes (hundreds, unloaded)
 
 
 HAMMER_CHILD = r"""
@@ -189,3 +193,38 @@ def test_each_process_sees_the_others_within_1s(tmp_path):
         p.wait(timeout=10)
     finally:
         s.close()
+
+
+READ_CHILD = r"""
+import sys
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1])
+if len(sys.argv) > 2:
+    s.set(sys.argv[2], "child")
+print(repr(s.get("after")))
+s.close()
+"""
+
+
+def test_two_stores_in_one_process_keep_sqlites_locks(tmp_path):
+    # Closing any descriptor of the database file drops every POSIX lock the process holds
+    # on it, SQLite's too. If opening a second store on the file (the pool does) did that,
+    # a third process closing would think it was the last, delete the WAL, and the first
+    # store's later commits would vanish.
+    path = tmp_path / "state.db"
+    a = FileStore(path)
+    a.set("before", "1")
+    b = FileStore(path)
+    try:
+        out = subprocess.run([sys.executable, "-c", READ_CHILD, str(path), "child"], env=ENV,
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        a.set("after", "2", durable=True)
+        out = subprocess.run([sys.executable, "-c", READ_CHILD, str(path)], env=ENV,
+                             capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == "'2'", out.stderr
+        assert b.get("after") == "2" and b.get("child") == "child"
+    finally:
+        b.close()
+        a.close()
+    assert FileStore(path).get("after") == "2"

@@ -12,10 +12,13 @@ Rules it keeps:
 - ``durable=True``: that commit runs with ``synchronous=FULL`` (the WAL is fsync'd
   before the call returns; SQLite fsyncs the directory when it creates the WAL, and we
   fsync it when we create the directory or the database file). Other writes commit with
-  ``synchronous=NORMAL`` and a background thread fsyncs the WAL, the file and the
+  ``synchronous=NORMAL`` and a background thread fsyncs the WAL and the
   directory within ``flush_interval`` (0.5 s); ``close`` does the same.
 - Created 0600 (O_CREAT|O_EXCL) in a directory created 0700; SQLite gives -wal/-shm the
   database file's mode. We only chmod a directory we created or our own default one.
+- We never close a descriptor of the database file while SQLite may hold it open in this
+  process (POSIX would drop SQLite's locks with it): no fsync of it from here, and the
+  header is read by us only when no other store of this process has the file.
 - A file that is not a database is moved aside to ``<name>.corrupt-<utc>-<pid>-<n>``
   (never over an earlier one, its -wal/-shm with it), logged with both paths; the store
   starts empty. A newer ``user_version`` raises StoreVersionError before anything is
@@ -88,6 +91,31 @@ def is_fault(exc: BaseException) -> bool:
     return isinstance(exc, OSError)
 
 
+# Stores of this process, by file. A descriptor of the database file must never be
+# closed while SQLite has the file open in this process: POSIX drops every lock the process
+# holds on a file when any descriptor of it closes, and SQLite's "am I the last connection"
+# check then lies to another process, which deletes the WAL under us. So the header is read
+# with our own descriptor only when no other store here has the file.
+_open_here: dict[str, int] = {}
+_open_here_lock = threading.Lock()
+
+
+def _hold(path: Path, delta: int) -> None:
+    """Count a store of this process on ``path`` in (+1) or out (-1)."""
+    key = os.path.realpath(path)
+    with _open_here_lock:
+        n = _open_here.get(key, 0) + delta
+        if n > 0:
+            _open_here[key] = n
+        else:
+            _open_here.pop(key, None)
+
+
+def _others_here(path: Path) -> bool:
+    with _open_here_lock:
+        return _open_here.get(os.path.realpath(path), 0) > 1
+
+
 class _Unreadable(Exception):
     """The file is not a database we can read: set it aside."""
 
@@ -126,10 +154,12 @@ class FileStore:
         self._touched: set[str] = set()
         self._pending: list[tuple[str, str, tuple, float]] = []
         self._fault: str | None = None  # the error logged; cleared when a write succeeds
+        _hold(self.path, +1)
         try:
             self._connect()
         except Exception as exc:
             if not is_fault(exc):
+                _hold(self.path, -1)
                 raise
             self._degrade(exc)
         self._stop = threading.Event()
@@ -176,6 +206,8 @@ class FileStore:
 
     def _check_header(self) -> None:
         """Refuse or set aside from the header alone, before SQLite touches the file."""
+        if _others_here(self.path):
+            return  # another store here has it open: SQLite checks the same through PRAGMAs
         try:
             with open(self.path, "rb") as f:
                 head = f.read(100)
@@ -453,7 +485,9 @@ class FileStore:
                 log.exception("store %s: background work failed", self.path)
 
     def _flush(self) -> None:
-        """Put ordinary commits on stable storage: fsync the WAL, the file, the directory."""
+        """Put ordinary commits on stable storage: fsync the WAL and the directory.
+
+        (The database file is SQLite's to fsync, after each checkpoint; see below.)"""
         with self._lock:
             if not self._dirty:
                 return
@@ -623,6 +657,7 @@ class FileStore:
                     pass
                 self._conn = None
             self._closed = True
+            _hold(self.path, -1)
 
     def __enter__(self) -> "FileStore":
         return self

@@ -156,7 +156,7 @@ class Ctx:
         try:
             return configmod.load(self.config_path)
         except configmod.ConfigError as e:
-            raise Fail(f"{e} ({self.config_path}); fix the config file first") from None
+            raise Fail(f"{e}; fix {self.config_path} first (`sessionpin doctor` checks it)") from None
 
     def config_text(self) -> str:
         try:
@@ -935,7 +935,8 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
             add("config", "ok", f"{ctx.config_path}: {plural(len(cfg.servers), 'server')}, "
                 f"routed: {', '.join(routed) or 'no agent'}")
     except configmod.ConfigError as e:
-        add("config", "FAIL", f"{e} ({ctx.config_path}): fix that line; the proxy refuses this file")
+        add("config", "FAIL", f"{e}; fix that line in {ctx.config_path} (a running proxy refuses this "
+            "text and keeps the config it had; a starting one stops)")
 
     store = None
     f = ctx.store_file()
@@ -999,7 +1000,9 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
 
     if cfg is not None:
         penv = proxy_keys(proxy)
-        routed = sorted({x.server for x in cfg.agents.values() if x.server})
+        # Servers requests go to: each agent's current one, and each one conversations are pinned to.
+        pinned_to = {r.pin.server for r in rows(store) if r.pin.server in cfg.servers}
+        routed = sorted({x.server for x in cfg.agents.values() if x.server} | pinned_to)
         for name in routed:
             s = cfg.servers[name]
             is_set, checked = key_state(s, penv)

@@ -377,6 +377,16 @@ def test_doctor(env, capsys):
     assert checks["store"]["state"] == "ok"
 
 
+def test_doctor_checks_the_key_of_a_server_conversations_are_pinned_to(env, capsys):
+    # No agent sends new conversations to glm any more, but a running one is pinned there.
+    put_pins(env.url, RUNNING[3:])
+    run(capsys, "use", "opencode", "anthropic")
+    code, o, _ = run(capsys, "doctor", "--json")
+    checks = {c["check"]: c for c in json.loads(o)["checks"]}
+    assert checks["key glm"]["state"] == "fail"
+    assert "$SP_TEST_GLM_KEY is not set in this shell" in checks["key glm"]["detail"]
+
+
 def test_doctor_broken_config(env, capsys):
     env.cfg.write_text("[servers.a]\nurl = 3\n")
     code, o, _ = run(capsys, "doctor")

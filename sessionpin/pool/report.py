@@ -25,12 +25,12 @@ def snapshot(store: Store, now_ms: int, ttl_ms: int) -> dict[str, Any]:
                                                      "spares": [], "bindings": []})
 
     for provider, model in state.targets_in_store(store):
-        for sid, s in state.spares(store, provider, model).items():
+        for sid, s in state.spares(store, provider, model, drop_bad=False).items():
             group(provider, model)["spares"].append({
                 "id": sid, "upstream_ms": s.upstream_ms, "source": s.source,
                 "verified_ago_s": max(0, now_ms - s.verified_at) // 1000,
                 "fresh": state.is_fresh(s, now_ms, ttl_ms)})
-    for key, b in state.bindings(store).items():
+    for key, b in state.bindings(store, drop_bad=False).items():
         conversation = key.split(state.SEP)[0]
         group(b.provider, b.model)["bindings"].append({
             "conversation": conversation, "id": b.routed_id, "how": b.origin,

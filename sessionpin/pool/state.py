@@ -99,14 +99,15 @@ def decode_binding(text: str | None) -> Binding | None:
 
 # ---- spares ----------------------------------------------------------------------------
 
-def spares(store: Store, provider: str, model: str) -> dict[str, Spare]:
-    """Valid spares of one provider+model (an unreadable one is dropped on sight)."""
+def spares(store: Store, provider: str, model: str, *, drop_bad: bool = True) -> dict[str, Spare]:
+    """Valid spares of one provider+model (an unreadable one is dropped on sight, unless read-only)."""
     key = spare_key(provider, model)
     out: dict[str, Spare] = {}
     for sid, text in store.hgetall(key).items():
         s = decode_spare(text)
         if s is None:
-            store.hdel(key, sid)
+            if drop_bad:
+                store.hdel(key, sid)
         else:
             out[sid] = s
     return out
@@ -141,12 +142,13 @@ def binding(store: Store, key: str) -> Binding | None:
     return decode_binding(store.hget(BINDINGS, key))
 
 
-def bindings(store: Store) -> dict[str, Binding]:
+def bindings(store: Store, *, drop_bad: bool = True) -> dict[str, Binding]:
     out: dict[str, Binding] = {}
     for k, text in store.hgetall(BINDINGS).items():
         b = decode_binding(text)
         if b is None:
-            store.hdel(BINDINGS, k)
+            if drop_bad:
+                store.hdel(BINDINGS, k)
         else:
             out[k] = b
     return out

@@ -1,7 +1,7 @@
 """The OpenCode id pool end to end: a real mitmdump, real TLS, the fake gateway, real clients' shapes.
 
-One mitmdump serves the module; it runs a copy of the route script (so a test may edit it and
-watch mitmproxy reload it) wiring the real Router with the pool participant. The gateway is
+One mitmdump serves the module; it runs a copy of addons/route.py (so a test may edit it and
+watch mitmproxy reload it), i.e. the real router with the pool wired in by make_addons. The gateway is
 the fake of tests/fakegateway.py with a certificate from the harness' test CA; the proxy and
 the pool's probes both trust that CA. The pool's state is read back from the same file store.
 """
@@ -25,15 +25,7 @@ from .harness import Client, Mitmdump, TestCA
 RUN = uuid.uuid4().hex[:6]
 KEY = "good-key"
 MODEL = "deepseek-v4.1-flash"
-SCRIPT = '''"""sessionpin router with the OpenCode id pool ({marker})."""
-from mitmproxy import exceptions
-
-from sessionpin.addon import Router
-from sessionpin.pool.participant import PoolOptions, PoolParticipant
-
-pool = PoolParticipant()
-addons = [Router([pool]), PoolOptions(pool, exceptions.OptionsError)]
-'''
+SCRIPT = (Path(__file__).resolve().parents[2] / "addons" / "route.py").read_text() + "\n# MARKER\n"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +40,7 @@ def _env(work: Path):
     ca = TestCA(work / "ca")
     gw = FakeGateway(keys={KEY}).start(work, cert_and_key=ca.issue("gateway"), ca=ca.pem)
     script = work / "route_pool.py"
-    script.write_text(SCRIPT.format(marker="v1"))
+    script.write_text(SCRIPT.replace("MARKER", "v1"))
     (work / "config.toml").write_text("")
     opts = {
         "sessionpin_config": str(work / "config.toml"),
@@ -188,7 +180,7 @@ def test_the_pool_survives_a_reload_of_the_script(env):
     m, gw = env["m"], env["gw"]
     kept = wait_spares(env, 2)
     mark = m.line_count
-    env["script"].write_text(SCRIPT.format(marker="v2"))
+    env["script"].write_text(SCRIPT.replace("MARKER", "v2"))
     assert m.wait_output(r"refresh loop started", timeout=15, since=mark), m.tail(30)
     out = m.output.splitlines()[mark:]
     assert sum("refresh loop started" in line for line in out) == 1
@@ -198,3 +190,14 @@ def test_the_pool_survives_a_reload_of_the_script(env):
     chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", conv)], [{"role": "user", "content": "x"}])
     assert last_request(env).session in kept                           # the same pool serves
     assert m.alive
+
+
+def test_status_and_metrics_carry_the_pool(env):
+    r = env["client"].request("GET", env["gw"].origin + "/__sessionpin/status")
+    pool = r.json()["participants"]["pool"]
+    assert pool["enabled"] and pool["refresh_running"] and pool["refresh_loops"] == 1
+    assert pool["counters"]["routed_spare"] >= 1 and pool["counters"]["probes_fast"] >= 2
+    assert pool["counters"]["retired_quarantine"] >= 1
+    text = env["client"].request("GET", env["gw"].origin + "/__sessionpin/metrics").body.decode()
+    assert 'sessionpin_pool_events_total{event="routed_spare"}' in text
+    assert f'sessionpin_pool_spares{{provider="opencode-go",model="{MODEL}"}}' in text

@@ -1,0 +1,90 @@
+"""The pool's participant and options addon on real mitmproxy flows (taddons, tflow)."""
+import json
+import time
+
+import pytest
+from mitmproxy import exceptions
+from mitmproxy.test import taddons, tflow, tutils
+
+from sessionpin.pool import Manager, state
+from sessionpin.pool.options import OPTIONS
+from sessionpin.pool.participant import META, PoolOptions, PoolParticipant
+from sessionpin.store import open_store
+
+M = "deepseek-v4.1-flash"
+
+
+def flow(headers, host="opencode.ai", path="/zen/go/v1/chat/completions", messages=None):
+    body = json.dumps({"model": M, "messages": messages or [{"role": "user", "content": "hi"}]}).encode()
+    req = tutils.treq(method=b"POST", scheme=b"https", host=host, port=443, path=path.encode(), content=body)
+    req.headers.clear()
+    for k, v in headers:
+        req.headers.add(k, v)
+    return tflow.tflow(req=req)
+
+
+@pytest.fixture
+def wired():
+    manager = Manager()
+    p = PoolParticipant(manager)
+    opts = PoolOptions(p, exceptions.OptionsError)
+    with taddons.context(opts) as tctx:
+        store = open_store("memory:")
+        p.configure_store(store)
+        tctx.configure(opts, sessionpin_pool_size=1)
+        yield p, opts, tctx, store
+    manager.reset()
+
+
+def test_every_option_is_registered_and_bad_values_are_option_errors(wired):
+    p, opts, tctx, _ = wired
+    for o in OPTIONS:
+        assert o.name in tctx.options
+    assert p.service.cfg.size == 1
+    with pytest.raises(exceptions.OptionsError, match="gateways"):
+        tctx.configure(opts, sessionpin_pool_gateways="https://user:pw@opencode.ai")
+
+
+async def test_request_rewrites_only_the_session_header_and_responseheaders_observes(wired):
+    p, _, _, store = wired
+    now = int(time.time() * 1000)
+    state.add_spare(store, "opencode-go", M, "spare-1", state.Spare(upstream_ms=900, verified_at=now, created_at=now))
+    headers = [("User-Agent", "opencode/1.18.33"), ("Authorization", "Bearer k"), ("X-OpenCode-Session", "ses_1"),
+               ("x-opencode-project", "prj")]
+    f = flow(headers)
+    await p.request(f)
+    assert f.request.headers["x-opencode-session"] == "spare-1"
+    assert [(k.lower(), v) for k, v in f.request.headers.items(multi=True) if k.lower() != "x-opencode-session"] == \
+        [(k.lower(), v) for k, v in headers if k.lower() != "x-opencode-session"]
+    assert f.metadata[META]["how"] == "spare" and f.metadata[META]["client_id"] == "ses_1"
+    f.response = tutils.tresp(status_code=429)
+    p.responseheaders(f)            # no running(): observed inline
+    assert state.is_retired(store, "spare-1")
+
+
+async def test_requests_elsewhere_and_the_off_switch_are_left_alone(wired):
+    p, opts, tctx, _ = wired
+    f = flow([("authorization", "Bearer k"), ("x-opencode-session", "ses_1")], host="api.anthropic.com",
+             path="/v1/messages")
+    await p.request(f)
+    assert f.request.headers["x-opencode-session"] == "ses_1" and META not in f.metadata
+    tctx.configure(opts, sessionpin_pool=False)
+    g = flow([("authorization", "Bearer k")])
+    await p.request(g)
+    assert "x-opencode-session" not in g.request.headers
+
+
+async def test_pi_shaped_request_gets_a_session_header(wired):
+    p, *_ = wired
+    f = flow([("user-agent", "pi"), ("authorization", "Bearer k")],
+             messages=[{"role": "system", "content": "pi"}, {"role": "user", "content": "go"}])
+    await p.request(f)
+    assert f.metadata[META]["how"] == "fresh" and f.request.headers["x-opencode-session"] == f.metadata[META]["id"]
+
+
+async def test_running_and_done_start_and_stop_one_loop(wired):
+    p, *_ = wired
+    p.running()
+    assert p.service.running and p.status()["refresh_running"]
+    p.done()
+    assert not p.service.running

@@ -577,18 +577,28 @@ def cmd_use(ctx: Ctx, args: argparse.Namespace) -> int:
           and {a: x.server for a, x in c.agents.items() if a != agent}
           == {a: x.server for a, x in cfg.agents.items() if a != agent},
           f'[agents.{agent}] server = "{target or ""}"')
-    configedit.write_atomic(ctx.config_path, new_text)
-    store = ctx.store()
-    now = time.time()
+    write_config(ctx, new_text)
     arrow = f"New {agent} conversations → {where(target)}"
     if target is None:
         arrow += f" (left alone: they go where {agent} sends them)"
     out(f"{arrow}. (was: {where(current)})")
-    out(describe_running(store, agent, now))
+    try:
+        store = ctx.store()
+    except Fail as e:  # the change is made; only the report of what stays is missing
+        err(f"sessionpin: warning: could not count the running conversations: {e}")
+        return 0
+    out(describe_running(store, agent, time.time()))
     proxy = find_proxy(store, ctx.store_url)
     out(proxy_line(proxy, ctx.config_path))
     warn_key(cfg, target, proxy)
     return 0
+
+
+def write_config(ctx: Ctx, text: str) -> None:
+    try:
+        configedit.write_atomic(ctx.config_path, text)
+    except OSError as e:
+        raise Fail(f"cannot write {ctx.config_path}: {e.strerror or e}; nothing changed") from None
 
 
 def warn_key(cfg: configmod.Config, target: str | None, proxy: Proxy) -> None:
@@ -714,7 +724,7 @@ def cmd_servers_add(ctx: Ctx, args: argparse.Namespace) -> int:
             or name not in new_cfg.servers:
         raise Fail(f"could not add server {name!r} to {ctx.config_path} safely; nothing written; "
                    f"add a [servers.{name}] table by hand")
-    configedit.write_atomic(ctx.config_path, new_text)
+    write_config(ctx, new_text)
     server = new_cfg.servers[name]
     out(f"Added server {name}: {server.url}.")
     if server.key_env:
@@ -756,7 +766,7 @@ def cmd_servers_remove(ctx: Ctx, args: argparse.Namespace) -> int:
           lambda c: name not in c.servers and c.agents == cfg.agents
           and c.servers == {k: v for k, v in cfg.servers.items() if k != name},
           f"delete the [servers.{name}] table")
-    configedit.write_atomic(ctx.config_path, new_text)
+    write_config(ctx, new_text)
     out(f"Removed server {name} from {ctx.config_path}.")
     if pinned:
         out(f"{plural(len(pinned), 'conversation')} pinned to {name} now get 503 until moved or forgotten: "
@@ -903,7 +913,10 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace, extra: Sequence[str]) -> int:
     err(f"sessionpin: {shlex.join(cmd)}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(cmd[0], cmd)
+    try:
+        os.execv(cmd[0], cmd)
+    except OSError as e:
+        raise Fail(f"cannot start {cmd[0]}: {e.strerror or e}", 126) from None
     return 0  # not reached
 
 

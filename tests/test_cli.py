@@ -176,6 +176,17 @@ def test_edit_that_would_not_say_what_was_asked_is_refused(env, capsys):
     assert env.cfg.read_text() == text
 
 
+def test_use_when_the_config_cannot_be_written(env, capsys, monkeypatch):
+    # (as root a read-only directory does not stop a write, so the failure is injected)
+    def refuse(path, text):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(cli.configedit, "write_atomic", refuse)
+    code, o, e = run(capsys, "use", "claude-code", "glm")
+    assert code == 1 and o == ""
+    assert e == f"sessionpin: cannot write {env.cfg}: Permission denied; nothing changed\n"
+    assert env.cfg.read_text() == CONFIG
+
+
 # --- sessions, prefixes -------------------------------------------------------------
 
 

@@ -272,3 +272,33 @@ def test_read_only_filesystem_at_open(tmpfs, caplog):
             s.close()
     assert len(recoveries(caplog)) == 1
     assert on_disk(d / "state.db")["strings"] == {"pin:a": "1", "n": "2"}
+
+
+def test_read_only_filesystem_with_an_existing_store(tmpfs, caplog):
+    # The pins already on disk stay readable (read-only, immutable connection) while
+    # new writes wait in memory; nothing is lost either way once it is writable again.
+    path = tmpfs / "state.db"
+    s = FileStore(path)
+    s.set("pin:old", "1", durable=True)
+    s.hset("seen:old", "requests", "3")
+    s.close()
+    r = subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {r.stderr.strip()[:120]}")
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        s = FileStore(path, retry_interval=0.05)
+        try:
+            assert s.degraded
+            assert s.get("pin:old") == "1"                 # read through to the file
+            assert s.hincr("seen:old", "requests") == 4    # its state copied, then changed in memory
+            s.set("pin:new", "2", durable=True)
+            assert s.keys() == ["pin:new", "pin:old", "seen:old"]
+            time.sleep(0.2)
+            assert s.degraded and len(errors(caplog)) == 1
+            subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
+            assert wait_for(lambda: not s.degraded)
+        finally:
+            s.close()
+    assert len(recoveries(caplog)) == 1
+    assert on_disk(path) == {"strings": {"pin:old": "1", "pin:new": "2"},
+                             "hashes": {("seen:old", "requests"): "4"}}

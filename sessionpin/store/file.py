@@ -41,6 +41,7 @@ import stat
 import struct
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Callable
 
@@ -162,6 +163,7 @@ class FileStore:
                 _hold(self.path, -1)
                 raise
             self._degrade(exc)
+            self._open_read_only()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._background, name="sessionpin-store", daemon=True)
         self._thread.start()
@@ -448,11 +450,40 @@ class FileStore:
                     log.error("store %s: giving up a replay: %s", self.path, exc)
                     raise
                 log.debug("store %s still failing: %s", self.path, exc)
+                if self._conn is None:
+                    self._open_read_only()
                 return  # an open connection stays, for reading through
             self._overlay = None
             self._touched.clear()
             self._pending = []
             self._recovered()
+
+    def _open_read_only(self) -> None:
+        """Degraded and unable to open the file for writing: read through it if we can.
+
+        ``mode=ro`` needs the -wal/-shm to exist or be creatable; on a read-only filesystem
+        (nobody can change the file) ``immutable=1`` reads it without them."""
+        if self._conn is not None or not self.path.is_file():
+            return
+        uri = "file:" + urllib.parse.quote(str(self.path)) + "?mode=ro"
+        try:
+            if os.statvfs(self.path.parent).f_flag & os.ST_RDONLY:
+                uri += "&immutable=1"
+            conn = sqlite3.connect(uri, uri=True, timeout=self._busy_timeout,
+                                   isolation_level=None, check_same_thread=False)
+        except (OSError, sqlite3.Error):
+            return
+        try:
+            application_id = conn.execute("PRAGMA application_id").fetchone()[0] & 0xFFFFFFFF
+            user_version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if application_id != APPLICATION_ID or user_version != FORMAT_VERSION:
+                raise sqlite3.DatabaseError("not a store of this version")
+            conn.execute("SELECT count(*) FROM entries WHERE key = ''").fetchone()
+        except sqlite3.Error as exc:
+            log.debug("store %s: cannot read it either: %s", self.path, exc)
+            conn.close()
+            return
+        self._conn = conn
 
     def _recovered(self) -> None:
         log.warning("store %s recovered: writing to its file again (was: %s)", self.path, self._fault)

@@ -268,3 +268,16 @@ SCENARIOS["cx-zstd"] = {
     "other": [{"match": r"ab\.chatgpt\.com/otlp", "kind": "telemetry", "identifiable": False,
                "note": "Non-model: OTLP metrics, Content-Encoding zstd, User-Agent OTel-OTLP-Exporter-Rust (nothing names Codex)."}],
 }
+
+SCENARIOS["cc-suggest"] = {
+    "flow": "cc-suggest.flow", "agent": "claude-code", "scenario": "suggest",
+    "note": "Interactive claude in tmux with CLAUDE_CODE_ENABLE_PROMPT_SUGGESTION=1 (prompt suggestions did not appear without it against the fake).",
+    "requests": [
+        {"kind": "title"},
+        {"kind": "opening"},
+        {"kind": "tool-result"},
+        {"kind": "prompt-suggestion", "note": "Prompt suggestion after the turn ended: request-class auxiliary, x-claude-1p-request-class followup-generation, same tools and history as main plus a trailing [SUGGESTION MODE...] user message."},
+        {"kind": "continuation", "note": "Next prompt: its history does NOT contain the suggestion exchange (n=6, same length as the suggestion request)."},
+        {"kind": "prompt-suggestion"},
+    ],
+}

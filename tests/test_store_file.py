@@ -377,13 +377,15 @@ def test_a_database_of_something_else_is_not_touched(tmp_path):
     before = path.read_bytes()
     with pytest.raises(StoreError, match="something else"):
         FileStore(path)
-    c = sqlite3.connect(path)
-    c.execute("PRAGMA application_id = 42")
-    c.close()
-    before = path.read_bytes()
-    with pytest.raises(StoreError, match="another application"):
-        FileStore(path)
-    assert path.read_bytes() == before
+    for pragma in ("user_version = 7", "application_id = 42"):
+        c = sqlite3.connect(path)
+        c.execute(f"PRAGMA {pragma}")
+        c.close()
+        before = path.read_bytes()
+        with pytest.raises(StoreError, match="another application") as refused:
+            FileStore(path)
+        assert not isinstance(refused.value, StoreVersionError)
+        assert path.read_bytes() == before
 
 
 def test_garbage_is_set_aside_twice_never_overwritten(tmp_path, caplog):

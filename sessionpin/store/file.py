@@ -170,7 +170,7 @@ class FileStore:
 
     # == opening ======================================================================
     def _connect(self) -> None:
-        for attempt in range(3):
+        for _ in range(3):
             try:
                 self._conn = self._open_db()
                 return
@@ -223,8 +223,11 @@ class FileStore:
         self._check_ids(application_id, user_version)
 
     def _check_ids(self, application_id: int, user_version: int) -> None:
-        if application_id not in (0, APPLICATION_ID):
-            raise StoreError(f"{self.path} is a SQLite database of another application (id {application_id:#x}); not touching it")
+        # We set both in the transaction that makes the schema: a version without our id is
+        # another program's database.
+        if application_id not in (0, APPLICATION_ID) or (application_id == 0 and user_version != 0):
+            raise StoreError(f"{self.path} is a SQLite database of another application "
+                             f"(id {application_id:#x}, version {user_version}); not touching it")
         if user_version > FORMAT_VERSION:
             raise StoreVersionError(
                 f"{self.path} was written by a newer sessionpin (store format {user_version}, "

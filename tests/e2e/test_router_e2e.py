@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from .harness import Client, FakeServer, Mitmdump, MitmdumpError, Received, Reply, TestCA, toml_config
+from .harness import Client, FakeServer, Mitmdump, MitmdumpError, Received, Reply, TestCA, free_port, toml_config
 
 RUN = uuid.uuid4().hex[:8]
 CLIENT_KEY = f"sk-ant-api03-CLIENT-SENTINEL-{RUN}"
@@ -40,6 +40,7 @@ ALT_ENV = "SESSIONPIN_E2E_ALT_KEY"
 ALT_KEY = f"alt-SENTINEL-{RUN}"
 NOKEY_CLIENT_KEY = f"sk-ant-api03-NOKEY-CLIENT-SENTINEL-{RUN}"
 ELSEWHERE_CLIENT_KEY = f"sk-ant-api03-ELSEWHERE-CLIENT-SENTINEL-{RUN}"
+PROMPT = f"PROMPT-SENTINEL-{RUN}"  # in every prompt: it must never reach a log line or the disk
 
 # which fake server each secret may reach: none may ever show up anywhere else
 OWNER = {
@@ -88,7 +89,7 @@ SYSTEM = [billing(), {"type": "text", "text": "You are Claude Code, Anthropic's 
 
 USER_PROMPT = {"role": "user", "content": [
     {"type": "text", "text": "<system-reminder>Résumé of context ✓</system-reminder>"},
-    {"type": "text", "text": "Fix the failing test.", "cache_control": {"type": "ephemeral"}}]}
+    {"type": "text", "text": f"Fix the failing test. {PROMPT}", "cache_control": {"type": "ephemeral"}}]}
 HISTORY = [
     USER_PROMPT,
     {"role": "assistant", "content": [
@@ -161,7 +162,7 @@ def cc(kind: str, session: str | None, *, model: str | None = None, stream: bool
                 "system": SYSTEM, "tools": TOOLS, "metadata": meta, "max_tokens": 32000, "stream": stream}
     elif kind == "title":
         model = model or HAIKU
-        body = {"model": model, "messages": [{"role": "user", "content": "Fix the failing test."}],
+        body = {"model": model, "messages": [{"role": "user", "content": f"Fix the failing test. {PROMPT}"}],
                 "system": [billing(), {"type": "text", "text": "Generate a concise title for this conversation."}],
                 "metadata": meta, "max_tokens": 512, "temperature": 0,
                 "output_format": {"type": "json_schema", "schema": {"type": "object", "properties": {
@@ -171,7 +172,7 @@ def cc(kind: str, session: str | None, *, model: str | None = None, stream: bool
         headers += [("x-claude-code-agent-id", "agent_" + uuid.uuid4().hex[:8]),
                     ("x-claude-code-agent-type", "general-purpose")]
         model = model or OPUS
-        body = {"model": model, "messages": [{"role": "user", "content": "Find where the test fixture is defined."}],
+        body = {"model": model, "messages": [{"role": "user", "content": f"Find where the test fixture is defined. {PROMPT}"}],
                 "system": [billing(subagent=True), SYSTEM[1], {"type": "text", "text": "You are a search agent."}],
                 "tools": TOOLS[:2], "metadata": meta, "max_tokens": 32000, "stream": stream}
     elif kind == "count_tokens":
@@ -193,7 +194,9 @@ class Rig:
         self.ca = ca
         self.fakes = fakes
         self.applied = self.config()
-        self.mitm = Mitmdump.router(tmp / "router", ca, self.applied, env={GLM_ENV: GLM_KEY, ALT_ENV: ALT_KEY})
+        # regular mode (the agents' HTTPS_PROXY) and reverse mode to the anthropic origin, at once
+        self.mitm = Mitmdump.router(tmp / "router", ca, self.applied, env={GLM_ENV: GLM_KEY, ALT_ENV: ALT_KEY},
+                                    modes=["regular", f"reverse:{fakes['anthropic'].origin}@{free_port()}"])
 
     # config
     def servers(self, *names: str) -> dict[str, dict[str, Any]]:
@@ -220,23 +223,28 @@ class Rig:
         if not self.mitm.alive:
             self.mitm.write_config(text)
             return
-        before = [self.status_text(), self.status_text()]
+        want = (current, set(self.servers(*servers)))
         self.mitm.write_config(text)
-        if before[0] != before[1] or before[0] is None:
-            time.sleep(2.0)  # no stable status to watch: allow the reload its time
-            return
+        # The status endpoint shows the servers and the agents' current servers (issue 4):
+        # wait until it shows the new ones. Without a readable status, allow the reload 2 s.
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
-            time.sleep(0.1)
-            if self.status_text() != before[0]:
+            status = self.status()
+            if status is None:
+                time.sleep(2.0)
                 return
+            if (status["agents"].get("claude-code"), set(status["servers"])) == want:
+                return
+            time.sleep(0.05)
 
-    def status_text(self) -> str | None:
+    def status(self) -> dict[str, Any] | None:
         try:
             r = self.get("/__sessionpin/status")
-        except OSError:
+            status = r.json() if r.status == 200 else None
+        except (OSError, ValueError):
             return None
-        return r.text if r.status == 200 else None
+        ok = isinstance(status, dict) and isinstance(status.get("agents"), dict) and isinstance(status.get("servers"), dict)
+        return status if ok else None
 
     # traffic
     def client(self, timeout: float = 30.0) -> Client:
@@ -362,6 +370,22 @@ def test_opening_turn_goes_to_the_current_server_with_its_key_and_model(rig, aut
     assert_routed(got, req, key_header=expect[0], key_value=expect[1], prefix="/api/anthropic", model="glm-4.6")
     # the nested model name in the tools is not the top-level model: it stays
     assert got.body.count(json.dumps(OPUS).encode()) == req.body.count(json.dumps(OPUS).encode()) - 1
+    assert rig.mitm.wait_output(rf"{s[:8]}.*glm", timeout=2.0), "one log line per decision, naming session and server"
+
+
+def test_reverse_mode_routes_like_regular_mode(rig):
+    rig.set_config(current="glm")
+    s = new_session()
+    req = cc("opening", s)
+    r = Client.reverse(rig.mitm.ports[1]).request(req.method, "http://127.0.0.1" + req.path, req.headers, req.body)
+    assert r.status == 200 and r.event_names == ANTHROPIC_EVENTS
+    assert rig.where(s) == {"glm": 1}
+    got = rig.of(s)["glm"][0]
+    assert got.path == "/api/anthropic" + req.path and got.body == req.mapped_body("glm-4.6")
+    assert got.header("x-api-key") == GLM_KEY
+    rig.set_config(current="anthropic")
+    assert rig.send(cc("continuation", s)).status == 200, "the same pin, through the regular-mode port"
+    assert rig.where(s) == {"glm": 2}
 
 
 def test_opening_to_a_server_with_auth_bearer_gets_a_bearer_key(rig):
@@ -593,7 +617,7 @@ def test_pinned_server_unreachable_is_an_error_naming_it_and_the_pin_holds(rig):
         before = rig.total()
         r = rig.send(cc("continuation", s))
         assert r.status >= 500
-        assert "alt" in r.text or f"{alt.port}" in r.text, r.text
+        assert "alt" in r.text, r.text
         assert rig.total() == before, "not moved to another server"
     finally:
         alt.start()
@@ -736,10 +760,16 @@ def test_status_endpoint_answers_json(rig):
     assert r.status == 200, r.text
     assert "json" in (r.header("content-type") or "")
     status = r.json()
-    assert isinstance(status, dict)
-    for word in ("anthropic", "glm", "claude-code"):
-        assert word in r.text
-    assert rig.total() == before, "answered by the addon itself"
+    # the issue's three parts: servers, agents' current servers, pins per server
+    assert {"anthropic", "glm", "alt", "nokey"} <= set(status["servers"])
+    assert status["agents"]["claude-code"] == "glm"
+    pins_before = status["pins"].get("glm", 0)
+    assert pins_before >= 1
+    assert rig.send(cc("opening", new_session())).status == 200
+    assert rig.get("/__sessionpin/status").json()["pins"]["glm"] == pins_before + 1
+    for secret in OWNER:
+        assert secret not in r.text
+    assert rig.total() - before == Counter({"glm": 1}), "answered by the addon itself"
 
 
 def test_metrics_endpoint_answers_prometheus_text(rig):
@@ -752,10 +782,29 @@ def test_metrics_endpoint_answers_prometheus_text(rig):
     samples = [ln for ln in lines if not ln.startswith("#")]
     assert samples and all(sample.match(ln) for ln in samples), samples
     assert any(ln.startswith("sessionpin") for ln in samples)
+    # the issue's four families: pins, decisions, refusals, store errors (by any name that says so)
+    for family in ("pins", "decision", "refus", "store_error"):
+        assert any(family in ln for ln in lines if ln.startswith("sessionpin") or ln.startswith("# ")), family
     assert rig.fakes["anthropic"].received("/__sessionpin") == []
 
 
 # --------------------------------------------------------------------------- the credential rule, over everything
+
+
+def test_nothing_from_a_prompt_or_a_key_reaches_the_logs_or_the_disk(rig):
+    """Runs late: mitmdump's whole output and every file it wrote, searched for sentinels."""
+    assert rig.fakes["glm"].received() and PROMPT.encode() in rig.fakes["glm"].received()[0].raw()
+    out = rig.mitm.output
+    assert PROMPT not in out
+    for secret in OWNER:
+        assert secret not in out
+    files = [p for p in rig.mitm.workdir.rglob("*") if p.is_file()]
+    assert any(p.name.startswith("state.db") for p in files), [p.name for p in files]
+    for p in files:
+        data = p.read_bytes()
+        assert PROMPT.encode() not in data, p.name
+        for secret in OWNER:
+            assert secret.encode() not in data, p.name
 
 
 def test_no_request_ever_carried_a_key_to_a_server_it_was_not_meant_for(rig):

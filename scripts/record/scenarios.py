@@ -281,3 +281,9 @@ SCENARIOS["cc-suggest"] = {
         {"kind": "prompt-suggestion"},
     ],
 }
+
+SCENARIOS["cc-noattr"] = {
+    "flow": "cc-noattr.flow", "agent": "claude-code", "scenario": "no-billing-line",
+    "note": "claude -p 'RUNTASK: ...' with CLAUDE_CODE_ATTRIBUTION_HEADER=0 and CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1: system[0] has NO x-anthropic-billing-header line (the billing-line fallback says 'not stated'), the request-class headers are still sent.",
+    "requests": [{"kind": "opening"}, {"kind": "tool-result"}, {"kind": "subagent"}, {"kind": "subagent-notification"}],
+}

@@ -211,6 +211,25 @@ def test_doctor_and_env_see_the_running_proxy(rig):
     assert f"export NODE_EXTRA_CA_CERTS={rig.mitm.mitm_ca}" in p.stdout
 
 
+def test_a_proxy_reading_other_files_is_named(rig, tmp_path, monkeypatch):
+    from sessionpin import cli
+
+    # `use` on another config file than the proxy's: it says the change does not reach it.
+    other = tmp_path / "other.toml"
+    other.write_text(rig.config.read_text())
+    p = subprocess.run([*sessionpin_argv(), "--config", str(other), "--store", rig.store, "use", "pi", "anthropic"],
+                       capture_output=True, text=True, env=rig.env, stdin=subprocess.DEVNULL, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert (f"Warning: the proxy at http://127.0.0.1:{rig.mitm.port} (pid {rig.mitm.proc.pid}) reads {rig.config}, "
+            f"not {other}: this change does not reach it") in p.stdout
+    # A command using another store finds no heartbeat, but names the proxy answering on the default port.
+    monkeypatch.setattr(cli, "DEFAULT_LISTEN", ("127.0.0.1", rig.mitm.port))
+    proxy = cli.find_proxy(None, f"file:{tmp_path / 'elsewhere.db'}")
+    assert not proxy.answering
+    assert proxy.why == (f"a sessionpin proxy answers at 127.0.0.1:{rig.mitm.port} but uses {rig.store}, "
+                         f"not file:{tmp_path / 'elsewhere.db'}")
+
+
 def test_servers_remove_warns_with_the_count_and_the_503_it_announces_happens(rig):
     p = rig.cli("servers", "remove", "glm")
     assert p.returncode == 1 and "new claude-code conversations go to glm" in p.stderr

@@ -81,3 +81,14 @@ async def test_untrusted_certificate_and_refused_connection_are_failures(gw):
 
 def test_credentials_never_in_repr(gw):
     assert "good-key" not in repr(target(gw))
+
+
+async def test_balance_mode_answers_regardless_of_the_id(tmp_path):
+    # The 2026-11-11 gateway: one id probed again and again is sometimes fast, sometimes slow.
+    g = FakeGateway(balance=True).start(tmp_path)
+    try:
+        ctx = ssl_context(str(g.ca))
+        kinds = [(await probe(target(g), "one-id", 5000, max_upstream_ms=2500, ssl_ctx=ctx)).kind for _ in range(12)]
+    finally:
+        g.stop()
+    assert set(kinds) == {"fast", "slow"}

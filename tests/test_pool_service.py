@@ -249,6 +249,7 @@ async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare()
         assert "stale-1" in state.spares(store, "opencode-go", M)   # no lost spare
         loops = [t for t in asyncio.all_tasks() if t.get_name() == "sessionpin-pool" and not t.done()]
         assert loops == [svc._task]                                 # one loop
+        assert svc.loops_alive == 1
         gate.set()
         pool.MANAGER.detach(new)
         await asyncio.sleep(0.01)

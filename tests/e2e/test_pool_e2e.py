@@ -166,14 +166,20 @@ def test_a_bound_id_that_turns_slow_is_retired_and_replaced(env):
     assert routed not in json.dumps(snap["groups"])                    # gone from spares and bindings
 
 
-def test_bad_key_is_not_probed_again_and_the_request_passes(env):
+def test_a_rejected_key_is_probed_once_then_never_again(env):
     gw = env["gw"]
-    probes_before = len(gw.probes())
     bad = [("authorization", "Bearer wrong"), ("content-type", "application/json")]
     r = chat(env, [*bad, ("x-opencode-session", f"ses_{RUN}_bad")], [{"role": "user", "content": "x"}],
              path="/zen/v1/chat/completions")
     assert r.status == 401                                             # the gateway's own answer, untouched
-    assert len(gw.probes()) == probes_before
+    time.sleep(2.5)                                                    # two refresh cycles (1 s interval)
+
+    def rejected():
+        return [p for p in gw.probes() if p.path == "/zen/v1/chat/completions" and p.status == 401]
+
+    assert len(rejected()) == 1                                        # tried once, then blocked
+    time.sleep(1.2)
+    assert len(rejected()) == 1
 
 
 def test_the_pool_survives_a_reload_of_the_script(env):

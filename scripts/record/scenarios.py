@@ -287,3 +287,9 @@ SCENARIOS["cc-noattr"] = {
     "note": "claude -p 'RUNTASK: ...' with CLAUDE_CODE_ATTRIBUTION_HEADER=0 and CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1: system[0] has NO x-anthropic-billing-header line (the billing-line fallback says 'not stated'), the request-class headers are still sent.",
     "requests": [{"kind": "opening"}, {"kind": "tool-result"}, {"kind": "subagent"}, {"kind": "subagent-notification"}],
 }
+
+SCENARIOS["cc-bearer"] = {
+    "flow": "cc-bearer.flow", "agent": "claude-code", "scenario": "bearer",
+    "note": "claude -p 'hello' with ANTHROPIC_AUTH_TOKEN instead of an API key: the credential goes in Authorization: Bearer (as with OAuth), no x-api-key.",
+    "requests": [{"kind": "opening"}],
+}

@@ -145,7 +145,7 @@ def test_use_switches_new_conversations_within_a_second_and_running_ones_stay(ri
     assert rig.config.read_text() == after
 
 
-def test_move_is_refused_without_yes_then_moves_within_a_second(rig):
+def test_move_is_refused_without_yes_then_the_next_request_follows_it(rig):
     s = str(uuid.uuid4())
     assert rig.send("opening", s) == 200          # claude-code → glm since the test above
     assert rig.where(s) == ["glm"]
@@ -160,9 +160,7 @@ def test_move_is_refused_without_yes_then_moves_within_a_second(rig):
     p = rig.cli("move", s[:13], "anthropic", "--yes")
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(f"Moved {s[:8]} (claude-code) from glm to anthropic.")
-    t = time.monotonic()
-    assert rig.send("continuation", s) == 200
-    assert time.monotonic() - t < 1.0
+    assert rig.send("continuation", s) == 200    # the very next request: the router reads pins per request
     assert rig.where(s) == ["glm", "glm", "anthropic"]
     got = [r for r in rig.fakes["anthropic"].received() if r.header(SESSION_HEADER) == s][-1]
     assert got.header("x-api-key") == CLIENT_KEY   # back on the origin it addressed, with its own key

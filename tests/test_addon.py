@@ -427,3 +427,38 @@ async def test_a_followed_pin_is_renewed_at_most_daily(setup):
     pins.put(r.store, SESSION, pins.Pin(agent="claude-code", server="glm", since=1, renewed=now - 3600))
     await r.request(flow("continuation"))
     assert pins.load(r.store, SESSION).renewed == now - 3600
+
+
+async def test_a_server_requests_were_moved_to_is_named_when_unreachable(setup):
+    import socket
+
+    from mitmproxy.proxy import server_hooks
+
+    r, _ = setup
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    down = closed.getsockname()[1]
+    closed.close()
+    try:
+        def data(port):
+            d = server_hooks.ServerConnectionHookData(client=tflow.tclient_conn(), server=tflow.tserver_conn())
+            d.server.address = ("127.0.0.1", port)
+            d.server.error = None
+            return d
+
+        untouched = data(down)
+        await r.server_connect(untouched)          # not a server the router moved anything to
+        assert untouched.server.error is None
+        r.moved_to[("127.0.0.1", down)] = "glm"
+        r.moved_to[("127.0.0.1", listening.getsockname()[1])] = "glm"
+        failed = data(down)
+        await r.server_connect(failed)
+        assert failed.server.error.startswith("sessionpin: server glm (https://api.z.ai) cannot be reached")
+        up = data(listening.getsockname()[1])
+        await r.server_connect(up)
+        assert up.server.error is None
+    finally:
+        listening.close()

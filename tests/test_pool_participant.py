@@ -57,6 +57,7 @@ async def test_request_rewrites_only_the_session_header_and_responseheaders_obse
     assert [(k.lower(), v) for k, v in f.request.headers.items(multi=True) if k.lower() != "x-opencode-session"] == \
         [(k.lower(), v) for k, v in headers if k.lower() != "x-opencode-session"]
     assert f.metadata[META]["how"] == "spare" and f.metadata[META]["client_id"] == "ses_1"
+    assert f.comment.endswith("pool: spare spare-1")
     f.response = tutils.tresp(status_code=429)
     p.responseheaders(f)            # no running(): observed inline
     assert state.is_retired(store, "spare-1")

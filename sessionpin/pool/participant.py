@@ -2,7 +2,8 @@
 
 Duck-typed over mitmproxy's objects, so this module does not import mitmproxy: it reads
 ``flow.request.method/url/headers``, sets one request header, keeps its decision in
-``flow.metadata["sessionpin_pool"]`` and reads ``flow.response.status_code/headers``.
+``flow.metadata["sessionpin_pool"]`` (and a line of ``flow.comment``) and reads
+``flow.response.status_code/headers``.
 
 Hooks, in the order mitmproxy drives them:
 - ``PoolOptions.load(loader)``: registers every option of ``pool.options.OPTIONS``; it
@@ -92,6 +93,8 @@ class PoolParticipant:
         flow.metadata[META] = {"key": route.key, "id": route.routed_id, "how": route.how,
                                "provider": route.provider, "model": route.model, "origin": route.origin,
                                "client_id": route.client_id}
+        note = f"pool: {route.how} {route.routed_id[:8]}"   # shown in mitmweb next to the router's note
+        flow.comment = f"{flow.comment}\n{note}" if flow.comment else note
         log.info("sessionpin pool: %s %s -> %s (%s)", route.provider, route.model, route.routed_id[:8], route.how)
 
     def responseheaders(self, flow) -> None:

@@ -8,9 +8,11 @@ Rules this module keeps:
   parsing the new text (the result must say what was asked and nothing else may
   change), and is written in one rename. A choice already in force writes nothing.
 - "Running conversations" are the conversations with a pin in the store: every
-  conversation the proxy saw in the last 30 days (a pin lasts 30 days from its last
-  request). Pins survive proxy restarts, so the counts do not depend on a proxy
-  answering. "Active" means a request in the last hour, as the proxy last flushed it.
+  conversation the proxy saw in the last 29 to 30 days (a pin lives 30 days from its
+  last renewal, renewed at most once a day). Side requests never make a pin, so they
+  are never counted as conversations. Pins survive proxy restarts, so the counts do not
+  depend on a proxy answering. "Active" means a request in the last hour, as the proxy
+  last flushed it (every few seconds).
 - Moving a running conversation (``move``, and ``forget`` of a routed one) needs
   ``--yes`` or an answer at a terminal; without either it is refused.
 - Every user error is one line on stderr, ``sessionpin: <what>; <what to do>``, and a
@@ -33,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 from . import config as configmod
 from . import configedit, pins
@@ -881,10 +883,6 @@ def find_tool(name: str) -> str:
 
 def _has(extra: Sequence[str], *flags: str) -> bool:
     return any(a in flags or any(a.startswith(f + "=") for f in flags if f.startswith("--")) for a in extra)
-
-
-def _has_set(extra: Sequence[str], option: str) -> bool:
-    return any(a.startswith(option + "=") or a == f"{option}" for a in extra) and "--set" in extra
 
 
 def run_command(ctx: Ctx, web: bool, extra: Sequence[str]) -> list[str]:

@@ -187,12 +187,26 @@ def strace(tmp_path, code: str, *args: str) -> list[str]:
     return trace.read_text().splitlines()
 
 
+def calls(lines: list[str]) -> list[tuple[str, str]]:
+    """(pid, whole call) per syscall: strace -f splits a call another thread interrupted
+    into "<unfinished ...>" and "<... name resumed>" lines; join them."""
+    out, partial = [], {}
+    for line in lines:
+        pid, call = line.split(None, 1)
+        if call.endswith("<unfinished ...>"):
+            partial[pid] = call[: -len("<unfinished ...>")].rstrip()
+            continue
+        if m := re.match(r"<\.\.\. \w+ resumed>\s*(.*)", call):
+            call = partial.pop(pid, "") + m[1]
+        out.append((pid, call))
+    return out
+
+
 def syncs_between(lines: list[str], start: str, end: str) -> list[str]:
     """Paths fsync'd/fdatasync'd between two markers, following fds through openat/close."""
     fds: dict[tuple[str, str], str] = {}
     inside, synced = False, []
-    for line in lines:
-        pid, _, call = line.partition(" ")
+    for pid, call in calls(lines):
         if f'"MARK {start}' in call:
             inside = True
         elif f'"MARK {end}' in call:
@@ -201,7 +215,7 @@ def syncs_between(lines: list[str], start: str, end: str) -> list[str]:
             fds[pid, m[2]] = m[1]
         elif m := re.match(r"close\((\d+)\)", call):
             fds.pop((pid, m[1]), None)
-        elif inside and (m := re.match(r"f(?:data)?sync\((\d+)\) += 0", call)):
+        elif inside and (m := re.match(r"f(?:data)?sync\((\d+)\)\s*= 0", call)):
             synced.append(fds.get((pid, m[1]), "?"))
     return synced
 
@@ -220,10 +234,10 @@ def test_creation_modes_and_directory_fsync_in_the_syscalls(tmp_path):
     # the directory is fsync'd after the database file is created and after the WAL is.
     path = tmp_path / "d" / "state.db"
     lines = strace(tmp_path, STRACE_CHILD, str(path))
-    mkdirs = [l for l in lines if f'mkdir("{path.parent}"' in l]
-    assert mkdirs and all(", 0700)" in l for l in mkdirs)
+    mkdirs = [c for _, c in calls(lines) if f'mkdir("{path.parent}"' in c]
+    assert mkdirs and all(", 0700)" in c for c in mkdirs)
     first_create = {}   # the first open(O_CREAT) of each file is the one that made it
-    for line in lines:
+    for _, line in calls(lines):
         if "O_CREAT" in line and (m := re.search(r'"([^"]+)"', line)) and m[1].startswith(str(path)):
             first_create.setdefault(m[1], line)
     # (-journal: SQLite's rollback journal, used once while switching the new file to WAL)
@@ -231,7 +245,7 @@ def test_creation_modes_and_directory_fsync_in_the_syscalls(tmp_path):
     assert "O_EXCL" in first_create[str(path)]
     for line in first_create.values():
         assert re.search(r", 0600\) = \d+$", line), line
-    all_syncs = syncs_between(['0 write(1, "MARK all-start")'] + lines + ['0 write(1, "MARK all-end")'],
+    all_syncs = syncs_between(['0 write(1, "MARK all-start\\n", 15) = 15'] + lines + ['0 write(1, "MARK all-end")'],
                               "all-start", "all-end")
     assert str(path.parent) in all_syncs
     assert str(tmp_path) in all_syncs          # the new directory's entry in its parent

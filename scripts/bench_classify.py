@@ -132,6 +132,19 @@ def main(argv: list[str]) -> int:
         ours = best(lambda: facts.read("POST", URL, HEADERS, data), repeat)
         z = best(lambda: facts.read("POST", URL, HEADERS + [("content-encoding", "zstd")], compressed), repeat)
         print(f"{name:>6} {len(data):>10} {base * 1e3:>9.3f}ms {ours * 1e3:>8.3f}ms {ours / base:>7.3f} {z * 1e3:>9.3f}ms")
+    # Harder shapes, for information: a key the reader looks for is absent (one scan of the
+    # body to be sure), and an opening turn whose one user message is the whole body.
+    data = claude_code_body(SIZES["8m"])
+    body = json.loads(data)
+    del body["stream"]
+    no_stream = json.dumps(body).encode()
+    body["messages"] = [{"role": "user", "content": [{"type": "text", "text": file_text(random.Random(2), 8_000_000)}]}]
+    one_message = json.dumps(body).encode()
+    for name, data in (("8m, no stream key", no_stream), ("8m, one user message", one_message)):
+        repeat = args.repeat or 6
+        base = best(lambda: json.loads(data), repeat)
+        ours = best(lambda: facts.read("POST", URL, HEADERS, data), repeat)
+        print(f"{name}: json.loads {base * 1e3:.3f}ms, read() {ours * 1e3:.3f}ms, ratio {ours / base:.3f}")
     return 0
 
 

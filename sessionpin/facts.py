@@ -113,10 +113,9 @@ def _read(method, url, headers, body, content_encoding) -> Facts:
     ok = not problem
 
     history = has_history(b)
-    parts = opening(b)
-    if agent == UNKNOWN_AGENT and any(PI_MARKER in text for text in parts[0]):
+    if agent == UNKNOWN_AGENT and any(PI_MARKER in text for text in opening(b, with_user=False)[0]):
         agent = PI
-    session, source, parent_rule = session_of(agent, h, b, parts)
+    session, source, parent_rule = session_of(agent, h, b)
     turn, why = turn_of(api, agent, h, b, history, ok, parent_rule)
     if ok:
         reason = why
@@ -476,9 +475,7 @@ def codex_turn_metadata(h: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, str)}
 
 
-def session_of(
-    agent: str, h: dict[str, str], b: wire.Body, parts: tuple[list[str], list[str]] | None = None
-) -> tuple[str | None, str | None, str | None]:
+def session_of(agent: str, h: dict[str, str], b: wire.Body) -> tuple[str | None, str | None, str | None]:
     """(session, where it came from, the rule if a parent header named it)."""
     if agent not in (CLAUDE_CODE, CODEX):
         parent = clean_id(h.get("x-parent-session-id"))
@@ -504,7 +501,7 @@ def session_of(
         sid = clean_id(b.prompt_cache_key)
         if sid:
             return sid, "body:prompt_cache_key", None
-    fp = fingerprint(b, parts)
+    fp = fingerprint(b)  # only now: a first message can be megabytes
     if fp:
         return fp, "fingerprint", None
     return None, None, None
@@ -543,7 +540,7 @@ def _content_texts(raw: msgspec.Raw) -> list[str]:
         return []
 
 
-def opening(b: wire.Body) -> tuple[list[str], list[str]]:
+def opening(b: wire.Body, with_user: bool = True) -> tuple[list[str], list[str]]:
     """(system prompt texts, first user message texts), normalised: the system prompt is
     ``system`` or ``instructions`` plus the system/developer messages before the first user
     message (later ones are mid-conversation notes)."""
@@ -551,21 +548,21 @@ def opening(b: wire.Body) -> tuple[list[str], list[str]]:
     user: list[str] = []
     items = b.messages if b.messages is not None else b.input
     if isinstance(items, str):
-        user = _texts(items)
+        user = _texts(items) if with_user else []
     elif items:
         for m in items:
             if m.role in ("system", "developer"):
                 system.extend(_content_texts(m.content))
             elif m.role == "user":
-                user = _content_texts(m.content)
+                user = _content_texts(m.content) if with_user else []
                 break
     return system, user
 
 
-def fingerprint(b: wire.Body, parts: tuple[list[str], list[str]] | None = None) -> str | None:
+def fingerprint(b: wire.Body) -> str | None:
     """``fp:`` + blake2b-128 of the normalised opening (system prompt and first user
     message). None when the body has neither."""
-    system, user = parts if parts is not None else opening(b)
+    system, user = opening(b)
     if not system and not user:
         return None
     payload = "\x1e".join(system) + "\x1d" + "\x1e".join(user)

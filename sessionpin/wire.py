@@ -113,10 +113,9 @@ import re  # noqa: E402
 
 FAST_MIN = 256 * 1024
 _WS = b" \t\r\n"
-# The end of one array element: ``}`` then either the next element, which every known client
-# starts with its "role" or "type" member (``{"`` is never inside a string, so this cannot match
-# inside message text), or the end of the array.
-_ELEMENT_END = re.compile(rb'\}[ \t\r\n]*(?:,[ \t\r\n]*(\{)[ \t\r\n]*"(?:role|type)"[ \t\r\n]*:|(\]))')
+# msgspec's message for a complete value followed by more text; its offset is one past the
+# first byte after the value (checked by tests/test_wire.py against the installed msgspec).
+_TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
 # Keys of each api's body worth looking for after the messages array. A key that is absent
 # costs one scan of the body, so only the ones that api has.
 NEEDED = {
@@ -125,8 +124,13 @@ NEEDED = {
     "responses": ("model", "stream", "instructions", "tools", "prompt_cache_key", "previous_response_id"),
 }
 _message_decoder = msgspec.json.Decoder(Message)
-# Give up (and decode the whole body) after this many bytes of failed element candidates.
-_CANDIDATE_BUDGET = 4 * 1024 * 1024
+
+
+class _Skip(Struct):
+    """Any object, every member skipped: finds where an element ends."""
+
+
+_skip_decoder = msgspec.json.Decoder(_Skip)
 
 
 def _skip_ws(data: bytes, i: int) -> int:
@@ -176,8 +180,9 @@ def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
     array_key = b"input" if flavour == "responses" else b"messages"
     # 1. the head
     start = _skip_ws(data, 0)
-    if start >= len(data) or data[start] != ord("{"):
-        return None
+    last = _skip_ws_back(data, len(data) - 1)
+    if start >= len(data) or data[start] != ord("{") or data[last] != ord("}"):
+        return None  # not one object: let the whole-body read say what is wrong
     lo = start
     while True:
         before, value = _key_at(data, array_key, lo, min(len(data), start + 1024 * 1024), last=False)
@@ -191,31 +196,37 @@ def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
     array_start = _skip_ws(data, value)
     if array_start >= len(data) or data[array_start] != ord("["):
         return None
-    # 2. the first messages
+    # 2. the first messages. An element's end is where msgspec, decoding from its start,
+    # meets "trailing characters": one scan of the element, whatever its text holds.
     messages: list[Message] = []
     s = _skip_ws(data, array_start + 1)
     ended = s < len(data) and data[s] == ord("]")
     history = first_user = False
-    spent = 0
     view = memoryview(data)
     while not ended and not (history and first_user):
         if s >= len(data) or data[s] != ord("{"):
             return None
-        for m in _ELEMENT_END.finditer(data, s):
-            e = m.start() + 1
-            try:
-                msg = _message_decoder.decode(view[s:e])
-            except msgspec.DecodeError:
-                spent += e - s
-                if spent > _CANDIDATE_BUDGET:
-                    return None
-                continue
-            messages.append(msg)
-            history = history or is_history(msg)
-            first_user = first_user or msg.role == "user"
-            ended = m.group(2) is not None
-            s = m.start(1) if not ended else m.end()
-            break
+        try:
+            _skip_decoder.decode(view[s:])
+            return None  # the element runs to the end of the body: not inside an array
+        except msgspec.ValidationError:
+            return None
+        except msgspec.DecodeError as err:
+            m = _TRAILING.search(str(err))
+            if m is None:
+                return None
+            after = s + int(m.group(1)) - 1  # msgspec counts the offending byte in
+        try:
+            msg = _message_decoder.decode(view[s:after])
+        except msgspec.DecodeError:
+            return None  # a wrong type: the whole-body read names the field
+        messages.append(msg)
+        history = history or is_history(msg)
+        first_user = first_user or msg.role == "user"
+        if data[after] == ord("]"):
+            ended = True
+        elif data[after] == ord(","):
+            s = _skip_ws(data, after + 1)
         else:
             return None
     # 3. the tail: each needed key not in the head, found from the end and proved top-level

@@ -141,3 +141,18 @@ def test_every_recording_from_outside():
         assert line["file"] == str(path)
         assert (line["api"], line["turn"], line["model"], line["stream"]) == (
             exp["api"], exp["turn"], exp["model"], exp["stream"]), path.name
+
+
+def test_every_recorded_flow_file():
+    flows = sorted((TRAFFIC / "flows").glob("*.flow"))
+    if not flows:
+        pytest.skip("no recorded flow files")
+    code, lines, err = run(*flows)
+    assert (code, err) == (0, [])
+    inference = [d for d in lines if d["api"] != facts.OTHER]
+    assert {d["file"] for d in inference} == {str(p) for p in flows}
+    for d in inference:
+        assert d["parsed"] and d["session"] and d["turn"] != facts.UNKNOWN_TURN and d["agent"] != "unknown", d
+    for d in lines:
+        if d["api"] == facts.OTHER:
+            assert d["session"] is None and d["turn"] is None

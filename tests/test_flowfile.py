@@ -125,13 +125,18 @@ def test_the_committed_mitmdump_file():
     check(list(flowfile.read_requests(SAMPLE.read_bytes())), "inference.test")
 
 
-def test_agrees_with_mitmproxys_own_reader():
+RECORDED = sorted((Path(__file__).parent / "fixtures" / "traffic" / "flows").glob("*.flow"))
+
+
+@pytest.mark.parametrize("path", [SAMPLE, *RECORDED], ids=lambda p: p.name)
+def test_agrees_with_mitmproxys_own_reader(path):
+    """The committed sample and every flow file recorded from the real agents."""
     from mitmproxy import io as mio  # tests may use mitmproxy; sessionpin/ may not
 
-    with SAMPLE.open("rb") as fh:
-        theirs = [f.request for f in mio.FlowReader(fh).stream()]
-    ours = list(flowfile.read_requests(SAMPLE.read_bytes()))
-    assert len(ours) == len(theirs)
+    with path.open("rb") as fh:
+        theirs = [f.request for f in mio.FlowReader(fh).stream() if hasattr(f, "request")]
+    ours = list(flowfile.read_requests(path.read_bytes()))
+    assert len(ours) == len(theirs) > 0
     for o, t in zip(ours, theirs):
         assert (o.method, o.url, o.headers, o.body) == (t.method, t.url, list(t.headers.fields), t.raw_content)
 

@@ -66,3 +66,37 @@ def test_field_decoders_cover_every_body_field():
 )
 def test_is_history(item, history):
     assert wire.is_history(msgspec.json.decode(msgspec.json.encode(item), type=wire.Message)) is history
+
+
+def test_msgspec_names_where_a_value_ends():
+    # fast_decode finds an element's end from this message; if msgspec rewords it, this fails
+    # (and fast_decode falls back to reading the whole body, correct but slower).
+    data = b'{"role":"user","content":"}]"} ,{"x":1}]'
+    with pytest.raises(msgspec.DecodeError) as err:
+        msgspec.json.decode(data, type=wire._Skip)
+    m = wire._TRAILING.search(str(err.value))
+    assert m and data[int(m.group(1)) - 1 :].startswith(b",{")  # one past the "," after the space
+
+
+def test_fast_decode_reads_the_head_first_messages_and_tail():
+    data = (b'{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"x"},'
+            + b'{"role":"user","content":"' + b"y" * 1000 + b'"}],"tools":[{"name":"stream"}],"stream":true}')
+    body, problem = wire.fast_decode(data, "anthropic")
+    assert problem == "" and body.model == "m" and body.stream is True and len(body.tools) == 1
+    assert [m.role for m in body.messages] == ["user", "assistant"]  # stopped once both were known
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'[{"messages": []}]',
+        b'{"model": "m"}',
+        b'{"messages": {"a": 1}}',
+        b'{"messages": ["text"]}',
+        b'{"messages": [{"role": "user"} {"role": "x"}]}',
+        b'{"messages": [{"role": 5}]}',
+        b'{"messages": [{"role": "user"}]} trailing',
+    ],
+)
+def test_fast_decode_falls_back_on_anything_odd(data):
+    assert wire.fast_decode(data, "anthropic") is None

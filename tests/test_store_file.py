@@ -19,6 +19,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -274,16 +275,29 @@ def unsynced_pages(path: Path) -> int:
         os.close(fd)
 
 
-def needs_dirty_tracking(path: Path) -> None:
+def on_tmpfs(path: Path) -> bool:
+    return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True).stdout.strip() == "tmpfs"
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    """A directory on a filesystem that has dirty pages to flush (not tmpfs)."""
     if os.uname().machine != "x86_64":
         pytest.skip("cachestat syscall number is for x86_64")
-    if subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True).stdout.strip() == "tmpfs":
-        pytest.skip("tmpfs has no stable storage to flush to")
+    if not on_tmpfs(tmp_path):
+        yield tmp_path
+        return
+    if not Path("/var/tmp").is_dir() or on_tmpfs(Path("/var/tmp")):
+        pytest.skip("no disk-backed temporary directory: tmpfs has no stable storage to flush to")
+    d = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="sessionpin-test-"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
-def test_ordinary_writes_reach_disk_within_2s(tmp_path):
-    needs_dirty_tracking(tmp_path)
-    path = tmp_path / "state.db"
+def test_ordinary_writes_reach_disk_within_2s(disk_dir):
+    path = disk_dir / "state.db"
     s = FileStore(path)
     try:
         s.set("warm", "up", durable=True)
@@ -302,9 +316,8 @@ def test_ordinary_writes_reach_disk_within_2s(tmp_path):
         s.close()
 
 
-def test_ordinary_writes_reach_disk_on_close(tmp_path):
-    needs_dirty_tracking(tmp_path)
-    path = tmp_path / "state.db"
+def test_ordinary_writes_reach_disk_on_close(disk_dir):
+    path = disk_dir / "state.db"
     s = FileStore(path, flush_interval=3600)   # no background flush: only close can do it
     keep = sqlite3.connect(path)               # another connection keeps the WAL from being removed
     keep.execute("SELECT count(*) FROM sqlite_master").fetchone()

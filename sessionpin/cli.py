@@ -454,6 +454,9 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     if proxy.answering:
         up = f", up {ago(proxy.started, now).removesuffix(' ago')}" if proxy.started else ""
         out(f"proxy   answering at {proxy.url} (pid {proxy.pid}{up})")
+        mismatch = config_mismatch(proxy, ctx.config_path)
+        if mismatch:
+            out(f"        {mismatch}")
     else:
         out(f"proxy   not answering: {proxy.why}; start one with `sessionpin run`")
     out()
@@ -1004,7 +1007,11 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
         add("CA", "FAIL", f"{ca} is missing: start the proxy once (`sessionpin run`) to create it, "
             "then point agents at it (`sessionpin env AGENT`)")
     if proxy.answering:
-        add("proxy", "ok", f"answering at {proxy.url} (pid {proxy.pid})")
+        mismatch = config_mismatch(proxy, ctx.config_path)
+        if mismatch:
+            add("proxy", "FAIL", mismatch.removeprefix("Warning: "))
+        else:
+            add("proxy", "ok", f"answering at {proxy.url} (pid {proxy.pid})")
     else:
         add("proxy", "FAIL", f"not answering: {proxy.why}; start it with `sessionpin run`"
             + (f" --store {ctx.store_url}" if "uses" in proxy.why else ""))

@@ -220,6 +220,11 @@ def test_a_proxy_reading_other_files_is_named(rig, tmp_path, monkeypatch):
     assert p.returncode == 0, p.stderr
     assert (f"Warning: the proxy at http://127.0.0.1:{rig.mitm.port} (pid {rig.mitm.proc.pid}) reads {rig.config}, "
             f"not {other}: this change does not reach it") in p.stdout
+    p = subprocess.run([*sessionpin_argv(), "--config", str(other), "--store", rig.store, "doctor"],
+                       capture_output=True, text=True, env=rig.env, stdin=subprocess.DEVNULL, timeout=60)
+    assert p.returncode == 1
+    line = next(x for x in p.stdout.splitlines() if x.startswith("FAIL  proxy"))
+    assert f"the proxy at http://127.0.0.1:{rig.mitm.port} (pid {rig.mitm.proc.pid}) reads {rig.config}" in line
     # A command using another store finds no heartbeat, but names the proxy answering on the default port.
     monkeypatch.setattr(cli, "DEFAULT_LISTEN", ("127.0.0.1", rig.mitm.port))
     proxy = cli.find_proxy(None, f"file:{tmp_path / 'elsewhere.db'}")

@@ -16,8 +16,9 @@ one log line. The rules live in those modules; this one keeps these:
   passed through as they arrive: ``responseheaders`` turns streaming on.
 - Store calls run on one worker thread, so a durable (fsync'd) pin write delays only
   the request that needs it, never the event loop.
-- The config file is re-read every ``sessionpin_reload_ms``; a new text that fails
-  validation is logged (file:line: key: problem) and the previous config stays.
+- The config file is re-read every ``sessionpin_reload_ms``; a new text is applied once
+  two looks in a row find it (never a half-written file); a text that fails validation
+  is logged (file:line: key: problem) and the previous config stays.
 - Activity (last seen, requests per session) is counted in memory and flushed every
   few seconds and at exit; a heartbeat ``proxy:<pid>`` lets the CLI find this proxy.
 - ``/__sessionpin/status`` (JSON) and ``/__sessionpin/metrics`` (Prometheus text) are
@@ -172,6 +173,7 @@ class Router:
         self.config_path: Path | None = None
         self.config_text: bytes | None = None
         self.config_problem: str | None = None      # the last refused text's error
+        self._pending: bytes | None = None          # a new config text seen once, not yet applied
         self.store: Store | None = None
         self.store_url: str | None = None
         self.metrics = Metrics()
@@ -330,7 +332,15 @@ class Router:
         if text is None or text == self.config_text:
             # A vanished file keeps the config in force (an editor's save-by-rename, a
             # mistaken delete): dropping every server would refuse every pinned session.
+            self._pending = None
             return
+        if text != self._pending:
+            # Seen once: apply it when the next look finds the same text. A file being
+            # written in place can be read half-written (empty, or with servers missing),
+            # and a half config would refuse or unroute sessions for a moment.
+            self._pending = text
+            return
+        self._pending = None
         try:
             cfg = configmod.parse(text.decode("utf-8"), str(path))
         except (ConfigError, UnicodeDecodeError) as e:

@@ -65,6 +65,12 @@ def flow(kind="opening", session=SESSION, host="api.anthropic.com", path="/v1/me
     return f
 
 
+def reload(r):
+    """What the background loop does: a new text is applied when two looks in a row find it."""
+    r._check_config()
+    r._check_config()
+
+
 @pytest.fixture
 def cfg_path(tmp_path):
     p = tmp_path / "config.toml"
@@ -106,7 +112,7 @@ async def test_the_pin_holds_after_the_current_server_changes(setup, cfg_path):
     r, _ = setup
     await r.request(flow())
     cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))
-    r._check_config()
+    reload(r)
     assert r.config.current("claude-code") == "anthropic"
     f = flow("continuation")
     await r.request(f)
@@ -165,7 +171,7 @@ async def test_missing_key_refuses_without_pinning(setup):
 async def test_server_without_key_env_refuses_foreign_requests(setup, cfg_path):
     r, _ = setup
     cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "nokey"'))
-    r._check_config()
+    reload(r)
     f = flow()
     await r.request(f)
     assert f.response.status_code == 502 and "nokey has no key_env" in f.response.text
@@ -349,16 +355,16 @@ async def test_status_and_metrics_for_loopback_only(setup):
 async def test_bad_config_is_refused_and_the_previous_one_stays(setup, cfg_path, caplog):
     r, _ = setup
     cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "glmm"'))
-    r._check_config()
+    reload(r)
     assert r.config.current("claude-code") == "glm"
     assert r.config_problem.startswith("config.toml:")
     assert "agents.claude-code.server: no server named 'glmm'" in caplog.text
     assert r.metrics.config_rejected == 1
     cfg_path.unlink()   # a vanished file keeps the config in force
-    r._check_config()
+    reload(r)
     assert r.config.current("claude-code") == "glm"
     cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = ""'))
-    r._check_config()
+    reload(r)
     assert r.config.current("claude-code") is None and r.config_problem is None
 
 
@@ -462,3 +468,15 @@ async def test_a_server_requests_were_moved_to_is_named_when_unreachable(setup):
         assert up.server.error is None
     finally:
         listening.close()
+
+
+async def test_a_text_seen_once_is_not_applied(setup, cfg_path):
+    r, _ = setup
+    cfg_path.write_text("")                  # an editor truncated the file, about to write
+    r._check_config()
+    assert r.config.current("claude-code") == "glm"
+    cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))
+    r._check_config()
+    assert r.config.current("claude-code") == "glm"
+    r._check_config()
+    assert r.config.current("claude-code") == "anthropic"

@@ -119,7 +119,13 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=0, help="timings per measurement (default: by size)")
     ap.add_argument("--sizes", default="10k,1m,8m")
+    ap.add_argument("--whole", action="store_true",
+                    help="always decode the whole body (msgspec, contents skipped): the path below FAST_MIN")
     args = ap.parse_args(argv)
+    if args.whole:
+        from sessionpin import wire
+
+        wire.FAST_MIN = 1 << 62
     print(f"python {sys.version.split()[0]}")
     print(f"{'size':>6} {'bytes':>10} {'json.loads':>11} {'read()':>10} {'ratio':>7} {'read(zstd)':>11}")
     for name in args.sizes.split(","):

@@ -253,7 +253,7 @@ def _deflate(data: bytes, limit: int) -> bytes:
 
 
 def _br(data: bytes, limit: int) -> bytes:
-    import brotli  # comes with mitmproxy; imported only when a body needs it
+    import brotli  # a dependency of the proxy; imported only when a body needs it
 
     d = brotli.Decompressor()
     try:
@@ -275,7 +275,7 @@ def _zstd(data: bytes, limit: int) -> bytes:
         from compression import zstd  # Python >= 3.14
     except ImportError:
         try:
-            from backports import zstd  # what mitmproxy 12 installs on 3.12/3.13
+            from backports import zstd  # installed with the proxy on Python 3.12/3.13
         except ImportError:
             return _zstd_zstandard(data, limit)
     out = bytearray()

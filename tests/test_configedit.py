@@ -1,4 +1,5 @@
 import os
+import re
 import stat
 import tomllib
 
@@ -146,3 +147,72 @@ def test_write_atomic_keeps_mode_and_new_file_is_private(tmp_path):
     assert p.read_text() == "a = 2\n"
     assert stat.S_IMODE(p.stat().st_mode) == 0o640
     assert [x.name for x in p.parent.iterdir()] == ["config.toml"]   # no temp file left
+
+
+# --- property: any config written in the usual forms ------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from sessionpin.facts import AGENTS  # noqa: E402
+
+NAMES = ["anthropic", "glm", "ete", "z.ai", "local-1"]
+
+
+@st.composite
+def configs(draw):
+    """A config text in the forms people write, and what it means."""
+    servers = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=4, unique=True))
+    agents = draw(st.dictionaries(st.sampled_from(AGENTS), st.sampled_from([None, *servers]), max_size=4))
+    comment = st.sampled_from(["", "  # why", "\t#note", " # [agents.pi] server = \"x\""])
+    string = lambda v: draw(st.sampled_from([f'"{v}"', f"'{v}'"]))  # noqa: E731
+    key = lambda k: k if "." not in k and draw(st.booleans()) else f'"{k}"'  # noqa: E731
+    lines: list[str] = []
+    for i, name in enumerate(servers):
+        if draw(st.booleans()):
+            lines.append("# " + draw(st.sampled_from(["a server", "[servers.fake]", "server = 'no'"])))
+        lines.append(f"[servers.{key(name)}]{draw(comment)}")
+        lines.append(f"url = {string(f'https://h{i}.example/p')}{draw(comment)}")
+        if draw(st.booleans()):
+            lines.append(f"key_env = {string(f'KEY_{i}')}")
+        if draw(st.booleans()):
+            lines.append("")
+    for agent, server in agents.items():
+        lines.append(f"[agents.{key(agent)}]{draw(comment)}")
+        if server is not None or draw(st.booleans()):
+            lines.append(f"server = {string(server or '')}{draw(comment)}")
+        if draw(st.booleans()):
+            lines.append("")
+    return "\n".join(lines) + draw(st.sampled_from(["", "\n"])), servers, agents
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs(), st.sampled_from(AGENTS), st.data())
+def test_set_agent_server_changes_exactly_that_setting(case, agent, data):
+    text, servers, agents = case
+    before = config.parse(text)
+    target = data.draw(st.sampled_from([None, *servers]))
+    out = configedit.set_agent_server(text, agent, target)
+    after = config.parse(out)
+    assert after.current(agent) == target
+    assert after.servers == before.servers
+    assert {a: x.server for a, x in after.agents.items() if a != agent} == \
+        {a: x.server for a, x in before.agents.items() if a != agent}
+    # Every line that was there is still there, in order, except the one server line changed.
+    kept = [line for line in text.splitlines() if line not in out.splitlines()]
+    assert len(kept) <= 1 and all(line.startswith("server =") for line in kept)
+    # ... and that one keeps its comment: every comment of the file is still there.
+    assert sorted(re.findall(r"#.*", text)) == sorted(re.findall(r"#.*", out))
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs(), st.sampled_from(NAMES))
+def test_add_then_remove_server_round_trips(case, name):
+    text, servers, _ = case
+    if name in servers:
+        return
+    out = configedit.add_server(text, name, "https://new.example", key_env="NEW_KEY")
+    cfg = config.parse(out)
+    assert cfg.servers[name].key_env == "NEW_KEY" and cfg.agents == config.parse(text).agents
+    back = configedit.remove_server(out, name)
+    assert config.parse(back) == config.parse(text)
+    assert [x for x in back.splitlines() if x.strip()] == [x for x in text.splitlines() if x.strip()]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -57,7 +58,7 @@ def _env(work: Path):
     m = Mitmdump(work, script=script, options=opts)
     m.start()
     yield {"gw": gw, "m": m, "client": Client.via_proxy(m.port, m.mitm_ca), "store_url": opts["sessionpin_store"],
-           "script": script, "work": work}
+           "script": script, "work": work, "opts": opts}
     m.stop()
     gw.stop()
 
@@ -207,3 +208,46 @@ def test_status_and_metrics_carry_the_pool(env):
     text = env["client"].request("GET", env["gw"].origin + "/__sessionpin/metrics").body.decode()
     assert 'sessionpin_pool_events_total{event="routed_spare"}' in text
     assert f'sessionpin_pool_spares{{provider="opencode-go",model="{MODEL}"}}' in text
+
+
+def test_two_proxies_sharing_one_store_never_share_an_id(env):
+    m2 = Mitmdump(env["work"] / "second", script=env["script"], options=env["opts"])
+    m2.start()
+    try:
+        kept = wait_spares(env, 2)
+        ports = [(env["m"].port, env["m"].mitm_ca), (m2.port, m2.mitm_ca)]
+        convs = [f"ses_{RUN}_twin{i}" for i in range(10)]
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}).encode()
+
+        def send(i: int, conv: str) -> None:
+            port, ca = ports[i % 2]
+            Client.via_proxy(port, ca).request(
+                "POST", env["gw"].origin + "/zen/go/v1/chat/completions",
+                headers=[*OPENCODE_HEADERS, ("x-opencode-session", conv)], body=body)
+
+        threads = [threading.Thread(target=send, args=(i, c)) for i, c in enumerate(convs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        store = open_store(env["store_url"])
+        try:
+            bound = {k.split("::")[0]: b.routed_id for k, b in state.bindings(store, drop_bad=False).items()}
+            left = set(state.spares(store, "opencode-go", MODEL, drop_bad=False))
+        finally:
+            store.close()
+        ids = list(bound.values())
+        assert len(ids) == len(set(ids))                              # no id in two conversations
+        assert not set(ids) & left                                    # no bound id is a spare
+        assert set(kept) & {bound.get(c) for c in convs}               # the race was for the same spares
+        # a bound conversation's next request, through the *other* proxy, keeps its id; one that
+        # kept its own id may get a spare now, but never an id bound elsewhere
+        for i, conv in enumerate(convs):
+            send(i + 1, conv)
+            seen = last_request(env).session
+            if conv in bound:
+                assert seen == bound[conv]
+            else:
+                assert seen == conv or seen not in ids
+    finally:
+        m2.stop()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the router costs: plain mitmdump vs mitmdump -s addons/route.py, in one run, one upstream.
 
-    .venv/bin/python scripts/bench_proxy.py [--quick] [--rounds N]
+    .venv/bin/python scripts/bench_proxy.py [--quick] [--repeat N]
 
 Latency: Claude-Code-shaped POST /v1/messages requests with 10 KB, 1 MB and 8 MB bodies, from 1 and
 from 8 concurrent clients (each on its own keep-alive connection through the proxy's CONNECT tunnel).
@@ -9,8 +9,8 @@ Plain mitmdump carries them to the local upstream as addressed; the router gets 
 another configured origin and routes every one of them to the same upstream (its key, its model
 name: the full rewrite). Each client's first request is its session's opening turn (it writes the
 pin) and is not timed; the timed ones are turns of pinned sessions. Plain and router alternate
-round by round so drift on a shared machine hits both. Reported: the median latency of each and
-the ratio router / plain.
+request by request (a step = one request on each connection), so load from other processes on a
+shared machine hits both alike. Reported: the median latency of each and the ratio router / plain.
 
 First byte: a streamed response whose upstream pauses after its first event. The router against
 mitmdump with a one-line addon that only turns streaming on (and plain mitmdump, which buffers the
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -71,57 +70,79 @@ def headers(kind: str, session: str) -> list[tuple[str, str]]:
             ("X-Claude-Code-Session-Id", session), ("x-claude-code-request-class", "main")]
 
 
-def run_clients(client: Client, target: str, size: int, clients: int, per_client: int) -> list[float]:
-    path = target.split("://", 1)[1].partition("/")[2]
-    path = ("/" + path if path else "") + "/v1/messages?beta=true"
-    """``clients`` threads, each: one opening turn (untimed), then ``per_client`` timed turns."""
-    latencies: list[float] = []
-    errors: list[str] = []
-    lock = threading.Lock()
+class Clients:
+    """``n`` keep-alive connections through one proxy, each carrying its own pinned session.
 
-    def one() -> None:
-        session = str(uuid.uuid4())
+    Each connection's first request is its session's opening turn (it writes the pin) and is
+    not timed. ``step()`` then sends one turn on every connection at once and returns their
+    latencies, so plain and router can alternate request by request.
+    """
+
+    def __init__(self, client: Client, target: str, n: int) -> None:
+        rest = target.split("://", 1)[1].partition("/")[2]
+        self.path = ("/" + rest if rest else "") + "/v1/messages?beta=true"
+        self.conns = []
+        self.sessions = []
+        for _ in range(n):
+            session = str(uuid.uuid4())
+            conn = client.connect(target)
+            r = conn.request("POST", self.path, headers("opening", session), body("opening", session, 1024))
+            if r.status != 200:
+                raise SystemExit(f"opening failed: {r.status} {r.body[:200]!r}")
+            self.conns.append(conn)
+            self.sessions.append(session)
+        self.payloads: list[bytes] = []
+
+    def load(self, size: int) -> None:
+        self.payloads = [body("continuation", s, size) for s in self.sessions]
+
+    def _one(self, i: int, out: list[float], errors: list[str]) -> None:
         try:
-            with client.connect(target) as conn:
-                r = conn.request("POST", path, headers("opening", session),
-                                 body("opening", session, 1024))
-                if r.status != 200:
-                    errors.append(f"{r.status} {r.body[:200]!r}")
-                    return
-                payload = body("continuation", session, size)
-                hs = headers("continuation", session)
-                for _ in range(per_client):
-                    r = conn.request("POST", path, hs, payload)
-                    if r.status != 200:
-                        errors.append(f"{r.status} {r.body[:200]!r}")
-                        return
-                    with lock:
-                        latencies.append(r.t_done - r.t_sent)
+            r = self.conns[i].request("POST", self.path, headers("continuation", self.sessions[i]), self.payloads[i])
         except OSError as e:
             errors.append(repr(e))
+            return
+        if r.status != 200:
+            errors.append(f"{r.status} {r.body[:200]!r}")
+        out.append(r.t_done - r.t_sent)
 
-    threads = [threading.Thread(target=one) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise SystemExit(f"requests failed: {errors[:3]}")
-    return latencies
+    def step(self) -> list[float]:
+        out: list[float] = []
+        errors: list[str] = []
+        if len(self.conns) == 1:
+            self._one(0, out, errors)
+        else:
+            threads = [threading.Thread(target=self._one, args=(i, out, errors)) for i in range(len(self.conns))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            raise SystemExit(f"requests failed: {errors[:3]}")
+        return out
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
 
 
-def first_bytes(client: Client, target: str, n: int) -> list[float]:
-    out = []
-    session = str(uuid.uuid4())
-    for i in range(n + 1):
-        kind = "opening" if i == 0 else "continuation"
-        r = client.request("POST", target + "/v1/messages?beta=true", headers(kind, session),
-                           body(kind, session, 2048, stream=True))
+class FirstByte:
+    """One pinned session through one proxy; ``one()`` times the first byte of a streamed turn."""
+
+    def __init__(self, client: Client, target: str) -> None:
+        self.client, self.url = client, target + "/v1/messages?beta=true"
+        self.session = str(uuid.uuid4())
+        self._send("opening")
+
+    def _send(self, kind: str) -> float:
+        r = self.client.request("POST", self.url, headers(kind, self.session),
+                                body(kind, self.session, 2048, stream=True))
         if r.status != 200 or r.t_first_byte is None:
             raise SystemExit(f"stream failed: {r.status} {r.body[:200]!r}")
-        if i:
-            out.append(r.t_first_byte - r.t_sent)
-    return out
+        return r.t_first_byte - r.t_sent
+
+    def one(self) -> float:
+        return self._send("continuation")
 
 
 def ms(x: float) -> str:
@@ -131,12 +152,11 @@ def ms(x: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (about a minute)")
-    ap.add_argument("--rounds", type=int, default=None, help="alternating plain/router rounds per cell")
+    ap.add_argument("--repeat", type=int, default=1, help="multiply the number of timed requests")
     ap.add_argument("--pause-ms", type=int, default=1000, help="upstream pause after the first SSE event")
     args = ap.parse_args()
-    per = {"10KB": 10, "1MB": 4, "8MB": 1} if args.quick else {"10KB": 40, "1MB": 12, "8MB": 3}
-    rounds = args.rounds or (2 if args.quick else 3)
-    ttfb_n = 4 if args.quick else 10
+    steps = {"10KB": 20, "1MB": 8, "8MB": 2} if args.quick else {"10KB": 80, "1MB": 30, "8MB": 8}
+    ttfb_n = 4 if args.quick else 12
 
     with tempfile.TemporaryDirectory(prefix="sessionpin-bench-") as tmp_:
         tmp = Path(tmp_)
@@ -168,7 +188,10 @@ def main() -> None:
             # is the router routing? (otherwise the ratios below measure nothing)
             upstream.keep_bodies = True
             before = len(upstream.received())
-            run_clients(*via["router"], size=1024, clients=1, per_client=1)
+            check = Clients(*via["router"], n=1)
+            check.load(1024)
+            check.step()
+            check.close()
             routed = upstream.received()[before:]
             upstream.keep_bodies = False
             ok = (len(routed) == 2 and all(r.header("x-api-key") == UPSTREAM_KEY for r in routed)
@@ -178,25 +201,32 @@ def main() -> None:
             if not ok:
                 print("  (the router is not routing: the figures below measure a pass-through addon)")
 
-            print(f"\nlatency, median per request ({'quick' if args.quick else 'full'}, {rounds} rounds)")
+            print(f"\nlatency, median per request ({'quick' if args.quick else 'full'};"
+                  " plain and router alternate request by request)")
             print(f"{'body':>6} {'clients':>7} {'n':>5} {'plain ms':>9} {'router ms':>9} {'ratio':>6}")
-            for label, size in SIZES.items():
-                for clients in (1, 8):
+            for clients in (1, 8):
+                pools = {name: Clients(*via[name], n=clients) for name in ("plain", "router")}
+                for label, size in SIZES.items():
                     got: dict[str, list[float]] = {"plain": [], "router": []}
-                    for r in range(rounds):
-                        order = ("plain", "router") if r % 2 == 0 else ("router", "plain")
-                        for name in order:
-                            got[name] += run_clients(*via[name], size=size, clients=clients, per_client=per[label])
+                    for pool in pools.values():
+                        pool.load(size)
+                        pool.step()  # warm-up at this size, not timed
+                    for i in range(steps[label] * args.repeat):
+                        for name in (("plain", "router") if i % 2 == 0 else ("router", "plain")):
+                            got[name] += pools[name].step()
                     p, q = statistics.median(got["plain"]), statistics.median(got["router"])
                     print(f"{label:>6} {clients:>7} {len(got['plain']):>5} {ms(p):>9} {ms(q):>9} {q / p:6.2f}",
                           flush=True)
+                for pool in pools.values():
+                    pool.close()
 
             upstream.pause_after_first_ms = args.pause_ms
-            ttfb = {name: [] for name in ("streaming", "router", "plain")}
-            for r in range(2):
-                for name in (("streaming", "router") if r == 0 else ("router", "streaming")):
-                    ttfb[name] += first_bytes(*via[name], n=ttfb_n // 2)
-            ttfb["plain"] = first_bytes(*via["plain"], n=2)
+            probes = {name: FirstByte(*via[name]) for name in ("streaming", "router", "plain")}
+            ttfb: dict[str, list[float]] = {name: [] for name in probes}
+            for i in range(ttfb_n):
+                for name in (("streaming", "router") if i % 2 == 0 else ("router", "streaming")):
+                    ttfb[name].append(probes[name].one())
+            ttfb["plain"] = [probes["plain"].one() for _ in range(2)]
             upstream.pause_after_first_ms = 0
             s, q, p = (statistics.median(ttfb[k]) for k in ("streaming", "router", "plain"))
             print(f"\nfirst byte of a stream whose upstream pauses {args.pause_ms} ms after its first event (median)")

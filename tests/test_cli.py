@@ -435,6 +435,13 @@ def test_exec_runs_the_command_with_the_variables(env, tmp_path):
     assert json.loads(p.stdout) == {"HTTPS_PROXY": "http://127.0.0.1:9999",
                                     "NODE_EXTRA_CA_CERTS": str(tmp_path / "mitmproxy-ca-cert.pem"),
                                     "SSL_CERT_FILE": str(tmp_path / "mitmproxy-ca-cert.pem")}
+    p = subprocess.run([sys.executable, "-m", "sessionpin.cli", "exec", "--agent", "claude-code", "--proxy",
+                        "127.0.0.1:9999", "--confdir", str(tmp_path), "--", sys.executable, "-c", script],
+                       capture_output=True, text=True, env={**os.environ, "SSL_CERT_FILE": ""}, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"HTTPS_PROXY": "http://127.0.0.1:9999",
+                                    "NODE_EXTRA_CA_CERTS": str(tmp_path / "mitmproxy-ca-cert.pem"),
+                                    "SSL_CERT_FILE": ""}
     p = subprocess.run([sys.executable, "-m", "sessionpin.cli", "exec", "--", "no-such-command-xyz"],
                        capture_output=True, text=True, env=os.environ, cwd=ROOT, timeout=60)
     assert p.returncode == 127 and p.stderr.splitlines()[-1] == "sessionpin: command not found: no-such-command-xyz"

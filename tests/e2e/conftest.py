@@ -11,6 +11,7 @@ from .harness import LIVE
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
     report = yield
     if report.failed:
-        for i, m in enumerate(LIVE):
-            report.sections.append((f"mitmdump #{i} output (tail)", m.tail(60)))
+        # the running ones (else the last one started: a test about a failed start)
+        for m in [m for m in LIVE if m.alive] or LIVE[-1:]:
+            report.sections.append((f"mitmdump in {m.workdir.name} (last lines)", m.tail(60)))
     return report

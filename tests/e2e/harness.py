@@ -54,6 +54,7 @@ and friends give the exact bytes the fake servers stream.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -557,6 +558,14 @@ class MitmdumpError(RuntimeError):
 
 _LISTENING = re.compile(r"listening at \[?([0-9a-fA-F.:]+?)\]?:(\d+)")
 LIVE: list[Mitmdump] = []  # every Mitmdump started in this process (conftest shows their output on failure)
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    """A test that forgot to stop its mitmdump must not leave it running after the process ends."""
+    for m in LIVE:
+        if m.alive:
+            m.stop(signal.SIGKILL, timeout=5)
 
 
 class Mitmdump:

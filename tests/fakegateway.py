@@ -79,6 +79,7 @@ class Seen:
     credential: str | None       # which header carried a key: authorization | x-api-key | None
     status: int
     probe: bool                  # a 1-token probe (max_tokens 1 / max_output_tokens 16)
+    headers: tuple[tuple[str, str], ...] = ()   # in order; credential values redacted
 
 
 @dataclass
@@ -162,14 +163,17 @@ class FakeGateway:
                     return
                 method, path, _ = line.decode("latin-1").split(" ", 2)
                 headers: dict[str, str] = {}
+                raw: list[tuple[str, str]] = []
                 while True:
                     h = await reader.readline()
                     if h in (b"\r\n", b"\n", b""):
                         break
                     n, _, v = h.decode("latin-1").partition(":")
                     headers[n.strip().lower()] = v.strip()
+                    secret = n.strip().lower() in ("authorization", "x-api-key")
+                    raw.append((n.strip(), "<redacted>" if secret else v.strip()))
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                close = await self._answer(method, path, headers, body, writer)
+                close = await self._answer(method, path, headers, body, writer, tuple(raw))
                 if close or headers.get("connection", "").lower() == "close":
                     return
         except (ConnectionError, asyncio.IncompleteReadError, ValueError, ssl.SSLError):
@@ -177,7 +181,8 @@ class FakeGateway:
         finally:
             writer.close()
 
-    async def _answer(self, method: str, path: str, headers: dict[str, str], body: bytes, writer) -> bool:
+    async def _answer(self, method: str, path: str, headers: dict[str, str], body: bytes, writer,
+                      raw: tuple[tuple[str, str], ...] = ()) -> bool:
         try:
             doc = json.loads(body or b"{}")
         except ValueError:
@@ -189,7 +194,7 @@ class FakeGateway:
 
         def record(status: int) -> None:
             with self._lock:
-                self.seen.append(Seen(path.split("?")[0], sid, cred_header, status, probe))
+                self.seen.append(Seen(path.split("?")[0], sid, cred_header, status, probe, raw))
 
         if key not in self.keys:
             record(401)

@@ -13,7 +13,7 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
@@ -104,7 +104,6 @@ class PoolConfig:
     refresh_interval_ms: int = 300_000
     refill_delay_ms: int = 15_000
     require_gateway_id: bool = False
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def probes_per_cycle(self) -> int:

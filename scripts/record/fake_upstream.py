@@ -322,6 +322,8 @@ MODELS = {"object": "list", "data": [
 
 class FakeUpstream:
     def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:  # an addon loaded before this one already answered
+            return
         req = flow.request
         path = req.path.split("?", 1)[0].rstrip("/")
         n = next(_counter)
@@ -345,12 +347,13 @@ class FakeUpstream:
             content, ctype = openai_responses(body, decide(body), n)
         elif req.method == "GET" and path.endswith("/accounts/check"):
             # Codex signed in with (fake) ChatGPT tokens discovers its workspace here before any turn.
+            # Not enough yet: 0.171.0 still stops with "workspace routing discovery ..." (docs/traffic.md).
             acct = "00000000-0000-0000-0000-000000000000"
             content, ctype = json.dumps({"accounts": {acct: {"account": {
                 "account_id": acct, "structure": "personal", "plan_type": "plus", "is_deactivated": False,
                 "name": None, "profile_picture_url": None, "workspace_backend_origin": "https://chatgpt.com",
                 "backend_origin": "https://chatgpt.com",
-                "account_routing_override": None}, "workspace_backend_origin": "https://chatgpt.com", "backend_origin": "https://chatgpt.com"}},
+                }, "workspace_backend_origin": "https://chatgpt.com", "backend_origin": "https://chatgpt.com"}},
                 "account_ordering": [acct], "workspace_backend_origin": "https://chatgpt.com"}).encode(), "application/json"
         elif req.method == "GET" and path.endswith("/codex/models"):
             content, ctype = json.dumps({"models": []}).encode(), "application/json"

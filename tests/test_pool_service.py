@@ -256,3 +256,20 @@ async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare()
         assert not svc.running
     finally:
         pool.MANAGER.reset()
+
+
+async def test_a_take_wakes_the_loop_for_a_refill_after_refill_delay():
+    cfg = PoolConfig(size=1, refill_delay_ms=50, refresh_interval_ms=60_000, min_probe_interval_ms=0)
+    svc, calls = real(cfg)
+    await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
+    svc.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert len(state.spares(svc.store, "opencode-go", M)) == 1 and svc.counters["cycles"] == 1
+        took = await svc.route("POST", CHAT, {"x-opencode-session": "ses_new", **AUTH}, session="ses_new", model=M)
+        assert took.how == "spare" and state.spares(svc.store, "opencode-go", M) == {}
+        await asyncio.sleep(0.2)                      # long before the 60 s period
+        assert svc.counters["cycles"] == 2 and len(state.spares(svc.store, "opencode-go", M)) == 1
+    finally:
+        svc.stop()
+        await asyncio.sleep(0)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import sqlite3
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from .options import PoolConfig, normalize_origin
 from .prober import COPIED_HEADERS, CREDENTIAL_HEADERS, ProbeTarget, probe as send_probe, ssl_context
 from .refresh import Plan, cycle
 from .signals import ProbeResult
-from ..store.base import Store
+from ..store.base import Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -378,6 +379,4 @@ class PoolService:
 
 
 def _is_store_fault(e: BaseException) -> bool:
-    from ..store.base import StoreError
-    import sqlite3
     return isinstance(e, (StoreError, OSError, sqlite3.Error))

@@ -93,7 +93,12 @@ def read(
     try:
         return _read(method, url, headers, body, content_encoding)
     except Exception as e:  # pragma: no cover - a last resort; the property tests look for it
-        return Facts(api=OTHER, agent=UNKNOWN_AGENT, parsed=False, reason=f"internal error: {type(e).__name__}")
+        try:
+            api, agent = api_of(_text(method), _text(url)), agent_of(header_map(headers))
+        except Exception:
+            api, agent = OTHER, UNKNOWN_AGENT
+        return Facts(api=api, agent=agent, turn=None if api == OTHER else UNKNOWN_TURN, parsed=False,
+                     reason=f"internal error: {type(e).__name__}")
 
 
 def _read(method, url, headers, body, content_encoding) -> Facts:
@@ -352,11 +357,15 @@ def parse_body(data: bytes, api: str | None = None) -> tuple[wire.Body | None, s
         pass  # some field has an unexpected type: read field by field below
     except msgspec.DecodeError as e:
         return None, "not JSON: truncated" if "truncated" in str(e) else "not JSON"
+    except RecursionError:  # msgspec's guard against deep nesting
+        return None, "not JSON: nested too deeply"
     try:
         fields = wire.loose_decoder.decode(data)
     except msgspec.ValidationError:
         return None, "body is not a JSON object"
-    except msgspec.DecodeError:  # pragma: no cover - the fast path saw the same bytes
+    except RecursionError:  # a deep value the typed pass never reached
+        return None, "not JSON: nested too deeply"
+    except msgspec.DecodeError:  # pragma: no cover - the typed pass saw the same bytes
         return None, "not JSON"
     values: dict[str, Any] = {}
     bad: list[str] = []
@@ -366,7 +375,7 @@ def parse_body(data: bytes, api: str | None = None) -> tuple[wire.Body | None, s
             continue
         try:
             values[name] = decoder.decode(raw)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             bad.append(name)
     return wire.Body(**values), ("wrong shape: " + ", ".join(bad)) if bad else ""
 
@@ -446,7 +455,7 @@ def user_id_session(user_id: str | None) -> tuple[str | None, str | None]:
     if text.startswith("{"):
         try:
             obj = msgspec.json.decode(text)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return None, None
         if isinstance(obj, dict):
             sid = clean_id(obj.get("session_id"))
@@ -468,7 +477,7 @@ def codex_turn_metadata(h: dict[str, str]) -> dict[str, str]:
         return {}
     try:
         obj = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return {}
     if not isinstance(obj, dict):
         return {}
@@ -536,7 +545,7 @@ def _content_texts(raw: msgspec.Raw) -> list[str]:
         return []
     try:
         return _texts(wire.content_decoder.decode(raw))
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return []
 
 

@@ -261,7 +261,7 @@ def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
             continue
         try:
             values[name] = decoder.decode(raw)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             bad.append(name)
     values["input" if flavour == "responses" else "messages"] = messages
     return Body(**values), ("wrong shape: " + ", ".join(bad)) if bad else ""

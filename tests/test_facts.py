@@ -590,6 +590,9 @@ def _bad(body, encoding=None, headers=()):
         (zstd.compress(enc(cc_body()))[:-10], "zstd", "bad zstd body"),
         (b"garbage", "br", "bad br body"),
         (b"\xff\xfe{}", None, "not JSON"),
+        (b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "not JSON: nested too deeply"),
+        (b'{"messages":[{"role":"user","content":' + b"[" * 100_000 + b"]" * 100_000 + b"}]}", None,
+         "not JSON: nested too deeply"),
         (b"{\"model\": \"\xff\"}", None, "not JSON"),
     ],
 )
@@ -645,6 +648,21 @@ def test_garbled_headers_never_raise(headers):
     f = read("POST", MESSAGES, headers, enc(cc_body()))
     assert f.parsed and f.api == facts.ANTHROPIC_MESSAGES
     assert f.session is None or f.session.encode("utf-8")
+
+
+def test_deeply_nested_headers_and_fields_do_not_raise():
+    deep = "[" * 100_000
+    f = read("POST", "/v1/responses", [("user-agent", "codex_cli_rs/1"), ("x-codex-turn-metadata", deep)],
+             enc(codex_body()))
+    assert (f.agent, f.parsed, f.turn) == (facts.CODEX, True, facts.OPENING)
+    body = cc_body(user_id="{" + '"a":' * 50_000)
+    assert cc(body, session=None).session_source == "fingerprint"
+    big = b'{"model":"m","stream":' + b"[" * 100_000 + b"]" * 100_000 + b',"messages":[]}'
+    f = read("POST", MESSAGES, [], big)
+    assert (f.parsed, f.reason) == (False, "not JSON: nested too deeply")
+    large = _LARGE[:-1] + b',"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    f = cc(large, "main")
+    assert f.reason in ("not JSON: nested too deeply", "request-class main: assistant message in history")
 
 
 def test_a_header_iterable_that_breaks_keeps_what_it_read():

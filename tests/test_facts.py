@@ -731,7 +731,9 @@ def _check(f):
     method=st.sampled_from(["POST", "GET", b"POST", "post"]) | st.text(max_size=5),
     url=st.sampled_from([MESSAGES, "/v1/chat/completions", "/v1/responses", "/v1/messages/count_tokens"]) | st.text(max_size=20),
     headers=st.lists(st.tuples(_header_part, _header_part), max_size=6),
-    body=st.none() | st.binary(max_size=64) | _json.map(lambda v: json.dumps(v).encode()) | _mutated(),
+    body=st.none() | st.binary(max_size=64) | _json.map(lambda v: json.dumps(v).encode()) | _mutated()
+    | st.tuples(st.sampled_from([b'{"x":', b'{"messages":[{"role":"user","content":', b"{\"stream\":", b""]),
+                st.integers(1, 50_000), st.sampled_from([b"[", b'{"a":'])).map(lambda t: t[0] + t[2] * t[1]),
     encoding=st.none() | st.sampled_from(["gzip", "zstd", "br", "deflate", "identity", "x", "gzip,br", ""]),
 )
 def test_random_requests_never_raise(method, url, headers, body, encoding):

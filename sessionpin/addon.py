@@ -180,6 +180,7 @@ class Router:
         self.activity: dict[str, list] = {}          # session -> [last seen, requests since flush]
         self.unreachable: dict[tuple[str, int], tuple[str, str, float]] = {}  # addr -> (server, error, when)
         self.moved_to: dict[tuple[str, int], str] = {}  # addresses requests were moved to -> server name
+        self.open_conns: Counter[tuple[str, int]] = Counter()  # upstream connections open now, by address
         self.started = time.time()
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
@@ -195,6 +196,11 @@ class Router:
         loader.add_option(
             "sessionpin_store", Optional[str], None,
             "sessionpin: the pin store URL, memory: or file:PATH (default: $SESSIONPIN_STORE, else the user state dir's file store).",
+        )
+        loader.add_option(
+            "sessionpin_connect_check", bool, True,
+            "sessionpin: before a new connection to a server requests were moved to (and none to it is open), "
+            "try a TCP connect, so that an unreachable server is named in the agent's error.",
         )
         loader.add_option(
             "sessionpin_reload_ms", int, 250,
@@ -276,7 +282,7 @@ class Router:
         store = self.store
         if store is not None:
             try:
-                self._flush_activity(store)
+                self._flush_activity(store, self._take_activity())
                 store.delete(HEARTBEAT_PREFIX + str(os.getpid()))
             except Exception as e:
                 self.metrics.store_errors += 1
@@ -305,7 +311,9 @@ class Router:
                     continue
                 if now - last_flush >= FLUSH_EVERY:
                     last_flush = now
-                    await self._in_store(self._flush_activity, store)
+                    pending = self._take_activity()
+                    if pending:
+                        await self._in_store(self._flush_activity, store, pending)
                 if first or now - last_beat >= HEARTBEAT_EVERY:
                     beat = self._heartbeat()
                     # the first beat waits (up to 2 s) for the listeners to come up
@@ -359,8 +367,13 @@ class Router:
         agents = ", ".join(f"{a.name} → {a.server or 'not routed'}" for a in c.agents.values()) or "no agent routed"
         return f"servers: {', '.join(c.servers) or 'none'}; {agents}"
 
-    def _flush_activity(self, store: Store) -> None:
+    def _take_activity(self) -> dict[str, list]:
+        """Swap the counts out on the event loop's thread (the hooks count into the new dict)."""
         pending, self.activity = self.activity, {}
+        return pending
+
+    @staticmethod
+    def _flush_activity(store: Store, pending: dict[str, list]) -> None:
         for session, (last, n) in pending.items():
             pins.record_seen(store, session, last, n)
 
@@ -616,10 +629,13 @@ class Router:
         the router moved requests to (connections are reused across requests).
         """
         server = data.server
-        if not server.address or server.error:
+        if not server.address or server.error or not ctx.options.sessionpin_connect_check:
             return
-        name = self.moved_to.get((str(server.address[0]).lower(), server.address[1]))
-        if name is None:
+        addr = (str(server.address[0]).lower(), server.address[1])
+        name = self.moved_to.get(addr)
+        if name is None or self.open_conns[addr] > 0:
+            # Another connection to it is open right now: it is up (a server that went
+            # down closes its connections), so this one needs no check.
             return
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(*server.address[:2]), PROBE_TIMEOUT)
@@ -632,6 +648,18 @@ class Router:
             server.error = (f"sessionpin: server {name} ({origin}) cannot be reached: {err}. "
                             f"The conversation stays on {name}; try again when it is back.")
             self.metrics.refusals["unreachable"] += 1
+
+    def server_connected(self, data) -> None:
+        if data.server.address:
+            self.open_conns[(str(data.server.address[0]).lower(), data.server.address[1])] += 1
+
+    def server_disconnected(self, data) -> None:
+        if data.server.address:
+            addr = (str(data.server.address[0]).lower(), data.server.address[1])
+            if self.open_conns[addr] <= 1:
+                self.open_conns.pop(addr, None)
+            else:
+                self.open_conns[addr] -= 1
 
     def server_connect_error(self, data) -> None:
         addr = data.server.address

@@ -466,6 +466,15 @@ async def test_a_server_requests_were_moved_to_is_named_when_unreachable(setup):
         up = data(listening.getsockname()[1])
         await r.server_connect(up)
         assert up.server.error is None
+        # a connection to it is open: no check (and so no error) for a new one
+        r.server_connected(data(down))
+        again = data(down)
+        await r.server_connect(again)
+        assert again.server.error is None
+        r.server_disconnected(data(down))
+        again = data(down)
+        await r.server_connect(again)
+        assert again.server.error is not None
     finally:
         listening.close()
 

@@ -202,6 +202,15 @@ def real(cfg, script=(), default=None):
     return PoolService(cfg, open_store("memory:"), probe=probe), calls
 
 
+async def until(cond, timeout=5.0):
+    """Poll a condition on the real clock (generous: CI machines are busy)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
 LOOP_CFG = PoolConfig(size=1, refill_delay_ms=50, refresh_interval_ms=1000, min_probe_interval_ms=0)
 
 
@@ -214,8 +223,7 @@ async def test_first_run_is_delayed_then_the_pool_fills_and_start_is_idempotent(
     assert svc._task is task
     await asyncio.sleep(0.02)
     assert calls == []                                             # delayed by refill_delay_ms
-    await asyncio.sleep(0.2)
-    assert len(state.spares(svc.store, "opencode-go", M)) == 1
+    await until(lambda: len(state.spares(svc.store, "opencode-go", M)) == 1)
     svc.stop()
     await asyncio.sleep(0)
 
@@ -237,15 +245,14 @@ async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare()
         await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
         state.add_spare(store, "opencode-go", M, "stale-1", old_spare)
         pool.MANAGER.start(old)
-        await asyncio.sleep(0.15)                                  # the cycle is probing stale-1
-        assert state.spares(store, "opencode-go", M) == {}
+        await until(lambda: state.spares(store, "opencode-go", M) == {})   # the cycle is probing stale-1
         first_task = svc._task
         # mitmproxy's reload: done() on the old addon, then load/configure/running on the new one
         pool.MANAGER.detach(old)
         assert pool.MANAGER.attach(new, LOOP_CFG, store) is svc
         pool.MANAGER.start(new)
-        await asyncio.sleep(0.01)
-        assert first_task.done() and first_task.cancelled()        # no orphan probe
+        await until(first_task.done)
+        assert first_task.cancelled()        # no orphan probe
         assert "stale-1" in state.spares(store, "opencode-go", M)   # no lost spare
         loops = [t for t in asyncio.all_tasks() if t.get_name() == "sessionpin-pool" and not t.done()]
         assert loops == [svc._task]                                 # one loop
@@ -264,12 +271,12 @@ async def test_a_take_wakes_the_loop_for_a_refill_after_refill_delay():
     await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
     svc.start()
     try:
-        await asyncio.sleep(0.2)
-        assert len(state.spares(svc.store, "opencode-go", M)) == 1 and svc.counters["cycles"] == 1
+        await until(lambda: len(state.spares(svc.store, "opencode-go", M)) == 1)
+        assert svc.counters["cycles"] == 1
         took = await svc.route("POST", CHAT, {"x-opencode-session": "ses_new", **AUTH}, session="ses_new", model=M)
         assert took.how == "spare" and state.spares(svc.store, "opencode-go", M) == {}
-        await asyncio.sleep(0.2)                      # long before the 60 s period
-        assert svc.counters["cycles"] == 2 and len(state.spares(svc.store, "opencode-go", M)) == 1
+        await until(lambda: len(state.spares(svc.store, "opencode-go", M)) == 1)   # long before the 60 s period
+        assert svc.counters["cycles"] == 2
     finally:
         svc.stop()
         await asyncio.sleep(0)

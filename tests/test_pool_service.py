@@ -256,6 +256,8 @@ async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare()
         assert "stale-1" in state.spares(store, "opencode-go", M)   # no lost spare
         loops = [t for t in asyncio.all_tasks() if t.get_name() == "sessionpin-pool" and not t.done()]
         assert loops == [svc._task]                                 # one loop
+        await until(lambda: svc.loops_alive == 1)
+        await asyncio.sleep(0.05)
         assert svc.loops_alive == 1
         gate.set()
         pool.MANAGER.detach(new)

@@ -489,3 +489,41 @@ async def test_a_text_seen_once_is_not_applied(setup, cfg_path):
     assert r.config.current("claude-code") == "glm"
     r._check_config()
     assert r.config.current("claude-code") == "anthropic"
+
+
+async def test_codex_zstd_body_keeps_its_encoding_and_only_the_model_changes(tmp_path):
+    from mitmproxy.net import encoding
+
+    p = tmp_path / "config.toml"
+    p.write_text('''
+[servers.openai]
+url = "https://api.openai.com"
+[servers.router]
+url = "https://openrouter.example/api"
+key_env = "OR_KEY"
+models = { "gpt-5*" = "openai/gpt-5" }
+[agents.codex]
+server = "router"
+''')
+    plain = json.dumps({"model": "gpt-5-codex", "instructions": "x", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+        "tools": [], "stream": True}).encode()
+    sid = "0199a0b0-0000-7000-8000-000000000001"
+    h = http.Headers([(b"host", b"api.openai.com"), (b"user-agent", b"codex_cli_rs/0.171.0 (Linux; x86_64)"),
+                      (b"session-id", sid.encode()), (b"content-encoding", b"zstd"),
+                      (b"authorization", b"Bearer sk-agent"), (b"chatgpt-account-id", b"acct")])
+    r = Router(env={"OR_KEY": "or-sentinel"})
+    with taddons.context(r) as tctx:
+        tctx.configure(r, sessionpin_config=str(p), sessionpin_store="memory:")
+        req = tutils.treq(method=b"POST", scheme=b"https", host="api.openai.com", port=443, path=b"/v1/responses",
+                          headers=h, content=b"")
+        req.raw_content = encoding.encode(plain, "zstd")
+        f = tflow.tflow(req=req)
+        await r.request(f)
+        assert f.response is None
+        assert f.request.url == "https://openrouter.example/api/v1/responses"
+        assert f.request.headers["content-encoding"] == "zstd"
+        assert encoding.decode(f.request.raw_content, "zstd") == plain.replace(b'"gpt-5-codex"', b'"openai/gpt-5"')
+        assert f.request.headers["authorization"] == "Bearer or-sentinel"
+        assert f.request.headers["chatgpt-account-id"] == "acct"   # an account id, not a credential
+        r.done()

@@ -610,6 +610,10 @@ def warn_key(cfg: configmod.Config, target: str | None, proxy: Proxy) -> None:
     if target is None:
         return
     server = cfg.servers[target]
+    if not server.key_env:
+        err(f"Note: {target} has no key_env, so only requests addressed to {server.origin} can go there "
+            f"(with the agent's own key); the proxy refuses the others rather than send a key to the wrong server.")
+        return
     is_set, checked = key_state(server, proxy_keys(proxy))
     if is_set is False:
         err(f"Warning: ${server.key_env} is not set in {checked}; the proxy needs it to send requests to {target}.")

@@ -135,6 +135,12 @@ def test_use_not_routed_and_new_agent_table(env, capsys):
     assert "# glm is slow today" in text and text.endswith('[agents.pi]\nserver = "glm"\n')
 
 
+def test_use_of_a_server_without_key_env_says_what_it_takes(env, capsys):
+    code, _, e = run(capsys, "use", "pi", "anthropic")
+    assert code == 0
+    assert e.startswith("Note: anthropic has no key_env, so only requests addressed to https://api.anthropic.com can go there")
+
+
 def test_use_singular_sentence(env, capsys):
     put_pins(env.url, RUNNING[3:])
     code, o, _ = run(capsys, "use", "opencode", "anthropic")

@@ -150,6 +150,7 @@ def model_span(body: bytes) -> tuple[int, int]:
     if not bytes(top["model"]).startswith(b'"'):
         raise ModelNotFound("the model is not a string")
     n = len(body)
+    view = memoryview(body)
     i = _skip(body, 0)
     if i >= n or body[i] != 0x7B:  # {
         raise ModelNotFound("body is not a JSON object")
@@ -168,19 +169,33 @@ def model_span(body: bytes) -> tuple[int, int]:
         if i >= n or body[i] != 0x3A:  # :
             raise ModelNotFound("unexpected bytes in the body")
         i = _skip(body, i + 1)
-        raw = bytes(top.get(name, b""))
-        if not raw or body[i:i + len(raw)] != raw:
+        raw = top.get(name)
+        size = len(raw) if raw is not None else 0
+        # The value here must be the raw value the decoder kept for this key. Its ends
+        # are compared (a full compare would copy megabytes of messages): with unique
+        # keys they always match; a duplicate key misaligns the walk, which shows here
+        # or in the key count and closing brace checked below.
+        if not size or not _same_ends(view, i, memoryview(raw), size):
             # a duplicate key (the decoder kept the last) or an unexpected layout
             raise ModelNotFound("duplicate top-level keys")
         if name == "model":
-            span = (i, i + len(raw))
+            span = (i, i + size)
         seen += 1
-        i = _skip(body, i + len(raw))
+        i = _skip(body, i + size)
         if i < n and body[i] == 0x2C:  # ,
             i += 1
-    if seen != len(top) or span is None:
+    if seen != len(top) or span is None or i >= n or body[i] != 0x7D or _skip(body, i + 1) != n:
         raise ModelNotFound("duplicate top-level keys")
     return span
+
+
+def _same_ends(view: memoryview, i: int, raw: memoryview, size: int, k: int = 64) -> bool:
+    if i + size > len(view):
+        return False
+    if size <= 2 * k:
+        return view[i:i + size].tobytes() == raw.tobytes()
+    return (view[i:i + k].tobytes() == raw[:k].tobytes()
+            and view[i + size - k:i + size].tobytes() == raw[size - k:].tobytes())
 
 
 def replace_model(body: bytes, old: str, new: str) -> bytes:

@@ -213,3 +213,13 @@ def test_replace_model_property(other, at, seps, new):
 ])
 def test_is_credential(name, credential):
     assert rewrite.is_credential(name) is credential
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model":"a","x":1,"model":"a"}',
+    b'{"model":"a","x":"longer value","x":"s"}',
+    b'{"x":"long long long","model":"a","x":"s"}',
+])
+def test_duplicate_keys_anywhere_are_refused(body):
+    with pytest.raises(ModelNotFound):
+        rewrite.model_span(body)

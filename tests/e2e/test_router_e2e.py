@@ -653,7 +653,7 @@ def test_config_error_on_reload_is_refused_and_the_previous_config_stays(rig):
     m = rig.mitm.wait_output(r"config\.toml", timeout=3.0, since=mark)
     assert m is not None, "the refusal is logged naming the file"
     logged = [ln for ln in rig.mitm.output.splitlines()[mark:] if "config.toml" in ln]
-    assert any(re.search(rf"\b{line}\b", ln) for ln in logged), logged
+    assert any(re.search(rf"config\.toml:{line}\b|line {line}\b", ln) for ln in logged), logged
     s = new_session()
     assert rig.send(cc("opening", s)).status == 200
     assert rig.where(s) == {"glm": 1}, "the previous config is still in force"

@@ -18,7 +18,8 @@ API (import with ``from e2e.harness import ...`` from tests/, or ``from .harness
     with a small JSON body. A path outside ``prefix`` gets 404. The answer text names the server.
     ``url`` is ``https://127.0.0.1:PORT<prefix>``, ``origin`` the same without the prefix.
     ``requests`` is every request received, in order (``Received``: method, path with query,
-    headers as a list of pairs, body bytes, arrival time); ``clear()``, ``wait_for(n)``.
+    headers as a list of pairs, body bytes, arrival time; ``header(name)``, ``json()``, ``raw()``);
+    ``received(path_contains)``, ``clear()``, ``wait_for(n)``.
     Behaviour knobs (plain attributes, or ``with fake.behave(pause_ms=1000): ...`` to restore them):
     ``pause_ms`` between SSE events, ``pause_after_first_ms`` after the first event only,
     ``status`` (answer every request with this status and an error JSON), ``deltas`` (text deltas
@@ -32,8 +33,10 @@ API (import with ``from e2e.harness import ...`` from tests/, or ``from .harness
     "listening at" line(s) and returns the port (``port``; ``ports`` for several modes).
     ``stop(signal.SIGTERM | signal.SIGKILL)``, ``restart(sig)`` (same confdir and options, a new
     port), ``alive``, ``output`` (all of its stdout+stderr, every run), ``tail(n)``,
-    ``wait_output(regex)``. ``mitm_ca`` is ``<confdir>/mitmproxy-ca-cert.pem``. ``script=None``
-    starts plain mitmdump. A failed start raises ``MitmdumpError`` carrying the output.
+    ``wait_output(regex, since=line_count)``. ``mitm_ca`` is ``<confdir>/mitmproxy-ca-cert.pem``. ``script=None``
+    starts plain mitmdump. A failed start raises ``MitmdumpError`` carrying the output; every
+    instance is in ``LIVE`` (tests/e2e/conftest.py shows the running ones' output when a test
+    fails; any left running are killed at exit).
     ``Mitmdump.router(workdir, ca, config_text, env=...)`` is the sessionpin router set-up:
     ``-s addons/route.py``, ``sessionpin_config=<workdir>/config.toml``,
     ``sessionpin_store=file:<workdir>/state.db``, ``ssl_verify_upstream_trusted_ca=<ca.pem>``;

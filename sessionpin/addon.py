@@ -14,8 +14,9 @@ one log line. The rules live in those modules; this one keeps these:
   ``x-should-retry: false`` (the Anthropic and OpenAI SDKs then do not retry them).
 - Streamed responses (SSE, NDJSON, and any in-scope response without a length) are
   passed through as they arrive: ``responseheaders`` turns streaming on.
-- Store calls run on one worker thread, so a durable (fsync'd) pin write delays only
-  the request that needs it, never the event loop.
+- Store writes run on one worker thread, so a durable (fsync'd) pin write delays only
+  the request that needs it, never the event loop; a pin read is inline when that
+  thread is idle (cheap), else queued behind its writes.
 - The config file is re-read every ``sessionpin_reload_ms``; a new text is applied once
   two looks in a row find it (never a half-written file); a text that fails validation
   is logged (file:line: key: problem) and the previous config stays.
@@ -183,6 +184,7 @@ class Router:
         self.open_conns: Counter[tuple[str, int]] = Counter()  # upstream connections open now, by address
         self.started = time.time()
         self._executor: ThreadPoolExecutor | None = None
+        self._store_busy = 0                         # store calls queued on or running in the executor
         self._task: asyncio.Task | None = None
         self._old_stores: list[Store] = []
 
@@ -396,9 +398,25 @@ class Router:
         }
 
     async def _in_store(self, fn: Callable, *args: Any) -> Any:
+        """Run a store call on the store thread (a durable write's fsync must not block the loop)."""
         if self._executor is None:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._store_busy += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._store_busy -= 1
+
+    async def _read_store(self, fn: Callable, *args: Any) -> Any:
+        """A quick read: inline when the store thread is idle, else queued behind its work.
+
+        Reads never wait for an fsync (the file store fsyncs outside its lock, SQLite's WAL
+        readers do not wait for writers), and a hop to the thread costs far more than the
+        read under load (the loop thread and the store thread trade the GIL).
+        """
+        if self._store_busy:
+            return await self._in_store(fn, *args)
+        return fn(*args)
 
     def _close_later(self, store: Store) -> None:
         def close() -> None:
@@ -468,7 +486,7 @@ class Router:
             if store is None:
                 raise RouterError("sessionpin has no pin store open", "store")
             try:
-                pin = await self._in_store(pins.load, store, facts.session)
+                pin = await self._read_store(pins.load, store, facts.session)
             except Exception as e:
                 self.metrics.store_errors += 1
                 raise RouterError(f"sessionpin cannot read its pin store {self.store_url}: {e}; the request was not sent", "store")

@@ -64,7 +64,7 @@ STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson
 
 
 # Process-wide (this module outlives a reload of the -s script): has the proxy started?
-_state = {"running": False}
+_state: dict[str, Any] = {"running": False, "config": None}
 
 
 class RouterError(Exception):
@@ -224,12 +224,12 @@ class Router:
                 text = _read(path)
                 cfg = configmod.parse(text.decode("utf-8"), str(path)) if text is not None else Config(path=str(path))
             except UnicodeDecodeError as e:
-                self._config_failed(f"{path.name}: not UTF-8 text ({e.reason})")
+                self._config_failed(path, f"{path.name}: not UTF-8 text ({e.reason})")
             except ConfigError as e:
-                self._config_failed(str(e))
+                self._config_failed(path, str(e))
             except OSError as e:
-                self._config_failed(f"{path}: cannot read: {e.strerror or e}")
-            self.config, self.config_path, self.config_text, self.config_problem = cfg, path, text, None
+                self._config_failed(path, f"{path}: cannot read: {e.strerror or e}")
+            self._use_config(cfg, path, text)
             log.info("sessionpin: config %s: %s", path, self._describe_config())
         if "sessionpin_store" in updated or self.store is None:
             from .store import default_store_url, open_store
@@ -249,7 +249,11 @@ class Router:
                 for p in self.participants:
                     self._call(p, "configure_store", store)
 
-    def _config_failed(self, message: str) -> NoReturn:
+    def _use_config(self, cfg: Config, path: Path, text: bytes | None) -> None:
+        self.config, self.config_path, self.config_text, self.config_problem = cfg, path, text, None
+        _state["config"] = (path, cfg, text)
+
+    def _config_failed(self, path: Path, message: str) -> NoReturn:
         """A bad config: refused while running; at start, mitmdump stops with the message.
 
         mitmdump loads ``-s`` scripts concurrently with bringing up its listeners, so an
@@ -261,6 +265,13 @@ class Router:
             log.error("sessionpin: %s", message)
             print(f"sessionpin: {message}", file=sys.stderr, flush=True)
             sys.exit(1)
+        last = _state.get("config")
+        if last is not None and last[0] == path and self.config_path != path:
+            # A reload of the -s script while the file is bad: this new router keeps the
+            # config the process was running with (an empty one would route nothing and
+            # let pinned sessions leave their servers), and takes the file once it is fixed.
+            self.config, self.config_path, self.config_text = last[1], path, last[2]
+            self.config_problem = message
         raise exceptions.OptionsError(message)
 
     def running(self) -> None:
@@ -360,7 +371,7 @@ class Router:
             self.metrics.config_rejected += 1
             log.error("sessionpin: config rejected, keeping the previous one: %s", problem)
             return
-        self.config, self.config_text, self.config_problem = cfg, text, None
+        self._use_config(cfg, path, text)
         self.metrics.config_reloads += 1
         log.info("sessionpin: config reloaded from %s: %s", path, self._describe_config())
 

@@ -29,6 +29,11 @@ url = "https://nokey.example"
 server = "glm"
 '''
 ENV = {"ZAI_API_KEY": "zai-sentinel"}
+
+
+def quiet_env(config_path, **more):
+    """An environment whose defaults are not the user's own config file and store."""
+    return {**ENV, "SESSIONPIN_CONFIG": str(config_path), "SESSIONPIN_STORE": "memory:", **more}
 SESSION = "abcd1234-0000-4000-8000-000000000001"
 TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}}]
 
@@ -80,7 +85,7 @@ def cfg_path(tmp_path):
 
 @pytest.fixture
 async def setup(cfg_path):
-    r = Router(env=dict(ENV))
+    r = Router(env=quiet_env(cfg_path))
     with taddons.context(r) as tctx:
         tctx.configure(r, sessionpin_config=str(cfg_path), sessionpin_store="memory:")
         yield r, tctx
@@ -280,7 +285,7 @@ async def test_participants_see_routed_requests_and_response_headers(cfg_path):
         def metrics(self):
             return "sessionpin_pool_ids 3"
 
-    r = Router([Pool()], env=dict(ENV))
+    r = Router([Pool()], env=quiet_env(cfg_path))
     with taddons.context(r) as tctx:
         tctx.configure(r, sessionpin_config=str(cfg_path), sessionpin_store="memory:")
         f = flow()
@@ -378,7 +383,7 @@ async def test_bad_config_option_raises_options_error(setup, tmp_path):
 
 
 async def test_missing_config_file_routes_nothing(tmp_path):
-    r = Router(env=dict(ENV))
+    r = Router(env=quiet_env(tmp_path / "none.toml"))
     with taddons.context(r) as tctx:
         tctx.configure(r, sessionpin_config=str(tmp_path / "none.toml"), sessionpin_store="memory:")
         f = flow()
@@ -512,7 +517,7 @@ server = "router"
     h = http.Headers([(b"host", b"api.openai.com"), (b"user-agent", b"codex_cli_rs/0.171.0 (Linux; x86_64)"),
                       (b"session-id", sid.encode()), (b"content-encoding", b"zstd"),
                       (b"authorization", b"Bearer sk-agent"), (b"chatgpt-account-id", b"acct")])
-    r = Router(env={"OR_KEY": "or-sentinel"})
+    r = Router(env={"OR_KEY": "or-sentinel", "SESSIONPIN_CONFIG": str(p), "SESSIONPIN_STORE": "memory:"})
     with taddons.context(r) as tctx:
         tctx.configure(r, sessionpin_config=str(p), sessionpin_store="memory:")
         req = tutils.treq(method=b"POST", scheme=b"https", host="api.openai.com", port=443, path=b"/v1/responses",
@@ -527,3 +532,26 @@ server = "router"
         assert f.request.headers["authorization"] == "Bearer or-sentinel"
         assert f.request.headers["chatgpt-account-id"] == "acct"   # an account id, not a credential
         r.done()
+
+
+async def test_a_script_reload_while_the_file_is_bad_keeps_the_running_config(setup, cfg_path):
+    r, _ = setup
+    A._state["running"] = True           # as after mitmdump started
+    try:
+        running = (cfg_path, r.config, r.config_text)
+        cfg_path.write_text("[agents.claude-code]\nserver = 'x'\n")
+        fresh = Router(env=quiet_env(cfg_path.parent / "other.toml"))   # mitmproxy builds a new one when route.py is edited
+        with taddons.context(fresh) as tctx:
+            A._state["config"] = running
+            # as the script loader does on a reload: configure with the options in force
+            # (no option change, so no rollback to an older value)
+            tctx.options._options["sessionpin_config"].set(str(cfg_path))
+            with pytest.raises(exceptions.OptionsError):
+                fresh.configure({"sessionpin_config"})
+            assert fresh.config.current("claude-code") == "glm" and fresh.config_problem
+            cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))
+            reload(fresh)
+            assert fresh.config.current("claude-code") == "anthropic"
+            fresh.done()
+    finally:
+        A._state["running"] = False

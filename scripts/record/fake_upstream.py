@@ -226,7 +226,7 @@ def anthropic(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
         ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}),
         ("content_block_stop", {"type": "content_block_stop", "index": 0}),
         ("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-                           "usage": {"output_tokens": 5}}),
+                           "usage": dict(usage, output_tokens=5)}),
         ("message_stop", {"type": "message_stop"}),
     ]
     return _sse(events), "text/event-stream; charset=utf-8"

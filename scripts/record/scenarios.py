@@ -26,6 +26,7 @@ TURN_OF_KIND = {
     "subagent": "subagent",
     "subagent-tool-result": "subagent",
     "subagent-continuation": "subagent",
+    "title-tool-result": "side",
 }
 
 SCENARIOS: dict[str, dict] = {}
@@ -292,4 +293,18 @@ SCENARIOS["cc-bearer"] = {
     "flow": "cc-bearer.flow", "agent": "claude-code", "scenario": "bearer",
     "note": "claude -p 'hello' with ANTHROPIC_AUTH_TOKEN instead of an API key: the credential goes in Authorization: Bearer (as with OAuth), no x-api-key.",
     "requests": [{"kind": "opening"}],
+}
+
+SCENARIOS["cx-tui"] = {
+    "flow": "cx-tui.flow", "agent": "codex", "scenario": "tui",
+    "note": "Interactive codex (TUI in tmux, API key): 'RUNTOOL: ...', /compact, one more prompt. User-Agent codex-tui/..., originator codex-tui.",
+    "requests": [
+        {"kind": "opening"},
+        {"kind": "tool-result"},
+        {"kind": "title", "note": "Thread title: a SEPARATE thread with its own session-id/thread-id and no link to the conversation, x-codex-turn-metadata thread_source thread_title, no x-openai-subagent. Only thread_source says it is a side request."},
+        {"kind": "title-tool-result", "note": "The title thread ran a tool round because the fake answered its prompt (which quotes the user's RUNTOOL) with an exec call: an artefact of the fake, kept because it shows the title thread carries tools and history."},
+        {"kind": "compaction", "note": "/compact: request_kind compaction, compaction {trigger manual, implementation responses_compaction_v2}, input ends with a compaction_trigger item. The fake's text answer made Codex report a compaction error."},
+        {"kind": "after-compaction", "note": "Next prompt; history unchanged because the compaction failed against the fake."},
+    ],
+    "other": [dict(CX_WS, note="GET /v1/responses WebSocket upgrade from the TUI (prewarm); the second is the title thread's.")],
 }

@@ -646,6 +646,12 @@ def _codex_turn(h: dict[str, str], history: bool, ok: bool) -> tuple[str, str]:
     meta = codex_turn_metadata(h)
     if meta.get("thread_source") == "subagent":
         return SUBAGENT, "codex: turn-metadata thread_source subagent"
+    source = meta.get("thread_source")
+    if isinstance(source, str) and source not in ("", "user"):
+        # The TUI names a thread from a separate thread (thread_source "thread_title") with
+        # its own session id and no parent link: a one-shot side request. Any other
+        # non-user source is treated alike, so it never decides a pin.
+        return SIDE, f"codex: turn-metadata thread_source {source[:24]}"
     if meta.get("request_kind") == "prewarm":
         return SIDE, "codex: turn-metadata request_kind prewarm"
     if meta.get("history_initialization") in ("cold_resume", "cold_fork"):

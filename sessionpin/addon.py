@@ -457,7 +457,7 @@ class Router:
         decision: Decision | None = None
         try:
             source = cfg.server_for(req.scheme, req.host, req.port, req.path)
-            if source is not None or self.participants:
+            if source is not None or any(_wants(p, req) for p in self.participants):
                 facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
                                req.headers.get("content-encoding"))
             if source is not None and facts is not None:
@@ -831,6 +831,30 @@ def _apply(req: http.Request, c: rewrite.Changes) -> None:
         req.content = c.body
 
 
+def _wants(participant: Any, req: http.Request) -> bool:
+    """Does a participant want this pass-through request's facts? (Reading them costs
+    ~1 ms on a large body: only pay it for requests someone acts on.)"""
+    wants = getattr(participant, "wants", None)
+    if wants is None:
+        return True
+    try:
+        return bool(wants(req.method, req.url))
+    except Exception:
+        log.exception("sessionpin: participant %s failed", type(participant).__name__)
+        return False
+
+
+class RouterDefaults:
+    """Sets what the router needs from mitmproxy, so ``-s addons/route.py`` alone is a
+    correct start: connection_strategy=lazy (connect upstream only after the router chose
+    the server; with "eager", reverse mode connects to the original target before any hook)."""
+
+    def configure(self, updated: set[str]) -> None:
+        if "connection_strategy" in updated and ctx.options.connection_strategy != "lazy":
+            log.info("sessionpin: setting connection_strategy=lazy (the router chooses the upstream)")
+            ctx.options.connection_strategy = "lazy"
+
+
 def make_addons(participants: list[Any] | None = None) -> list[object]:
     if participants is None:
         # The OpenCode session-id pool (issue 6, sessionpin/pool, docs/pool.md): a participant
@@ -838,5 +862,5 @@ def make_addons(participants: list[Any] | None = None) -> list[object]:
         from .pool.participant import PoolOptions, PoolParticipant
 
         pool = PoolParticipant()
-        return [Router([pool]), PoolOptions(pool, exceptions.OptionsError)]
-    return [Router(participants)]
+        return [RouterDefaults(), Router([pool]), PoolOptions(pool, exceptions.OptionsError)]
+    return [RouterDefaults(), Router(participants)]

@@ -28,7 +28,7 @@ from typing import Any
 
 from . import MANAGER, report
 from .options import OPTIONS, PoolConfig, parse
-from .service import HEADER, PoolService, Route
+from .service import HEADER, PoolService, Route, scope_of
 
 log = logging.getLogger(__name__)
 META = "sessionpin_pool"
@@ -74,6 +74,11 @@ class PoolParticipant:
             self._observer = None
 
     # ---- flows -------------------------------------------------------------------------------
+
+    def wants(self, method: str, url: str) -> bool:
+        """Is this request in the pool's scope? Cheap; lets the router skip reading facts."""
+        svc = self.service
+        return svc is not None and scope_of(svc.cfg, method, url) is not None
 
     async def request(self, flow, facts=None, decision=None) -> None:
         svc = self.service

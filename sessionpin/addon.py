@@ -517,6 +517,17 @@ class Router:
                 return decision
 
         if decision.pin_action == ladder.CREATE and facts.session and store is not None:
+            if decision.target not in (None, source.name) and getattr(store, "degraded", False):
+                # The store holds writes in memory while its file fails (disk full, read-only):
+                # a pin made now could be lost by a restart, and the conversation's next turn,
+                # never seen begin, would then stay on the server the agent addresses — moved.
+                # So a conversation is only sent away from that server once its pin is safe.
+                self.metrics.store_errors += 1
+                raise RouterError(
+                    f"sessionpin cannot save pins to {self.store_url} right now (see the proxy's log), so "
+                    f"new {facts.agent} session {facts.session} was not sent to {decision.target}: a restart "
+                    f"could otherwise move it. Free space or fix the store's permissions and retry, or run "
+                    f"'sessionpin use {facts.agent} --not-routed'.", "store")
             new = pins.Pin(agent=facts.agent, server=decision.target, since=now, renewed=now,
                            rule=decision.rule, turn=facts.turn or "")
             try:

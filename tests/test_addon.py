@@ -249,6 +249,35 @@ async def test_store_failure_answers_502(setup):
     assert r.metrics.store_errors == 1 and f.request.host == "api.anthropic.com"
 
 
+class DegradedStore:
+    """A memory store that says what the file store says while its file fails."""
+
+    degraded = True
+
+    def __init__(self):
+        from sessionpin.store import open_store
+        self._s = open_store("memory:")
+        self.url = "file:full-disk/state.db"
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+
+async def test_degraded_store_refuses_to_move_a_new_conversation(setup):
+    r, _ = setup
+    r.store = DegradedStore()
+    f = flow()
+    await r.request(f)
+    assert f.response.status_code == 502 and "cannot save pins" in f.response.text
+    assert SESSION in f.response.text and "glm" in f.response.text
+    assert pins.load(r.store, SESSION) is None, "no pin is invented"
+    # A conversation left where the agent sent it is safe to pin in memory: losing that
+    # pin leaves its next turn where it is anyway.
+    f = flow("continuation", session="other-session")
+    await r.request(f)
+    assert f.response is None and f.request.host == "api.anthropic.com"
+
+
 async def test_pin_race_the_first_pin_wins(setup):
     r, _ = setup
     real_create = pins.create

@@ -367,17 +367,8 @@ def parse_body(data: bytes, api: str | None = None) -> tuple[wire.Body | None, s
         return None, "not JSON: nested too deeply"
     except msgspec.DecodeError:  # pragma: no cover - the typed pass saw the same bytes
         return None, "not JSON"
-    values: dict[str, Any] = {}
-    bad: list[str] = []
-    for name, decoder in wire.field_decoders.items():
-        raw = fields.get(name)
-        if raw is None:
-            continue
-        try:
-            values[name] = decoder.decode(raw)
-        except (msgspec.DecodeError, RecursionError):
-            bad.append(name)
-    return wire.Body(**values), ("wrong shape: " + ", ".join(bad)) if bad else ""
+    values, problem = wire.decode_fields(fields)
+    return wire.Body(**values), problem
 
 
 def has_history(b: wire.Body) -> bool:

@@ -93,6 +93,22 @@ content_decoder = msgspec.json.Decoder(Content)
 field_decoders = {name: msgspec.json.Decoder(t) for name, t in FIELD_TYPES.items()}
 
 
+def decode_fields(fields: dict[str, msgspec.Raw]) -> tuple[dict[str, object], str]:
+    """Each facts field on its own, so one of a wrong type spoils only itself: the
+    values that decoded, and "" or which fields did not."""
+    values: dict[str, object] = {}
+    bad: list[str] = []
+    for name, decoder in field_decoders.items():
+        raw = fields.get(name)
+        if raw is None:
+            continue
+        try:
+            values[name] = decoder.decode(raw)
+        except (msgspec.DecodeError, RecursionError):
+            bad.append(name)
+    return values, ("wrong shape: " + ", ".join(bad)) if bad else ""
+
+
 # ---------------------------------------------------------------- large bodies
 #
 # A long conversation is megabytes of message contents the facts never look at, and even
@@ -252,16 +268,6 @@ def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
                 continue
             tail, tail_from = members, comma
             break
-    fields = {**tail, **head}
-    values: dict[str, object] = {}
-    bad: list[str] = []
-    for name, decoder in field_decoders.items():
-        raw = fields.get(name)
-        if raw is None:
-            continue
-        try:
-            values[name] = decoder.decode(raw)
-        except (msgspec.DecodeError, RecursionError):
-            bad.append(name)
+    values, problem = decode_fields({**tail, **head})
     values["input" if flavour == "responses" else "messages"] = messages
-    return Body(**values), ("wrong shape: " + ", ".join(bad)) if bad else ""
+    return Body(**values), problem

@@ -118,7 +118,7 @@ def _read(method, url, headers, body, content_encoding) -> Facts:
     ok = not problem
 
     history = has_history(b)
-    if agent == UNKNOWN_AGENT and any(PI_MARKER in text for text in opening(b, with_user=False)[0]):
+    if agent == UNKNOWN_AGENT and any(PI_MARKER.search(text) for text in opening(b, with_user=False)[0]):
         agent = PI
     session, source, parent_rule = session_of(agent, h, b)
     turn, why = turn_of(api, agent, h, b, history, ok, parent_rule)
@@ -197,8 +197,9 @@ def api_of(method: str, url: str) -> str:
 
 
 # pi sends its SDK's User-Agent (OpenAI/JS, Anthropic/JS) and no header of its own: only its
-# default system prompt names it (recordings of pi 0.73.1).
-PI_MARKER = "operating inside pi, a coding agent harness"
+# default system prompt names it (recordings of pi 0.73.1: "…operating inside pi, a coding
+# agent harness."). Matched loosely, so a reworded prompt of another version still names it.
+PI_MARKER = re.compile(r"\binside pi\b|\bpi, a coding agent\b|\bpi[- ]coding[- ]agent\b", re.IGNORECASE)
 
 
 def agent_of(h: dict[str, str]) -> str:

@@ -522,8 +522,20 @@ def test_pi_responses_session_header_and_prompt_cache_key():
 
 
 def test_generic_session_headers_for_an_unknown_agent():
-    f = read("POST", "/v1/chat/completions", [("x-session-id", "abc")], pi_chat(U1))
+    f = read("POST", "/v1/chat/completions", [("x-session-id", "abc")], pi_chat(U1, system="You are helpful."))
     assert (f.agent, f.session, f.session_source, f.turn) == (facts.UNKNOWN_AGENT, "abc", "header:x-session-id", facts.OPENING)
+
+
+@pytest.mark.parametrize("system, agent", [
+    ("You are an expert coding assistant operating inside pi, a coding agent harness.", facts.PI),  # pi 0.73.1
+    ("You are a coding assistant running inside Pi.", facts.PI),                 # reworded
+    ("Built on the pi-coding-agent SDK.", facts.PI),
+    ("You are helpful. Think about api design.", facts.UNKNOWN_AGENT),
+    ("Pipelines inside pipes.", facts.UNKNOWN_AGENT),
+])
+def test_pi_is_named_by_its_system_prompt_loosely(system, agent):
+    f = read("POST", "/v1/chat/completions", [("user-agent", "OpenAI/JS 6.26.0")], pi_chat(U1, system=system))
+    assert f.agent == agent
 
 
 @pytest.mark.parametrize("bad", ["", "   ", "fp:0123", "x" * 300, "a\tb", "a\x00b"])

@@ -1,0 +1,202 @@
+"""Recorded client traffic (tests/fixtures/traffic), made ready to replay through a proxy.
+
+``load(agent, scenario)`` gives one scenario's requests in their recorded order (the ``nn`` of
+``<scenario>-<nn>-<kind>.json``, which is the order of scripts/record/scenarios.py).
+
+``Replay(run)`` turns a recorded request into the bytes a test sends (``prepare``):
+- the body: the recorded JSON value encoded with ``json.dumps(separators=(",", ":"),
+  ensure_ascii=False)``. For every recorded body that has a ``Content-Length``, that encoding has
+  exactly the recorded length (the recorder stored ``json.loads`` of the bytes, and Python keeps key
+  order), so these are the bytes the client sent. A string body is sent as its UTF-8 bytes.
+- headers: as recorded (order, case, duplicates), minus ``Host`` (the client sets the fake's);
+  ``Content-Length`` stays in place with the length of the body sent.
+- credentials: the fixtures' redacted values (``sk-ant-REDACTED``, ``sk-REDACTED``, ``REDACTED``)
+  become a sentinel that names the origin the client addressed, so a test can check that no
+  server ever received another origin's secret (``Replay.owner``: sentinel -> fake name).
+- session ids: every value of a session header (Claude Code, opencode, Codex, pi) is replaced,
+  in headers and body alike, by a fresh id of the same shape and length, the same one for the
+  whole replay. One proxy and one pin store then serve every test of a module, and a scenario
+  replayed "alone" (a resume without its opening) is not decided by a pin another test made.
+- ``cwd``: pi sends no id on chat/completions and messages; the router keys those on a
+  fingerprint of the system prompt and first message. The recorded working directory
+  (``/tmp/rec/proj``) is replaced by one of the same length unique to the replay, as if the
+  conversation ran in another project, so two replays never share a fingerprint by accident.
+Nothing else is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traffic"
+
+# The origin each recorded request addressed -> the fake server standing in for it.
+ORIGINS = {"api.anthropic.com": "anthropic", "opencode.ai": "opencode", "api.openai.com": "openai"}
+ELSEWHERE = "elsewhere"   # any other host (model catalog, npm registry, telemetry): no configured server
+
+# Headers that carry a session (or thread) id of one of the agents.
+SESSION_HEADERS = ("x-claude-code-session-id", "x-opencode-session", "x-session-id", "x-session-affinity",
+                   "x-parent-session-id", "session-id", "session_id", "thread-id")
+RECORDED_CWD = "/tmp/rec/proj"
+_REDACTED = re.compile(r"(?:sk-ant-|sk-)?REDACTED")
+_FILE = re.compile(r"^(?P<scenario>.+)-(?P<nn>\d\d)-(?P<kind>[a-z-]+)\.json$")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One recorded request, as the fixture holds it."""
+
+    agent: str
+    scenario: str
+    nn: int
+    kind: str
+    method: str
+    url: str
+    headers: tuple[tuple[str, str], ...]
+    body: Any
+    expect: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return f"{self.agent}/{self.scenario}-{self.nn:02d}-{self.kind}"
+
+    @property
+    def host(self) -> str:
+        return urllib.parse.urlsplit(self.url).hostname or ""
+
+    @property
+    def path(self) -> str:
+        u = urllib.parse.urlsplit(self.url)
+        return (u.path or "/") + (f"?{u.query}" if u.query else "")
+
+    @property
+    def turn(self) -> str | None:
+        return self.expect.get("turn")
+
+    def header(self, name: str) -> str | None:
+        for k, v in self.headers:
+            if k.lower() == name.lower():
+                return v
+        return None
+
+
+def load(agent: str, scenario: str) -> list[Recorded]:
+    """The requests of one recorded scenario, in recorded order."""
+    out = []
+    for path in (FIXTURES / agent).glob(f"{scenario}-*.json"):
+        m = _FILE.match(path.name)
+        if not m or m["scenario"] != scenario:
+            continue
+        d = json.loads(path.read_text())
+        assert not d.get("body_base64") and not d.get("body_encoding"), f"{path.name}: encoded body not replayable here"
+        out.append(Recorded(agent, scenario, int(m["nn"]), m["kind"], d["method"], d["url"],
+                            tuple((k, v) for k, v in d["headers"]), d["body"], d["expect"]))
+    assert out, f"no fixtures for {agent}/{scenario}"
+    return sorted(out, key=lambda r: r.nn)
+
+
+def encode_body(value: Any) -> bytes:
+    if value is None:
+        return b""
+    if isinstance(value, str):
+        return value.encode()
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to send: to the fake named ``to`` (the origin the client addressed)."""
+
+    rec: Recorded
+    to: str
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    @property
+    def name(self) -> str:
+        return self.rec.name
+
+    def header(self, name: str) -> str | None:
+        for k, v in self.headers:
+            if k.lower() == name.lower():
+                return v
+        return None
+
+
+def _same_shape(value: str, rnd: random.Random) -> str:
+    """A fresh id shaped like ``value``: hex stays hex, letters and digits stay alphanumeric,
+    separators and a ``ses_``-style prefix stay."""
+    prefix = ""
+    if "_" in value[:5]:
+        prefix, value = value[: value.index("_") + 1], value[value.index("_") + 1:]
+    hexlike = all(c in string.hexdigits.lower() + "-:" for c in value)
+    pool = "0123456789abcdef" if hexlike else string.ascii_letters + string.digits
+    return prefix + "".join(rnd.choice(pool) if c.isalnum() else c for c in value)
+
+
+@dataclass
+class Replay:
+    """Fresh ids and origin sentinels for one replay (see the module docstring)."""
+
+    run: str
+    rnd: random.Random = field(default_factory=random.Random)
+    ids: dict[str, str] = field(default_factory=dict)
+    cwd: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.cwd:
+            self.cwd = "/tmp/rec/" + "".join(self.rnd.choice(string.ascii_lowercase) for _ in range(4))
+
+    @staticmethod
+    def sentinel(fake: str, run: str) -> str:
+        return f"CLIENT-KEY-OF-{fake}-SENTINEL-{run}"
+
+    @classmethod
+    def owner(cls, run: str) -> dict[str, str]:
+        return {cls.sentinel(f, run): f for f in (*ORIGINS.values(), ELSEWHERE)}
+
+    def fresh(self, recorded_id: str) -> str:
+        """The id this replay uses for ``recorded_id`` (made on first use)."""
+        if recorded_id not in self.ids:
+            new = _same_shape(recorded_id, self.rnd)
+            assert len(new) == len(recorded_id) and new != recorded_id
+            self.ids[recorded_id] = new
+        return self.ids[recorded_id]
+
+    def alias(self, recorded_id: str, new_id: str) -> None:
+        """Use ``new_id`` for ``recorded_id`` (e.g. to make two agents share one session id)."""
+        self.ids[recorded_id] = new_id
+
+    def _swap(self, text: str) -> str:
+        for old, new in self.ids.items():
+            text = text.replace(old, new)
+        return text
+
+    def prepare(self, rec: Recorded, *, drop: tuple[str, ...] = ()) -> Prepared:
+        """The request to send for ``rec`` (``drop``: header names to leave out, lower case)."""
+        for k, v in rec.headers:
+            if k.lower() in SESSION_HEADERS and v:
+                self.fresh(v)
+        to = ORIGINS.get(rec.host, ELSEWHERE)
+        secret = self.sentinel(to, self.run)
+        body_text = encode_body(rec.body).decode()
+        body = self._swap(body_text).replace(RECORDED_CWD, self.cwd).encode()
+        headers: list[tuple[str, str]] = []
+        for k, v in rec.headers:
+            low = k.lower()
+            if low == "host" or low in drop:
+                continue
+            if low == "content-length":
+                v = str(len(body))
+            v = _REDACTED.sub(lambda m: secret, self._swap(v))
+            headers.append((k, v))
+        return Prepared(rec, to, rec.method, rec.path, headers, body)

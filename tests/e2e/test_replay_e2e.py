@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import signal
 import sqlite3
 import threading
@@ -42,7 +43,7 @@ from sessionpin import pins
 from sessionpin.store import open_store
 
 from .harness import Client, FakeServer, Mitmdump, Received, Reply, TestCA, toml_config
-from .replay import ELSEWHERE, Prepared, Recorded, Replay, load
+from .replay import ELSEWHERE, FIXTURES, Prepared, Recorded, Replay, load
 
 RUN = uuid.uuid4().hex[:8]
 GLM_ENV = "SESSIONPIN_REPLAY_GLM_KEY"
@@ -493,7 +494,6 @@ def test_codex_conversation_goes_to_alt_whole(rig, scenario):
     recs = load("codex", scenario)
     r = Replay(RUN)
     sent = replay(rig, recs, r)
-    check_each(sent, check_codex)
     session = session_of(r, next(x for x in recs if x.turn == "opening"))
     pin = rig.pin(session)
     assert pin is not None and (pin.agent, pin.server, pin.turn) == ("codex", "alt", "opening"), pin
@@ -502,6 +502,7 @@ def test_codex_conversation_goes_to_alt_whole(rig, scenario):
             title_session = s.p.header("session-id")
             assert title_session and title_session != session
             assert rig.pin(title_session) is None, "a side request never creates a pin"
+    check_each(sent, check_codex)
 
 
 @pytest.mark.parametrize("scenario", ["exec-resume", "exec-fork"])
@@ -654,6 +655,22 @@ def test_a_new_conversation_is_refused_when_its_pin_cannot_be_written_durably(ri
     assert_routed(s, "glm")
 
 
+def test_every_replayed_credential_is_a_sentinel_of_its_origin():
+    """The leak checks can only fail if the replayed requests carry the sentinels: every
+    redacted credential of every fixture becomes the sentinel of the origin it addressed."""
+    r = Replay(RUN)
+    scenarios = {(f.parent.name, re.sub(r"-\d\d-[a-z-]+\.json$", "", f.name)) for f in FIXTURES.glob("*/*.json")}
+    assert len(scenarios) >= 25
+    for agent, scenario in sorted(scenarios):
+        for rec in load(agent, scenario):
+            if rec.body_encoding is not None:
+                continue
+            p = r.prepare(rec)
+            creds = [v for k, v in p.headers if is_credential(k)]
+            assert all("REDACTED" not in v for _, v in p.headers), p.name
+            if is_inference(p):
+                assert creds and all(Replay.sentinel(p.to, RUN) in v for v in creds), p.name
+
+
 def test_no_server_ever_received_a_secret_of_another(rig):
     rig.assert_no_foreign_keys()
-    assert all(len(f.received()) for name, f in rig.fakes.items() if name != ELSEWHERE)

@@ -63,6 +63,7 @@ class Recorded:
     body: Any
     expect: dict[str, Any]
     body_encoding: str | None = None   # the client compressed the body (stored decoded): not replayed here
+    http_version: str = "HTTP/1.1"     # as the client spoke it to the proxy
 
     @property
     def name(self) -> str:
@@ -98,7 +99,8 @@ def load(agent: str, scenario: str) -> list[Recorded]:
         d = json.loads(path.read_text())
         assert not d.get("body_base64"), f"{path.name}: binary body"
         out.append(Recorded(agent, scenario, int(m["nn"]), m["kind"], d["method"], d["url"],
-                            tuple((k, v) for k, v in d["headers"]), d["body"], d["expect"], d.get("body_encoding")))
+                            tuple((k, v) for k, v in d["headers"]), d["body"], d["expect"], d.get("body_encoding"),
+                            d.get("http_version") or "HTTP/1.1"))
     assert out, f"no fixtures for {agent}/{scenario}"
     return sorted(out, key=lambda r: r.nn)
 
@@ -125,6 +127,10 @@ class Prepared:
     @property
     def name(self) -> str:
         return self.rec.name
+
+    @property
+    def http2(self) -> bool:
+        return self.rec.http_version == "HTTP/2.0"
 
     def header(self, name: str) -> str | None:
         for k, v in self.headers:
@@ -202,3 +208,98 @@ class Replay:
             v = _REDACTED.sub(lambda m: secret, self._swap(v))
             headers.append((k, v))
         return Prepared(rec, to, rec.method, rec.path, headers, body)
+
+
+# --------------------------------------------------------------------------- HTTP/2 through the proxy
+
+
+@dataclass
+class H2Reply:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        for k, v in self.headers:
+            if k.lower() == name.lower():
+                return v
+        return None
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+def h2_request(proxy_port: int, mitm_ca: str | Path, host: str, port: int, method: str, path: str,
+               headers: list[tuple[str, str]], body: bytes, timeout: float = 30.0) -> H2Reply:
+    """One HTTP/2 request through the proxy's CONNECT tunnel (Codex speaks HTTP/2 to api.openai.com).
+
+    ``headers`` as recorded (lower case; ``host`` and connection-specific headers are left out,
+    HTTP/2 forbids them); ``:authority`` is ``host:port``."""
+    import socket
+    import ssl
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    sock = socket.create_connection(("127.0.0.1", proxy_port), timeout=timeout)
+    try:
+        sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionError("proxy closed the CONNECT")
+            head += chunk
+        if not head.split(b"\r\n", 1)[0].split()[1] == b"200":
+            raise ConnectionError(f"CONNECT refused: {head[:200]!r}")
+        ctx = ssl.create_default_context(cafile=str(mitm_ca))
+        ctx.set_alpn_protocols(["h2"])
+        tls = ctx.wrap_socket(sock, server_hostname=host)
+        if tls.selected_alpn_protocol() != "h2":
+            raise ConnectionError(f"the proxy did not take h2 (ALPN {tls.selected_alpn_protocol()!r})")
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        conn.initiate_connection()
+        tls.sendall(conn.data_to_send())
+        sid = conn.get_next_available_stream_id()
+        forbidden = {"host", "connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"}
+        hs = [(":method", method), (":scheme", "https"), (":authority", f"{host}:{port}"), (":path", path)]
+        hs += [(k.lower(), v) for k, v in headers if k.lower() not in forbidden]
+        conn.send_headers(sid, hs, end_stream=not body)
+        tls.sendall(conn.data_to_send())
+
+        status, resp_headers, data, ended, sent = 0, [], bytearray(), False, 0
+
+        def pump() -> None:
+            nonlocal status, resp_headers, ended
+            chunk = tls.recv(65536)
+            if not chunk:
+                raise ConnectionError("the proxy closed the HTTP/2 connection")
+            for ev in conn.receive_data(chunk):
+                if isinstance(ev, h2.events.ResponseReceived) and ev.stream_id == sid:
+                    resp_headers = [(k if isinstance(k, str) else k.decode(), v if isinstance(v, str) else v.decode())
+                                    for k, v in ev.headers]
+                    status = int(dict(resp_headers)[":status"])
+                elif isinstance(ev, h2.events.DataReceived) and ev.stream_id == sid:
+                    data.extend(ev.data)
+                    conn.acknowledge_received_data(ev.flow_controlled_length, sid)
+                elif isinstance(ev, (h2.events.StreamEnded, h2.events.StreamReset)) and ev.stream_id == sid:
+                    ended = True
+            out = conn.data_to_send()
+            if out:
+                tls.sendall(out)
+
+        while sent < len(body):
+            n = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size, len(body) - sent)
+            if n <= 0:
+                pump()   # wait for a WINDOW_UPDATE
+                continue
+            conn.send_data(sid, body[sent:sent + n], end_stream=sent + n == len(body))
+            sent += n
+            tls.sendall(conn.data_to_send())
+        while not ended:
+            pump()
+        return H2Reply(status, [(k, v) for k, v in resp_headers if not k.startswith(":")], bytes(data))
+    finally:
+        sock.close()

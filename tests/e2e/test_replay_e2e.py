@@ -42,8 +42,8 @@ import pytest
 from sessionpin import pins
 from sessionpin.store import open_store
 
-from .harness import Client, FakeServer, Mitmdump, Received, Reply, TestCA, toml_config
-from .replay import ELSEWHERE, FIXTURES, Prepared, Recorded, Replay, load
+from .harness import LOOPBACK, Client, FakeServer, Mitmdump, Received, Reply, TestCA, toml_config
+from .replay import ELSEWHERE, FIXTURES, H2Reply, Prepared, Recorded, Replay, h2_request, load
 
 RUN = uuid.uuid4().hex[:8]
 GLM_ENV = "SESSIONPIN_REPLAY_GLM_KEY"
@@ -91,9 +91,10 @@ def source_server(p: Prepared) -> str | None:
 @dataclass
 class Sent:
     p: Prepared
-    reply: Reply
+    reply: Reply | H2Reply
     landed: str | None          # the fake that received it (None: answered by the proxy)
     got: Received | None
+    fake_port: int = 0          # the port of ``landed``
 
     def __str__(self) -> str:
         return f"{self.p.name} -> {self.landed} ({self.reply.status})"
@@ -154,12 +155,17 @@ class Rig:
         return {n: len(f.received()) for n, f in self.fakes.items()}
 
     def send(self, p: Prepared) -> Sent:
+        """Send ``p`` as the client did: HTTP/2 when it was recorded so (Codex), else HTTP/1.1."""
         before = self.counts()
-        reply = self.client().request(p.method, self.fakes[p.to].origin + p.path, p.headers, p.body)
+        if p.http2:
+            reply: Reply | H2Reply = h2_request(self.mitm.port, self.mitm.mitm_ca, LOOPBACK, self.fakes[p.to].port,
+                                                p.method, p.path, p.headers, p.body)
+        else:
+            reply = self.client().request(p.method, self.fakes[p.to].origin + p.path, p.headers, p.body)
         landed = [(n, r) for n, f in self.fakes.items() for r in f.received()[before[n]:]]
         assert len(landed) <= 1, f"{p.name}: one request reached {[n for n, _ in landed]}"
         name, got = landed[0] if landed else (None, None)
-        return Sent(p, reply, name, got)
+        return Sent(p, reply, name, got, self.fakes[name].port if name else 0)
 
     def send_together(self, first: Prepared, second: Prepared, gap: float = 0.005) -> list[Sent]:
         """Two requests in parallel, ``second`` ``gap`` s after ``first`` (Claude Code sends its
@@ -181,7 +187,7 @@ class Rig:
             mine = [(n, r) for n, r in landed if same_request(p, r)]
             assert len(mine) <= 1, f"{p.name}: arrived {len(mine)} times"
             name, got = mine[0] if mine else (None, None)
-            out.append(Sent(p, replies[i], name, got))
+            out.append(Sent(p, replies[i], name, got, self.fakes[name].port if name else 0))
         return out
 
     def pin(self, session: str) -> pins.Pin | None:
@@ -301,6 +307,7 @@ def assert_routed(s: Sent, server: str) -> None:
     src_prefix = SERVERS[source][1]
     assert p.path.startswith(src_prefix)
     assert got.path == prefix + p.path[len(src_prefix):], p.name
+    assert got.header("host") == f"{LOOPBACK}:{s.fake_port}", f"{p.name}: Host {got.header('host')} at {server}"
     assert_only_model_changed(p.body, got.body, mapped_model(server, json.loads(p.body).get("model")), p.name)
     assert got.header("content-length") == str(len(got.body))
     sent_h = sorted((k.lower(), v) for k, v in p.headers if k.lower() not in TRANSPORT_HEADERS and not is_credential(k))
@@ -317,6 +324,7 @@ def assert_untouched(s: Sent) -> None:
     assert s.landed == p.to, f"{p.name}: expected left alone at {p.to}, reached {s.landed} (status {s.reply.status}: {s.reply.text[:300]})"
     assert got is not None
     assert got.path == p.path, p.name
+    assert got.header("host") == f"{LOOPBACK}:{s.fake_port}", f"{p.name}: Host {got.header('host')}"
     assert got.body == p.body, f"{p.name}: body changed"
     sent_h = sorted((k.lower(), v) for k, v in p.headers if k.lower() not in TRANSPORT_HEADERS)
     seen_h = sorted((k.lower(), v) for k, v in got.headers if k.lower() not in TRANSPORT_HEADERS)

@@ -42,7 +42,7 @@ import pytest
 from sessionpin import pins
 from sessionpin.store import open_store
 
-from .harness import LOOPBACK, Client, FakeServer, Mitmdump, Received, Reply, TestCA, toml_config
+from .harness import LOOPBACK, Client, FakeServer, Mitmdump, Received, Reply, TestCA, free_port, toml_config
 from .replay import ELSEWHERE, FIXTURES, H2Reply, Prepared, Recorded, Replay, h2_request, load
 
 RUN = uuid.uuid4().hex[:8]
@@ -108,7 +108,9 @@ class Rig:
         self.fakes = fakes
         self.current = dict(CURRENT)
         self.applied = self.config()
-        self.mitm = Mitmdump.router(tmp / "router", ca, self.applied, env={GLM_ENV: GLM_KEY, ALT_ENV: ALT_KEY})
+        # regular mode (HTTPS_PROXY) and reverse mode to the opencode.ai gateway (a baseURL pointed at the proxy)
+        self.mitm = Mitmdump.router(tmp / "router", ca, self.applied, env={GLM_ENV: GLM_KEY, ALT_ENV: ALT_KEY},
+                                    modes=["regular", f"reverse:{fakes['opencode'].origin}@{free_port()}"])
         self.store_path = tmp / "router" / "state.db"
 
     def config(self) -> str:
@@ -154,10 +156,14 @@ class Rig:
     def counts(self) -> dict[str, int]:
         return {n: len(f.received()) for n, f in self.fakes.items()}
 
-    def send(self, p: Prepared) -> Sent:
-        """Send ``p`` as the client did: HTTP/2 when it was recorded so (Codex), else HTTP/1.1."""
+    def send(self, p: Prepared, reverse: bool = False) -> Sent:
+        """Send ``p`` as the client did: HTTP/2 when it was recorded so (Codex), else HTTP/1.1;
+        ``reverse``: to the reverse-mode port (opencode.ai requests only)."""
         before = self.counts()
-        if p.http2:
+        if reverse:
+            assert p.to == "opencode" and not p.http2
+            reply = Client.reverse(self.mitm.ports[1]).request(p.method, f"http://{LOOPBACK}" + p.path, p.headers, p.body)
+        elif p.http2:
             reply: Reply | H2Reply = h2_request(self.mitm.port, self.mitm.mitm_ca, LOOPBACK, self.fakes[p.to].port,
                                                 p.method, p.path, p.headers, p.body)
         else:
@@ -471,6 +477,14 @@ def test_opencode_conversation_goes_to_alt_whole(rig, scenario):
             child = s.p.header("x-opencode-session") or s.p.header("x-session-id")
             assert child and child != session
             assert rig.pin(child) is None, "a subagent never creates a pin"
+
+
+@pytest.mark.parametrize("agent,scenario", [("opencode", "zen-task"), ("pi", "go-chat")])
+def test_gateway_traffic_through_reverse_mode_is_routed_alike(rig, agent, scenario):
+    """The client's base URL pointed at the proxy's reverse-mode port (to opencode.ai)."""
+    r = Replay(RUN)
+    sent = [rig.send(r.prepare(rec), reverse=True) for rec in load(agent, scenario)]
+    check_each(sent, lambda s: assert_routed(s, "alt"))
 
 
 @pytest.mark.parametrize("scenario", ["zen-continue", "zen-fork"])

@@ -107,6 +107,7 @@ class Rig:
     def __init__(self, tmp: Path, ca: TestCA, fakes: dict[str, FakeServer]) -> None:
         self.fakes = fakes
         self.current = dict(CURRENT)
+        self.without: frozenset[str] = frozenset()   # servers left out of the config
         self.applied = self.config()
         # regular mode (HTTPS_PROXY) and reverse mode to the opencode.ai gateway (a baseURL pointed at the proxy)
         self.mitm = Mitmdump.router(tmp / "router", ca, self.applied, env={GLM_ENV: GLM_KEY, ALT_ENV: ALT_KEY},
@@ -123,11 +124,14 @@ class Rig:
             "glm": {"url": f["glm"].url, "key_env": GLM_ENV, "models": GLM_MODELS},
             "alt": {"url": f["alt"].url, "key_env": ALT_ENV, "models": ALT_MODELS},
         }
-        return toml_config(servers, self.current)
+        return toml_config({k: v for k, v in servers.items() if k not in self.without}, self.current)
 
-    def set_current(self, **agents: str | None) -> None:
-        """Change agents' current servers and wait until the running proxy shows them."""
+    def set_current(self, without: tuple[str, ...] | None = None, **agents: str | None) -> None:
+        """Change agents' current servers (and which servers are configured: all but ``without``)
+        and wait until the running proxy shows them."""
         self.current.update({k.replace("_", "-"): v for k, v in agents.items()})
+        if without is not None:
+            self.without = frozenset(without)
         text = self.config()
         if text == self.applied:
             return
@@ -138,7 +142,8 @@ class Rig:
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             status = self.status()
-            if status is not None and {k: status["agents"].get(k) for k in self.current} == self.current:
+            if status is not None and {k: status["agents"].get(k) for k in self.current} == self.current \
+                    and set(status["servers"]) == set(SERVERS) - self.without:
                 return
             time.sleep(0.05)
         raise AssertionError(f"the proxy did not take the config within 5 s: {self.status()}")
@@ -252,7 +257,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 def _alive_and_clean(rig: Rig) -> Iterator[None]:
     if not rig.mitm.alive:  # a test that killed it and failed before restarting it
         rig.mitm.start()
-    rig.set_current(**{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
     since = rig.counts()
     yield
     rig.assert_no_foreign_keys(since)
@@ -645,6 +650,74 @@ def test_resumed_conversations_stay_on_their_server_after_a_sigkill(rig):
             rs[agent], next(s.p.rec for s in began[agent] if s.p.rec.turn == "opening"))
         check_each([s for s in began[agent] if is_inference(s.p)] + resumed[agent],
                    check_codex if agent == "codex" else (lambda s, server=server: assert_routed(s, server)))
+
+
+def test_a_session_pinned_to_a_removed_server_is_refused_not_moved(rig):
+    """glm and alt taken out of the config: the next turn of a Claude Code conversation pinned to
+    glm and of a Codex conversation pinned to alt (HTTP/2) get a 503 in their API's error format
+    naming the session and the server; nothing is sent anywhere. With the servers back, the
+    conversations continue where they began."""
+    cc, cx = load("claude-code", "print"), [x for x in load("codex", "exec-tool") if x.method == "POST"]
+    cc_open, cc_next = [x for x in cc if x.kind == "opening"][0], [x for x in cc if x.kind == "tool-result"][0]
+    r_cc, r_cx = Replay(RUN), Replay(RUN)
+    assert_routed(rig.send(r_cc.prepare(cc_open)), "glm")
+    assert_routed(rig.send(r_cx.prepare(cx[0])), "alt")
+    rig.set_current(without=("glm", "alt"), claude_code="anthropic", codex="openai", opencode="zen", pi="zen")
+    refused = [rig.send(r_cc.prepare(cc_next)), rig.send(r_cx.prepare(cx[1]))]
+    for s, session, server in ((refused[0], session_of(r_cc, cc_open), "glm"), (refused[1], session_of(r_cx, cx[0]), "alt")):
+        assert s.landed is None and s.reply.status == 503, str(s)
+        body = json.loads(s.reply.body)
+        message = body["error"]["message"]
+        assert (body.get("type") == "error") == (s.p.rec.agent == "claude-code"), body   # Anthropic vs OpenAI format
+        assert session in message and server in message, message
+    assert (rig.pin(session_of(r_cc, cc_open)).server, rig.pin(session_of(r_cx, cx[0])).server) == ("glm", "alt")
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    assert_routed(rig.send(r_cc.prepare(cc_next)), "glm")
+    assert_routed(rig.send(r_cx.prepare(cx[1])), "alt")
+
+
+def test_a_stored_value_that_is_not_a_pin_reads_as_no_pin(rig):
+    """Garbage under a session's pin key (another tool, a bad edit): the opening turn is decided
+    afresh, routed, and its pin replaces the garbage."""
+    r = Replay(RUN)
+    opening = [x for x in load("claude-code", "print") if x.kind == "opening"][0]
+    session = session_of(r, opening)
+    store = open_store(f"file:{rig.store_path}")
+    try:
+        store.set(pins.key(session), "{not a pin", durable=True)
+    finally:
+        store.close()
+    assert_routed(rig.send(r.prepare(opening)), "glm")
+    pin = rig.pin(session)
+    assert pin is not None and (pin.agent, pin.server) == ("claude-code", "glm"), pin
+
+
+def test_parallel_requests_of_a_running_conversation_all_follow_its_pin(rig):
+    """Claude Code runs a background subagent beside the parent's turns and sends /context's
+    count_tokens in a burst: the recorded subagent, notification and count_tokens requests, sent
+    in parallel (each three times) after the opening, all reach glm."""
+    r = Replay(RUN)
+    recs = load("claude-code", "interactive")
+    by_kind = {x.kind: x for x in recs}
+    assert_routed(rig.send(r.prepare(by_kind["opening"])), "glm")
+    burst = [x for x in recs if x.kind in ("count-tokens", "subagent", "subagent-continuation", "subagent-notification")] * 3
+    before = rig.counts()
+    replies: list[Any] = [None] * len(burst)
+
+    def go(i: int) -> None:
+        p = r.prepare(burst[i])
+        replies[i] = rig.client().request(p.method, rig.fakes[p.to].origin + p.path, p.headers, p.body)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(burst))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [x.status for x in replies] == [200] * len(burst)
+    after = rig.counts()
+    assert {n: after[n] - before[n] for n in after if after[n] != before[n]} == {"glm": len(burst)}
+    got = rig.fakes["glm"].received()[before["glm"]:]
+    assert all(g.header("x-api-key") == GLM_KEY and g.path.startswith("/api/anthropic/") for g in got)
 
 
 # --------------------------------------------------------------------------- the pin store fails

@@ -132,6 +132,11 @@ class Prepared:
     def http2(self) -> bool:
         return self.rec.http_version == "HTTP/2.0"
 
+    def with_body(self, body: bytes) -> Prepared:
+        """The same request with another body (``Content-Length`` follows)."""
+        headers = [(k, str(len(body)) if k.lower() == "content-length" else v) for k, v in self.headers]
+        return Prepared(self.rec, self.to, self.method, self.path, headers, body)
+
     def header(self, name: str) -> str | None:
         for k, v in self.headers:
             if k.lower() == name.lower():

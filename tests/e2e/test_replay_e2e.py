@@ -720,6 +720,24 @@ def test_parallel_requests_of_a_running_conversation_all_follow_its_pin(rig):
     assert all(g.header("x-api-key") == GLM_KEY and g.path.startswith("/api/anthropic/") for g in got)
 
 
+@pytest.mark.parametrize("scenario", ["zen-chat", "zen-messages"])
+def test_pi_continued_on_the_next_day_stays_on_its_server(rig, scenario):
+    """pi rebuilds its system prompt, which ends with ``Current date: YYYY-MM-DD``, each time it
+    starts (pi-mono packages/coding-agent/src/core/system-prompt.ts), so ``pi --continue`` run the
+    next day sends the recorded resume with the next day's date; nothing else changes. It must
+    reach the server the conversation began on, like the same request on the same day does."""
+    r = Replay(RUN)
+    recs = load("pi", scenario)
+    recorded_day = "Current date: 2026-11-30"
+    assert all(recorded_day in json.dumps(x.body) for x in recs)
+    sent = [rig.send(r.prepare(x)) for x in recs[:2]]
+    p = r.prepare(recs[2])
+    next_day = p.with_body(p.body.replace(recorded_day.encode(), b"Current date: 2026-12-01"))
+    assert next_day.body != p.body and len(next_day.body) == len(p.body)
+    sent.append(rig.send(next_day))
+    check_each(sent, lambda s: assert_routed(s, "alt"))
+
+
 # --------------------------------------------------------------------------- the pin store fails
 
 

@@ -633,6 +633,21 @@ def test_switching_the_current_server_moves_no_running_conversation(rig):
     assert pin is not None and (pin.agent, pin.server) == ("claude-code", "anthropic"), pin
 
 
+def test_codex_conversation_pinned_to_alt_keeps_refusing_websockets_after_codex_is_unrouted(rig):
+    """codex exec-subagent: the conversation opens on alt; the operator then sets Codex to "not
+    routed" for new conversations. The subagent's own WebSocket attempt (recorded, same session-id)
+    belongs to the conversation pinned to alt: if it passed, Codex would run the subagent over a
+    socket to api.openai.com, out of the router's sight, while its parent stays on alt. It must
+    be refused like before; the conversation's HTTPS requests stay on alt."""
+    r = Replay(RUN)
+    recs = load("codex", "exec-subagent")
+    sent = [rig.send(r.prepare(x)) for x in recs[:2]]          # WebSocket attempt, opening
+    rig.set_current(codex=None)
+    sent += [rig.send(r.prepare(x)) for x in recs[2:]]         # the subagent's WebSocket, tool result, subagent
+    assert recs[2].method == "GET" and recs[2].header("x-openai-subagent")
+    check_each(sent, check_codex)
+
+
 RESUMED = [("claude-code", "interactive", "resume", "glm"), ("opencode", "zen-messages", "zen-continue", "alt"),
            ("codex", "exec-tool", "exec-resume", "alt")]
 

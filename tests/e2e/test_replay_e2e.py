@@ -109,9 +109,13 @@ class Rig:
         self.current = dict(CURRENT)
         self.without: frozenset[str] = frozenset()   # servers left out of the config
         self.applied = self.config()
-        # regular mode (HTTPS_PROXY) and reverse mode to the opencode.ai gateway (a baseURL pointed at the proxy)
+        # regular mode (HTTPS_PROXY) and reverse mode to opencode.ai and to api.anthropic.com (a base
+        # URL pointed at the proxy: opencode/pi's baseURL, Claude Code's ANTHROPIC_BASE_URL)
+        # (mitmdump does not announce its modes' ports in the order given: keep the ones we chose)
+        self.reverse_ports = {name: free_port() for name in ("opencode", "anthropic")}
         self.mitm = Mitmdump.router(tmp / "router", ca, self.applied, env={GLM_ENV: GLM_KEY, ALT_ENV: ALT_KEY},
-                                    modes=["regular", f"reverse:{fakes['opencode'].origin}@{free_port()}"])
+                                    modes=["regular"] + [f"reverse:{fakes[n].origin}@{port}"
+                                                         for n, port in self.reverse_ports.items()])
         self.store_path = tmp / "router" / "state.db"
 
     def config(self) -> str:
@@ -155,21 +159,26 @@ class Rig:
         except (OSError, ValueError):
             return None
 
+    @property
+    def port(self) -> int:
+        """The regular-mode port (the one not chosen for a reverse mode)."""
+        [port] = set(self.mitm.ports) - set(self.reverse_ports.values())
+        return port
+
     def client(self, timeout: float = 30.0) -> Client:
-        return Client.via_proxy(self.mitm.port, self.mitm.mitm_ca, timeout=timeout)
+        return Client.via_proxy(self.port, self.mitm.mitm_ca, timeout=timeout)
 
     def counts(self) -> dict[str, int]:
         return {n: len(f.received()) for n, f in self.fakes.items()}
 
     def send(self, p: Prepared, reverse: bool = False) -> Sent:
         """Send ``p`` as the client did: HTTP/2 when it was recorded so (Codex), else HTTP/1.1;
-        ``reverse``: to the reverse-mode port (opencode.ai requests only)."""
+        ``reverse``: over plain HTTP to the reverse-mode port of the origin it addressed."""
         before = self.counts()
         if reverse:
-            assert p.to == "opencode" and not p.http2
-            reply = Client.reverse(self.mitm.ports[1]).request(p.method, f"http://{LOOPBACK}" + p.path, p.headers, p.body)
+            reply = Client.reverse(self.reverse_ports[p.to]).request(p.method, f"http://{LOOPBACK}" + p.path, p.headers, p.body)
         elif p.http2:
-            reply: Reply | H2Reply = h2_request(self.mitm.port, self.mitm.mitm_ca, LOOPBACK, self.fakes[p.to].port,
+            reply: Reply | H2Reply = h2_request(self.port, self.mitm.mitm_ca, LOOPBACK, self.fakes[p.to].port,
                                                 p.method, p.path, p.headers, p.body)
         else:
             reply = self.client().request(p.method, self.fakes[p.to].origin + p.path, p.headers, p.body)
@@ -484,12 +493,14 @@ def test_opencode_conversation_goes_to_alt_whole(rig, scenario):
             assert rig.pin(child) is None, "a subagent never creates a pin"
 
 
-@pytest.mark.parametrize("agent,scenario", [("opencode", "zen-task"), ("pi", "go-chat")])
-def test_gateway_traffic_through_reverse_mode_is_routed_alike(rig, agent, scenario):
-    """The client's base URL pointed at the proxy's reverse-mode port (to opencode.ai)."""
+@pytest.mark.parametrize("agent,scenario,server", [("opencode", "zen-task", "alt"), ("pi", "go-chat", "alt"),
+                                                   ("claude-code", "print-task", "glm")])
+def test_traffic_through_reverse_mode_is_routed_alike(rig, agent, scenario, server):
+    """The client's base URL pointed at the proxy's reverse-mode port (opencode and pi baseURL to
+    opencode.ai, Claude Code's ANTHROPIC_BASE_URL)."""
     r = Replay(RUN)
     sent = [rig.send(r.prepare(rec), reverse=True) for rec in load(agent, scenario)]
-    check_each(sent, lambda s: assert_routed(s, "alt"))
+    check_each(sent, lambda s: assert_routed(s, server))
 
 
 @pytest.mark.parametrize("scenario", ["zen-continue", "zen-fork"])

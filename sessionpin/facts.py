@@ -560,12 +560,23 @@ def opening(b: wire.Body, with_user: bool = True) -> tuple[list[str], list[str]]
     return system, user
 
 
+# Clients rebuild their system prompt when a process starts, with the day in it (pi ends
+# it with "Current date: YYYY-MM-DD"): a conversation continued tomorrow must keep its
+# fingerprint, so dates and times in the system prompt do not count.
+_DATE_TIME = re.compile(
+    r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?"
+    r"|\b\d{1,2}:\d{2}(?::\d{2})?\s*(?:[AaPp][Mm])?\b"
+    r"|\b\d{1,2}/\d{1,2}/\d{2,4}\b"
+)
+
+
 def fingerprint(b: wire.Body) -> str | None:
     """``fp:`` + blake2b-128 of the normalised opening (system prompt and first user
     message). None when the body has neither."""
     system, user = opening(b)
     if not system and not user:
         return None
+    system = [_DATE_TIME.sub("<date>", text) for text in system]
     payload = "\x1e".join(system) + "\x1d" + "\x1e".join(user)
     digest = hashlib.blake2b(payload.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
     return FINGERPRINT_PREFIX + digest

@@ -905,3 +905,18 @@ def test_recordings_made_large_read_the_same_in_parts(monkeypatch, path):
             m.setattr(facts.wire, "FAST_MIN", 1 << 62)
             whole = read(fx["method"], fx["url"], fx["headers"], data, "identity")
         assert fast == whole
+
+
+@pytest.mark.parametrize("today, tomorrow", [
+    ("Current date: 2026-11-30", "Current date: 2026-12-01"),                  # pi's last line
+    ("Now: 2026-11-30T23:59:58Z.", "Now: 2026-12-01T00:00:03Z."),
+    ("It is 11:59 PM on 11/30/2026.", "It is 9:02 AM on 12/01/2026."),
+])
+def test_a_conversation_continued_another_day_keeps_its_fingerprint(today, tomorrow):
+    url = "https://opencode.ai/zen/go/v1/chat/completions"
+    first = read("POST", url, [], pi_chat(U1, system=f"You are a coding assistant.\n{today}"))
+    later = read("POST", url, [], pi_chat(U1, A1, T1, system=f"You are a coding assistant.\n{tomorrow}"))
+    assert first.session == later.session and first.session.startswith("fp:")
+    other = read("POST", url, [], pi_chat({"role": "user", "content": "another task"},
+                                          system=f"You are a coding assistant.\n{today}"))
+    assert other.session != first.session

@@ -484,9 +484,11 @@ class Router:
         req = flow.request
         if facts.api not in F.INFERENCE_APIS:
             if _is_websocket(req) and req.path.split("?")[0].rstrip("/").endswith("/responses") \
-                    and cfg.current(facts.agent) is not None:
+                    and (cfg.current(facts.agent) is not None or await self._routed_session(facts.agent, req)):
                 # Codex tries a WebSocket first, then falls back to HTTPS POST: refuse the
-                # socket so its turns come as requests the router can see and route.
+                # socket so its turns come as requests the router can see and route — when
+                # the agent is routed, or when this socket's session is pinned to a server
+                # (a subagent's socket of a conversation that began routed).
                 self._refuse(flow, facts, 404, "sessionpin routes this agent; use HTTPS requests, not a WebSocket",
                              "websocket", api=F.OPENAI_RESPONSES, log_it=False)
             return None
@@ -567,6 +569,19 @@ class Router:
             _apply(req, changes)
         self._decided(flow, facts, decision, source, pin, changes)
         return decision
+
+    async def _routed_session(self, agent: str, req: http.Request) -> bool:
+        session = F.header_session(agent, req.headers.fields)
+        store = self.store
+        if not session or store is None or agent not in F.AGENTS:
+            return False
+        try:
+            pin = await self._in_store(pins.load, store, session)
+        except Exception as e:
+            self.metrics.store_errors += 1
+            log.warning("sessionpin: cannot read the pin of %s: %s", short(session), e)
+            return True   # unknown: keep the socket's turns where the router can see them
+        return pin is not None and pin.agent == agent and pin.server is not None
 
     def _plan(self, flow: http.HTTPFlow, cfg: Config, source: Server, facts: F.Facts, decision: Decision) -> rewrite.Changes:
         req = flow.request

@@ -101,6 +101,16 @@ def read(
                      reason=f"internal error: {type(e).__name__}")
 
 
+def header_session(agent: str, headers: object) -> str | None:
+    """The session a request names in its headers alone (no body read, no fingerprint):
+    for requests that are not inference, like Codex's WebSocket upgrade, whose facts
+    carry no session."""
+    try:
+        return session_of(agent, header_map(headers), wire.Body())[0]
+    except Exception:
+        return None
+
+
 def _read(method, url, headers, body, content_encoding) -> Facts:
     h = header_map(headers)
     api = api_of(_text(method), _text(url))

@@ -920,3 +920,12 @@ def test_a_conversation_continued_another_day_keeps_its_fingerprint(today, tomor
     other = read("POST", url, [], pi_chat({"role": "user", "content": "another task"},
                                           system=f"You are a coding assistant.\n{today}"))
     assert other.session != first.session
+
+
+def test_header_session_reads_a_non_inference_requests_session_from_headers_only():
+    h = [("user-agent", "codex_exec/0.171.0"), ("session-id", "019a-sess"), ("upgrade", "websocket")]
+    f = read("GET", "https://api.openai.com/v1/responses", h, None)
+    assert (f.api, f.session) == (facts.OTHER, None)
+    assert facts.header_session(f.agent, h) == "019a-sess"
+    assert facts.header_session(facts.CODEX, [("upgrade", "websocket")]) is None
+    assert facts.header_session(facts.CODEX, object()) is None   # garbage never raises

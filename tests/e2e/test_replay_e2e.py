@@ -1,11 +1,13 @@
 """Real recorded client traffic, replayed through a real ``mitmdump -s addons/route.py``.
 
 The requests are the recordings of tests/fixtures/traffic (docs/traffic.md), sent in their
-recorded order through the proxy in regular mode, each addressed to a fake server standing in for
-the origin the client addressed (api.anthropic.com, opencode.ai, api.openai.com; any other host to
-"elsewhere", which no server of the config names). Path, headers and body bytes are the recorded
-ones; what ``replay.Replay`` changes (Host, fresh session ids of the same shape, origin-named
-sentinels for the redacted keys, pi's working directory) is listed in tests/e2e/replay.py.
+recorded order through the proxy in regular mode (CONNECT; HTTP/2 where the client spoke it: Codex)
+or, in the reverse-mode tests, to a reverse-mode port, each addressed to a fake server standing in
+for the origin the client addressed (api.anthropic.com, opencode.ai, api.openai.com; any other
+host to "elsewhere", which no server of the config names). Path, headers and body bytes are the
+recorded ones; what ``replay.Replay`` changes (Host, fresh session ids of the same shape,
+origin-named sentinels for the redacted keys, pi's working directory) is listed in
+tests/e2e/replay.py. The few tests that derive a request from a recording say how.
 
 Each test checks, request by request, which fake received it and how: routed (the target's
 prefix, the target's key in the agent's auth style, only the top-level model renamed, every other
@@ -13,7 +15,8 @@ header and byte as sent) or left alone (exactly as sent, to the addressed origin
 pin store holds afterwards (read from the store file, as another process would). After each test,
 no fake may have received a secret of another (the last test checks every request of the module).
 
-One mitmdump serves the module; it is restarted (SIGKILL) only in the test about restarts.
+One mitmdump serves the module (regular mode + reverse mode to opencode.ai and to
+api.anthropic.com); it is restarted with SIGKILL only in the two tests about restarts.
 
 Servers (127.0.0.1, one port each):
 - anthropic (api.anthropic.com), openai (api.openai.com), zen and zen-go (opencode.ai under

@@ -58,7 +58,10 @@ HEARTBEAT_PREFIX = "proxy:"
 HEARTBEAT_TTL = 30.0
 HEARTBEAT_EVERY = 10.0
 FLUSH_EVERY = 5.0
+SIDE_MEMORY = 3600.0          # how long a session's unpinned side request is remembered
+SIDE_MEMORY_MAX = 10_000
 PROBE_TIMEOUT = 10.0          # a routed server that does not accept TCP within this is unreachable
+PROBE_FRESH = 2.0             # an early connect check that succeeded this recently stands for the check
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson", "application/jsonl",
                 "application/stream+json")
 
@@ -180,8 +183,10 @@ class Router:
         self.metrics = Metrics()
         self.activity: dict[str, list] = {}          # session -> [last seen, requests since flush]
         self.unreachable: dict[tuple[str, int], tuple[str, str, float]] = {}  # addr -> (server, error, when)
+        self.side_sent: dict[str, tuple[str, float]] = {}   # session -> (server, monotonic): ladder rule 2
         self.moved_to: dict[tuple[str, int], str] = {}  # addresses requests were moved to -> server name
         self.open_conns: Counter[tuple[str, int]] = Counter()  # upstream connections open now, by address
+        self._probes: dict[tuple[str, int], tuple[float, asyncio.Task]] = {}  # addr -> (started, early check)
         self.started = time.time()
         self._executor: ThreadPoolExecutor | None = None
         self._store_busy = 0                         # store calls queued on or running in the executor
@@ -287,6 +292,9 @@ class Router:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        for _, probe in self._probes.values():
+            probe.cancel()
+        self._probes.clear()
         for p in self.participants:
             self._call(p, "done")
         if self._executor is not None:
@@ -504,7 +512,10 @@ class Router:
                 self.metrics.store_errors += 1
                 raise RouterError(f"sessionpin cannot read its pin store {self.store_url}: {e}; the request was not sent", "store")
 
-        decision = ladder.decide(facts, pin, cfg, source)
+        side_went = self._side_went(facts.session) if pin is None and facts.turn == F.SIDE else None
+        decision = ladder.decide(facts, pin, cfg, source, side_went)
+        if decision.rule == "side-current" and facts.session:
+            self._remember_side(facts.session, decision.target)
         changes = None
         now = time.time()
         if decision.refuse:
@@ -569,6 +580,20 @@ class Router:
             _apply(req, changes)
         self._decided(flow, facts, decision, source, pin, changes)
         return decision
+
+    def _side_went(self, session: str | None) -> str | None:
+        hit = self.side_sent.get(session or "")
+        return hit[0] if hit is not None and time.monotonic() - hit[1] < SIDE_MEMORY else None
+
+    def _remember_side(self, session: str, server: str | None) -> None:
+        """Where a session's side request with no pin went (memory only, an hour, bounded):
+        its later side rounds follow (ladder rule 2)."""
+        if server is None:
+            return
+        self.side_sent.pop(session, None)
+        if len(self.side_sent) >= SIDE_MEMORY_MAX:
+            self.side_sent.pop(next(iter(self.side_sent)))   # the oldest
+        self.side_sent[session] = (server, time.monotonic())
 
     async def _routed_session(self, agent: str, req: http.Request) -> bool:
         session = F.header_session(agent, req.headers.fields)
@@ -674,14 +699,48 @@ class Router:
                 except Exception:
                     log.exception("sessionpin: participant %s failed", type(p).__name__)
 
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        # A client opens a tunnel to a configured server: check early (see server_connect).
+        # (A CONNECT request has no scheme: host and port say which server.)
+        req = flow.request
+        if self.moved_to and any((s.host, s.port) == (req.host.lower().rstrip("."), req.port)
+                                 for s in self.config.servers.values()):
+            self._check_early()
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        # A request to a configured server: its body is still on the way (see server_connect).
+        req = flow.request
+        if self.moved_to and not req.path.startswith(INTERNAL_PREFIX) and _on_configured_origin(self.config, req):
+            self._check_early()
+
+    def _check_early(self) -> None:
+        """Start the connect check of each server requests were moved to that has no open
+        connection, unless one started within PROBE_FRESH/2: it runs while the client
+        finishes its handshake and sends its request, instead of before the upstream connect."""
+        if not self.moved_to or not ctx.options.sessionpin_connect_check:
+            return
+        now = time.monotonic()
+        for addr in list(self.moved_to):
+            if self.open_conns[addr] > 0:
+                continue
+            early = self._probes.get(addr)
+            if early is not None and now - early[0] < PROBE_FRESH / 2:
+                continue
+            self._probes[addr] = (now, asyncio.get_running_loop().create_task(_connect_check(addr)))
+
     async def server_connect(self, data) -> None:
         """Before connecting to a server requests were moved to: check it accepts connections.
 
-        mitmproxy answers a failed connect with a 502 naming only the address; a server
-        the agent never addressed must be named (``alt``, not ``127.0.0.1:4433``), so the
-        router tries a TCP connect first and, when it fails, ends the attempt with its own
-        message. It costs one TCP handshake per new upstream connection, only to servers
-        the router moved requests to (connections are reused across requests).
+        mitmproxy answers a failed connect with a 502 naming only the address (and no hook
+        can change that answer); a server the agent never addressed must be named (``alt``,
+        not ``127.0.0.1:4433``), so the router tries a TCP connect first and, when it fails,
+        ends the attempt with its own message. Only for servers the router moved requests
+        to, only when no connection to it is open (connections are reused across requests).
+        The check is started early, when a client opens a tunnel to a configured server or
+        sends request headers to one (``_check_early``): when it succeeded less than
+        PROBE_FRESH seconds ago it stands, so its handshake is not on the request's path.
+        Otherwise (none started, or too old) it runs here, and so does a second check
+        when the early one had already failed before this connection was asked for.
         """
         server = data.server
         if not server.address or server.error or not ctx.options.sessionpin_connect_check:
@@ -692,12 +751,18 @@ class Router:
             # Another connection to it is open right now: it is up (a server that went
             # down closes its connections), so this one needs no check.
             return
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(*server.address[:2]), PROBE_TIMEOUT)
-            writer.close()
-            self.unreachable.pop((str(server.address[0]).lower(), server.address[1]), None)
-        except (OSError, asyncio.TimeoutError) as e:
-            err = str(e) or type(e).__name__
+        early = self._probes.get(addr)
+        if early is not None and time.monotonic() - early[0] < PROBE_FRESH:
+            finished = early[1].done()
+            err = await early[1]
+            if err is not None and finished:
+                # it failed before this connection was asked for: the server may be back
+                err = await _connect_check(server.address[:2])
+        else:
+            err = await _connect_check(server.address[:2])
+        if err is None:
+            self.unreachable.pop(addr, None)
+        else:
             cfg_server = self.config.servers.get(name)
             origin = cfg_server.origin if cfg_server else f"{server.address[0]}:{server.address[1]}"
             server.error = (f"sessionpin: server {name} ({origin}) cannot be reached: {err}. "
@@ -855,6 +920,16 @@ def _apply(req: http.Request, c: rewrite.Changes) -> None:
         req.headers[name] = value
     if c.body is not None:
         req.content = c.body
+
+
+async def _connect_check(address: tuple[str, int]) -> str | None:
+    """None when ``address`` accepts a TCP connection (closed at once), else why not."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*address), PROBE_TIMEOUT)
+        writer.close()
+        return None
+    except (OSError, asyncio.TimeoutError) as e:
+        return str(e) or type(e).__name__
 
 
 def _wants(participant: Any, req: http.Request) -> bool:

@@ -18,6 +18,10 @@ rule that applies decides (seeds/000, made stronger):
    - a side request with no pin goes to the agent's current server (the title request
      that races the opening turn must land where the opening turn will), unless it
      carries a conversation's history: that conversation began unseen, leave it alone;
+   - but a side request of a session whose earlier side request (no pin) the router
+     sent somewhere follows it there (``side_went``, remembered in memory only): a side
+     thread that runs several rounds, like Codex's title thread calling a tool, stays
+     whole instead of its later rounds being left alone;
    - a subagent with no pin is left alone: its parent was never seen begin (else it
      would have a pin), and the parent's next turn will be left alone too.
 3. The agent is not routed: leave it alone, pin "not routed".
@@ -66,7 +70,8 @@ def _leave(rule: str, why: str, pin_action: str = NONE) -> Decision:
     return Decision(None, pin_action, rule, why)
 
 
-def decide(facts: F.Facts, pin: Pin | None, config: Config, in_scope_server: Server | str | None) -> Decision:
+def decide(facts: F.Facts, pin: Pin | None, config: Config, in_scope_server: Server | str | None,
+           side_went: str | None = None) -> Decision:
     if in_scope_server is None or facts.api not in F.INFERENCE_APIS:
         return _leave("out-of-scope", "not an inference request to a configured server")
     if facts.agent not in F.AGENTS:
@@ -92,6 +97,8 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, in_scope_server: Ser
 
     # 2. side requests and subagents follow a pin, never make one
     if turn == F.SIDE:
+        if side_went is not None and side_went in config.servers:
+            return Decision(side_went, NONE, "side-follows-side", "follows this session's earlier side request")
         if facts.has_history:
             return _leave("side-unseen", "side request of a conversation not seen begin")
         if current is None:

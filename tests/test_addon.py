@@ -584,3 +584,20 @@ async def test_a_script_reload_while_the_file_is_bad_keeps_the_running_config(se
             fresh.done()
     finally:
         A._state["running"] = False
+
+
+async def test_a_side_threads_later_round_follows_its_first(setup):
+    # Codex's title thread: its own session, side requests only; the second round carries
+    # the first's tool call as history. Both rounds go to the current server, no pin.
+    r, _ = setup
+    first = flow("title", session="title-thread")
+    await r.request(first)
+    assert first.request.host == "api.z.ai" and pins.load(r.store, "title-thread") is None
+    later = flow("title", session="title-thread", content=body("continuation"))
+    await r.request(later)
+    assert later.request.host == "api.z.ai" and "follows" in later.comment
+    assert pins.load(r.store, "title-thread") is None
+    # Without that first round, a side request with history is left alone (not seen begin).
+    unseen = flow("title", session="never-seen", content=body("continuation"))
+    await r.request(unseen)
+    assert unseen.request.host == "api.anthropic.com"

@@ -120,3 +120,18 @@ def test_the_ladder_never_targets_an_unconfigured_server():
                         assert p is None and turn not in (F.SIDE, F.SUBAGENT)
                     if p is not None and p.agent != agent:
                         assert d.pin_action == "none" and d.target is None
+
+
+# rule 2, a side thread's later rounds: (side_went, facts, pin) -> (target, rule)
+@pytest.mark.parametrize("side_went, f, p, want", [
+    ("glm", facts(F.SIDE, has_history=True), None, ("glm", "side-follows-side")),
+    ("anthropic", facts(F.SIDE), None, ("anthropic", "side-follows-side")),        # config switched since
+    ("gone", facts(F.SIDE, has_history=True), None, (None, "side-unseen")),         # server removed: no guess
+    ("glm", facts(F.SIDE, has_history=True), pin(None), (None, "pinned-not-routed")),  # a pin outranks memory
+    ("glm", facts(F.CONTINUATION, has_history=True), None, (None, "continuation-unseen")),  # only side rounds follow
+])
+def test_a_side_thread_follows_its_earlier_side_request(side_went, f, p, want):
+    d = ladder.decide(f, p, CONFIG, SRC, side_went)
+    assert (d.target, d.rule) == want
+    if f.turn == F.SIDE:
+        assert d.pin_action != ladder.CREATE, "a side request never makes a pin"

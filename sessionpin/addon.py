@@ -530,17 +530,15 @@ class Router:
                 return decision
 
         if decision.pin_action == ladder.CREATE and facts.session and store is not None:
-            if decision.target not in (None, source.name) and getattr(store, "degraded", False):
-                # The store holds writes in memory while its file fails (disk full, read-only):
-                # a pin made now could be lost by a restart, and the conversation's next turn,
-                # never seen begin, would then stay on the server the agent addresses — moved.
-                # So a conversation is only sent away from that server once its pin is safe.
-                self.metrics.store_errors += 1
-                raise RouterError(
-                    f"sessionpin cannot save pins to {self.store_url} right now (see the proxy's log), so "
-                    f"new {facts.agent} session {facts.session} was not sent to {decision.target}: a restart "
-                    f"could otherwise move it. Free space or fix the store's permissions and retry, or run "
-                    f"'sessionpin use {facts.agent} --not-routed'.", "store")
+            # The store holds writes in memory while its file fails (disk full, read-only,
+            # locked by another process): a pin made then could be lost by a restart, and the
+            # conversation's next turn, never seen begin, would stay on the server the agent
+            # addresses — moved. So a conversation is only sent away from that server once its
+            # pin is on disk: checked before the write, and after it (the write itself may be
+            # the one that found the file failing).
+            moves = decision.target not in (None, source.name)
+            if moves and getattr(store, "degraded", False):
+                raise self._pin_not_safe(facts, decision)
             new = pins.Pin(agent=facts.agent, server=decision.target, since=now, renewed=now,
                            rule=decision.rule, turn=facts.turn or "")
             try:
@@ -552,6 +550,8 @@ class Router:
                                       f"in {self.store_url}: {e}; the request was not sent", "store")
                 log.warning("sessionpin: cannot record 'not routed' for %s: %s", short(facts.session), e)
                 in_force = new
+            if moves and in_force == new and getattr(store, "degraded", False):
+                raise self._pin_not_safe(facts, decision)
             if in_force != new:
                 # Another proxy pinned this session first: its pin decides.
                 pin = in_force
@@ -580,6 +580,14 @@ class Router:
             _apply(req, changes)
         self._decided(flow, facts, decision, source, pin, changes)
         return decision
+
+    def _pin_not_safe(self, facts: F.Facts, decision: Decision) -> RouterError:
+        self.metrics.store_errors += 1
+        return RouterError(
+            f"sessionpin cannot save pins to {self.store_url} right now (see the proxy's log), so new "
+            f"{facts.agent} session {facts.session} was not sent to {decision.target}: a restart could "
+            f"otherwise move it. Free space, fix the store's permissions or stop the process holding it, "
+            f"and retry; or run 'sessionpin use {facts.agent} --not-routed'.", "store")
 
     def _side_went(self, session: str | None) -> str | None:
         hit = self.side_sent.get(session or "")

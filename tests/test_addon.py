@@ -601,3 +601,22 @@ async def test_a_side_threads_later_round_follows_its_first(setup):
     unseen = flow("title", session="never-seen", content=body("continuation"))
     await r.request(unseen)
     assert unseen.request.host == "api.anthropic.com"
+
+
+class DegradesOnWrite(DegradedStore):
+    """Healthy until a write finds the file failing (another process holds its lock)."""
+
+    degraded = False
+
+    def set(self, *a, **k):
+        self.degraded = True
+        return self._s.set(*a, **k)
+
+
+async def test_a_pin_write_that_only_reached_memory_does_not_send_the_conversation_away(setup):
+    r, _ = setup
+    r.store = DegradesOnWrite()
+    f = flow()
+    await r.request(f)
+    assert f.response.status_code == 502 and "cannot save pins" in f.response.text
+    assert f.request.host == "api.anthropic.com"

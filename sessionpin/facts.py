@@ -573,10 +573,15 @@ def opening(b: wire.Body, with_user: bool = True) -> tuple[list[str], list[str]]
 # Clients rebuild their system prompt when a process starts, with the day in it (pi ends
 # it with "Current date: YYYY-MM-DD"): a conversation continued tomorrow must keep its
 # fingerprint, so dates and times in the system prompt do not count.
+_MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.?"
 _DATE_TIME = re.compile(
     r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?"
     r"|\b\d{1,2}:\d{2}(?::\d{2})?\s*(?:[AaPp][Mm])?\b"
     r"|\b\d{1,2}/\d{1,2}/\d{2,4}\b"
+    r"|\b(?:Mon|Tue|Tues|Wed|Wednes|Thu|Thur|Thurs|Fri|Sat|Satur|Sun)(?:day)?\b\.?"   # older pi: "Monday, November 30, 2026, 02:10:48 AM UTC"
+    rf"|\b{_MONTH}\s+\d{{1,2}}(?:st|nd|rd|th)?(?:,?\s+\d{{4}})?\b"
+    rf"|\b\d{{1,2}}(?:st|nd|rd|th)?\s+{_MONTH}(?:,?\s+\d{{4}})?\b",
+    re.IGNORECASE,
 )
 
 

@@ -911,6 +911,9 @@ def test_recordings_made_large_read_the_same_in_parts(monkeypatch, path):
     ("Current date: 2026-11-30", "Current date: 2026-12-01"),                  # pi's last line
     ("Now: 2026-11-30T23:59:58Z.", "Now: 2026-12-01T00:00:03Z."),
     ("It is 11:59 PM on 11/30/2026.", "It is 9:02 AM on 12/01/2026."),
+    ("Current date and time: Monday, November 30, 2026, 11:10:48 PM UTC",            # older pi
+     "Current date and time: Tuesday, December 1, 2026, 02:10:48 AM UTC"),
+    ("Today is 30 Nov 2026.", "Today is 1st Dec 2026."),
 ])
 def test_a_conversation_continued_another_day_keeps_its_fingerprint(today, tomorrow):
     url = "https://opencode.ai/zen/go/v1/chat/completions"

@@ -625,6 +625,7 @@ def turn_of(
     return _by_history(history, ok, agent if agent != UNKNOWN_AGENT else "unknown agent")
 
 
+_SIDE_1P_CLASSES = frozenset({"summary-extraction", "followup-generation"})   # title, prompt suggestion
 _REQUEST_CLASS = {
     "subagent": (SUBAGENT, "request-class subagent"),
     "auxiliary": (SIDE, "request-class auxiliary"),
@@ -638,6 +639,15 @@ def _claude_turn(h: dict[str, str], b: wire.Body, history: bool, ok: bool) -> tu
         return _by_history(history, ok, "request-class main")
     if cls in _REQUEST_CLASS:
         return _REQUEST_CLASS[cls]
+    if not cls:
+        # x-claude-1p-request-class says "main" for the auto-mode classifier and for
+        # compaction, so only its specific values are taken (a client that sends it
+        # without the request-class header).
+        p1 = h.get("x-claude-1p-request-class", "").strip().lower()
+        if "subagent" in p1:
+            return SUBAGENT, f"1p request-class {p1[:24]}"
+        if p1 in _SIDE_1P_CLASSES:
+            return SIDE, f"1p request-class {p1}"
     # Older clients (or an unknown class): the billing line of system[0] (seeds/000).
     prefix = f"request-class {cls[:24]!r} unknown; " if cls else ""
     if not ok:

@@ -136,7 +136,8 @@ def test_recorded_claude_code_turns_without_the_request_class_header():
     for path, fx in _claude_recordings():
         if fx["expect"]["kind"] in BILLING_LINE_BLIND:
             continue
-        headers = [h for h in fx["headers"] if h[0].lower() != "x-claude-code-request-class"]
+        headers = [h for h in fx["headers"]
+                   if h[0].lower() not in ("x-claude-code-request-class", "x-claude-1p-request-class")]
         data = msgspec.json.encode(fx["body"])
         f = read(fx["method"], fx["url"], headers, data, "identity")
         line = facts.billing_line(facts.wire.body_decoder.decode(data))
@@ -146,6 +147,23 @@ def test_recorded_claude_code_turns_without_the_request_class_header():
         seen += 1
     if not seen:
         pytest.skip("no Claude Code recordings yet")
+
+
+def test_recorded_claude_code_turns_with_only_the_1p_request_class_header():
+    # A client sending x-claude-1p-request-class but not x-claude-code-request-class: its
+    # specific values (title, prompt suggestion, subagent) decide; "main" falls to the
+    # billing line, since the auto-mode classifier also says "main".
+    seen = 0
+    for path, fx in _claude_recordings():
+        headers = [h for h in fx["headers"] if h[0].lower() != "x-claude-code-request-class"]
+        p1 = next((v for k, v in headers if k.lower() == "x-claude-1p-request-class"), "")
+        if p1 not in ("summary-extraction", "followup-generation", "blocking-subagent"):
+            continue
+        data = msgspec.json.encode(fx["body"])
+        f = read(fx["method"], fx["url"], headers, data, "identity")
+        assert f.turn == fx["expect"]["turn"] and "1p" in f.reason, f"{path.stem}: {f.reason}"
+        seen += 1
+    assert seen >= 5 or not list(_claude_recordings())
 
 
 def test_recorded_claude_code_sessions_without_the_session_header_come_from_metadata():

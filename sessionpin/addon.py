@@ -61,7 +61,7 @@ FLUSH_EVERY = 5.0
 SIDE_MEMORY = 3600.0          # how long a session's unpinned side request is remembered
 SIDE_MEMORY_MAX = 10_000
 PROBE_TIMEOUT = 10.0          # a routed server that does not accept TCP within this is unreachable
-PROBE_FRESH = 2.0             # an early connect check that succeeded this recently stands for the check
+PROBE_FRESH = 1.0             # an early connect check (of the same client connection) this recent stands
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson", "application/jsonl",
                 "application/stream+json")
 
@@ -186,7 +186,8 @@ class Router:
         self.side_sent: dict[str, tuple[str, float]] = {}   # session -> (server, monotonic): ladder rule 2
         self.moved_to: dict[tuple[str, int], str] = {}  # addresses requests were moved to -> server name
         self.open_conns: Counter[tuple[str, int]] = Counter()  # upstream connections open now, by address
-        self._probes: dict[tuple[str, int], tuple[float, asyncio.Task]] = {}  # addr -> (started, early check)
+        # (client connection id, server address) -> (started, early connect check)
+        self._probes: dict[tuple[str, tuple[str, int]], tuple[float, asyncio.Task]] = {}
         self.started = time.time()
         self._executor: ThreadPoolExecutor | None = None
         self._store_busy = 0                         # store calls queued on or running in the executor
@@ -713,28 +714,31 @@ class Router:
         req = flow.request
         if self.moved_to and any((s.host, s.port) == (req.host.lower().rstrip("."), req.port)
                                  for s in self.config.servers.values()):
-            self._check_early()
+            self._check_early(flow.client_conn.id)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         # A request to a configured server: its body is still on the way (see server_connect).
         req = flow.request
         if self.moved_to and not req.path.startswith(INTERNAL_PREFIX) and _on_configured_origin(self.config, req):
-            self._check_early()
+            self._check_early(flow.client_conn.id)
 
-    def _check_early(self) -> None:
+    def _check_early(self, client: str) -> None:
         """Start the connect check of each server requests were moved to that has no open
-        connection, unless one started within PROBE_FRESH/2: it runs while the client
-        finishes its handshake and sends its request, instead of before the upstream connect."""
+        connection, for this client connection (unless it has one from the last PROBE_FRESH
+        seconds): it runs while the client finishes its handshake and sends its request,
+        instead of between the request and the upstream connect."""
         if not self.moved_to or not ctx.options.sessionpin_connect_check:
             return
         now = time.monotonic()
+        for key in [k for k, (t, task) in self._probes.items() if now - t > PROBE_FRESH and task.done()]:
+            del self._probes[key]
         for addr in list(self.moved_to):
             if self.open_conns[addr] > 0:
                 continue
-            early = self._probes.get(addr)
-            if early is not None and now - early[0] < PROBE_FRESH / 2:
+            early = self._probes.get((client, addr))
+            if early is not None and (now - early[0] < PROBE_FRESH or not early[1].done()):
                 continue
-            self._probes[addr] = (now, asyncio.get_running_loop().create_task(_connect_check(addr)))
+            self._probes[(client, addr)] = (now, asyncio.get_running_loop().create_task(_connect_check(addr)))
 
     async def server_connect(self, data) -> None:
         """Before connecting to a server requests were moved to: check it accepts connections.
@@ -745,8 +749,9 @@ class Router:
         ends the attempt with its own message. Only for servers the router moved requests
         to, only when no connection to it is open (connections are reused across requests).
         The check is started early, when a client opens a tunnel to a configured server or
-        sends request headers to one (``_check_early``): when it succeeded less than
-        PROBE_FRESH seconds ago it stands, so its handshake is not on the request's path.
+        sends request headers to one (``_check_early``): that client's check, started after
+        it asked and less than PROBE_FRESH seconds ago, stands (once) when it succeeded, so
+        its handshake is not on the request's path.
         Otherwise (none started, or too old) it runs here, and so does a second check
         when the early one had already failed before this connection was asked for.
         """
@@ -759,7 +764,7 @@ class Router:
             # Another connection to it is open right now: it is up (a server that went
             # down closes its connections), so this one needs no check.
             return
-        early = self._probes.get(addr)
+        early = self._probes.pop((data.client.id, addr), None)
         if early is not None and time.monotonic() - early[0] < PROBE_FRESH:
             finished = early[1].done()
             err = await early[1]

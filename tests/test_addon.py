@@ -513,6 +513,53 @@ async def test_a_server_requests_were_moved_to_is_named_when_unreachable(setup):
         listening.close()
 
 
+async def test_an_early_connect_check_stands_once_for_its_client_and_a_failed_one_is_redone(setup):
+    import socket
+
+    from mitmproxy.proxy import server_hooks
+
+    r, _ = setup
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    port = listening.getsockname()[1]
+    addr = ("127.0.0.1", port)
+    r.moved_to[addr] = "glm"
+    client = tflow.tclient_conn()
+
+    def data():
+        d = server_hooks.ServerConnectionHookData(client=client, server=tflow.tserver_conn())
+        d.server.address = addr
+        d.server.error = None
+        return d
+
+    try:
+        r._check_early(client.id)                   # the client's CONNECT or request headers
+        assert await r._probes[(client.id, addr)][1] is None
+        listening.close()                           # down after the early check succeeded
+        first = data()
+        await r.server_connect(first)
+        assert first.server.error is None           # the early check stood: no second connect
+        second = data()
+        await r.server_connect(second)              # it stands once: this one is checked now
+        assert second.server.error.startswith("sessionpin: server glm (https://api.z.ai) cannot be reached")
+
+        r._check_early(client.id)                   # fails: nothing listens
+        assert await r._probes[(client.id, addr)][1] is not None
+        back = socket.socket()
+        back.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        back.bind(addr)
+        back.listen()
+        try:
+            third = data()
+            await r.server_connect(third)           # the failed early check is redone: it is back
+            assert third.server.error is None
+        finally:
+            back.close()
+    finally:
+        listening.close()
+
+
 async def test_a_text_seen_once_is_not_applied(setup, cfg_path):
     r, _ = setup
     cfg_path.write_text("")                  # an editor truncated the file, about to write

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What the router costs: plain mitmdump vs mitmdump -s addons/route.py, in one run, one upstream.
 
-    .venv/bin/python scripts/bench_proxy.py [--quick] [--repeat N]
+    .venv/bin/python scripts/bench_proxy.py [--quick] [--rounds N] [--only latency|first-byte]
+                                            [--shapes opening,history]
 
 Latency: Claude-Code-shaped POST /v1/messages requests with 10 KB, 1 MB and 8 MB bodies, from 1 and
 from 8 concurrent clients (each on its own keep-alive connection through the proxy's CONNECT tunnel).
@@ -11,10 +12,25 @@ name: the full rewrite). Each client's first request is its session's opening tu
 pin) and is not timed; the timed ones are turns of pinned sessions. Plain and router alternate
 request by request (a step = one request on each connection), so load from other processes on a
 shared machine hits both alike. Reported: the median latency of each and the ratio router / plain.
+Two body shapes: ``opening`` (the issue's measure: the bulk is the opening user message, the part
+the reader must read for the conversation's fingerprint) and ``history`` (the bulk is tool results
+later in the conversation, as in a long Claude Code session; the reader skips it).
 
 First byte: a streamed response whose upstream pauses after its first event. The router against
 mitmdump with a one-line addon that only turns streaming on (and plain mitmdump, which buffers the
-whole stream, for reference). Reported: median time to first byte, ratio router / streaming.
+whole stream, for reference). Two ways to connect:
+- ``new connection`` (the issue's measure): each sample opens a new client connection (CONNECT,
+  TLS), so the proxy opens a new upstream connection too. The streaming-only mitmdump runs with
+  mitmproxy's default connection_strategy=eager: it connects upstream when the client's CONNECT
+  arrives, in parallel with the client's TLS handshake. The router needs lazy (it picks the
+  upstream from the request), so its upstream TCP+TLS handshake comes after the request. A
+  streaming-only mitmdump with connection_strategy=lazy is measured too, to show that part.
+- ``keep-alive``: each proxy's samples share one client connection (what agents do: their HTTP
+  clients keep connections open), so no handshake is in the sample.
+Reported: median time to first byte, ratio router / streaming.
+
+``--rounds N`` runs everything N times (fresh sessions, same proxies) and prints each round's
+ratios and their median and range: on a shared machine a single round can be off by 10 %.
 
 Everything runs on 127.0.0.1 (fake TLS upstream from tests/e2e/harness.py, a throwaway CA and
 confdirs in a temp dir). Clients and upstream share this process: their cost is in both columns.
@@ -23,12 +39,14 @@ confdirs in a temp dir). Clients and upstream share this process: their cost is 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 
@@ -44,7 +62,13 @@ STREAM_ONLY = "def responseheaders(flow):\n    flow.response.stream = True\n"
 SIZES = {"10KB": 10 * 1024, "1MB": 1024 * 1024, "8MB": 8 * 1024 * 1024}
 
 
-def body(kind: str, session: str, size: int, stream: bool = False) -> bytes:
+SHAPES = ("opening", "history")
+RESULT = 32 * 1024   # one tool result in the ``history`` shape
+KEEP_ALIVE_PAUSE_MS = 100
+
+
+def body(kind: str, session: str, size: int, stream: bool = False, shape: str = "opening") -> bytes:
+    """A Claude Code request of about ``size`` bytes; ``shape`` says where the bulk is."""
     billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.e4b; cc_entrypoint=cli;"}
     tools = [{"name": "Bash", "description": "Run a command.",
               "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
@@ -58,10 +82,23 @@ def body(kind: str, session: str, size: int, stream: bool = False) -> bytes:
     doc = {"model": "claude-opus-4-5", "messages": messages, "system": [billing], "tools": tools,
            "metadata": {"user_id": json.dumps({"session_id": session})}, "max_tokens": 1024, "stream": stream}
     raw = json.dumps(doc).encode()
-    if size > len(raw):
+    if size <= len(raw):
+        return raw
+    if shape == "opening" or kind != "continuation":
         messages[0]["content"] += "x" * (size - len(raw))
-        raw = json.dumps(doc).encode()
-    return raw
+        return json.dumps(doc).encode()
+    # history: tool calls and their results (at most RESULT bytes each) fill the conversation
+    left, i = size - len(raw), 1
+    while left > 0:
+        i += 1
+        call = {"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "Bash",
+                                                  "input": {"command": f"cat part{i}.txt"}}]}
+        result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": ""}]}
+        overhead = len(json.dumps(call)) + len(json.dumps(result)) + 4
+        result["content"][0]["content"] = "y" * max(0, min(RESULT, left - overhead))
+        messages[-2:-2] = [call, result]
+        left -= overhead + len(result["content"][0]["content"])
+    return json.dumps(doc).encode()
 
 
 def headers(kind: str, session: str) -> list[tuple[str, str]]:
@@ -93,8 +130,8 @@ class Clients:
             self.sessions.append(session)
         self.payloads: list[bytes] = []
 
-    def load(self, size: int) -> None:
-        self.payloads = [body("continuation", s, size) for s in self.sessions]
+    def load(self, size: int, shape: str = "opening") -> None:
+        self.payloads = [body("continuation", s, size, shape=shape) for s in self.sessions]
 
     def _one(self, i: int, out: list[float], errors: list[str]) -> None:
         try:
@@ -127,36 +164,140 @@ class Clients:
 
 
 class FirstByte:
-    """One pinned session through one proxy; ``one()`` times the first byte of a streamed turn."""
+    """One pinned session through one proxy; ``one()`` times the first byte of a streamed turn,
+    on a new client connection each time, or on one kept-alive connection (``keep_alive``)."""
 
-    def __init__(self, client: Client, target: str) -> None:
+    def __init__(self, client: Client, target: str, keep_alive: bool = False) -> None:
         self.client, self.url = client, target + "/v1/messages?beta=true"
+        rest = target.split("://", 1)[1].partition("/")[2]
+        self.path = ("/" + rest if rest else "") + "/v1/messages?beta=true"
+        self.conn = client.connect(target) if keep_alive else None
         self.session = str(uuid.uuid4())
         self._send("opening")
+        if self.conn is not None:
+            self._send("continuation")  # the upstream connection is open from here on
 
     def _send(self, kind: str) -> float:
-        r = self.client.request("POST", self.url, headers(kind, self.session),
-                                body(kind, self.session, 2048, stream=True))
+        h, b = headers(kind, self.session), body(kind, self.session, 2048, stream=True)
+        if self.conn is None:
+            return self._first_byte_only(h, b)
+        r = self.conn.request("POST", self.path, h, b)
         if r.status != 200 or r.t_first_byte is None:
             raise SystemExit(f"stream failed: {r.status} {r.body[:200]!r}")
         return r.t_first_byte - r.t_sent
 
+    def _first_byte_only(self, h: list[tuple[str, str]], b: bytes) -> float:
+        """A new connection (CONNECT, TLS), one request, closed once its first body byte is in
+        (what Client.request measures, without waiting out the upstream's pause)."""
+        u = urllib.parse.urlsplit(self.url)
+        assert self.client.proxy_port is not None
+        c = http.client.HTTPSConnection("127.0.0.1", self.client.proxy_port, timeout=self.client.timeout,
+                                        context=self.client.context)
+        c.set_tunnel(u.hostname or "127.0.0.1", u.port or 443)
+        try:
+            t_sent = time.monotonic()
+            c.putrequest("POST", self.path, skip_accept_encoding=True)
+            for k, v in h:
+                c.putheader(k, v)
+            c.putheader("Content-Length", str(len(b)))
+            c.endheaders(b)
+            resp = c.getresponse()
+            first = resp.read1(65536)
+            t_first = time.monotonic()
+            if resp.status != 200 or not first:
+                raise SystemExit(f"stream failed: {resp.status} {first[:200]!r}")
+            return t_first - t_sent
+        finally:
+            c.close()
+
     def one(self) -> float:
         return self._send("continuation")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
 
 
 def ms(x: float) -> str:
     return f"{x * 1000:8.1f}"
 
 
+def latency(via: dict, sizes: dict[str, int], shapes: list[str], steps: dict[str, int]) -> dict[tuple, float]:
+    """Median latency ratio router / plain per (shape, body, clients); prints a table."""
+    ratios: dict[tuple, float] = {}
+    print(f"{'shape':>8} {'body':>6} {'clients':>7} {'n':>5} {'plain ms':>9} {'router ms':>9} {'ratio':>6}")
+    for clients in (1, 8):
+        pools = {name: Clients(*via[name], n=clients) for name in ("plain", "router")}
+        for shape in shapes:
+            for label, size in sizes.items():
+                got: dict[str, list[float]] = {"plain": [], "router": []}
+                for pool in pools.values():
+                    pool.load(size, shape)
+                    pool.step()  # warm-up at this size, not timed
+                for i in range(steps[label]):
+                    for name in (("plain", "router") if i % 2 == 0 else ("router", "plain")):
+                        got[name] += pools[name].step()
+                p, q = statistics.median(got["plain"]), statistics.median(got["router"])
+                ratios[(shape, label, clients)] = q / p
+                print(f"{shape:>8} {label:>6} {clients:>7} {len(got['plain']):>5} {ms(p):>9} {ms(q):>9} {q / p:6.2f}",
+                      flush=True)
+        for pool in pools.values():
+            pool.close()
+    return ratios
+
+
+def first_byte(via: dict, upstream: FakeServer, n: int, pause_ms: int, with_plain: bool) -> dict[tuple, float]:
+    """Median time to first byte per proxy, new connection and keep-alive; prints a table.
+
+    The first byte comes before the upstream's pause, so the pause's length does not change
+    it: new-connection samples close at the first byte; keep-alive samples read the whole
+    stream (the connection is reused), with a pause of at most KEEP_ALIVE_PAUSE_MS."""
+    ratios: dict[tuple, float] = {}
+    keep_pause = min(pause_ms, KEEP_ALIVE_PAUSE_MS)
+    print(f"\nfirst byte of a stream whose upstream pauses {pause_ms} ms ({keep_pause} ms on keep-alive) "
+          f"after its first event (median of {n})")
+    print(f"{'connection':>14} {'streaming ms':>13} {'streaming-lazy ms':>18} {'router ms':>10} "
+          f"{'router/streaming':>17} {'router/lazy':>12}")
+    for keep in (False, True):
+        upstream.pause_after_first_ms = keep_pause if keep else pause_ms
+        names = ("streaming", "lazy", "router")
+        probes = {name: FirstByte(*via[name], keep_alive=keep) for name in names}
+        got: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(n):
+            order = names[i % 3:] + names[:i % 3]   # rotate: none always goes first
+            for name in order:
+                got[name].append(probes[name].one())
+        for probe in probes.values():
+            probe.close()
+        s, z, q = (statistics.median(got[k]) for k in names)
+        label = "keep-alive" if keep else "new"
+        ratios[(label, "streaming")] = q / s
+        ratios[(label, "lazy")] = q / z
+        print(f"{label:>14} {ms(s):>13} {ms(z):>18} {ms(q):>10} {q / s:17.2f} {q / z:12.2f}", flush=True)
+    if with_plain:
+        upstream.pause_after_first_ms = pause_ms
+        plain = FirstByte(*via["plain"])
+        p = statistics.median([plain.one() for _ in range(2)])
+        print(f"{'plain mitmdump (buffers the stream), new connection':>52}: {ms(p).strip()} ms")
+    upstream.pause_after_first_ms = 0
+    return ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (about a minute)")
     ap.add_argument("--repeat", type=int, default=1, help="multiply the number of timed requests")
+    ap.add_argument("--rounds", type=int, default=1, help="run everything this many times; report the spread")
+    ap.add_argument("--only", choices=("latency", "first-byte"), help="run one of the two benchmarks")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="body shapes for latency: opening,history")
     ap.add_argument("--pause-ms", type=int, default=1000, help="upstream pause after the first SSE event")
     args = ap.parse_args()
     steps = {"10KB": 20, "1MB": 8, "8MB": 2} if args.quick else {"10KB": 80, "1MB": 30, "8MB": 8}
-    ttfb_n = 4 if args.quick else 12
+    steps = {k: v * args.repeat for k, v in steps.items()}
+    ttfb_n = 8 if args.quick else 30
+    shapes = [x for x in args.shapes.split(",") if x]
+    if not set(shapes) <= set(SHAPES):
+        ap.error(f"--shapes: choose from {', '.join(SHAPES)}")
 
     with tempfile.TemporaryDirectory(prefix="sessionpin-bench-") as tmp_:
         tmp = Path(tmp_)
@@ -174,16 +315,15 @@ def main() -> None:
         plain = Mitmdump(tmp / "plain", script=None, options=trust)
         router = Mitmdump.router(tmp / "router", ca, config, env={KEY_ENV: UPSTREAM_KEY})
         streaming = Mitmdump(tmp / "streaming", script=tmp / "stream.py", options=trust)
-        procs = [plain, router, streaming]
+        lazy = Mitmdump(tmp / "lazy", script=tmp / "stream.py", options={**trust, "connection_strategy": "lazy"})
+        procs = [plain, router, streaming, lazy]
         try:
             for p in procs:
                 p.start()
             # plain and streaming address the upstream itself; the router's clients address the origin
-            via = {
-                "plain": (Client.via_proxy(plain.port, plain.mitm_ca, timeout=120), upstream.url),
-                "router": (Client.via_proxy(router.port, router.mitm_ca, timeout=120), origin.origin),
-                "streaming": (Client.via_proxy(streaming.port, streaming.mitm_ca, timeout=120), upstream.url),
-            }
+            via = {name: (Client.via_proxy(p.port, p.mitm_ca, timeout=120), upstream.url)
+                   for name, p in (("plain", plain), ("streaming", streaming), ("lazy", lazy))}
+            via["router"] = (Client.via_proxy(router.port, router.mitm_ca, timeout=120), origin.origin)
 
             # is the router routing? (otherwise the ratios below measure nothing)
             upstream.keep_bodies = True
@@ -201,37 +341,25 @@ def main() -> None:
             if not ok:
                 print("  (the router is not routing: the figures below measure a pass-through addon)")
 
-            print(f"\nlatency, median per request ({'quick' if args.quick else 'full'};"
-                  " plain and router alternate request by request)")
-            print(f"{'body':>6} {'clients':>7} {'n':>5} {'plain ms':>9} {'router ms':>9} {'ratio':>6}")
-            for clients in (1, 8):
-                pools = {name: Clients(*via[name], n=clients) for name in ("plain", "router")}
-                for label, size in SIZES.items():
-                    got: dict[str, list[float]] = {"plain": [], "router": []}
-                    for pool in pools.values():
-                        pool.load(size)
-                        pool.step()  # warm-up at this size, not timed
-                    for i in range(steps[label] * args.repeat):
-                        for name in (("plain", "router") if i % 2 == 0 else ("router", "plain")):
-                            got[name] += pools[name].step()
-                    p, q = statistics.median(got["plain"]), statistics.median(got["router"])
-                    print(f"{label:>6} {clients:>7} {len(got['plain']):>5} {ms(p):>9} {ms(q):>9} {q / p:6.2f}",
-                          flush=True)
-                for pool in pools.values():
-                    pool.close()
-
-            upstream.pause_after_first_ms = args.pause_ms
-            probes = {name: FirstByte(*via[name]) for name in ("streaming", "router", "plain")}
-            ttfb: dict[str, list[float]] = {name: [] for name in probes}
-            for i in range(ttfb_n):
-                for name in (("streaming", "router") if i % 2 == 0 else ("router", "streaming")):
-                    ttfb[name].append(probes[name].one())
-            ttfb["plain"] = [probes["plain"].one() for _ in range(2)]
-            upstream.pause_after_first_ms = 0
-            s, q, p = (statistics.median(ttfb[k]) for k in ("streaming", "router", "plain"))
-            print(f"\nfirst byte of a stream whose upstream pauses {args.pause_ms} ms after its first event (median)")
-            print(f"{'streaming-only addon ms':>24} {'router ms':>9} {'ratio':>6} {'plain (buffers) ms':>19}")
-            print(f"{ms(s):>24} {ms(q):>9} {q / s:6.2f} {ms(p):>19}")
+            rounds: list[dict[tuple, float]] = []
+            for r in range(args.rounds):
+                got: dict[tuple, float] = {}
+                if args.rounds > 1:
+                    print(f"\n== round {r + 1} of {args.rounds}")
+                if args.only in (None, "latency"):
+                    print(f"\nlatency, median per request ({'quick' if args.quick else 'full'};"
+                          " plain and router alternate request by request)")
+                    got.update({("latency",) + k: v for k, v in latency(via, SIZES, shapes, steps).items()})
+                if args.only in (None, "first-byte"):
+                    got.update({("first byte",) + k: v for k, v in
+                                first_byte(via, upstream, ttfb_n, args.pause_ms, with_plain=r == 0).items()})
+                rounds.append(got)
+            if args.rounds > 1:
+                print(f"\nratios over {args.rounds} rounds: median (min - max)")
+                for key in rounds[0]:
+                    xs = [g[key] for g in rounds]
+                    print(f"  {' '.join(str(k) for k in key):<40} {statistics.median(xs):5.2f} "
+                          f"({min(xs):.2f} - {max(xs):.2f})   " + " ".join(f"{x:.2f}" for x in xs))
             stray = len(origin.received("/v1/"))
             if stray:
                 print(f"\nwarning: {stray} model requests reached the origin instead of the upstream")

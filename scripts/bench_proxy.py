@@ -11,7 +11,9 @@ another configured origin and routes every one of them to the same upstream (its
 name: the full rewrite). Each client's first request is its session's opening turn (it writes the
 pin) and is not timed; the timed ones are turns of pinned sessions. Plain and router alternate
 request by request (a step = one request on each connection), so load from other processes on a
-shared machine hits both alike. Reported: the median latency of each and the ratio router / plain.
+shared machine hits both alike. Reported: the median latency of each and the ratio router / plain, and each proxy's CPU time per
+request (its process's user + system time over the timed steps, from /proc; Linux only), which
+load from other processes moves far less than latency.
 Two body shapes: ``opening`` (the issue's measure: the bulk is the opening user message, the part
 the reader must read for the conversation's fingerprint) and ``history`` (the bulk is tool results
 later in the conversation, as in a long Claude Code session; the reader skips it).
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -222,25 +225,49 @@ def ms(x: float) -> str:
     return f"{x * 1000:8.1f}"
 
 
-def latency(via: dict, sizes: dict[str, int], shapes: list[str], steps: dict[str, int]) -> dict[tuple, float]:
-    """Median latency ratio router / plain per (shape, body, clients); prints a table."""
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process so far (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
+def latency(via: dict, pids: dict[str, int | None], sizes: dict[str, int], shapes: list[str],
+            steps: dict[str, int]) -> dict[tuple, float]:
+    """Median latency ratio router / plain per (shape, body, clients); prints a table.
+
+    Also each proxy's CPU time per timed request (its process's user + system time over the
+    timed steps): latency on a shared machine is noisy, the CPU a proxy spends is not."""
     ratios: dict[tuple, float] = {}
-    print(f"{'shape':>8} {'body':>6} {'clients':>7} {'n':>5} {'plain ms':>9} {'router ms':>9} {'ratio':>6}")
+    print(f"{'shape':>8} {'body':>6} {'clients':>7} {'n':>5} {'plain ms':>9} {'router ms':>9} {'ratio':>6}"
+          f"   {'cpu/req: plain ms':>17} {'router ms':>9} {'ratio':>6}")
     for clients in (1, 8):
         pools = {name: Clients(*via[name], n=clients) for name in ("plain", "router")}
         for shape in shapes:
             for label, size in sizes.items():
                 got: dict[str, list[float]] = {"plain": [], "router": []}
+                cpu = {name: 0.0 for name in got}
                 for pool in pools.values():
                     pool.load(size, shape)
                     pool.step()  # warm-up at this size, not timed
                 for i in range(steps[label]):
                     for name in (("plain", "router") if i % 2 == 0 else ("router", "plain")):
+                        before = cpu_seconds(pids[name])
                         got[name] += pools[name].step()
+                        after = cpu_seconds(pids[name])
+                        if before is not None and after is not None:
+                            cpu[name] += after - before
                 p, q = statistics.median(got["plain"]), statistics.median(got["router"])
                 ratios[(shape, label, clients)] = q / p
-                print(f"{shape:>8} {label:>6} {clients:>7} {len(got['plain']):>5} {ms(p):>9} {ms(q):>9} {q / p:6.2f}",
-                      flush=True)
+                cp, cq = (cpu[k] / len(got[k]) for k in ("plain", "router"))
+                cpu_cols = f"   {ms(cp):>17} {ms(cq):>9} {cq / cp:6.2f}" if cp > 0 else ""
+                if cp > 0:
+                    ratios[(shape, label, clients, "cpu")] = cq / cp
+                print(f"{shape:>8} {label:>6} {clients:>7} {len(got['plain']):>5} {ms(p):>9} {ms(q):>9} {q / p:6.2f}"
+                      + cpu_cols, flush=True)
         for pool in pools.values():
             pool.close()
     return ratios
@@ -349,7 +376,9 @@ def main() -> None:
                 if args.only in (None, "latency"):
                     print(f"\nlatency, median per request ({'quick' if args.quick else 'full'};"
                           " plain and router alternate request by request)")
-                    got.update({("latency",) + k: v for k, v in latency(via, SIZES, shapes, steps).items()})
+                    pids = {"plain": plain.proc.pid if plain.proc else None,
+                            "router": router.proc.pid if router.proc else None}
+                    got.update({("latency",) + k: v for k, v in latency(via, pids, SIZES, shapes, steps).items()})
                 if args.only in (None, "first-byte"):
                     got.update({("first byte",) + k: v for k, v in
                                 first_byte(via, upstream, ttfb_n, args.pause_ms, with_plain=r == 0).items()})

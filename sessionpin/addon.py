@@ -717,9 +717,10 @@ class Router:
             self._check_early(flow.client_conn.id)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        # A request to a configured server: its body is still on the way (see server_connect).
+        # A model request to a configured server: its body is still on the way (see server_connect).
         req = flow.request
-        if self.moved_to and not req.path.startswith(INTERNAL_PREFIX) and _on_configured_origin(self.config, req):
+        if self.moved_to and F.api_of(req.method, req.path) in F.INFERENCE_APIS \
+                and _on_configured_origin(self.config, req):
             self._check_early(flow.client_conn.id)
 
     def _check_early(self, client: str) -> None:
@@ -749,9 +750,9 @@ class Router:
         ends the attempt with its own message. Only for servers the router moved requests
         to, only when no connection to it is open (connections are reused across requests).
         The check is started early, when a client opens a tunnel to a configured server or
-        sends request headers to one (``_check_early``): that client's check, started after
-        it asked and less than PROBE_FRESH seconds ago, stands (once) when it succeeded, so
-        its handshake is not on the request's path.
+        sends a model request's headers to one (``_check_early``): that client's check,
+        started after it asked and less than PROBE_FRESH seconds ago, stands (once) when it
+        succeeded, so its handshake is not on the request's path.
         Otherwise (none started, or too old) it runs here, and so does a second check
         when the early one had already failed before this connection was asked for.
         """

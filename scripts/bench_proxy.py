@@ -13,7 +13,8 @@ pin) and is not timed; the timed ones are turns of pinned sessions. Plain and ro
 request by request (a step = one request on each connection), so load from other processes on a
 shared machine hits both alike. Reported: the median latency of each and the ratio router / plain, and each proxy's CPU time per
 request (its process's user + system time over the timed steps, from /proc; Linux only), which
-load from other processes moves far less than latency.
+load from other processes moves far less than latency (it counts in clock ticks, usually 10 ms:
+--quick runs too few requests for it to mean much).
 Two body shapes: ``opening`` (the issue's measure: the bulk is the opening user message, the part
 the reader must read for the conversation's fingerprint) and ``history`` (the bulk is tool results
 later in the conversation, as in a long Claude Code session; the reader skips it).

@@ -517,18 +517,10 @@ class Router:
         decision = ladder.decide(facts, pin, cfg, source, side_went)
         if decision.rule == "side-current" and facts.session:
             self._remember_side(facts.session, decision.target)
-        changes = None
         now = time.time()
-        if decision.refuse:
-            self._decided(flow, facts, decision, source, pin, None)
-            self._refuse(flow, facts, decision.refuse, self._gone_message(facts, pin), decision.rule)
+        answered, changes = self._plan_or_refuse(flow, cfg, source, facts, decision, pin)
+        if answered:
             return decision
-        if decision.target is not None:
-            changes = self._plan(flow, cfg, source, facts, decision)
-            if changes.refuse:
-                self._decided(flow, facts, decision, source, pin, changes)
-                self._refuse(flow, facts, 502, f"sessionpin: {changes.refuse}; the request was not sent", "rewrite")
-                return decision
 
         if decision.pin_action == ladder.CREATE and facts.session and store is not None:
             # The store holds writes in memory while its file fails (disk full, read-only,
@@ -557,17 +549,9 @@ class Router:
                 # Another proxy pinned this session first: its pin decides.
                 pin = in_force
                 decision = ladder.decide(facts, pin, cfg, source)
-                if decision.refuse:
-                    self._decided(flow, facts, decision, source, pin, None)
-                    self._refuse(flow, facts, decision.refuse, self._gone_message(facts, pin), decision.rule)
+                answered, changes = self._plan_or_refuse(flow, cfg, source, facts, decision, pin)
+                if answered:
                     return decision
-                changes = None
-                if decision.target is not None:
-                    changes = self._plan(flow, cfg, source, facts, decision)
-                    if changes.refuse:
-                        self._decided(flow, facts, decision, source, pin, changes)
-                        self._refuse(flow, facts, 502, f"sessionpin: {changes.refuse}; the request was not sent", "rewrite")
-                        return decision
         elif decision.pin_action == ladder.RENEW and pin is not None and pins.renew_due(pin, now) and store is not None:
             try:
                 await self._in_store(pins.renew, store, facts.session, pin, now)
@@ -581,6 +565,23 @@ class Router:
             _apply(req, changes)
         self._decided(flow, facts, decision, source, pin, changes)
         return decision
+
+    def _plan_or_refuse(self, flow: http.HTTPFlow, cfg: Config, source: Server, facts: F.Facts,
+                        decision: Decision, pin: pins.Pin | None) -> tuple[bool, rewrite.Changes | None]:
+        """(answered here, the rewrite to apply): a refused decision is answered; a routed one
+        is planned, and answered 502 when its rewrite cannot be made (no key, model not found)."""
+        if decision.refuse:
+            self._decided(flow, facts, decision, source, pin, None)
+            self._refuse(flow, facts, decision.refuse, self._gone_message(facts, pin), decision.rule)
+            return True, None
+        if decision.target is None:
+            return False, None
+        changes = self._plan(flow, cfg, source, facts, decision)
+        if changes.refuse:
+            self._decided(flow, facts, decision, source, pin, changes)
+            self._refuse(flow, facts, 502, f"sessionpin: {changes.refuse}; the request was not sent", "rewrite")
+            return True, changes
+        return False, changes
 
     def _pin_not_safe(self, facts: F.Facts, decision: Decision) -> RouterError:
         self.metrics.store_errors += 1

@@ -513,7 +513,7 @@ class Router:
                 self.metrics.store_errors += 1
                 raise RouterError(f"sessionpin cannot read its pin store {self.store_url}: {e}; the request was not sent", "store")
 
-        side_went = self._side_went(facts.session) if pin is None and facts.turn == F.SIDE else None
+        side_went = self._side_went(facts.session) if pin is None and facts.turn in (F.SIDE, F.CONTINUATION) else None
         decision = ladder.decide(facts, pin, cfg, source, side_went)
         if decision.rule == "side-current" and facts.session:
             self._remember_side(facts.session, decision.target)

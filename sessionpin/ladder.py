@@ -26,8 +26,11 @@ rule that applies decides (seeds/000, made stronger):
      would have a pin), and the parent's next turn will be left alone too.
 3. The agent is not routed: leave it alone, pin "not routed".
 4. Opening turn: the agent's current server, and pin it.
-5. Continuation the router never saw begin: leave it alone, pin "not routed".
-6. A turn that cannot be told (``unknown``): the agent's current server, and pin it.
+5. Continuation the router never saw begin: leave it alone, pin "not routed" — unless
+   this session's side request went somewhere moments ago (``side_went``): that request
+   was the opening, so follow it and pin.
+6. A turn that cannot be told (``unknown``): the agent's current server, and pin it;
+   with history, it is a conversation under way never seen begin: as rule 5.
 
 ``pin_action`` is "create" (write a new pin for ``target``; ``None`` = not routed),
 "renew" (a pin was followed: renew it if ``pins.renew_due``) or "none".
@@ -113,8 +116,17 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, in_scope_server: Ser
     # 4. opening turn
     if turn == F.OPENING:
         return Decision(current, CREATE, "opening", "pinned")
-    # 5. a continuation never seen begin
+    # 5. a continuation never seen begin — unless the router sent this session's side
+    # request somewhere moments ago: then that request was the conversation's opening
+    # (opencode's opening looks like its title request when it sends no tools), and the
+    # conversation continues where it went.
     if turn == F.CONTINUATION:
+        if side_went is not None and side_went in config.servers:
+            return Decision(side_went, CREATE, "continuation-after-side", "began with a side-looking request, pinned")
         return _leave("continuation-unseen", "not seen begin", CREATE)
-    # 6. a turn that cannot be told, with a session
+    # 6. a turn that cannot be told, with a session: the current server — but a body that
+    # carries history is a conversation under way that the router never saw begin, and
+    # pinning it elsewhere would move it (the guarantee outranks the rule's letter).
+    if facts.has_history:
+        return _leave("unknown-turn-unseen", "turn unknown, history: not seen begin", CREATE)
     return Decision(current, CREATE, "unknown-turn", "turn unknown, pinned")

@@ -667,3 +667,16 @@ async def test_a_pin_write_that_only_reached_memory_does_not_send_the_conversati
     await r.request(f)
     assert f.response.status_code == 502 and "cannot save pins" in f.response.text
     assert f.request.host == "api.anthropic.com"
+
+
+async def test_a_continuation_right_after_a_side_opening_follows_it_and_pins(setup):
+    # opencode with every tool disabled: its opening has no tools and reads as a side
+    # request (like its title). The next turn carries history; it must not be left alone.
+    r, _ = setup
+    first = flow("title", session="toolless")
+    await r.request(first)
+    assert first.request.host == "api.z.ai" and pins.load(r.store, "toolless") is None
+    second = flow("continuation", session="toolless")
+    await r.request(second)
+    assert second.request.host == "api.z.ai"
+    assert pins.load(r.store, "toolless").server == "glm"

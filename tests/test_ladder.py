@@ -128,10 +128,24 @@ def test_the_ladder_never_targets_an_unconfigured_server():
     ("anthropic", facts(F.SIDE), None, ("anthropic", "side-follows-side")),        # config switched since
     ("gone", facts(F.SIDE, has_history=True), None, (None, "side-unseen")),         # server removed: no guess
     ("glm", facts(F.SIDE, has_history=True), pin(None), (None, "pinned-not-routed")),  # a pin outranks memory
-    ("glm", facts(F.CONTINUATION, has_history=True), None, (None, "continuation-unseen")),  # only side rounds follow
+    # opencode's tool-less opening looked like its title (side); its next turn follows and pins
+    ("glm", facts(F.CONTINUATION, has_history=True), None, ("glm", "continuation-after-side")),
+    (None, facts(F.CONTINUATION, has_history=True), None, (None, "continuation-unseen")),
+    ("glm", facts(F.SUBAGENT), None, (None, "subagent-unseen")),                   # subagents do not follow
 ])
 def test_a_side_thread_follows_its_earlier_side_request(side_went, f, p, want):
     d = ladder.decide(f, p, CONFIG, SRC, side_went)
     assert (d.target, d.rule) == want
     if f.turn == F.SIDE:
         assert d.pin_action != ladder.CREATE, "a side request never makes a pin"
+    if f.turn == F.CONTINUATION:
+        assert d.pin_action == ladder.CREATE, "a continuation with no pin always pins what it did"
+
+
+def test_an_unknown_turn_with_history_is_a_conversation_never_seen_begin():
+    # Rule 6 routes a turn it cannot tell — but history says a conversation is under way,
+    # and pinning it to the current server would move it.
+    d = ladder.decide(facts(F.UNKNOWN_TURN, has_history=True), None, CONFIG, SRC)
+    assert (d.target, d.pin_action, d.rule) == (None, ladder.CREATE, "unknown-turn-unseen")
+    d = ladder.decide(facts(F.UNKNOWN_TURN), None, CONFIG, SRC)
+    assert (d.target, d.pin_action, d.rule) == ("glm", ladder.CREATE, "unknown-turn")

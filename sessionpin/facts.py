@@ -123,7 +123,9 @@ def _read(method, url, headers, body, content_encoding) -> Facts:
     data, problem = decode_body(body, _text(content_encoding))
     parsed_body: wire.Body | None = None
     if not problem:
-        parsed_body, problem = parse_body(data, api)
+        # pi and Codex may name their session only in the body's prompt_cache_key (pi is
+        # known by its prompt, so an unknown agent may be pi): only they need it looked for.
+        parsed_body, problem = parse_body(data, api, cache_key=agent in (PI, CODEX, UNKNOWN_AGENT))
     b = parsed_body if parsed_body is not None else wire.Body()
     ok = not problem
 
@@ -350,14 +352,14 @@ _FLAVOUR = {
 }
 
 
-def parse_body(data: bytes, api: str | None = None) -> tuple[wire.Body | None, str]:
+def parse_body(data: bytes, api: str | None = None, cache_key: bool = True) -> tuple[wire.Body | None, str]:
     """The body's facts fields, and "" or why some could not be read. A large body of a
     known api is read in parts (``wire.fast_decode``); anything odd there reads it whole."""
     if not data.strip():
         return None, "empty body"
     if len(data) >= wire.FAST_MIN and api in _FLAVOUR:
         try:
-            fast = wire.fast_decode(data, _FLAVOUR[api])
+            fast = wire.fast_decode(data, _FLAVOUR[api], cache_key)
         except Exception:  # pragma: no cover - the whole-body path below is the safe one
             fast = None
         if fast is not None:

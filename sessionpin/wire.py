@@ -139,6 +139,10 @@ NEEDED = {
     "chat": ("model", "stream", "tools"),
     "responses": ("model", "stream", "instructions", "tools", "prompt_cache_key", "previous_response_id"),
 }
+# prompt_cache_key is a session id for pi and Codex on any api; the caller asks for it
+# (``cache_key=True``) when the request may be theirs, so others pay no scan for it.
+CACHE_KEY = "prompt_cache_key"
+
 _message_decoder = msgspec.json.Decoder(Message)
 
 
@@ -183,15 +187,22 @@ def _key_at(data: bytes, key: bytes, lo: int, hi: int, last: bool) -> tuple[int,
     return -1, -1
 
 
-def _tail_members(data: bytes, comma: int) -> dict[str, Raw] | None:
-    """The top-level members from the one after ``comma``, or None if it is not top-level."""
+def _as_object(buf: bytearray, lo: int, hi: int, at: int, char: int) -> dict[str, Raw] | None:
+    """buf[lo:hi] decoded as one object with the byte at ``at`` read as ``char`` (the ``,``
+    before a member read as ``{``), or None. No copy of the rest of the body per try: a key
+    found nested costs only the decode up to the end of its own object, where msgspec stops,
+    so thousands of look-alikes in a body stay linear."""
+    saved = buf[at]
+    buf[at] = char
     try:
-        return loose_decoder.decode(b"{" + data[comma + 1 :])
+        return loose_decoder.decode(memoryview(buf)[lo:hi])
     except msgspec.DecodeError:
         return None
+    finally:
+        buf[at] = saved
 
 
-def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
+def fast_decode(data: bytes, flavour: str, cache_key: bool = True) -> tuple[Body, str] | None:
     """A large body's facts fields without reading its message contents; None to fall back."""
     array_key = b"input" if flavour == "responses" else b"messages"
     # 1. the head
@@ -204,11 +215,12 @@ def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
         before, value = _key_at(data, array_key, lo, min(len(data), start + 1024 * 1024), last=False)
         if before == -1:
             return None
-        try:
+        try:   # the head is small: a copy of it costs nothing
             head = loose_decoder.decode(b"{}" if before == start else data[start:before] + b"}")
             break
         except msgspec.DecodeError:
             lo = value
+    buf: bytearray | None = None   # made on the first nested look-alike in the tail search
     array_start = _skip_ws(data, value)
     if array_start >= len(data) or data[array_start] != ord("["):
         return None
@@ -237,7 +249,8 @@ def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
         except msgspec.DecodeError:
             return None  # a wrong type: the whole-body read names the field
         messages.append(msg)
-        history = history or is_history(msg)
+        # the same test the facts apply: Responses items by type, messages by role
+        history = history or (is_history(msg) if flavour == "responses" else msg.role == "assistant")
         first_user = first_user or msg.role == "user"
         if data[after] == ord("]"):
             ended = True
@@ -248,7 +261,10 @@ def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
     # 3. the tail: each needed key not in the head, found from the end and proved top-level
     tail: dict[str, Raw] = {}
     tail_from = len(data)
-    for name in NEEDED[flavour]:
+    needed = NEEDED[flavour]
+    if cache_key and CACHE_KEY not in needed:
+        needed += (CACHE_KEY,)
+    for name in needed:
         if name in head or name in tail:
             continue
         hi = len(data)
@@ -262,12 +278,21 @@ def fast_decode(data: bytes, flavour: str) -> tuple[Body, str] | None:
             if comma > tail_from:  # inside the tail already decoded, so nested there
                 hi = comma
                 continue
-            members = _tail_members(data, comma)
+            if buf is None:
+                try:   # usually the first try is the real tail: copying just it is cheapest
+                    members = loose_decoder.decode(b"{" + data[comma + 1:])
+                except msgspec.DecodeError:
+                    members, buf = None, bytearray(data)
+            else:
+                members = _as_object(buf, comma, len(data), comma, 0x7B)  # {
             if members is None:
                 hi = comma
                 continue
             tail, tail_from = members, comma
             break
+    if tail.keys() & head.keys():
+        # a key both before and after the messages: which one counts is the whole read's call
+        return None
     values, problem = decode_fields({**tail, **head})
     values["input" if flavour == "responses" else "messages"] = messages
     return Body(**values), problem

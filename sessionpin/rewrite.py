@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
+from urllib.parse import unquote_plus
 
 import msgspec
 
@@ -31,7 +32,8 @@ from .config import Config, Server
 from .ladder import Decision
 
 CREDENTIAL_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie"})
-CREDENTIAL_WORDS = ("key", "token", "auth", "cookie", "secret")
+CREDENTIAL_WORDS = ("key", "token", "auth", "cookie", "secret", "password", "passwd", "credential",
+                    "jwt", "signature")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,16 @@ def is_credential(name: str) -> bool:
     return n in CREDENTIAL_HEADERS or any(w in n for w in CREDENTIAL_WORDS)
 
 
+def strip_query_credentials(path: str) -> str:
+    """The path with every query parameter whose name reads as a credential (``key``,
+    ``api_key``, ``access_token``, …) removed; every other byte kept as sent."""
+    base, sep, query = path.partition("?")
+    if not sep:
+        return path
+    kept = [p for p in query.split("&") if not is_credential(unquote_plus(p.partition("=")[0]))]
+    return base + ("?" + "&".join(kept) if kept else "")
+
+
 def auth_style(server: Server, request: RequestView) -> str:
     if server.auth:
         return server.auth
@@ -95,7 +107,8 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
     changes = Changes(request.scheme, request.host, request.port, request.path)
     if target.name != source.name:
         rest = request.path[len(source.prefix):] if request.path.startswith(source.prefix) else request.path
-        path = target.prefix + rest
+        # A key in the query (``?key=…``, as some APIs take) is a credential like a header.
+        path = target.prefix + strip_query_credentials(rest)
         if not path.startswith("/"):
             path = "/" + path
         drop: tuple[str, ...] = ()

@@ -223,3 +223,21 @@ def test_is_credential(name, credential):
 def test_duplicate_keys_anywhere_are_refused(body):
     with pytest.raises(ModelNotFound):
         rewrite.model_span(body)
+
+
+@pytest.mark.parametrize("path, kept", [
+    ("/v1/messages?beta=true", "/v1/messages?beta=true"),
+    ("/v1/messages?beta=true&key=agent-secret", "/v1/messages?beta=true"),
+    ("/v1/messages?api_key=s&beta=true&access_token=t", "/v1/messages?beta=true"),
+    ("/v1/messages?key=s", "/v1/messages"),
+    ("/v1/messages?%6Bey=s&x=%20y", "/v1/messages?x=%20y"),      # an escaped name is read, the rest kept as sent
+    ("/v1/messages?sig%6Eature=s&Password=p&JWT=j", "/v1/messages"),
+])
+def test_query_credentials_never_leave_with_a_moved_request(path, kept):
+    assert rewrite.strip_query_credentials(path) == kept
+
+
+@pytest.mark.parametrize("name", ["cf-access-jwt-assertion", "x-credential", "x-password", "signature",
+                                  "x-amz-security-token", "X-Goog-Api-Key"])
+def test_more_credential_header_names(name):
+    assert rewrite.is_credential(name)

@@ -83,6 +83,11 @@ def renew_due(pin: Pin, now: float) -> bool:
 
 
 def renew(store: Store, session: str, pin: Pin, now: float) -> Pin:
+    """Renew the pin the request followed — unless it changed since it was read (an
+    operator's move or forget in between must not be undone by a busy session)."""
+    current = load(store, session)
+    if current != pin:
+        return current if current is not None else pin
     fresh = msgspec.structs.replace(pin, renewed=now)
     store.set(key(session), encode(fresh), PIN_TTL)
     return fresh

@@ -84,3 +84,14 @@ def test_activity_accumulates_and_keeps_latest(store):
 def test_pin_record_holds_ids_and_names_only():
     # Nothing from a prompt can be in a pin: its fields are fixed and typed.
     assert {f.name for f in msgspec.structs.fields(pins.Pin)} == {"agent", "server", "since", "renewed", "rule", "turn", "v"}
+
+
+def test_renewal_never_undoes_an_operator_move_or_forget(store):
+    p = pins.create(store, "s1", pin(at=0.0))
+    moved = pins.Pin(agent="claude-code", server="anthropic", since=5.0, renewed=5.0, rule="operator")
+    pins.put(store, "s1", moved)                     # `sessionpin move` after the request read p
+    assert pins.renew(store, "s1", p, pins.DAY) == moved
+    assert pins.load(store, "s1") == moved
+    pins.forget(store, "s1")                         # `sessionpin forget` likewise
+    pins.renew(store, "s1", moved, 2 * pins.DAY)
+    assert pins.load(store, "s1") is None

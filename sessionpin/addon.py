@@ -821,6 +821,13 @@ class Router:
             flow.response = http.Response.make(403, b"sessionpin: loopback clients only\n",
                                                {"content-type": "text/plain"})
             return
+        site = flow.request.headers.get("sec-fetch-site", "none").strip().lower()
+        if site != "none":
+            # A script on a web page (DNS rebinding makes any site "loopback" through the
+            # proxy) must not read the operator's setup; a URL typed in the browser says "none".
+            flow.response = http.Response.make(403, b"sessionpin: not for web pages\n",
+                                               {"content-type": "text/plain"})
+            return
         path = flow.request.path.split("?", 1)[0].rstrip("/")
         if path == "/__sessionpin/status":
             counts = await self._pin_counts()

@@ -680,3 +680,14 @@ async def test_a_continuation_right_after_a_side_opening_follows_it_and_pins(set
     await r.request(second)
     assert second.request.host == "api.z.ai"
     assert pins.load(r.store, "toolless").server == "glm"
+
+
+async def test_status_is_not_for_scripts_on_web_pages(setup):
+    r, _ = setup
+    f = flow(path="/__sessionpin/status", method=b"GET", content=b"", host="evil.example",
+             headers=[(b"sec-fetch-site", b"same-origin"), (b"sec-fetch-mode", b"cors")])
+    await r.request(f)
+    assert f.response.status_code == 403 and b"config" not in f.response.content
+    typed = flow(path="/__sessionpin/status", method=b"GET", content=b"", headers=[(b"sec-fetch-site", b"none")])
+    await r.request(typed)
+    assert typed.response.status_code == 200

@@ -245,17 +245,23 @@ class _TooLarge(Exception):
     pass
 
 
-def _zlib(data: bytes, limit: int, wbits: int) -> bytes:
+def _frames(data: bytes, limit: int, decompressor, decompress) -> bytes:
+    """Every concatenated frame (gzip members, zstd frames) decompressed, at most ``limit``
+    bytes; a frame cut short is an error. ``decompress(d, data, room)`` reads one frame."""
     out = bytearray()
     while data:
-        d = zlib.decompressobj(wbits)
-        out += d.decompress(data, limit + 1 - len(out))
+        d = decompressor()
+        out += decompress(d, data, limit + 1 - len(out))
         if len(out) > limit:
             raise _TooLarge
         if not d.eof:
             raise ValueError("truncated")
         data = d.unused_data
     return bytes(out)
+
+
+def _zlib(data: bytes, limit: int, wbits: int) -> bytes:
+    return _frames(data, limit, lambda: zlib.decompressobj(wbits), lambda d, b, room: d.decompress(b, room))
 
 
 def _gzip(data: bytes, limit: int) -> bytes:
@@ -296,16 +302,7 @@ def _zstd(data: bytes, limit: int) -> bytes:
             from backports import zstd  # installed with the proxy on Python 3.12/3.13
         except ImportError:
             return _zstd_zstandard(data, limit)
-    out = bytearray()
-    while data:
-        d = zstd.ZstdDecompressor()
-        out += d.decompress(data, max_length=limit + 1 - len(out))
-        if len(out) > limit:
-            raise _TooLarge
-        if not d.eof:
-            raise ValueError("truncated")
-        data = d.unused_data
-    return bytes(out)
+    return _frames(data, limit, zstd.ZstdDecompressor, lambda d, b, room: d.decompress(b, max_length=room))
 
 
 def _zstd_zstandard(data: bytes, limit: int) -> bytes:

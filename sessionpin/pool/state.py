@@ -101,16 +101,7 @@ def decode_binding(text: str | None) -> Binding | None:
 
 def spares(store: Store, provider: str, model: str, *, drop_bad: bool = True) -> dict[str, Spare]:
     """Valid spares of one provider+model (an unreadable one is dropped on sight, unless read-only)."""
-    key = spare_key(provider, model)
-    out: dict[str, Spare] = {}
-    for sid, text in store.hgetall(key).items():
-        s = decode_spare(text)
-        if s is None:
-            if drop_bad:
-                store.hdel(key, sid)
-        else:
-            out[sid] = s
-    return out
+    return _valid(store, spare_key(provider, model), decode_spare, drop_bad)
 
 
 def is_fresh(spare: Spare, now: int, ttl_ms: int) -> bool:
@@ -143,14 +134,18 @@ def binding(store: Store, key: str) -> Binding | None:
 
 
 def bindings(store: Store, *, drop_bad: bool = True) -> dict[str, Binding]:
-    out: dict[str, Binding] = {}
-    for k, text in store.hgetall(BINDINGS).items():
-        b = decode_binding(text)
-        if b is None:
-            if drop_bad:
-                store.hdel(BINDINGS, k)
-        else:
-            out[k] = b
+    return _valid(store, BINDINGS, decode_binding, drop_bad)
+
+
+def _valid(store: Store, key: str, decode, drop_bad: bool) -> dict:
+    """The hash's fields that decode; an unreadable one is dropped on sight (unless read-only)."""
+    out = {}
+    for field, text in store.hgetall(key).items():
+        value = decode(text)
+        if value is not None:
+            out[field] = value
+        elif drop_bad:
+            store.hdel(key, field)
     return out
 
 

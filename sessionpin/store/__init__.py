@@ -3,9 +3,11 @@
 - ``memory:``            a MemoryStore: this process only, gone when it exits.
 - ``file:PATH``          a FileStore (SQLite, shared by processes); PATH may be relative
   (to the working directory when opened) or start with ``~``; ``file:///abs`` works too.
-- ``redis://...``        reserved for a later adapter; refused today with a clear error,
-  as is any other scheme.
+- ``redis://…``, ``rediss://…``, ``unix://…``  a Redis store (not yet: refused with a
+  clear StoreError), as is any other scheme.
 
+``open_store(url)`` gives the async ``Store`` every caller uses; ``open_sync_store(url)``
+the synchronous backend of a local URL (memory, file), for tests and tools that own it.
 ``default_store_url()`` is ``file:<user state dir>/sessionpin/state.db`` (platformdirs).
 """
 
@@ -15,9 +17,12 @@ from pathlib import Path
 
 import platformdirs
 
-from .base import Store, StoreError, StoreVersionError, WrongType
+from .base import (Check, Delete, HIncr, HSet, NotDurable, Set, Store, StoreError, StoreUnavailable,
+                   StoreVersionError, SyncStore, WrongType, ZAdd, ZRem)
 
-__all__ = ["Store", "StoreError", "StoreVersionError", "WrongType", "open_store", "default_store_url"]
+__all__ = ["Check", "Delete", "HIncr", "HSet", "NotDurable", "Set", "Store", "StoreError", "StoreUnavailable",
+           "StoreVersionError", "SyncStore", "WrongType", "ZAdd", "ZRem", "open_store", "open_sync_store",
+           "default_store_url"]
 
 STATE_FILE = "state.db"
 
@@ -26,12 +31,16 @@ def default_store_url() -> str:
     return "file:" + str(Path(platformdirs.user_state_dir("sessionpin")) / STATE_FILE)
 
 
-def open_store(url: str, **options) -> Store:
-    """Open the store ``url`` names. ``options`` go to the store (e.g. ``clock``)."""
+def _scheme(url: str) -> tuple[str, str]:
     scheme, sep, rest = url.partition(":")
     if not sep:
-        raise StoreError(f"store URL {url!r} has no scheme; use memory: or file:PATH")
-    scheme = scheme.lower()
+        raise StoreError(f"store URL {url!r} has no scheme; use memory:, file:PATH or redis://HOST")
+    return scheme.lower(), rest
+
+
+def open_sync_store(url: str, **options) -> SyncStore:
+    """The synchronous backend ``url`` names (memory: or file:). ``options`` go to it (e.g. ``clock``)."""
+    scheme, rest = _scheme(url)
     if scheme == "memory":
         if rest not in ("", "//"):
             raise StoreError(f"store URL {url!r}: memory: takes no path")
@@ -46,5 +55,17 @@ def open_store(url: str, **options) -> Store:
 
         return FileStore(path, url=url, **options)
     if scheme in ("redis", "rediss", "unix"):
+        raise StoreError(f"store URL {url!r}: a Redis store has no synchronous backend; use open_store")
+    raise StoreError(f"store URL {url!r}: unknown scheme {scheme!r}; use memory:, file:PATH or redis://HOST")
+
+
+def open_store(url: str, **options) -> Store:
+    """The async Store ``url`` names. Opening a file store may touch the disk: call it off
+    the event loop when one runs (the proxy opens its store in ``configure``)."""
+    scheme, _ = _scheme(url)
+    if scheme in ("redis", "rediss", "unix"):
         raise StoreError(f"store URL {url!r}: redis stores are not available yet; use memory: or file:PATH")
-    raise StoreError(f"store URL {url!r}: unknown scheme {scheme!r}; use memory: or file:PATH")
+    from .aio import Inline, Threaded
+
+    backend = open_sync_store(url, **options)
+    return Inline(backend) if scheme == "memory" else Threaded(backend)

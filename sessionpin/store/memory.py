@@ -8,11 +8,12 @@ Rules it keeps (beyond those of ``base``):
 - ``incr``/``hincr`` on a value that is not an integer raise ``StoreError`` (redis'
   "value is not an integer"); the hash loses its last field → the key is gone (redis).
 - ``durable`` is accepted and means nothing here: nothing is ever on disk.
+- ``cas`` and ``apply`` check and write under the one lock: atomic for every thread.
+- A sorted set is a dict member -> score; reads sort it (sets here are small: the pin
+  index per server, read by status in one ``zcount``).
 - Expired keys do not pile up: a write sweeps them all when ``SWEEP_EVERY`` seconds have
   passed since the last sweep (amortised: one pass over the keys per interval).
 
-The file store uses a MemoryStore as its overlay while the disk is failing, through
-``_state``/``_restore`` (one key's whole state, copied in and out).
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ import threading
 import time
 from typing import Callable
 
-from .base import StoreError, WrongType
+from typing import Any, Sequence
+
+from .base import Check, Delete, HIncr, HSet, Set, StoreError, WrongType, Write, ZAdd, ZRem
 
 STRING = "s"
 HASH = "h"
+ZSET = "z"
+_KIND_NAME = {STRING: "string", HASH: "hash", ZSET: "sorted set"}
 
 
 def as_int(value: str) -> int:
@@ -82,14 +87,17 @@ class MemoryStore:
     def _typed(self, key: str, kind: str) -> _Entry | None:
         entry = self._live(key)
         if entry is not None and entry.kind != kind:
-            raise WrongType(f"{key!r} holds a {'hash' if entry.kind == HASH else 'string'}")
+            raise WrongType(f"{key!r} holds a {_KIND_NAME[entry.kind]}")
         return entry
 
     def _hash_for_write(self, key: str) -> dict[str, str]:
+        return self._for_write(key, HASH)
+
+    def _for_write(self, key: str, kind: str) -> dict:
         self._maybe_sweep()
-        entry = self._typed(key, HASH)
+        entry = self._typed(key, kind)
         if entry is None:
-            entry = self._data[key] = _Entry(HASH, {}, None)
+            entry = self._data[key] = _Entry(kind, {}, None)
         return entry.value
 
     # -- strings ---------------------------------------------------------------------
@@ -98,17 +106,79 @@ class MemoryStore:
             entry = self._typed(key, STRING)
             return None if entry is None else entry.value
 
+    def mget(self, keys: Sequence[str]) -> list[str | None]:
+        with self._lock:
+            out: list[str | None] = []
+            for key in keys:
+                entry = self._live(key)
+                out.append(entry.value if entry is not None and entry.kind == STRING else None)
+            return out
+
     def set(self, key: str, value: str, ttl: float | None = None, *, nx: bool = False, durable: bool = False) -> bool:
         with self._lock:
             self._maybe_sweep()
             if nx and self._live(key) is not None:
                 return False
-            if ttl is not None and ttl <= 0:
-                # redis refuses a non-positive EX; a key that expires now is a delete.
+            self._set(key, value, ttl)
+            return True
+
+    def _set(self, key: str, value: str, ttl: float | None) -> None:
+        if ttl is not None and ttl <= 0:
+            # redis refuses a non-positive EX; a key that expires now is a delete.
+            self._data.pop(key, None)
+            return
+        expires = None if ttl is None else self._clock() + ttl
+        self._data[key] = _Entry(STRING, value, expires)
+
+    def _string_is(self, key: str, expected: str | None) -> bool:
+        entry = self._live(key)
+        if entry is None:
+            return expected is None
+        return entry.kind == STRING and entry.value == expected
+
+    def cas(self, key: str, expected: str | None, value: str | None, ttl: float | None = None, *,
+            durable: bool = False) -> bool:
+        with self._lock:
+            self._maybe_sweep()
+            if not self._string_is(key, expected):
+                return False
+            if value is None:
                 self._data.pop(key, None)
-                return True
-            expires = None if ttl is None else self._clock() + ttl
-            self._data[key] = _Entry(STRING, value, expires)
+            else:
+                self._set(key, value, ttl)
+            return True
+
+    def apply(self, checks: Sequence[Check], writes: Sequence[Write], *, durable: bool = False) -> bool:
+        with self._lock:
+            self._maybe_sweep()
+            if not all(self._string_is(c.key, c.value) for c in checks):
+                return False
+            # type errors first, so a failing apply changes nothing
+            for w in writes:
+                if isinstance(w, (HSet, HIncr)):
+                    self._typed(w.key, HASH)
+                    if isinstance(w, HIncr):
+                        entry = self._live(w.key)
+                        if entry is not None and w.field in entry.value:
+                            as_int(entry.value[w.field])
+                elif isinstance(w, (ZAdd, ZRem)):
+                    self._typed(w.key, ZSET)
+            for w in writes:
+                if isinstance(w, Set):
+                    self._set(w.key, w.value, w.ttl)
+                elif isinstance(w, Delete):
+                    self._data.pop(w.key, None)
+                elif isinstance(w, HSet):
+                    self._for_write(w.key, HASH)[w.field] = w.value
+                elif isinstance(w, HIncr):
+                    fields = self._for_write(w.key, HASH)
+                    fields[w.field] = str(as_int(fields.get(w.field, "0")) + w.by)
+                elif isinstance(w, ZAdd):
+                    self._for_write(w.key, ZSET)[w.member] = float(w.score)
+                elif isinstance(w, ZRem):
+                    self._zrem(w.key, w.member)
+                else:  # pragma: no cover - the vocabulary is closed
+                    raise StoreError(f"unknown write {w!r}")
             return True
 
     def delete(self, key: str, *, durable: bool = False) -> bool:
@@ -185,6 +255,49 @@ class MemoryStore:
             fields[field] = str(n)
             return n
 
+    # -- sorted sets -------------------------------------------------------------------
+    def zadd(self, key: str, member: str, score: float, *, durable: bool = False) -> None:
+        with self._lock:
+            self._for_write(key, ZSET)[member] = float(score)
+
+    def _zrem(self, key: str, member: str) -> bool:
+        entry = self._typed(key, ZSET)
+        if entry is None or member not in entry.value:
+            return False
+        del entry.value[member]
+        if not entry.value:
+            del self._data[key]
+        return True
+
+    def zrem(self, key: str, member: str, *, durable: bool = False) -> bool:
+        with self._lock:
+            return self._zrem(key, member)
+
+    def zcount(self, key: str, lo: float, hi: float) -> int:
+        with self._lock:
+            entry = self._typed(key, ZSET)
+            return 0 if entry is None else sum(1 for s in entry.value.values() if lo <= s <= hi)
+
+    def zrange(self, key: str, lo: float, hi: float, limit: int | None = None) -> list[tuple[str, float]]:
+        with self._lock:
+            entry = self._typed(key, ZSET)
+            if entry is None:
+                return []
+            found = sorted(((m, s) for m, s in entry.value.items() if lo <= s <= hi), key=lambda p: (p[1], p[0]))
+            return found if limit is None else found[:max(limit, 0)]
+
+    def zremrange(self, key: str, lo: float, hi: float) -> int:
+        with self._lock:
+            entry = self._typed(key, ZSET)
+            if entry is None:
+                return 0
+            dead = [m for m, s in entry.value.items() if lo <= s <= hi]
+            for m in dead:
+                del entry.value[m]
+            if not entry.value:
+                del self._data[key]
+            return len(dead)
+
     # -- keys ------------------------------------------------------------------------
     def keys(self, prefix: str = "") -> list[str]:
         with self._lock:
@@ -199,24 +312,12 @@ class MemoryStore:
                 del self._data[k]
             return len(dead[:limit])
 
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "memory", "url": self.url, "durable": False,
+                "note": "this process only: pins are gone when it exits"}
+
     def close(self) -> None:
         pass
-
-    # -- whole-key state, for the file store's overlay ---------------------------------
-    def _state(self, key: str) -> tuple[str, object, float | None] | None:
-        with self._lock:
-            e = self._live(key)
-            if e is None:
-                return None
-            return (e.kind, dict(e.value) if e.kind == HASH else e.value, e.expires_at)
-
-    def _restore(self, key: str, state: tuple[str, object, float | None] | None) -> None:
-        with self._lock:
-            if state is None:
-                self._data.pop(key, None)
-            else:
-                kind, value, expires_at = state
-                self._data[key] = _Entry(kind, dict(value) if kind == HASH else value, expires_at)
 
     def __repr__(self) -> str:
         return f"<MemoryStore {self.url} keys={len(self._data)}>"

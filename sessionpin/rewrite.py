@@ -96,7 +96,7 @@ def _refused(request: RequestView, why: str) -> Changes:
     return Changes(request.scheme, request.host, request.port, request.path, refuse=why)
 
 
-def plan(decision: Decision, request: RequestView, source: Server, config: Config,
+def plan(decision: Decision, request: RequestView, source: Server | None, config: Config,
          env: Mapping[str, str]) -> Changes:
     if decision.target is None:
         raise ValueError("plan() is for a decision with a target")
@@ -105,8 +105,8 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
         return _refused(request, f"server {decision.target!r} is not configured")
 
     changes = Changes(request.scheme, request.host, request.port, request.path)
-    if target.name != source.name:
-        rest = request.path[len(source.prefix):] if request.path.startswith(source.prefix) else request.path
+    if source is None or target.name != source.name:
+        rest = _rest(request.path, source)
         # A key in the query (``?key=…``, as some APIs take) is a credential like a header.
         path = target.prefix + strip_query_credentials(rest)
         if not path.startswith("/"):
@@ -122,11 +122,12 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
                 add = (("x-api-key", key.strip()),)
             else:
                 add = (("authorization", f"Bearer {key.strip()}"),)
-        elif target.origin != source.origin:
+        elif source is None or target.origin != source.origin:
+            addressed = source.origin if source else f"{request.scheme}://{request.host}:{request.port}"
             return _refused(
                 request,
                 f"server {target.name} has no key_env, so it only takes requests addressed to {target.origin}; "
-                f"this one was addressed to {source.origin} (set servers.{target.name}.key_env)",
+                f"this one was addressed to {addressed} (set servers.{target.name}.key_env)",
             )
         changes = Changes(target.scheme, target.host, target.port, path, drop, add)
 
@@ -140,6 +141,16 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
             changes = Changes(changes.scheme, changes.host, changes.port, changes.path,
                               changes.drop_headers, changes.set_headers, body, (request.model, mapped))
     return changes
+
+
+def _rest(path: str, source: Server | None) -> str:
+    """The path after the source server's prefix. A request to an origin that is no longer
+    configured (its session pinned elsewhere) keeps its API path from ``/v1/`` on."""
+    if source is not None:
+        return path[len(source.prefix):] if path.startswith(source.prefix) else path
+    base, sep, query = path.partition("?")
+    at = base.rfind("/v1/")
+    return (base[at:] if at != -1 else base) + sep + query
 
 
 _WS = b" \t\r\n"

@@ -12,10 +12,10 @@ Rules this module keeps (seeds/000, made stronger):
   the one read — an operator's ``move`` committed meanwhile is never undone.
 - New pins, moves and forgets are durable (the store raises ``NotDurable`` otherwise);
   renewals are not (a lost renewal costs a day of TTL, never a pin).
-- The index: each pin's session is also a member of ``pinidx:<server>`` (``-`` for not
-  routed) scored by the pin's expiry, written in the same ``apply``; ``pinidx`` (a hash)
-  names every server that has an index. Counting a server's live pins is one
-  ``zcount`` — status and metrics never walk the pins.
+- The index: each pin's session is also a member of ``pinidx:<agent>:<server>`` (``-``
+  for not routed) scored by the pin's expiry, written in the same ``apply``; ``pinidx``
+  (a hash) names every index. Counting live pins per agent and server is one ``zcount``
+  each — status, metrics and the CLI's "N stay where they are" never walk the pins.
 - A stored value that is not a valid pin (bad JSON, wrong shape, no agent) reads as no pin.
 - Activity (last seen, requests seen) is not part of the pin: it changes on every
   request, so the router counts it in memory and flushes it lazily (``record_seen``).
@@ -33,8 +33,8 @@ from .store.base import Check, Delete, HSet, Set, Store, Write, ZAdd, ZRem
 PIN_PREFIX = "pin:"
 SEEN_PREFIX = "seen:"
 INDEX_PREFIX = "pinidx:"
-INDEX_NAMES = "pinidx"          # hash: server (or "-") -> "1"
-ACTIVE_PREFIX = "active:"       # sorted set per server: session -> last seen
+INDEX_NAMES = "pinidx"          # hash: "<agent>:<server or ->" -> "1"
+ACTIVE_PREFIX = "active:"       # sorted set per agent and server: session -> last seen
 NOT_ROUTED = "-"
 DAY = 86_400.0
 PIN_TTL = 30 * DAY
@@ -66,12 +66,22 @@ def key(session: str) -> str:
     return PIN_PREFIX + session
 
 
-def index_key(server: str | None) -> str:
-    return INDEX_PREFIX + (server or NOT_ROUTED)
+def group(agent: str, server: str | None) -> str:
+    """The index group of a pin: ``<agent>:<server>`` (server names hold no colon)."""
+    return f"{agent}:{server or NOT_ROUTED}"
 
 
-def active_key(server: str | None) -> str:
-    return ACTIVE_PREFIX + (server or NOT_ROUTED)
+def split_group(name: str) -> tuple[str, str | None]:
+    agent, _, server = name.partition(":")
+    return agent, (None if server == NOT_ROUTED else server)
+
+
+def index_key(agent: str, server: str | None) -> str:
+    return INDEX_PREFIX + group(agent, server)
+
+
+def active_key(agent: str, server: str | None) -> str:
+    return ACTIVE_PREFIX + group(agent, server)
 
 
 def encode(pin: Pin) -> str:
@@ -101,11 +111,12 @@ async def load(store: Store, session: str) -> Loaded:
 
 
 def _indexed(session: str, pin: Pin) -> list[Write]:
-    return [ZAdd(index_key(pin.server), session, expiry(pin)), HSet(INDEX_NAMES, pin.server or NOT_ROUTED, "1")]
+    return [ZAdd(index_key(pin.agent, pin.server), session, expiry(pin)),
+            HSet(INDEX_NAMES, group(pin.agent, pin.server), "1")]
 
 
 def _unindexed(session: str, pin: Pin | None) -> list[Write]:
-    return [] if pin is None else [ZRem(index_key(pin.server), session)]
+    return [] if pin is None else [ZRem(index_key(pin.agent, pin.server), session)]
 
 
 async def create(store: Store, session: str, pin: Pin, seen: Loaded | None = None) -> Loaded:
@@ -152,7 +163,7 @@ async def forget(store: Store, session: str, seen: Loaded) -> bool:
         return False
     writes: list[Write] = [Delete(key(session)), *_unindexed(session, seen.pin), Delete(SEEN_PREFIX + session)]
     if seen.pin is not None:
-        writes.append(ZRem(active_key(seen.pin.server), session))
+        writes.append(ZRem(active_key(seen.pin.agent, seen.pin.server), session))
     return await store.apply([Check(key(session), seen.raw)], writes, durable=True)
 
 
@@ -167,26 +178,36 @@ async def sessions(store: Store, batch: int = 500) -> AsyncIterator[tuple[str, P
                 yield k[len(PIN_PREFIX):], pin
 
 
-async def counts(store: Store, now: float, active_since: float | None = None) -> dict[str, tuple[int, int]]:
-    """Live pins per server (``-``: not routed) and how many were seen since ``active_since``:
-    one ``zcount`` per indexed server."""
-    out: dict[str, tuple[int, int]] = {}
-    for server in sorted(await store.hgetall(INDEX_NAMES)):
-        n = await store.zcount(INDEX_PREFIX + server, now, float("inf"))
+async def counts(store: Store, now: float, active_since: float | None = None
+                 ) -> dict[tuple[str, str | None], tuple[int, int]]:
+    """Live pins per (agent, server) (server None: not routed) and how many of them were
+    seen since ``active_since``: one ``zcount`` per index."""
+    out: dict[tuple[str, str | None], tuple[int, int]] = {}
+    for name in sorted(await store.hgetall(INDEX_NAMES)):
+        n = await store.zcount(INDEX_PREFIX + name, now, float("inf"))
         active = 0
         if active_since is not None:
-            active = await store.zcount(ACTIVE_PREFIX + server, active_since, float("inf"))
+            active = await store.zcount(ACTIVE_PREFIX + name, active_since, float("inf"))
         if n or active:
-            out[server] = (n, active)
+            out[split_group(name)] = (n, active)
+    return out
+
+
+def by_server(counts: dict[tuple[str, str | None], tuple[int, int]]) -> dict[str | None, tuple[int, int]]:
+    """``counts`` summed over agents."""
+    out: dict[str | None, tuple[int, int]] = {}
+    for (_, server), (n, active) in counts.items():
+        a, b = out.get(server, (0, 0))
+        out[server] = (a + n, b + active)
     return out
 
 
 async def sweep_index(store: Store, now: float) -> int:
     """Drop expired index and activity members (the pins themselves expire by TTL)."""
     dropped = 0
-    for server in await store.hgetall(INDEX_NAMES):
-        dropped += await store.zremrange(INDEX_PREFIX + server, float("-inf"), now)
-        dropped += await store.zremrange(ACTIVE_PREFIX + server, float("-inf"), now - PIN_TTL)
+    for name in await store.hgetall(INDEX_NAMES):
+        dropped += await store.zremrange(INDEX_PREFIX + name, float("-inf"), now)
+        dropped += await store.zremrange(ACTIVE_PREFIX + name, float("-inf"), now - PIN_TTL)
     return dropped
 
 
@@ -203,13 +224,13 @@ async def seen(store: Store, session: str) -> Seen:
         return Seen()
 
 
-async def record_seen(store: Store, activity: Sequence[tuple[str, str | None, float, int]]) -> None:
-    """Flush activity counted in memory: (session, pinned server, last seen, requests).
+async def record_seen(store: Store, activity: Sequence[tuple[str, str, str | None, float, int]]) -> None:
+    """Flush activity counted in memory: (session, agent, pinned server, last seen, requests).
     Non-durable writes, TTL as a pin's."""
-    for session, server, last, requests in activity:
+    for session, agent, server, last, requests in activity:
         k = SEEN_PREFIX + session
         await store.hincr(k, "requests", requests)
         if float(await store.hget(k, "last") or 0) < last:
             await store.hset(k, "last", repr(last))
         await store.expire(k, PIN_TTL)
-        await store.zadd(active_key(server), session, last)
+        await store.zadd(active_key(agent, server), session, last)

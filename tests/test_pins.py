@@ -100,17 +100,21 @@ async def test_counts_follow_every_change_without_a_walk(store, clock):
         await pins.create(store, f"g{i}", make("glm"))
     await pins.create(store, "n", make(None))
     a = await pins.create(store, "a", make("anthropic"))
-    assert await pins.counts(store, now) == {"glm": (5, 0), "-": (1, 0), "anthropic": (1, 0)}
+    await pins.create(store, "o", make("glm", agent="opencode"))
+    cc = "claude-code"
+    assert await pins.counts(store, now) == {(cc, "glm"): (5, 0), (cc, None): (1, 0), (cc, "anthropic"): (1, 0),
+                                             ("opencode", "glm"): (1, 0)}
     await pins.move(store, "a", a, make("glm"))
     await pins.forget(store, "g0", await pins.load(store, "g0"))
-    assert await pins.counts(store, now) == {"glm": (5, 0), "-": (1, 0)}
-    await pins.record_seen(store, [("g1", "glm", now, 3), ("n", None, now - 7200, 1)])
-    assert await pins.counts(store, now, active_since=now - 3600) == {"glm": (5, 1), "-": (1, 0)}
+    assert pins.by_server(await pins.counts(store, now)) == {"glm": (6, 0), None: (1, 0)}
+    await pins.record_seen(store, [("g1", cc, "glm", now, 3), ("n", cc, None, now - 7200, 1)])
+    assert await pins.counts(store, now, active_since=now - 3600) == {(cc, "glm"): (5, 1), (cc, None): (1, 0),
+                                                                      ("opencode", "glm"): (1, 0)}
     assert await pins.seen(store, "g1") == pins.Seen(now, 3)
     # expiry: 30 days on, nothing counts, and the sweep drops the index members
     clock.t = now + pins.PIN_TTL + 1
     assert await pins.counts(store, clock.t) == {}
-    assert await pins.sweep_index(store, clock.t) >= 6
+    assert await pins.sweep_index(store, clock.t) >= 7
 
 
 async def test_sessions_lists_valid_pins(store):

@@ -53,7 +53,7 @@ async def test_opening_turn_is_routed_and_pinned_before_it_leaves(proxy):
     assert f.marked == ":pushpin:"
     meta = f.metadata["sessionpin"]
     assert meta["rule"] == "opening" and meta["target"] == "glm" and meta["model"] == ["claude-opus-4-1", "glm-4.6"]
-    assert proxy.runtime._activity[SESSION][2] == 1
+    assert proxy.runtime._activity[SESSION][3] == 1
 
 
 async def test_the_pin_holds_after_the_current_server_changes(proxy, cfg_path):

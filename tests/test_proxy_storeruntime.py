@@ -37,7 +37,7 @@ async def test_heartbeat_and_activity(cfg_path, monkeypatch):
         assert 0 < await p.store.ttl(key) <= 30
         assert (await pins.seen(p.store, SESSION)).requests == 1
         counts = await pins.counts(p.store, 0, 0)
-        assert counts["glm"] == (1, 1)
+        assert counts[("claude-code", "glm")] == (1, 1)
         await p.send(flow("continuation"))
         store = p.store
     finally:

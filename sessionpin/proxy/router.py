@@ -237,7 +237,8 @@ class Router:
         self.metrics.decisions[(facts.agent, facts.turn or "none", outcome)] += 1
         self.metrics.rules[d.rule] += 1
         if facts.session and facts.agent in F.AGENTS and (pin is not None or d.pin_action == ladder.CREATE):
-            self.runtime.seen(facts.session, d.target if d.pin_action == ladder.CREATE else pin.server, r.now)
+            self.runtime.seen(facts.session, facts.agent, d.target if d.pin_action == ladder.CREATE else pin.server,
+                              r.now)
         model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""
         decisions.info("sessionpin: %s %s %s %s → %s [%s: %s]%s", facts.agent, turn, sid,
                  r.source.name if r.source else flow.request.pretty_host, where, d.rule, d.why, model)

@@ -100,7 +100,8 @@ class StatusEndpoints:
             self.metrics.store_errors += 1
             log.warning("sessionpin: counting pins in %s: %s", store.url, e)
             return None, str(e)
-        return {server: PinCount(pins=n, active=a) for server, (n, a) in got.items()}, None
+        return {server or pins.NOT_ROUTED: PinCount(pins=n, active=a)
+                for server, (n, a) in pins.by_server(got).items()}, None
 
     async def status(self) -> Status:
         c = self.config.config

@@ -49,17 +49,17 @@ class StoreRuntime:
         self.host = socket.gethostname()
         self.config_path: Callable[[], str | None] = lambda: None   # set by make_addons
         self.token = ""                                  # the status endpoint's, set by make_addons
-        self._activity: dict[str, list] = {}             # session -> [server, last seen, requests]
+        self._activity: dict[str, list] = {}             # session -> [agent, server, last seen, requests]
         self._task: asyncio.Task | None = None
         self._on_store: list[Callable[[Store], None]] = []
 
     # ---- what other addons call --------------------------------------------------------
-    def seen(self, session: str, server: str | None, now: float) -> None:
+    def seen(self, session: str, agent: str, server: str | None, now: float) -> None:
         a = self._activity.get(session)
         if a is None:
-            self._activity[session] = [server, now, 1]
+            self._activity[session] = [agent, server, now, 1]
         else:
-            a[0], a[1], a[2] = server, now, a[2] + 1
+            a[1], a[2], a[3] = server, now, a[3] + 1
 
     def on_store(self, fn: Callable[[Store], None]) -> None:
         """Call ``fn(store)`` now and whenever the store changes (the pool keeps a handle)."""
@@ -153,9 +153,9 @@ class StoreRuntime:
                 self.errors += 1
                 log.warning("sessionpin: store %s: %s: %s", self.url, type(e).__name__, e)
 
-    def _take(self) -> list[tuple[str, str | None, float, int]]:
+    def _take(self) -> list[tuple[str, str, str | None, float, int]]:
         pending, self._activity = self._activity, {}
-        return [(s, a[0], a[1], a[2]) for s, a in pending.items()]
+        return [(s, a[0], a[1], a[2], a[3]) for s, a in pending.items()]
 
     def heartbeat(self) -> Heartbeat:
         listen: list[tuple[str, int]] = []

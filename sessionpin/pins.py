@@ -48,6 +48,7 @@ class Pin(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     renewed: float              # when its TTL was last renewed
     rule: str = ""              # the ladder rule that made it (or "operator")
     turn: str = ""              # the turn that made it
+    source: str = ""            # the configured server the request that made it addressed ("" none)
     v: int = 1
 
 

@@ -282,4 +282,4 @@ def _planned(state: State) -> Step:
 
 def _new_pin(r: Request, d: Decision) -> Pin:
     return Pin(agent=r.facts.agent, server=d.target, since=r.now, renewed=r.now, rule=d.rule,
-               turn=r.facts.turn or "")
+               turn=r.facts.turn or "", source=r.source.name if r.source else "")

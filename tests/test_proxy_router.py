@@ -360,3 +360,31 @@ server = "router"
         assert f.request.headers["authorization"] == "Bearer or-sentinel"
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("status, location, named", [
+    (307, "https://evil.example/v1/messages", "evil.example"),
+    (302, "/api/anthropic/v1/messages", "api.z.ai (same origin)"),
+    (308, "https://api.z.ai:8443/x", "api.z.ai"),
+])
+async def test_a_redirect_from_a_server_the_request_was_moved_to_is_not_passed_on(proxy, status, location, named):
+    f = flow()
+    await proxy.send(f)
+    assert f.request.host == "api.z.ai" and f.metadata["sessionpin"]["moved"]
+    f.response = tutils.tresp(status_code=status, headers=http.Headers(location=location, content_length="0"),
+                              content=b"")
+    proxy.router.responseheaders(f)
+    assert not f.response.stream
+    proxy.router.response(f)
+    assert f.response.status_code == 502 and "location" not in f.response.headers
+    msg = json.loads(f.response.content)["error"]["message"]
+    assert "server glm" in msg and named in msg and SESSION in msg
+
+
+async def test_a_redirect_to_a_request_left_where_it_was_sent_passes(proxy):
+    f = flow("continuation")         # never seen begin: left alone
+    await proxy.send(f)
+    f.response = tutils.tresp(status_code=307, headers=http.Headers(location="https://x.example/"), content=b"")
+    proxy.router.responseheaders(f)
+    proxy.router.response(f)
+    assert f.response.status_code == 307

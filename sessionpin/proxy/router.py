@@ -16,6 +16,10 @@ metadata, one log line. Rules this module keeps:
   to the agent (session, server, address) instead of mitmproxy's HTML 502.
 - Streamed responses (SSE, NDJSON, and any routed response without a length) pass
   through as they arrive: ``responseheaders`` turns streaming on.
+- A redirect answered by a server the request was moved to is not passed on: the agent
+  would follow it with its own key (to another host, or to that server's origin, where
+  requests keep the agent's headers). It gets a 502 naming the server and the host the
+  redirect pointed to.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections import Counter
 from typing import Any, Mapping
 
 from mitmproxy import http
+from mitmproxy.net.http import url
 
 from .. import answers, ladder, pins, rewrite, route
 from .. import facts as F
@@ -45,6 +50,7 @@ TITLE_PREFIX = "title:"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson", "application/jsonl",
                 "application/stream+json")
 UNREACHABLE_RETRY = 5      # seconds: a server that is down may be back by then
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
 class Metrics:
@@ -230,6 +236,7 @@ class Router:
             "turn": facts.turn, "api": facts.api, "rule": d.rule, "why": d.why, "outcome": outcome,
             "target": d.target, "source": r.source.name if r.source else None, "pin_action": d.pin_action,
             "pinned": pin.server if pin else None, "reason": facts.reason,
+            "moved": changes is not None and refused is None and d.target != (r.source.name if r.source else None),
         }
         if changes is not None and changes.model:
             meta["model"] = list(changes.model)
@@ -248,6 +255,8 @@ class Router:
         resp = flow.response
         if resp is None:
             return
+        if resp.status_code in REDIRECTS and flow.metadata.get("sessionpin", {}).get("moved"):
+            return   # buffered: ``response`` answers it instead
         if not resp.stream:
             ctype = resp.headers.get("content-type", "").lower()
             if any(t in ctype for t in STREAM_TYPES):
@@ -261,6 +270,30 @@ class Router:
                     p.responseheaders(flow)
                 except Exception:
                     log.exception("sessionpin: participant %s failed", type(p).__name__)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        meta = flow.metadata.get("sessionpin")
+        resp = flow.response
+        if resp is None or not meta or not meta.get("moved") or resp.status_code not in REDIRECTS:
+            return
+        location = resp.headers.get("location", "")
+        try:
+            target_host = url.parse_authority(location.split("://", 1)[-1].split("/", 1)[0], False)[0] \
+                if "://" in location else (flow.request.host + " (same origin)")
+        except ValueError:
+            target_host = "an unreadable address"
+        refusal = route.Refuse(502, "redirect", (
+            f"sessionpin: server {meta.get('target')} answered {resp.status_code} redirecting to {target_host}; "
+            f"sessionpin does not pass a redirect on from a server it moved a request to (the agent would "
+            f"follow it with its own key). {meta.get('agent')} session {meta.get('session')} stays on "
+            f"{meta.get('target')}."))
+        api = meta.get("api") or F.api_of("POST", flow.request.path)
+        body, headers = answers.refusal(api, refusal.status, refusal.kind, refusal.message)
+        flow.response = http.Response.make(refusal.status, body, headers)
+        meta.update({"refused": 502, "refusal": "redirect", "message": refusal.message})
+        flow.comment = f"{flow.comment}\nrefused 502: redirect to {target_host}"
+        self.metrics.refusals["redirect"] += 1
+        log.warning("sessionpin: refused 502 (redirect) %s: %s", short(meta.get("session")), refusal.message)
 
     def error(self, flow: http.HTTPFlow) -> None:
         meta = flow.metadata.get("sessionpin")

@@ -48,7 +48,7 @@ def test_every_option_is_registered_and_bad_values_are_option_errors(wired):
 async def test_request_rewrites_only_the_session_header_and_responseheaders_observes(wired):
     p, _, _, store = wired
     now = int(time.time() * 1000)
-    state.add_spare(store, "opencode-go", M, "spare-1", state.Spare(upstream_ms=900, verified_at=now, created_at=now))
+    await state.add_spare(store, "opencode-go", M, "spare-1", state.Spare(upstream_ms=900, verified_at=now, created_at=now))
     headers = [("User-Agent", "opencode/1.18.33"), ("Authorization", "Bearer k"), ("X-OpenCode-Session", "ses_1"),
                ("x-opencode-project", "prj")]
     f = flow(headers)
@@ -59,8 +59,12 @@ async def test_request_rewrites_only_the_session_header_and_responseheaders_obse
     assert f.metadata[META]["how"] == "spare" and f.metadata[META]["client_id"] == "ses_1"
     assert f.comment.endswith("pool: spare spare-1")
     f.response = tutils.tresp(status_code=429)
-    p.responseheaders(f)            # no running(): observed inline
-    assert state.is_retired(store, "spare-1")
+    task = p.responseheaders(f)     # observed in a task of its own: the stream does not wait
+    assert not task.done()
+    assert await task == "retire"
+    assert await state.is_retired(store, "spare-1")
+    text = await p.metrics()
+    assert 'sessionpin_pool_events_total{event="retired_429"} 1' in text
 
 
 async def test_requests_elsewhere_and_the_off_switch_are_left_alone(wired):

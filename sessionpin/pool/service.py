@@ -17,8 +17,10 @@ Rules this module keeps:
 - Per-key de-duplication: concurrent requests of one key share one acquisition.
 - A failed *budgeted* acquisition puts the key in cooldown (no budget) for
   ``probe_cooldown_ms``.
-- A store that fails is replaced by an in-memory store: routing goes on, only durability
-  and sharing with other processes are lost (logged once).
+- The store is the async ``Store``: nothing here touches a file on the event loop. A store
+  that fails (``StoreError``: ``StoreUnavailable``, ``NotDurable``…) is replaced by an
+  in-memory store: routing goes on, only durability and sharing with other processes are
+  lost (logged once).
 - Nothing here raises into the request path: ``route``/``observe`` log and return.
 - The refresh loop runs in the caller's event loop; ``start``/``stop`` are synchronous
   (mitmproxy's running/done), and its schedule lives on the service, so stopping and
@@ -30,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import sqlite3
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -236,7 +237,7 @@ class PoolService:
         if client_id:
             self.counters["routed_client"] += 1
             return Route(key, client_id, "client", sc.provider, model, sc.origin, client_id)
-        fresh = self._bind_fresh(key, sc.provider, model)
+        fresh = await self._bind_fresh(key, sc.provider, model)
         self.counters[f"routed_{fresh.how}"] += 1
         return Route(key, fresh.routed_id, fresh.how, sc.provider, model, sc.origin, None)
 
@@ -264,28 +265,32 @@ class PoolService:
             self.request_refill()
         return got
 
-    def _bind_fresh(self, key: str, provider: str, model: str) -> Acquired:
+    async def _bind_fresh(self, key: str, provider: str, model: str) -> Acquired:
         """A client with no id of its own and no pooled id: one random id for good."""
         now = self.clock.now_ms()
         b = state.Binding(routed_id=state.new_id(), provider=provider, model=model, bound_at=now,
                           last_seen_at=now, origin="fresh")
         try:
-            won = state.bind(self.store, key, b)
+            won = await state.bind(self.store, key, b)
         except Exception as e:
             if not _is_store_fault(e):
                 raise
             self._store_failed(e)
-            won = state.bind(self.store, key, b)
-        return Acquired(won.routed_id, "fresh" if won is b else "binding", won)
+            won = await state.bind(self.store, key, b)
+        if won is None:     # cannot happen for a new random id; route the id anyway
+            won = b
+        return Acquired(won.routed_id, "fresh" if won.routed_id == b.routed_id else "binding", won)
 
-    def observe(self, route: Route, status: int, headers: Mapping[str, str]) -> str:
-        """Feed a real response back (sync, a store read and at most one write). Never raises."""
+    async def observe(self, route: Route, status: int, headers: Mapping[str, str]) -> str:
+        """Feed a real response back (a store read and at most one write). Never raises."""
         if not route.observed:
             return "client"
         try:
             h = {str(k).lower(): str(v) for k, v in headers.items()}
-            return observe_binding(self.store, route.key, route.routed_id, status, h.get("server-timing"),
-                                   self.cfg, self.clock.now_ms(), self.counters)
+            return await observe_binding(self.store, route.key, route.routed_id, status, h.get("server-timing"),
+                                         self.cfg, self.clock.now_ms(), self.counters)
+        except asyncio.CancelledError:
+            raise
         except Exception as e:
             if _is_store_fault(e):
                 self._store_failed(e)
@@ -379,4 +384,6 @@ class PoolService:
 
 
 def _is_store_fault(e: BaseException) -> bool:
-    return isinstance(e, (StoreError, OSError, sqlite3.Error))
+    # The contract's errors (StoreUnavailable, NotDurable, WrongType: StoreError); an OSError
+    # from a backend that leaks one is treated the same.
+    return isinstance(e, (StoreError, OSError))

@@ -87,6 +87,18 @@ async def test_pi_shaped_request_gets_a_session_header(wired):
     assert f.metadata[META]["how"] == "fresh" and f.request.headers["x-opencode-session"] == f.metadata[META]["id"]
 
 
+async def test_mitmproxys_upstream_options_reach_the_pools_probes(wired, caplog):
+    p, opts, tctx, _ = wired
+    assert p.service.cfg.upstream.proxy is None
+    caplog.set_level("INFO", logger="sessionpin.pool.service")
+    tctx.options.update(mode=["upstream:http://corp.example:3128@8081"], ssl_insecure=True)   # mitmproxy's own
+    up = p.service.cfg.upstream
+    assert (up.proxy, up.insecure) == ("http://corp.example:3128", True)
+    assert "probes go through the upstream proxy http://corp.example:3128" in caplog.text
+    with pytest.raises(exceptions.OptionsError, match="not an http\\(s\\) upstream proxy"):
+        tctx.options.update(mode=["upstream:socks5://corp.example:1080"])
+
+
 async def test_running_and_done_start_and_stop_one_loop(wired):
     p, *_ = wired
     p.running()

@@ -9,7 +9,12 @@ Hooks, in the order mitmproxy drives them:
 - ``PoolOptions.load(loader)``: registers every option of ``pool.options.OPTIONS``; it
   keeps ``loader.master.options`` to read values from (no ``mitmproxy.ctx``).
 - ``PoolOptions.configure(updated)`` -> ``PoolParticipant.configure(values)``: parse the
-  options (``ValueError`` -> the addon's OptionsError).
+  options (``ValueError`` -> the addon's OptionsError). The values are every
+  ``sessionpin_pool_*`` option plus mitmproxy's upstream options
+  (``upstream.UPSTREAM_OPTIONS``: mode, upstream_auth, ssl_insecure,
+  ssl_verify_upstream_trusted_ca/confdir), so probes go out the way mitmproxy's upstream
+  connections go. A shell that drives the participant without ``PoolOptions`` passes the
+  same values.
 - ``configure_store(store)`` (called by the router when its store opens): with both a
   config and a store, attach to ``pool.MANAGER`` (the same service after a reload).
 - ``running()``: start the refresh loop (sync). ``done()``: detach (sync).
@@ -31,6 +36,7 @@ from typing import Any
 from . import MANAGER, report
 from .options import OPTIONS, PoolConfig, parse
 from .service import HEADER, PoolService, Route, scope_of
+from .upstream import UPSTREAM_OPTIONS
 
 log = logging.getLogger(__name__)
 META = "sessionpin_pool"
@@ -152,9 +158,13 @@ class PoolOptions:
         self._options = loader.master.options
 
     def configure(self, updated: set[str]) -> None:
-        if self._options is None or not any(n.startswith("sessionpin_pool") for n in updated):
+        if self._options is None or not any(n.startswith("sessionpin_pool") or n in UPSTREAM_OPTIONS
+                                            for n in updated):
             return
+        values = {o.name: getattr(self._options, o.name) for o in OPTIONS}
+        for name in UPSTREAM_OPTIONS:     # mitmproxy's; upstream_auth belongs to an addon that may be absent
+            values[name] = getattr(self._options, name, None)
         try:
-            self.participant.configure({o.name: getattr(self._options, o.name) for o in OPTIONS})
+            self.participant.configure(values)
         except ValueError as e:
             raise self.error(str(e)) from None

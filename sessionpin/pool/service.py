@@ -21,6 +21,8 @@ Rules this module keeps:
   that fails (``StoreError``: ``StoreUnavailable``, ``NotDurable``…) is replaced by an
   in-memory store: routing goes on, only durability and sharing with other processes are
   lost (logged once).
+- Probes go out the way mitmproxy's upstream connections go (``cfg.upstream``); how is
+  logged in one line when the service starts and whenever it changes.
 - Nothing here raises into the request path: ``route``/``observe`` log and return.
 - The refresh loop runs in the caller's event loop; ``start``/``stop`` are synchronous
   (mitmproxy's running/done), and its schedule lives on the service, so stopping and
@@ -42,9 +44,10 @@ from . import state
 from .acquire import Acquired, Clock, ProbeFn, TargetState, acquire
 from .observe import observe as observe_binding
 from .options import PoolConfig, normalize_origin
-from .prober import COPIED_HEADERS, CREDENTIAL_HEADERS, ProbeTarget, probe as send_probe, ssl_context
+from .prober import COPIED_HEADERS, CREDENTIAL_HEADERS, ProbeTarget, probe as send_probe
 from .refresh import Plan, cycle
 from .signals import ProbeResult
+from .upstream import describe as describe_upstream, ssl_context
 from ..store.base import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -145,16 +148,24 @@ class PoolService:
         self.next_cycle_at: int | None = None     # survives stop/start (reload)
         self.refill_at: int | None = None
         self.loops_alive = 0                      # refresh loops past their start-up (never > 1)
+        self._said_upstream = None
+        self._say_upstream()
 
     # ---- configuration and store ------------------------------------------------------
 
     def configure(self, cfg: PoolConfig, store: Store | None = None) -> None:
-        if cfg.ca_file != self.cfg.ca_file:
+        if cfg.upstream != self.cfg.upstream:
             self._ssl = None
         self.cfg = cfg
+        self._say_upstream()
         if store is not None and store is not self._store:
             self._store = store
             self._fallback = None
+
+    def _say_upstream(self) -> None:
+        if self.cfg.enabled and self.cfg.upstream != self._said_upstream:
+            self._said_upstream = self.cfg.upstream
+            log.info("sessionpin pool: %s", describe_upstream(self.cfg.upstream))
 
     @property
     def store(self) -> Store:
@@ -175,9 +186,16 @@ class PoolService:
             if self._probe_impl is not None:
                 return await self._probe_impl(t.probe_target, sid, timeout_ms)
             if self._ssl is None:
-                self._ssl = ssl_context(self.cfg.ca_file)
+                try:
+                    self._ssl = ssl_context(self.cfg.upstream)
+                except (OSError, ValueError) as e:   # a CA file that cannot be read (ssl.SSLError is an OSError)
+                    if not self.counters["ca_errors"]:
+                        log.warning("sessionpin pool: probes cannot verify TLS: %s", e)
+                    self.counters["ca_errors"] += 1
+                    return ProbeResult("failed", None, None, "", detail=type(e).__name__)
             return await send_probe(t.probe_target, sid, timeout_ms, max_upstream_ms=self.cfg.max_upstream_ms,
-                                    require_gateway_id=self.cfg.require_gateway_id, ssl_ctx=self._ssl)
+                                    require_gateway_id=self.cfg.require_gateway_id, ssl_ctx=self._ssl,
+                                    via=self.cfg.upstream)
         return run
 
     def _learn(self, sc: Scope, model: str, headers: Mapping[str, str]) -> _Target | None:

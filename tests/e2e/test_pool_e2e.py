@@ -8,6 +8,7 @@ the pool's probes both trust that CA. The pool's state is read back from the sam
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tempfile
 import threading
@@ -68,12 +69,19 @@ def chat(env, headers: list[tuple[str, str]], messages: list[dict], path="/zen/g
     return env["client"].request("POST", env["gw"].origin + path, headers=headers, body=body)
 
 
+def read_store(env, fn):
+    """``await fn(store)`` on the proxies' store, from this (synchronous) test."""
+    async def run():
+        store = open_store(env["store_url"])
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+    return asyncio.run(run())
+
+
 def spares(env) -> dict:
-    store = open_store(env["store_url"])
-    try:
-        return state.spares(store, "opencode-go", MODEL, drop_bad=False)
-    finally:
-        store.close()
+    return read_store(env, lambda store: state.spares(store, "opencode-go", MODEL, drop_bad=False))
 
 
 def wait_spares(env, n: int, timeout=15.0) -> dict:
@@ -163,12 +171,8 @@ def test_a_bound_id_that_turns_slow_is_retired_and_replaced(env):
             break
         time.sleep(0.1)
     assert last_request(env).session not in (routed, conv)
-    store = open_store(env["store_url"])
-    try:
-        assert state.is_retired(store, routed)
-        snap = report.snapshot(store, int(time.time() * 1000), 1_800_000)
-    finally:
-        store.close()
+    assert read_store(env, lambda store: state.is_retired(store, routed))
+    snap = read_store(env, lambda store: report.snapshot(store, int(time.time() * 1000), 1_800_000))
     assert routed not in json.dumps(snap["groups"])                    # gone from spares and bindings
 
 
@@ -235,12 +239,9 @@ def test_two_proxies_sharing_one_store_never_share_an_id(env):
             t.start()
         for t in threads:
             t.join(30)
-        store = open_store(env["store_url"])
-        try:
-            bound = {k.split("::")[0]: b.routed_id for k, b in state.bindings(store, drop_bad=False).items()}
-            left = set(state.spares(store, "opencode-go", MODEL, drop_bad=False))
-        finally:
-            store.close()
+        bindings = read_store(env, lambda store: state.bindings(store, drop_bad=False))
+        bound = {k.split("::")[0]: b.routed_id for k, b in bindings.items()}
+        left = set(spares(env))
         ids = list(bound.values())
         assert len(ids) == len(set(ids))                              # no id in two conversations
         assert not set(ids) & left                                    # no bound id is a spare

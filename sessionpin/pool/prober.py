@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,11 @@ USER_AGENT = "sessionpin-pool"
 # Headers copied from a client's request into its probes: credentials and API versioning.
 CREDENTIAL_HEADERS = ("authorization", "x-api-key")
 COPIED_HEADERS = CREDENTIAL_HEADERS + ("anthropic-version",)
+
+# httpx logs every request at INFO, which mitmproxy shows as a line per probe; the pool
+# logs its own summary. Quiet unless someone configured that logger on purpose.
+if logging.getLogger("httpx").level == logging.NOTSET:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ def ssl_context(u: Upstream) -> ssl.SSLContext:
     if u.trusted_ca or u.trusted_confdir:
         ctx = ssl.create_default_context(cafile=u.trusted_ca, capath=u.trusted_confdir)
     else:
-        import certifi   # mitmproxy's default trust store (a dependency of mitmproxy and httpx)
+        # mitmproxy's default trust store (certifi: a dependency of mitmproxy and of httpx)
+        import certifi
 
         ctx = ssl.create_default_context(cafile=certifi.where())
     if u.extra_ca:

@@ -1,6 +1,5 @@
 """The invariants of seeds/002 §3 over the async store, in one process and across two."""
 import asyncio
-import subprocess
 import sys
 import textwrap
 from collections import Counter

@@ -8,6 +8,9 @@ Rules this module keeps:
   know, or an agent pointed at a server that is not configured is an error. Every error
   is one line naming the file, the line and the key:
   ``config.toml:12: agents.claude-code.server: no server named 'glmm' (servers: anthropic, glm)``.
+  The values are read by tomllib; a key's line by ``configedit.key_lines`` (tomlkit's
+  document model, the one TOML reader that knows where things were written), only when
+  there is an error to report.
 - A missing file is an empty configuration: nothing is in scope, nothing is routed.
 - Parsing is pure (text in, ``Config`` out); only ``load`` touches the disk, and no
   key is read here (``key_env`` names a variable that is read when a request is routed).
@@ -163,10 +166,18 @@ def _under(path: str, prefix: str) -> bool:
 class _Validator:
     def __init__(self, text: str, path: str | None):
         self.path = path
-        self.lines = _KeyLines(text)
+        self.text = text
+
+    def line_of(self, keys: tuple[str, ...]) -> int | None:
+        # Only an error needs a line: the document model is read then, not on every load.
+        from .configedit import EditError, key_lines
+        try:
+            return _find_line(key_lines(self.text), keys)
+        except EditError:
+            return None
 
     def error(self, keys: tuple[str, ...], message: str) -> ConfigError:
-        return ConfigError(self.path, self.lines.find(keys), ".".join(_show(k) for k in keys), message)
+        return ConfigError(self.path, self.line_of(keys), ".".join(_show(k) for k in keys), message)
 
     def table(self, value: object, keys: tuple[str, ...]) -> dict:
         if not isinstance(value, dict):
@@ -262,62 +273,18 @@ def _show(key: str) -> str:
     return key if re.match(r"^[A-Za-z0-9_-]+$", key) else f'"{key}"'
 
 
-class _KeyLines:
-    """Finds the line a dotted key was written on, for error messages.
-
-    A light reading of TOML's shape, not a parser: table headers (``[a.b]``), and
-    ``key = value`` lines, including dotted and quoted keys, and keys inside one-line
-    inline tables. The longest written prefix of the key wins (a table's header line
-    when the key itself is absent).
-    """
-
-    _HEADER = re.compile(r"^\s*\[\[?\s*(.+?)\s*\]\]?\s*(#.*)?$")
-    _ASSIGN = re.compile(r'^\s*((?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\'))*)\s*=(.*)$')
-    _PART = re.compile(r'\s*([A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\')\s*(?:\.|$)')
-
-    def __init__(self, text: str):
-        self.written: list[tuple[tuple[str, ...], int]] = []
-        table: tuple[str, ...] = ()
-        for n, line in enumerate(text.splitlines(), 1):
-            h = self._HEADER.match(line)
-            if h:
-                table = self._split(h.group(1))
-                self.written.append((table, n))
-                continue
-            a = self._ASSIGN.match(line)
-            if a:
-                key = table + self._split(a.group(1))
-                self.written.append((key, n))
-                rest = a.group(2).strip()
-                if rest.startswith("{"):
-                    for inner in re.finditer(r'(?:^|[{,])\s*([A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\')\s*=', rest):
-                        self.written.append((key + self._split(inner.group(1)), n))
-
-    @classmethod
-    def _split(cls, dotted: str) -> tuple[str, ...]:
-        parts = []
-        for m in cls._PART.finditer(dotted):
-            p = m.group(1)
-            if p[0] == '"':
-                try:
-                    p = tomllib.loads(f"x = {p}")["x"]
-                except tomllib.TOMLDecodeError:
-                    p = p[1:-1]
-            elif p[0] == "'":
-                p = p[1:-1]
-            parts.append(p)
-        return tuple(parts)
-
-    def find(self, keys: tuple[str, ...]) -> int | None:
-        best, best_len = None, 0
-        for written, n in self.written:
-            k = len(written)
-            if k <= len(keys) and written == keys[:k] and k > best_len:
-                best, best_len = n, k
-        if best_len < len(keys):
-            # The key itself was not written on a line of its own ([servers.a] names
-            # "servers"): the first line that writes inside it.
-            for written, n in self.written:
-                if written[: len(keys)] == keys:
-                    return n
-        return best
+def _find_line(written: list[tuple[tuple[str, ...], int]], keys: tuple[str, ...]) -> int | None:
+    """The line ``keys`` was written on: the longest written prefix of it (a table's header
+    line when the key itself is absent), else the first line that writes inside it."""
+    best, best_len = None, 0
+    for path, n in written:
+        k = len(path)
+        if k <= len(keys) and path == keys[:k] and k > best_len:
+            best, best_len = n, k
+    if best_len < len(keys):
+        # The key itself was not written on a line of its own ([servers.a] names
+        # "servers"): the first line that writes inside it.
+        for path, n in written:
+            if path[: len(keys)] == keys:
+                return n
+    return best

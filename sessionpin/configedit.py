@@ -1,208 +1,170 @@
 """Change one setting of the config file and leave every other byte as it was.
 
 The operator's file holds comments that explain choices ("glm is slow before 9am"), so
-the ``sessionpin`` command never re-serialises it. It edits lines instead.
+the ``sessionpin`` command never re-serialises it.
 
 Rules this module keeps:
+- TOML is read here by one reader only: tomlkit, the style-preserving document model
+  (Poetry edits pyproject.toml with it). ``layout`` asks it where each table header,
+  key and multi-line value was written; ``config``'s error messages find a key's line
+  through ``key_lines``, the same reading. No line lexer of our own.
+- A changed value is changed by tomlkit in place (the key's spacing and its trailing
+  comment stay). Tables are added and removed as whole lines at the places the layout
+  gives, because where a comment belongs is a layout choice tomlkit does not make our
+  way: a comment group right above a header, after a blank line, belongs to that header
+  (tomlkit files it under the table before).
 - Only the lines that hold the changed setting change (or the table added or removed);
-  comments, blank lines, order and quoting elsewhere stay byte for byte. A trailing
-  comment on a rewritten line is kept.
-- Lines inside multi-line strings are never taken for tables or keys.
-- The functions here are pure (text in, text out). They do not judge the result: the
-  caller parses the new text with ``config.parse`` and checks it says what was asked
-  (``check``), so a form this module does not understand (an inline table, a dotted key
-  elsewhere) is refused rather than half-edited.
-- ``write_atomic`` replaces the file in one rename (temp file in the same directory,
-  fsync'd, the old file's mode kept): a reader, such as the running proxy that reloads
-  the file within 1 s, sees the old text or the new text, never a mix.
+  comments, blank lines, order, quoting and line endings elsewhere stay byte for byte.
+  Lines inside multi-line strings and arrays are never taken for tables or comments.
+- A form this module does not edit (an inline table, a setting written as dotted keys
+  where a table is needed, an array of tables) raises ``EditError``: never a half edit.
+  The caller still parses the new text with ``config.parse`` and checks it says what
+  was asked.
+- The functions here are pure (text in, text out), except ``write_atomic``, which
+  replaces the file in one rename (temp file in the same directory, fsync'd, the old
+  file's mode kept): a reader, such as the running proxy that reloads the file within
+  1 s, sees the old text or the new text, never a mix.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+import tomlkit
+from tomlkit.container import OutOfOrderTableProxy
+from tomlkit.exceptions import TOMLKitError
+from tomlkit.items import AoT, Comment, InlineTable, SingleKey, Table, Whitespace
 
 
 class EditError(ValueError):
     """The edit could not be made safely; the file was not changed."""
 
 
-# --- a small line lexer: enough TOML to find tables and keys -----------------------
+# --- the layout, as tomlkit reads it ------------------------------------------------
+
+# Control characters cannot appear in TOML text, so these marks cannot collide with it.
+_MARK = re.compile("\x00([0-9]+)\x01")
+_LINE = re.compile(r"[^\n]*\n|[^\n]+\Z")
 
 
 @dataclass(frozen=True)
 class Line:
-    index: int
-    text: str                  # with its line ending
-    in_string: bool            # begins inside a multi-line string
-    header: tuple[str, ...] | None = None   # the table this line opens, if it is a header
-    array: bool = False        # the header is an array of tables ([[...]])
-    key: tuple[str, ...] | None = None      # the key this line sets, if it is key = value
-    value_start: int = 0       # where the value begins (key lines)
-    value_end: int = 0         # where a single-line value ends (before its comment)
+    index: int                          # 0-based
+    text: str                           # with its line ending
+    kind: str                           # header | array | key | value | comment | blank | other
+    path: tuple[str, ...] | None = None  # the table a header opens, the key a key line sets
 
     @property
     def blank(self) -> bool:
-        return not self.in_string and not self.text.strip()
+        return self.kind == "blank"
 
     @property
     def comment(self) -> bool:
-        return not self.in_string and self.text.lstrip().startswith("#")
+        return self.kind == "comment"
+
+    @property
+    def header(self) -> tuple[str, ...] | None:
+        return self.path if self.kind == "header" else None
 
 
-def _skip_ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in " \t":
-        i += 1
-    return i
-
-
-def _basic_string(s: str, i: int) -> tuple[str, int]:
-    """s[i] is the opening quote; return (value, index after the closing quote)."""
-    j = i + 1
-    while j < len(s):
-        if s[j] == "\\":
-            j += 2
-            continue
-        if s[j] == '"':
-            try:
-                return json.loads(s[i:j + 1]), j + 1
-            except ValueError:
-                return s[i + 1:j], j + 1
-        j += 1
-    raise ValueError("unterminated string")
-
-
-def _literal_string(s: str, i: int) -> tuple[str, int]:
-    j = s.find("'", i + 1)
-    if j < 0:
-        raise ValueError("unterminated string")
-    return s[i + 1:j], j + 1
-
-
-def _keys(s: str, i: int) -> tuple[tuple[str, ...], int]:
-    """A dotted key starting at s[i]: (parts, index after it)."""
-    parts: list[str] = []
-    while True:
-        i = _skip_ws(s, i)
-        if i < len(s) and s[i] == '"':
-            part, i = _basic_string(s, i)
-        elif i < len(s) and s[i] == "'":
-            part, i = _literal_string(s, i)
-        else:
-            m = BARE_KEY.match(s, i)
-            if not m:
-                raise ValueError("no key")
-            part, i = m.group(), m.end()
-        parts.append(part)
-        i = _skip_ws(s, i)
-        if i < len(s) and s[i] == ".":
-            i += 1
-            continue
-        return tuple(parts), i
-
-
-def _value_end(s: str, i: int) -> int:
-    """End of a single-line value starting at s[i] (before spaces and a comment)."""
-    if s.startswith(('"""', "'''"), i):
-        return len(s.rstrip("\r\n"))
-    if i < len(s) and s[i] == '"':
-        return _basic_string(s, i)[1]
-    if i < len(s) and s[i] == "'":
-        return _literal_string(s, i)[1]
-    end = s.find("#", i)
-    body = s[i:] if end < 0 else s[i:end]
-    return i + len(body.rstrip())
-
-
-def _multiline_state(text: str, state: str | None) -> str | None:
-    """The multi-line string open at the end of ``text``, given the one open at its start."""
-    i = 0
-    while i < len(text):
-        if state is not None:
-            j = text.find(state, i) if state == "'''" else _find_unescaped(text, '"""', i)
-            if j < 0:
-                return state
-            i = j + 3
-            while i < len(text) and text[i] == state[0]:   # """" ends with one quote inside
-                i += 1
-            state = None
-            continue
-        c = text[i]
-        if c == "#":
-            return None
-        if text.startswith(('"""', "'''"), i):
-            state = text[i:i + 3]
-            i += 3
-            continue
-        if c == '"':
-            try:
-                i = _basic_string(text, i)[1]
-            except ValueError:
-                return None
-            continue
-        if c == "'":
-            try:
-                i = _literal_string(text, i)[1]
-            except ValueError:
-                return None
-            continue
-        i += 1
-    return state
-
-
-def _find_unescaped(s: str, needle: str, i: int) -> int:
-    while True:
-        j = s.find(needle, i)
-        if j < 0:
-            return -1
-        backslashes = 0
-        k = j - 1
-        while k >= 0 and s[k] == "\\":
-            backslashes += 1
-            k -= 1
-        if backslashes % 2 == 0:
-            return j
-        i = j + 1
-
-
-def lex(text: str) -> list[Line]:
-    lines: list[Line] = []
-    state: str | None = None
-    for index, raw in enumerate(text.splitlines(keepends=True)):
-        in_string = state is not None
-        line = Line(index, raw, in_string)
-        if not in_string:
-            line = _classify(line)
-        state = _multiline_state(raw, state)
-        lines.append(line)
-    return lines
-
-
-def _classify(line: Line) -> Line:
-    s = line.text
-    i = _skip_ws(s, 0)
-    if i >= len(s) or s[i] == "#":
-        return line
+def _parse(text: str) -> tomlkit.TOMLDocument:
     try:
-        if s[i] == "[":
-            array = s.startswith("[[", i)
-            keys, j = _keys(s, i + (2 if array else 1))
-            if not s.startswith("]]" if array else "]", j):
-                return line
-            return Line(line.index, s, False, header=keys, array=array)
-        keys, j = _keys(s, i)
-        if j < len(s) and s[j] == "=":
-            start = _skip_ws(s, j + 1)
-            return Line(line.index, s, False, key=keys, value_start=start, value_end=_value_end(s, start))
-    except ValueError:
-        pass
-    return line
+        return tomlkit.parse(text)
+    except (TOMLKitError, ValueError) as e:
+        raise EditError(f"the config is not TOML sessionpin can edit ({e}); nothing written") from None
+
+
+def _marks(text: str) -> list[tuple[tuple[str, ...], str, int]]:
+    """(path, what, line) of every table header, key and value end, in the order written.
+
+    Each item's indentation in the document model gets a numbered mark (and each value's
+    trailing space an end mark); rendering the document and finding the marks tells the
+    line of each. A rendering that is not the text back, marks removed, is refused."""
+    doc = _parse(text)
+    found: list[tuple[tuple[str, ...], str]] = []
+
+    def mark(item, path: tuple[str, ...], what: str, end: bool = False) -> None:
+        tag = f"\x00{len(found)}\x01"
+        found.append((path, what))
+        if end:
+            item.trivia.comment_ws = tag + item.trivia.comment_ws
+        else:
+            item.trivia.indent = tag + item.trivia.indent
+
+    def walk(body, prefix: tuple[str, ...]) -> None:
+        for key, item in body:
+            if key is None or isinstance(item, (Whitespace, Comment)):
+                continue
+            path = prefix + (key.key,)
+            if isinstance(item, AoT):
+                for t in item.body:
+                    mark(t, path, "array")
+                    walk(t.value.body, path)
+            elif isinstance(item, Table):
+                mark(item, path, "header")   # a super table renders no header: its mark stays unseen
+                walk(item.value.body, path)
+            else:
+                mark(item, path, "key")
+                mark(item, path, "end", end=True)
+                if isinstance(item, InlineTable):
+                    walk(item.value.body, path)
+
+    walk(doc.body, ())
+    rendered = doc.as_string()
+    if _MARK.sub("", rendered) != text:
+        raise EditError("tomlkit does not read this config back as written; nothing written; edit it by hand")
+    out = []
+    line, pos = 1, 0
+    for m in _MARK.finditer(rendered):
+        line += rendered.count("\n", pos, m.start())
+        pos = m.start()
+        path, what = found[int(m.group(1))]
+        out.append((path, what, line))
+    return out
+
+
+def key_lines(text: str) -> list[tuple[tuple[str, ...], int]]:
+    """(key path, 1-based line) of every table header and ``key = value`` written, for
+    error messages (``config``). Keys inside inline tables and dotted keys are there with
+    their full path. Raises EditError if the text is not TOML tomlkit reads back."""
+    return [(path, line) for path, what, line in _marks(text) if what != "end"]
+
+
+def _split_lines(text: str) -> list[str]:
+    # TOML's newline is LF or CRLF (str.splitlines would also split at a U+2028 in a string).
+    return _LINE.findall(text)
+
+
+def layout(text: str) -> list[Line]:
+    """Every line of ``text`` with what it holds, as tomlkit read it."""
+    raw = _split_lines(text)
+    kinds: dict[int, tuple[str, tuple[str, ...]]] = {}
+    inside: set[int] = set()
+    start: dict[tuple[str, ...], int] = {}
+    for path, what, n in _marks(text):
+        i = n - 1
+        if what == "end":
+            inside.update(range(start.get(path, i) + 1, i + 1))
+        else:
+            start[path] = i
+            kinds.setdefault(i, (what, path))      # the first thing a line writes
+    lines = []
+    for i, s in enumerate(raw):
+        if i in inside:
+            lines.append(Line(i, s, "value"))
+        elif i in kinds:
+            lines.append(Line(i, s, kinds[i][0], kinds[i][1]))
+        elif not s.strip():
+            lines.append(Line(i, s, "blank"))
+        elif s.lstrip().startswith("#"):
+            lines.append(Line(i, s, "comment"))
+        else:
+            lines.append(Line(i, s, "other"))
+    return lines
 
 
 # --- tables -------------------------------------------------------------------------
@@ -213,7 +175,7 @@ def _newline(text: str) -> str:
 
 
 def _headers(lines: list[Line]) -> list[int]:
-    return [ln.index for ln in lines if ln.header is not None]
+    return [ln.index for ln in lines if ln.kind in ("header", "array")]
 
 
 def _block_end(lines: list[Line], header: int) -> int:
@@ -235,24 +197,12 @@ def _block_end(lines: list[Line], header: int) -> int:
     return end
 
 
-def _quote_key(k: str) -> str:
-    return k if BARE_KEY.fullmatch(k) else json.dumps(k, ensure_ascii=False)
+def _key(k: str) -> str:
+    return SingleKey(k).as_string()
 
 
 def _string(v: str) -> str:
-    return json.dumps(v, ensure_ascii=False)
-
-
-def _find_table(lines: list[Line], keys: tuple[str, ...]) -> int | None:
-    for ln in lines:
-        if ln.header == keys and not ln.array:
-            return ln.index
-    return None
-
-
-def _replace_value(line: Line, value: str) -> str:
-    s = line.text
-    return s[:line.value_start] + value + s[line.value_end:]
+    return tomlkit.string(v).as_string()
 
 
 def _append_table(text: str, lines_to_add: list[str]) -> str:
@@ -268,47 +218,70 @@ def _append_table(text: str, lines_to_add: list[str]) -> str:
     return out + "".join(line + nl for line in lines_to_add)
 
 
+def _refuse(setting: str, form: str, by_hand: str) -> EditError:
+    return EditError(f"could not change {setting} safely: it is written as {form}, which sessionpin does not "
+                     f"edit; nothing written; edit it by hand: {by_hand}")
+
+
+def _is_table(item) -> bool:
+    # An out-of-order table ([agents.a] ... [servers.x] ... [agents.b]) reads as a proxy.
+    return isinstance(item, (Table, OutOfOrderTableProxy))
+
+
+def _form(item) -> str:
+    if isinstance(item, InlineTable):
+        return "an inline table"
+    if isinstance(item, AoT):
+        return "an array of tables"
+    return "a value, not a table"
+
+
 # --- the edits ----------------------------------------------------------------------
 
 
 def set_agent_server(text: str, agent: str, server: str | None) -> str:
     """Set ``[agents.<agent>] server``; None writes "" (not routed)."""
-    value = _string(server or "")
-    lines = lex(text)
+    value = server or ""
+    setting = f"agents.{agent}.server"
+    by_hand = f'[agents.{_key(agent)}] server = {_string(value)}'
+    doc = _parse(text)
+    block = [f"[agents.{_key(agent)}]", f"server = {_string(value)}"]
+    agents = doc.get("agents")
+    if agents is None:
+        return _append_table(text, block)
+    if not _is_table(agents):
+        raise _refuse(setting, f"agents = ... ({_form(agents)})", by_hand)
+    entry = agents.get(agent)
+    if entry is None:
+        return _append_table(text, block)
+    if not _is_table(entry):
+        raise _refuse(setting, f"{_key(agent)} = ... ({_form(entry)})", by_hand)
+    if "server" in entry:
+        entry["server"] = value      # tomlkit keeps the key's spacing and trailing comment
+        return doc.as_string()
+    # The table exists without a server line: add one right under its header.
+    lines = layout(text)
+    header = next((ln for ln in lines if ln.header == ("agents", agent)), None)
+    if header is None:
+        raise _refuse(setting, "dotted keys with no [agents." + _key(agent) + "] header", by_hand)
     nl = _newline(text)
-    table = _find_table(lines, ("agents", agent))
-    if table is not None:
-        end = next((i for i in _headers(lines) if i > table), len(lines))
-        for ln in lines[table + 1:end]:
-            if ln.key == ("server",):
-                lines[ln.index] = Line(ln.index, _replace_value(ln, value), False)
-                return "".join(x.text for x in lines)
-        # The table exists without a server line: add one right under its header.
-        header = lines[table].text
-        ending = "" if header.endswith(("\n", "\r")) else nl
-        new = header + ending + f"server = {value}{nl}"
-        return "".join(new if x.index == table else x.text for x in lines)
-    parent = _find_table(lines, ("agents",))
-    if parent is not None:
-        # [agents] with a dotted key: claude-code.server = "glm"
-        end = next((i for i in _headers(lines) if i > parent), len(lines))
-        for ln in lines[parent + 1:end]:
-            if ln.key == (agent, "server"):
-                lines[ln.index] = Line(ln.index, _replace_value(ln, value), False)
-                return "".join(x.text for x in lines)
-    return _append_table(text, [f"[agents.{_quote_key(agent)}]", f"server = {value}"])
+    head = header.text if header.text.endswith(("\n", "\r")) else header.text + nl
+    return "".join(head + f"server = {_string(value)}{nl}" if ln is header else ln.text for ln in lines)
 
 
 def add_server(text: str, name: str, url: str, key_env: str | None = None,
                auth: str | None = None) -> str:
     """Add a ``[servers.<name>]`` table after the last server table (or at the end)."""
-    block = [f"[servers.{_quote_key(name)}]", f"url = {_string(url)}"]
+    block = [f"[servers.{_key(name)}]", f"url = {_string(url)}"]
     if key_env:
         block.append(f"key_env = {_string(key_env)}")
     if auth:
         block.append(f"auth = {_string(auth)}")
-    lines = lex(text)
-    servers = [ln.index for ln in lines if ln.header and ln.header[0] == "servers" and not ln.array]
+    servers_item = _parse(text).get("servers")
+    if servers_item is not None and not _is_table(servers_item):
+        raise _refuse(f"servers.{name}", f"servers = ... ({_form(servers_item)})", " ".join(block))
+    lines = layout(text)
+    servers = [ln.index for ln in lines if ln.header and ln.header[0] == "servers"]
     if not servers:
         return _append_table(text, block)
     nl = _newline(text)
@@ -325,7 +298,7 @@ def add_server(text: str, name: str, url: str, key_env: str | None = None,
 
 def remove_server(text: str, name: str) -> str:
     """Remove ``[servers.<name>]`` (and its sub-tables, and the comments just above it)."""
-    lines = lex(text)
+    lines = layout(text)
     drop: set[int] = set()
     for ln in lines:
         h = ln.header
@@ -335,6 +308,10 @@ def remove_server(text: str, name: str) -> str:
                 start -= 1
             drop.update(range(start, _block_end(lines, ln.index)))
     if not drop:
+        servers = _parse(text).get("servers")
+        if _is_table(servers) and name in servers:
+            raise _refuse(f"servers.{name}", "an inline table or dotted keys",
+                          f"delete the [servers.{_key(name)}] setting")
         return text
     kept: list[str] = []
     for ln in lines:

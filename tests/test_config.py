@@ -169,3 +169,15 @@ def test_error_without_a_path():
         config.parse('[agents.x]\n')
     assert str(e.value).startswith("config:1: agents.x: unknown agent")
     assert e.value.line == 1 and e.value.key == "agents.x" and e.value.path is None
+
+
+def test_error_line_is_the_key_not_a_lookalike_inside_a_multiline_string():
+    # (a line reader of our own once took the string's lines for a table and its key)
+    text = ('[servers.a]\nurl = "https://a"\nmodels = { "x" = """\n[agents.pi]\nserver = "zz"\n""" }\n\n'
+            '[agents.pi]\nserver = "b"\n')
+    assert err(text) == "config.toml:9: agents.pi.server: no server named 'b' (servers: a)"
+
+
+def test_error_line_of_a_dotted_key_and_a_key_after_a_line_separator():
+    text = '[servers.a]\nurl = "https://a"\nkey_env = "A"  # one\u2028two\n[agents]\npi.server = "b"\n'
+    assert err(text) == "config.toml:5: agents.pi.server: no server named 'b' (servers: a)"

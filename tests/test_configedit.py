@@ -73,12 +73,73 @@ def test_dotted_key_under_agents_table():
     assert out.endswith('codex.server = "a" # later\n')
 
 
-def test_inline_table_is_not_understood_and_the_result_fails_to_parse():
-    # The caller's check refuses this: the module never pretends it edited the setting.
-    text = '[servers.a]\nurl = "https://a.example"\n[agents]\ncodex = { server = "" }\n'
-    out = configedit.set_agent_server(text, "codex", "a")
-    with pytest.raises(config.ConfigError):
-        config.parse(out)
+@pytest.mark.parametrize("text, form", [
+    ('[servers.a]\nurl = "https://a.example"\n[agents]\ncodex = { server = "" }\n', "an inline table"),
+    ('agents = { codex = { server = "" } }\n', "an inline table"),
+    ('[[agents.codex]]\nserver = ""\n', "an array of tables"),
+    ('[agents]\ncodex = "a"\n', "a value, not a table"),
+    ('[agents]\ncodex.other = 1\n', "dotted keys"),
+])
+def test_forms_it_does_not_edit_are_refused_and_nothing_is_half_edited(text, form):
+    with pytest.raises(configedit.EditError) as e:
+        configedit.set_agent_server(text, "codex", "a")
+    assert str(e.value).startswith("could not change agents.codex.server safely: ")
+    assert form in str(e.value) and "nothing written" in str(e.value)
+    assert 'edit it by hand: [agents.codex] server = "a"' in str(e.value)
+
+
+def test_root_dotted_key_and_out_of_order_tables_are_edited_in_place():
+    text = 'agents.pi.server = "a"  # dotted\n[servers.a]\nurl = "https://a.example"\n'
+    assert configedit.set_agent_server(text, "pi", None) == text.replace('"a"  #', '""  #')
+    text = ('[servers.a]\nurl = "https://a.example"\n[agents.pi]\nserver = "a"\n'
+            '[servers.b]\nurl = "https://b.example"\n[agents.codex]\nserver = "a"\n')
+    out = configedit.set_agent_server(text, "codex", "b")
+    assert changed_lines(text, out) == [('server = "a"', 'server = "b"')]
+    assert out.splitlines()[3] == 'server = "a"'     # pi's line, the same words, untouched
+
+
+def test_multiline_value_is_replaced_whole_and_its_lines_are_not_read_as_tables():
+    text = '[agents.pi]\nserver = """\n[servers.x]\n# not a comment\n"""  # why\n\n[servers.a]\nurl = "https://a"\n'
+    out = configedit.set_agent_server(text, "pi", "a")
+    assert out == '[agents.pi]\nserver = "a"  # why\n\n[servers.a]\nurl = "https://a"\n'
+    kinds = [ln.kind for ln in configedit.layout(text)]
+    assert kinds == ["header", "key", "value", "value", "value", "blank", "header", "key"]
+
+
+def test_array_of_tables_and_multiline_array_elsewhere_are_kept():
+    text = ('x = [\n  1, # one\n\n  2,\n]\n[[extra.t]]\nk = 1\n\n[servers.a]\nurl = "https://a"\n'
+            '\n# b\n[[extra.t]]\nk = 2\n')
+    out = configedit.add_server(text, "b", "https://b")
+    assert out == text.replace('"https://a"\n', '"https://a"\n\n[servers.b]\nurl = "https://b"\n')
+    assert tomllib.loads(out)["extra"]["t"] == [{"k": 1}, {"k": 2}]
+    assert configedit.remove_server(out, "b") == text
+    # the array's comment and blank line are inside its value, not comment or blank lines
+    assert [ln.kind for ln in configedit.layout(text)][:6] == ["key", "value", "value", "value", "value", "array"]
+
+
+def test_a_line_separator_inside_a_string_is_not_a_line_break():
+    text = '[servers.a]\nurl = "https://a"\nnote = "one\u2028two"\n[agents.pi]\nserver = "a"\n'
+    assert [ln.path for ln in configedit.layout(text)] == [
+        ("servers", "a"), ("servers", "a", "url"), ("servers", "a", "note"), ("agents", "pi"), ("agents", "pi", "server")]
+    assert configedit.set_agent_server(text, "pi", None).endswith('[agents.pi]\nserver = ""\n')
+
+
+def test_server_written_inline_is_refused_on_remove_and_add():
+    text = '[servers]\na = { url = "https://a" }\n'
+    with pytest.raises(configedit.EditError, match="could not change servers.a safely"):
+        configedit.remove_server(text, "a")
+    with pytest.raises(configedit.EditError, match=r"could not change servers.b safely: it is written as servers = \.\.\. \(an inline table\)"):
+        configedit.add_server('servers = { a = { url = "https://a" } }\n', "b", "https://b")
+
+
+def test_key_lines_name_headers_keys_dotted_and_inline_keys():
+    text = ('# top\nservers.a.url = "https://a"\n[servers."b.c"]  # x\nurl = \'https://b\'\n'
+            'models = { "claude-*" = "m", k.j = "n" }\n[[arr]]\n[agents]\npi.server = "a"\n')
+    assert configedit.key_lines(text) == [
+        (("servers", "a", "url"), 2), (("servers", "b.c"), 3), (("servers", "b.c", "url"), 4),
+        (("servers", "b.c", "models"), 5), (("servers", "b.c", "models", "claude-*"), 5),
+        (("servers", "b.c", "models", "k"), 5), (("servers", "b.c", "models", "k", "j"), 5),
+        (("arr",), 6), (("agents",), 7), (("agents", "pi", "server"), 8)]
 
 
 def test_header_lookalike_inside_multiline_string_is_ignored():

@@ -23,9 +23,9 @@ def env():
     return open_store("memory:"), clock, TargetState(), Counter()
 
 
-def spare(store, sid, clock, *, ms=900, age_ms=0):
-    state.add_spare(store, P, M, sid, state.Spare(upstream_ms=ms, verified_at=clock.now - age_ms,
-                                                  created_at=clock.now - age_ms))
+async def spare(store, sid, clock, *, ms=900, age_ms=0):
+    await state.add_spare(store, P, M, sid, state.Spare(upstream_ms=ms, verified_at=clock.now - age_ms,
+                                                        created_at=clock.now - age_ms))
 
 
 async def run(env, probe, *, budget=0, cfg=PoolConfig(), key=KEY):
@@ -37,64 +37,64 @@ async def run(env, probe, *, budget=0, cfg=PoolConfig(), key=KEY):
 async def test_live_binding_is_returned_and_touched_at_most_every_30s(env):
     store, clock, *_ = env
     probe = ScriptedProbe(clock)
-    spare(store, "s1", clock)
+    await spare(store, "s1", clock)
     first = await run(env, probe)
     assert first.how == "spare" and first.routed_id == "s1"
     clock.now += 10_000
     again = await run(env, probe)
     assert again.how == "binding" and again.routed_id == "s1"
-    assert state.binding(store, KEY).last_seen_at == clock.now - 10_000   # not rewritten yet
+    assert (await state.binding(store, KEY)).last_seen_at == clock.now - 10_000   # not rewritten yet
     clock.now += 25_000
     await run(env, probe)
-    assert state.binding(store, KEY).last_seen_at == clock.now
+    assert (await state.binding(store, KEY)).last_seen_at == clock.now
     assert probe.calls == []
 
 
 async def test_fresh_spare_best_first_no_probe(env):
     store, clock, _, counters = env
-    spare(store, "slowish", clock, ms=2000)
-    spare(store, "best", clock, ms=700)
-    spare(store, "stale", clock, ms=100, age_ms=PoolConfig().ttl_ms + 1)
+    await spare(store, "slowish", clock, ms=2000)
+    await spare(store, "best", clock, ms=700)
+    await spare(store, "stale", clock, ms=100, age_ms=PoolConfig().ttl_ms + 1)
     probe = ScriptedProbe(clock)
     got = await run(env, probe)
     assert got.routed_id == "best" and got.how == "spare"
-    assert set(state.spares(store, P, M)) == {"slowish", "stale"}
+    assert set(await state.spares(store, P, M)) == {"slowish", "stale"}
     assert probe.calls == [] and counters["takes"] == 1
 
 
 async def test_zero_budget_leaves_a_stale_spare_alone(env):
     store, clock, *_ = env
-    spare(store, "stale", clock, age_ms=PoolConfig().ttl_ms + 1)
+    await spare(store, "stale", clock, age_ms=PoolConfig().ttl_ms + 1)
     probe = ScriptedProbe(clock)
     assert await run(env, probe, budget=0) is None
-    assert probe.calls == [] and "stale" in state.spares(store, P, M)
+    assert probe.calls == [] and "stale" in await state.spares(store, P, M)
 
 
 async def test_stale_spare_verified_when_budget_allows(env):
     store, clock, *_ = env
-    spare(store, "stale", clock, age_ms=PoolConfig().ttl_ms + 1)
+    await spare(store, "stale", clock, age_ms=PoolConfig().ttl_ms + 1)
     probe = ScriptedProbe(clock, [FAST])
     got = await run(env, probe, budget=5000)
     assert got.routed_id == "stale" and got.how == "stale"
     assert probe.calls[0][0] == "stale" and probe.calls[0][1] == 5000   # the budget is the timeout
-    assert state.spares(store, P, M) == {}
+    assert await state.spares(store, P, M) == {}
 
 
 async def test_stale_spare_no_longer_fast_is_dropped_then_new_ids_probed(env):
     store, clock, *_ = env
-    spare(store, "stale", clock, age_ms=PoolConfig().ttl_ms + 1)
+    await spare(store, "stale", clock, age_ms=PoolConfig().ttl_ms + 1)
     probe = ScriptedProbe(clock, [SLOW, FAST])
     got = await run(env, probe, budget=6000)
     assert got.how == "probe" and got.routed_id not in ("stale",)
-    assert state.spares(store, P, M) == {}                         # dropped, not put back
-    assert state.binding(store, KEY).routed_id == got.routed_id
+    assert await state.spares(store, P, M) == {}                         # dropped, not put back
+    assert (await state.binding(store, KEY)).routed_id == got.routed_id
     assert probe.calls[1][0] == got.routed_id                      # a new random id
 
 
 @pytest.mark.parametrize("kind", ["unauthorized", "rejected", "overloaded"])
 async def test_stale_spare_rejected_or_overloaded_ends_acquisition(env, kind):
     store, clock, target, _ = env
-    spare(store, "stale", clock, age_ms=PoolConfig().ttl_ms + 1)
+    await spare(store, "stale", clock, age_ms=PoolConfig().ttl_ms + 1)
     probe = ScriptedProbe(clock, [ProbeResult(kind, 401, 5, "upstream", retry_after_ms=30_000)])
     assert await run(env, probe, budget=10_000) is None
     assert len(probe.calls) == 1
@@ -107,7 +107,7 @@ async def test_probe_loop_binds_the_first_fast_id_which_never_enters_the_pool(en
     got = await run(env, probe, budget=10_000)
     assert got.how == "probe" and got.routed_id == probe.calls[2][0]
     assert len({c[0] for c in probe.calls}) == 3                   # a fresh id each time
-    assert state.spares(store, P, M) == {}
+    assert await state.spares(store, P, M) == {}
     assert counters["probes"] == 3 and counters["probes_slow"] == 2
 
 
@@ -168,37 +168,37 @@ async def test_a_backoff_that_outlives_the_budget_stops_probing(env):
 
 async def test_dead_binding_is_retired_and_replaced(env):
     store, clock, _, counters = env
-    spare(store, "old", clock)
+    await spare(store, "old", clock)
     await run(env, ScriptedProbe(clock))
     clock.now += PoolConfig().lease_ttl_ms + 1
-    spare(store, "new", clock)
+    await spare(store, "new", clock)
     got = await run(env, ScriptedProbe(clock))
-    assert got.routed_id == "new" and state.is_retired(store, "old")
+    assert got.routed_id == "new" and await state.is_retired(store, "old")
     assert counters["retired_idle"] == 1
 
 
 async def test_struck_out_binding_is_not_alive(env):
     store, clock, *_ = env
-    spare(store, "a", clock)
+    await spare(store, "a", clock)
     await run(env, ScriptedProbe(clock))
-    b = state.binding(store, KEY)
-    store.hset(state.BINDINGS, KEY, state.encode(msgspec.structs.replace(b, failures=2)))
-    spare(store, "b", clock)
+    b = await state.binding(store, KEY)
+    await store.set(state.bind_key(KEY), state.encode(msgspec.structs.replace(b, failures=2)))
+    await spare(store, "b", clock)
     assert (await run(env, ScriptedProbe(clock))).routed_id == "b"
 
 
 async def test_lost_take_race_tries_the_next_spare(env):
     store, clock, _, counters = env
-    spare(store, "a", clock, ms=100)
-    spare(store, "b", clock, ms=200)
+    await spare(store, "a", clock, ms=100)
+    await spare(store, "b", clock, ms=200)
     real_claim = state.claim
     calls = []
 
-    def racing_claim(st, p, m, sid):
+    async def racing_claim(st, p, m, sid):
         calls.append(sid)
         if sid == "a":
-            real_claim(st, p, m, sid)   # another process wins "a" first
-        return real_claim(st, p, m, sid)
+            await real_claim(st, p, m, sid)   # another process wins "a" first
+        return await real_claim(st, p, m, sid)
 
     state_claim, state.claim = state.claim, racing_claim
     try:
@@ -210,13 +210,13 @@ async def test_lost_take_race_tries_the_next_spare(env):
 
 async def test_key_bound_meanwhile_keeps_that_binding_and_our_spare_goes_back(env):
     store, clock, _, counters = env
-    spare(store, "mine", clock)
+    await spare(store, "mine", clock)
     theirs = state.Binding(routed_id="theirs", provider=P, model=M, bound_at=clock.now, last_seen_at=clock.now)
     real_bind = state.bind
 
-    def late_bind(st, key, b):
-        st.hsetnx(state.BINDINGS, key, state.encode(theirs))   # another process got there first
-        return real_bind(st, key, b)
+    async def late_bind(st, key, b):
+        await real_bind(st, key, theirs)   # another process got there first
+        return await real_bind(st, key, b)
 
     state.bind = late_bind
     try:
@@ -224,4 +224,19 @@ async def test_key_bound_meanwhile_keeps_that_binding_and_our_spare_goes_back(en
     finally:
         state.bind = real_bind
     assert got.routed_id == "theirs" and got.how == "binding"
-    assert "mine" in state.spares(store, P, M) and counters["bind_conflicts"] == 1
+    assert "mine" in await state.spares(store, P, M) and counters["bind_conflicts"] == 1
+
+
+async def test_a_spare_bound_before_is_dropped_and_the_next_one_taken(env):
+    # a claim a crash lost: the id is among the spares again while its binding stands
+    store, clock, _, counters = env
+    await spare(store, "used", clock, ms=100)
+    await spare(store, "next", clock, ms=200)
+    other = state.Binding(routed_id="used", provider=P, model=M, bound_at=clock.now, last_seen_at=clock.now)
+    assert await state.claim(store, P, M, "used")
+    await state.bind(store, state.binding_key("ses_other", P, M), other)
+    await store.hset(state.spare_key(P, M), "used", state.encode(state.Spare(upstream_ms=100, verified_at=clock.now,
+                                                                              created_at=clock.now)))
+    got = await run(env, ScriptedProbe(clock))
+    assert got.routed_id == "next" and got.how == "spare"
+    assert "used" not in await state.spares(store, P, M) and counters["spares_dropped"] == 1

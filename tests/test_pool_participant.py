@@ -48,7 +48,7 @@ def test_every_option_is_registered_and_bad_values_are_option_errors(wired):
 async def test_request_rewrites_only_the_session_header_and_responseheaders_observes(wired):
     p, _, _, store = wired
     now = int(time.time() * 1000)
-    state.add_spare(store, "opencode-go", M, "spare-1", state.Spare(upstream_ms=900, verified_at=now, created_at=now))
+    await state.add_spare(store, "opencode-go", M, "spare-1", state.Spare(upstream_ms=900, verified_at=now, created_at=now))
     headers = [("User-Agent", "opencode/1.18.33"), ("Authorization", "Bearer k"), ("X-OpenCode-Session", "ses_1"),
                ("x-opencode-project", "prj")]
     f = flow(headers)
@@ -59,8 +59,12 @@ async def test_request_rewrites_only_the_session_header_and_responseheaders_obse
     assert f.metadata[META]["how"] == "spare" and f.metadata[META]["client_id"] == "ses_1"
     assert f.comment.endswith("pool: spare spare-1")
     f.response = tutils.tresp(status_code=429)
-    p.responseheaders(f)            # no running(): observed inline
-    assert state.is_retired(store, "spare-1")
+    task = p.responseheaders(f)     # observed in a task of its own: the stream does not wait
+    assert not task.done()
+    assert await task == "retire"
+    assert await state.is_retired(store, "spare-1")
+    text = await p.metrics()
+    assert 'sessionpin_pool_events_total{event="retired_429"} 1' in text
 
 
 async def test_requests_elsewhere_and_the_off_switch_are_left_alone(wired):
@@ -81,6 +85,18 @@ async def test_pi_shaped_request_gets_a_session_header(wired):
              messages=[{"role": "system", "content": "pi"}, {"role": "user", "content": "go"}])
     await p.request(f)
     assert f.metadata[META]["how"] == "fresh" and f.request.headers["x-opencode-session"] == f.metadata[META]["id"]
+
+
+async def test_mitmproxys_upstream_options_reach_the_pools_probes(wired, caplog):
+    p, opts, tctx, _ = wired
+    assert p.service.cfg.upstream.proxy is None
+    caplog.set_level("INFO", logger="sessionpin.pool.service")
+    tctx.options.update(mode=["upstream:http://corp.example:3128@8081"], ssl_insecure=True)   # mitmproxy's own
+    up = p.service.cfg.upstream
+    assert (up.proxy, up.insecure) == ("http://corp.example:3128", True)
+    assert "probes go through the upstream proxy http://corp.example:3128" in caplog.text
+    with pytest.raises(exceptions.OptionsError, match="not an http\\(s\\) upstream proxy"):
+        tctx.options.update(mode=["upstream:socks5://corp.example:1080"])
 
 
 async def test_running_and_done_start_and_stop_one_loop(wired):

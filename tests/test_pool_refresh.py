@@ -32,21 +32,21 @@ async def test_refills_to_size(env):
     store, clock, *_ = env
     probe = ScriptedProbe(clock, [SLOW, FAST, SLOW, FAST])
     assert await refill(env, probe) == 4
-    assert len(state.spares(store, P, M)) == 2
+    assert len(await state.spares(store, P, M)) == 2
 
 
 async def test_at_most_two_times_size_probes_a_cycle(env):
     store, clock, *_ = env
     probe = ScriptedProbe(clock, default=SLOW)
-    assert await refill(env, probe) == 4 and state.spares(store, P, M) == {}
+    assert await refill(env, probe) == 4 and await state.spares(store, P, M) == {}
 
 
 async def test_full_pool_sends_nothing_and_bound_ids_are_never_probed(env):
     store, clock, _, counters = env
     for sid in ("a", "b"):
-        state.add_spare(store, P, M, sid, state.Spare(upstream_ms=900, verified_at=clock.now, created_at=clock.now))
-    state.bind(store, "c::p::m", state.Binding(routed_id="bound", provider=P, model=M, bound_at=clock.now,
-                                               last_seen_at=clock.now))
+        await state.add_spare(store, P, M, sid, state.Spare(upstream_ms=900, verified_at=clock.now, created_at=clock.now))
+    await state.bind(store, "c::p::m", state.Binding(routed_id="bound", provider=P, model=M, bound_at=clock.now,
+                                                     last_seen_at=clock.now))
     probe = ScriptedProbe(clock)
     assert await refill(env, probe) == 0 and probe.calls == []
 
@@ -55,10 +55,10 @@ async def test_stale_spares_reverified_or_dropped(env):
     store, clock, _, counters = env
     old = clock.now - CFG.ttl_ms - 1
     for sid in ("keep", "drop"):
-        state.add_spare(store, P, M, sid, state.Spare(upstream_ms=900, verified_at=old, created_at=old))
+        await state.add_spare(store, P, M, sid, state.Spare(upstream_ms=900, verified_at=old, created_at=old))
     probe = ScriptedProbe(clock, [lambda sid: FAST if sid == "keep" else SLOW] * 2 + [FAST])
     await refill(env, probe)
-    spares = state.spares(store, P, M)
+    spares = await state.spares(store, P, M)
     assert "keep" in spares and spares["keep"].verified_at > old and "drop" not in spares
     assert [c[0] for c in probe.calls][:2] == sorted(["keep", "drop"]) or {c[0] for c in probe.calls[:2]} == {"keep", "drop"}
     assert len(spares) == 2 and counters["spares_reverified"] == 1 and counters["spares_dropped"] == 1
@@ -67,7 +67,7 @@ async def test_stale_spares_reverified_or_dropped(env):
 async def test_cancelled_mid_probe_puts_the_claimed_spare_back(env):
     store, clock, target, counters = env
     old = clock.now - CFG.ttl_ms - 1
-    state.add_spare(store, P, M, "s", state.Spare(upstream_ms=900, verified_at=old, created_at=old))
+    await state.add_spare(store, P, M, "s", state.Spare(upstream_ms=900, verified_at=old, created_at=old))
     started = asyncio.Event()
 
     async def hang(sid, timeout):
@@ -76,11 +76,11 @@ async def test_cancelled_mid_probe_puts_the_claimed_spare_back(env):
 
     task = asyncio.ensure_future(refill_target(store, P, M, hang, target, CFG, clock, counters))
     await started.wait()
-    assert state.spares(store, P, M) == {}          # claimed while probing
+    assert await state.spares(store, P, M) == {}          # claimed while probing
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert "s" in state.spares(store, P, M)
+    assert "s" in await state.spares(store, P, M)
 
 
 async def test_blocked_or_backing_off_target_is_not_probed(env):
@@ -95,10 +95,10 @@ async def test_blocked_or_backing_off_target_is_not_probed(env):
 async def test_cycle_prunes_then_refills_every_target(env):
     store, clock, target, counters = env
     cfg = PoolConfig(size=1, min_probe_interval_ms=0, lease_ttl_ms=1000)
-    state.bind(store, "old::p::m", state.Binding(routed_id="gone", provider=P, model=M,
-                                                 bound_at=clock.now - 5000, last_seen_at=clock.now - 5000))
+    await state.bind(store, "old::p::m", state.Binding(routed_id="gone", provider=P, model=M,
+                                                       bound_at=clock.now - 5000, last_seen_at=clock.now - 5000))
     probe = ScriptedProbe(clock)
     plan = Plan([((P, M), probe, target), ((P, "other"), probe, TargetState())])
     sent = await cycle(lambda: store, plan, cfg, clock, counters)
-    assert sent == 2 and counters["retired_idle"] == 1 and state.is_retired(store, "gone")
-    assert len(state.spares(store, P, M)) == 1 and len(state.spares(store, P, "other")) == 1
+    assert sent == 2 and counters["retired_idle"] == 1 and await state.is_retired(store, "gone")
+    assert len(await state.spares(store, P, M)) == 1 and len(await state.spares(store, P, "other")) == 1

@@ -10,7 +10,9 @@ from sessionpin.pool.options import PoolConfig
 from sessionpin.pool.service import PoolService, conversation_of, scope_of
 from sessionpin.pool.signals import ProbeResult
 from sessionpin.store import open_store
-from sessionpin.store.base import StoreError
+from sessionpin.store.aio import Inline
+from sessionpin.store.base import NotDurable
+from sessionpin.store.memory import MemoryStore
 
 GW = "https://opencode.ai"
 CHAT = GW + "/zen/go/v1/chat/completions"
@@ -62,19 +64,19 @@ def make(cfg=PoolConfig(), script=(), default=None, takes_ms=1000):
     return svc, clock, scripted
 
 
-def add_spare(svc, clock, sid, provider="opencode-go", model=M):
-    state.add_spare(svc.store, provider, model, sid, state.Spare(upstream_ms=900, verified_at=clock.now,
-                                                                  created_at=clock.now))
+async def add_spare(svc, clock, sid, provider="opencode-go", model=M):
+    await state.add_spare(svc.store, provider, model, sid, state.Spare(upstream_ms=900, verified_at=clock.now,
+                                                                        created_at=clock.now))
 
 
 async def test_opencode_client_gets_a_fresh_spare_then_keeps_it():
     svc, clock, _ = make()
-    add_spare(svc, clock, "spare-1")
+    await add_spare(svc, clock, "spare-1")
     h = {"X-OpenCode-Session": "ses_abc", **AUTH}
     r = await svc.route("POST", CHAT, h, session="ses_abc", model=M)
     assert (r.routed_id, r.how, r.client_id) == ("spare-1", "spare", "ses_abc")
     assert r.key == "ses_abc::opencode-go::deepseek-v4.1-flash"
-    add_spare(svc, clock, "spare-2")
+    await add_spare(svc, clock, "spare-2")
     again = await svc.route("POST", CHAT, h, session="ses_abc", model=M)
     assert (again.routed_id, again.how) == ("spare-1", "binding")
     assert svc.refill_at == clock.now + svc.cfg.refill_delay_ms       # a take asks for a refill
@@ -86,7 +88,7 @@ async def test_no_spare_no_budget_opencode_keeps_its_own_id_pi_gets_one_id_for_g
     assert (oc.routed_id, oc.how, oc.observed) == ("ses_1", "client", False)
     pi1 = await svc.route("POST", CHAT, AUTH, session="fp:0123", model=M)
     assert pi1.how == "fresh" and pi1.client_id is None
-    add_spare(svc, clock, "spare-1")
+    await add_spare(svc, clock, "spare-1")
     pi2 = await svc.route("POST", CHAT, AUTH, session="fp:0123", model=M)
     assert pi2.routed_id == pi1.routed_id and pi2.how == "binding"
     assert probe.calls == []                                        # nothing on the request path
@@ -144,33 +146,33 @@ async def test_rejected_key_blocks_until_a_new_key_is_seen():
 
 async def test_observe_retires_and_the_next_request_gets_a_new_id():
     svc, clock, _ = make()
-    add_spare(svc, clock, "s1")
-    add_spare(svc, clock, "s2")
+    await add_spare(svc, clock, "s1")
+    await add_spare(svc, clock, "s2")
     h = {"x-opencode-session": "ses_1", **AUTH}
     r = await svc.route("POST", CHAT, h, session="ses_1", model=M)
-    assert svc.observe(r, 200, {"Server-Timing": "upstream;dur=9000"}) == "retire"
+    assert await svc.observe(r, 200, {"Server-Timing": "upstream;dur=9000"}) == "retire"
     r2 = await svc.route("POST", CHAT, h, session="ses_1", model=M)
     assert r2.routed_id != r.routed_id and r2.how == "spare"
-    assert svc.observe(r, 200, {"server-timing": "upstream;dur=100"}) == "unbound"
+    assert await svc.observe(r, 200, {"server-timing": "upstream;dur=100"}) == "unbound"
 
 
-class BrokenStore:
-    url = "file:/broken"
+class UnwritableStore(MemoryStore):
+    """The real memory store whose writes fail as the contract says a failing disk's do."""
 
-    def __getattr__(self, name):
-        def fail(*a, **k):
-            raise StoreError("disk is gone")
-        return fail
+    def _fail(self, *a, **k):
+        raise NotDurable("file:/broken: disk is gone")
+
+    apply = cas = set = hset = hsetnx = hdel = _fail
 
 
 async def test_unwritable_store_routing_continues_from_memory():
     svc, clock, _ = make()
-    svc.configure(svc.cfg, BrokenStore())
+    svc.configure(svc.cfg, Inline(UnwritableStore("memory:")))
     r = await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
     assert r.how == "fresh" and svc.counters["store_errors"] == 1
     again = await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
     assert again.routed_id == r.routed_id
-    assert svc.observe(again, 200, {"server-timing": "upstream;dur=10"}) == "healthy"
+    assert await svc.observe(again, 200, {"server-timing": "upstream;dur=10"}) == "healthy"
 
 
 async def test_probe_credentials_stay_in_memory_and_are_replaced():
@@ -181,7 +183,8 @@ async def test_probe_credentials_stay_in_memory_and_are_replaced():
     assert dict(t.probe_target.headers) == {"authorization": "Bearer k1"}
     await svc.route("POST", CHAT, {"authorization": "Bearer k2"}, session="fp:1", model=M)
     assert dict(t.probe_target.headers) == {"authorization": "Bearer k2"}
-    dump = repr({k: svc.store.hgetall(k) for k in svc.store.keys("")})
+    dump = repr([await svc.store.hgetall(k) if k.startswith(state.SPARE_PREFIX) else await svc.store.get(k)
+                 for k in await svc.store.keys("")])
     assert "k1" not in dump and "k2" not in dump and "opencode.ai" not in dump
 
 
@@ -203,12 +206,23 @@ def real(cfg, script=(), default=None):
 
 
 async def until(cond, timeout=5.0):
-    """Poll a condition on the real clock (generous: CI machines are busy)."""
+    """Poll a condition (a function, sync or async) on the real clock (generous: CI machines are busy)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
-    while not cond():
+    while True:
+        ok = cond()
+        if asyncio.iscoroutine(ok):
+            ok = await ok
+        if ok:
+            return
         assert loop.time() < end, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+def spares_are(store, n):
+    async def check():
+        return len(await state.spares(store, "opencode-go", M)) == n
+    return check
 
 
 LOOP_CFG = PoolConfig(size=1, refill_delay_ms=50, refresh_interval_ms=1000, min_probe_interval_ms=0)
@@ -223,7 +237,7 @@ async def test_first_run_is_delayed_then_the_pool_fills_and_start_is_idempotent(
     assert svc._task is task
     await asyncio.sleep(0.02)
     assert calls == []                                             # delayed by refill_delay_ms
-    await until(lambda: len(state.spares(svc.store, "opencode-go", M)) == 1)
+    await until(spares_are(svc.store, 1))
     svc.stop()
     await asyncio.sleep(0)
 
@@ -243,9 +257,9 @@ async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare()
         old, new = object(), object()
         svc = pool.MANAGER.attach(old, LOOP_CFG, store, probe=probe)
         await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
-        state.add_spare(store, "opencode-go", M, "stale-1", old_spare)
+        await state.add_spare(store, "opencode-go", M, "stale-1", old_spare)
         pool.MANAGER.start(old)
-        await until(lambda: state.spares(store, "opencode-go", M) == {})   # the cycle is probing stale-1
+        await until(spares_are(store, 0))   # the cycle is probing stale-1
         first_task = svc._task
         # mitmproxy's reload: done() on the old addon, then load/configure/running on the new one
         pool.MANAGER.detach(old)
@@ -253,7 +267,7 @@ async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare()
         pool.MANAGER.start(new)
         await until(first_task.done)
         assert first_task.cancelled()        # no orphan probe
-        assert "stale-1" in state.spares(store, "opencode-go", M)   # no lost spare
+        assert "stale-1" in await state.spares(store, "opencode-go", M)   # no lost spare
         loops = [t for t in asyncio.all_tasks() if t.get_name() == "sessionpin-pool" and not t.done()]
         assert loops == [svc._task]                                 # one loop
         await until(lambda: svc.loops_alive == 1)
@@ -273,11 +287,11 @@ async def test_a_take_wakes_the_loop_for_a_refill_after_refill_delay():
     await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
     svc.start()
     try:
-        await until(lambda: len(state.spares(svc.store, "opencode-go", M)) == 1)
+        await until(spares_are(svc.store, 1))
         assert svc.counters["cycles"] == 1
         took = await svc.route("POST", CHAT, {"x-opencode-session": "ses_new", **AUTH}, session="ses_new", model=M)
-        assert took.how == "spare" and state.spares(svc.store, "opencode-go", M) == {}
-        await until(lambda: len(state.spares(svc.store, "opencode-go", M)) == 1)   # long before the 60 s period
+        assert took.how == "spare" and await state.spares(svc.store, "opencode-go", M) == {}
+        await until(spares_are(svc.store, 1))   # long before the 60 s period
         assert svc.counters["cycles"] == 2
     finally:
         svc.stop()

@@ -49,7 +49,9 @@ class Manager:
             own = open_store(url)
         except Exception:
             return store
-        atexit.register(own.close)
+        close = getattr(own, "close_now", None)   # the facades' synchronous close (atexit has no loop)
+        if close is not None:
+            atexit.register(close)
         return own
 
     def attach(self, owner: object, cfg: PoolConfig, store: Store, **kw) -> PoolService:

@@ -1,8 +1,8 @@
 """The acquisition algorithm of seeds/002 §5, over the store, a clock and a probe function.
 
 ``acquire`` is the whole decision for one binding key; its I/O is injected (``probe``
-sends one 1-token request, ``clock`` tells and waits), so every branch runs under a
-fake clock in tests.
+sends one 1-token request, ``clock`` tells and waits, the async ``Store`` remembers), so
+every branch runs under a fake clock in tests.
 
 Rules it keeps:
 - a live binding is returned (and touched at most every 30 s): a resumed conversation
@@ -14,7 +14,9 @@ Rules it keeps:
   outlives the budget ends acquisition), each probe's timeout the budget left, none
   started with under 1.5 s left; 401/403/400 block the target until its credentials
   change;
-- an id that probed fast is bound directly and never enters the spares.
+- an id that probed fast is bound directly and never enters the spares;
+- a claimed spare that cannot be bound because its id was bound or retired before (a
+  claim a crash lost) is dropped, and the next spare is tried.
 """
 
 from __future__ import annotations
@@ -95,49 +97,60 @@ def _new_binding(result_ms: int | None, provider: str, model: str, sid: str, now
                          origin=how)
 
 
-def bind_owned(store: Store, key: str, b: state.Binding, now: int, counters: Counter[str],
-               spare: state.Spare | None) -> state.Binding:
+async def bind_owned(store: Store, key: str, b: state.Binding, now: int, counters: Counter[str],
+                     spare: state.Spare | None) -> state.Binding | None:
     """Bind an id the caller owns; if the key was bound meanwhile, keep that binding and
-    put our id (verified fast, never handed out) back among the spares."""
-    won = state.bind(store, key, b)
+    put our id (verified fast, never handed out) back among the spares. None: our id is
+    unusable (bound or retired before) and the key is still unbound."""
+    won = await state.bind(store, key, b)
+    if won is None:
+        counters["spares_dropped"] += 1
+        return None
     if won.routed_id != b.routed_id:
         counters["bind_conflicts"] += 1
         back = spare or state.Spare(upstream_ms=b.upstream_ms or 0, verified_at=b.verified_at or now,
                                     created_at=b.bound_at)
         if b.upstream_ms is not None:
-            state.add_spare(store, b.provider, b.model, b.routed_id, back)
+            await state.add_spare(store, b.provider, b.model, b.routed_id, back)
     return won
 
 
-def take_fresh(store: Store, key: str, provider: str, model: str, cfg: PoolConfig, now: int,
-               counters: Counter[str]) -> Acquired | None:
+async def take_fresh(store: Store, key: str, provider: str, model: str, cfg: PoolConfig, now: int,
+                     counters: Counter[str]) -> Acquired | None:
     """Claim the best fresh spare and bind it: the whole request-path cost of a new conversation."""
-    pool = state.spares(store, provider, model)
+    pool = await state.spares(store, provider, model)
     for sid, spare in state.ranked(pool, now, cfg.ttl_ms, fresh=True):
-        if not state.claim(store, provider, model, sid):
+        if not await state.claim(store, provider, model, sid):
             counters["take_races_lost"] += 1
             continue  # another process took it first: try the next one
         b = state.Binding(routed_id=sid, provider=provider, model=model, bound_at=now, last_seen_at=now,
                           upstream_ms=spare.upstream_ms, verified_at=spare.verified_at, origin="spare")
-        won = bind_owned(store, key, b, now, counters, spare)
+        won = await bind_owned(store, key, b, now, counters, spare)
+        if won is None:
+            continue  # that id was used before: dropped; try the next one
         counters["takes"] += 1 if won.routed_id == sid else 0
         return Acquired(won.routed_id, "spare" if won.routed_id == sid else "binding", won)
     return None
 
 
-def existing(store: Store, key: str, cfg: PoolConfig, now: int, counters: Counter[str]) -> Acquired | None:
+async def existing(store: Store, key: str, cfg: PoolConfig, now: int, counters: Counter[str]) -> Acquired | None:
     """A live binding (touched at most every 30 s); a dead one is retired on sight."""
-    b = state.binding(store, key)
+    b = await state.binding(store, key)
     if b is None:
         return None
-    if not state.alive(b, now, cfg.lease_ttl_ms, cfg.quarantine_failures):
-        if state.retire(store, key, b.routed_id, now):
+
+    def dead(x: state.Binding) -> bool:
+        return not state.alive(x, now, cfg.lease_ttl_ms, cfg.quarantine_failures)
+
+    if dead(b):
+        if await state.retire(store, key, b.routed_id, now, still=dead):
             counters["retired_idle"] += 1
         return None
     if now - b.last_seen_at >= TOUCH_EVERY_MS:
-        b2 = msgspec.structs.replace(b, last_seen_at=now)
-        if state.update(store, key, b2):
-            b = b2
+        touched = await state.change(store, key, b.routed_id, lambda x: msgspec.structs.replace(x, last_seen_at=now))
+        if touched is None:
+            return None   # retired or re-bound meanwhile: acquire afresh
+        b = touched
     return Acquired(b.routed_id, "binding", b)
 
 
@@ -145,36 +158,38 @@ async def acquire(store: Store, key: str, provider: str, model: str, *, budget_m
                   clock: Clock, probe: ProbeFn, target: TargetState, counters: Counter[str]) -> Acquired | None:
     """seeds/002 §5. None: no pooled id for this request (the caller falls back)."""
     now = clock.now_ms()
-    found = existing(store, key, cfg, now, counters)
+    found = await existing(store, key, cfg, now, counters)
     if found is not None:
         return found
-    found = take_fresh(store, key, provider, model, cfg, now, counters)
+    found = await take_fresh(store, key, provider, model, cfg, now, counters)
     if found is not None:
         return found
     if budget_ms < MIN_PROBE_BUDGET_MS or target.blocked:
         return None  # a zero budget leaves stale spares alone: refresh re-verifies them
     deadline = now + budget_ms
 
-    stale = state.ranked(state.spares(store, provider, model), now, cfg.ttl_ms, fresh=False)
+    stale = state.ranked(await state.spares(store, provider, model), now, cfg.ttl_ms, fresh=False)
     if stale:
         sid, spare = stale[0]
-        if state.claim(store, provider, model, sid):
+        if await state.claim(store, provider, model, sid):
             try:
                 result = await probe_when_allowed(target, clock, cfg, probe, sid, deadline, counters)
             except BaseException:
-                state.add_spare(store, provider, model, sid, spare)  # cancelled: the spare is not lost
+                await state.add_spare(store, provider, model, sid, spare)  # cancelled: the spare is not lost
                 raise
             if result is None:
-                state.add_spare(store, provider, model, sid, spare)
+                await state.add_spare(store, provider, model, sid, spare)
                 return None
             now = clock.now_ms()
             if result.fast:
                 b = _new_binding(result.ms, provider, model, sid, now, "stale")
-                won = bind_owned(store, key, b, now, counters, None)
-                return Acquired(won.routed_id, "stale" if won.routed_id == sid else "binding", won)
-            counters["spares_dropped"] += 1  # no longer fast: the claimed spare is dropped
-            if result.kind in STOPS_PROBING or result.kind == "overloaded":
-                return None
+                won = await bind_owned(store, key, b, now, counters, None)
+                if won is not None:
+                    return Acquired(won.routed_id, "stale" if won.routed_id == sid else "binding", won)
+            else:
+                counters["spares_dropped"] += 1  # no longer fast: the claimed spare is dropped
+                if result.kind in STOPS_PROBING or result.kind == "overloaded":
+                    return None
 
     while clock.now_ms() < deadline:
         if deadline - clock.now_ms() < MIN_PROBE_BUDGET_MS or target.blocked:
@@ -186,8 +201,9 @@ async def acquire(store: Store, key: str, provider: str, model: str, *, budget_m
         if result.fast:
             now = clock.now_ms()
             b = _new_binding(result.ms, provider, model, sid, now, "probe")
-            won = bind_owned(store, key, b, now, counters, None)
-            return Acquired(won.routed_id, "probe" if won.routed_id == sid else "binding", won)
-        if result.kind in STOPS_PROBING:
+            won = await bind_owned(store, key, b, now, counters, None)
+            if won is not None:
+                return Acquired(won.routed_id, "probe" if won.routed_id == sid else "binding", won)
+        elif result.kind in STOPS_PROBING:
             break
     return None

@@ -1,7 +1,8 @@
 """Feeding real responses back into their binding (seeds/002 §6, §7).
 
-``observe`` is a synchronous store transition called from ``responseheaders``: it reads
-one binding and writes at most one record, so the response stream is never held up.
+``observe`` is a store transition the participant runs as a task of its own after
+``responseheaders``: it reads one binding and writes at most one record (a compare-and-set
+or a retirement), and the response stream never waits for it.
 
 Rules it keeps:
 - ``upstream;dur < degrade_ms``: failures reset; the measurement and ``last_seen_at`` are
@@ -26,10 +27,10 @@ from .signals import judge, upstream_ms
 from ..store.base import Store
 
 
-def observe(store: Store, key: str, routed_id: str, status: int, server_timing: str | None,
-            cfg: PoolConfig, now: int, counters: Counter[str]) -> str:
+async def observe(store: Store, key: str, routed_id: str, status: int, server_timing: str | None,
+                  cfg: PoolConfig, now: int, counters: Counter[str]) -> str:
     """One real response -> healthy | strike | retire | unbound (what happened to the binding)."""
-    b = state.binding(store, key)
+    b = await state.binding(store, key)
     if b is None or b.routed_id != routed_id:
         return "unbound"
     up = upstream_ms(server_timing)
@@ -37,17 +38,18 @@ def observe(store: Store, key: str, routed_id: str, status: int, server_timing: 
                             quarantine_ms=cfg.quarantine_ms, quarantine_failures=cfg.quarantine_failures)
     counters["observed"] += 1
     if verdict == "retire":
-        if state.retire(store, key, routed_id, now):
+        # durable: a slow id must not come back after a crash (observation is off the stream's path)
+        if await state.retire(store, key, routed_id, now, durable=True):
             counters[f"retired_{reason}"] += 1
         return "retire"
     if verdict == "strike":
         counters["strikes"] += 1
-        state.update(store, key, msgspec.structs.replace(b, failures=b.failures + 1, last_seen_at=now,
-                                                          upstream_ms=up))
+        await state.change(store, key, routed_id, lambda x: msgspec.structs.replace(
+            x, failures=x.failures + 1, last_seen_at=now, upstream_ms=up))
         return "strike"
     if b.failures or now - b.last_seen_at >= OBSERVE_WRITE_EVERY_MS:
         changes: dict[str, object] = {"failures": 0, "last_seen_at": now}
         if up is not None:
             changes.update(upstream_ms=up, verified_at=now)
-        state.update(store, key, msgspec.structs.replace(b, **changes))
+        await state.change(store, key, routed_id, lambda x: msgspec.structs.replace(x, **changes))
     return "healthy"

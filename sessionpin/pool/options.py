@@ -9,6 +9,9 @@ Rules this module keeps:
   addon passes to ``loader.add_option`` in ``load``; ``parse`` turns the option values
   into a frozen ``PoolConfig`` and raises ``ValueError`` naming the bad option (the
   addon re-raises it as ``OptionsError``).
+- The values may also carry mitmproxy's own upstream options (``upstream.UPSTREAM_OPTIONS``:
+  mode, upstream_auth, the certificate settings); they become ``PoolConfig.upstream``, how
+  probes go out. Absent ones take mitmproxy's defaults (direct, certifi's CAs).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlsplit
+
+from .upstream import Upstream, parse as parse_upstream
 
 DEFAULT_GATEWAY = "https://opencode.ai"
 
@@ -49,7 +54,8 @@ OPTIONS: tuple[Option, ...] = (
        "pooled x-opencode-session ids (an opportunistic cache since the gateway load-balances)."),
     _o("_gateways", str, DEFAULT_GATEWAY, "Comma-separated gateway origins whose /zen/v1/ and "
        "/zen/go/v1/ requests the pool routes (self-hosted gateways, tests)."),
-    _o("_ca_file", str, "", "Extra PEM CA file trusted by probes, besides the system CAs (tests)."),
+    _o("_ca_file", str, "", "Extra PEM CA file trusted by probes, besides the CAs mitmproxy trusts "
+       "upstream (ssl_verify_upstream_trusted_ca/confdir, else certifi's)."),
     _o("_size", int, 2, "Fresh spares kept per provider+model; not a concurrency cap "
        "(PI_OCPOOL_SIZE; sessionpin default)."),
     _o("_ttl_ms", int, 1_800_000, "A spare verified within this is fresh; older spares are "
@@ -104,6 +110,7 @@ class PoolConfig:
     refresh_interval_ms: int = 300_000
     refill_delay_ms: int = 15_000
     require_gateway_id: bool = False
+    upstream: Upstream = Upstream()     # how probes go out: mitmproxy's upstream options
 
     @property
     def probes_per_cycle(self) -> int:
@@ -152,6 +159,10 @@ def parse(values: Mapping[str, Any]) -> PoolConfig:
     except ValueError as e:
         raise ValueError(f"sessionpin_pool_gateways: {e}") from None
     kw["gateways"] = gateways
+    try:
+        kw["upstream"] = parse_upstream(values, extra_ca=kw["ca_file"])
+    except ValueError as e:
+        raise ValueError(f"sessionpin pool: {e}") from None
     for name in ("size", "quarantine_failures", "max_bindings"):
         if kw[name] < 1:
             raise ValueError(f"sessionpin_pool_{name} must be at least 1")

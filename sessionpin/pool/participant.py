@@ -9,26 +9,34 @@ Hooks, in the order mitmproxy drives them:
 - ``PoolOptions.load(loader)``: registers every option of ``pool.options.OPTIONS``; it
   keeps ``loader.master.options`` to read values from (no ``mitmproxy.ctx``).
 - ``PoolOptions.configure(updated)`` -> ``PoolParticipant.configure(values)``: parse the
-  options (``ValueError`` -> the addon's OptionsError).
+  options (``ValueError`` -> the addon's OptionsError). The values are every
+  ``sessionpin_pool_*`` option plus mitmproxy's upstream options
+  (``upstream.UPSTREAM_OPTIONS``: mode, upstream_auth, ssl_insecure,
+  ssl_verify_upstream_trusted_ca/confdir), so probes go out the way mitmproxy's upstream
+  connections go. A shell that drives the participant without ``PoolOptions`` passes the
+  same values.
 - ``configure_store(store)`` (called by the router when its store opens): with both a
   config and a store, attach to ``pool.MANAGER`` (the same service after a reload).
 - ``running()``: start the refresh loop (sync). ``done()``: detach (sync).
 - ``request(flow, facts, decision)``: after the router decided; the request's *current*
   URL decides the scope, so a request the router sent elsewhere is left alone.
-- ``responseheaders(flow)``: hands the observation to a worker thread and returns at once,
-  so the stream is never held up (seeds/002 §7: observe is not awaited).
+- ``responseheaders(flow)``: starts the observation as a task of its own (on the running
+  loop; the async store keeps SQLite off it) and returns at once, so the stream is never
+  held up (seeds/002 §7: observe is not awaited). ``done()`` lets running observations
+  finish in the background.
+- ``status()`` is synchronous (in-memory counters); ``await metrics()`` reads the store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import MANAGER, report
 from .options import OPTIONS, PoolConfig, parse
 from .service import HEADER, PoolService, Route, scope_of
+from .upstream import UPSTREAM_OPTIONS
 
 log = logging.getLogger(__name__)
 META = "sessionpin_pool"
@@ -42,7 +50,8 @@ class PoolParticipant:
         self.cfg: PoolConfig | None = None
         self.store = None
         self.service: PoolService | None = None
-        self._observer: ThreadPoolExecutor | None = None
+        self._running = False
+        self._observing: set[asyncio.Task] = set()   # referenced until done, so none is collected mid-way
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -59,19 +68,16 @@ class PoolParticipant:
             self.service = self.manager.attach(self, self.cfg, self.store)
             if not self.cfg.enabled:
                 self.service.stop()
-            elif self._observer is not None:   # configured while running: (re)start
+            elif self._running:   # configured while running: (re)start
                 self.manager.start(self)
 
     def running(self) -> None:
-        if self._observer is None:
-            self._observer = ThreadPoolExecutor(1, thread_name_prefix="sessionpin-pool-observe")
+        self._running = True
         self.manager.start(self)
 
     def done(self) -> None:
+        self._running = False
         self.manager.detach(self)
-        if self._observer is not None:
-            self._observer.shutdown(wait=False)
-            self._observer = None
 
     # ---- flows -------------------------------------------------------------------------------
 
@@ -102,21 +108,22 @@ class PoolParticipant:
         flow.comment = f"{flow.comment}\n{note}" if flow.comment else note
         log.info("sessionpin pool: %s %s -> %s (%s)", route.provider, route.model, route.routed_id[:8], route.how)
 
-    def responseheaders(self, flow) -> None:
+    def responseheaders(self, flow) -> asyncio.Task | None:
+        """Start observing a pooled response; returns the task (None when nothing is observed)."""
         meta = flow.metadata.get(META)
         svc = self.service
         if not meta or svc is None or flow.response is None:
-            return
+            return None
         route = Route(meta["key"], meta["id"], meta["how"], meta["provider"], meta["model"], meta["origin"],
                       meta["client_id"])
         if not route.observed:
-            return
+            return None
         headers = {k.lower(): v for k, v in flow.response.headers.items()}
-        status = flow.response.status_code
-        if self._observer is not None:
-            self._observer.submit(svc.observe, route, status, headers)
-        else:
-            svc.observe(route, status, headers)
+        task = asyncio.get_running_loop().create_task(svc.observe(route, flow.response.status_code, headers),
+                                                      name="sessionpin-pool-observe")
+        self._observing.add(task)
+        task.add_done_callback(self._observing.discard)
+        return task
 
     # ---- status ------------------------------------------------------------------------------
 
@@ -126,12 +133,12 @@ class PoolParticipant:
             return {"enabled": False, "refresh_running": False, "counters": {}}
         return report.status(svc.counters, running=svc.running, enabled=svc.cfg.enabled, loops=svc.loops_alive)
 
-    def metrics(self) -> str:
+    async def metrics(self) -> str:
         svc = self.service
         if svc is None:
             return ""
         try:
-            snap = report.snapshot(svc.store, svc.clock.now_ms(), svc.cfg.ttl_ms)
+            snap = await report.snapshot(svc.store, svc.clock.now_ms(), svc.cfg.ttl_ms)
         except Exception:
             snap = None
         return report.metrics(svc.counters, snap)
@@ -151,9 +158,13 @@ class PoolOptions:
         self._options = loader.master.options
 
     def configure(self, updated: set[str]) -> None:
-        if self._options is None or not any(n.startswith("sessionpin_pool") for n in updated):
+        if self._options is None or not any(n.startswith("sessionpin_pool") or n in UPSTREAM_OPTIONS
+                                            for n in updated):
             return
+        values = {o.name: getattr(self._options, o.name) for o in OPTIONS}
+        for name in UPSTREAM_OPTIONS:     # mitmproxy's; upstream_auth belongs to an addon that may be absent
+            values[name] = getattr(self._options, name, None)
         try:
-            self.participant.configure({o.name: getattr(self._options, o.name) for o in OPTIONS})
+            self.participant.configure(values)
         except ValueError as e:
             raise self.error(str(e)) from None

@@ -20,10 +20,6 @@ from .acquire import Clock, ProbeFn, TargetState, probe_when_allowed
 from .options import PoolConfig
 from ..store.base import Store
 
-# A retired id's tombstone only guards late updates; keep it well past any request.
-KEEP_RETIRED_MS = 3_600_000
-
-
 class Plan:
     """What a cycle may probe: (provider, model) -> (probe function, target state)."""
 
@@ -37,22 +33,22 @@ async def refill_target(store: Store, provider: str, model: str, probe: ProbeFn,
     budget = cfg.probes_per_cycle
     sent = 0
     now = clock.now_ms()
-    for sid, spare in state.ranked(state.spares(store, provider, model), now, cfg.ttl_ms, fresh=False):
+    for sid, spare in state.ranked(await state.spares(store, provider, model), now, cfg.ttl_ms, fresh=False):
         if sent >= budget or target.blocked:
             return sent
-        if not state.claim(store, provider, model, sid):
+        if not await state.claim(store, provider, model, sid):
             continue
         try:
             result = await probe_when_allowed(target, clock, cfg, probe, sid, None, counters)
         except BaseException:
-            state.add_spare(store, provider, model, sid, spare)
+            await state.add_spare(store, provider, model, sid, spare)
             raise
         if result is None:  # backing off: leave it for the next cycle
-            state.add_spare(store, provider, model, sid, spare)
+            await state.add_spare(store, provider, model, sid, spare)
             return sent
         sent += 1
         if result.fast:
-            state.add_spare(store, provider, model, sid, state.Spare(
+            await state.add_spare(store, provider, model, sid, state.Spare(
                 upstream_ms=result.ms or 0, verified_at=clock.now_ms(), created_at=spare.created_at,
                 source=result.source))
             counters["spares_reverified"] += 1
@@ -60,7 +56,7 @@ async def refill_target(store: Store, provider: str, model: str, probe: ProbeFn,
             counters["spares_dropped"] += 1
     while sent < budget and not target.blocked:
         now = clock.now_ms()
-        fresh = state.ranked(state.spares(store, provider, model), now, cfg.ttl_ms, fresh=True)
+        fresh = state.ranked(await state.spares(store, provider, model), now, cfg.ttl_ms, fresh=True)
         if len(fresh) >= cfg.size:
             break
         sid = state.new_id()
@@ -70,7 +66,7 @@ async def refill_target(store: Store, provider: str, model: str, probe: ProbeFn,
         sent += 1
         if result.fast:
             now = clock.now_ms()
-            state.add_spare(store, provider, model, sid, state.Spare(
+            await state.add_spare(store, provider, model, sid, state.Spare(
                 upstream_ms=result.ms or 0, verified_at=now, created_at=now, source=result.source))
             counters["spares_added"] += 1
     return sent
@@ -82,9 +78,8 @@ async def cycle(store_of: Callable[[], Store], plan: Plan, cfg: PoolConfig, cloc
 
     ``store_of`` is asked for the store at every step, so a store swapped during the cycle
     (a reload, a fall-back to memory) is the one written to."""
-    pruned = state.prune(store_of(), clock.now_ms(), lease_ttl_ms=cfg.lease_ttl_ms,
-                         quarantine_failures=cfg.quarantine_failures, max_bindings=cfg.max_bindings,
-                         keep_retired_ms=KEEP_RETIRED_MS)
+    pruned = await state.prune(store_of(), clock.now_ms(), lease_ttl_ms=cfg.lease_ttl_ms,
+                               quarantine_failures=cfg.quarantine_failures, max_bindings=cfg.max_bindings)
     counters["retired_idle"] += pruned.idle
     counters["retired_cap"] += pruned.capped
     counters["cycles"] += 1

@@ -1,8 +1,8 @@
 """What the pool holds, for ``sessionpin pool``, ``/__sessionpin/status`` and ``/metrics``.
 
-Pure functions: ``snapshot(store, now_ms, ttl_ms)`` reads the store (no writes) and
-returns plain data; ``text``/``json_text`` render it; ``status`` and ``metrics`` render a
-service's in-memory counters. Only ids, provider and model names and numbers appear:
+``await snapshot(store, now_ms, ttl_ms)`` reads the async store (no writes) and returns
+plain data; the rest are pure: ``text``/``json_text`` render a snapshot; ``status`` and
+``metrics`` render a service's in-memory counters (and a snapshot). Only ids, provider and model names and numbers appear:
 never a credential, a URL or content.
 """
 
@@ -16,7 +16,7 @@ from . import state
 from ..store.base import Store
 
 
-def snapshot(store: Store, now_ms: int, ttl_ms: int) -> dict[str, Any]:
+async def snapshot(store: Store, now_ms: int, ttl_ms: int) -> dict[str, Any]:
     """Spares and bindings grouped by provider+model."""
     groups: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -24,13 +24,13 @@ def snapshot(store: Store, now_ms: int, ttl_ms: int) -> dict[str, Any]:
         return groups.setdefault((provider, model), {"provider": provider, "model": model,
                                                      "spares": [], "bindings": []})
 
-    for provider, model in state.targets_in_store(store):
-        for sid, s in state.spares(store, provider, model, drop_bad=False).items():
+    for provider, model in await state.targets_in_store(store):
+        for sid, s in (await state.spares(store, provider, model, drop_bad=False)).items():
             group(provider, model)["spares"].append({
                 "id": sid, "upstream_ms": s.upstream_ms, "source": s.source,
                 "verified_ago_s": max(0, now_ms - s.verified_at) // 1000,
                 "fresh": state.is_fresh(s, now_ms, ttl_ms)})
-    for key, b in state.bindings(store, drop_bad=False).items():
+    for key, b in (await state.bindings(store, drop_bad=False)).items():
         conversation = key.split(state.SEP)[0]
         group(b.provider, b.model)["bindings"].append({
             "conversation": conversation, "id": b.routed_id, "how": b.origin,
@@ -44,7 +44,7 @@ def snapshot(store: Store, now_ms: int, ttl_ms: int) -> dict[str, Any]:
         g["bindings"].sort(key=lambda b: (b["idle_s"], b["conversation"]))
         g["fresh_spares"] = sum(1 for s in g["spares"] if s["fresh"])
         out.append(g)
-    return {"groups": out, "retired": len(store.hgetall(state.RETIRED))}
+    return {"groups": out, "retired": await state.retired_count(store)}
 
 
 def json_text(snap: Mapping[str, Any]) -> str:

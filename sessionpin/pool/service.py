@@ -17,8 +17,12 @@ Rules this module keeps:
 - Per-key de-duplication: concurrent requests of one key share one acquisition.
 - A failed *budgeted* acquisition puts the key in cooldown (no budget) for
   ``probe_cooldown_ms``.
-- A store that fails is replaced by an in-memory store: routing goes on, only durability
-  and sharing with other processes are lost (logged once).
+- The store is the async ``Store``: nothing here touches a file on the event loop. A store
+  that fails (``StoreError``: ``StoreUnavailable``, ``NotDurable``…) is replaced by an
+  in-memory store: routing goes on, only durability and sharing with other processes are
+  lost (logged once).
+- Probes go out the way mitmproxy's upstream connections go (``cfg.upstream``); how is
+  logged in one line when the service starts and whenever it changes.
 - Nothing here raises into the request path: ``route``/``observe`` log and return.
 - The refresh loop runs in the caller's event loop; ``start``/``stop`` are synchronous
   (mitmproxy's running/done), and its schedule lives on the service, so stopping and
@@ -30,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import sqlite3
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,9 +44,10 @@ from . import state
 from .acquire import Acquired, Clock, ProbeFn, TargetState, acquire
 from .observe import observe as observe_binding
 from .options import PoolConfig, normalize_origin
-from .prober import COPIED_HEADERS, CREDENTIAL_HEADERS, ProbeTarget, probe as send_probe, ssl_context
+from .prober import COPIED_HEADERS, CREDENTIAL_HEADERS, ProbeTarget, probe as send_probe
 from .refresh import Plan, cycle
 from .signals import ProbeResult
+from .upstream import describe as describe_upstream, ssl_context
 from ..store.base import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -144,16 +148,24 @@ class PoolService:
         self.next_cycle_at: int | None = None     # survives stop/start (reload)
         self.refill_at: int | None = None
         self.loops_alive = 0                      # refresh loops past their start-up (never > 1)
+        self._said_upstream = None
+        self._say_upstream()
 
     # ---- configuration and store ------------------------------------------------------
 
     def configure(self, cfg: PoolConfig, store: Store | None = None) -> None:
-        if cfg.ca_file != self.cfg.ca_file:
+        if cfg.upstream != self.cfg.upstream:
             self._ssl = None
         self.cfg = cfg
+        self._say_upstream()
         if store is not None and store is not self._store:
             self._store = store
             self._fallback = None
+
+    def _say_upstream(self) -> None:
+        if self.cfg.enabled and self.cfg.upstream != self._said_upstream:
+            self._said_upstream = self.cfg.upstream
+            log.info("sessionpin pool: %s", describe_upstream(self.cfg.upstream))
 
     @property
     def store(self) -> Store:
@@ -174,9 +186,16 @@ class PoolService:
             if self._probe_impl is not None:
                 return await self._probe_impl(t.probe_target, sid, timeout_ms)
             if self._ssl is None:
-                self._ssl = ssl_context(self.cfg.ca_file)
+                try:
+                    self._ssl = ssl_context(self.cfg.upstream)
+                except (OSError, ValueError) as e:   # a CA file that cannot be read (ssl.SSLError is an OSError)
+                    if not self.counters["ca_errors"]:
+                        log.warning("sessionpin pool: probes cannot verify TLS: %s", e)
+                    self.counters["ca_errors"] += 1
+                    return ProbeResult("failed", None, None, "", detail=type(e).__name__)
             return await send_probe(t.probe_target, sid, timeout_ms, max_upstream_ms=self.cfg.max_upstream_ms,
-                                    require_gateway_id=self.cfg.require_gateway_id, ssl_ctx=self._ssl)
+                                    require_gateway_id=self.cfg.require_gateway_id, ssl_ctx=self._ssl,
+                                    via=self.cfg.upstream)
         return run
 
     def _learn(self, sc: Scope, model: str, headers: Mapping[str, str]) -> _Target | None:
@@ -236,7 +255,7 @@ class PoolService:
         if client_id:
             self.counters["routed_client"] += 1
             return Route(key, client_id, "client", sc.provider, model, sc.origin, client_id)
-        fresh = self._bind_fresh(key, sc.provider, model)
+        fresh = await self._bind_fresh(key, sc.provider, model)
         self.counters[f"routed_{fresh.how}"] += 1
         return Route(key, fresh.routed_id, fresh.how, sc.provider, model, sc.origin, None)
 
@@ -264,28 +283,32 @@ class PoolService:
             self.request_refill()
         return got
 
-    def _bind_fresh(self, key: str, provider: str, model: str) -> Acquired:
+    async def _bind_fresh(self, key: str, provider: str, model: str) -> Acquired:
         """A client with no id of its own and no pooled id: one random id for good."""
         now = self.clock.now_ms()
         b = state.Binding(routed_id=state.new_id(), provider=provider, model=model, bound_at=now,
                           last_seen_at=now, origin="fresh")
         try:
-            won = state.bind(self.store, key, b)
+            won = await state.bind(self.store, key, b)
         except Exception as e:
             if not _is_store_fault(e):
                 raise
             self._store_failed(e)
-            won = state.bind(self.store, key, b)
-        return Acquired(won.routed_id, "fresh" if won is b else "binding", won)
+            won = await state.bind(self.store, key, b)
+        if won is None:     # cannot happen for a new random id; route the id anyway
+            won = b
+        return Acquired(won.routed_id, "fresh" if won.routed_id == b.routed_id else "binding", won)
 
-    def observe(self, route: Route, status: int, headers: Mapping[str, str]) -> str:
-        """Feed a real response back (sync, a store read and at most one write). Never raises."""
+    async def observe(self, route: Route, status: int, headers: Mapping[str, str]) -> str:
+        """Feed a real response back (a store read and at most one write). Never raises."""
         if not route.observed:
             return "client"
         try:
             h = {str(k).lower(): str(v) for k, v in headers.items()}
-            return observe_binding(self.store, route.key, route.routed_id, status, h.get("server-timing"),
-                                   self.cfg, self.clock.now_ms(), self.counters)
+            return await observe_binding(self.store, route.key, route.routed_id, status, h.get("server-timing"),
+                                         self.cfg, self.clock.now_ms(), self.counters)
+        except asyncio.CancelledError:
+            raise
         except Exception as e:
             if _is_store_fault(e):
                 self._store_failed(e)
@@ -379,4 +402,6 @@ class PoolService:
 
 
 def _is_store_fault(e: BaseException) -> bool:
-    return isinstance(e, (StoreError, OSError, sqlite3.Error))
+    # The contract's errors (StoreUnavailable, NotDurable, WrongType: StoreError); an OSError
+    # from a backend that leaks one is treated the same.
+    return isinstance(e, (StoreError, OSError))

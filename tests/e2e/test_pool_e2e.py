@@ -8,6 +8,7 @@ the pool's probes both trust that CA. The pool's state is read back from the sam
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tempfile
 import threading
@@ -68,12 +69,19 @@ def chat(env, headers: list[tuple[str, str]], messages: list[dict], path="/zen/g
     return env["client"].request("POST", env["gw"].origin + path, headers=headers, body=body)
 
 
+def read_store(env, fn):
+    """``await fn(store)`` on the proxies' store, from this (synchronous) test."""
+    async def run():
+        store = open_store(env["store_url"])
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+    return asyncio.run(run())
+
+
 def spares(env) -> dict:
-    store = open_store(env["store_url"])
-    try:
-        return state.spares(store, "opencode-go", MODEL, drop_bad=False)
-    finally:
-        store.close()
+    return read_store(env, lambda store: state.spares(store, "opencode-go", MODEL, drop_bad=False))
 
 
 def wait_spares(env, n: int, timeout=15.0) -> dict:
@@ -163,12 +171,8 @@ def test_a_bound_id_that_turns_slow_is_retired_and_replaced(env):
             break
         time.sleep(0.1)
     assert last_request(env).session not in (routed, conv)
-    store = open_store(env["store_url"])
-    try:
-        assert state.is_retired(store, routed)
-        snap = report.snapshot(store, int(time.time() * 1000), 1_800_000)
-    finally:
-        store.close()
+    assert read_store(env, lambda store: state.is_retired(store, routed))
+    snap = read_store(env, lambda store: report.snapshot(store, int(time.time() * 1000), 1_800_000))
     assert routed not in json.dumps(snap["groups"])                    # gone from spares and bindings
 
 
@@ -235,12 +239,9 @@ def test_two_proxies_sharing_one_store_never_share_an_id(env):
             t.start()
         for t in threads:
             t.join(30)
-        store = open_store(env["store_url"])
-        try:
-            bound = {k.split("::")[0]: b.routed_id for k, b in state.bindings(store, drop_bad=False).items()}
-            left = set(state.spares(store, "opencode-go", MODEL, drop_bad=False))
-        finally:
-            store.close()
+        bindings = read_store(env, lambda store: state.bindings(store, drop_bad=False))
+        bound = {k.split("::")[0]: b.routed_id for k, b in bindings.items()}
+        left = set(spares(env))
         ids = list(bound.values())
         assert len(ids) == len(set(ids))                              # no id in two conversations
         assert not set(ids) & left                                    # no bound id is a spare
@@ -256,3 +257,100 @@ def test_two_proxies_sharing_one_store_never_share_an_id(env):
                 assert seen == conv or seen not in ids
     finally:
         m2.stop()
+
+
+# ---- behind a corporate proxy: probes go out the way mitmproxy's upstream connections go ----
+
+
+@pytest.fixture(scope="module")
+def corp():
+    """A second, plain mitmdump as the corporate proxy (regular mode, proxy auth, TLS interception),
+    writing every flow it carries to corp.flow; the fake gateway behind it has a CA of its own."""
+    with tempfile.TemporaryDirectory(prefix="sessionpin-corp-") as tmp:
+        work = Path(tmp)
+        gw = FakeGateway(keys={KEY}).start(work)
+        flows = work / "corp.flow"
+        proxy = Mitmdump(work / "corp", script=None, args=["-w", str(flows)], options={
+            "proxyauth": "alice:s3cret", "ssl_verify_upstream_trusted_ca": str(gw.ca)})
+        proxy.start()
+        try:
+            yield {"gw": gw, "proxy": proxy, "flows": flows, "url": f"http://127.0.0.1:{proxy.port}"}
+        finally:
+            proxy.stop()
+            gw.stop()
+
+
+def corp_flows(corp) -> list:
+    """The requests the corporate proxy carried (mitmdump's -w file, read as it stands)."""
+    from sessionpin import flowfile
+
+    data = corp["flows"].read_bytes() if corp["flows"].exists() else b""
+    try:
+        return list(flowfile.read_requests(data)) if data else []
+    except flowfile.FlowFileError:     # a flow being written as we read: the complete ones
+        return []
+
+
+def wait_corp_flow(corp, sid: str, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in corp_flows(corp):
+            if (b"x-opencode-session", sid.encode()) in r.headers:
+                return r
+        time.sleep(0.1)
+    raise AssertionError(f"the corporate proxy carried no request with id {sid}:\n{corp['proxy'].tail(20)}")
+
+
+async def test_a_probe_goes_through_the_upstream_proxy_with_its_auth_and_ca(corp):
+    from sessionpin.pool.prober import ProbeTarget, probe
+    from sessionpin.pool.upstream import parse as parse_upstream
+
+    gw = corp["gw"]
+    target = ProbeTarget(gw.origin, "/zen/go/v1/chat/completions", "chat/completions", MODEL,
+                         (("authorization", f"Bearer {KEY}"),))
+    # what the shell hands the pool: mitmproxy's own option values
+    via = parse_upstream({"mode": [f"upstream:{corp['url']}"], "upstream_auth": "alice:s3cret",
+                          "ssl_verify_upstream_trusted_ca": str(corp["proxy"].mitm_ca)})
+    sid = f"corp-{RUN}-ok"
+    r = await probe(target, sid, 10_000, max_upstream_ms=2500, via=via)
+    assert r.kind in ("fast", "slow") and r.status == 200, r
+    carried = wait_corp_flow(corp, sid)
+    assert carried.url == f"{gw.origin}/zen/go/v1/chat/completions"     # CONNECT tunnel, TLS intercepted
+    assert [s.session for s in gw.probes()].count(sid) == 1              # ...and it reached the gateway
+
+    # each setting is needed: without the auth the proxy refuses, without its CA the tunnel is not trusted
+    no_auth = await probe(target, f"corp-{RUN}-noauth", 10_000, max_upstream_ms=2500,
+                          via=parse_upstream({"mode": [f"upstream:{corp['url']}"],
+                                              "ssl_verify_upstream_trusted_ca": str(corp["proxy"].mitm_ca)}))
+    no_ca = await probe(target, f"corp-{RUN}-noca", 10_000, max_upstream_ms=2500,
+                        via=parse_upstream({"mode": [f"upstream:{corp['url']}"], "upstream_auth": "alice:s3cret"}))
+    insecure = await probe(target, f"corp-{RUN}-insecure", 10_000, max_upstream_ms=2500,
+                           via=parse_upstream({"mode": [f"upstream:{corp['url']}"], "upstream_auth": "alice:s3cret",
+                                               "ssl_insecure": True}))
+    assert (no_auth.kind, no_ca.kind, insecure.status) == ("failed", "failed", 200), (no_auth, no_ca, insecure)
+    # direct (no upstream mode), trusting the corporate CA only: the gateway's own certificate fails
+    direct = await probe(target, f"corp-{RUN}-direct", 10_000, max_upstream_ms=2500,
+                         via=parse_upstream({"ssl_verify_upstream_trusted_ca": str(corp["proxy"].mitm_ca)}))
+    assert direct.kind == "failed"
+    assert not [s for s in gw.probes() if s.session in (f"corp-{RUN}-noauth", f"corp-{RUN}-noca",
+                                                         f"corp-{RUN}-direct")]
+
+
+async def test_the_pools_refresh_fills_spares_through_the_upstream_proxy(corp):
+    from sessionpin.pool import PoolService, options
+
+    gw = corp["gw"]
+    cfg = options.parse({"sessionpin_pool_gateways": gw.origin, "sessionpin_pool_size": 2,
+                         "sessionpin_pool_min_probe_interval_ms": 0,
+                         "mode": [f"upstream:{corp['url']}"], "upstream_auth": "alice:s3cret",
+                         "ssl_verify_upstream_trusted_ca": str(corp["proxy"].mitm_ca)})
+    svc = PoolService(cfg, open_store("memory:"))
+    conv = f"ses_{RUN}_corp"
+    route = await svc.route("POST", gw.origin + "/zen/go/v1/chat/completions",
+                            {"authorization": f"Bearer {KEY}", "x-opencode-session": conv}, session=conv, model=MODEL)
+    assert route.how == "client"                          # no spare yet; the request taught the pool a target
+    await svc.refresh_once()
+    pool = await state.spares(svc.store, "opencode-go", MODEL)
+    assert len(pool) == 2 and all(is_fast_id(i) for i in pool)
+    for sid in pool:
+        wait_corp_flow(corp, sid)                         # every kept id was probed through the proxy

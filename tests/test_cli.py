@@ -506,13 +506,16 @@ def test_pool_report_reads_the_shared_store(env, capsys):
 
     code, o, _ = run(capsys, "pool")
     assert code == 0 and o.startswith("pool: empty")
-    store = open_store(env.url)
     now = int(time.time() * 1000)
-    try:
-        state.add_spare(store, "opencode", "big-pickle", "ses_spare1",
-                        state.Spare(upstream_ms=420, verified_at=now - 5000, created_at=now - 9000))
-    finally:
-        store.close()
+
+    async def spare() -> None:
+        store = open_store(env.url)
+        try:
+            await state.add_spare(store, "opencode", "big-pickle", "ses_spare1",
+                                  state.Spare(upstream_ms=420, verified_at=now - 5000, created_at=now - 9000))
+        finally:
+            await store.close()
+    asyncio.run(spare())
     code, o, _ = run(capsys, "pool", "--json")
     assert code == 0
     group = json.loads(o)["groups"][0]

@@ -309,17 +309,33 @@ _signal_fields = {"system": msgspec.json.Decoder(str | list[lw.Part] | None),
 _PREV_REQ = re.compile(r"(?:^|[;\s])cc_prev_req=([^;\s]+)")
 
 
-def _signal_body_of(data: bytes) -> _SignalBody:
-    try:
-        return _signal_body.decode(data)
-    except msgspec.ValidationError:
-        pass
-    except (msgspec.DecodeError, RecursionError):
+# Where each api keeps its links, the member nearest the end first (Claude Code sends system,
+# then diagnostics, after its messages: the tail read from system holds both).
+_SIGNAL_NAMES = {"anthropic": ("system", "diagnostics"), "chat": (),
+                 "responses": ("client_metadata", "previous_response_id")}
+
+
+def _signal_body_of(data: bytes, flavour: str | None) -> _SignalBody:
+    fields = None
+    if flavour == "chat":
         return _SignalBody()
-    try:
-        fields = lw._loose.decode(data)
-    except (msgspec.DecodeError, RecursionError):
-        return _SignalBody()
+    if len(data) >= lw.FAST_MIN:  # the links sit before or after the history: read only those
+        for key, names in ((b"messages", _SIGNAL_NAMES["anthropic"]), (b"input", _SIGNAL_NAMES["responses"])):
+            if flavour is None or key == (b"input" if flavour == "responses" else b"messages"):
+                fields = lw.top_fields(data, _SIGNAL_NAMES[flavour] if flavour else names, key)
+                if fields is not None:
+                    break
+    if fields is None:
+        try:
+            return _signal_body.decode(data)
+        except msgspec.ValidationError:
+            pass
+        except (msgspec.DecodeError, RecursionError):
+            return _SignalBody()
+        try:
+            fields = lw._loose.decode(data)
+        except (msgspec.DecodeError, RecursionError):
+            return _SignalBody()
     values = {}
     for name, decoder in _signal_fields.items():
         if name in fields:
@@ -330,22 +346,22 @@ def _signal_body_of(data: bytes) -> _SignalBody:
     return _SignalBody(**values)
 
 
-def signals(headers: object, body: bytes | None = None, content_encoding: str = "") -> Signals:
+def signals(headers: object, body: bytes | None = None, content_encoding: str = "", api: str | None = None) -> Signals:
     """The links a request states outright (headers; and the body, decoded or with its
-    content-encoding, when given). Never raises."""
+    content-encoding, when given; ``api`` says where to look in it). Never raises."""
     try:
-        return _signals(headers, body, content_encoding)
+        return _signals(headers, body, content_encoding, api)
     except Exception:  # pragma: no cover - a last resort; the property tests look for it
         return Signals()
 
 
-def _signals(headers, body, content_encoding) -> Signals:
+def _signals(headers, body, content_encoding, api) -> Signals:
     h = facts.header_map(headers)
     b = _SignalBody()
     if body is not None:
         data, problem = facts.decode_body(body, content_encoding or "")
         if not problem and data.strip():
-            b = _signal_body_of(data)
+            b = _signal_body_of(data, _FLAVOUR.get(api))
     meta = facts.codex_turn_metadata(h)
     if not meta and b.client_metadata and "x-codex-turn-metadata" in b.client_metadata:
         meta = facts.codex_turn_metadata({"x-codex-turn-metadata": b.client_metadata["x-codex-turn-metadata"]})

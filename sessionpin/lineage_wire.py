@@ -241,3 +241,50 @@ def _lenient_history(data: bytes, key: str) -> History | None:
     else:
         h.messages = list(_lenient(value))
     return h
+
+
+def top_fields(data: bytes, names: tuple[str, ...], array_key: bytes) -> dict[str, Raw] | None:
+    """The top-level members ``names`` of a large body without reading its history: those before
+    the array ``array_key`` from the head, the others from the tail, each tail found from the
+    end and proved top-level by decoding ``{`` + the text after its comma as one object (a slice
+    that decodes so can only start at depth 1). None when the body is not shaped so (the caller
+    then decodes it whole)."""
+    s = _array_start(data, array_key)
+    if s == -1:
+        return None
+    start = _skip_ws(data, 0)
+    head_end = data.rfind(b'"' + array_key + b'"', start, s)
+    before = head_end - 1
+    while before > start and data[before] in _WS:
+        before -= 1
+    try:
+        out = dict(_loose.decode(b"{}" if before <= start else data[start:before] + b"}"))
+    except msgspec.DecodeError:
+        return None
+    tail_from = len(data)
+    for name in names:
+        if name in out:
+            continue
+        # a tail already decoded holds every member after its start: look only before it
+        needle, hi = b'"' + name.encode() + b'"', tail_from
+        while True:
+            p = data.rfind(needle, s, hi)
+            if p == -1:
+                break
+            comma = p - 1
+            while comma > s and data[comma] in _WS:
+                comma -= 1
+            after = _skip_ws(data, p + len(needle))
+            if data[comma] != ord(",") or after >= len(data) or data[after] != ord(":"):
+                hi = p
+                continue
+            try:
+                members = _loose.decode(b"{" + data[comma + 1:])
+            except msgspec.DecodeError:
+                hi = p
+                continue
+            if name in members:
+                out.update(members)
+                tail_from = comma
+            break
+    return out

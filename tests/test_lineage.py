@@ -380,3 +380,20 @@ def test_chain_never_raises_on_bytes(data, coding):
 
 def test_extend_refuses_what_is_not_hex():
     assert lineage.extend("zz", "00") is None and lineage.extend(None, "00") is None
+
+
+@pytest.mark.parametrize("agent,scenario,kind", [("claude-code", "lineage", "fork"), ("codex", "exec-lineage", "fork")])
+def test_a_large_body_gives_the_same_signals_from_its_head_and_tail(agent, scenario, kind):
+    fx = next(fx for fx in load(agent, scenario) if fx["expect"]["kind"] == kind)
+    data = _grown(fx)
+    small = lineage.signals(fx["headers"], body_of(fx))
+    assert lineage.signals(fx["headers"], data) == small == lineage.signals(fx["headers"], data, api=api_of(fx))
+    # a look-alike of a link inside the history is not taken for it
+    body = json.loads(data)
+    items = body.get("messages") or body.get("input")
+    items.insert(1, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                  "x": {"diagnostics": {"previous_message_id": "msg_decoy"}}}]})
+    if "diagnostics" in body:
+        body["diagnostics"] = {"previous_message_id": None}
+    decoy = lineage.signals(fx["headers"], json.dumps(body).encode())
+    assert all("decoy" not in a for a in decoy.anchors)

@@ -397,3 +397,12 @@ def test_a_large_body_gives_the_same_signals_from_its_head_and_tail(agent, scena
         body["diagnostics"] = {"previous_message_id": None}
     decoy = lineage.signals(fx["headers"], json.dumps(body).encode())
     assert all("decoy" not in a for a in decoy.anchors)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet=" \t\n\u00a0ab\u00e9\u2028", max_size=8), max_size=8))
+def test_the_text_digest_fed_in_pieces_is_the_digest_of_the_stripped_whole(pieces):
+    d = lineage.TextDigest()
+    for piece in pieces:
+        d.feed(piece)
+    assert d.digest() == lineage.text_digest("".join(pieces)) == lineage._blake("".join(pieces).strip().encode())

@@ -51,7 +51,7 @@ _SEED = hashlib.blake2b(b"sessionpin lineage v1", digest_size=16).digest()
 CONTEXT_PREFIXES = ("<system-reminder>", "<environment_context>")
 
 # A model item's type (Responses input items without a role).
-_MODEL_TYPES = frozenset({"reasoning", "compaction", "compaction_summary"})
+MODEL_TYPES = frozenset({"reasoning", "compaction", "compaction_summary"})
 _SKIP_TYPES = frozenset({"additional_tools"})
 
 
@@ -140,7 +140,7 @@ def _kind(item: lw.Item) -> bytes | None:
         return CLIENT
     if typ is None or typ in _SKIP_TYPES:
         return None
-    if typ in _MODEL_TYPES or typ.endswith("_call"):
+    if typ in MODEL_TYPES or typ.endswith("_call"):
         return MODEL
     return CLIENT
 

@@ -345,7 +345,7 @@ class StreamReader:
             item = ev.item
             if item.type and item.type.endswith("_call"):
                 self._add_id(item.call_id)
-            if t == "response.output_item.done" and item.encrypted_content and item.type in lineage._MODEL_TYPES:
+            if t == "response.output_item.done" and item.encrypted_content and item.type in lineage.MODEL_TYPES:
                 self._tokens.append(lineage.token_digest(item.encrypted_content))
         elif t == "response.output_text.delta" and ev.delta:
             self._text.feed(ev.delta)

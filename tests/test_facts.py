@@ -193,14 +193,22 @@ def test_recorded_fingerprints_group_by_conversation():
     # Different conversations of one recording differ. Across recordings the same prompt was
     # typed into the same pi with the same system prompt: identical openings, which no
     # fingerprint of content can tell apart (docs/facts.md, "Fingerprint").
+    # The lineage recordings open two conversations alike on purpose (and fork one): there the
+    # fingerprint cannot tell them apart, which is what tests/test_lineage.py's chains do.
     by_recording: dict[str, dict[str, str]] = defaultdict(dict)
+    alike: dict[str, set[str]] = defaultdict(set)
     for path in _fixtures():
         fx, f = _read_fixture(path)
         if fx["expect"].get("session") == "fingerprint":
             recording = f"{path.parent.name}/{path.stem.rsplit('-', 2)[0]}"
-            by_recording[recording][fx["expect"]["conversation"]] = f.session
+            if "lineage" in fx["expect"]:
+                alike[recording].add(f.session)
+            else:
+                by_recording[recording][fx["expect"]["conversation"]] = f.session
     for recording, fps in by_recording.items():
         assert len(set(fps.values())) == len(fps), f"{recording}: two conversations share a fingerprint"
+    for recording, fps in alike.items():
+        assert len(fps) == 1, f"{recording}: conversations that open alike got different fingerprints"
 
 
 # ---------------------------------------------------------------- api and agent

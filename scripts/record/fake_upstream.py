@@ -16,6 +16,12 @@ Rules it keeps:
   result, or for anything else, plain text. A request whose last message is a tool result always gets
   text, so a tool loop ends after one round.
 - Claude Code's auto-mode classifier (stop sequence ``</block>``) gets ``<block>no`` (allow).
+- ``FAKE_LINEAGE=1`` (the lineage recordings): every text answer ends with ``(<run><n>)``, unique per
+  response; a request that enables thinking (Anthropic) gets a signed thinking block first, one that
+  includes ``reasoning.encrypted_content`` (Responses) a reasoning item first, and a chat request with
+  ``reasoning_effort`` a ``reasoning_content`` delta: the server-made parts a fork carries.
+- ``FAKE_WEBSOCKET=1``: a WebSocket upgrade on ``.../responses`` is relayed to a local Responses
+  WebSocket server (fake_ws.py) instead of 426, so Codex speaks its WebSocket protocol.
 - A request with no tools that asks for JSON output (Claude Code's title) gets ``{"title": ...}``.
 """
 
@@ -24,15 +30,25 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
+import sys
 import time
 import uuid
+from pathlib import Path
 
 from mitmproxy import http
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_ws import FakeResponsesWebSocket  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 _counter = itertools.count(1)
 _RUN = uuid.uuid4().hex[:6]  # ids differ between proxy runs (Claude Code echoes them back in cc_prev_req)
+# FAKE_LINEAGE=1: answers look more like a real model's where a conversation's lineage shows (see the
+# module docstring). FAKE_WEBSOCKET=1: Codex's WebSocket upgrade is accepted (fake_ws.py), not 426.
+LINEAGE = os.environ.get("FAKE_LINEAGE") == "1"
+WEBSOCKET = os.environ.get("FAKE_WEBSOCKET") == "1"
 
 SHELL_TOOLS = ("Bash", "bash", "shell", "shell_command", "exec_command", "local_shell")
 TASK_TOOLS = ("Agent", "Task", "task", "spawn_agent")  # Codex: spawn_agent in the "collaboration" namespace
@@ -197,6 +213,18 @@ def _sse(events: list[tuple[str | None, dict | str]]) -> bytes:
     return "".join(out).encode()
 
 
+def _said(answer: dict, n: int) -> str:
+    """The answer's text; in lineage mode made unique per response (a real model's two answers to
+    one prompt differ too, which is what tells two same-prompt conversations apart)."""
+    return f"{answer['text']} ({_RUN}{n:06d})" if LINEAGE else answer["text"]
+
+
+def _thinking(body: dict) -> bool:
+    """Lineage mode answers a request that enables thinking with a signed thinking block first."""
+    thinking = body.get("thinking")
+    return LINEAGE and isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+
+
 def anthropic(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
     model = body.get("model") or "claude-fake"
     msg_id = f"msg_fake{_RUN}{n:06d}"
@@ -205,26 +233,41 @@ def anthropic(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
         block = {"type": "tool_use", "id": f"toolu_fake{_RUN}{n:06d}", "name": answer["tool"], "input": answer["args"]}
         stop = "tool_use"
     else:
-        block = {"type": "text", "text": answer["text"]}
+        block = {"type": "text", "text": _said(answer, n)}
         stop = "end_turn"
+    blocks = [block]
+    omitted = (body.get("thinking") or {}).get("display") == "omitted" if _thinking(body) else True
+    if _thinking(body):
+        thought = {"type": "thinking", "thinking": "" if omitted else "The user wants a short answer.",
+                   "signature": f"sigfake{_RUN}{n:06d}" + "Q" * 40}
+        blocks = [thought, block]
     if not body.get("stream"):
         return json.dumps({
-            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [block],
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": blocks,
             "stop_reason": stop, "stop_sequence": None, "usage": usage,
         }).encode(), "application/json"
-    start = dict(block, input={}) if "tool" in answer else dict(block, text="")
-    delta = (
-        {"type": "input_json_delta", "partial_json": json.dumps(answer["args"])}
-        if "tool" in answer else {"type": "text_delta", "text": answer["text"]}
-    )
     events = [
         ("message_start", {"type": "message_start", "message": {
             "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": dict(usage, output_tokens=1)}}),
-        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": start}),
-        ("ping", {"type": "ping"}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}),
-        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    ]
+    for index, b in enumerate(blocks):
+        if b["type"] == "thinking":
+            start = dict(b, thinking="", signature="")
+            deltas = ([] if omitted else [{"type": "thinking_delta", "thinking": b["thinking"]}]) + [
+                {"type": "signature_delta", "signature": b["signature"]}]
+        elif b["type"] == "tool_use":
+            start = dict(b, input={})
+            deltas = [{"type": "input_json_delta", "partial_json": json.dumps(answer["args"])}]
+        else:
+            start = dict(b, text="")
+            deltas = [{"type": "text_delta", "text": b["text"]}]
+        events.append(("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
+        if index == 0:
+            events.append(("ping", {"type": "ping"}))
+        events += [("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d}) for d in deltas]
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+    events += [
         ("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
                            "usage": dict(usage, output_tokens=5)}),
         ("message_stop", {"type": "message_stop"}),
@@ -234,14 +277,14 @@ def anthropic(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
 
 def openai_chat(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
     model = body.get("model") or "gpt-fake"
-    cid, created = f"chatcmpl-fake{n:06d}", int(time.time())
+    cid, created = f"chatcmpl-fake{_RUN}{n:06d}", int(time.time())
     usage = {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}
     if "tool" in answer:
         call = {"id": f"call_fake{_RUN}{n:06d}", "type": "function",
                 "function": {"name": answer["tool"], "arguments": json.dumps(answer["args"])}}
         message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
     else:
-        message, finish = {"role": "assistant", "content": answer["text"]}, "stop"
+        message, finish = {"role": "assistant", "content": _said(answer, n)}, "stop"
     if not body.get("stream"):
         return json.dumps({"id": cid, "object": "chat.completion", "created": created, "model": model,
                            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
@@ -252,67 +295,98 @@ def openai_chat(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
                             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}, **extra))
 
     events = [chunk({"role": "assistant", "content": ""})]
+    if LINEAGE and body.get("reasoning_effort"):
+        # GLM/Kimi-style gateways stream the model's reasoning as reasoning_content first.
+        events.append(chunk({"reasoning_content": "The user wants a short answer."}))
     if "tool" in answer:
         events.append(chunk({"tool_calls": [dict(call, index=0)]}))
     else:
-        events.append(chunk({"content": answer["text"]}))
+        events.append(chunk({"content": message["content"]}))
     events.append(chunk({}, finish, usage=usage))
     events.append((None, "[DONE]"))
     return _sse(events), "text/event-stream; charset=utf-8"
 
 
-def openai_responses(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
+def responses_events(body: dict, answer: dict | None, n: int) -> tuple[dict, list[tuple[str, dict]]]:
+    """(the completed response, its stream events). ``answer`` None: an empty response (Codex's
+    WebSocket warm-up, ``generate: false``)."""
     model = body.get("model") or "gpt-fake"
-    rid, created = f"resp_fake{n:06d}", int(time.time())
+    rid, created = f"resp_fake{_RUN}{n:06d}", int(time.time())
     usage = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5,
              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 105}
-    if "custom_input" in answer:
-        item = {"id": f"ctc_fake{_RUN}{n:06d}", "type": "custom_tool_call", "status": "completed",
-                "call_id": f"call_fake{_RUN}{n:06d}", "name": answer["tool"], "input": answer["custom_input"]}
+    items: list[dict] = []
+    if answer is not None and LINEAGE and "reasoning.encrypted_content" in (body.get("include") or []):
+        items.append({"id": f"rs_fake{_RUN}{n:06d}", "type": "reasoning", "summary": [],
+                      "encrypted_content": f"encfake{_RUN}{n:06d}" + "Q" * 40})
+    if answer is None:
+        pass
+    elif "custom_input" in answer:
+        items.append({"id": f"ctc_fake{_RUN}{n:06d}", "type": "custom_tool_call", "status": "completed",
+                      "call_id": f"call_fake{_RUN}{n:06d}", "name": answer["tool"], "input": answer["custom_input"]})
     elif "tool" in answer:
-        item = {"id": f"fc_fake{_RUN}{n:06d}", "type": "function_call", "status": "completed",
-                "call_id": f"call_fake{_RUN}{n:06d}", "name": answer["tool"], "arguments": json.dumps(answer["args"])}
-    if "tool" in answer and answer.get("namespace"):
-        item["namespace"] = answer["namespace"]
+        items.append({"id": f"fc_fake{_RUN}{n:06d}", "type": "function_call", "status": "completed",
+                      "call_id": f"call_fake{_RUN}{n:06d}", "name": answer["tool"],
+                      "arguments": json.dumps(answer["args"])})
     else:
-        item = {"id": f"msg_fake{_RUN}{n:06d}", "type": "message", "status": "completed", "role": "assistant",
-                "content": [{"type": "output_text", "text": answer["text"], "annotations": []}]}
+        items.append({"id": f"msg_fake{_RUN}{n:06d}", "type": "message", "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": _said(answer, n), "annotations": []}]})
+    if answer is not None and "tool" in answer and answer.get("namespace"):
+        items[-1]["namespace"] = answer["namespace"]
     base = {"id": rid, "object": "response", "created_at": created, "model": model, "error": None,
             "incomplete_details": None, "instructions": None, "parallel_tool_calls": True,
             "tool_choice": "auto", "tools": []}
-    done = dict(base, status="completed", output=[item], usage=usage)
-    if not body.get("stream"):
-        return json.dumps(done).encode(), "application/json"
+    done = dict(base, status="completed", output=items, usage=usage)
     seq = itertools.count()
     ev = lambda name, **data: (name, dict({"type": name, "sequence_number": next(seq)}, **data))  # noqa: E731
-    pending = dict(item, status="in_progress")
     events = [ev("response.created", response=dict(base, status="in_progress", output=[], usage=None)),
               ev("response.in_progress", response=dict(base, status="in_progress", output=[], usage=None))]
-    if "custom_input" in answer:
-        events += [
-            ev("response.output_item.added", output_index=0, item=dict(pending, input="")),
-            ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=0, delta=item["input"]),
-            ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=0, input=item["input"]),
-        ]
-    elif "tool" in answer:
-        events += [
-            ev("response.output_item.added", output_index=0, item=dict(pending, arguments="")),
-            ev("response.function_call_arguments.delta", item_id=item["id"], output_index=0, delta=item["arguments"]),
-            ev("response.function_call_arguments.done", item_id=item["id"], output_index=0, arguments=item["arguments"]),
-        ]
-    else:
-        text = answer["text"]
-        part = {"type": "output_text", "text": "", "annotations": []}
-        events += [
-            ev("response.output_item.added", output_index=0, item=dict(pending, content=[])),
-            ev("response.content_part.added", item_id=item["id"], output_index=0, content_index=0, part=part),
-            ev("response.output_text.delta", item_id=item["id"], output_index=0, content_index=0, delta=text),
-            ev("response.output_text.done", item_id=item["id"], output_index=0, content_index=0, text=text),
-            ev("response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
-               part=dict(part, text=text)),
-        ]
-    events += [ev("response.output_item.done", output_index=0, item=item), ev("response.completed", response=done)]
+    for i, item in enumerate(items):
+        pending = dict(item, status="in_progress")
+        if item["type"] == "reasoning":
+            events.append(ev("response.output_item.added", output_index=i, item=dict(item, encrypted_content=None)))
+        elif item["type"] == "custom_tool_call":
+            events += [
+                ev("response.output_item.added", output_index=i, item=dict(pending, input="")),
+                ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=i, delta=item["input"]),
+                ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=i, input=item["input"]),
+            ]
+        elif item["type"] == "function_call":
+            events += [
+                ev("response.output_item.added", output_index=i, item=dict(pending, arguments="")),
+                ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                   delta=item["arguments"]),
+                ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                   arguments=item["arguments"]),
+            ]
+        else:
+            text = item["content"][0]["text"]
+            part = {"type": "output_text", "text": "", "annotations": []}
+            events += [
+                ev("response.output_item.added", output_index=i, item=dict(pending, content=[])),
+                ev("response.content_part.added", item_id=item["id"], output_index=i, content_index=0, part=part),
+                ev("response.output_text.delta", item_id=item["id"], output_index=i, content_index=0, delta=text),
+                ev("response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=text),
+                ev("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                   part=dict(part, text=text)),
+            ]
+        events.append(ev("response.output_item.done", output_index=i, item=item))
+    events.append(ev("response.completed", response=done))
+    return done, events
+
+
+def openai_responses(body: dict, answer: dict, n: int) -> tuple[bytes, str]:
+    done, events = responses_events(body, answer, n)
+    if not body.get("stream"):
+        return json.dumps(done).encode(), "application/json"
     return _sse(events), "text/event-stream; charset=utf-8"
+
+
+def websocket_answer(body: dict) -> list[dict]:
+    """The messages answering one ``response.create`` on Codex's WebSocket."""
+    n = next(_counter)
+    answer = None if body.get("generate") is False else decide(body)
+    log.info("fake: websocket response.create -> %s", "warm-up" if answer is None else "answer")
+    return [data for _, data in responses_events(body, answer, n)[1]]
 
 
 MODELS = {"object": "list", "data": [
@@ -321,11 +395,31 @@ MODELS = {"object": "list", "data": [
 
 
 class FakeUpstream:
+    def __init__(self) -> None:
+        self.ws = FakeResponsesWebSocket(websocket_answer, lambda: [(b"x-request-id", f"req_fake{_RUN}ws".encode())])
+
+    async def running(self) -> None:
+        if WEBSOCKET:
+            port = await self.ws.start()
+            log.info("fake: Responses WebSocket server on 127.0.0.1:%d", port)
+
+    def done(self) -> None:
+        self.ws.close()
+
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:  # an addon loaded before this one already answered
             return
         req = flow.request
         path = req.path.split("?", 1)[0].rstrip("/")
+        if req.method == "GET" and req.headers.get("upgrade", "").lower() == "websocket":
+            if WEBSOCKET and path.endswith("/responses") and self.ws.port:
+                # Relay it to the local WebSocket server; the converter reads the client's URL back
+                # from the metadata (the flow's request now names the local server).
+                flow.metadata["fake_original_url"] = req.pretty_url
+                host_header = req.host_header
+                req.scheme, req.host, req.port = "http", "127.0.0.1", self.ws.port
+                req.host_header = host_header  # the recorded headers stay the client's
+                return
         n = next(_counter)
         headers = {"request-id": f"req_fake{_RUN}{n:06d}", "x-request-id": f"req_fake{_RUN}{n:06d}"}
         if req.method == "GET" and req.headers.get("upgrade", "").lower() == "websocket":

@@ -308,3 +308,86 @@ SCENARIOS["cx-tui"] = {
     ],
     "other": [dict(CX_WS, note="GET /v1/responses WebSocket upgrade from the TUI (prewarm); the second is the title thread's.")],
 }
+
+# ---------------------------------------------------------------- lineage (scripts/record/lineage.sh)
+#
+# Recorded with FAKE_LINEAGE=1 (unique answer texts, signed thinking, reasoning items) and kept with
+# each request's RESPONSE (``"responses": True``): the ids a router must remember come from there.
+# ``lineage`` labels which conversation a request belongs to (A, B, A-fork) and, on the first request
+# of a fork, which conversation it was forked from (``fork_of``): the ground truth for
+# tests/test_lineage.py.
+
+
+def _lin(kind: str, who: str, fork_of: str | None = None, **extra) -> dict:
+    lineage = {"conversation": who, **({"fork_of": fork_of} if fork_of else {})}
+    return dict({"kind": kind, "lineage": lineage}, **extra)
+
+
+LINEAGE_ROUNDS = [  # a tool round, the same conversation resumed with a tool round, then forked
+    _lin("opening", "A"), _lin("tool-result", "A"),
+    _lin("resume", "A"), _lin("tool-result", "A"),
+    _lin("fork", "A-fork", "A"), _lin("tool-result", "A-fork"),
+]
+
+SCENARIOS["cc-lineage"] = {
+    "flow": "cc-lineage.flow", "agent": "claude-code", "scenario": "lineage", "responses": True,
+    "note": ("claude -p 'RUNTOOL: ...', then claude -p --resume <id> 'RUNTOOL: resumed, ...', then claude -p "
+             "--resume <id> --fork-session 'RUNTOOL: forked, ...' (the fake's lineage mode: signed thinking blocks). "
+             "Each request's response is kept (request-id header, message_start id)."),
+    "requests": [
+        _lin("opening", "A"),
+        _lin("tool-result", "A", note="cc_prev_req and diagnostics.previous_message_id name the opening's response."),
+        _lin("resume", "A", note="--resume <id> in a new process: same session id; cc_prev_req / previous_message_id name the last response of the first process."),
+        _lin("tool-result", "A"),
+        _lin("fork", "A-fork", "A", note="--fork-session: a NEW session id; cc_prev_req / previous_message_id name the parent's last response; the parent's history with its thinking signatures and tool_use ids."),
+        _lin("tool-result", "A-fork"),
+    ],
+}
+
+for _name, _model, _api in (("oc-lineage", "opencode/claude-sonnet-4-5", "/zen/v1/messages"),
+                            ("oc-lineage-gpt", "opencode/gpt-5.1-codex", "/zen/v1/responses")):
+    SCENARIOS[_name] = {
+        "flow": f"{_name}.flow", "agent": "opencode", "scenario": _name[3:], "responses": True,
+        "note": (f"opencode run -m {_model} 'RUNTOOL: ...', then run -s <id> 'RUNTOOL: resumed, ...', then run -s <id> "
+                 f"--fork 'RUNTOOL: forked, ...' ({_api}). No header links the fork to its parent: only its history."),
+        "requests": [_lin("title", "A", note=OC_TITLE["note"]), *LINEAGE_ROUNDS],
+    }
+
+SCENARIOS["cx-lineage"] = {
+    "flow": "cx-lineage.flow", "agent": "codex", "scenario": "exec-lineage", "responses": True,
+    "note": ("codex exec 'RUNTOOL: ...', codex exec resume <id> 'RUNTOOL: resumed, ...', codex exec fork <id> "
+             "'RUNTOOL: forked, ...'; the WebSocket refused (426), so every turn is an HTTPS POST."),
+    "requests": LINEAGE_ROUNDS,
+    "other": [dict(CX_WS, max=3, each=[{"lineage": {"conversation": "A"}}, {"lineage": {"conversation": "A"}},
+                                       {"lineage": {"conversation": "A-fork", "fork_of": "A"}}],
+                   note="GET /v1/responses WebSocket upgrade (prewarm), answered 426. The fork's already carries "
+                        "history_initialization cold_fork and forked_from_thread_id in x-codex-turn-metadata.")],
+}
+
+SCENARIOS["cx-ws"] = {
+    "flow": "cx-ws.flow", "agent": "codex", "scenario": "websocket", "responses": True,
+    "note": ("The same three commands as exec-lineage with the fake's WebSocket mode: the upgrade is accepted (101) and every "
+             "turn goes over the socket as response.create messages; 'websocket' holds the messages both ways."),
+    "requests": [],
+    "other": [dict(CX_WS, max=3, each=[{"lineage": {"conversation": "A"}}, {"lineage": {"conversation": "A"}},
+                                       {"lineage": {"conversation": "A-fork", "fork_of": "A"}}],
+                   note="GET /v1/responses WebSocket upgrade, accepted: a warm-up response.create (generate false, "
+                        "no input) answered by an empty response, then one response.create per turn whose "
+                        "previous_response_id is the socket's previous response and whose input holds only the "
+                        "items that response has not seen.")],
+}
+
+PI_LINEAGE_NOTE = ("Two pi -p 'Say hello in one word.' in the same directory (A, then B: the same opening), each "
+                   "continued once with pi -p -c 'Now say it in French.', then pi -p --fork <A's session file> "
+                   "'Now say it in German.'.")
+for _name, _model in (("pi-lineage-chat", "opencode/glm-5.1"), ("pi-lineage-messages", "opencode/claude-sonnet-4-5"),
+                      ("pi-lineage-responses", "opencode/gpt-5.1-codex")):
+    SCENARIOS[_name] = {
+        "flow": f"{_name}.flow", "agent": "pi", "scenario": _name[3:], "responses": True,
+        "note": f"{PI_LINEAGE_NOTE} Model {_model}." + PI_NOTE,
+        "requests": [
+            _lin("opening", "A", conversation="A"), _lin("resume", "A", conversation="A"),
+            _lin("opening", "B", conversation="B"), _lin("resume", "B", conversation="B"),
+            _lin("fork", "A-fork", "A", conversation="A-fork"),
+        ],
+    }

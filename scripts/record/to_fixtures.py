@@ -19,6 +19,12 @@ Rules it keeps:
   elsewhere (body included).
 - Sessions are the agent's own ids, read from the agent's own header and cross-checked (a subagent's
   parent must be a session of the same scenario).
+- A scenario with ``"responses": True`` also keeps what the fake answered: ``response`` =
+  ``{"status", "headers", "body"}`` (body as text: the SSE stream, or JSON as the fake sent it), and for
+  an accepted WebSocket ``websocket`` = the messages both ways, ``[{"from_client", "content"}]`` (content
+  parsed when it is JSON). A label's ``lineage`` goes to ``expect.lineage``.
+- A WebSocket the fake relayed to its local server (FAKE_WEBSOCKET=1) is stored under the URL and
+  Host the client used (``flow.metadata["fake_original_url"]``).
 """
 
 from __future__ import annotations
@@ -156,6 +162,8 @@ def expect_for(scn: dict, label: dict, flow, body, api: str) -> dict:
     exp["model"] = body.get("model") if isinstance(body, dict) and inference else None
     exp["stream"] = bool(body.get("stream")) if isinstance(body, dict) and inference else None
     exp["kind"] = kind
+    if label.get("lineage"):
+        exp["lineage"] = label["lineage"]
     if label.get("identifiable") is False:
         exp["identifiable"] = False  # nothing in the request (User-Agent, headers) names the agent
     return exp
@@ -176,9 +184,10 @@ def convert(scn: dict, flowdir: Path, outdir: Path) -> list[Path]:
         if not label.get("skip"):
             picked.append((fl, label))
     for rule in scn.get("other", []):
-        hits = [fl for fl in flows if re.search(rule["match"], fl.request.pretty_url)
+        hits = [fl for fl in flows if re.search(rule["match"], original_url(fl))
                 and api_of(fl.request.method, fl.request.path) == "other"]
-        picked += [(fl, rule) for fl in hits[: rule.get("max", 1)]]
+        each = rule.get("each") or [{}] * rule.get("max", 1)
+        picked += [(fl, dict(rule, **extra)) for fl, extra in zip(hits[: rule.get("max", 1)], each)]
     picked.sort(key=lambda p: p[0].request.timestamp_start)
 
     sessions = {own_session(scn["agent"], fl, None) for fl, _ in picked}
@@ -192,9 +201,9 @@ def convert(scn: dict, flowdir: Path, outdir: Path) -> list[Path]:
             raise SystemExit(f"{scn['name']}: subagent parent {parent} is not a session of this scenario")
         fixture = {
             "method": fl.request.method,
-            "url": redact_url(fl.request.pretty_url),
+            "url": redact_url(original_url(fl)),
             "headers": [[k, redact_value(k, v) if k.lower() in CREDENTIAL_HEADERS else redact_text(v)]
-                        for k, v in fl.request.headers.items(multi=True)],
+                        for k, v in original_headers(fl)],
             "body": redact_body(body),
             "expect": exp,
             "note": label.get("note", scn.get("note", "")),
@@ -203,6 +212,8 @@ def convert(scn: dict, flowdir: Path, outdir: Path) -> list[Path]:
             fixture["body"], fixture["body_base64"] = body["base64"], True
         if fl.request.http_version:
             fixture["http_version"] = fl.request.http_version
+        if scn.get("responses"):
+            fixture.update(response_of(fl))
         if encoding and encoding != "identity":
             fixture["body_encoding"] = encoding
             fixture["note"] = (fixture["note"] + f" Body stored decoded; the client sent it {encoding}-compressed"
@@ -211,10 +222,51 @@ def convert(scn: dict, flowdir: Path, outdir: Path) -> list[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(fixture, indent=1, ensure_ascii=False) + "\n"
         if FAKE_KEY_RE.search(text) or re.search(r"sk-(ant-)?(api\d\d-)?(?!REDACTED)[A-Za-z0-9]{16,}", text):
-            raise SystemExit(f"{out}: something that looks like a key survived redaction")
+            hit = FAKE_KEY_RE.search(text) or re.search(r"sk-(ant-)?(api\d\d-)?(?!REDACTED)[A-Za-z0-9]{16,}", text)
+            raise SystemExit(f"{out}: something that looks like a key survived redaction: {text[hit.start() - 40:hit.end()]!r}")
         out.write_text(text)
         written.append(out)
     return written
+
+
+def original_url(flow) -> str:
+    """The URL the client asked for (the fake may have relayed a WebSocket to its local server)."""
+    return flow.metadata.get("fake_original_url") or flow.request.pretty_url
+
+
+def original_headers(flow) -> list[tuple[str, str]]:
+    pairs = list(flow.request.headers.items(multi=True))
+    if "fake_original_url" in flow.metadata:  # mitmproxy rewrote Host when the fake relayed it
+        netloc = urlsplit(flow.metadata["fake_original_url"]).netloc
+        pairs = [(k, netloc if k.lower() == "host" else v) for k, v in pairs]
+    return pairs
+
+
+def _json_or_text(data: bytes):
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data.decode("utf-8", "replace")
+
+
+def response_of(flow) -> dict:
+    """``response`` (and ``websocket``) of a fixture: what the fake answered, redacted like requests."""
+    out: dict = {}
+    resp = flow.response
+    if resp is not None:
+        raw = resp.get_content(strict=False) or b""
+        ctype = resp.headers.get("content-type", "")
+        body = None if not raw else _json_or_text(raw) if "json" in ctype else raw.decode("utf-8", "replace")
+        out["response"] = {
+            "status": resp.status_code,
+            "headers": [[k, redact_text(v)] for k, v in resp.headers.items(multi=True)],
+            "body": redact_body(body),
+        }
+    ws = getattr(flow, "websocket", None)
+    if ws is not None:
+        out["websocket"] = [{"from_client": m.from_client, "content": redact_body(_json_or_text(m.content))}
+                            for m in ws.messages]
+    return out
 
 
 def redact_flow_file(src: Path, dst: Path) -> int:

@@ -1,0 +1,408 @@
+"""The lineage reader: signals, the chain and the streamed answer, from the lineage recordings
+(tests/fixtures/traffic/*/*lineage*, websocket-*) and by hand."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sessionpin import facts, lineage
+from sessionpin import lineage_wire as lw
+from sessionpin.lineage_stream import MAX_EVENT, StreamReader
+
+FIXTURES = Path(__file__).parent / "fixtures" / "traffic"
+SCENARIOS = [("claude-code", "lineage"), ("opencode", "lineage"), ("opencode", "lineage-gpt"),
+             ("codex", "exec-lineage"), ("pi", "lineage-chat"), ("pi", "lineage-messages"),
+             ("pi", "lineage-responses")]
+_FILE = re.compile(r"^(?P<scenario>.+)-(?P<nn>\d\d)-(?P<kind>[a-z-]+)\.json$")
+
+
+def load(agent: str, scenario: str) -> list[dict]:
+    out = []
+    for path in sorted((FIXTURES / agent).glob(f"{scenario}-*.json")):
+        m = _FILE.match(path.name)
+        if m and m["scenario"] == scenario:
+            out.append(json.loads(path.read_text()))
+    assert out, f"no recordings {agent}/{scenario}"
+    return out
+
+
+def body_of(fx: dict) -> bytes:
+    return json.dumps(fx["body"], separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def api_of(fx: dict) -> str:
+    return facts.api_of(fx["method"], fx["url"])
+
+
+def answer_of(fx: dict, step: int = 4096):
+    reader = StreamReader(api_of(fx))
+    raw = fx["response"]["body"].encode()
+    for i in range(0, len(raw), step):
+        assert reader(raw[i:i + step]) == raw[i:i + step]
+    reader(b"")
+    return reader.result()
+
+
+def replay(fixtures: list[dict]):
+    """Each inference request with its chain, and the index a router would have built from the
+    earlier ones: every key an answer made (its request's head + the answer) -> conversation."""
+    index: dict[str, str] = {}
+    for fx in fixtures:
+        if not isinstance(fx["body"], dict):
+            continue
+        chain = lineage.chain(body_of(fx), api_of(fx))
+        yield fx, chain, dict(index)
+        answer = answer_of(fx)
+        assert answer.complete and not answer.overflow, fx["expect"]
+        index[lineage.extend(chain.head, answer.digest)] = fx["expect"]["lineage"]["conversation"]
+
+
+# ---------------------------------------------------------------- recordings
+
+
+@pytest.mark.parametrize("agent,scenario", SCENARIOS)
+def test_every_request_extends_its_own_conversation_and_a_fork_its_parent(agent, scenario):
+    forks = continued = 0
+    for fx, chain, index in replay(load(agent, scenario)):
+        lin = fx["expect"]["lineage"]
+        assert chain.parsed and not chain.partial and chain.head
+        if fx["expect"]["turn"] == "opening" or fx["expect"]["kind"] == "title":
+            assert chain.turns == 0
+            continue
+        # Every model run of the history is one the proxy saw answered (all were recorded)...
+        owners = [index.get(key) for key in chain.keys]
+        assert None not in owners, (fx["expect"]["kind"], owners)
+        # ...by this conversation, or, up to the fork, by the one it was forked from.
+        parent = lin.get("fork_of")
+        if parent:
+            assert set(owners) == {parent}, owners
+            forks += 1
+        else:
+            own = lin["conversation"]  # (a fork's later turns still carry the parent's part: A)
+            assert owners[-1] == own and set(owners) <= {own, "A"}, owners
+            continued += 1
+    assert forks == 1 and continued >= 2
+
+
+@pytest.mark.parametrize("agent,scenario", SCENARIOS)
+def test_the_root_key_is_the_first_key_and_costs_one_turn(agent, scenario):
+    for fx in load(agent, scenario):
+        if not isinstance(fx["body"], dict):
+            continue
+        whole = lineage.chain(body_of(fx), api_of(fx))
+        root = lineage.chain(body_of(fx), api_of(fx), turns=1)
+        assert root.keys == whole.keys[:1]
+        if whole.turns == 0:  # an opening: read to its end, the head is known
+            assert root == whole and root.head
+        elif root.head is not None:  # it did not stop early only when there was nothing more
+            assert root == whole
+
+
+@pytest.mark.parametrize("scenario", ["lineage-chat", "lineage-messages", "lineage-responses"])
+def test_pi_conversations_opened_alike_part_at_their_first_answer(scenario):
+    fixtures = {(fx["expect"]["lineage"]["conversation"], fx["expect"]["kind"]): fx for fx in load("pi", scenario)}
+    a_open, b_open = fixtures[("A", "opening")], fixtures[("B", "opening")]
+    # The same opening: same fingerprint (on chat and messages, where pi sends no id), same head.
+    assert lineage.chain(body_of(a_open), api_of(a_open)).head == lineage.chain(body_of(b_open), api_of(b_open)).head
+    a = lineage.chain(body_of(fixtures[("A", "resume")]), api_of(a_open), turns=1)
+    b = lineage.chain(body_of(fixtures[("B", "resume")]), api_of(a_open), turns=1)
+    fork = lineage.chain(body_of(fixtures[("A-fork", "fork")]), api_of(a_open), turns=1)
+    assert a.keys and b.keys and a.keys != b.keys
+    assert fork.keys == a.keys
+
+
+def test_claude_code_resume_and_fork_name_the_previous_response():
+    fixtures = load("claude-code", "lineage")
+    seen = {}
+    for fx in fixtures:
+        sig = lineage.signals(fx["headers"], body_of(fx))
+        if fx["expect"]["kind"] == "opening":
+            assert sig.anchors == () and sig.sessions == ()
+        else:
+            prev = seen["last"]
+            assert sig.anchors == (f"req:{prev['request_id']}", f"msg:{prev['message_id']}"), fx["expect"]
+        headers = {k.lower(): v for k, v in fx["response"]["headers"]}
+        seen["last"] = {"request_id": headers["request-id"], "message_id": answer_of(fx).id}
+        seen[fx["expect"]["lineage"]["conversation"]] = seen["last"]
+    # the fork's first request named the parent's last response: the router indexed it under A
+    fork = next(fx for fx in fixtures if fx["expect"]["kind"] == "fork")
+    assert lineage.signals(fork["headers"], body_of(fork)).anchors[1] == f"msg:{seen['A']['message_id']}"
+
+
+def test_without_the_billing_line_the_previous_message_id_remains():
+    fx = next(fx for fx in load("claude-code", "lineage") if fx["expect"]["kind"] == "fork")
+    body = copy.deepcopy(fx["body"])
+    body["system"] = body["system"][1:]
+    anchors = lineage.signals(fx["headers"], json.dumps(body).encode()).anchors
+    assert [a.split(":")[0] for a in anchors] == ["msg"]
+
+
+@pytest.mark.parametrize("scenario,kind", [("exec-lineage", "fork"), ("exec-lineage", "websocket-upgrade"),
+                                           ("websocket", "websocket-upgrade")])
+def test_codex_fork_names_its_parent_thread_even_at_the_websocket_upgrade(scenario, kind):
+    fixtures = load("codex", scenario)
+    parent = next(fx for fx in load("codex", "exec-lineage") if fx["expect"]["kind"] == "opening")
+    parent_session = parent["expect"]["session"] if scenario == "exec-lineage" else None
+    forks = [fx for fx in fixtures if fx["expect"]["kind"] == kind and fx["expect"]["lineage"].get("fork_of")]
+    assert forks
+    for fx in forks:
+        sig = lineage.signals(fx["headers"], body_of(fx) if isinstance(fx["body"], dict) else None)
+        assert sig.fork and not sig.resume and len(sig.sessions) == 1
+        if parent_session:
+            assert sig.sessions == (parent_session,)
+    for fx in fixtures:  # the conversation's own requests and upgrades name no parent
+        if fx["expect"]["lineage"]["conversation"] == "A":
+            assert lineage.signals(fx["headers"]).sessions == ()
+
+
+def test_codex_websocket_messages_read_like_the_stream_and_their_history_is_partial():
+    for fx in load("codex", "websocket"):
+        reader, answers = None, []
+        for m in fx["websocket"]:
+            data = json.dumps(m["content"]).encode()
+            if m["from_client"]:
+                assert m["content"]["type"] == "response.create"
+                chain = lineage.chain(data, facts.OPENAI_RESPONSES)
+                # the warm-up (generate: false) opens the socket; each later one names its previous response
+                assert chain.parsed and chain.partial == (m["content"].get("generate") is not False)
+                reader = StreamReader(facts.OPENAI_RESPONSES)
+            else:
+                reader.message(data)
+                if m["content"]["type"] == "response.completed":
+                    answers.append(reader.result())
+        assert len(answers) == 3 and all(a.complete and a.id.startswith("resp_") for a in answers)
+        assert answers[0].tool_ids == () and answers[1].tool_ids  # warm-up, then the tool call
+
+
+# ---------------------------------------------------------------- large bodies
+
+
+def _grown(fx: dict, size: int = 600_000) -> bytes:
+    body = copy.deepcopy(fx["body"])
+    items = body.get("messages") or body.get("input")
+    filler = "x\\y \u00e9\"" * (size // 6)
+    items.insert(0, {"role": "user", "content": [{"type": "text", "text": "<system-reminder>" + filler}]})
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("agent,scenario", SCENARIOS)
+def test_a_large_body_walked_item_by_item_gives_the_same_keys(agent, scenario):
+    for fx in load(agent, scenario):
+        if not isinstance(fx["body"], dict):
+            continue
+        data = _grown(fx)
+        assert len(data) > lw.FAST_MIN
+        whole = lineage.chain(data, api_of(fx))
+        for turns in (1, 2):
+            walked = lineage.chain(data, api_of(fx), turns=turns)
+            assert walked.keys == whole.keys[:turns]
+        assert lineage.chain(data, api_of(fx)).keys == lineage.chain(body_of(fx), api_of(fx)).keys
+
+
+def test_a_large_body_with_a_look_alike_key_in_its_head_still_walks_the_real_array():
+    body = {"metadata": {"note": {"messages": [{"role": "assistant", "content": "decoy"}]}},
+            "model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            "pad": "p" * 300_000}
+    data = json.dumps(body).encode()
+    small = json.dumps({k: v for k, v in body.items() if k != "pad"}).encode()
+    assert lineage.chain(data, facts.ANTHROPIC_MESSAGES, turns=1).keys == lineage.chain(small, facts.ANTHROPIC_MESSAGES).keys
+
+
+# ---------------------------------------------------------------- canonical forms
+
+
+def _conversation() -> dict:
+    return copy.deepcopy(next(fx for fx in load("claude-code", "lineage") if fx["expect"]["kind"] == "fork")["body"])
+
+
+BASE = _conversation()
+BASE_KEYS = lineage.chain(json.dumps(BASE).encode(), facts.ANTHROPIC_MESSAGES).keys
+
+
+def _blocks(body: dict):
+    for m in body["messages"]:
+        if isinstance(m.get("content"), list):
+            for block in m["content"]:
+                yield m, block
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_chain_is_stable_under_what_clients_change_between_requests(data):
+    body = copy.deepcopy(BASE)
+    blocks = list(_blocks(body))
+    for _, block in blocks:  # cache markers moved: any block may carry one, or none
+        block.pop("cache_control", None)
+        if data.draw(st.booleans()):
+            block["cache_control"] = data.draw(st.sampled_from([{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}]))
+    line = body["system"][0]["text"]  # the billing line changes per request
+    body["system"][0]["text"] = re.sub(r"cch=\w+; cc_prev_req=\w+", data.draw(st.sampled_from(
+        ["cch=00000; cc_prev_req=req_other", "cch=fffff"])), line)
+    date = data.draw(st.dates()).isoformat()  # the system prompt and system entries carry dates
+    for block in body["system"][1:]:
+        block["text"] = re.sub(r"\d{4}-\d{2}-\d{2}", date, block["text"]) + f"\nToday's date is {date}."
+    for m in body["messages"]:
+        if m["role"] == "system":
+            m["content"] = f"Today's date is {date}."
+    for m in body["messages"]:  # a user text as a string or as one text block
+        c = m["content"]
+        if m["role"] == "user" and isinstance(c, list) and len(c) == 1 and c[0].get("type") == "text":
+            if data.draw(st.booleans()):
+                m["content"] = c[0]["text"]
+        elif m["role"] == "user" and isinstance(c, str) and data.draw(st.booleans()):
+            m["content"] = [{"type": "text", "text": c}]
+    if data.draw(st.booleans()):  # a reminder injected into a user message
+        user = next(m for m in body["messages"] if m["role"] == "user" and isinstance(m["content"], list))
+        user["content"].insert(0, {"type": "text", "text": f"<system-reminder>\nIt is {date}.\n</system-reminder>"})
+    indent = data.draw(st.sampled_from([None, 1]))
+    assert lineage.chain(json.dumps(body, indent=indent).encode(), facts.ANTHROPIC_MESSAGES).keys == BASE_KEYS
+
+
+@pytest.mark.parametrize("change", ["user text", "tool id", "answer text", "signature", "order"])
+def test_what_identifies_a_message_changes_the_chain(change):
+    body = copy.deepcopy(BASE)
+    msgs = body["messages"]
+    if change == "user text":
+        next(m for m in msgs if m["role"] == "user" and isinstance(m["content"], str))["content"] += "!"
+    elif change == "tool id":
+        block = next(b for _, b in _blocks(body) if b.get("type") == "tool_use")
+        block["id"] += "x"
+    elif change == "answer text":
+        next(b for _, b in _blocks(body) if b.get("type") == "text" and "Done" in b["text"])["text"] += "!"
+    elif change == "signature":
+        next(b for _, b in _blocks(body) if b.get("type") == "thinking")["signature"] += "x"
+    else:
+        i = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        j = next(j for j in range(i + 1, len(msgs)) if msgs[j]["role"] == "assistant")
+        msgs[i], msgs[j] = msgs[j], msgs[i]
+    keys = lineage.chain(json.dumps(body).encode(), facts.ANTHROPIC_MESSAGES).keys
+    assert keys != BASE_KEYS and len(keys) == len(BASE_KEYS)
+
+
+# ---------------------------------------------------------------- the stream
+
+
+def _claude_fork():
+    return next(fx for fx in load("claude-code", "lineage") if fx["expect"]["kind"] == "fork")
+
+
+@pytest.mark.parametrize("agent,scenario", SCENARIOS)
+def test_chunk_boundaries_do_not_change_the_answer(agent, scenario):
+    for fx in load(agent, scenario):
+        if isinstance(fx["body"], dict):
+            one = answer_of(fx, step=1 << 30)
+            assert answer_of(fx, step=1) == one == answer_of(fx, step=13)
+            crlf = StreamReader(api_of(fx))
+            crlf(fx["response"]["body"].replace("\n", "\r\n").encode())
+            crlf(b"")
+            assert crlf.result() == one
+
+
+def test_a_compressed_stream_reads_like_the_plain_one():
+    fx = _claude_fork()
+    plain = answer_of(fx)
+    packed = gzip.compress(fx["response"]["body"].encode())
+    reader = StreamReader(api_of(fx), content_encoding="gzip")
+    for i in range(0, len(packed), 50):
+        assert reader(packed[i:i + 50]) == packed[i:i + 50]
+    reader(b"")
+    assert reader.result() == plain
+
+
+def test_an_event_too_large_is_dropped_not_kept():
+    fx = _claude_fork()
+    raw = fx["response"]["body"].encode()
+    huge = b"event: ping\ndata: {\"type\":\"ping\",\"pad\":\"" + b"z" * (MAX_EVENT + 10) + b"\"}\n\n"
+    reader = StreamReader(api_of(fx))
+    for i in range(0, len(huge), 65536):
+        reader(huge[i:i + 65536])
+        assert len(reader._data) <= MAX_EVENT and len(reader._line) <= MAX_EVENT
+    reader(raw)
+    reader(b"")
+    result = reader.result()
+    assert result.overflow and result.digest == answer_of(fx).digest and result.complete
+
+
+def test_an_unfinished_stream_is_not_complete():
+    fx = _claude_fork()
+    raw = fx["response"]["body"]
+    reader = StreamReader(api_of(fx))
+    reader(raw[: raw.index("event: message_stop")].encode())
+    reader(b"")
+    assert not reader.result().complete
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(sorted(facts.INFERENCE_APIS) + ["other"]), st.lists(st.binary(max_size=300), max_size=8),
+       st.sampled_from(["", "gzip", "br", "zstd", "bogus", "gzip, br"]))
+def test_the_stream_reader_never_raises_and_never_changes_a_chunk(api, chunks, coding):
+    reader = StreamReader(api, content_encoding=coding)
+    for chunk in chunks + [b""]:
+        assert reader(chunk) is chunk
+    reader.message(b"".join(chunks))
+    assert isinstance(reader.result().digest, str)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                        st.sampled_from(["role", "type", "content", "text", "id", "tool_calls", "call_id", "messages",
+                                         "input", "system", "diagnostics", "previous_message_id", "signature",
+                                         "tool_use_id", "encrypted_content", "previous_response_id"]),
+                        inner, max_size=5), max_leaves=25)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(facts.INFERENCE_APIS) + ["other"]), JSON, st.booleans(), st.integers(0, 3))
+def test_chain_and_signals_never_raise(api, value, pad, turns):
+    data = json.dumps(value).encode()
+    if pad and isinstance(value, dict):
+        data = json.dumps(dict(value, pad="p" * lw.FAST_MIN)).encode()
+    c = lineage.chain(data, api, turns=turns or None)
+    assert isinstance(c.keys, tuple)
+    s = lineage.signals([("x-codex-turn-metadata", json.dumps(value))], data)
+    assert isinstance(s.anchors, tuple)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400), st.sampled_from(["", "gzip", "zstd", "nope"]))
+def test_chain_never_raises_on_bytes(data, coding):
+    assert isinstance(lineage.chain(data, facts.ANTHROPIC_MESSAGES, content_encoding=coding).parsed, bool)
+    assert isinstance(lineage.signals({"x-codex-turn-metadata": data}, data).sessions, tuple)
+
+
+def test_extend_refuses_what_is_not_hex():
+    assert lineage.extend("zz", "00") is None and lineage.extend(None, "00") is None
+
+
+@pytest.mark.parametrize("agent,scenario,kind", [("claude-code", "lineage", "fork"), ("codex", "exec-lineage", "fork")])
+def test_a_large_body_gives_the_same_signals_from_its_head_and_tail(agent, scenario, kind):
+    fx = next(fx for fx in load(agent, scenario) if fx["expect"]["kind"] == kind)
+    data = _grown(fx)
+    small = lineage.signals(fx["headers"], body_of(fx))
+    assert lineage.signals(fx["headers"], data) == small == lineage.signals(fx["headers"], data, api=api_of(fx))
+    # a look-alike of a link inside the history is not taken for it
+    body = json.loads(data)
+    items = body.get("messages") or body.get("input")
+    items.insert(1, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                  "x": {"diagnostics": {"previous_message_id": "msg_decoy"}}}]})
+    if "diagnostics" in body:
+        body["diagnostics"] = {"previous_message_id": None}
+    decoy = lineage.signals(fx["headers"], json.dumps(body).encode())
+    assert all("decoy" not in a for a in decoy.anchors)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet=" \t\n\u00a0ab\u00e9\u2028", max_size=8), max_size=8))
+def test_the_text_digest_fed_in_pieces_is_the_digest_of_the_stripped_whole(pieces):
+    d = lineage.TextDigest()
+    for piece in pieces:
+        d.feed(piece)
+    assert d.digest() == lineage.text_digest("".join(pieces)) == lineage._blake("".join(pieces).strip().encode())

@@ -49,7 +49,7 @@ def make_clients(cfg: RedisURL) -> tuple[Any, Any]:
     common: dict[str, Any] = dict(
         username=cfg.username, password=cfg.password, decode_responses=True,
         socket_connect_timeout=CONNECT_TIMEOUT, health_check_interval=HEALTH_CHECK_INTERVAL,
-        client_name="sessionpin", lib_name=None, lib_version=None)
+        client_name="sessionpin")
     if cfg.tls:
         common.update(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=cfg.ca)
     read_retry = Retry(ExponentialBackoff(cap=0.1, base=0.05), READ_RETRIES)

@@ -91,23 +91,30 @@ class RedisServer:
         self.port = port
         self.proc: subprocess.Popen | None = None
 
+    def spawn(self) -> None:
+        """Start redis-server on ``port`` (a free one if None) without waiting for it."""
+        self.port = self.port or free_port()
+        cmd = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+               "--daemonize", "no", "--logfile", "redis.log", "--protected-mode", "no", *self.args]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(cmd, cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     def start(self) -> "RedisServer":
+        """Start and wait until it answers PING (loaded). A port taken meanwhile: another one,
+        unless this is a restart on the port it had."""
         fixed = self.port
         for _ in range(5):
-            port = self.port = fixed or free_port()
-            cmd = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                   "--daemonize", "no", "--logfile", "redis.log", "--protected-mode", "no", *self.args]
-            if self.password:
-                cmd += ["--requirepass", self.password]
-            self.proc = subprocess.Popen(cmd, cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.port = fixed
+            self.spawn()
             try:
-                wait_for(lambda: self.proc.poll() is not None or self.client().ping(), 10, "redis-server to start")
+                wait_for(lambda: self.proc.poll() is not None or self.client().ping(), 20, "redis-server to start")
             except TimeoutError:
                 self.proc.kill()
                 raise
             if self.proc.poll() is None:
                 return self
-            if fixed:                         # the same port again (a restart): wait until it is free
+            if fixed:
                 time.sleep(0.2)
         raise RuntimeError(f"redis-server did not start; see {self.dir / 'redis.log'}")
 

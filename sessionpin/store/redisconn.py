@@ -76,11 +76,22 @@ def scrub(text: str, password: str | None) -> str:
     return text
 
 
+def code(e: BaseException) -> str:
+    """The reply's error code (redis-py strips it from the text of the errors it knows)."""
+    status = getattr(e, "status_code", None)
+    if status:
+        return str(status)
+    return str(e).split(" ", 1)[0].upper() if isinstance(e, ResponseError) else ""
+
+
 def reason(e: BaseException, password: str | None) -> str:
     text = str(e).strip() or type(e).__name__
     # redis-py prefixes pipeline errors with the command, arguments included: drop them.
     if text.startswith("Command # "):
         text = text.split("caused error: ", 1)[-1]
+    status = code(e)
+    if status and not text.startswith(status):
+        text = f"{status} {text}"
     return scrub(text, password)[:300]
 
 
@@ -88,14 +99,13 @@ def translate(e: BaseException, cfg: RedisURL, *, write: bool, durable: bool, ke
     """The StoreError a caller sees for ``e``."""
     why = reason(e, cfg.password)
     where = f"{cfg.safe}" + (f" ({key!r})" if key is not None else "")
-    if isinstance(e, ResponseError) and str(e).startswith("WRONGTYPE"):
+    if isinstance(e, ResponseError) and code(e) == "WRONGTYPE":
         return WrongType(f"{where}: the key holds another type")
     if isinstance(e, (UnicodeError, ValueError)) and not isinstance(e, RedisError):
         return StoreError(f"{where}: {why}")
     unavailable = isinstance(e, (ConnectionError, TimeoutError, RedisClusterException, OSError))
     if isinstance(e, ResponseError):
-        first = str(e).split(" ", 1)[0].upper()
-        unavailable = first in UNAVAILABLE_REPLIES or "Redis is loading" in str(e)
+        unavailable = code(e) in UNAVAILABLE_REPLIES
     elif not unavailable and not isinstance(e, RedisError):
         raise e  # not ours to translate (a bug, a cancellation)
     if not unavailable:

@@ -110,13 +110,15 @@ class RedisStore:
         self._checked = True
 
     async def _check_durability(self) -> None:
+        # asked through the writing client: one try (a durable write waits for this), and in
+        # a cluster the primaries it knows are the ones it writes to
         try:
             if self._cfg.cluster:
-                per_node = await self._reads.config_get("append*", target_nodes=RedisCluster.ALL_NODES)
+                per_node = await self._writes.config_get("append*", target_nodes=RedisCluster.ALL_NODES)
                 configs = list(per_node.values()) if isinstance(per_node, dict) and all(
                     isinstance(v, dict) for v in per_node.values()) else [per_node]
             else:
-                configs = [await self._reads.config_get("append*")]
+                configs = [await self._writes.config_get("append*")]
         except RedisError as e:
             if not _is_refusal(e):
                 raise

@@ -5,10 +5,9 @@ Rules they keep:
   tag, so on Redis Cluster each runs on the one node that owns that slot.
 - **A failing script changes nothing.** Redis does not roll a script back, so every check
   that could fail — the ``Check``s, types, "is this field an integer" — runs before the
-  first write. The checks are those of ``memory.py`` (the types each write's key holds
-  before the ``apply``, the value an ``HIncr`` starts from) and, on top, the same checks
-  against the state the earlier writes of the same ``apply`` leave, so that no write can
-  fail halfway (``memory.py`` can: ``[Set(k), HSet(k, …)]`` sets ``k`` and then raises).
+  first write, on a model of what the writes before it in the same ``apply`` leave (the
+  key's type, the hash fields set, the sorted-set members added or removed): the writes
+  then run in order exactly as ``memory.py`` runs them, and none of them can fail.
 - Both start with ``#!lua`` (Redis >= 7.0 "flagged" scripts): Redis refuses such a
   write script as a whole before it runs (OOM, READONLY replica, MISCONF, cross-slot
   keys) instead of failing at its first write.
@@ -75,42 +74,57 @@ local function is_int(v)
   if string.sub(v, 1, 1) == '-' then return digits <= '9223372036854775808' end
   return digits <= '9223372036854775807'
 end
-local before, now, fields, fresh = {}, {}, {}, {}
+-- Play the writes on a model first: the type each key has after the writes before it,
+-- the hash fields they set, the sorted-set members they add or remove.
+local kind, fresh, fields, members, count = {}, {}, {}, {}, {}
+local function type_of(k)
+  if kind[k] == nil then kind[k] = redis.call('TYPE', k)['ok'] end
+  return kind[k]
+end
+local function reset(k, t)
+  kind[k] = t; fresh[k] = true; fields[k] = {}; members[k] = {}; count[k] = 0
+end
 for j = 1, #KEYS - n do
   local k = KEYS[n + j]
   local o = base + 3 * (j - 1)
   local op = ARGV[o]
-  if before[k] == nil then before[k] = redis.call('TYPE', k)['ok'] end
-  local was = before[k]
-  local is = now[k] or was
+  local t = type_of(k)
   if op == 'set' then
-    now[k] = 'string'; fields[k] = {}; fresh[k] = true
+    reset(k, 'string')
   elseif op == 'del' then
-    now[k] = 'none'; fields[k] = {}; fresh[k] = true
+    reset(k, 'none')
   elseif op == 'hset' or op == 'hincr' then
-    if (was ~= 'none' and was ~= 'hash') or (is ~= 'none' and is ~= 'hash') then
-      return redis.error_reply('""" + WRONGTYPE + """')
-    end
-    local f = ARGV[o + 1]
+    if t ~= 'none' and t ~= 'hash' then return redis.error_reply('""" + WRONGTYPE + """') end
     fields[k] = fields[k] or {}
+    local f = ARGV[o + 1]
     if op == 'hincr' then
-      if was == 'hash' then
-        local v = redis.call('HGET', k, f)
-        if v and not is_int(v) then return redis.error_reply('""" + NOT_INTEGER + """') end
-      end
       local cur = fields[k][f]
-      if cur == nil and not fresh[k] and is == 'hash' then cur = redis.call('HGET', k, f) end
+      if cur == nil and not fresh[k] and t == 'hash' then cur = redis.call('HGET', k, f) end
       if cur and not is_int(cur) then return redis.error_reply('""" + NOT_INTEGER + """') end
       fields[k][f] = '0'   -- an integer plus an integer: an integer
     else
       fields[k][f] = ARGV[o + 2]
     end
-    now[k] = 'hash'
-  else -- zadd, zrem
-    if (was ~= 'none' and was ~= 'zset') or (is ~= 'none' and is ~= 'zset') then
-      return redis.error_reply('""" + WRONGTYPE + """')
+    kind[k] = 'hash'
+  else -- zadd, zrem: a sorted set whose last member goes is no key any more
+    if t ~= 'none' and t ~= 'zset' then return redis.error_reply('""" + WRONGTYPE + """') end
+    if count[k] == nil then
+      members[k] = {}
+      count[k] = (t == 'zset') and redis.call('ZCARD', k) or 0
     end
-    if op == 'zadd' then now[k] = 'zset' end
+    local m = ARGV[o + 1]
+    if members[k][m] == nil then
+      members[k][m] = (t == 'zset' and not fresh[k] and redis.call('ZSCORE', k, m)) and true or false
+    end
+    if op == 'zadd' then
+      if not members[k][m] then count[k] = count[k] + 1 end
+      members[k][m] = true
+      kind[k] = 'zset'
+    elseif members[k][m] then
+      members[k][m] = false
+      count[k] = count[k] - 1
+      if count[k] == 0 then reset(k, 'none') end
+    end
   end
 end
 

@@ -357,19 +357,21 @@ class RedisStore:
 
     def describe(self) -> dict[str, Any]:
         cfg = self._cfg
-        if self._durability is None and not self._checked:
-            durable: bool | None = None
+        # durable: True only once the servers said they fsync every write
+        durable = bool(self._durability)
+        if self._checked_at is None:
+            note = "not checked yet: the first call checks the server's durability"
+        elif durable:
+            note = "durable writes are fsynced by Redis before they return"
+        elif cfg.durability == FSYNC_ALWAYS:
+            note = "durable writes are refused: the server does not (or may not) fsync every write"
         else:
-            durable = bool(self._durability)
-        note = {True: "durable writes are fsynced by Redis before they return",
-                False: ("durable writes are refused: the server does not fsync every write"
-                        if cfg.durability == FSYNC_ALWAYS else
-                        "durable writes are NOT fsynced before they return (durability=accept-weaker)"),
-                None: "not connected yet"}[durable]
+            note = "durable writes are NOT fsynced before they return (durability=accept-weaker)"
         if durable and cfg.wait:
             note += f", and wait for {cfg.wait} replica(s) (up to {cfg.wait_timeout_ms} ms)"
         return {
-            "kind": "redis-cluster" if cfg.cluster else "redis",
+            "kind": "redis",
+            "cluster": cfg.cluster,
             "url": self.url,
             "prefix": self._prefix,
             "durable": durable,

@@ -148,6 +148,32 @@ async def test_sorted_sets(target):
         await s.close()
 
 
+async def test_keys_never_lists_a_key_redis_has_not_reclaimed_yet():
+    from redis_servers import DURABLE_ARGS, RedisServer
+
+    server = RedisServer(args=DURABLE_ARGS + ("--enable-debug-command", "yes")).start()
+    s = open_store(server.url(prefix="{scan}:"))
+    try:
+        server.client().execute_command("DEBUG", "SET-ACTIVE-EXPIRE", 0)   # expired keys stay in memory
+        await s.set("a", "x", 0.02)
+        await s.set("b", "x")
+        await asyncio.sleep(0.1)
+        assert server.client().dbsize() == 2
+        assert await s.keys() == ["b"]
+    finally:
+        await s.close()
+        server.cleanup()
+
+
+async def test_a_standalone_url_to_a_cluster_node_is_refused():
+    s = open_store(shared_cluster().url().replace("&cluster=1", ""))
+    try:
+        with pytest.raises(StoreError, match=r"\?cluster=1"):
+            await s.get("a")
+    finally:
+        await s.close()
+
+
 # -- apply: atomic, and a failing one changes nothing -----------------------------------------
 
 async def test_a_failing_apply_changes_nothing(target):

@@ -165,6 +165,21 @@ async def test_keys_never_lists_a_key_redis_has_not_reclaimed_yet():
         server.cleanup()
 
 
+async def test_unix_socket(tmp_path):
+    from redis_servers import DURABLE_ARGS, RedisServer
+
+    sock = tmp_path / "redis.sock"
+    server = RedisServer(args=DURABLE_ARGS + ("--unixsocket", str(sock), "--unixsocketperm", "700")).start()
+    s = open_store(f"unix://{sock}?db=2&prefix={{u}}:")
+    try:
+        assert await s.set("pin", "x", durable=True) is True
+        assert server.client(db=2).get("{u}:pin") == "x"
+        assert s.describe()["durable"] is True and s.url == f"unix://{sock}?db=2&prefix={{u}}:"
+    finally:
+        await s.close()
+        server.cleanup()
+
+
 async def test_a_standalone_url_to_a_cluster_node_is_refused():
     s = open_store(shared_cluster().url().replace("&cluster=1", ""))
     try:

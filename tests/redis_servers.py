@@ -57,6 +57,17 @@ def redis_cli_binary() -> str:
     return _find("redis-cli", "SESSIONPIN_REDIS_CLI")
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when the test process dies, however it dies
+    (atexit does not run when pytest is killed, e.g. by SIGPIPE)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass                                                         # not Linux: atexit only
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,7 +109,8 @@ class RedisServer:
                "--daemonize", "no", "--logfile", "redis.log", "--protected-mode", "no", *self.args]
         if self.password:
             cmd += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(cmd, cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)
 
     def start(self) -> "RedisServer":
         """Start and wait until it answers PING (loaded). A port taken meanwhile: another one,

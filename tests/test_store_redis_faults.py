@@ -120,7 +120,7 @@ def primary_and_replica(servers):
 
 async def test_wait_for_one_replica(primary_and_replica):
     primary, replica = primary_and_replica
-    s = open_store(primary.url(wait=1, wait_timeout_ms=300))
+    s = open_store(primary.url(wait=1, wait_timeout_ms=1000))
     prefix = s.describe()["prefix"]
     try:
         for i in range(20):
@@ -133,13 +133,13 @@ async def test_wait_for_one_replica(primary_and_replica):
             t0 = time.monotonic()
             with pytest.raises(NotReplicated) as e:
                 await s.set("late", "y", durable=True)
-            assert 0.25 < time.monotonic() - t0 < 2
+            assert 0.95 < time.monotonic() - t0 < 5           # it waited wait_timeout_ms
             assert e.value.applied and (e.value.acked, e.value.wanted) == (0, 1)
             assert isinstance(e.value, NotDurable) and "in effect" in str(e.value)
             assert await s.get("late") == "y"          # made on the primary (and fsynced there): see store.md
             t0 = time.monotonic()
             assert await s.set("ordinary", "z") is True        # ordinary writes do not wait
-            assert time.monotonic() - t0 < 0.2
+            assert time.monotonic() - t0 < 0.5                # far less than wait_timeout_ms
         finally:
             os.kill(replica.proc.pid, signal.SIGCONT)
         wait_for(lambda: replica.client().get(f"{prefix}late") == "y", 10, "the replica to catch up")
@@ -230,7 +230,7 @@ async def test_stopped_redis_fails_closed_then_recovers(servers, caplog):
 
 async def test_hung_redis_times_out(servers):
     server = servers()
-    s = open_store(server.url(timeout=0.3))
+    s = open_store(server.url(timeout=0.5))
     try:
         await s.set("pin", "x")
         os.kill(server.proc.pid, signal.SIGSTOP)
@@ -238,11 +238,11 @@ async def test_hung_redis_times_out(servers):
             t0 = time.monotonic()
             with pytest.raises(StoreUnavailable, match="[Tt]imeout"):
                 await s.get("pin")
-            assert time.monotonic() - t0 < 1.6             # 3 tries of 0.3 s, 0.1 s apart
+            assert time.monotonic() - t0 < 4               # 3 tries of 0.5 s, 0.1 s apart, on a busy machine
             t0 = time.monotonic()
             with pytest.raises(NotDurable):
                 await s.set("pin", "y", durable=True)
-            assert time.monotonic() - t0 < 0.6             # a write is never retried
+            assert time.monotonic() - t0 < 1.3             # one try: a write is never retried (2 tries >= 1.5 s)
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         assert await s.get("pin") in ("x", "y")            # "y" may have been applied: its reply was lost

@@ -41,3 +41,28 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$spec" >&2
     echo "$want" > "$stamp"
 fi
+
+# The tests run real Redis servers (the Redis store's tests are skipped nowhere): find
+# redis-server, install it with apt when we are root and can, else stop and say so.
+find_redis_server() {
+    local c
+    for c in "${SESSIONPIN_REDIS_SERVER:-}" "$(command -v redis-server 2>/dev/null || true)" \
+             /usr/sbin/redis-server /usr/bin/redis-server; do
+        if [ -n "$c" ] && [ -x "$c" ]; then echo "$c"; return 0; fi
+    done
+    return 1
+}
+if [ "$extras" = test ]; then
+    if ! redis_server=$(find_redis_server); then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            echo "installing redis-server with apt-get (the Redis store tests start their own servers)" >&2
+            { apt-get install -y -q redis-server || { apt-get update -q && apt-get install -y -q redis-server; }; } >&2 || true
+        fi
+        redis_server=$(find_redis_server) || {
+            echo "scripts/test: redis-server not found (looked at \$SESSIONPIN_REDIS_SERVER, PATH, /usr/sbin, /usr/bin)." >&2
+            echo "The Redis store tests start real servers: install it (Debian/Ubuntu: apt-get install redis-server; it includes redis-cli) or set SESSIONPIN_REDIS_SERVER." >&2
+            exit 1
+        }
+    fi
+    export SESSIONPIN_REDIS_SERVER="$redis_server"
+fi

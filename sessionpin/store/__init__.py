@@ -3,8 +3,8 @@
 - ``memory:``            a MemoryStore: this process only, gone when it exits.
 - ``file:PATH``          a FileStore (SQLite, shared by processes); PATH may be relative
   (to the working directory when opened) or start with ``~``; ``file:///abs`` works too.
-- ``redis://…``, ``rediss://…``, ``unix://…``  a Redis store (not yet: refused with a
-  clear StoreError), as is any other scheme.
+- ``redis://…``, ``rediss://…``, ``unix://…``  a RedisStore (``redisstore``; the URL's
+  options in ``redisurl``). Any other scheme is refused with a StoreError.
 
 ``open_store(url)`` gives the async ``Store`` every caller uses; ``open_sync_store(url)``
 the synchronous backend of a local URL (memory, file), for tests and tools that own it.
@@ -31,10 +31,16 @@ def default_store_url() -> str:
     return "file:" + str(Path(platformdirs.user_state_dir("sessionpin")) / STATE_FILE)
 
 
+def _safe(url: str) -> str:
+    from .redisurl import mask
+
+    return mask(url)
+
+
 def _scheme(url: str) -> tuple[str, str]:
     scheme, sep, rest = url.partition(":")
     if not sep:
-        raise StoreError(f"store URL {url!r} has no scheme; use memory:, file:PATH or redis://HOST")
+        raise StoreError(f"store URL {_safe(url)!r} has no scheme; use memory:, file:PATH or redis://HOST")
     return scheme.lower(), rest
 
 
@@ -55,8 +61,8 @@ def open_sync_store(url: str, **options) -> SyncStore:
 
         return FileStore(path, url=url, **options)
     if scheme in ("redis", "rediss", "unix"):
-        raise StoreError(f"store URL {url!r}: a Redis store has no synchronous backend; use open_store")
-    raise StoreError(f"store URL {url!r}: unknown scheme {scheme!r}; use memory:, file:PATH or redis://HOST")
+        raise StoreError(f"store URL {_safe(url)!r}: a Redis store has no synchronous backend; use open_store")
+    raise StoreError(f"store URL {_safe(url)!r}: unknown scheme {scheme!r}; use memory:, file:PATH or redis://HOST")
 
 
 def open_store(url: str, **options) -> Store:
@@ -64,7 +70,10 @@ def open_store(url: str, **options) -> Store:
     the event loop when one runs (the proxy opens its store in ``configure``)."""
     scheme, _ = _scheme(url)
     if scheme in ("redis", "rediss", "unix"):
-        raise StoreError(f"store URL {url!r}: redis stores are not available yet; use memory: or file:PATH")
+        # nothing connects here: the first call checks the server (see redisstore)
+        from .redisstore import RedisStore
+
+        return RedisStore(url, **options)
     from .aio import Inline, Threaded
 
     backend = open_sync_store(url, **options)

@@ -1,0 +1,407 @@
+"""The Redis store: the ``Store`` contract of ``base`` on a Redis server or a Redis Cluster.
+
+Rules it keeps (beyond those of ``base``; the URL's in ``redisurl``, the clients' and
+errors' in ``redisconn``, the scripts' in ``redislua``):
+- Every key is stored as ``prefix + key`` (default prefix ``{sessionpin}:``): one hash
+  tag, so every key is in one slot and every multi-key script runs on one node of a
+  cluster. Callers never see the prefix; ``keys()`` finds ours with SCAN, never KEYS.
+- One command per call where Redis has it (SET PX NX, INCRBY, HSETNX, HDEL…): each is
+  atomic on the server. ``cas`` and ``apply`` are Lua scripts (``register_script``).
+- **Durable or raise.** The first call checks the server (``INFO``: Redis >= 7.0, cluster
+  mode as the URL says) and its durability (``CONFIG GET append*`` on every primary). A
+  durable write goes ahead only when every primary has ``appendonly yes`` and ``appendfsync
+  always`` — Redis then writes and fsyncs the AOF before it replies, so the reply means
+  "on disk" — or the URL says ``durability=accept-weaker``. Otherwise (weaker settings,
+  or CONFIG refused so nobody can tell) it raises ``NotDurable`` before sending anything.
+  The check is repeated before a durable write once it is ``recheck_interval`` (60 s) old,
+  and after any failure (a failover may have put another node in charge).
+- With ``wait=n`` a durable write also waits (``WAIT n wait_timeout_ms``, on the same
+  connection, pipelined) for n replicas. Fewer in time → ``NotReplicated``, a
+  ``NotDurable`` that says the write *was* made: it is on the primary's disk and may be
+  on some replicas, and undoing it would race with every reader that has seen it.
+- Fail closed: a read that cannot reach the data raises ``StoreUnavailable``, a write
+  ``StoreUnavailable``/``NotDurable``; the first failure is logged once (ERROR) and the
+  recovery once (WARNING). redis-py reconnects by itself; nothing needs reopening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Sequence
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
+
+from .base import Check, NotDurable, StoreError, StoreUnavailable, Write
+from .redisconn import make_clients, reason, translate
+from .redislua import APPLY, CAS, apply_args, cas_args, ttl_ms
+from .redislua import score as score_arg
+from .redisurl import ACCEPT_WEAKER, FSYNC_ALWAYS, parse
+
+log = logging.getLogger("sessionpin.store.redis")
+
+RECHECK_INTERVAL = 60.0
+SCAN_COUNT = 1000
+MIN_VERSION = (7, 0)
+
+
+class NotReplicated(NotDurable):
+    """A durable write Redis made (fsynced on the primary) that fewer replicas than
+    ``wait`` acknowledged in time. Unlike every other ``NotDurable``, the write is in
+    effect: ``applied`` is True."""
+
+    applied = True
+
+    def __init__(self, message: str, acked: int, wanted: int) -> None:
+        super().__init__(message)
+        self.acked = acked
+        self.wanted = wanted
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class RedisStore:
+    def __init__(self, url: str, *, recheck_interval: float = RECHECK_INTERVAL) -> None:
+        self._cfg = parse(url)
+        self.url = self._cfg.safe
+        self._prefix = self._cfg.prefix
+        self._reads, self._writes = make_clients(self._cfg)
+        self._cas = self._writes.register_script(CAS)
+        self._apply = self._writes.register_script(APPLY)
+        self._recheck_interval = recheck_interval
+        self._checked = False                     # version and mode
+        self._lock = asyncio.Lock()
+        self._durability: bool | None = None      # every primary fsyncs always; None: unknown
+        self._server = "not checked yet"          # what the nodes said about their AOF
+        self._checked_at: float | None = None
+        self._recheck = True
+        self._down: str | None = None             # the cause while failing, for describe/logs
+        self._closed = False
+
+    # -- checking the server -----------------------------------------------------------
+    async def _ready(self, key: str | None, *, write: bool, durable: bool) -> None:
+        if self._closed:
+            raise StoreError(f"{self.url}: the store is closed")
+        if not self._checked:
+            async with self._lock:
+                if not self._checked:
+                    try:
+                        await self._check()
+                    except RedisError as e:
+                        raise self._fail(e, write=write, durable=durable, key=key) from None
+
+    async def _check(self) -> None:
+        info = await self._reads.info("server")
+        version = str(info.get("redis_version", "0"))
+        try:
+            major_minor = tuple(int(p) for p in version.split(".")[:2])
+        except ValueError:
+            major_minor = (0, 0)
+        if major_minor < MIN_VERSION:
+            raise StoreError(f"{self.url}: Redis {version} is too old: the store needs Redis >= 7.0")
+        mode = info.get("redis_mode", "standalone")
+        if mode == "cluster" and not self._cfg.cluster:
+            raise StoreError(f"{self.url}: this server is a node of a Redis Cluster; add ?cluster=1 to the URL")
+        await self._check_durability()
+        self._checked = True
+
+    async def _check_durability(self) -> None:
+        # asked through the writing client: one try (a durable write waits for this), and in
+        # a cluster the primaries it knows are the ones it writes to
+        try:
+            if self._cfg.cluster:
+                per_node = await self._writes.config_get("append*", target_nodes=RedisCluster.ALL_NODES)
+                configs = list(per_node.values()) if isinstance(per_node, dict) and all(
+                    isinstance(v, dict) for v in per_node.values()) else [per_node]
+            else:
+                configs = [await self._writes.config_get("append*")]
+        except RedisError as e:
+            if not _is_refusal(e):
+                raise
+            self._durability, self._server = None, f"unknown: CONFIG GET refused ({reason(e, self._cfg.password)})"
+        else:
+            said = sorted({f"appendonly {c.get('appendonly', '?')}, appendfsync {c.get('appendfsync', '?')}"
+                           for c in configs})
+            self._durability = all(c.get("appendonly") == "yes" and c.get("appendfsync") == "always" for c in configs)
+            self._server = " / ".join(said) + (f" (on all {len(configs)} primaries)" if len(configs) > 1 else "")
+        self._checked_at = time.monotonic()
+        self._recheck = False
+
+    async def _durable_gate(self, key: str) -> None:
+        stale = self._checked_at is None or time.monotonic() - self._checked_at >= self._recheck_interval
+        if stale or self._recheck:
+            try:
+                await self._check_durability()
+            except RedisError as e:
+                raise self._fail(e, write=True, durable=True, key=key) from None
+        if self._durability or self._cfg.durability == ACCEPT_WEAKER:
+            return
+        raise NotDurable(f"{self.url} ({key!r}): durable write refused: the server's AOF is {self._server}; "
+                         "a durable write needs appendonly yes and appendfsync always on every primary, "
+                         f"or durability={ACCEPT_WEAKER} in the store URL")
+
+    # -- running commands ----------------------------------------------------------------
+    def _fail(self, e: BaseException, *, write: bool, durable: bool, key: str | None = None) -> StoreError:
+        err = translate(e, self._cfg, write=write, durable=durable, key=key)
+        if isinstance(err, StoreUnavailable):
+            self._recheck = True
+            if self._down is None:
+                log.error("%s: Redis unavailable: %s", self.url, reason(e, self._cfg.password))
+            self._down = reason(e, self._cfg.password)
+        return err
+
+    def _ok(self) -> None:
+        if self._down is not None:
+            self._down = None
+            log.warning("%s: Redis reachable again: recovered", self.url)
+
+    async def _read(self, key: str | None, fn, *args: Any, **kw: Any) -> Any:
+        await self._ready(key, write=False, durable=False)
+        try:
+            result = await fn(*args, **kw)
+        except Exception as e:
+            raise self._fail(e, write=False, durable=False, key=key) from None
+        self._ok()
+        return result
+
+    async def _write(self, key: str, durable: bool, *command: Any, script=None, keys: Sequence[str] = (),
+                     args: Sequence[str] = ()) -> Any:
+        """One write: ``command`` (raw), or ``script`` with ``keys``/``args`` (prefixed)."""
+        await self._ready(key, write=True, durable=durable)
+        if durable:
+            await self._durable_gate(key)
+        try:
+            if durable and self._cfg.wait:
+                result = await self._write_and_wait(key, command, script, keys, args)
+            elif script is not None:
+                result = await script(keys=list(keys), args=list(args), client=self._writes)
+            else:
+                result = await self._writes.execute_command(*command)
+        except NotReplicated:
+            self._ok()
+            raise
+        except Exception as e:
+            raise self._fail(e, write=True, durable=durable, key=key) from None
+        self._ok()
+        return result
+
+    async def _write_and_wait(self, key: str, command: Sequence[Any], script, keys: Sequence[str],
+                              args: Sequence[str]) -> Any:
+        """The write and ``WAIT`` pipelined on one connection (WAIT counts the replicas that
+        have this connection's writes)."""
+        wait, timeout_ms = self._cfg.wait, self._cfg.wait_timeout_ms
+        for attempt in (1, 2):
+            if script is not None:
+                command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+            if self._cfg.cluster:
+                await self._writes.initialize()
+                node = self._writes.get_node_from_key(self._prefix + key)
+                pipe = self._writes.pipeline()
+                pipe.execute_command(*command, target_nodes=node)
+                pipe.execute_command("WAIT", wait, timeout_ms, target_nodes=node)
+                try:
+                    result, acked = await pipe.execute(raise_on_error=False, allow_redirections=False)
+                except Exception:
+                    await self._refresh_cluster()
+                    raise
+                if isinstance(result, Exception):
+                    await self._refresh_cluster()
+            else:
+                pipe = self._writes.pipeline(transaction=False)
+                pipe.execute_command(*command)
+                pipe.execute_command("WAIT", wait, timeout_ms)
+                result, acked = await pipe.execute(raise_on_error=False)
+            if isinstance(result, NoScriptError) and attempt == 1:
+                # NOSCRIPT: nothing ran; load the script and send both again.
+                await self._writes.script_load(script.script)
+                continue
+            if isinstance(result, Exception):
+                raise result
+            if isinstance(acked, Exception) or int(acked) < wait:
+                got = 0 if isinstance(acked, Exception) else int(acked)
+                raise NotReplicated(
+                    f"{self.url} ({key!r}): durable write made and fsynced on the primary, but {got} of {wait} "
+                    f"replicas acknowledged it within {timeout_ms} ms; it is in effect and may be lost on a "
+                    "failover", got, wait)
+            return result
+        raise AssertionError("unreachable")
+
+    async def _refresh_cluster(self) -> None:
+        """After a failed pipelined write: reread the cluster's slots (a failover or a moved
+        slot), so the next write goes to the node that owns ours now."""
+        try:
+            await self._writes.nodes_manager.initialize()
+        except Exception:  # noqa: BLE001 - the next write tries again
+            pass
+
+    def _k(self, key: str) -> str:
+        return self._prefix + key
+
+    # -- strings ---------------------------------------------------------------------------
+    async def get(self, key: str) -> str | None:
+        return await self._read(key, self._reads.get, self._k(key))
+
+    async def mget(self, keys: Sequence[str]) -> list[str | None]:
+        if not keys:
+            return []
+        return list(await self._read(None, self._reads.execute_command, "MGET", *map(self._k, keys)))
+
+    async def set(self, key: str, value: str, ttl: float | None = None, *, nx: bool = False,
+                  durable: bool = False) -> bool:
+        k = self._k(key)
+        if ttl is not None and ttl <= 0:
+            # "expires now": nothing is stored; without nx whatever was there is deleted.
+            if nx:
+                return not await self._read(key, self._reads.exists, k)
+            await self._write(key, durable, "DEL", k)
+            return True
+        command: list[Any] = ["SET", k, value]
+        if ttl is not None:
+            command += ["PX", ttl_ms(ttl)]
+        if nx:
+            command.append("NX")
+        return bool(await self._write(key, durable, *command))
+
+    async def cas(self, key: str, expected: str | None, value: str | None, ttl: float | None = None, *,
+                  durable: bool = False) -> bool:
+        return bool(await self._write(key, durable, script=self._cas, keys=[self._k(key)],
+                                      args=cas_args(expected, value, ttl)))
+
+    async def delete(self, key: str, *, durable: bool = False) -> bool:
+        return bool(await self._write(key, durable, "DEL", self._k(key)))
+
+    async def expire(self, key: str, ttl: float, *, durable: bool = False) -> bool:
+        if ttl <= 0:
+            return bool(await self._write(key, durable, "DEL", self._k(key)))
+        return bool(await self._write(key, durable, "PEXPIRE", self._k(key), ttl_ms(ttl)))
+
+    async def ttl(self, key: str) -> float | None:
+        ms = await self._read(key, self._reads.pttl, self._k(key))
+        return None if ms is None or ms < 0 else ms / 1000
+
+    async def incr(self, key: str, by: int = 1, *, durable: bool = False) -> int:
+        return int(await self._write(key, durable, "INCRBY", self._k(key), int(by)))
+
+    # -- hashes ----------------------------------------------------------------------------
+    async def hget(self, key: str, field: str) -> str | None:
+        return await self._read(key, self._reads.hget, self._k(key), field)
+
+    async def hgetall(self, key: str) -> dict[str, str]:
+        return dict(await self._read(key, self._reads.hgetall, self._k(key)))
+
+    async def hset(self, key: str, field: str, value: str, *, durable: bool = False) -> None:
+        await self._write(key, durable, "HSET", self._k(key), field, value)
+
+    async def hsetnx(self, key: str, field: str, value: str, *, durable: bool = False) -> bool:
+        return bool(await self._write(key, durable, "HSETNX", self._k(key), field, value))
+
+    async def hdel(self, key: str, field: str, *, durable: bool = False) -> bool:
+        return bool(await self._write(key, durable, "HDEL", self._k(key), field))
+
+    async def hincr(self, key: str, field: str, by: int = 1, *, durable: bool = False) -> int:
+        return int(await self._write(key, durable, "HINCRBY", self._k(key), field, int(by)))
+
+    # -- sorted sets -------------------------------------------------------------------------
+    async def zadd(self, key: str, member: str, score: float, *, durable: bool = False) -> None:
+        await self._write(key, durable, "ZADD", self._k(key), score_arg(score), member)
+
+    async def zrem(self, key: str, member: str, *, durable: bool = False) -> bool:
+        return bool(await self._write(key, durable, "ZREM", self._k(key), member))
+
+    async def zcount(self, key: str, lo: float, hi: float) -> int:
+        return int(await self._read(key, self._reads.execute_command, "ZCOUNT", self._k(key), score_arg(lo),
+                                    score_arg(hi)))
+
+    async def zrange(self, key: str, lo: float, hi: float, limit: int | None = None) -> list[tuple[str, float]]:
+        paged = {} if limit is None else {"offset": 0, "num": max(int(limit), 0)}   # LIMIT 0 0: none
+        found = await self._read(key, self._reads.zrange, self._k(key), score_arg(lo), score_arg(hi), byscore=True,
+                                 withscores=True, **paged)
+        return [(member, float(s)) for member, s in found]
+
+    async def zremrange(self, key: str, lo: float, hi: float) -> int:
+        return int(await self._write(key, False, "ZREMRANGEBYSCORE", self._k(key), score_arg(lo), score_arg(hi)))
+
+    # -- several keys --------------------------------------------------------------------------
+    async def apply(self, checks: Sequence[Check], writes: Sequence[Write], *, durable: bool = False) -> bool:
+        keys, args = apply_args(self._prefix, checks, writes)
+        if not keys:
+            return True
+        first = (list(checks) + list(writes))[0].key
+        return bool(await self._write(first, durable, script=self._apply, keys=keys, args=args))
+
+    async def keys(self, prefix: str = "") -> list[str]:
+        pattern = _glob_escape(self._prefix + prefix) + "*"
+
+        async def scan() -> list[str]:
+            found = set()
+            async for k in self._reads.scan_iter(match=pattern, count=SCAN_COUNT):
+                if k.startswith(self._prefix + prefix):
+                    found.add(k[len(self._prefix):])
+            return sorted(found)
+        return await self._read(None, scan)
+
+    # -- the store itself ----------------------------------------------------------------------
+    async def check(self) -> dict[str, Any]:
+        """Check the server now (reachable, version, durability) and describe the store."""
+        await self._ready(None, write=False, durable=False)
+        try:
+            await self._check_durability()
+        except RedisError as e:
+            raise self._fail(e, write=False, durable=False) from None
+        self._ok()
+        return self.describe()
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self._cfg
+        # durable: True only once the servers said they fsync every write
+        durable = bool(self._durability)
+        if self._checked_at is None:
+            note = "not checked yet: the first call checks the server's durability"
+        elif durable:
+            note = "durable writes are fsynced by Redis before they return"
+        elif cfg.durability == FSYNC_ALWAYS:
+            note = "durable writes are refused: the server does not (or may not) fsync every write"
+        else:
+            note = "durable writes are NOT fsynced before they return (durability=accept-weaker)"
+        if durable and cfg.wait:
+            note += f", and wait for {cfg.wait} replica(s) (up to {cfg.wait_timeout_ms} ms)"
+        return {
+            "kind": "redis",
+            "cluster": cfg.cluster,
+            "url": self.url,
+            "prefix": self._prefix,
+            "durable": durable,
+            "durability": {"required": cfg.durability, "server": self._server, "wait": cfg.wait,
+                           "wait_timeout_ms": cfg.wait_timeout_ms},
+            "health": "ok" if self._down is None and self._checked else (
+                f"unavailable: {self._down}" if self._down else "not connected yet"),
+            "note": note,
+        }
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for client in (self._reads, self._writes):
+            try:
+                await client.aclose()
+            except Exception:  # noqa: BLE001 - closing a client whose server is gone
+                pass
+
+    def close_now(self) -> None:
+        """Close from synchronous code: there is nothing to flush (every acknowledged write
+        is in Redis); the sockets close with the process or the event loop."""
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return f"<RedisStore {self.url}>"
+
+
+def _is_refusal(e: RedisError) -> bool:
+    """CONFIG GET refused (disabled, renamed, no permission) rather than Redis unreachable."""
+    text = str(e).lower()
+    return any(w in text for w in ("unknown command", "noperm", "no permissions", "not allowed", "disabled"))

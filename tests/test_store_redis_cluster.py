@@ -1,0 +1,81 @@
+"""The Redis store on a real Redis Cluster (3 masters, 3 replicas on loopback): a failover —
+manual (``CLUSTER FAILOVER`` on the replica) and by ``kill -9`` of the master that owns
+our slot — loses no acknowledged durable write (``?wait=1``), and the same store object
+recovers by itself.
+
+Semantics on the cluster are checked in test_store_redis.py (the random-operations test
+and the unit tests run against the cluster too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from redis_servers import shared_cluster, unique_prefix, wait_for
+from sessionpin.store import StoreUnavailable, open_store
+
+
+async def write_until(store, acked: list[str], stem: str, count: int, timeout: float = 30.0) -> int:
+    """Durable writes until ``count`` of them succeeded; returns how many failed meanwhile."""
+    failed, deadline, i = 0, time.monotonic() + timeout, 0
+    while sum(1 for k in acked if k.startswith(stem)) < count:
+        assert time.monotonic() < deadline, f"{stem}: no recovery within {timeout} s ({failed} failed)"
+        key = f"{stem}{i}"
+        i += 1
+        try:
+            await store.set(key, "v", 86_400, durable=True)
+        except StoreUnavailable:             # NotDurable, NotReplicated included: not acknowledged
+            failed += 1
+            await asyncio.sleep(0.05)
+            continue
+        acked.append(key)
+    return failed
+
+
+async def all_there(store, acked: list[str]) -> list[str]:
+    return [k for k, v in zip(acked, await store.mget(acked)) if v != "v"]
+
+
+async def test_failover_keeps_every_acknowledged_durable_write():
+    cluster = shared_cluster()
+    prefix = unique_prefix()
+    s = open_store(cluster.url(prefix, wait=1, wait_timeout_ms=500))
+    acked: list[str] = []
+    try:
+        await write_until(s, acked, "before:", 50)
+        assert s.describe()["cluster"] is True and s.describe()["durable"] is True
+
+        # 1. manual failover: the replica takes over once it has everything
+        master = cluster.master_of(prefix)
+        replica = cluster.replica_of(master)
+        replica.client().execute_command("CLUSTER", "FAILOVER")
+        writing = asyncio.create_task(write_until(s, acked, "manual:", 100))
+        await asyncio.to_thread(wait_for, lambda: replica.client().info("replication")["role"] == "master", 20,
+                                "the manual failover")
+        await writing
+        assert cluster.master_of(prefix) is replica
+        assert await all_there(s, acked) == []
+
+        # 2. the master dies (kill -9): its replica is elected after the node timeout (1 s).
+        # It then has no replica of its own, so durable writes (wait=1) fail until the dead
+        # node, restarted, rejoins as its replica.
+        victim = replica
+        heir = cluster.replica_of(victim)
+        cluster.wait_healthy()
+        writing = asyncio.create_task(write_until(s, acked, "killed:", 100))
+        await asyncio.sleep(0.05)
+        victim.kill()
+        await asyncio.to_thread(wait_for, lambda: heir.client().info("replication")["role"] == "master", 20,
+                                "the heir's election")
+        assert await all_there(s, acked) == []             # WAIT 1: every acked write was on the heir
+        victim.start()                                     # same port and directory: rejoins as a replica
+        failed = await writing
+        assert failed > 0                                  # the store did see the outage
+        assert cluster.master_of(prefix) is heir
+        await asyncio.to_thread(cluster.wait_healthy)
+        assert await all_there(s, acked) == []
+        await write_until(s, acked, "after:", 20)
+        assert await s.keys("after:") != []
+    finally:
+        await s.close()

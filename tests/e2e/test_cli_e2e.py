@@ -210,7 +210,7 @@ def test_doctor_and_env_see_the_running_proxy(rig):
 
 
 def test_a_proxy_reading_other_files_is_named(rig, tmp_path, monkeypatch):
-    from sessionpin import cli
+    from sessionpin.cli import context, proxies
 
     # `use` on another config file than the proxy's: it says the change does not reach it.
     other = tmp_path / "other.toml"
@@ -226,8 +226,12 @@ def test_a_proxy_reading_other_files_is_named(rig, tmp_path, monkeypatch):
     line = next(x for x in p.stdout.splitlines() if x.startswith("FAIL  proxy"))
     assert f"the proxy at http://127.0.0.1:{rig.mitm.port} (pid {rig.mitm.proc.pid}) reads {rig.config}" in line
     # A command using another store finds no heartbeat, but names the proxy answering on the default port.
-    monkeypatch.setattr(cli, "DEFAULT_LISTEN", ("127.0.0.1", rig.mitm.port))
-    proxy = cli.find_proxy(None, f"file:{tmp_path / 'elsewhere.db'}")
+    monkeypatch.setattr(proxies, "DEFAULT_LISTEN", ("127.0.0.1", rig.mitm.port))
+    ctx = context.make_ctx(str(other), f"file:{tmp_path / 'elsewhere.db'}")
+    try:
+        proxy = proxies.find_proxy(ctx)
+    finally:
+        ctx.close()
     assert not proxy.answering
     assert proxy.why == (f"a sessionpin proxy answers at 127.0.0.1:{rig.mitm.port} but uses {rig.store}, "
                          f"not file:{tmp_path / 'elsewhere.db'}")

@@ -29,6 +29,7 @@ Agents: claude-code -> glm; opencode, pi, codex -> alt.
 from __future__ import annotations
 
 import fnmatch
+import asyncio
 import json
 import re
 import signal
@@ -215,11 +216,13 @@ class Rig:
 
     def pin(self, session: str) -> pins.Pin | None:
         """The pin in the store file, read as another process would."""
-        store = open_store(f"file:{self.store_path}")
-        try:
-            return pins.load(store, session)
-        finally:
-            store.close()
+        async def read() -> pins.Pin | None:
+            store = open_store(f"file:{self.store_path}")
+            try:
+                return (await pins.load(store, session)).pin
+            finally:
+                await store.close()
+        return asyncio.run(read())
 
     def assert_no_foreign_keys(self, since: dict[str, int] | None = None) -> None:
         for name, fake in self.fakes.items():
@@ -523,6 +526,11 @@ def check_codex(s: Sent) -> None:
     if s.p.method == "GET":
         assert s.reply.status == 404 and s.landed is None, f"{s}: the WebSocket upgrade was not refused"
         assert s.reply.header("x-sessionpin-refused") == "websocket"
+    elif s.p.rec.kind == "title-tool-result":
+        # The title thread's second round (an artefact of the fake, which answered the title
+        # prompt with a tool call) is a side request that carries history and has no pin:
+        # left alone — no side request is remembered but an opencode title (issue 9).
+        assert_untouched(s)
     else:
         assert_routed(s, "alt")
 
@@ -531,7 +539,8 @@ def check_codex(s: Sent) -> None:
 def test_codex_conversation_goes_to_alt_whole(rig, scenario):
     """WebSocket upgrades are answered 404 by the proxy (Codex then uses HTTPS POSTs); opening,
     tool results, the subagent (same session-id, x-openai-subagent) and compaction go to alt;
-    the TUI's title thread (its own session id) is a side request: current server, no pin."""
+    the TUI's title thread (its own session id) is a side request: current server, no pin; its
+    second round carries history and is left alone."""
     recs = load("codex", scenario)
     r = Replay(RUN)
     sent = replay(rig, recs, r)
@@ -711,11 +720,13 @@ def test_a_stored_value_that_is_not_a_pin_reads_as_no_pin(rig):
     r = Replay(RUN)
     opening = [x for x in load("claude-code", "print") if x.kind == "opening"][0]
     session = session_of(r, opening)
-    store = open_store(f"file:{rig.store_path}")
-    try:
-        store.set(pins.key(session), "{not a pin", durable=True)
-    finally:
-        store.close()
+    async def garbage() -> None:
+        store = open_store(f"file:{rig.store_path}")
+        try:
+            await store.set(pins.key(session), "{not a pin", durable=True)
+        finally:
+            await store.close()
+    asyncio.run(garbage())
     assert_routed(rig.send(r.prepare(opening)), "glm")
     pin = rig.pin(session)
     assert pin is not None and (pin.agent, pin.server) == ("claude-code", "glm"), pin
@@ -772,7 +783,7 @@ def test_pi_continued_on_the_next_day_stays_on_its_server(rig, scenario):
 
 def test_a_new_conversation_is_refused_when_its_pin_cannot_be_written_durably(rig):
     """Another process holds the store's write lock (a store file the router cannot write): a new
-    Claude Code conversation gets a 502 naming the store, and nothing reaches glm. Sending it
+    Claude Code conversation gets a 503 (retry-after) naming the store, and nothing reaches glm. Sending it
     with its pin only in memory would lose the pin on a kill -9 and split the conversation.
     Once the lock is gone, the store recovers and the next new conversation is routed."""
     recs = [x for x in load("claude-code", "print") if x.kind == "opening"]
@@ -783,7 +794,7 @@ def test_a_new_conversation_is_refused_when_its_pin_cannot_be_written_durably(ri
         lock.execute("BEGIN IMMEDIATE")
         s = rig.send(p)
         assert s.landed is None, f"{s}: sent while its pin could not be written durably"
-        assert s.reply.status == 502, str(s)
+        assert s.reply.status == 503 and s.reply.header("retry-after") == "1", str(s)
         assert "store" in s.reply.text and str(rig.store_path.name) in s.reply.text, s.reply.text
     finally:
         lock.execute("ROLLBACK")

@@ -765,10 +765,10 @@ def test_status_endpoint_answers_json(rig):
     # the issue's three parts: servers, agents' current servers, pins per server
     assert {"anthropic", "glm", "alt", "nokey"} <= set(status["servers"])
     assert status["agents"]["claude-code"] == "glm"
-    pins_before = status["pins"].get("glm", 0)
+    pins_before = status["pins"].get("glm", {}).get("pins", 0)
     assert pins_before >= 1
     assert rig.send(cc("opening", new_session())).status == 200
-    assert rig.get("/__sessionpin/status").json()["pins"]["glm"] == pins_before + 1
+    assert rig.get("/__sessionpin/status").json()["pins"]["glm"]["pins"] == pins_before + 1
     for secret in OWNER:
         assert secret not in r.text
     assert rig.total() - before == Counter({"glm": 1}), "answered by the addon itself"

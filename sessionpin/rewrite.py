@@ -3,37 +3,40 @@
 ``plan(decision, request, source, config, env)`` is pure (the environment is passed in)
 and returns ``Changes``; the addon applies them all or none. Rules it keeps:
 - Origin and prefix move together: scheme, host, port and the path prefix are the
-  target server's; the path after the source server's prefix is kept (query included).
+  target server's; the path after the source server's prefix is kept.
 - **An agent's credentials never reach a server other than the one it addressed.**
-  Going to another server drops every credential header the agent sent (x-api-key,
-  authorization, proxy-authorization, cookie, and any header whose name contains key,
-  token, auth, cookie or secret) and sets the target's key, read from its ``key_env``,
-  as ``x-api-key: K`` or ``authorization: Bearer K`` (the server's ``auth``, else the
-  style the agent used, else the api's own).
+  A request going to another server keeps only the headers and query parameters
+  ``headers.py`` allows (what the target's API needs and the agent's own ids, never a
+  value that looks like a key) and gets the target's key, read from its ``key_env``, as
+  ``x-api-key: K`` or ``authorization: Bearer K`` (the server's ``auth``, else the style
+  the agent used, else the api's own).
 - A target with no ``key_env`` only receives requests addressed to its own origin
-  (the agent's key is for it); anything else is refused, never sent with a wrong key.
-  So is a target whose ``key_env`` is unset or empty in the proxy's environment.
+  (the agent's ``x-api-key``/``authorization`` are for it, and stay); anything else is
+  refused, never sent with a wrong key. So is a target whose ``key_env`` is unset or
+  empty in the proxy's environment.
 - A request that stays on the server it addressed keeps its headers as they are.
 - ``models``: only the top-level ``"model"`` value changes, in place; every other byte
   of the body is the agent's (re-serialising breaks thinking signatures). A body whose
   model cannot be located exactly is refused rather than sent unmapped.
+- A refusal's message never carries a key: it names servers and variables, and is
+  scrubbed (``redact.scrub``) before it leaves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
-from urllib.parse import unquote_plus
 
 import msgspec
 
 from . import facts as F
+from . import headers as H
 from .config import Config, Server
 from .ladder import Decision
+from .redact import scrub
 
-CREDENTIAL_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie"})
-CREDENTIAL_WORDS = ("key", "token", "auth", "cookie", "secret", "password", "passwd", "credential",
-                    "jwt", "signature")
+# The agent's own credential headers: kept when the target is the origin they are for.
+AGENT_CREDENTIALS = ("x-api-key", "authorization")
 
 
 @dataclass(frozen=True)
@@ -66,21 +69,6 @@ class ModelNotFound(ValueError):
     """The body's top-level model could not be located byte for byte."""
 
 
-def is_credential(name: str) -> bool:
-    n = name.lower()
-    return n in CREDENTIAL_HEADERS or any(w in n for w in CREDENTIAL_WORDS)
-
-
-def strip_query_credentials(path: str) -> str:
-    """The path with every query parameter whose name reads as a credential (``key``,
-    ``api_key``, ``access_token``, …) removed; every other byte kept as sent."""
-    base, sep, query = path.partition("?")
-    if not sep:
-        return path
-    kept = [p for p in query.split("&") if not is_credential(unquote_plus(p.partition("=")[0]))]
-    return base + ("?" + "&".join(kept) if kept else "")
-
-
 def auth_style(server: Server, request: RequestView) -> str:
     if server.auth:
         return server.auth
@@ -93,7 +81,7 @@ def auth_style(server: Server, request: RequestView) -> str:
 
 
 def _refused(request: RequestView, why: str) -> Changes:
-    return Changes(request.scheme, request.host, request.port, request.path, refuse=why)
+    return Changes(request.scheme, request.host, request.port, request.path, refuse=scrub(why))
 
 
 def plan(decision: Decision, request: RequestView, source: Server, config: Config,
@@ -107,17 +95,16 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
     changes = Changes(request.scheme, request.host, request.port, request.path)
     if target.name != source.name:
         rest = request.path[len(source.prefix):] if request.path.startswith(source.prefix) else request.path
-        # A key in the query (``?key=…``, as some APIs take) is a credential like a header.
-        path = target.prefix + strip_query_credentials(rest)
+        # Only the allowed query parameters go (``?key=…``, as some APIs take, is a credential).
+        path = target.prefix + H.query_for_move(rest)
         if not path.startswith("/"):
             path = "/" + path
-        drop: tuple[str, ...] = ()
         add: tuple[tuple[str, str], ...] = ()
         if target.key_env:
             key = env.get(target.key_env, "")
             if not key.strip():
                 return _refused(request, f"server {target.name}: {target.key_env} is not set in the proxy's environment")
-            drop = tuple(dict.fromkeys(n.lower() for n, _ in request.headers if is_credential(n)))
+            drop = H.dropped_for_move(request.headers)
             if auth_style(target, request) == "x-api-key":
                 add = (("x-api-key", key.strip()),)
             else:
@@ -128,6 +115,10 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
                 f"server {target.name} has no key_env, so it only takes requests addressed to {target.origin}; "
                 f"this one was addressed to {source.origin} (set servers.{target.name}.key_env)",
             )
+        else:
+            # Another prefix of the same origin: the agent's key was for this origin and stays;
+            # everything else is held to the allowlist like any move.
+            drop = H.dropped_for_move(request.headers, keep=AGENT_CREDENTIALS)
         changes = Changes(target.scheme, target.host, target.port, path, drop, add)
 
     if request.model is not None and target.models:

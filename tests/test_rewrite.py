@@ -123,7 +123,9 @@ def test_server_without_key_env_only_takes_its_own_origin():
     # same origin, other prefix: the agent's key was for this origin, it stays
     c = rewrite.plan(go("zai-other"), view(host="api.z.ai", path="/api/anthropic/v1/messages"), GLM, CONFIG, ENV)
     assert c.refuse is None and c.path == "/api/paas/v1/messages"
-    assert c.drop_headers == () and c.set_headers == ()
+    # the agent's key stays; the rest is held to the allowlist like any move
+    assert set(c.drop_headers) == {"cookie", "x-refresh-token", "x-my-secret", "x-goog-api-key",
+                                   "proxy-authorization"} and c.set_headers == ()
 
 
 def test_staying_on_the_addressed_server_keeps_headers_and_maps_the_model():
@@ -205,16 +207,6 @@ def test_replace_model_property(other, at, seps, new):
     assert out[:start] == body[:start] and out[start + len(msgspec.json.encode(new)):] == body[end:]
 
 
-@pytest.mark.parametrize("name, credential", [
-    ("x-api-key", True), ("Authorization", True), ("proxy-authorization", True), ("Cookie", True),
-    ("x-goog-api-key", True), ("x-auth-token", True), ("X-Client-Secret", True), ("set-cookie", True),
-    ("anthropic-version", False), ("x-claude-code-session-id", False), ("content-type", False),
-    ("user-agent", False), ("x-opencode-session", False),
-])
-def test_is_credential(name, credential):
-    assert rewrite.is_credential(name) is credential
-
-
 @pytest.mark.parametrize("body", [
     b'{"model":"a","x":1,"model":"a"}',
     b'{"model":"a","x":"longer value","x":"s"}',
@@ -223,21 +215,3 @@ def test_is_credential(name, credential):
 def test_duplicate_keys_anywhere_are_refused(body):
     with pytest.raises(ModelNotFound):
         rewrite.model_span(body)
-
-
-@pytest.mark.parametrize("path, kept", [
-    ("/v1/messages?beta=true", "/v1/messages?beta=true"),
-    ("/v1/messages?beta=true&key=agent-secret", "/v1/messages?beta=true"),
-    ("/v1/messages?api_key=s&beta=true&access_token=t", "/v1/messages?beta=true"),
-    ("/v1/messages?key=s", "/v1/messages"),
-    ("/v1/messages?%6Bey=s&x=%20y", "/v1/messages?x=%20y"),      # an escaped name is read, the rest kept as sent
-    ("/v1/messages?sig%6Eature=s&Password=p&JWT=j", "/v1/messages"),
-])
-def test_query_credentials_never_leave_with_a_moved_request(path, kept):
-    assert rewrite.strip_query_credentials(path) == kept
-
-
-@pytest.mark.parametrize("name", ["cf-access-jwt-assertion", "x-credential", "x-password", "signature",
-                                  "x-amz-security-token", "X-Goog-Api-Key"])
-def test_more_credential_header_names(name):
-    assert rewrite.is_credential(name)

@@ -6,9 +6,11 @@ whatever could still be read (e.g. the session from a header when the body is ga
 
 Rules it keeps (sources: ../shared/reference/agent-traffic.md, the recordings in
 tests/fixtures/traffic, seeds/000's turn rule; docs/facts.md lists each one):
-- api from method and path only (reverse mode rewrites the host): POST .../messages,
-  .../messages/count_tokens, .../chat/completions, .../responses; anything else is "other",
-  which has no session and no turn.
+- api from method and path only (reverse mode rewrites the host): a POST whose path ends
+  with /v1/messages, /v1/messages/count_tokens, /v1/chat/completions or /v1/responses,
+  exactly, and is not ambiguous (``paths.api_of_path``; the router, which knows the
+  server's prefix, asks ``paths.scope``); anything else is "other", which has no session
+  and no turn.
 - agent from the User-Agent and the agents' own headers.
 - session from the agent's own id (headers first, then the body), then a list of common
   session headers, then a fingerprint ``fp:<hash>`` of the conversation's opening (system
@@ -31,14 +33,9 @@ from typing import Any, Iterable
 
 import msgspec
 
-from . import wire
+from . import paths, wire
+from .paths import ANTHROPIC_COUNT_TOKENS, ANTHROPIC_MESSAGES, OPENAI_CHAT, OPENAI_RESPONSES, OTHER  # the apis
 
-# api
-ANTHROPIC_MESSAGES = "anthropic-messages"
-ANTHROPIC_COUNT_TOKENS = "anthropic-count-tokens"
-OPENAI_CHAT = "openai-chat"
-OPENAI_RESPONSES = "openai-responses"
-OTHER = "other"
 INFERENCE_APIS = frozenset({ANTHROPIC_MESSAGES, ANTHROPIC_COUNT_TOKENS, OPENAI_CHAT, OPENAI_RESPONSES})
 
 # agent
@@ -189,23 +186,14 @@ def header_map(headers: object) -> dict[str, str]:
 
 
 def api_of(method: str, url: str) -> str:
-    if method.strip().upper() != "POST":
-        return OTHER
+    """The api of a request by its method and URL (or path), the server's prefix unknown:
+    ``paths.api_of_path``. The router asks ``paths.scope`` with the prefix."""
     path = url
     scheme = path.find("://")
     if scheme != -1:
         slash = path.find("/", scheme + 3)
         path = path[slash:] if slash != -1 else "/"
-    path = path.split("?", 1)[0].split("#", 1)[0].rstrip("/").lower()
-    if path.endswith("/messages/count_tokens"):
-        return ANTHROPIC_COUNT_TOKENS
-    if path.endswith("/messages"):
-        return ANTHROPIC_MESSAGES
-    if path.endswith("/chat/completions"):
-        return OPENAI_CHAT
-    if path.endswith("/responses") or path.endswith("/responses/compact"):
-        return OPENAI_RESPONSES
-    return OTHER
+    return paths.api_of_path(method, path)
 
 
 # pi sends its SDK's User-Agent (OpenAI/JS, Anthropic/JS) and no header of its own: only its

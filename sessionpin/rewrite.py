@@ -3,7 +3,10 @@
 ``plan(decision, request, source, config, env)`` is pure (the environment is passed in)
 and returns ``Changes``; the addon applies them all or none. Rules it keeps:
 - Origin and prefix move together: scheme, host, port and the path prefix are the
-  target server's; the path after the source server's prefix is kept.
+  target server's; the path after the source server's prefix is kept. Only an exact
+  inference path under the source's prefix moves (``paths.scope``): any other path, or
+  an ambiguous one (dot segments, encoded separators…), is refused, never sent under
+  another server's key.
 - **An agent's credentials never reach a server other than the one it addressed.**
   A request going to another server keeps only the headers and query parameters
   ``headers.py`` allows (what the target's API needs and the agent's own ids, never a
@@ -31,6 +34,7 @@ import msgspec
 
 from . import facts as F
 from . import headers as H
+from . import paths
 from .config import Config, Server
 from .ladder import Decision
 from .redact import scrub
@@ -94,11 +98,15 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
 
     changes = Changes(request.scheme, request.host, request.port, request.path)
     if target.name != source.name:
-        rest = request.path[len(source.prefix):] if request.path.startswith(source.prefix) else request.path
+        where = paths.scope("POST", request.path, source.prefix)
+        if where.refuse:
+            return _refused(request, f"not sent to server {target.name}: {where.refuse}")
+        if not where.inference:
+            return _refused(request, f"not sent to server {target.name}: not an inference endpoint "
+                                     f"under {source.name}'s prefix")
+        rest = request.path[len(source.prefix):]
         # Only the allowed query parameters go (``?key=…``, as some APIs take, is a credential).
-        path = target.prefix + H.query_for_move(rest)
-        if not path.startswith("/"):
-            path = "/" + path
+        path = target.prefix + H.query_for_move(rest)   # rest starts with "/": scope said so
         add: tuple[tuple[str, str], ...] = ()
         if target.key_env:
             key = env.get(target.key_env, "")

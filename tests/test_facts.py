@@ -214,9 +214,14 @@ def test_recorded_fingerprints_group_by_conversation():
         ("POST", "/zen/v1/messages", facts.ANTHROPIC_MESSAGES),
         ("POST", "https://opencode.ai/zen/go/v1/chat/completions", facts.OPENAI_CHAT),
         ("POST", "https://api.openai.com/v1/responses", facts.OPENAI_RESPONSES),
-        ("POST", "https://api.openai.com/v1/responses/", facts.OPENAI_RESPONSES),
-        ("POST", "https://chatgpt.com/backend-api/codex/responses/compact", facts.OPENAI_RESPONSES),
-        (b"POST", b"/V1/Messages", facts.ANTHROPIC_MESSAGES),
+        (b"POST", b"/zen/v1/messages", facts.ANTHROPIC_MESSAGES),
+        # exact endpoints after /v1 only (sessionpin/paths.py): no trailing slash, no other
+        # case, no Codex remote-compaction endpoint (the recorded Codex compacts via /responses)
+        ("POST", "https://api.openai.com/v1/responses/", facts.OTHER),
+        ("POST", "https://chatgpt.com/backend-api/codex/responses/compact", facts.OTHER),
+        (b"POST", b"/V1/Messages", facts.OTHER),
+        ("POST", "https://api.anthropic.com/v1/threads/x/messages", facts.OTHER),
+        ("POST", "https://api.anthropic.com/api/anthropic/../../v1/messages", facts.OTHER),
         ("GET", "https://api.openai.com/v1/responses", facts.OTHER),  # Codex's WebSocket upgrade
         ("POST", "https://api.anthropic.com/api/event_logging/batch", facts.OTHER),
         ("GET", "https://api.anthropic.com/api/claude_code/settings", facts.OTHER),

@@ -89,6 +89,8 @@ CONFIG = parse('''
 url = "https://api.anthropic.com"
 [servers.zen]
 url = "https://opencode.ai/zen"
+[servers.zen-go]
+url = "https://opencode.ai/zen/go"
 [servers.openai]
 url = "https://api.openai.com"
 [servers.glm]

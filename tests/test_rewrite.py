@@ -78,11 +78,26 @@ def test_keeps_the_path_after_the_source_prefix():
     assert (c.scheme, c.host, c.port, c.path) == ("http", "127.0.0.1", 9000, "/v1/v1/messages/count_tokens")
 
 
-def test_bare_prefix_path():
-    c = rewrite.plan(go("bearer"), view(path="/api/anthropic", host="api.z.ai", model=None), GLM, CONFIG, ENV)
-    assert c.path == "/v1"
-    c = rewrite.plan(go("glm"), view(path="/", model=None), ANTHROPIC, CONFIG, ENV)
-    assert c.path == "/api/anthropic/"
+@pytest.mark.parametrize("path, why", [
+    ("/api/anthropic", "not an inference endpoint"),
+    ("/api/anthropic/", "not an inference endpoint"),
+    ("/api/anthropic/v1/threads/x/messages", "not an inference endpoint"),
+    ("/api/anthropic/v1/organizations/x/messages", "not an inference endpoint"),
+    ("/api/anthropic/v1/messages/batches", "not an inference endpoint"),
+    ("/api/anthropic/v1/models", "not an inference endpoint"),
+    ("/api/anthropic/../../v1/messages", "dot segment"),
+    ("/api/anthropic/v1/%2e%2e/messages", "encoded separator"),
+    ("/api/anthropic//v1/messages", "empty segment"),
+])
+def test_only_an_exact_inference_path_moves(path, why):
+    c = rewrite.plan(go("bearer"), view(path=path, host="api.z.ai", model=None), GLM, CONFIG, ENV)
+    assert c.refuse and why in c.refuse and "not sent to server bearer" in c.refuse
+    assert (c.host, c.path, c.set_headers) == ("api.z.ai", path, ())
+
+
+def test_a_dot_segment_path_on_a_prefixless_server_does_not_move():
+    c = rewrite.plan(go("glm"), view(path="/../../v1/messages", model=None), ANTHROPIC, CONFIG, ENV)
+    assert c.refuse and "dot segment" in c.refuse
 
 
 def test_no_credentials_sent_when_the_agent_sent_none():

@@ -61,6 +61,8 @@ FINGERPRINT_PREFIX = "fp:"
 MAX_BODY = 64 * 1024 * 1024
 # A client session id longer than this is not taken (it would become a store key).
 MAX_ID = 256
+# Claude Code's metadata.user_id longer than this is not read for a session.
+MAX_USER_ID = 1024
 
 
 class Facts(msgspec.Struct, frozen=True, kw_only=True):
@@ -233,18 +235,45 @@ class _TooLarge(Exception):
     pass
 
 
+# A body is one frame (gzip member, zstd frame) from every recorded client; a few more are
+# legal, thousands of tiny ones are only a way to make the reader work: each frame costs a
+# decompressor, so their number is capped.
+MAX_FRAMES = 64
+# At most this many content-codings are undone (each may cost up to MAX_BODY of work).
+MAX_CODINGS = 4
+
+
 def _frames(data: bytes, limit: int, decompressor, decompress) -> bytes:
     """Every concatenated frame (gzip members, zstd frames) decompressed, at most ``limit``
-    bytes; a frame cut short is an error. ``decompress(d, data, room)`` reads one frame."""
+    bytes; a frame cut short is an error. ``decompress(d, chunk, room)`` feeds one frame.
+
+    The input is fed in chunks that double within a frame, so what a decompressor copies
+    back as unused (the bytes after its frame) is at most one chunk, not the rest of the
+    body for every frame."""
     out = bytearray()
-    while data:
+    view = memoryview(data)
+    pos = frames = 0
+    while pos < len(data):
+        frames += 1
+        if frames > MAX_FRAMES:
+            raise ValueError("too many frames")
         d = decompressor()
-        out += decompress(d, data, limit + 1 - len(out))
-        if len(out) > limit:
-            raise _TooLarge
-        if not d.eof:
-            raise ValueError("truncated")
-        data = d.unused_data
+        chunk = 256
+        while True:
+            part = view[pos:pos + chunk]
+            # Below the room, a decompressor takes all it is given (or stops at its frame's end).
+            out += decompress(d, part, limit + 1 - len(out))
+            wire.count(len(part))
+            if len(out) > limit:
+                raise _TooLarge
+            if d.eof:
+                pos += len(part) - len(d.unused_data)
+                break
+            pos += len(part)
+            if pos >= len(data):
+                raise ValueError("truncated")
+            chunk = min(chunk * 2, 1 << 20)
+    wire.count(len(out))
     return bytes(out)
 
 
@@ -275,6 +304,7 @@ def _br(data: bytes, limit: int) -> bytes:
         if len(out) > limit:
             raise _TooLarge
         return out
+    wire.count(len(data) + len(out))
     if len(out) > limit:
         raise _TooLarge
     if not d.is_finished():
@@ -298,6 +328,7 @@ def _zstd_zstandard(data: bytes, limit: int) -> bytes:
 
     reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
     out = reader.read(limit + 1)
+    wire.count(len(data) + len(out))
     if len(out) > limit:
         raise _TooLarge
     return out
@@ -316,7 +347,10 @@ def decode_body(body: bytes | None, content_encoding: str) -> tuple[bytes, str]:
         return b"", "too large"
     data = bytes(body)
     codings = [c.strip().lower() for c in content_encoding.split(",")]
-    for coding in reversed([c for c in codings if c and c != "identity"]):
+    codings = [c for c in codings if c and c != "identity"]
+    if len(codings) > MAX_CODINGS:
+        return b"", "too many content-encodings"
+    for coding in reversed(codings):
         decode = _DECODERS.get(coding)
         if decode is None:
             return b"", f"unknown content-encoding {coding[:32]!r}"
@@ -349,6 +383,7 @@ def parse_body(data: bytes, api: str | None = None, cache_key: bool = True) -> t
             fast = None
         if fast is not None:
             return fast
+    wire.count(len(data))
     try:
         return wire.body_decoder.decode(data), ""
     except msgspec.ValidationError:
@@ -357,6 +392,7 @@ def parse_body(data: bytes, api: str | None = None, cache_key: bool = True) -> t
         return None, "not JSON: truncated" if "truncated" in str(e) else "not JSON"
     except RecursionError:  # msgspec's guard against deep nesting
         return None, "not JSON: nested too deeply"
+    wire.count(len(data))
     try:
         fields = wire.loose_decoder.decode(data)
     except msgspec.ValidationError:
@@ -438,7 +474,9 @@ def clean_id(value: object) -> str | None:
 
 def user_id_session(user_id: str | None) -> tuple[str | None, str | None]:
     """Claude Code's metadata.user_id: JSON string today, ``user_…_session_<uuid>`` before."""
-    if not user_id:
+    if not user_id or len(user_id) > MAX_USER_ID:
+        # Real ones are ~150 characters; a longer one would only make the legacy pattern's
+        # search below quadratic (every "_session_" in it is a start).
         return None, None
     text = user_id.strip()
     if text.startswith("{"):

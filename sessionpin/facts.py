@@ -59,6 +59,11 @@ FINGERPRINT_PREFIX = "fp:"
 
 # A decoded body larger than this is not read ("too large").
 MAX_BODY = 64 * 1024 * 1024
+# The largest request body the proxy takes at all: the shell answers 413 before buffering
+# more (``body_too_large``). The reader's own limit, so any body the proxy buffers is one
+# it can read; above the largest request an agent sends (Anthropic's Messages API takes at
+# most 32 MB; the recorded requests are under 1 MB).
+MAX_REQUEST_BODY = MAX_BODY
 # A client session id longer than this is not taken (it would become a store key).
 MAX_ID = 256
 # Claude Code's metadata.user_id longer than this is not read for a session.
@@ -98,6 +103,24 @@ def read(
             api, agent = OTHER, UNKNOWN_AGENT
         return Facts(api=api, agent=agent, turn=None if api == OTHER else UNKNOWN_TURN, parsed=False,
                      reason=f"internal error: {type(e).__name__}")
+
+
+def body_too_large(content_length: str | bytes | None, limit: int = MAX_REQUEST_BODY) -> bool:
+    """Whether a request must be refused (413) from its ``Content-Length`` header alone,
+    before its body is buffered: a declared length over ``limit``, or a header that is not
+    one decimal length (a list of equal ones is one, as RFC 9110 allows): a length that
+    cannot be trusted is not waited for. ``None`` (no header: chunked or HTTP/2 without
+    one) is False; the shell then counts the bytes as they come."""
+    if content_length is None:
+        return False
+    text = _text(content_length)
+    values = {v.strip() for v in text.split(",")}
+    if len(values) != 1:
+        return True
+    (value,) = values
+    if not value.isascii() or not value.isdigit() or len(value) > 19:
+        return True
+    return int(value) > limit
 
 
 def header_session(agent: str, headers: object) -> str | None:

@@ -955,3 +955,18 @@ def test_header_session_reads_a_non_inference_requests_session_from_headers_only
     assert facts.header_session(f.agent, h) == "019a-sess"
     assert facts.header_session(facts.CODEX, [("upgrade", "websocket")]) is None
     assert facts.header_session(facts.CODEX, object()) is None   # garbage never raises
+
+
+@pytest.mark.parametrize("header, too_large", [
+    (None, False), ("0", False), ("113161", False), (str(facts.MAX_REQUEST_BODY), False),
+    (str(facts.MAX_REQUEST_BODY + 1), True), (b"1048576", False), ("10, 10", False), (" 10 ", False),
+    ("10, 11", True), ("", True), ("-1", True), ("1e9", True), ("0x10", True), ("١٠", True),
+    ("9" * 40, True), ("12abc", True),
+])
+def test_body_too_large_from_the_content_length_alone(header, too_large):
+    assert facts.body_too_large(header) is too_large
+
+
+def test_the_request_limit_is_what_the_reader_reads():
+    assert facts.MAX_REQUEST_BODY == facts.MAX_BODY == 64 * 1024 * 1024
+    assert facts.body_too_large("2048", limit=1024) and not facts.body_too_large("1024", limit=1024)

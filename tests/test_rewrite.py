@@ -230,3 +230,18 @@ def test_replace_model_property(other, at, seps, new):
 def test_duplicate_keys_anywhere_are_refused(body):
     with pytest.raises(ModelNotFound):
         rewrite.model_span(body)
+
+
+KEY = "sk-ant-api03-Ab3dE6gH9jK2mN5pQ8sT1vW4yZ7bC0eF3hJ6kM9nP2rS5uV8xA1cD4fG7iL0oR3tU6w"
+
+
+def test_a_refusal_never_carries_a_key_even_from_a_config_built_by_hand():
+    # parse() refuses a key as key_env (test_config); a Config built in code is not parsed.
+    from dataclasses import replace
+    bad = replace(GLM, key_env=KEY)
+    cfg = replace(CONFIG, servers={**CONFIG.servers, "glm": bad})
+    c = rewrite.plan(go("glm"), view(), ANTHROPIC, cfg, {})
+    assert c.refuse == "server glm: [redacted] is not set in the proxy's environment"
+    c = rewrite.plan(go("glm"), view(headers=(("x-api-key", KEY),), body=b'{"model":"claude-opus-4-1"',
+                                       model="claude-opus-4-1"), ANTHROPIC, cfg, {bad.key_env: "k"})
+    assert c.refuse and KEY not in c.refuse and KEY[10:30] not in c.refuse

@@ -20,7 +20,9 @@ and returns ``Changes``; the addon applies them all or none. Rules it keeps:
 - A request that stays on the server it addressed keeps its headers as they are.
 - ``models``: only the top-level ``"model"`` value changes, in place; every other byte
   of the body is the agent's (re-serialising breaks thinking signatures). A body whose
-  model cannot be located exactly is refused rather than sent unmapped.
+  model cannot be located exactly is refused rather than sent unmapped, and so is a body
+  the reader could not read (``unreadable``: unknown content-encoding, too large, too
+  deep…) when the target renames models, whether the request moves or stays.
 - A refusal's message never carries a key: it names servers and variables, and is
   scrubbed (``redact.scrub``) before it leaves.
 """
@@ -54,6 +56,8 @@ class RequestView:
     body: bytes | None = None                   # decoded body (only needed to map the model)
     api: str = F.OTHER
     model: str | None = None                    # the body's top-level model, from the reader
+    unreadable: str | None = None               # why the reader could not read the body
+                                                # (facts.reason when not facts.parsed), else None
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,10 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
             drop = H.dropped_for_move(request.headers, keep=AGENT_CREDENTIALS)
         changes = Changes(target.scheme, target.host, target.port, path, drop, add)
 
+    if target.models and request.model is None and request.unreadable:
+        # The model may need renaming and cannot be known: never forwarded unmapped.
+        return _refused(request, f"cannot rename the model for server {target.name}: the request body "
+                                 f"could not be read ({request.unreadable[:120]})")
     if request.model is not None and target.models:
         mapped = target.map_model(request.model)
         if mapped != request.model:
@@ -157,6 +165,8 @@ def model_span(body: bytes) -> tuple[int, int]:
         top = _decode_top.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ModelNotFound(f"body is not a JSON object ({e})") from None
+    except RecursionError:
+        raise ModelNotFound("body nested too deeply") from None
     if "model" not in top:
         raise ModelNotFound("no top-level model")
     if not bytes(top["model"]).startswith(b'"'):

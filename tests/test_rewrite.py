@@ -47,10 +47,10 @@ AGENT_HEADERS = (
 )
 
 
-def view(path="/v1/messages?beta=true", headers=AGENT_HEADERS, body=BODY, model="claude-opus-4-1", **kw):
+def view(path="/v1/messages?beta=true", headers=AGENT_HEADERS, body=BODY, model="claude-opus-4-1", unreadable=None, **kw):
     return RequestView(scheme=kw.pop("scheme", "https"), host=kw.pop("host", "api.anthropic.com"),
                        port=kw.pop("port", 443), path=path, headers=headers, body=body,
-                       api=kw.pop("api", F.ANTHROPIC_MESSAGES), model=model)
+                       api=kw.pop("api", F.ANTHROPIC_MESSAGES), model=model, unreadable=unreadable)
 
 
 def go(target):
@@ -245,3 +245,32 @@ def test_a_refusal_never_carries_a_key_even_from_a_config_built_by_hand():
     c = rewrite.plan(go("glm"), view(headers=(("x-api-key", KEY),), body=b'{"model":"claude-opus-4-1"',
                                        model="claude-opus-4-1"), ANTHROPIC, cfg, {bad.key_env: "k"})
     assert c.refuse and KEY not in c.refuse and KEY[10:30] not in c.refuse
+
+
+@pytest.mark.parametrize("why", ["unknown content-encoding 'x-custom'", "too large", "not JSON: nested too deeply",
+                                 "bad zstd body; request-class main", "too many content-encodings"])
+@pytest.mark.parametrize("target, source, host, path", [
+    ("glm", ANTHROPIC, "api.anthropic.com", "/v1/messages?beta=true"),      # moved
+    ("glm", GLM, "api.z.ai", "/api/anthropic/v1/messages"),                  # stays: glm still renames
+])
+def test_an_unreadable_body_is_refused_when_the_target_renames_models(why, target, source, host, path):
+    c = rewrite.plan(go(target), view(host=host, path=path, model=None, unreadable=why, body=b"\x28\xb5garbage"),
+                     source, CONFIG, ENV)
+    assert c.refuse == f"cannot rename the model for server glm: the request body could not be read ({why})"
+    assert c.body is None and c.set_headers == ()
+
+
+def test_an_unreadable_body_goes_where_no_model_is_renamed():
+    c = rewrite.plan(go("bearer"), view(model=None, unreadable="too large"), ANTHROPIC, CONFIG, ENV)
+    assert c.refuse is None and c.host == "127.0.0.1"
+
+
+def test_a_body_read_but_without_a_model_is_not_refused():
+    c = rewrite.plan(go("glm"), view(model=None, unreadable=None), ANTHROPIC, CONFIG, ENV)
+    assert c.refuse is None and c.body is None
+
+
+def test_a_body_too_deep_for_the_model_search_is_refused_not_raised():
+    body = b'{"model":"claude-opus-4-1","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    c = rewrite.plan(go("glm"), view(body=body), ANTHROPIC, CONFIG, ENV)
+    assert c.refuse and "nested too deeply" in c.refuse

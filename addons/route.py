@@ -1,4 +1,4 @@
 """mitmdump -s addons/route.py: the sessionpin router (see README and docs/router.md)."""
-from sessionpin.addon import make_addons
+from sessionpin.proxy import make_addons
 
 addons = make_addons()

@@ -79,6 +79,7 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None      # top-level body model
     stream: bool | None = None    # the client asked for a stream
     has_history: bool = False     # the body carries assistant turns (a conversation already under way)
+    has_tools: bool = False       # the body offers tools (an agent's main turns do; titles do not)
     parsed: bool = True           # False: the body could not be read (see reason)
     reason: str = ""              # which rule decided the turn, or why the body was unparsed
 
@@ -169,6 +170,7 @@ def _read(method, url, headers, body, content_encoding) -> Facts:
         model=b.model,
         stream=(b.stream is True) if ok else b.stream,
         has_history=history,
+        has_tools=has_tools(b),
         parsed=ok,
         reason=reason,
     )

@@ -1,36 +1,40 @@
 """The pin ladder: where one inference request goes, and what happens to its session's pin.
 
-``decide(facts, pin, config, in_scope_server)`` is pure: no clock, no store, no I/O.
-For a request in scope (an inference api, addressed to a configured server), the first
-rule that applies decides (seeds/000, made stronger):
+``decide(facts, pin, config, source, title_went)`` is pure: no clock, no store, no I/O.
+``source`` is the configured server the request addresses (None: it addresses none);
+``title_went`` is where this session's opencode title-shaped request went moments ago
+(the side memory; None when there is none). The first rule that applies decides
+(seeds/000, made stronger):
 
-0. No session id: nothing can keep the conversation together, so leave it alone and pin
-   nothing. An unknown agent is never routed and never pinned.
+0. Not an inference request, an unknown agent, or no session id: leave it alone, pin
+   nothing — nothing can keep such a conversation together.
 1. The session has a pin of the same agent: go to its pinned server ("not routed" =
-   leave it alone) and renew the pin. A pinned server that is no longer configured is
-   refused (503), never moved. A pin of another agent is neither followed nor
-   overwritten: the request is left alone.
+   leave it alone) and renew the pin — **whatever the config says about the origin the
+   request addresses** (a server removed from the config, an emptied config). A pinned
+   server that is no longer configured is refused (503), never moved. A pin of another
+   agent is neither followed nor overwritten: the request is left alone.
+   Without a pin, a request that addresses no configured server is out of scope.
    - A body that could not be read (``parsed=False``) and has no pin is left alone,
      pinned nothing: its turn is unknowable, and guessing "opening" would pin a running
-     conversation to the wrong server (a seed weakness).
-2. Side requests and subagents never create a pin (checked before rule 3 so that even
-   a "not routed" pin is only made by a conversation's own turns).
-   - a side request with no pin goes to the agent's current server (the title request
-     that races the opening turn must land where the opening turn will), unless it
-     carries a conversation's history: that conversation began unseen, leave it alone;
-   - but a side request of a session whose earlier side request (no pin) the router
-     sent somewhere follows it there (``side_went``, remembered in memory only): a side
-     thread that runs several rounds, like Codex's title thread calling a tool, stays
-     whole instead of its later rounds being left alone;
-   - a subagent with no pin is left alone: its parent was never seen begin (else it
-     would have a pin), and the parent's next turn will be left alone too.
+     conversation to the wrong server.
+2. Side requests and subagents never create a pin:
+   - a side request with no pin goes to the agent's current server (a title request
+     races the opening turn and must land where it will), unless it carries a
+     conversation's history: that conversation began unseen, leave it alone. It is not
+     remembered — except an opencode title-shaped one (see 5);
+   - a subagent with no pin is left alone: its parent was never seen begin.
 3. The agent is not routed: leave it alone, pin "not routed".
 4. Opening turn: the agent's current server, and pin it.
-5. Continuation the router never saw begin: leave it alone, pin "not routed" — unless
-   this session's side request went somewhere moments ago (``side_went``): that request
-   was the opening, so follow it and pin.
-6. A turn that cannot be told (``unknown``): the agent's current server, and pin it;
-   with history, it is a conversation under way never seen begin: as rule 5.
+5. A continuation the router never saw begin: leave it alone, pin "not routed" —
+   unless it is opencode's and this session's title-shaped request (no tools, no
+   history) went somewhere moments ago: opencode's opening reads like its title when it
+   sends no tools, so that request was the opening; follow it and pin. No other side
+   request — a count_tokens, a classifier, another agent's title — adopts a conversation.
+6. A turn that cannot be told, with a session: the agent's current server, and pin it;
+   with history it is a conversation under way never seen begin: as rule 5.
+
+So a request with no pin that carries history is always left alone, but for rule 5's
+one exception (tests/test_route.py holds this as a property).
 
 ``pin_action`` is "create" (write a new pin for ``target``; ``None`` = not routed),
 "renew" (a pin was followed: renew it if ``pins.renew_due``) or "none".
@@ -73,16 +77,27 @@ def _leave(rule: str, why: str, pin_action: str = NONE) -> Decision:
     return Decision(None, pin_action, rule, why)
 
 
-def decide(facts: F.Facts, pin: Pin | None, config: Config, in_scope_server: Server | str | None,
-           side_went: str | None = None) -> Decision:
-    if in_scope_server is None or facts.api not in F.INFERENCE_APIS:
-        return _leave("out-of-scope", "not an inference request to a configured server")
+def in_scope(facts: F.Facts) -> bool:
+    """Whether a request can be routed at all: an inference request of a known agent with a session."""
+    return facts.api in F.INFERENCE_APIS and facts.agent in F.AGENTS and bool(facts.session)
+
+
+def is_title_shaped(facts: F.Facts) -> bool:
+    """opencode's title request — or its opening when it offers no tools: no tools, no history."""
+    return (facts.agent == F.OPENCODE and facts.turn == F.SIDE and facts.parsed and not facts.has_history
+            and not facts.has_tools and facts.api != F.ANTHROPIC_COUNT_TOKENS)
+
+
+def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | None,
+           title_went: str | None = None) -> Decision:
+    if facts.api not in F.INFERENCE_APIS:
+        return _leave("out-of-scope", "not an inference request")
     if facts.agent not in F.AGENTS:
         return _leave("unknown-agent", "agent not recognised")
     if not facts.session:
         return _leave("no-session", "no session id")
 
-    # 1. a pin decides
+    # 1. a pin decides, wherever the request was addressed
     if pin is not None:
         if pin.agent != facts.agent:
             return _leave("other-agent-pin", f"session pinned by {pin.agent}")
@@ -91,6 +106,8 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, in_scope_server: Ser
         if pin.server not in config.servers:
             return Decision(None, NONE, "pinned-server-gone", f"pinned to {pin.server}, no longer configured", refuse=503)
         return Decision(pin.server, RENEW, "pinned", "pin")
+    if source is None:
+        return _leave("out-of-scope", "no pin, not addressed to a configured server")
 
     if not facts.parsed:
         return _leave("unreadable", "body unreadable, no pin")
@@ -100,8 +117,6 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, in_scope_server: Ser
 
     # 2. side requests and subagents follow a pin, never make one
     if turn == F.SIDE:
-        if side_went is not None and side_went in config.servers:
-            return Decision(side_went, NONE, "side-follows-side", "follows this session's earlier side request")
         if facts.has_history:
             return _leave("side-unseen", "side request of a conversation not seen begin")
         if current is None:
@@ -113,20 +128,18 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, in_scope_server: Ser
     # 3. the agent is not routed
     if current is None:
         return _leave("not-routed", "agent not routed", CREATE)
-    # 4. opening turn
-    if turn == F.OPENING:
+    # 4. opening turn (an "opening" that carries history is a contradiction: as rule 5)
+    if turn == F.OPENING and not facts.has_history:
         return Decision(current, CREATE, "opening", "pinned")
-    # 5. a continuation never seen begin — unless the router sent this session's side
-    # request somewhere moments ago: then that request was the conversation's opening
-    # (opencode's opening looks like its title request when it sends no tools), and the
-    # conversation continues where it went.
-    if turn == F.CONTINUATION:
-        if side_went is not None and side_went in config.servers:
-            return Decision(side_went, CREATE, "continuation-after-side", "began with a side-looking request, pinned")
+    # 5. a continuation never seen begin — unless opencode's title-shaped opening went
+    # somewhere moments ago (rule 5 above)
+    if turn in (F.CONTINUATION, F.OPENING):
+        if facts.agent == F.OPENCODE and title_went is not None and title_went in config.servers:
+            return Decision(title_went, CREATE, "continuation-after-title",
+                            "began with a title-shaped request, pinned")
         return _leave("continuation-unseen", "not seen begin", CREATE)
     # 6. a turn that cannot be told, with a session: the current server — but a body that
-    # carries history is a conversation under way that the router never saw begin, and
-    # pinning it elsewhere would move it (the guarantee outranks the rule's letter).
+    # carries history is a conversation under way that the router never saw begin.
     if facts.has_history:
         return _leave("unknown-turn-unseen", "turn unknown, history: not seen begin", CREATE)
     return Decision(current, CREATE, "unknown-turn", "turn unknown, pinned")

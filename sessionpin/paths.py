@@ -7,7 +7,7 @@ the inference endpoints under the server's prefix. ``/v1/threads/x/messages`` or
 segments or encoded separators may mean something else to the server than it says to us.
 
 Rules this module keeps:
-- ``scope(method, path, prefix)`` -> ``Scope(api, refuse)``:
+- ``scope(method, path, prefix)`` -> ``Scope(api, refuse, rest)``:
   * ``refuse`` is set (and ``api`` is "other") for a POST whose path is ambiguous, so it is
     never routed: not starting with ``/``; a control character (0x00-0x1F, 0x7F) or ``#``
     anywhere; in the path part, a backslash, an empty segment (``//``), a dot segment
@@ -17,12 +17,13 @@ Rules this module keeps:
     endpoint (``/messages``, ``/messages/count_tokens``, ``/chat/completions``,
     ``/responses``), or, when the prefix itself ends with ``/v1`` (``…/zen/v1``), the
     prefix followed by the endpoint. Exactly: case, trailing slash and extra segments
-    make it "other". The query is not part of the match.
+    make it "other". The query is not part of the match. ``rest`` is what follows the
+    prefix (query included): the part a moved request keeps.
   * anything else, and every method but POST, is "other" (never routed, no refusal: a
     request that is not routed goes where it was addressed, as if the router were not there).
-- ``api_of_path(method, path)`` is the same test with the prefix unknown: the path part
-  ends with ``/v1`` + an endpoint (the reader's ``facts.api_of``; the router, which knows
-  the prefix, asks ``scope``).
+- With the prefix unknown (``prefix=None``: the reader's ``facts.api_of``, or a request to
+  an origin no longer configured), the path part must end with ``/v1`` + an endpoint, and
+  ``rest`` is ``/v1`` + the endpoint. ``api_of_path(method, path)`` is that api.
 - ``/v1/responses/compact`` is not an endpoint here: the recorded Codex (0.171) compacts
   through ``/v1/responses`` (``request_kind: compaction``).
 Pure: strings in, a value out.
@@ -57,6 +58,7 @@ _LONE_PERCENT = re.compile(r"%(?![0-9a-fA-F]{2})")
 class Scope:
     api: str                     # an inference api, or "other"
     refuse: str | None = None    # why this path must never be routed (then api is "other")
+    rest: str = ""               # inference: the path after the prefix, query included
 
     @property
     def inference(self) -> bool:
@@ -86,36 +88,37 @@ def unsafe(path: str) -> str | None:
     return None
 
 
-def scope(method: str, path: str, prefix: str = "") -> Scope:
+def scope(method: str, path: str, prefix: str | None = "") -> Scope:
     """What a request to a server with this path prefix ("" or "/api/anthropic", no
-    trailing slash) is: an inference api, "other", or refused (see the module's rules)."""
+    trailing slash) is: an inference api, "other", or refused (see the module's rules).
+    ``prefix=None``: the prefix is unknown (an origin no longer configured), and is
+    whatever comes before ``/v1`` + the endpoint."""
     if method.strip().upper() != "POST":
         return Scope(OTHER)
     why = unsafe(path)
     if why:
         return Scope(OTHER, why)
-    p = path.partition("?")[0]
+    p, sep, query = path.partition("?")
+    if prefix is None:
+        for endpoint, api in ENDPOINTS.items():
+            if p.endswith(VERSION + endpoint):
+                return Scope(api, rest=VERSION + endpoint + sep + query)
+        return Scope(OTHER)
     if not p.startswith(prefix):
         return Scope(OTHER)
     rest = p[len(prefix):]
     if rest.startswith(VERSION + "/"):
         api = ENDPOINTS.get(rest[len(VERSION):])
         if api:
-            return Scope(api)
+            return Scope(api, rest=rest + sep + query)
     if prefix.endswith(VERSION):
         api = ENDPOINTS.get(rest)
         if api:
-            return Scope(api)
+            return Scope(api, rest=rest + sep + query)
     return Scope(OTHER)
 
 
 def api_of_path(method: str, path: str) -> str:
     """The inference api of a POST whose path (prefix unknown) ends with ``/v1`` + an
     endpoint, else "other"; an ambiguous path is "other"."""
-    if method.strip().upper() != "POST" or unsafe(path):
-        return OTHER
-    p = path.partition("?")[0]
-    for endpoint, api in ENDPOINTS.items():
-        if p.endswith(VERSION + endpoint):
-            return api
-    return OTHER
+    return scope(method, path, None).api

@@ -6,23 +6,36 @@ Rules this module keeps (seeds/000, made stronger):
 - ``server`` None means "not routed": the session's requests are left alone.
 - A pin lives 30 days from its last renewal and is renewed at most once a day, so a
   busy session does not write the store on every request.
-- A new pin is written durably and only if absent (``set nx``): if two proxies race to
-  pin one session, the first pin wins and the second reads it back.
+- Every change is a compare-and-set against the text that was read (``Loaded.raw``):
+  a new pin is written only if the key is absent (two proxies racing: the first pin
+  wins, the second reads it back); renewal, move and forget only if the pin is still
+  the one read — an operator's ``move`` committed meanwhile is never undone.
+- New pins, moves and forgets are durable (the store raises ``NotDurable`` otherwise);
+  renewals are not (a lost renewal costs a day of TTL, never a pin).
+- The index: each pin's session is also a member of ``pinidx:<agent>:<server>`` (``-``
+  for not routed) scored by the pin's expiry, written in the same ``apply``; ``pinidx``
+  (a hash) names every index. Counting live pins per agent and server is one ``zcount``
+  each — status, metrics and the CLI's "N stay where they are" never walk the pins.
 - A stored value that is not a valid pin (bad JSON, wrong shape, no agent) reads as no pin.
 - Activity (last seen, requests seen) is not part of the pin: it changes on every
-  request, so the router counts it in memory and flushes it lazily under ``seen:<session>``.
+  request, so the router counts it in memory and flushes it lazily (``record_seen``).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
 
 import msgspec
 
-from .store.base import Store
+from .store.base import Check, Delete, HSet, Set, Store, Write, ZAdd, ZRem
 
 PIN_PREFIX = "pin:"
 SEEN_PREFIX = "seen:"
+INDEX_PREFIX = "pinidx:"
+INDEX_NAMES = "pinidx"          # hash: "<agent>:<server or ->" -> "1"
+ACTIVE_PREFIX = "active:"       # sorted set per agent and server: session -> last seen
+NOT_ROUTED = "-"
 DAY = 86_400.0
 PIN_TTL = 30 * DAY
 RENEW_AFTER = DAY
@@ -35,7 +48,15 @@ class Pin(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     renewed: float              # when its TTL was last renewed
     rule: str = ""              # the ladder rule that made it (or "operator")
     turn: str = ""              # the turn that made it
+    source: str = ""            # the configured server the request that made it addressed ("" none)
     v: int = 1
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A pin as read, with the exact text it was read from (what compare-and-set compares)."""
+    pin: Pin | None
+    raw: str | None
 
 
 _encoder = msgspec.json.Encoder()
@@ -44,6 +65,24 @@ _decoder = msgspec.json.Decoder(Pin)
 
 def key(session: str) -> str:
     return PIN_PREFIX + session
+
+
+def group(agent: str, server: str | None) -> str:
+    """The index group of a pin: ``<agent>:<server>`` (server names hold no colon)."""
+    return f"{agent}:{server or NOT_ROUTED}"
+
+
+def split_group(name: str) -> tuple[str, str | None]:
+    agent, _, server = name.partition(":")
+    return agent, (None if server == NOT_ROUTED else server)
+
+
+def index_key(agent: str, server: str | None) -> str:
+    return INDEX_PREFIX + group(agent, server)
+
+
+def active_key(agent: str, server: str | None) -> str:
+    return ACTIVE_PREFIX + group(agent, server)
 
 
 def encode(pin: Pin) -> str:
@@ -62,54 +101,115 @@ def decode(text: str | None) -> Pin | None:
     return pin
 
 
-def load(store: Store, session: str) -> Pin | None:
-    return decode(store.get(key(session)))
+def expiry(pin: Pin) -> float:
+    return pin.renewed + PIN_TTL
 
 
-def create(store: Store, session: str, pin: Pin) -> Pin:
-    """Write a new pin durably unless one exists; return the pin now in force."""
-    if store.set(key(session), encode(pin), PIN_TTL, nx=True, durable=True):
-        return pin
-    existing = load(store, session)
-    if existing is None:
-        # The value there is not a valid pin: it reads as no pin, so replace it.
-        store.set(key(session), encode(pin), PIN_TTL, durable=True)
-        return pin
-    return existing
+async def load(store: Store, session: str) -> Loaded:
+    """The session's pin. A store fault raises (``StoreUnavailable``): never "no pin"."""
+    raw = await store.get(key(session))
+    return Loaded(decode(raw), raw)
+
+
+def _indexed(session: str, pin: Pin) -> list[Write]:
+    return [ZAdd(index_key(pin.agent, pin.server), session, expiry(pin)),
+            HSet(INDEX_NAMES, group(pin.agent, pin.server), "1")]
+
+
+def _unindexed(session: str, pin: Pin | None) -> list[Write]:
+    return [] if pin is None else [ZRem(index_key(pin.agent, pin.server), session)]
+
+
+async def create(store: Store, session: str, pin: Pin, seen: Loaded | None = None) -> Loaded:
+    """Write a new pin durably unless one is there; return the pin now in force.
+
+    ``seen`` is what the caller read (default: absent). A value that is not a valid pin
+    reads as no pin, so it is replaced — by compare-and-set on its text. Raises
+    ``NotDurable`` when the pin cannot be made durable (then nothing was written)."""
+    expected = seen.raw if seen is not None else None
+    for _ in range(3):
+        text = encode(pin)
+        writes = [Set(key(session), text, PIN_TTL), *_indexed(session, pin)]
+        if await store.apply([Check(key(session), expected)], writes, durable=True):
+            return Loaded(pin, text)
+        now = await load(store, session)
+        if now.pin is not None:
+            return now               # another writer won: its pin decides
+        expected = now.raw           # garbage (or it vanished): try once more over it
+    return await load(store, session)
 
 
 def renew_due(pin: Pin, now: float) -> bool:
     return now - pin.renewed >= RENEW_AFTER
 
 
-def renew(store: Store, session: str, pin: Pin, now: float) -> Pin:
-    """Renew the pin the request followed — unless it changed since it was read (an
-    operator's move or forget in between must not be undone by a busy session)."""
-    current = load(store, session)
-    if current != pin:
-        return current if current is not None else pin
-    fresh = msgspec.structs.replace(pin, renewed=now)
-    store.set(key(session), encode(fresh), PIN_TTL)
-    return fresh
+async def renew(store: Store, session: str, seen: Loaded, now: float) -> bool:
+    """Renew the pin that was read, only if it is still that pin (compare-and-set)."""
+    if seen.pin is None or seen.raw is None:
+        return False
+    fresh = msgspec.structs.replace(seen.pin, renewed=now)
+    writes = [Set(key(session), encode(fresh), PIN_TTL), *_indexed(session, fresh)]
+    return await store.apply([Check(key(session), seen.raw)], writes)
 
 
-def put(store: Store, session: str, pin: Pin) -> None:
-    """Overwrite (the operator's explicit move): durable, fresh TTL."""
-    store.set(key(session), encode(pin), PIN_TTL, durable=True)
+async def move(store: Store, session: str, seen: Loaded, new: Pin) -> bool:
+    """The operator's explicit move (or a first pin): durable, only over the pin that was read."""
+    writes = [Set(key(session), encode(new), PIN_TTL), *_unindexed(session, seen.pin), *_indexed(session, new)]
+    return await store.apply([Check(key(session), seen.raw)], writes, durable=True)
 
 
-def forget(store: Store, session: str) -> bool:
-    found = store.delete(key(session), durable=True)
-    store.delete(SEEN_PREFIX + session)
-    return found
+async def forget(store: Store, session: str, seen: Loaded) -> bool:
+    """Delete the pin that was read (durable), with its index entry and its activity."""
+    if seen.raw is None:
+        return False
+    writes: list[Write] = [Delete(key(session)), *_unindexed(session, seen.pin), Delete(SEEN_PREFIX + session)]
+    if seen.pin is not None:
+        writes.append(ZRem(active_key(seen.pin.agent, seen.pin.server), session))
+    return await store.apply([Check(key(session), seen.raw)], writes, durable=True)
 
 
-def sessions(store: Store) -> Iterator[tuple[str, Pin]]:
-    """Every valid pin in the store, as (session, pin)."""
-    for k in store.keys(PIN_PREFIX):
-        pin = load(store, k[len(PIN_PREFIX):])
-        if pin is not None:
-            yield k[len(PIN_PREFIX):], pin
+async def sessions(store: Store, batch: int = 500) -> AsyncIterator[tuple[str, Pin]]:
+    """Every valid pin in the store, as (session, pin). A walk: for the CLI, never the proxy."""
+    names = await store.keys(PIN_PREFIX)
+    for i in range(0, len(names), batch):
+        chunk = names[i:i + batch]
+        for k, raw in zip(chunk, await store.mget(chunk)):
+            pin = decode(raw)
+            if pin is not None:
+                yield k[len(PIN_PREFIX):], pin
+
+
+async def counts(store: Store, now: float, active_since: float | None = None
+                 ) -> dict[tuple[str, str | None], tuple[int, int]]:
+    """Live pins per (agent, server) (server None: not routed) and how many of them were
+    seen since ``active_since``: one ``zcount`` per index."""
+    out: dict[tuple[str, str | None], tuple[int, int]] = {}
+    for name in sorted(await store.hgetall(INDEX_NAMES)):
+        n = await store.zcount(INDEX_PREFIX + name, now, float("inf"))
+        active = 0
+        if active_since is not None:
+            active = await store.zcount(ACTIVE_PREFIX + name, active_since, float("inf"))
+        if n or active:
+            out[split_group(name)] = (n, active)
+    return out
+
+
+def by_server(counts: dict[tuple[str, str | None], tuple[int, int]]) -> dict[str | None, tuple[int, int]]:
+    """``counts`` summed over agents."""
+    out: dict[str | None, tuple[int, int]] = {}
+    for (_, server), (n, active) in counts.items():
+        a, b = out.get(server, (0, 0))
+        out[server] = (a + n, b + active)
+    return out
+
+
+async def sweep_index(store: Store, now: float) -> int:
+    """Drop expired index and activity members (the pins themselves expire by TTL)."""
+    dropped = 0
+    for name in await store.hgetall(INDEX_NAMES):
+        dropped += await store.zremrange(INDEX_PREFIX + name, float("-inf"), now)
+        dropped += await store.zremrange(ACTIVE_PREFIX + name, float("-inf"), now - PIN_TTL)
+    return dropped
 
 
 class Seen(msgspec.Struct, frozen=True):
@@ -117,18 +217,21 @@ class Seen(msgspec.Struct, frozen=True):
     requests: int = 0
 
 
-def seen(store: Store, session: str) -> Seen:
-    h = store.hgetall(SEEN_PREFIX + session)
+async def seen(store: Store, session: str) -> Seen:
+    h = await store.hgetall(SEEN_PREFIX + session)
     try:
         return Seen(float(h.get("last", 0) or 0), int(h.get("requests", 0) or 0))
     except ValueError:
         return Seen()
 
 
-def record_seen(store: Store, session: str, last: float, requests: int) -> None:
-    """Flush activity counted in memory: a non-durable write, TTL as a pin's."""
-    k = SEEN_PREFIX + session
-    store.hincr(k, "requests", requests)
-    if float(store.hget(k, "last") or 0) < last:
-        store.hset(k, "last", repr(last))
-    store.expire(k, PIN_TTL)
+async def record_seen(store: Store, activity: Sequence[tuple[str, str, str | None, float, int]]) -> None:
+    """Flush activity counted in memory: (session, agent, pinned server, last seen, requests).
+    Non-durable writes, TTL as a pin's."""
+    for session, agent, server, last, requests in activity:
+        k = SEEN_PREFIX + session
+        await store.hincr(k, "requests", requests)
+        if float(await store.hget(k, "last") or 0) < last:
+            await store.hset(k, "last", repr(last))
+        await store.expire(k, PIN_TTL)
+        await store.zadd(active_key(agent, server), session, last)

@@ -92,7 +92,7 @@ def _refused(request: RequestView, why: str) -> Changes:
     return Changes(request.scheme, request.host, request.port, request.path, refuse=scrub(why))
 
 
-def plan(decision: Decision, request: RequestView, source: Server, config: Config,
+def plan(decision: Decision, request: RequestView, source: Server | None, config: Config,
          env: Mapping[str, str]) -> Changes:
     if decision.target is None:
         raise ValueError("plan() is for a decision with a target")
@@ -101,16 +101,17 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
         return _refused(request, f"server {decision.target!r} is not configured")
 
     changes = Changes(request.scheme, request.host, request.port, request.path)
-    if target.name != source.name:
-        where = paths.scope("POST", request.path, source.prefix)
+    if source is None or target.name != source.name:
+        # Only an exact inference path moves; a request to an origin no longer configured
+        # (its session pinned elsewhere) keeps its API path from ``/v1/`` on.
+        where = paths.scope("POST", request.path, source.prefix if source else None)
         if where.refuse:
             return _refused(request, f"not sent to server {target.name}: {where.refuse}")
         if not where.inference:
-            return _refused(request, f"not sent to server {target.name}: not an inference endpoint "
-                                     f"under {source.name}'s prefix")
-        rest = request.path[len(source.prefix):]
+            return _refused(request, f"not sent to server {target.name}: not an inference endpoint"
+                                     + (f" under {source.name}'s prefix" if source else ""))
         # Only the allowed query parameters go (``?key=…``, as some APIs take, is a credential).
-        path = target.prefix + H.query_for_move(rest)   # rest starts with "/": scope said so
+        path = target.prefix + H.query_for_move(where.rest)   # rest starts with "/": scope said so
         add: tuple[tuple[str, str], ...] = ()
         if target.key_env:
             key = env.get(target.key_env, "")
@@ -121,11 +122,12 @@ def plan(decision: Decision, request: RequestView, source: Server, config: Confi
                 add = (("x-api-key", key.strip()),)
             else:
                 add = (("authorization", f"Bearer {key.strip()}"),)
-        elif target.origin != source.origin:
+        elif source is None or target.origin != source.origin:
+            addressed = source.origin if source else f"{request.scheme}://{request.host}:{request.port}"
             return _refused(
                 request,
                 f"server {target.name} has no key_env, so it only takes requests addressed to {target.origin}; "
-                f"this one was addressed to {source.origin} (set servers.{target.name}.key_env)",
+                f"this one was addressed to {addressed} (set servers.{target.name}.key_env)",
             )
         else:
             # Another prefix of the same origin: the agent's key was for this origin and stays;

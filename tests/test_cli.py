@@ -1,5 +1,6 @@
 """The sessionpin command, against a real config file and a real file store in a tmp dir."""
 
+import asyncio
 import io
 import json
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sessionpin import cli, config, pins
+from sessionpin.cli import context, launch, proxies
 from sessionpin.store import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,32 +53,38 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("SESSIONPIN_STORE", url)
     monkeypatch.delenv("SP_TEST_GLM_KEY", raising=False)
     # Nothing listens here: the "is a proxy answering" fallback must not find a teammate's proxy.
-    monkeypatch.setattr(cli, "DEFAULT_LISTEN", ("127.0.0.1", free_port()))
+    nowhere = ("127.0.0.1", free_port())
+    monkeypatch.setattr(proxies, "DEFAULT_LISTEN", nowhere)
+    monkeypatch.setattr(launch, "DEFAULT_LISTEN", nowhere)
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     return type("Env", (), {"cfg": cfg, "url": url, "dir": tmp_path})
 
 
 def put_pins(url: str, entries: list[tuple]) -> None:
     """entries: (session, agent, server, since_ago_s, last_seen_ago_s or None, requests)."""
-    store = open_store(url)
-    now = time.time()
-    try:
-        for session, agent, server, since_ago, last_ago, requests in entries:
-            t = now - since_ago
-            pins.create(store, session, pins.Pin(agent=agent, server=server, since=t, renewed=t,
-                                                 rule="opening", turn="opening"))
-            if last_ago is not None:
-                pins.record_seen(store, session, now - last_ago, requests)
-    finally:
-        store.close()
+    async def put() -> None:
+        store = open_store(url)
+        now = time.time()
+        try:
+            for session, agent, server, since_ago, last_ago, requests in entries:
+                t = now - since_ago
+                await pins.create(store, session, pins.Pin(agent=agent, server=server, since=t, renewed=t,
+                                                           rule="opening", turn="opening"))
+                if last_ago is not None:
+                    await pins.record_seen(store, [(session, agent, server, now - last_ago, requests)])
+        finally:
+            await store.close()
+    asyncio.run(put())
 
 
 def read_pin(url: str, session: str) -> pins.Pin | None:
-    store = open_store(url)
-    try:
-        return pins.load(store, session)
-    finally:
-        store.close()
+    async def read() -> pins.Pin | None:
+        store = open_store(url)
+        try:
+            return (await pins.load(store, session)).pin
+        finally:
+            await store.close()
+    return asyncio.run(read())
 
 
 RUNNING = [
@@ -186,7 +194,8 @@ def test_use_when_the_config_cannot_be_written(env, capsys, monkeypatch):
     # (as root a read-only directory does not stop a write, so the failure is injected)
     def refuse(path, text):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(cli.configedit, "write_atomic", refuse)
+    from sessionpin import configedit
+    monkeypatch.setattr(configedit, "write_atomic", refuse)
     code, o, e = run(capsys, "use", "claude-code", "glm")
     assert code == 1 and o == ""
     assert e == f"sessionpin: cannot write {env.cfg}: Permission denied; nothing changed\n"
@@ -203,7 +212,7 @@ def test_sessions_table_and_filters(env, capsys):
     lines = o.splitlines()
     assert lines[0].split() == ["SESSION", "AGENT", "SERVER", "WHY", "PINNED", "LAST", "SEEN", "REQUESTS"]
     # Most recently seen first.
-    assert lines[1].split() == ["ses_5a1b2c3d", "opencode", "glm", "began", "here", "5m", "ago", "10s", "ago", "12"]
+    assert lines[1].split() == ["ses_2c3d4e5f", "opencode", "glm", "began", "here", "5m", "ago", "10s", "ago", "12"]
     assert lines[2].split()[:3] == ["77e1d3c4", "claude-code", "not"]
     assert len(lines) == 5
     code, o, _ = run(capsys, "sessions", "--agent", "claude-code", "--server", "anthropic")
@@ -229,7 +238,7 @@ def test_ambiguous_prefix_lists_candidates(env, capsys):
     assert "'1f0c9a2b' matches 2 conversations: 1f0c9a2b-aaaa" in e and "1f0c9a2b-bbbb" in e
     assert "give more characters" in e
     code, _, e = run(capsys, "forget", "zzz", "--yes")
-    assert code == 1 and "no pinned conversation starts with 'zzz'" in e
+    assert code == 1 and "no pinned conversation matches 'zzz'" in e
 
 
 # --- move, forget -------------------------------------------------------------------
@@ -294,8 +303,8 @@ def test_missing_store(env, capsys, tmp_path):
     code, _, e = run(capsys, "move", "abc", "glm", "--store", f"file:{missing}", "--yes")
     assert code == 1 and e.startswith(f"sessionpin: no store at {missing} yet") and e.count("\n") == 1
     assert not missing.parent.exists()          # reading never creates it
-    code, _, e = run(capsys, "sessions", "--store", "redis://localhost")
-    assert code == 1 and e.startswith("sessionpin: cannot open the store redis://localhost:") and e.count("\n") == 1
+    code, _, e = run(capsys, "sessions", "--store", "nope://localhost")
+    assert code == 1 and e.startswith("sessionpin: cannot open the store nope://localhost:") and e.count("\n") == 1
 
 
 # --- servers ------------------------------------------------------------------------
@@ -352,7 +361,7 @@ def test_status(env, capsys, monkeypatch):
     assert code == 0
     s = json.loads(o)
     assert s["config"] == str(env.cfg) and s["store"] == env.url
-    assert s["proxy"]["answering"] is False and "no proxy heartbeat in the store" in s["proxy"]["why"]
+    assert s["proxy"]["answering"] is False and "no live proxy heartbeat in the store" in s["proxy"]["why"]
     by = {x["name"]: x for x in s["servers"]}
     assert (by["anthropic"]["pinned"], by["anthropic"]["active_last_hour"]) == (2, 1)
     assert (by["glm"]["pinned"], by["glm"]["active_last_hour"], by["glm"]["key_set"]) == (1, 1, False)
@@ -366,7 +375,7 @@ def test_status(env, capsys, monkeypatch):
     assert rows["anthropic"] == ["https://api.anthropic.com", "the", "agent's", "own", "2", "1"]
     assert rows["(not"] == ["routed)", "-", "-", "1", "1"]
     assert "(keys checked in this shell)" in o
-    assert "proxy   not answering: no proxy heartbeat in the store" in o
+    assert "proxy   not answering: no live proxy heartbeat in the store" in o
 
 
 def test_doctor(env, capsys):
@@ -383,7 +392,7 @@ def test_doctor(env, capsys):
     assert any(line.startswith("FAIL  key glm") and "$SP_TEST_GLM_KEY is not set in this shell" in line for line in lines)
     assert lines[-1] == "3 problems to fix."
     (confdir / "mitmproxy-ca-cert.pem").write_text("x")
-    db = cli.store_file(env.url)
+    db = context.store_file(env.url)
     os.chmod(db, 0o644)
     os.chmod(db.parent, 0o755)
     code, o, _ = run(capsys, "doctor", "--confdir", str(confdir), "--json")
@@ -418,7 +427,7 @@ def test_env_lines_per_runtime(env, capsys):
     code, o, _ = run(capsys, "env", "claude-code", "--confdir", str(confdir))
     assert code == 0
     exports = [line for line in o.splitlines() if line.startswith("export")]
-    port = cli.DEFAULT_LISTEN[1]
+    port = launch.DEFAULT_LISTEN[1]
     assert exports == [f"export HTTPS_PROXY=http://127.0.0.1:{port}", f"export HTTP_PROXY=http://127.0.0.1:{port}",
                        f"export NODE_EXTRA_CA_CERTS={confdir / 'mitmproxy-ca-cert.pem'}"]
     assert "does not exist yet" in o and "no proxy is answering yet" in o
@@ -430,6 +439,8 @@ def test_env_lines_per_runtime(env, capsys):
     assert "sessionpin run --mode reverse:https://api.anthropic.com@8081" in o
     code, _, e = run(capsys, "env", "pi", "--reverse", "8081")
     assert code == 1 and "pi has no base-URL variable" in e
+    code, o, _ = run(capsys, "env", "codex", "--reverse", "8082")
+    assert code == 0 and "openai_base_url=\"http://127.0.0.1:8082/v1\"" in o and "OPENAI_BASE_URL" not in o
 
 
 def test_exec_runs_the_command_with_the_variables(env, tmp_path):
@@ -454,16 +465,19 @@ def test_exec_runs_the_command_with_the_variables(env, tmp_path):
 
 
 def test_run_command_line(env, capsys):
+    import shlex
     code, o, _ = run(capsys, "run", "--dry-run")
     assert code == 0
-    import shlex
     cmd = shlex.split(o)
     assert Path(cmd[0]).name == "mitmdump"
-    assert cmd[1:5] == ["--listen-host", "127.0.0.1", "--listen-port", str(cli.DEFAULT_LISTEN[1])]
+    assert cmd[1:5] == ["--listen-host", "127.0.0.1", "--listen-port", str(launch.DEFAULT_LISTEN[1])]
     script = Path(cmd[cmd.index("-s") + 1])
     assert script.is_file() and "make_addons" in script.read_text()
     assert f"sessionpin_config={env.cfg}" in cmd and f"sessionpin_store={env.url}" in cmd
     assert "connection_strategy=lazy" in cmd
+    assert "flow_detail=0" in cmd            # one line per decision: the router's
+    code, o, _ = run(capsys, "run", "--verbose", "--dry-run")
+    assert "flow_detail=0" not in shlex.split(o) and "sessionpin_connection_log=true" in shlex.split(o)
     code, o, _ = run(capsys, "run", "--web", "--dry-run", "-p", "9090", "--set", "termlog_verbosity=warn")
     cmd = shlex.split(o)
     assert Path(cmd[0]).name == "mitmweb"
@@ -513,17 +527,18 @@ def test_reading_the_store_does_not_disturb_a_proxy_holding_it_open(env):
     # (the store's flush had dropped SQLite's locks), and the proxy's later pins vanished.
     held = open_store(env.url)
     try:
-        held.set("warm", "1")                  # an ordinary write: the store's flush thread runs
+        asyncio.run(held.set("warm", "1"))     # an ordinary write: the store's flush thread runs
         time.sleep(1.0)
         argv = [sys.executable, "-m", "sessionpin.cli", "sessions", "--json"]
         p = subprocess.run(argv, capture_output=True, text=True, env=os.environ, cwd=ROOT, timeout=60)
         assert p.returncode == 0 and json.loads(p.stdout) == []
         now = time.time()
-        pins.create(held, "after-the-cli", pins.Pin(agent="claude-code", server="glm", since=now, renewed=now))
+        asyncio.run(pins.create(held, "after-the-cli", pins.Pin(agent="claude-code", server="glm", since=now,
+                                                                renewed=now)))
         p = subprocess.run(argv, capture_output=True, text=True, env=os.environ, cwd=ROOT, timeout=60)
         assert [r["session"] for r in json.loads(p.stdout)] == ["after-the-cli"]
     finally:
-        held.close()
+        held.close_now()
 
 
 # --- the installed script -------------------------------------------------------------

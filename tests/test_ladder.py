@@ -80,9 +80,21 @@ def test_ladder(f, p, expected):
     assert d.why
 
 
-def test_not_addressed_to_a_configured_server_is_out_of_scope():
-    d = ladder.decide(facts(), pin("glm"), CONFIG, None)
+def test_not_addressed_to_a_configured_server_without_a_pin_is_out_of_scope():
+    d = ladder.decide(facts(), None, CONFIG, None)
     assert (d.target, d.pin_action, d.rule) == (None, "none", "out-of-scope")
+
+
+@pytest.mark.parametrize("p, want", [
+    (pin("glm"), ("glm", "renew", "pinned", None)),
+    (pin(None), (None, "renew", "pinned-not-routed", None)),
+    (pin("gone"), (None, "none", "pinned-server-gone", 503)),
+])
+def test_a_pin_decides_wherever_the_request_was_addressed(p, want):
+    # the addressed server was removed from the config, or the config emptied: the pin
+    # still decides (issue 10), it never falls back to the addressed origin
+    d = ladder.decide(facts(F.CONTINUATION, has_history=True), p, CONFIG, None)
+    assert (d.target, d.pin_action, d.rule, d.refuse) == want
 
 
 def test_current_server_change_moves_only_new_conversations():
@@ -122,24 +134,41 @@ def test_the_ladder_never_targets_an_unconfigured_server():
                         assert d.pin_action == "none" and d.target is None
 
 
-# rule 2, a side thread's later rounds: (side_went, facts, pin) -> (target, rule)
-@pytest.mark.parametrize("side_went, f, p, want", [
-    ("glm", facts(F.SIDE, has_history=True), None, ("glm", "side-follows-side")),
-    ("anthropic", facts(F.SIDE), None, ("anthropic", "side-follows-side")),        # config switched since
-    ("gone", facts(F.SIDE, has_history=True), None, (None, "side-unseen")),         # server removed: no guess
-    ("glm", facts(F.SIDE, has_history=True), pin(None), (None, "pinned-not-routed")),  # a pin outranks memory
-    # opencode's tool-less opening looked like its title (side); its next turn follows and pins
-    ("glm", facts(F.CONTINUATION, has_history=True), None, ("glm", "continuation-after-side")),
-    (None, facts(F.CONTINUATION, has_history=True), None, (None, "continuation-unseen")),
-    ("glm", facts(F.SUBAGENT), None, (None, "subagent-unseen")),                   # subagents do not follow
+# rule 5's one exception: opencode's title-shaped opening (title_went, facts, pin) -> (target, rule)
+OC = dict(agent=F.OPENCODE, api=F.OPENAI_CHAT)
+
+
+@pytest.mark.parametrize("title_went, f, p, want", [
+    ("zen", facts(F.CONTINUATION, has_history=True, **OC), None, ("zen", "continuation-after-title")),
+    ("glm", facts(F.CONTINUATION, has_history=True, **OC), None, ("glm", "continuation-after-title")),  # config switched since
+    ("gone", facts(F.CONTINUATION, has_history=True, **OC), None, (None, "continuation-unseen")),      # removed: no guess
+    ("zen", facts(F.CONTINUATION, has_history=True, **OC), pin(None, agent=F.OPENCODE), (None, "pinned-not-routed")),
+    (None, facts(F.CONTINUATION, has_history=True, **OC), None, (None, "continuation-unseen")),
+    # no other agent's side request adopts a conversation (a resumed Claude Code session's count_tokens)
+    ("glm", facts(F.CONTINUATION, has_history=True), None, (None, "continuation-unseen")),
+    ("glm", facts(F.CONTINUATION, has_history=True, agent=F.CODEX, api=F.OPENAI_RESPONSES), None,
+     (None, "not-routed")),
+    # side requests and subagents never follow memory: with history they are left alone
+    ("zen", facts(F.SIDE, has_history=True, **OC), None, (None, "side-unseen")),
+    ("zen", facts(F.SUBAGENT, **OC), None, (None, "subagent-unseen")),
 ])
-def test_a_side_thread_follows_its_earlier_side_request(side_went, f, p, want):
-    d = ladder.decide(f, p, CONFIG, SRC, side_went)
+def test_only_an_opencode_title_makes_a_continuation_an_opening(title_went, f, p, want):
+    d = ladder.decide(f, p, CONFIG, SRC, title_went)
     assert (d.target, d.rule) == want
     if f.turn == F.SIDE:
         assert d.pin_action != ladder.CREATE, "a side request never makes a pin"
-    if f.turn == F.CONTINUATION:
-        assert d.pin_action == ladder.CREATE, "a continuation with no pin always pins what it did"
+
+
+@pytest.mark.parametrize("f, shaped", [
+    (facts(F.SIDE, **OC), True),
+    (facts(F.SIDE, has_tools=True, **OC), False),
+    (facts(F.SIDE, has_history=True, **OC), False),
+    (facts(F.SIDE, agent=F.OPENCODE, api=F.ANTHROPIC_COUNT_TOKENS), False),
+    (facts(F.SIDE), False),
+    (facts(F.OPENING, **OC), False),
+])
+def test_title_shaped(f, shaped):
+    assert ladder.is_title_shaped(f) is shaped
 
 
 def test_an_unknown_turn_with_history_is_a_conversation_never_seen_begin():

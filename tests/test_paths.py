@@ -144,3 +144,19 @@ def test_inference_is_always_prefix_plus_an_exact_endpoint(path, prefix):
                    for e in paths.ENDPOINTS)
         assert paths.api_of_path("POST", path) == s.api
         assert ".." not in p and "%" not in p and "//" not in p and "\\" not in p
+
+
+@pytest.mark.parametrize("path, prefix, rest", [
+    ("/v1/messages?beta=true", "", "/v1/messages?beta=true"),
+    ("/zen/go/v1/chat/completions", "/zen/go", "/v1/chat/completions"),
+    ("/zen/v1/responses?x=1", "/zen/v1", "/responses?x=1"),
+    ("/api/anthropic/v1/messages/count_tokens", None, "/v1/messages/count_tokens"),
+    ("/a/b/v1/responses?q", None, "/v1/responses?q"),
+])
+def test_rest_is_what_follows_the_prefix(path, prefix, rest):
+    assert paths.scope("POST", path, prefix).rest == rest
+
+
+@pytest.mark.parametrize("path", ["/v1/threads/x/messages", "/v1/messages/", "/x/v1/models", "/v1/../v1/messages"])
+def test_an_unknown_prefix_still_wants_an_exact_endpoint(path):
+    assert not paths.scope("POST", path, None).inference

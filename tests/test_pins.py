@@ -1,97 +1,132 @@
+"""Pins over the async store: compare-and-set on every change, the per-server index."""
+
+from __future__ import annotations
+
 import msgspec
 import pytest
 
 from sessionpin import pins
+from sessionpin.pins import Loaded, Pin
 from sessionpin.store import open_store
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 @pytest.fixture
-def store():
-    s = open_store("memory:")
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+async def store(clock):
+    s = open_store("memory:", clock=clock)
     yield s
-    s.close()
+    await s.close()
 
 
-def pin(agent="claude-code", server="glm", at=1000.0):
-    return pins.Pin(agent=agent, server=server, since=at, renewed=at, rule="opening", turn="opening")
+def make(server="glm", agent="claude-code", t=1_800_000_000.0):
+    return Pin(agent=agent, server=server, since=t, renewed=t, rule="opening", turn="opening")
 
 
-def test_create_then_load_round_trips(store):
-    made = pins.create(store, "s1", pin())
-    assert made == pin()
-    assert pins.load(store, "s1") == pin()
-    ttl = store.ttl(pins.key("s1"))
-    assert ttl is not None and pins.PIN_TTL - 5 < ttl <= pins.PIN_TTL
+async def test_create_then_load(store):
+    assert (await pins.load(store, "s")).pin is None
+    got = await pins.create(store, "s", make())
+    assert got.pin == make()
+    loaded = await pins.load(store, "s")
+    assert loaded.pin == make() and loaded.raw == got.raw
+    assert await store.ttl(pins.key("s")) == pytest.approx(pins.PIN_TTL)
 
 
-def test_create_never_overwrites_an_existing_pin(store):
-    pins.create(store, "s1", pin(server="glm"))
-    # A second proxy racing to pin the same session reads the first pin back.
-    assert pins.create(store, "s1", pin(server="anthropic")).server == "glm"
-    assert pins.load(store, "s1").server == "glm"
+async def test_first_writer_wins(store):
+    first = await pins.create(store, "s", make("glm"))
+    second = await pins.create(store, "s", make("anthropic"))
+    assert first.pin.server == "glm" and second.pin.server == "glm"
 
 
-def test_not_routed_pin_round_trips(store):
-    pins.create(store, "s1", pin(server=None))
-    assert pins.load(store, "s1").server is None
+async def test_garbage_reads_as_no_pin_and_is_replaced(store):
+    for garbage in ("", "{", "null", "{}", '{"server": "x"}', '{"agent": "", "server": "x", "since": 1, "renewed": 1}'):
+        await store.set(pins.key("s"), garbage)
+        seen = await pins.load(store, "s")
+        assert seen.pin is None
+        assert (await pins.create(store, "s", make(), seen)).pin == make()
+        await store.delete(pins.key("s"))
 
 
-@pytest.mark.parametrize("garbage", ["", "{}", "null", "[]", "not json", '{"agent": ""}',
-                                     '{"renewed": 5}', '{"agent": 3, "server": "x"}'])
-def test_a_value_that_is_not_a_pin_reads_as_no_pin(store, garbage):
-    store.set(pins.key("s1"), garbage)
-    assert pins.load(store, "s1") is None
+async def test_renew_is_a_compare_and_set(store, clock):
+    seen = await pins.create(store, "s", make())
+    clock.t += 2 * pins.DAY
+    # an operator moves the session between the router's read and its renewal
+    assert await pins.move(store, "s", seen, make("anthropic"))
+    assert not await pins.renew(store, "s", seen, clock.t)
+    assert (await pins.load(store, "s")).pin.server == "anthropic"
+    fresh = await pins.load(store, "s")
+    assert await pins.renew(store, "s", fresh, clock.t)
+    assert (await pins.load(store, "s")).pin.renewed == clock.t
 
 
-def test_create_replaces_a_value_that_is_not_a_pin(store):
-    store.set(pins.key("s1"), "{}")
-    assert pins.create(store, "s1", pin()).server == "glm"
-    assert pins.load(store, "s1") == pin()
+async def test_renew_keeps_text_it_did_not_write(store, clock):
+    # a pin written by another version (other key order, an unknown field) renews too:
+    # the compare is against the text read, not a re-encoding
+    text = '{"v":1,"server":"glm","agent":"claude-code","renewed":1800000000.0,"since":1800000000.0,"extra":1}'
+    await store.set(pins.key("s"), text, pins.PIN_TTL)
+    seen = await pins.load(store, "s")
+    assert seen.pin.server == "glm" and seen.raw == text
+    assert await pins.renew(store, "s", seen, clock.t + 2 * pins.DAY)
 
 
-def test_renewal_at_most_once_a_day(store):
-    p = pins.create(store, "s1", pin(at=0.0))
+def test_renew_due():
+    p = make(t=0.0)
     assert not pins.renew_due(p, pins.DAY - 1)
     assert pins.renew_due(p, pins.DAY)
-    fresh = pins.renew(store, "s1", p, pins.DAY)
-    assert fresh.renewed == pins.DAY and fresh.since == 0.0
-    assert pins.load(store, "s1") == fresh
 
 
-def test_sessions_lists_valid_pins_only(store):
-    pins.create(store, "a", pin())
-    pins.create(store, "b", pin(agent="opencode", server=None))
-    store.set(pins.key("junk"), "nope")
-    store.set("other:key", "x")
-    assert dict(pins.sessions(store)) == {"a": pin(), "b": pin(agent="opencode", server=None)}
+async def test_forget_only_what_was_read(store):
+    seen = await pins.create(store, "s", make())
+    assert await pins.move(store, "s", seen, make("anthropic"))
+    assert not await pins.forget(store, "s", seen)          # it changed since
+    assert await pins.forget(store, "s", await pins.load(store, "s"))
+    assert (await pins.load(store, "s")).pin is None
 
 
-def test_forget_removes_pin_and_activity(store):
-    pins.create(store, "s1", pin())
-    pins.record_seen(store, "s1", 50.0, 3)
-    assert pins.forget(store, "s1")
-    assert pins.load(store, "s1") is None
-    assert pins.seen(store, "s1") == pins.Seen()
-    assert not pins.forget(store, "s1")
+async def test_counts_follow_every_change_without_a_walk(store, clock):
+    now = clock.t
+    for i in range(5):
+        await pins.create(store, f"g{i}", make("glm"))
+    await pins.create(store, "n", make(None))
+    a = await pins.create(store, "a", make("anthropic"))
+    await pins.create(store, "o", make("glm", agent="opencode"))
+    cc = "claude-code"
+    assert await pins.counts(store, now) == {(cc, "glm"): (5, 0), (cc, None): (1, 0), (cc, "anthropic"): (1, 0),
+                                             ("opencode", "glm"): (1, 0)}
+    await pins.move(store, "a", a, make("glm"))
+    await pins.forget(store, "g0", await pins.load(store, "g0"))
+    assert pins.by_server(await pins.counts(store, now)) == {"glm": (6, 0), None: (1, 0)}
+    await pins.record_seen(store, [("g1", cc, "glm", now, 3), ("n", cc, None, now - 7200, 1)])
+    assert await pins.counts(store, now, active_since=now - 3600) == {(cc, "glm"): (5, 1), (cc, None): (1, 0),
+                                                                      ("opencode", "glm"): (1, 0)}
+    assert await pins.seen(store, "g1") == pins.Seen(now, 3)
+    # expiry: 30 days on, nothing counts, and the sweep drops the index members
+    clock.t = now + pins.PIN_TTL + 1
+    assert await pins.counts(store, clock.t) == {}
+    assert await pins.sweep_index(store, clock.t) >= 7
 
 
-def test_activity_accumulates_and_keeps_latest(store):
-    pins.record_seen(store, "s1", 50.0, 3)
-    pins.record_seen(store, "s1", 40.0, 2)  # an older flush from another proxy
-    assert pins.seen(store, "s1") == pins.Seen(50.0, 5)
+async def test_sessions_lists_valid_pins(store):
+    await pins.create(store, "a", make("glm"))
+    await pins.create(store, "b", make(None))
+    await store.set(pins.key("junk"), "nope")
+    assert sorted([(s, p.server) async for s, p in pins.sessions(store, batch=1)]) == [("a", "glm"), ("b", None)]
 
 
-def test_pin_record_holds_ids_and_names_only():
-    # Nothing from a prompt can be in a pin: its fields are fixed and typed.
-    assert {f.name for f in msgspec.structs.fields(pins.Pin)} == {"agent", "server", "since", "renewed", "rule", "turn", "v"}
-
-
-def test_renewal_never_undoes_an_operator_move_or_forget(store):
-    p = pins.create(store, "s1", pin(at=0.0))
-    moved = pins.Pin(agent="claude-code", server="anthropic", since=5.0, renewed=5.0, rule="operator")
-    pins.put(store, "s1", moved)                     # `sessionpin move` after the request read p
-    assert pins.renew(store, "s1", p, pins.DAY) == moved
-    assert pins.load(store, "s1") == moved
-    pins.forget(store, "s1")                         # `sessionpin forget` likewise
-    pins.renew(store, "s1", moved, 2 * pins.DAY)
-    assert pins.load(store, "s1") is None
+def test_pin_codec_is_compact_and_strict():
+    text = pins.encode(make())
+    assert msgspec.json.decode(text)["server"] == "glm"
+    assert pins.decode(text) == make()
+    assert pins.decode("[]") is None
+    assert Loaded(None, None).pin is None

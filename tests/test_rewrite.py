@@ -274,3 +274,24 @@ def test_a_body_too_deep_for_the_model_search_is_refused_not_raised():
     body = b'{"model":"claude-opus-4-1","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     c = rewrite.plan(go("glm"), view(body=body), ANTHROPIC, CONFIG, ENV)
     assert c.refuse and "nested too deeply" in c.refuse
+
+
+@pytest.mark.parametrize("path, moved_to", [
+    ("/api/anthropic/v1/messages?beta=true&key=x", "/api/anthropic/v1/messages?beta=true"),
+    ("/somewhere/v1/messages/count_tokens", "/api/anthropic/v1/messages/count_tokens"),
+    ("/v1/chat/completions", "/api/anthropic/v1/chat/completions"),
+])
+def test_a_request_to_an_origin_no_longer_configured_keeps_its_api_path(path, moved_to):
+    c = rewrite.plan(go("glm"), view(host="gone.example", path=path, model=None), None, CONFIG, ENV)
+    assert c.refuse is None and (c.host, c.path) == ("api.z.ai", moved_to)
+    assert c.set_headers == (("x-api-key", "zai-sentinel"),) and "x-api-key" in c.drop_headers
+
+
+@pytest.mark.parametrize("path, why", [
+    ("/v1/threads/x/messages", "not an inference endpoint"),
+    ("/x/../v1/messages", "dot segment"),
+    ("/v1/%2e%2e/v1/messages", "encoded"),
+])
+def test_a_request_to_an_origin_no_longer_configured_moves_only_an_exact_endpoint(path, why):
+    c = rewrite.plan(go("glm"), view(host="gone.example", path=path, model=None), None, CONFIG, ENV)
+    assert c.refuse and why in c.refuse and c.set_headers == ()

@@ -26,7 +26,7 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-from sessionpin.store import StoreError, StoreVersionError, default_store_url, open_store
+from sessionpin.store import Store, StoreError, StoreVersionError, default_store_url, open_store, open_sync_store
 from sessionpin.store.file import APPLICATION_ID, FORMAT_VERSION, FileStore
 from sessionpin.store.memory import MemoryStore
 
@@ -55,18 +55,21 @@ def listing(d: Path) -> list[str]:
 
 # == open_store and URLs ==================================================================
 
-def test_open_store_urls(tmp_path, monkeypatch):
+async def test_open_store_urls(tmp_path, monkeypatch):
     m = open_store("memory:")
-    assert isinstance(m, MemoryStore) and m.url == "memory:"
+    assert isinstance(m, Store) and m.url == "memory:" and isinstance(m.backend, MemoryStore)
+    f = open_store(f"file:{tmp_path}/f.db")
+    assert isinstance(f, Store) and isinstance(f.backend, FileStore)
+    await f.close()
     monkeypatch.chdir(tmp_path)
-    rel = open_store("file:rel/state.db")
+    rel = open_sync_store("file:rel/state.db")
     assert rel.path == tmp_path / "rel" / "state.db" and rel.url == "file:rel/state.db"
     rel.close()
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    home = open_store("file:~/s/state.db")
+    home = open_sync_store("file:~/s/state.db")
     assert home.path == tmp_path / "home" / "s" / "state.db"
     home.close()
-    absolute = open_store(f"file://{tmp_path}/abs.db")
+    absolute = open_sync_store(f"file://{tmp_path}/abs.db")
     assert absolute.path == tmp_path / "abs.db"
     absolute.close()
 
@@ -88,7 +91,7 @@ def test_default_store_url(tmp_path, monkeypatch):
     url = default_store_url()
     assert url == f"file:{platformdirs.user_state_dir('sessionpin')}/state.db"
     assert url == f"file:{tmp_path}/state/sessionpin/state.db"
-    s = open_store(url)
+    s = open_sync_store(url)
     s.set("a", "1", durable=True)
     s.close()
     assert stat.S_IMODE((tmp_path / "state" / "sessionpin").stat().st_mode) == 0o700
@@ -150,7 +153,7 @@ def test_existing_dirs_and_files(tmp_path, monkeypatch):
     ours = Path(platformdirs.user_state_dir("sessionpin"))
     ours.mkdir(parents=True)
     os.chmod(ours, 0o755)
-    open_store(default_store_url()).close()
+    open_sync_store(default_store_url()).close()
     assert stat.S_IMODE(ours.stat().st_mode) == 0o700
     # an existing store file that is readable by others is made 0600
     loose = tmp_path / "loose.db"
@@ -354,7 +357,8 @@ def test_format(tmp_path):
     assert c.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
     assert c.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION
     assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == {"entries", "fields"}
+    assert {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == {
+        "entries", "fields", "zsets", "meta"}
     c.close()
     rows = raw_rows(path)
     assert rows["strings"]["a"][0] == "1" and rows["strings"]["a"][1] > time.time()
@@ -374,7 +378,8 @@ def test_newer_version_is_refused_and_left_untouched(tmp_path):
     path = tmp_path / "s.db"
     make_newer(path)
     before, names, mtime = path.read_bytes(), listing(tmp_path), path.stat().st_mtime_ns
-    with pytest.raises(StoreVersionError, match=r"newer sessionpin \(store format 2, this one reads 1\)"):
+    with pytest.raises(StoreVersionError, match=rf"newer sessionpin \(store format {FORMAT_VERSION + 1}, "
+                                                rf"this one reads {FORMAT_VERSION}\)"):
         open_store(f"file:{path}")
     assert path.read_bytes() == before
     assert listing(tmp_path) == names
@@ -423,7 +428,7 @@ def test_garbage_is_set_aside_twice_never_overwritten(tmp_path, caplog):
         Path(f"{path}-wal").write_bytes(b"wal junk %d" % round_)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="sessionpin.store.file"):
-            s = open_store(f"file:{path}")
+            s = open_sync_store(f"file:{path}")
         assert s.keys() == []                             # starts empty
         s.set("fresh", str(round_), durable=True)
         s.close()
@@ -593,5 +598,111 @@ def test_text_that_is_not_unicode_is_a_store_error(tmp_path):
         s.set("pin:\ud800", "x")
     with pytest.raises(StoreError, match="Unicode"):
         s.get("pin:\ud800")
-    assert not s.degraded
+    assert s.describe()["healthy"]
+    s.close()
+
+
+# == upgrade from the previous release's format ===========================================
+
+V1_SCHEMA = [   # sessionpin's store format 1, as the previous release wrote it
+    """CREATE TABLE entries (
+    key        TEXT PRIMARY KEY,
+    kind       TEXT NOT NULL CHECK (kind IN ('s', 'h')),
+    value      TEXT,            -- the string; NULL for a hash
+    expires_at REAL             -- epoch seconds; NULL: no TTL
+) WITHOUT ROWID""",
+    "CREATE INDEX entries_expiry ON entries (expires_at) WHERE expires_at IS NOT NULL",
+    """CREATE TABLE fields (
+    key   TEXT NOT NULL,
+    field TEXT NOT NULL,
+    value TEXT NOT NULL,
+    PRIMARY KEY (key, field)
+) WITHOUT ROWID""",
+    """CREATE TRIGGER entries_drop_fields AFTER DELETE ON entries
+    BEGIN
+        DELETE FROM fields WHERE key = old.key;
+    END""",
+]
+
+
+def make_v1(path: Path, n: int = 500) -> dict:
+    """A version-1 store holding ``n`` pins and ``n // 10`` hashes; what it holds."""
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))     # that release made it 0600 too
+    c = sqlite3.connect(path, isolation_level=None)
+    c.execute("PRAGMA journal_mode = WAL")
+    c.execute("BEGIN IMMEDIATE")
+    for statement in V1_SCHEMA:
+        c.execute(statement)
+    c.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    c.execute("PRAGMA user_version = 1")
+    later = time.time() + 86_400
+    strings = {f"pin:{i}": (f"server-{i % 3}", later if i % 2 else None) for i in range(n)}
+    c.executemany("INSERT INTO entries VALUES (?, 's', ?, ?)", ((k, v, x) for k, (v, x) in strings.items()))
+    hashes = {f"seen:{i}": {"requests": str(i), "last": "x"} for i in range(n // 10)}
+    c.executemany("INSERT INTO entries VALUES (?, 'h', NULL, ?)", ((k, later) for k in hashes))
+    c.executemany("INSERT INTO fields VALUES (?, ?, ?)",
+                  ((k, f, v) for k, fs in hashes.items() for f, v in fs.items()))
+    c.execute("COMMIT")
+    c.close()
+    return {"strings": strings, "hashes": hashes}
+
+
+def test_a_version_1_file_is_upgraded_in_place_keeping_every_key(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    held = make_v1(path)
+    inode = path.stat().st_ino
+    with caplog.at_level(logging.WARNING, logger="sessionpin.store.file"):
+        s = FileStore(path)
+    try:
+        assert path.stat().st_ino == inode and not list(tmp_path.glob("*.corrupt-*"))   # in place
+        for k, (v, x) in held["strings"].items():
+            assert s.get(k) == v, k
+            assert (s.ttl(k) is None) == (x is None), k
+        for k, fields in held["hashes"].items():
+            assert s.hgetall(k) == fields
+        assert len(s.keys()) == len(held["strings"]) + len(held["hashes"])
+        s.zadd("index:server-0", "pin:0", 1.0, durable=True)     # the new type works
+        s.delete("seen:3")                                       # the new trigger takes fields
+        assert s.zrange("index:server-0", 0, 2) == [("pin:0", 1.0)]
+    finally:
+        s.close()
+    c = sqlite3.connect(path)
+    assert c.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION
+    assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert c.execute("SELECT count(*) FROM fields WHERE key = 'seen:3'").fetchone()[0] == 0
+    assert {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")} == {
+        "entries_drop_members"}
+    c.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    s = FileStore(path)                                          # and opens again as version 2
+    assert s.get("pin:7") == "server-1" and s.zcount("index:server-0", 0, 2) == 1
+    s.close()
+
+
+UPGRADE_RACE_CHILD = r"""
+import sys
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1])
+print(len(s.keys()), s.get("pin:5"), flush=True)
+s.close()
+"""
+
+
+def test_processes_upgrading_at_once_keep_every_key(tmp_path):
+    path = tmp_path / "state.db"
+    make_v1(path, 2000)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", UPGRADE_RACE_CHILD, str(path)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert out.split() == ["2200", "server-2"]
+
+
+def test_describe(tmp_path):
+    s = FileStore(tmp_path / "s.db")
+    d = s.describe()
+    assert d["kind"] == "file" and d["path"] == str(tmp_path / "s.db") and d["url"] == f"file:{tmp_path}/s.db"
+    assert d["durable"] is True and d["format"] == FORMAT_VERSION and d["healthy"] is True
     s.close()

@@ -6,6 +6,7 @@ Every child is a real Python process on the same file; the crashes are real SIGK
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from sessionpin.store.file import FileStore
 
@@ -228,3 +231,144 @@ def test_two_stores_in_one_process_keep_sqlites_locks(tmp_path):
         b.close()
         a.close()
     assert FileStore(path).get("after") == "2"
+
+
+CLAIM_CHILD = r"""
+import sys
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1])
+me, n = sys.argv[2], int(sys.argv[3])
+print("ready", flush=True)
+sys.stdin.readline()
+won_nx, won_cas = [], []
+for i in range(n):
+    if s.set(f"nx:{i}", me, 3600, nx=True, durable=i % 4 == 0):
+        won_nx.append(i)
+    # cas: first from absent, then a chain: each round moves the token from its last holder
+    seen = s.get(f"cas:{i}")
+    if s.cas(f"cas:{i}", seen, me + ":" + (seen or "-"), durable=i % 4 == 1):
+        won_cas.append(i)
+print("nx", *won_nx, flush=True)
+print("cas", *won_cas, flush=True)
+s.close()
+"""
+
+
+def run_together(code: str, path: Path, n: int, k: int = 3) -> list[dict[str, list[int]]]:
+    procs = [spawn(code, str(path), f"p{j}", str(n)) for j in range(k)]
+    try:
+        for p in procs:
+            assert p.stdout.readline() == "ready\n", p.stderr.read()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        results.append({line.split()[0]: [int(x) for x in line.split()[1:]] for line in out.splitlines()})
+    return results
+
+
+def test_cas_and_set_nx_have_exactly_one_winner_per_key_across_processes(tmp_path):
+    path = tmp_path / "state.db"
+    n = 300
+    FileStore(path).close()
+    results = run_together(CLAIM_CHILD, path, n)
+    s = FileStore(path)
+    try:
+        for i in range(n):
+            nx_winners = [f"p{j}" for j, r in enumerate(results) if i in r["nx"]]
+            assert len(nx_winners) == 1 and s.get(f"nx:{i}") == nx_winners[0], i
+            # every successful cas is one link of the chain on disk, and no link is lost
+            chain = s.get(f"cas:{i}").split(":")
+            cas_winners = sorted(f"p{j}" for j, r in enumerate(results) if i in r["cas"])
+            assert chain[-1] == "-" and sorted(chain[:-1]) == cas_winners, i
+    finally:
+        s.close()
+
+
+TRANSFER_CHILD = r"""
+import random, sys
+from sessionpin.store import Check, Set, ZAdd
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1])
+me, n = sys.argv[2], int(sys.argv[3])
+rng = random.Random(me)
+print("ready", flush=True)
+sys.stdin.readline()
+done = []
+for i in range(n):
+    a, b = rng.sample(["acct:0", "acct:1", "acct:2", "acct:3"], 2)
+    while True:               # optimistic: read, then apply only if nothing moved meanwhile
+        va, vb = s.mget([a, b])
+        moved = s.apply([Check(a, va), Check(b, vb)],
+                        [Set(a, str(int(va) - 1)), Set(b, str(int(vb) + 1)), ZAdd("log", f"{me}:{i}", i)],
+                        durable=i % 5 == 0)
+        if moved:
+            done.append(i)
+            break
+print("done", *done, flush=True)
+s.close()
+"""
+
+
+def test_apply_keeps_a_multi_key_invariant_under_contention(tmp_path):
+    path = tmp_path / "state.db"
+    n = 200
+    s = FileStore(path)
+    for k in range(4):
+        s.set(f"acct:{k}", "1000")
+    try:
+        results = run_together(TRANSFER_CHILD, path, n)
+        balances = [int(v) for v in s.mget([f"acct:{k}" for k in range(4)])]
+        assert sum(balances) == 4000                          # no transfer half-made
+        assert balances != [1000] * 4                         # (the test did move money)
+        assert all(r["done"] == list(range(n)) for r in results)
+        assert s.zcount("log", float("-inf"), float("inf")) == 3 * n   # each transfer once
+    finally:
+        s.close()
+
+
+LOCK_HOLDER = r"""
+import sqlite3, sys, time
+c = sqlite3.connect(sys.argv[1], isolation_level=None)
+c.execute("BEGIN IMMEDIATE")
+c.execute("UPDATE entries SET value = 'changed' WHERE key = 'pin:a'")   # uncommitted, then rolled back
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+c.execute("ROLLBACK")
+"""
+
+
+async def test_reads_never_wait_for_a_writer_of_another_process(tmp_path):
+    from sessionpin.store import NotDurable, open_store
+
+    path = tmp_path / "state.db"
+    store = open_store(f"file:{path}", busy_timeout=1.0)
+    try:
+        await store.set("pin:a", "gpu-a", durable=True)
+        await store.hset("seen:a", "requests", "1")
+        holder = spawn(LOCK_HOLDER, str(path), "2.5")
+        assert holder.stdout.readline() == "locked\n", holder.stderr.read()
+        t0 = time.monotonic()
+        write = asyncio.ensure_future(store.set("pin:b", "gpu-b", nx=True, durable=True))
+        await asyncio.sleep(0.05)                             # the writer thread is waiting now
+        for _ in range(20):
+            t = time.monotonic()
+            assert await store.get("pin:a") == "gpu-a"       # the committed value, at once
+            assert await store.hget("seen:a", "requests") == "1"
+            assert time.monotonic() - t < 0.25
+        assert not write.done()                               # (the write really was waiting)
+        with pytest.raises(NotDurable):
+            await write
+        assert 0.9 < time.monotonic() - t0 < 2.0              # busy_timeout, then it gave up
+        assert await store.get("pin:b") is None               # nothing behind
+        holder.wait(timeout=10)
+        assert await store.set("pin:b", "gpu-b", nx=True, durable=True) is True
+    finally:
+        await store.close()

@@ -1,4 +1,4 @@
 """mitmdump -s sessionpin/mitmscript/route.py: the sessionpin router (what `sessionpin run` loads)."""
-from sessionpin.addon import make_addons
+from sessionpin.proxy import make_addons
 
 addons = make_addons()

@@ -8,7 +8,9 @@ Rules it keeps (beyond those of ``base``):
 - ``incr``/``hincr`` on a value that is not an integer raise ``StoreError`` (redis'
   "value is not an integer"); the hash loses its last field → the key is gone (redis).
 - ``durable`` is accepted and means nothing here: nothing is ever on disk.
-- ``cas`` and ``apply`` check and write under the one lock: atomic for every thread.
+- ``cas`` and ``apply`` check and write under the one lock: atomic for every thread; an
+  ``apply`` whose write fails (wrong type, not an integer) puts every key back as it was.
+- A score must be a number: NaN raises ``StoreError`` (redis refuses it too).
 - A sorted set is a dict member -> score; reads sort it (sets here are small: the pin
   index per server, read by status in one ``zcount``).
 - Expired keys do not pile up: a write sweeps them all when ``SWEEP_EVERY`` seconds have
@@ -37,6 +39,13 @@ def as_int(value: str) -> int:
         return int(value)
     except ValueError:
         raise StoreError(f"value is not an integer: {value[:40]!r}") from None
+
+
+def _score(score: float) -> float:
+    s = float(score)
+    if s != s:
+        raise StoreError("score is not a number (NaN)")   # redis: "not a valid float"
+    return s
 
 
 def prefix_end(prefix: str) -> str | None:
@@ -153,33 +162,45 @@ class MemoryStore:
             self._maybe_sweep()
             if not all(self._string_is(c.key, c.value) for c in checks):
                 return False
-            # type errors first, so a failing apply changes nothing
-            for w in writes:
-                if isinstance(w, (HSet, HIncr)):
-                    self._typed(w.key, HASH)
-                    if isinstance(w, HIncr):
-                        entry = self._live(w.key)
-                        if entry is not None and w.field in entry.value:
-                            as_int(entry.value[w.field])
-                elif isinstance(w, (ZAdd, ZRem)):
-                    self._typed(w.key, ZSET)
-            for w in writes:
-                if isinstance(w, Set):
-                    self._set(w.key, w.value, w.ttl)
-                elif isinstance(w, Delete):
-                    self._data.pop(w.key, None)
-                elif isinstance(w, HSet):
-                    self._for_write(w.key, HASH)[w.field] = w.value
-                elif isinstance(w, HIncr):
-                    fields = self._for_write(w.key, HASH)
-                    fields[w.field] = str(as_int(fields.get(w.field, "0")) + w.by)
-                elif isinstance(w, ZAdd):
-                    self._for_write(w.key, ZSET)[w.member] = float(w.score)
-                elif isinstance(w, ZRem):
-                    self._zrem(w.key, w.member)
-                else:  # pragma: no cover - the vocabulary is closed
-                    raise StoreError(f"unknown write {w!r}")
+            # all or nothing: a write that fails (wrong type, not an integer) puts back
+            # every key the writes before it changed
+            saved = {w.key: self._copy(w.key) for w in writes}
+            try:
+                for w in writes:
+                    self._apply_one(w)
+            except BaseException:
+                for key, entry in saved.items():
+                    if entry is None:
+                        self._data.pop(key, None)
+                    else:
+                        self._data[key] = entry
+                raise
             return True
+
+    def _copy(self, key: str) -> _Entry | None:
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        value = dict(entry.value) if isinstance(entry.value, dict) else entry.value
+        return _Entry(entry.kind, value, entry.expires_at)
+
+    def _apply_one(self, w: Write) -> None:
+        if isinstance(w, Set):
+            self._set(w.key, w.value, w.ttl)
+        elif isinstance(w, Delete):
+            self._data.pop(w.key, None)
+        elif isinstance(w, HSet):
+            self._for_write(w.key, HASH)[w.field] = w.value
+        elif isinstance(w, HIncr):
+            fields = self._for_write(w.key, HASH)
+            fields[w.field] = str(as_int(fields.get(w.field, "0")) + w.by)
+        elif isinstance(w, ZAdd):
+            score = _score(w.score)
+            self._for_write(w.key, ZSET)[w.member] = score
+        elif isinstance(w, ZRem):
+            self._zrem(w.key, w.member)
+        else:  # pragma: no cover - the vocabulary is closed
+            raise StoreError(f"unknown write {w!r}")
 
     def delete(self, key: str, *, durable: bool = False) -> bool:
         with self._lock:
@@ -257,8 +278,9 @@ class MemoryStore:
 
     # -- sorted sets -------------------------------------------------------------------
     def zadd(self, key: str, member: str, score: float, *, durable: bool = False) -> None:
+        score = _score(score)
         with self._lock:
-            self._for_write(key, ZSET)[member] = float(score)
+            self._for_write(key, ZSET)[member] = score
 
     def _zrem(self, key: str, member: str) -> bool:
         entry = self._typed(key, ZSET)

@@ -863,6 +863,14 @@ class Connection:
                 while m := _EVENT_END.search(pending):
                     reply.events.append(_parse_event(pending[: m.start()], now))
                     pending = pending[m.end():]
+        if not resp.isclosed():
+            # Python 3.12.1's read1() does not close a response whose length it read to the
+            # end (fixed in 3.12.2, gh-113199); read() does, so the connection can carry
+            # the next request instead of raising ResponseNotReady.
+            rest = resp.read()
+            if rest:
+                chunks.append(rest)
+                pending += rest
         if is_sse and pending.strip():
             reply.events.append(_parse_event(pending, time.monotonic()))
         reply.body = b"".join(chunks)

@@ -1,0 +1,109 @@
+"""The ``sessionpin`` command: see where every conversation is, and switch servers safely.
+
+Rules this package keeps:
+- It works whether or not a proxy runs. It reads and writes the config file and the
+  shared store, never the proxy: the running router reloads the config within 1 s and
+  reads pins from the store, so ``use``, ``move`` and ``forget`` need no signal. It
+  reaches a proxy only by HTTP (its status) — it never imports the shell.
+- "Running conversations" are the conversations with a pin in the store: every
+  conversation the proxy saw in the last 29 to 30 days. Side requests never make a pin,
+  so they are never counted as conversations. "Active" means a request in the last hour,
+  as the proxy last flushed it (every few seconds).
+- Every user error is one line on stderr, ``sessionpin: <what>; <what to do>``, and a
+  non-zero exit (1; 2 for a usage error). No tracebacks for user errors.
+- Read commands take ``--json``. Nothing here shows or stores prompt content: the store
+  holds ids, server names, times and counts only.
+
+Modules: ``parser`` (the command line), ``context`` (config, store, pins as rows),
+``proxies`` (finding live proxies), ``look`` (status, sessions), ``change`` (use, move,
+forget, servers), ``launch`` (env, exec, run), ``doctor``, ``tools`` (classify, pool).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+from .. import configedit
+from ..store import StoreError
+from .change import cmd_forget, cmd_move, cmd_servers, cmd_servers_add, cmd_servers_remove, cmd_use
+from .common import Fail, err
+from .context import make_ctx
+from .doctor import cmd_doctor
+from .launch import cmd_env, cmd_exec, cmd_run
+from .look import cmd_sessions, cmd_status
+from .parser import parser
+from .tools import cmd_delegate, cmd_pool
+
+COMMANDS = {
+    "pool": cmd_pool,
+    "status": cmd_status,
+    "sessions": cmd_sessions,
+    "use": cmd_use,
+    "move": cmd_move,
+    "forget": cmd_forget,
+    "env": cmd_env,
+    "exec": cmd_exec,
+    "doctor": cmd_doctor,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    try:
+        args, extra = p.parse_known_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    command = args.command
+    if command == "classify":
+        try:
+            return cmd_delegate("sessionpin.classify", [*extra, *args.rest])
+        except Fail as e:
+            err(f"sessionpin: {e}")
+            return e.code
+    if extra and command != "run":
+        p.error(f"unrecognized arguments: {' '.join(extra)}")  # exits 2
+    if command is None:
+        p.print_help(sys.stderr)
+        return 2
+    ctx = make_ctx(getattr(args, "config", None), getattr(args, "store", None))
+    try:
+        if command == "run":
+            return cmd_run(ctx, args, extra)
+        if command == "servers":
+            if args.servers_command == "add":
+                return cmd_servers_add(ctx, args)
+            if args.servers_command == "remove":
+                return cmd_servers_remove(ctx, args)
+            return cmd_servers(ctx, args)
+        return COMMANDS[command](ctx, args)
+    except Fail as e:
+        err(f"sessionpin: {e}")
+        return e.code
+    except configedit.EditError as e:
+        err(f"sessionpin: {e}")
+        return 1
+    except StoreError as e:
+        err(f"sessionpin: store {ctx.store_url}: {e}; check --store or SESSIONPIN_STORE (`sessionpin doctor`)")
+        return 1
+    except KeyboardInterrupt:
+        err("sessionpin: interrupted")
+        return 130
+    except BrokenPipeError:
+        # `sessionpin sessions | head`: stop quietly.
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+    finally:
+        try:
+            ctx.close()
+        except Exception:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

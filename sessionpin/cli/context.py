@@ -1,0 +1,192 @@
+"""Where the config and the store are, and the store's pins as the commands read them.
+
+Rules it keeps:
+- A command opens the store only when it needs it, and a file store that does not exist
+  yet is not created by a read command (``store(create=False)`` is None).
+- The store is the async ``Store`` every part uses; the CLI runs it on one event loop
+  it owns for the command's life (``run``), and closes both at the end.
+- Every store change a command makes is compare-and-set against the pin it showed the
+  operator (``pins.move``/``pins.forget`` with what ``resolve`` read): a pin that changed
+  meanwhile is not overwritten — the command says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, TypeVar
+
+from .. import config as configmod
+from .. import pins
+from ..ids import matches, short
+from ..store import Store, StoreError, default_store_url, open_store
+from .common import HOUR, NOT_SEEN_BEGIN, Fail, iso, plural, where, why
+
+T = TypeVar("T")
+
+
+@dataclass
+class Ctx:
+    config_path: Path
+    store_url: str
+    _store: Store | None = None
+    _runner: asyncio.Runner | None = field(default=None, repr=False)
+
+    # config
+    def config(self) -> configmod.Config:
+        try:
+            return configmod.load(self.config_path)
+        except configmod.ConfigError as e:
+            raise Fail(f"{e}; fix {self.config_path} first (`sessionpin doctor` checks it)") from None
+
+    def config_text(self) -> str:
+        try:
+            return self.config_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return ""
+        except OSError as e:
+            raise Fail(f"cannot read {self.config_path}: {e.strerror or e}") from None
+
+    # the store
+    def run(self, coro: Awaitable[T]) -> T:
+        if self._runner is None:
+            self._runner = asyncio.Runner()
+        return self._runner.run(coro)
+
+    def store_file(self) -> Path | None:
+        return store_file(self.store_url)
+
+    def store_exists(self) -> bool:
+        f = self.store_file()
+        return f is None or f.exists()
+
+    def store(self, create: bool = False) -> Store | None:
+        """The store; None when it is a file that does not exist yet and ``create`` is False."""
+        if self._store is not None:
+            return self._store
+        if not create and not self.store_exists():
+            return None
+        try:
+            self._store = open_store(self.store_url)
+        except StoreError as e:
+            raise Fail(f"cannot open the store {self.store_url}: {e}; check --store or SESSIONPIN_STORE") from None
+        except OSError as e:
+            raise Fail(f"cannot open the store {self.store_url}: {e.strerror or e}; "
+                       "check --store or SESSIONPIN_STORE") from None
+        return self._store
+
+    def need_store(self) -> Store:
+        s = self.store()
+        if s is None:
+            raise Fail(f"no store at {self.store_file()} yet: no proxy has pinned a conversation with it; "
+                       "check --store or SESSIONPIN_STORE (a proxy started with `sessionpin run` creates it)")
+        return s
+
+    def close(self) -> None:
+        try:
+            if self._store is not None:
+                self.run(self._store.close())
+                self._store = None
+        finally:
+            if self._runner is not None:
+                self._runner.close()
+                self._runner = None
+
+    # pins
+    def rows(self) -> list["Row"]:
+        store = self.store()
+        return [] if store is None else self.run(_rows(store))
+
+    def counts(self, active_window: float = HOUR) -> dict[tuple[str, str | None], tuple[int, int]]:
+        """Live pins and active ones per (agent, server), from the store's index (no walk)."""
+        store = self.store()
+        if store is None:
+            return {}
+        now = time.time()
+        return self.run(pins.counts(store, now, now - active_window))
+
+
+def make_ctx(config: str | None, store: str | None) -> Ctx:
+    cfg = config or os.environ.get("SESSIONPIN_CONFIG") or str(configmod.default_path())
+    url = store or os.environ.get("SESSIONPIN_STORE") or default_store_url()
+    return Ctx(Path(cfg).expanduser(), url)
+
+
+def store_file(url: str) -> Path | None:
+    scheme, sep, rest = url.partition(":")
+    if scheme.lower() != "file" or not sep:
+        return None
+    path = rest[2:] if rest.startswith("//") else rest
+    return Path(path).expanduser().absolute() if path else None
+
+
+@dataclass(frozen=True)
+class Row:
+    session: str
+    loaded: pins.Loaded
+    seen: pins.Seen
+
+    @property
+    def pin(self) -> pins.Pin:
+        assert self.loaded.pin is not None
+        return self.loaded.pin
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "session": self.session, "short": short(self.session), "agent": self.pin.agent,
+            "server": self.pin.server, "pinned_since": iso(self.pin.since), "last_seen": iso(self.seen.last),
+            "requests": self.seen.requests, "rule": self.pin.rule or None, "why": why(self.pin),
+            "turn": self.pin.turn or None,
+            "since_epoch": self.pin.since, "last_seen_epoch": self.seen.last or None,
+        }
+
+
+async def _rows(store: Store) -> list[Row]:
+    out = []
+    names = await store.keys(pins.PIN_PREFIX)
+    for i in range(0, len(names), 500):
+        chunk = names[i:i + 500]
+        for k, raw in zip(chunk, await store.mget(chunk)):
+            pin = pins.decode(raw)
+            if pin is not None:
+                session = k[len(pins.PIN_PREFIX):]
+                out.append(Row(session, pins.Loaded(pin, raw), await pins.seen(store, session)))
+    out.sort(key=lambda r: (-(r.seen.last or r.pin.since), r.session))
+    return out
+
+
+def resolve(ctx: Ctx, given: str) -> Row:
+    """A pinned conversation by its id, a unique prefix of it, or the short form shown."""
+    given = given.strip()
+    if not given:
+        raise Fail("give a session id, or its first characters (see `sessionpin sessions`)")
+    rows = ctx.rows()
+    exact = [r for r in rows if r.session == given]
+    if exact:
+        return exact[0]
+    candidates = [r for r in rows if matches(r.session, given)]
+    if not candidates:
+        raise Fail(f"no pinned conversation matches {given!r}; list them with `sessionpin sessions`")
+    if len(candidates) > 1:
+        shown = ", ".join(f"{r.session} ({r.pin.agent}, {where(r.pin.server)})" for r in candidates[:6])
+        more = f" and {len(candidates) - 6} more" if len(candidates) > 6 else ""
+        raise Fail(f"{given!r} matches {len(candidates)} conversations: {shown}{more}; give more characters")
+    return candidates[0]
+
+
+def describe_running(ctx: Ctx, agent: str) -> str:
+    counts = {server: n for (a, server), n in ctx.counts().items() if a == agent and n[0]}
+    if not counts:
+        return (f"No running {agent} conversation is pinned. One the proxy has not seen yet stays where "
+                f"it is: {NOT_SEEN_BEGIN}.")
+    order = sorted(counts, key=lambda s: (s is None, -counts[s][0], s or ""))
+    parts = ", ".join(f"{counts[s][0]} on {s}" if s is not None else f"{counts[s][0]} not routed" for s in order)
+    n = sum(c[0] for c in counts.values())
+    active = sum(c[1] for c in counts.values())
+    verb = "stays where it is" if n == 1 else "stay where they are"
+    return (f"{plural(n, 'running conversation')} {verb}: {parts}.\n"
+            f"  (running = {agent} conversations with a pin, i.e. seen by the proxy in the last 29 to 30 days; "
+            f"{active} active in the last hour. One it has not seen yet stays where it is too: {NOT_SEEN_BEGIN}.)")

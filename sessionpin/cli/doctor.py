@@ -1,0 +1,191 @@
+"""``doctor``: check the config, store, CA, proxy and keys, and say what to fix.
+
+Each check is one line: ok, warn or FAIL, and what to do. The store is checked by what it
+does (a durable write read back and removed, through the same async facade the proxy
+uses) and by what it says of itself (``describe()``: its durability, its journal, a
+fault it is in). Exit 1 when anything FAILs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .. import config as configmod
+from ..store import StoreError
+from .common import Fail, dump_json, out, plural
+from .context import Ctx
+from .launch import CA_FILE
+from .proxies import config_mismatch, confdir_of, find_proxies, find_proxy, key_state, proxy_keys
+
+
+@dataclass
+class Check:
+    what: str
+    state: str        # "ok" | "warn" | "FAIL"
+    detail: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"check": self.what, "state": self.state.lower(), "detail": self.detail}
+
+
+def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
+    checks: list[Check] = []
+
+    def add(what: str, state: str, detail: str) -> None:
+        checks.append(Check(what, state, detail))
+
+    cfg = _config(ctx, add)
+    store_ok = _store(ctx, add)
+    proxies = find_proxies(ctx) if store_ok else []
+    proxy = find_proxy(ctx, proxies)
+    ca = confdir_of(proxy, args.confdir) / CA_FILE
+    if ca.exists():
+        add("CA", "ok", f"{ca}")
+    else:
+        add("CA", "FAIL", f"{ca} is missing: start the proxy once (`sessionpin run`) to create it, "
+            "then point agents at it (`sessionpin env AGENT`)")
+    live = [p for p in proxies if p.answering]
+    for p in live:
+        mismatch = config_mismatch(p, ctx.config_path)
+        if mismatch:
+            add("proxy", "FAIL", mismatch.removeprefix("Warning: "))
+        else:
+            add("proxy", "ok", f"answering at {p.url} (pid {p.pid})")
+    if not live:
+        add("proxy", "FAIL", f"not answering: {proxy.why}; start it with `sessionpin run`"
+            + (f" --store {ctx.store_url}" if "uses" in proxy.why else ""))
+    for p in proxies:
+        if p.gone:
+            add("proxy", "warn", f"{p.why}; its heartbeat expires within 30 s")
+
+    if cfg is not None:
+        _keys(ctx, cfg, proxy, add)
+
+    failed = [c for c in checks if c.state == "FAIL"]
+    if args.json:
+        dump_json({"ok": not failed, "checks": [c.as_json() for c in checks]})
+    else:
+        width = max(len(c.what) for c in checks)
+        for c in checks:
+            out(f"{c.state:<4}  {c.what:<{width}}  {c.detail}")
+        out(f"{plural(len(failed), 'problem')} to fix." if failed else "All good.")
+    return 1 if failed else 0
+
+
+def _config(ctx: Ctx, add) -> configmod.Config | None:
+    try:
+        cfg = configmod.load(ctx.config_path)
+    except configmod.ConfigError as e:
+        add("config", "FAIL", f"{e}; fix that line in {ctx.config_path} (a running proxy refuses this "
+            "text and keeps the config it had; a starting one stops)")
+        return None
+    if not ctx.config_path.exists():
+        add("config", "warn", f"no file at {ctx.config_path}: nothing is routed; "
+            "add a server with `sessionpin servers add NAME URL`")
+    else:
+        routed = sorted(a for a, x in cfg.agents.items() if x.server)
+        add("config", "ok", f"{ctx.config_path}: {plural(len(cfg.servers), 'server')}, "
+            f"routed: {', '.join(routed) or 'no agent'}")
+    return cfg
+
+
+def _store(ctx: Ctx, add) -> bool:
+    f = ctx.store_file()
+    # Modes before opening: opening a file store tightens a loose file mode by itself.
+    modes_before = None
+    if f is not None and f.exists():
+        modes_before = (stat.S_IMODE(f.stat().st_mode), stat.S_IMODE(f.parent.stat().st_mode))
+    try:
+        store = ctx.store(create=False)
+    except Fail as e:
+        add("store", "FAIL", str(e))
+        return False
+    if store is None:
+        parent = next((p for p in [f.parent, *f.parent.parents] if p.exists()), None) if f else None
+        if parent is not None and os.access(parent, os.W_OK | os.X_OK):
+            add("store", "warn", f"no file yet at {f}: the proxy creates it at its first pin")
+            return True
+        add("store", "FAIL", f"no file at {f} and {parent} is not writable: "
+            "choose a writable place with --store file:PATH (and the same for the proxy)")
+        return False
+    problems: list[str] = []
+    probe_key = f"doctor:{os.getpid()}"
+
+    async def exercise() -> float:
+        await store.get(probe_key)
+        started = time.monotonic()
+        await store.set(probe_key, "1", 60, durable=True)
+        took = time.monotonic() - started
+        if await store.get(probe_key) != "1":
+            problems.append("a durable write did not read back")
+        await store.delete(probe_key, durable=True)
+        return took
+    took = None
+    try:
+        took = ctx.run(exercise())
+    except StoreError as e:
+        problems.append(str(e))
+    info: dict[str, Any] = {}
+    try:
+        info = store.describe()
+    except Exception as e:   # a description is best effort
+        info = {"error": str(e)}
+    for note in info.get("problems", []) or []:
+        problems.append(str(note))
+    for note in info.get("warnings", []) or []:
+        add("store", "warn", str(note))
+    if f is not None and f.exists():
+        mode, dmode = stat.S_IMODE(f.stat().st_mode), stat.S_IMODE(f.parent.stat().st_mode)
+        if modes_before and modes_before[0] & 0o077 and not mode & 0o077:
+            add("store mode", "warn", f"{f} was mode {modes_before[0]:04o} (others could read it); "
+                f"the store made it {mode:04o}")
+        if mode & 0o077:
+            problems.append(f"file mode {mode:04o}, others can read it: chmod 600 {f}")
+        if dmode & 0o077:
+            add("store dir", "warn", f"{f.parent} is mode {dmode:04o}: others can see the store's name; "
+                f"chmod 700 {f.parent} to hide it")
+    if problems:
+        add("store", "FAIL", f"{store.url}: " + "; ".join(problems))
+        return False
+    detail = f"{store.url}: readable, durable writes"
+    if took is not None:
+        detail += f" ({took * 1000:.1f} ms)"
+    if f is not None:
+        detail += (f", mode {stat.S_IMODE(f.stat().st_mode):04o} in a "
+                   f"{stat.S_IMODE(f.parent.stat().st_mode):04o} directory")
+    journal = info.get("journal")
+    if isinstance(journal, dict) and journal:
+        detail += f"; journal {journal.get('path', '')} ({journal.get('records', '?')} records)"
+    add("store", "ok", detail)
+    return True
+
+
+def _keys(ctx: Ctx, cfg: configmod.Config, proxy, add) -> None:
+    penv = proxy_keys(proxy)
+    counts: dict[str | None, int] = {}
+    try:
+        for (_, server), (n, _) in ctx.counts().items():
+            counts[server] = counts.get(server, 0) + n
+    except (Fail, StoreError):
+        pass
+    # Servers requests go to: each agent's current one, and each one conversations are pinned to.
+    pinned_to = {s for s, n in counts.items() if s in cfg.servers and n}
+    for name in sorted({x.server for x in cfg.agents.values() if x.server} | pinned_to):
+        s = cfg.servers[name]
+        is_set, checked = key_state(s, penv)
+        if is_set is None:
+            add(f"key {name}", "ok", f"{name} takes the agent's own key (no key_env): only requests "
+                f"addressed to {s.origin} can go there")
+        elif is_set:
+            add(f"key {name}", "ok", f"${s.key_env} is set in {checked}")
+        else:
+            add(f"key {name}", "FAIL", f"${s.key_env} is not set in {checked}: export it where the proxy "
+                "starts, then restart the proxy")
+    for name, n in sorted((s, n) for s, n in counts.items() if s is not None and s not in cfg.servers and n):
+        add(f"pins {name}", "warn", f"{plural(n, 'conversation')} pinned to {name}, which is not configured: "
+            f"their requests get 503; move or forget them (`sessionpin sessions --server {name}`)")

@@ -1,0 +1,85 @@
+"""The mitmproxy shell: the only package that imports mitmproxy. Glue, no rules.
+
+``make_addons()`` lists its addons, each a file to read in one sitting, in the order
+mitmproxy runs their hooks:
+
+| addon | file | job |
+|---|---|---|
+| ``Defaults`` | defaults.py | lazy upstream connections, no request streaming, one line per decision |
+| ``ConfigWatch`` | configwatch.py | the config file: read at start, watched while running |
+| ``StoreRuntime`` | storeruntime.py | the store: open, heartbeat, activity flush, index sweep, close |
+| ``ConnectCheck`` | connect.py | name an unreachable server before mitmproxy's HTML 502 would |
+| ``StatusEndpoints`` | status.py | ``/__sessionpin/status`` and ``/metrics``, loopback only |
+| ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
+| ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
+
+They share state by reference, handed over here — no process-global dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mitmproxy import exceptions
+
+from .configwatch import ConfigWatch
+from .connect import ConnectCheck
+from .defaults import Defaults
+from .router import Metrics, Router
+from .status import StatusEndpoints
+from .storeruntime import StoreRuntime
+
+__all__ = ["make_addons", "ConfigWatch", "ConnectCheck", "Defaults", "Metrics", "Router", "StatusEndpoints",
+           "StoreRuntime"]
+
+
+def make_addons(participants: list[Any] | None = None, env=None) -> list[object]:
+    """The addons of one sessionpin proxy. ``participants`` default to the OpenCode id pool;
+    pass ``[]`` to leave it out."""
+    extra: list[object] = []
+    if participants is None:
+        from ..pool.participant import PoolOptions, PoolParticipant
+
+        pool = PoolParticipant()
+        participants = [pool]
+        extra = [PoolOptions(pool, exceptions.OptionsError)]
+    config = ConfigWatch(env)
+    runtime = StoreRuntime(env)
+    connect = ConnectCheck(config)
+    metrics = Metrics()
+    status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
+    router = Router(config, runtime, connect, metrics, participants, env)
+    runtime.config_path = lambda: str(config.path) if config.path else None
+    runtime.token = status.token
+    for p in participants:
+        if hasattr(p, "configure_store"):
+            runtime.on_store(p.configure_store)
+    lifecycle = [_Lifecycle(participants)] if participants else []
+    return [Defaults(), config, runtime, connect, status, router, *lifecycle, *extra]
+
+
+class _Lifecycle:
+    """Hands mitmproxy's running/done to the router's participants (a participant's
+    exception is logged, never raised)."""
+
+    def __init__(self, participants: list[Any]) -> None:
+        self.participants = participants
+
+    def running(self) -> None:
+        self._call("running")
+
+    def done(self) -> None:
+        self._call("done")
+
+    def _call(self, name: str) -> None:
+        import logging
+
+        for p in self.participants:
+            fn = getattr(p, name, None)
+            if fn is None:
+                continue
+            try:
+                fn()
+            except Exception:
+                logging.getLogger("sessionpin").exception("sessionpin: participant %s.%s failed",
+                                                          type(p).__name__, name)

@@ -1,0 +1,177 @@
+"""ConnectCheck: is a server the router moves requests to reachable? Ask before connecting.
+
+mitmproxy answers a failed upstream connect with an HTML 502 that names only the address
+the request went to, and no hook can change that answer. A server the agent never
+addressed must be named, in the agent's own error format — so before a request is sent
+to a server the router moved requests to, and when no connection to it is open, the
+router asks ``reachable()``: a TCP connect, closed at once. It fails → the router
+answers the agent itself (a 502 naming the session, the server and its address).
+
+Rules it keeps:
+- Only for addresses requests were moved to (``moved``); only when no connection to
+  that address is open (an open connection means it is up; a server that went down
+  closes its connections).
+- The check starts early, when a client opens a tunnel to a configured server or sends
+  a model request's headers to one, so it runs while the client finishes sending —
+  not between the request and the upstream connect. A check of the same client
+  connection, started less than ``FRESH`` seconds before and successful, stands once.
+- ``server_connect`` is the fallback for connections the router did not check (another
+  path to the same address): it sets mitmproxy's error message to name the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+from mitmproxy import ctx, http
+
+from .. import facts as F
+from .configwatch import ConfigWatch
+
+log = logging.getLogger("sessionpin")
+
+TIMEOUT = 10.0      # a server that does not accept TCP within this is unreachable
+FRESH = 1.0         # an early check of the same client connection this recent stands
+
+Address = tuple[str, int]
+
+
+class ConnectCheck:
+    def __init__(self, config: ConfigWatch) -> None:
+        self.config = config
+        self.moved: dict[Address, str] = {}          # addresses requests were moved to -> server name
+        self.open: Counter[Address] = Counter()      # upstream connections open now
+        self.unreachable: dict[str, str] = {}        # server name -> last error
+        self.failures = 0
+        # (client connection id, address) -> (started, check task)
+        self._checks: dict[tuple[str, Address], tuple[float, asyncio.Task]] = {}
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "sessionpin_connect_check", bool, True,
+            "sessionpin: before a new connection to a server requests were moved to (and none to it is open), "
+            "try a TCP connect, so that an unreachable server is named in the agent's error.",
+        )
+
+    def done(self) -> None:
+        for _, task in self._checks.values():
+            task.cancel()
+        self._checks.clear()
+
+    def moved_to(self, address: Address, server: str) -> None:
+        self.moved[(address[0].lower(), address[1])] = server
+
+    # ---- the early start ------------------------------------------------------------------
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        req = flow.request      # a CONNECT has no scheme: host and port say which server
+        if self.moved and any((s.host, s.port) == (req.host.lower().rstrip("."), req.port)
+                              for s in self.config.config.servers.values()):
+            self._start(flow.client_conn.id)
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        req = flow.request
+        if self.moved and F.api_of(req.method, req.path) in F.INFERENCE_APIS:
+            self._start(flow.client_conn.id)
+
+    def _start(self, client: str) -> None:
+        if not self.moved or not ctx.options.sessionpin_connect_check:
+            return
+        now = time.monotonic()
+        for key in [k for k, (t, task) in self._checks.items() if now - t > FRESH and task.done()]:
+            del self._checks[key]
+        for addr in list(self.moved):
+            if self.open[addr] > 0:
+                continue
+            early = self._checks.get((client, addr))
+            if early is not None and (now - early[0] < FRESH or not early[1].done()):
+                continue
+            self._checks[(client, addr)] = (now, asyncio.get_running_loop().create_task(_connect(addr)))
+
+    # ---- the check ------------------------------------------------------------------------
+    async def reachable(self, client: str, address: Address) -> str | None:
+        """None when ``address`` is up (or need not be checked), else why it is not."""
+        addr = (address[0].lower(), address[1])
+        if not ctx.options.sessionpin_connect_check or self.open[addr] > 0:
+            return None
+        err = await self._check(client, addr, keep=True)
+        name = self.moved.get(addr)
+        if err is None:
+            if name:
+                self.unreachable.pop(name, None)
+        else:
+            self.failures += 1
+            if name:
+                self.unreachable[name] = err
+        return err
+
+    async def _check(self, client: str, addr: Address, keep: bool) -> str | None:
+        early = self._checks.pop((client, addr), None)
+        if early is not None and time.monotonic() - early[0] < FRESH:
+            finished = early[1].done()
+            err = await early[1]
+            if err is not None and finished:
+                err = await _connect(addr)   # it failed before it was asked for: it may be back
+        else:
+            started = time.monotonic()
+            task = asyncio.get_running_loop().create_task(_connect(addr))
+            err = await task
+            early = (started, task)
+        if keep and err is None:
+            # the connection mitmproxy makes right after may take this check (once)
+            self._checks[(client, addr)] = (time.monotonic(), early[1])
+        return err
+
+    # ---- mitmproxy's connections ------------------------------------------------------------
+    async def server_connect(self, data) -> None:
+        server = data.server
+        if not server.address or server.error or not ctx.options.sessionpin_connect_check:
+            return
+        addr = (str(server.address[0]).lower(), server.address[1])
+        name = self.moved.get(addr)
+        if name is None or self.open[addr] > 0:
+            return
+        err = await self._check(data.client.id, addr, keep=False)
+        if err is None:
+            self.unreachable.pop(name, None)
+            return
+        s = self.config.config.servers.get(name)
+        origin = s.origin if s else f"{addr[0]}:{addr[1]}"
+        server.error = (f"sessionpin: server {name} ({origin}) cannot be reached: {err}. "
+                        f"The conversation stays on {name}; try again when it is back.")
+        self.unreachable[name] = err
+        self.failures += 1
+
+    def server_connected(self, data) -> None:
+        if data.server.address:
+            self.open[(str(data.server.address[0]).lower(), data.server.address[1])] += 1
+
+    def server_disconnected(self, data) -> None:
+        if data.server.address:
+            addr = (str(data.server.address[0]).lower(), data.server.address[1])
+            if self.open[addr] <= 1:
+                self.open.pop(addr, None)
+            else:
+                self.open[addr] -= 1
+
+    def server_connect_error(self, data) -> None:
+        addr = data.server.address
+        if not addr:
+            return
+        for s in self.config.config.servers.values():
+            if (s.host, s.port) == (str(addr[0]).lower(), addr[1]):
+                self.unreachable[s.name] = data.server.error or ""
+                log.warning("sessionpin: server %s (%s) cannot be reached: %s", s.name, s.origin, data.server.error)
+                return
+
+
+async def _connect(address: Address) -> str | None:
+    """None when ``address`` accepts a TCP connection (closed at once), else why not."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*address), TIMEOUT)
+        writer.close()
+        return None
+    except (OSError, asyncio.TimeoutError) as e:
+        return str(e) or type(e).__name__

@@ -1,0 +1,92 @@
+"""Defaults: what the router needs from mitmproxy, and what an operator wants to read.
+
+Rules it keeps:
+- ``connection_strategy=lazy``: mitmproxy connects upstream only after the router chose
+  the server (with "eager", reverse mode connects to the original target before any hook).
+- ``stream_large_bodies`` must stay unset: it sends request bodies upstream before the
+  router can read and route them.
+- One line per decision: mitmproxy's connection chatter ("client connect", "server
+  disconnect …") is dropped unless ``sessionpin_connection_log`` is on; decision lines
+  go to the terminal directly (``sessionpin_decision_log=terminal``, the default) rather
+  than through mitmproxy's log event, which every addon receives — a cost paid per
+  request (docs/benchmarks.md) — or into mitmweb's event log (``eventlog``), or nowhere
+  (``off``). Refusals and faults are always logged through mitmproxy (warnings).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from mitmproxy import ctx, exceptions
+
+log = logging.getLogger("sessionpin")
+decisions = logging.getLogger("sessionpin.decisions")
+
+CHATTER = ("client connect", "client disconnect", "server connect ", "server disconnect ")
+DECISION_LOGS = ("terminal", "eventlog", "off")
+
+
+class _NoChatter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        return not (isinstance(msg, str) and (msg in CHATTER[:2] or msg.startswith(CHATTER[2:])))
+
+
+class _Terminal(logging.Handler):
+    """Decision lines straight to stdout, as mitmdump prints its own lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.write(record.getMessage() + "\n")
+            sys.stdout.flush()
+        except Exception:
+            self.handleError(record)
+
+
+_no_chatter = _NoChatter()
+_terminal = _Terminal()
+
+
+class Defaults:
+    def load(self, loader) -> None:
+        loader.add_option(
+            "sessionpin_connection_log", bool, False,
+            "sessionpin: show mitmproxy's client/server connect and disconnect lines.",
+        )
+        loader.add_option(
+            "sessionpin_decision_log", str, "terminal",
+            "sessionpin: where the one line per decision goes: terminal (stdout, cheap), "
+            "eventlog (mitmproxy's log, shown in mitmweb's event log) or off.",
+            choices=DECISION_LOGS,
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "stream_large_bodies" in updated and ctx.options.stream_large_bodies:
+            raise exceptions.OptionsError(
+                "sessionpin: stream_large_bodies must stay unset: it sends request bodies upstream before "
+                "the router can read and route them"
+            )
+        if "connection_strategy" in updated and ctx.options.connection_strategy != "lazy":
+            log.info("sessionpin: setting connection_strategy=lazy (the router chooses the upstream)")
+            ctx.options.connection_strategy = "lazy"
+        if "sessionpin_connection_log" in updated:
+            server_log = logging.getLogger("mitmproxy.proxy.server")
+            if ctx.options.sessionpin_connection_log:
+                server_log.removeFilter(_no_chatter)
+            else:
+                server_log.addFilter(_no_chatter)
+        if "sessionpin_decision_log" in updated:
+            where = ctx.options.sessionpin_decision_log
+            decisions.removeHandler(_terminal)
+            decisions.disabled = where == "off"
+            decisions.propagate = where == "eventlog"
+            if where == "terminal":
+                decisions.addHandler(_terminal)
+            decisions.setLevel(logging.INFO)
+
+    def done(self) -> None:
+        logging.getLogger("mitmproxy.proxy.server").removeFilter(_no_chatter)
+        decisions.removeHandler(_terminal)
+        decisions.propagate = True
+        decisions.disabled = False

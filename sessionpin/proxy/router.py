@@ -1,0 +1,367 @@
+"""Router: runs the request stepper (``sessionpin.route``) on each flow. Glue, no rules.
+
+One request: ``facts.read`` → ``route.begin`` → perform each effect (a pin read, the
+rewrite plan, a durable pin write) and feed its answer back with ``route.step`` → answer
+the flow as the last step says (forward rewritten, leave alone, refuse) → comment, 📌,
+metadata, one log line. Rules this module keeps:
+
+- An inference request of a known agent either leaves decided and rewritten as a whole,
+  or is answered here in its API's error format (``sessionpin.answers``): an exception
+  never drops a flow and never lets such a request leave half-done. Anything else
+  passes untouched.
+- Store calls go through the store's async facade; the pin's renewal, a title's memory
+  and a "not routed" pin are written after the request left (never waited for).
+- Before a request is sent to a server the router moved requests to, with no open
+  connection to it, ``ConnectCheck`` tries a TCP connect; an unreachable server is named
+  to the agent (session, server, address) instead of mitmproxy's HTML 502.
+- Streamed responses (SSE, NDJSON, and any routed response without a length) pass
+  through as they arrive: ``responseheaders`` turns streaming on.
+- A redirect answered by a server the request was moved to is not passed on: the agent
+  would follow it with its own key (to another host, or to that server's origin, where
+  requests keep the agent's headers). It gets a 502 naming the server and the host the
+  redirect pointed to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter
+from typing import Any, Mapping
+
+from mitmproxy import http
+from mitmproxy.net.http import url
+
+from .. import answers, ladder, pins, rewrite, route
+from .. import facts as F
+from ..ids import short
+from ..store import StoreError
+from .configwatch import ConfigWatch
+from .connect import ConnectCheck
+from .storeruntime import StoreRuntime
+
+log = logging.getLogger("sessionpin")
+decisions = logging.getLogger("sessionpin.decisions")    # one line per decision (see defaults.py)
+
+INTERNAL_PREFIX = "/__sessionpin/"
+TITLE_PREFIX = "title:"
+STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson", "application/jsonl",
+                "application/stream+json")
+UNREACHABLE_RETRY = 5      # seconds: a server that is down may be back by then
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+class Metrics:
+    """What the router counts (rendered by the status addon)."""
+
+    def __init__(self) -> None:
+        self.decisions: Counter[tuple[str, str, str]] = Counter()   # (agent, turn, outcome)
+        self.rules: Counter[str] = Counter()
+        self.refusals: Counter[str] = Counter()
+        self.store_errors = 0
+
+
+class Router:
+    def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
+                 participants: list[Any] | None = None, env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.connect = connect
+        self.metrics = metrics
+        self.participants = list(participants or [])
+        self.env = env if env is not None else os.environ
+        self._background: set[asyncio.Task] = set()
+
+    # ---- the request hook -------------------------------------------------------------------
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response or flow.error or not flow.live:
+            return
+        req = flow.request
+        if req.path.startswith(INTERNAL_PREFIX):
+            return
+        facts: F.Facts | None = None
+        decision: ladder.Decision | None = None
+        try:
+            if F.api_of(req.method, req.path) in F.INFERENCE_APIS:
+                facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
+                               req.headers.get("content-encoding"))
+                decision = await self._route(flow, facts)
+            elif _is_websocket(req):
+                await self._websocket(flow)
+            elif any(_wants(p, req) for p in self.participants):
+                facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
+                               req.headers.get("content-encoding"))
+        except Exception as e:
+            if facts is None or facts.agent not in F.AGENTS:
+                log.exception("sessionpin: passing %s through after an error", req.pretty_host)
+            else:
+                log.exception("sessionpin: cannot decide %s %s", req.method, req.path.split("?")[0])
+                self._refuse(flow, facts, route.Refuse(
+                    502, "error", f"sessionpin could not decide this request ({type(e).__name__}: {e}); "
+                                  "it was not sent"))
+                return
+        if flow.response is None:
+            for p in self.participants:
+                if hasattr(p, "request"):
+                    try:
+                        await p.request(flow, facts, decision)
+                    except Exception:
+                        log.exception("sessionpin: participant %s failed", type(p).__name__)
+
+    async def _route(self, flow: http.HTTPFlow, facts: F.Facts) -> ladder.Decision | None:
+        req = flow.request
+        cfg = self.config.config
+        source = cfg.server_for(req.scheme, req.host, req.port, req.path)
+        s = route.begin(route.Request(facts=facts, source=source, config=cfg, now=time.time()))
+        while not s.done:
+            s = route.step(s.state, await self._perform(flow, s.state, s.effect))
+        await self._finish(flow, s)
+        return s.state.decision
+
+    async def _perform(self, flow: http.HTTPFlow, state: route.State, effect: route.Effect) -> route.Event:
+        store = self.runtime.store
+        if isinstance(effect, route.Plan):
+            return route.Planned(self._plan(flow, state, effect.target))
+        if store is None:
+            return route.StoreFailed("no store is open")
+        try:
+            if isinstance(effect, route.ReadPin):
+                return route.PinRead(await pins.load(store, effect.session))
+            if isinstance(effect, route.ReadTitle):
+                return route.TitleRead(await store.get(TITLE_PREFIX + effect.session))
+            if isinstance(effect, route.CreatePin):
+                got = await pins.create(store, effect.session, effect.pin, effect.seen)
+                return route.PinCreated() if got.pin == effect.pin else route.PinLost(got)
+        except StoreError as e:
+            self.metrics.store_errors += 1
+            msg = f"{store.url}: {e}" if store.url not in str(e) else str(e)
+            return route.NotSaved(msg) if isinstance(effect, route.CreatePin) else route.StoreFailed(msg)
+        raise TypeError(f"unexpected effect {effect!r}")
+
+    def _plan(self, flow: http.HTTPFlow, state: route.State, target_name: str) -> rewrite.Changes:
+        req = flow.request
+        r = state.request
+        target = r.config.servers.get(target_name)
+        body = None
+        if target is not None and r.facts.model is not None and target.map_model(r.facts.model) != r.facts.model:
+            body = req.get_content(strict=False)
+        view = rewrite.RequestView(
+            scheme=req.scheme, host=req.host, port=req.port, path=req.path,
+            headers=tuple(req.headers.items(multi=True)), body=body, api=r.facts.api, model=r.facts.model,
+        )
+        return rewrite.plan(state.decision, view, r.source, r.config, self.env)
+
+    async def _finish(self, flow: http.HTTPFlow, s: route.Step) -> None:
+        state, effect = s.state, s.effect
+        facts, decision = state.request.facts, state.decision
+        if isinstance(effect, route.Refuse):
+            self._decided(flow, state, None, refused=effect)
+            self._refuse(flow, facts, effect)
+            return
+        changes = effect.changes if isinstance(effect, route.Forward) else None
+        if changes is not None:
+            req = flow.request
+            moved = (changes.host, changes.port) != (req.host, req.port)
+            if moved and decision.target:
+                self.connect.moved_to((changes.host, changes.port), decision.target)
+                err = await self.connect.reachable(flow.client_conn.id, (changes.host, changes.port))
+                if err is not None:
+                    server = state.request.config.servers.get(decision.target)
+                    refusal = route.Refuse(502, "unreachable", (
+                        f"sessionpin: server {decision.target} ({server.origin if server else '?'}, "
+                        f"{changes.host}:{changes.port}) cannot be reached: {err}. {facts.agent} session "
+                        f"{facts.session} stays on {decision.target}; try again when it is back."),
+                        UNREACHABLE_RETRY)
+                    self._decided(flow, state, changes, refused=refusal)
+                    self._refuse(flow, facts, refusal)
+                    return
+            _apply(req, changes)
+        for after in s.after:
+            self._later(after)
+        self._decided(flow, state, changes)
+
+    # ---- effects that run after the request left --------------------------------------------
+    def _later(self, after: route.After) -> None:
+        store = self.runtime.store
+        if store is None:
+            return
+
+        async def run() -> None:
+            try:
+                if isinstance(after, route.RenewPin):
+                    await pins.renew(store, after.session, after.seen, time.time())
+                elif isinstance(after, route.RememberTitle):
+                    await store.set(TITLE_PREFIX + after.session, after.server, after.ttl)
+                elif isinstance(after, route.WritePin):
+                    await pins.create(store, after.session, after.pin, after.seen)
+            except Exception as e:
+                self.metrics.store_errors += 1
+                log.warning("sessionpin: %s for %s: %s", type(after).__name__, short(after.session), e)
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- answering and showing ---------------------------------------------------------------
+    def _refuse(self, flow: http.HTTPFlow, facts: F.Facts | None, r: route.Refuse) -> None:
+        api = facts.api if facts and facts.api in F.INFERENCE_APIS else F.api_of("POST", flow.request.path)
+        body, headers = answers.refusal(api, r.status, r.kind, r.message, r.retry_after)
+        flow.response = http.Response.make(r.status, body, headers)
+        self.metrics.refusals[r.kind] += 1
+        meta = flow.metadata.setdefault("sessionpin", {})
+        meta.update({"refused": r.status, "refusal": r.kind, "message": r.message})
+        if not flow.comment:
+            flow.comment = f"refused {r.status}: {r.kind}"
+        log.warning("sessionpin: refused %d (%s) %s %s: %s", r.status, r.kind, facts.agent if facts else "-",
+                    short(facts.session if facts else None), r.message)
+
+    def _decided(self, flow: http.HTTPFlow, state: route.State, changes: rewrite.Changes | None,
+                 refused: route.Refuse | None = None) -> None:
+        r, d = state.request, state.decision
+        facts = r.facts
+        if d is None:     # refused before a decision (the pin could not be read)
+            d = ladder.Decision(None, ladder.NONE, "store-unreadable", "pin store unreadable")
+        turn = facts.turn or "-"
+        sid = short(facts.session)
+        where = f"refused {refused.status}" if refused else (d.target or "left alone")
+        why = refused.kind if refused and not d.refuse else d.why
+        flow.comment = f"{turn} {sid} → {where} ({why})"
+        if d.target is not None and refused is None:
+            flow.marked = ":pushpin:"
+        pin = state.loaded.pin
+        outcome = ladder.REFUSED if refused else d.outcome
+        meta: dict[str, Any] = {
+            "agent": facts.agent, "session": facts.session, "session_source": facts.session_source,
+            "turn": facts.turn, "api": facts.api, "rule": d.rule, "why": d.why, "outcome": outcome,
+            "target": d.target, "source": r.source.name if r.source else None, "pin_action": d.pin_action,
+            "pinned": pin.server if pin else None, "reason": facts.reason,
+            "moved": changes is not None and refused is None and d.target != (r.source.name if r.source else None),
+        }
+        if changes is not None and changes.model:
+            meta["model"] = list(changes.model)
+        flow.metadata.setdefault("sessionpin", {}).update(meta)
+        self.metrics.decisions[(facts.agent, facts.turn or "none", outcome)] += 1
+        self.metrics.rules[d.rule] += 1
+        if facts.session and facts.agent in F.AGENTS and (pin is not None or d.pin_action == ladder.CREATE):
+            self.runtime.seen(facts.session, facts.agent, d.target if d.pin_action == ladder.CREATE else pin.server,
+                              r.now)
+        model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""
+        decisions.info("sessionpin: %s %s %s %s → %s [%s: %s]%s", facts.agent, turn, sid,
+                 r.source.name if r.source else flow.request.pretty_host, where, d.rule, d.why, model)
+
+    # ---- responses ---------------------------------------------------------------------------
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        resp = flow.response
+        if resp is None:
+            return
+        if resp.status_code in REDIRECTS and flow.metadata.get("sessionpin", {}).get("moved"):
+            return   # buffered: ``response`` answers it instead
+        if not resp.stream:
+            ctype = resp.headers.get("content-type", "").lower()
+            if any(t in ctype for t in STREAM_TYPES):
+                resp.stream = True
+            elif "sessionpin" in flow.metadata and "content-length" not in resp.headers \
+                    and not flow.metadata["sessionpin"].get("refused"):
+                resp.stream = True
+        for p in self.participants:
+            if hasattr(p, "responseheaders"):
+                try:
+                    p.responseheaders(flow)
+                except Exception:
+                    log.exception("sessionpin: participant %s failed", type(p).__name__)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        meta = flow.metadata.get("sessionpin")
+        resp = flow.response
+        if resp is None or not meta or not meta.get("moved") or resp.status_code not in REDIRECTS:
+            return
+        location = resp.headers.get("location", "")
+        try:
+            target_host = url.parse_authority(location.split("://", 1)[-1].split("/", 1)[0], False)[0] \
+                if "://" in location else (flow.request.host + " (same origin)")
+        except ValueError:
+            target_host = "an unreadable address"
+        refusal = route.Refuse(502, "redirect", (
+            f"sessionpin: server {meta.get('target')} answered {resp.status_code} redirecting to {target_host}; "
+            f"sessionpin does not pass a redirect on from a server it moved a request to (the agent would "
+            f"follow it with its own key). {meta.get('agent')} session {meta.get('session')} stays on "
+            f"{meta.get('target')}."))
+        api = meta.get("api") or F.api_of("POST", flow.request.path)
+        body, headers = answers.refusal(api, refusal.status, refusal.kind, refusal.message)
+        flow.response = http.Response.make(refusal.status, body, headers)
+        meta.update({"refused": 502, "refusal": "redirect", "message": refusal.message})
+        flow.comment = f"{flow.comment}\nrefused 502: redirect to {target_host}"
+        self.metrics.refusals["redirect"] += 1
+        log.warning("sessionpin: refused 502 (redirect) %s: %s", short(meta.get("session")), refusal.message)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        meta = flow.metadata.get("sessionpin")
+        if not meta or not meta.get("target") or flow.response is not None:
+            return
+        log.warning("sessionpin: %s %s → %s failed: %s (the conversation stays on %s)", meta.get("turn"),
+                    short(meta.get("session")), meta.get("target"), flow.error.msg if flow.error else "?",
+                    meta.get("target"))
+
+    # ---- Codex's WebSocket -----------------------------------------------------------------------
+    async def _websocket(self, flow: http.HTTPFlow) -> None:
+        """Codex tries a WebSocket first, then falls back to HTTPS POST: refuse the socket
+        so its turns come as requests the router can see and route — when the agent is
+        routed, or when the socket's session is pinned to a server (a subagent's socket
+        of a conversation that began routed)."""
+        req = flow.request
+        if not req.path.split("?")[0].rstrip("/").endswith("/responses"):
+            return
+        agent = F.agent_of(F.header_map(req.headers.fields))
+        if agent not in F.AGENTS:
+            return
+        routed = self.config.config.current(agent) is not None
+        if not routed:
+            session = F.header_session(agent, req.headers.fields)
+            store = self.runtime.store
+            if session and store is not None:
+                try:
+                    pin = (await pins.load(store, session)).pin
+                    routed = pin is not None and pin.agent == agent and pin.server is not None
+                except StoreError:
+                    routed = True   # unknown: keep the socket's turns where the router can see them
+        if routed:
+            body, headers = answers.refusal(F.OPENAI_RESPONSES, 404, "websocket",
+                                            "sessionpin routes this agent; use HTTPS requests, not a WebSocket")
+            flow.response = http.Response.make(404, body, headers)
+            flow.metadata.setdefault("sessionpin", {}).update({"refused": 404, "refusal": "websocket"})
+            flow.comment = "refused 404: websocket (the agent falls back to HTTPS)"
+
+
+def _is_websocket(req: http.Request) -> bool:
+    return req.method == "GET" and "websocket" in req.headers.get("upgrade", "").lower()
+
+
+def _wants(participant: Any, req: http.Request) -> bool:
+    """Does a participant want this request's facts? (Reading them costs ~1 ms on a large
+    body: only pay it for requests someone acts on.)"""
+    wants = getattr(participant, "wants", None)
+    if wants is None:
+        return False
+    try:
+        return bool(wants(req.method, req.url))
+    except Exception:
+        log.exception("sessionpin: participant %s failed", type(participant).__name__)
+        return False
+
+
+def _apply(req: http.Request, c: rewrite.Changes) -> None:
+    """Apply a plan: scheme first, then host, then port (the setters keep Host in step)."""
+    if (c.scheme, c.host, c.port) != (req.scheme, req.host, req.port):
+        req.scheme = c.scheme
+        req.host = c.host
+        req.port = c.port
+    if c.path != req.path:
+        req.path = c.path
+    for name in c.drop_headers:
+        req.headers.pop(name, None)
+    for name, value in c.set_headers:
+        req.headers[name] = value
+    if c.body is not None:
+        req.content = c.body
+

@@ -1,0 +1,220 @@
+"""StatusEndpoints: ``/__sessionpin/status`` (JSON) and ``/__sessionpin/metrics`` (Prometheus).
+
+Rules it keeps:
+- Answered only to a loopback client, never to a web page's script (``Sec-Fetch-Site``
+  other than "none"), and only when the request names the proxy itself: its Host is a
+  loopback address, or it carries this process's token (``x-sessionpin-token``, from
+  the heartbeat in the store — needed on a reverse-mode listener, where mitmproxy has
+  replaced the Host before any hook). DNS rebinding makes any site "loopback" through
+  the proxy; neither its Host nor the token gets it an answer.
+- O(1) in the number of pins: counts come from the store's per-server index (one
+  ``zcount`` per server, ``pins.counts``), never a walk, and off the event loop.
+- The answers are ``documents.Status`` and the Prometheus text format; no key value
+  ever appears (only whether each server's variable is set).
+- These requests are the CLI's and a scraper's, not traffic: they are taken out of
+  mitmweb's flow list.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import logging
+import os
+import secrets
+import time
+from typing import Any, Mapping
+
+import msgspec
+from mitmproxy import ctx, http
+
+from .. import __version__, pins
+from .. import facts as F
+from ..documents import METRICS_PATH, STATUS_PATH, PinCount, ServerStatus, Status
+from .configwatch import ConfigWatch
+from .connect import ConnectCheck
+from .router import INTERNAL_PREFIX, Metrics
+from .storeruntime import StoreRuntime
+
+log = logging.getLogger("sessionpin")
+
+TOKEN_HEADER = "x-sessionpin-token"
+ACTIVE_WINDOW = 3600.0
+_encoder = msgspec.json.Encoder()
+
+
+class StatusEndpoints:
+    def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
+                 participants: list[Any] | None = None, env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.connect = connect
+        self.metrics = metrics
+        self.participants = list(participants or [])
+        self.env = env if env is not None else os.environ
+        self.token = secrets.token_urlsafe(24)      # published in the heartbeat only
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response or flow.error or not flow.live:
+            return
+        req = flow.request
+        if not req.path.startswith(INTERNAL_PREFIX):
+            return
+        refusal = self.refusal(flow)
+        if refusal:
+            flow.response = http.Response.make(403, f"sessionpin: {refusal}\n".encode(), {"content-type": "text/plain"})
+        else:
+            path = req.path.split("?", 1)[0].rstrip("/")
+            if path == STATUS_PATH:
+                body = _encoder.encode(await self.status())
+                flow.response = http.Response.make(200, body, {"content-type": "application/json"})
+            elif path == METRICS_PATH:
+                text = await self.render_metrics()
+                flow.response = http.Response.make(200, text.encode(), {"content-type": "text/plain; version=0.0.4"})
+            else:
+                flow.response = http.Response.make(404, f"sessionpin: {STATUS_PATH} or {METRICS_PATH}\n".encode(),
+                                                   {"content-type": "text/plain"})
+        _out_of_view(flow)
+
+    def refusal(self, flow: http.HTTPFlow) -> str | None:
+        """Why this request may not read the status (None: it may)."""
+        if not is_loopback(flow.client_conn.peername):
+            return "loopback clients only"
+        if flow.request.headers.get("sec-fetch-site", "none").strip().lower() != "none":
+            return "not for web pages"
+        token = flow.request.headers.get(TOKEN_HEADER)
+        if token is not None:
+            return None if secrets.compare_digest(token, self.token) else "wrong token"
+        if not _loopback_host(flow.request.host_header or ""):
+            return "the Host must be the proxy's own loopback address (or send the token from its heartbeat)"
+        return None
+
+    async def counts(self) -> tuple[dict[str, PinCount] | None, str | None]:
+        store = self.runtime.store
+        if store is None:
+            return None, "no store is open"
+        now = time.time()
+        try:
+            got = await pins.counts(store, now, now - ACTIVE_WINDOW)
+        except Exception as e:
+            self.metrics.store_errors += 1
+            log.warning("sessionpin: counting pins in %s: %s", store.url, e)
+            return None, str(e)
+        return {server or pins.NOT_ROUTED: PinCount(pins=n, active=a)
+                for server, (n, a) in pins.by_server(got).items()}, None
+
+    async def status(self) -> Status:
+        c = self.config.config
+        counts, problem = await self.counts()
+        store = self.runtime.store
+        participants: dict[str, Any] = {}
+        for p in self.participants:
+            if hasattr(p, "status"):
+                try:
+                    participants[str(getattr(p, "name", type(p).__name__))] = await _maybe(p.status())
+                except Exception as e:
+                    log.warning("sessionpin: participant %s status: %s", type(p).__name__, e)
+        return Status(
+            version=__version__, pid=os.getpid(), host=self.runtime.host, started=self.runtime.started,
+            config=str(self.config.path) if self.config.path else None, config_error=self.config.problem,
+            store=self.runtime.url, store_info=_safe(store.describe()) if store is not None else {},
+            servers={s.name: ServerStatus(url=s.url, origin=s.origin, prefix=s.prefix, key_env=s.key_env,
+                                          key_set=bool(s.key_env and self.env.get(s.key_env, "").strip()),
+                                          auth=s.auth, models=dict(s.models))
+                     for s in c.servers.values()},
+            agents={a: c.current(a) for a in F.AGENTS},
+            pins=counts, pins_error=problem, unreachable=dict(self.connect.unreachable),
+            participants=participants,
+        )
+
+    async def render_metrics(self) -> str:
+        counts, _ = await self.counts()
+        m = self.metrics
+        out: list[str] = []
+
+        def family(name: str, kind: str, help: str) -> None:
+            out.append(f"# HELP {name} {help}")
+            out.append(f"# TYPE {name} {kind}")
+
+        family("sessionpin_pins", "gauge", "Live pins by server (\"-\" = not routed); -1 when the store cannot be read.")
+        if counts is None:
+            out.append("sessionpin_pins -1")
+        for server, n in sorted((counts or {}).items()):
+            out.append(f'sessionpin_pins{{server="{_label(server)}"}} {n.pins}')
+        family("sessionpin_active_sessions", "gauge", "Pinned sessions seen in the last hour, by server.")
+        for server, n in sorted((counts or {}).items()):
+            out.append(f'sessionpin_active_sessions{{server="{_label(server)}"}} {n.active}')
+        family("sessionpin_decisions_total", "counter", "Decisions on inference requests by agent, turn and outcome.")
+        for (agent, turn, outcome), n in sorted(m.decisions.items()):
+            out.append(f'sessionpin_decisions_total{{agent="{_label(agent)}",turn="{_label(turn)}",'
+                       f'outcome="{_label(outcome)}"}} {n}')
+        family("sessionpin_decisions_by_rule_total", "counter", "Decisions by the ladder rule that made them.")
+        for rule, n in sorted(m.rules.items()):
+            out.append(f'sessionpin_decisions_by_rule_total{{rule="{_label(rule)}"}} {n}')
+        family("sessionpin_refusals_total", "counter", "Requests answered by the router with an error, by reason.")
+        for reason, n in sorted(m.refusals.items()):
+            out.append(f'sessionpin_refusals_total{{reason="{_label(reason)}"}} {n}')
+        family("sessionpin_store_errors_total", "counter", "Store calls that failed.")
+        out.append(f"sessionpin_store_errors_total {m.store_errors + self.runtime.errors}")
+        family("sessionpin_config_reloads_total", "counter", "Config files reloaded while running.")
+        out.append(f"sessionpin_config_reloads_total {self.config.reloads}")
+        family("sessionpin_config_rejected_total", "counter", "Config texts refused by validation while running.")
+        out.append(f"sessionpin_config_rejected_total {self.config.rejected}")
+        text = "\n".join(out) + "\n"
+        for p in self.participants:
+            if hasattr(p, "metrics"):
+                try:
+                    more = await _maybe(p.metrics())
+                except Exception as e:
+                    log.warning("sessionpin: participant %s metrics: %s", type(p).__name__, e)
+                    continue
+                if more:
+                    text += more if more.endswith("\n") else more + "\n"
+        return text
+
+
+def is_loopback(peer: Any) -> bool:
+    try:
+        ip = ipaddress.ip_address(peer[0].split("%", 1)[0])
+    except (TypeError, ValueError, IndexError, AttributeError):
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def _loopback_host(host_header: str) -> bool:
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        host = host[1:host.find("]")] if "]" in host else host[1:]
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _label(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _safe(info: dict[str, Any]) -> dict[str, Any]:
+    """A store's description as JSON-able plain data."""
+    return msgspec.json.decode(msgspec.json.encode(info, enc_hook=str))
+
+
+async def _maybe(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _out_of_view(flow: http.HTTPFlow) -> None:
+    """Take a status request out of mitmweb's/mitmproxy's flow list: it is not traffic."""
+    try:
+        view = ctx.master.addons.get("view")
+        if view is not None and flow.id in getattr(view, "_store", {}):
+            view.remove([flow])
+    except Exception:
+        pass

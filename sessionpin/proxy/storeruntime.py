@@ -1,0 +1,197 @@
+"""StoreRuntime: the pin store's life in the proxy — open, heartbeat, activity, sweeps, close.
+
+Rules it keeps:
+- The store is ``--set sessionpin_store=URL``, else ``$SESSIONPIN_STORE``, else the
+  user state dir's file store. At start, a store that cannot be opened stops mitmdump
+  with one line and exit status 2 (a store of a newer format is left untouched); a
+  change while running that cannot be opened is refused and the old store stays.
+- Every store call is the async facade's: nothing here touches a file on the event loop.
+- Activity (last seen, requests per session) is counted in memory by the router and
+  flushed every few seconds; a heartbeat (``documents.Heartbeat``) lets the CLI find
+  this proxy and tell it from a killed one; the pin index is swept every few minutes.
+- Background failures are logged and retried next round: the loop never dies.
+- At exit the last activity is flushed and the heartbeat removed when the store is a
+  local one (a few seconds at most); the store is closed after its queued writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping, Optional
+
+from mitmproxy import ctx, exceptions
+
+from .. import __version__, pins
+from ..documents import HEARTBEAT_TTL, Heartbeat, heartbeat_encoder, heartbeat_key
+from ..store import Store, StoreError, default_store_url, open_store
+
+log = logging.getLogger("sessionpin")
+
+FLUSH_EVERY = 5.0
+HEARTBEAT_EVERY = 10.0
+SWEEP_EVERY = 600.0
+
+
+class StoreRuntime:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.env = env if env is not None else os.environ
+        self.store: Store | None = None
+        self.url: str | None = None
+        self.errors = 0                                  # background store calls that failed
+        self.started = time.time()
+        self.host = socket.gethostname()
+        self.config_path: Callable[[], str | None] = lambda: None   # set by make_addons
+        self.token = ""                                  # the status endpoint's, set by make_addons
+        self._activity: dict[str, list] = {}             # session -> [agent, server, last seen, requests]
+        self._task: asyncio.Task | None = None
+        self._on_store: list[Callable[[Store], None]] = []
+
+    # ---- what other addons call --------------------------------------------------------
+    def seen(self, session: str, agent: str, server: str | None, now: float) -> None:
+        a = self._activity.get(session)
+        if a is None:
+            self._activity[session] = [agent, server, now, 1]
+        else:
+            a[1], a[2], a[3] = server, now, a[3] + 1
+
+    def on_store(self, fn: Callable[[Store], None]) -> None:
+        """Call ``fn(store)`` now and whenever the store changes (the pool keeps a handle)."""
+        self._on_store.append(fn)
+        if self.store is not None:
+            fn(self.store)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def load(self, loader) -> None:
+        loader.add_option(
+            "sessionpin_store", Optional[str], None,
+            "sessionpin: the pin store URL: file:PATH, memory:, or redis://… "
+            "(default: $SESSIONPIN_STORE, else the user state dir's file store).",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "sessionpin_store" not in updated and self.store is not None:
+            return
+        url = ctx.options.sessionpin_store or self.env.get("SESSIONPIN_STORE") or default_store_url()
+        if url == self.url and self.store is not None:
+            return
+        try:
+            store = open_store(url)
+        except (StoreError, OSError, ValueError) as e:
+            message = f"sessionpin_store: cannot open {url}: {e}"
+            if self.store is None:      # at start: one line, nothing served
+                log.error("sessionpin: %s", message)
+                print(f"sessionpin: {message}", file=sys.stderr, flush=True)
+                sys.exit(2)
+            raise exceptions.OptionsError(message) from None
+        old, self.store, self.url = self.store, store, store.url
+        if old is not None:
+            _close(old)
+        log.info("sessionpin: pins in %s", store.url)
+        for fn in self._on_store:
+            fn(store)
+
+    def running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._background())
+
+    def done(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        store = self.store
+        if store is None:
+            return
+        pending = self._take()
+        key = heartbeat_key(self.host, os.getpid())
+
+        async def last_words() -> None:
+            await pins.record_seen(store, pending)
+            await store.delete(key)
+        if hasattr(store, "backend"):   # a local store: its calls work from another loop too
+            _run_elsewhere(last_words, timeout=5.0)
+        _close(store)
+        self.store = None
+
+    # ---- background -----------------------------------------------------------------------
+    async def _background(self) -> None:
+        last_flush = last_beat = 0.0
+        last_sweep = time.monotonic()
+        begun = time.monotonic()
+        first = True
+        while True:
+            try:
+                await asyncio.sleep(0.25 if first else 1.0)
+                store = self.store
+                if store is None:
+                    continue
+                now = time.monotonic()
+                if now - last_flush >= FLUSH_EVERY:
+                    last_flush = now
+                    pending = self._take()
+                    if pending:
+                        await pins.record_seen(store, pending)
+                if first or now - last_beat >= HEARTBEAT_EVERY:
+                    beat = self.heartbeat()
+                    # the first beat waits (up to 2 s) for the listeners to come up
+                    if beat.listen or not first or now - begun > 2.0:
+                        first = False
+                        last_beat = now
+                        await store.set(beat.key, heartbeat_encoder.encode(beat).decode(), HEARTBEAT_TTL)
+                if now - last_sweep >= SWEEP_EVERY:
+                    last_sweep = now
+                    await pins.sweep_index(store, time.time())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:   # never let the loop die
+                self.errors += 1
+                log.warning("sessionpin: store %s: %s: %s", self.url, type(e).__name__, e)
+
+    def _take(self) -> list[tuple[str, str, str | None, float, int]]:
+        pending, self._activity = self._activity, {}
+        return [(s, a[0], a[1], a[2], a[3]) for s, a in pending.items()]
+
+    def heartbeat(self) -> Heartbeat:
+        listen: list[tuple[str, int]] = []
+        modes: list[str] = []
+        try:
+            ps = ctx.master.addons.get("proxyserver")
+            for server in ps.servers if ps else []:
+                modes.append(server.mode.full_spec)
+                for addr in server.listen_addrs:
+                    listen.append((str(addr[0]), int(addr[1])))
+        except Exception:
+            pass
+        return Heartbeat(pid=os.getpid(), host=self.host, started=self.started, beat=time.time(), listen=listen,
+                         modes=modes, confdir=str(Path(ctx.options.confdir).expanduser()),
+                         config=self.config_path(), store=self.url, version=__version__, token=self.token)
+
+
+def _close(store: Store) -> None:
+    try:
+        close_now = getattr(store, "close_now", None)
+        if close_now is not None:
+            close_now()
+        else:
+            _run_elsewhere(store.close, timeout=5.0)
+    except Exception as e:
+        log.warning("sessionpin: closing store %s: %s", store.url, e)
+
+
+def _run_elsewhere(fn: Callable[[], Awaitable[Any]], timeout: float) -> None:
+    """Run a coroutine to its end from synchronous code that may sit inside a running loop
+    (mitmproxy's ``done``): on a thread of its own, with its own loop."""
+    def run() -> None:
+        try:
+            asyncio.run(fn())
+        except Exception as e:
+            log.warning("sessionpin: at exit: %s: %s", type(e).__name__, e)
+    t = threading.Thread(target=run, name="sessionpin-exit", daemon=True)
+    t.start()
+    t.join(timeout)

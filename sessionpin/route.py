@@ -1,0 +1,285 @@
+"""The request path as a stepper: what is known so far and one event in, the next effect out.
+
+As h11 is to an HTTP server, this module is to the router addon: pure (no store, no
+clock, no mitmproxy), so every rule, every store answer and the race with another proxy
+is a table row (tests/test_route.py). The shell drives it::
+
+    step = route.begin(request)
+    while not step.done:
+        step = route.step(step.state, await perform(step.effect))
+    answer the flow as step.effect says; run step.after without delaying it
+
+Effects the shell performs, and the events that answer them:
+
+    ReadPin(session)        -> PinRead(loaded) | StoreFailed(error)
+    ReadTitle(session)      -> TitleRead(server | None) | StoreFailed(error)
+    Plan(target)            -> Planned(changes)          (rewrite.plan with the body)
+    CreatePin(session, pin) -> PinCreated | PinLost(loaded) | NotSaved(error)
+
+Terminal effects: ``Forward(changes)`` (send it, rewritten as planned), ``Leave`` (send
+it untouched), ``Refuse(status, …)`` (answer it here). ``after`` holds what the shell
+does once the request is on its way and never waits for: renew a pin, remember a title,
+write a "not routed" pin.
+
+Rules this module keeps beyond the ladder's:
+- A pin that could not be read is a refusal (503 naming the store), never "no pin".
+- A conversation is sent away from the server it addressed only once its pin is durable
+  in the store: a pin that could not be saved is a refusal (503 with ``retry-after``),
+  on the first try and on every retry — nothing of it is remembered anywhere.
+- Another proxy that pinned the session first decides: its pin is followed.
+- The rewrite is planned before the pin is written: a request that cannot be rewritten
+  (no key, model not found) is refused and pins nothing.
+- Only an opencode title-shaped request is remembered (in the store, with a TTL, so
+  several proxies agree); every other side request is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from . import facts as F
+from . import ladder
+from .config import Config, Server
+from .ladder import Decision
+from .pins import Loaded, Pin, renew_due
+from .rewrite import Changes
+
+TITLE_TTL = 3600.0      # how long an opencode title-shaped request is remembered
+RETRY_AFTER = 1         # seconds: a store that cannot save may well be back by then
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the shell read from the flow: plain data."""
+    facts: F.Facts
+    source: Server | None        # the configured server it addresses (None: none)
+    config: Config
+    now: float                   # epoch seconds
+
+
+# ---- effects ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReadPin:
+    session: str
+
+
+@dataclass(frozen=True)
+class ReadTitle:
+    session: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    target: str
+
+
+@dataclass(frozen=True)
+class CreatePin:
+    session: str
+    pin: Pin
+    seen: Loaded                 # what was read (a garbage value is replaced by compare-and-set)
+
+
+@dataclass(frozen=True)
+class Forward:
+    changes: Changes
+
+
+@dataclass(frozen=True)
+class Leave:
+    pass
+
+
+@dataclass(frozen=True)
+class Refuse:
+    status: int
+    kind: str                    # short reason id (metrics, x-sessionpin-refused)
+    message: str                 # for the agent's user: what happened and what to do
+    retry_after: int | None = None   # seconds; None: retrying will not help
+
+
+# ``after`` effects
+@dataclass(frozen=True)
+class RenewPin:
+    session: str
+    seen: Loaded
+
+
+@dataclass(frozen=True)
+class RememberTitle:
+    session: str
+    server: str
+    ttl: float = TITLE_TTL
+
+
+@dataclass(frozen=True)
+class WritePin:
+    """A pin that does not move the request ("not routed"): written after it left."""
+    session: str
+    pin: Pin
+    seen: Loaded
+
+
+Effect = ReadPin | ReadTitle | Plan | CreatePin | Forward | Leave | Refuse
+After = RenewPin | RememberTitle | WritePin
+TERMINAL = (Forward, Leave, Refuse)
+
+
+# ---- events -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PinRead:
+    loaded: Loaded
+
+
+@dataclass(frozen=True)
+class TitleRead:
+    server: str | None
+
+
+@dataclass(frozen=True)
+class StoreFailed:
+    error: str                   # names the store and the cause
+
+
+@dataclass(frozen=True)
+class Planned:
+    changes: Changes
+
+
+@dataclass(frozen=True)
+class PinCreated:
+    pass
+
+
+@dataclass(frozen=True)
+class PinLost:
+    loaded: Loaded               # the pin another proxy wrote first
+
+
+@dataclass(frozen=True)
+class NotSaved:
+    error: str
+
+
+Event = PinRead | TitleRead | StoreFailed | Planned | PinCreated | PinLost | NotSaved
+
+
+# ---- state ------------------------------------------------------------------------------
+
+_UNREAD = Loaded(None, None)
+
+
+@dataclass(frozen=True)
+class State:
+    request: Request
+    loaded: Loaded = _UNREAD         # the pin as read (pin None: none)
+    title: str | None = None         # where this session's title-shaped request went
+    decision: Decision | None = None
+    changes: Changes | None = None
+    raced: bool = False              # another proxy's pin was taken once already
+
+
+@dataclass(frozen=True)
+class Step:
+    state: State
+    effect: Effect
+    after: tuple[After, ...] = ()
+
+    @property
+    def done(self) -> bool:
+        return isinstance(self.effect, TERMINAL)
+
+
+def begin(request: Request) -> Step:
+    state = State(request)
+    f = request.facts
+    if not ladder.in_scope(f):
+        return _decided(state, ladder.decide(f, None, request.config, request.source))
+    return Step(state, ReadPin(f.session))
+
+
+def step(state: State, event: Event) -> Step:
+    r = state.request
+    f = r.facts
+    if isinstance(event, StoreFailed):
+        return Step(state, Refuse(503, "store", f"sessionpin cannot read its pin store ({event.error}), so "
+                                  f"{f.agent} session {f.session} was not sent anywhere: its pin decides where it "
+                                  f"goes. Retry in a moment; if this persists, run 'sessionpin doctor'.",
+                                  RETRY_AFTER))
+    if isinstance(event, PinRead):
+        state = replace(state, loaded=event.loaded)
+        if event.loaded.pin is None and r.source is not None and f.agent == F.OPENCODE \
+                and f.turn == F.CONTINUATION:
+            return Step(state, ReadTitle(f.session))
+        return _decide(state)
+    if isinstance(event, TitleRead):
+        return _decide(replace(state, title=event.server))
+    if isinstance(event, Planned):
+        return _planned(replace(state, changes=event.changes))
+    if isinstance(event, PinCreated):
+        return Step(state, Forward(state.changes))
+    if isinstance(event, PinLost):
+        if state.raced:     # a second loss in one request cannot happen; refuse rather than loop
+            return Step(state, Refuse(503, "store", f"sessionpin: session {f.session} changed pins twice "
+                                      "while this request was decided; retry", RETRY_AFTER))
+        return _decide(replace(state, loaded=event.loaded, raced=True, changes=None))
+    if isinstance(event, NotSaved):
+        d = state.decision
+        if r.source is not None and d is not None and d.target == r.source.name:
+            # It stays on the server it addressed: should the pin be lost, its next turn
+            # (never seen begin) is left alone — and goes to that same server.
+            return Step(state, Forward(state.changes))
+        return Step(state, Refuse(503, "store", (
+            f"sessionpin cannot save the pin of new {f.agent} session {f.session} ({event.error}), so it was "
+            f"not sent to {d.target if d else '?'}: a restart could otherwise move the conversation. "
+            f"Free space, fix the store's permissions or stop the process holding it, and retry; or run "
+            f"'sessionpin use {f.agent} --not-routed'."), RETRY_AFTER))
+    raise TypeError(f"unexpected event {event!r}")
+
+
+def _decide(state: State) -> Step:
+    r = state.request
+    return _decided(state, ladder.decide(r.facts, state.loaded.pin, r.config, r.source, state.title))
+
+
+def _decided(state: State, d: Decision) -> Step:
+    state = replace(state, decision=d)
+    r = state.request
+    f = r.facts
+    if d.refuse:
+        pinned = state.loaded.pin.server if state.loaded.pin else "?"
+        where = r.config.path or "the sessionpin config"
+        return Step(state, Refuse(d.refuse, d.rule, (
+            f"sessionpin: session {f.session} is pinned to server '{pinned}', which is no longer configured. "
+            f"It is not moved to another server. Add [servers.{pinned}] back to {where}, or move the "
+            f"conversation yourself with `sessionpin move {f.session} SERVER` (or start a new conversation).")))
+    if d.target is None:
+        after: tuple[After, ...] = ()
+        if d.pin_action == ladder.CREATE:
+            after = (WritePin(f.session, _new_pin(r, d), state.loaded),)
+        elif d.pin_action == ladder.RENEW and state.loaded.pin is not None and renew_due(state.loaded.pin, r.now):
+            after = (RenewPin(f.session, state.loaded),)
+        return Step(state, Leave(), after)
+    return Step(state, Plan(d.target))
+
+
+def _planned(state: State) -> Step:
+    r, d, c = state.request, state.decision, state.changes
+    f = r.facts
+    if c.refuse:
+        return Step(state, Refuse(502, "rewrite", f"sessionpin: {c.refuse}; the request was not sent"))
+    if d.pin_action == ladder.CREATE:
+        return Step(state, CreatePin(f.session, _new_pin(r, d), state.loaded))
+    after: tuple[After, ...] = ()
+    if d.pin_action == ladder.RENEW and state.loaded.pin is not None and renew_due(state.loaded.pin, r.now):
+        after = (RenewPin(f.session, state.loaded),)
+    elif d.rule == "side-current" and ladder.is_title_shaped(f):
+        after = (RememberTitle(f.session, d.target),)
+    return Step(state, Forward(c), after)
+
+
+def _new_pin(r: Request, d: Decision) -> Pin:
+    return Pin(agent=r.facts.agent, server=d.target, since=r.now, renewed=r.now, rule=d.rule,
+               turn=r.facts.turn or "", source=r.source.name if r.source else "")

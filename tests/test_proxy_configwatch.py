@@ -1,0 +1,88 @@
+"""ConfigWatch: read at start, watched while running, bad texts refused."""
+
+from __future__ import annotations
+
+import pytest
+from mitmproxy import exceptions
+
+from shellkit import CONFIG, start
+
+
+@pytest.fixture
+def cfg_path(tmp_path):
+    p = tmp_path / "config.toml"
+    p.write_text(CONFIG)
+    return p
+
+
+@pytest.fixture
+def proxy(cfg_path):
+    p = start(cfg_path)
+    yield p
+    p.close()
+
+
+def test_bad_config_is_refused_and_the_previous_one_stays(proxy, cfg_path, caplog):
+    cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "glmm"'))
+    proxy.reload()
+    assert proxy.config.config.current("claude-code") == "glm"
+    assert proxy.config.problem.startswith("config.toml:")
+    assert "agents.claude-code.server: no server named 'glmm'" in caplog.text
+    assert proxy.config.rejected == 1
+    cfg_path.unlink()   # a vanished file keeps the config in force
+    proxy.reload()
+    assert proxy.config.config.current("claude-code") == "glm"
+    cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = ""'))
+    proxy.reload()
+    assert proxy.config.config.current("claude-code") is None and proxy.config.problem is None
+    assert proxy.config.reloads == 1
+
+
+def test_a_text_seen_once_is_not_applied(proxy, cfg_path):
+    cfg_path.write_text("")                  # an editor truncated the file, about to write
+    proxy.config.check()
+    assert proxy.config.config.current("claude-code") == "glm"
+    cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))
+    proxy.config.check()
+    assert proxy.config.config.current("claude-code") == "glm"
+    proxy.config.check()
+    assert proxy.config.config.current("claude-code") == "anthropic"
+
+
+def test_an_emptied_file_is_an_empty_config(proxy, cfg_path):
+    cfg_path.write_text("")
+    proxy.reload()
+    assert proxy.config.config.servers == {} and proxy.config.problem is None
+
+
+def test_bad_config_option_raises_options_error(proxy, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[agents.claude-code]\nserver = "x"\n')
+    with pytest.raises(exceptions.OptionsError, match=r"bad.toml:2: agents.claude-code.server: no server named 'x'"):
+        proxy.tctx.configure(proxy.config, sessionpin_config=str(bad))
+    assert proxy.config.config.current("claude-code") == "glm"
+
+
+def test_missing_config_file_routes_nothing(tmp_path):
+    p = start(tmp_path / "none.toml")
+    try:
+        assert p.config.config.servers == {} and p.config.problem is None
+    finally:
+        p.close()
+
+
+def test_reload_interval_is_validated(proxy):
+    with pytest.raises(exceptions.OptionsError, match="sessionpin_reload_ms"):
+        proxy.tctx.configure(proxy.config, sessionpin_reload_ms=1)
+
+
+async def test_the_watch_loop_applies_an_edit(proxy, cfg_path):
+    import asyncio
+    proxy.tctx.configure(proxy.config, sessionpin_reload_ms=20)
+    proxy.config.running()
+    cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if proxy.config.config.current("claude-code") == "anthropic":
+            break
+    assert proxy.config.config.current("claude-code") == "anthropic"

@@ -1,0 +1,117 @@
+"""ConnectCheck: an unreachable server a request was moved to is named, in the agent's format."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from mitmproxy.proxy import server_hooks
+from mitmproxy.test import tflow
+
+from shellkit import CONFIG, SESSION, flow, start
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture
+def cfg_path(tmp_path):
+    p = tmp_path / "config.toml"
+    p.write_text(CONFIG)
+    return p
+
+
+@pytest.fixture
+def proxy(cfg_path):
+    p = start(cfg_path, sessionpin_connect_check=True)
+    yield p
+    p.close()
+
+
+async def test_a_moved_request_to_a_server_that_is_down_gets_an_error_naming_it(proxy, cfg_path):
+    down = free_port()
+    cfg_path.write_text(CONFIG.replace("https://api.z.ai/api/anthropic", f"https://127.0.0.1:{down}/api/anthropic"))
+    proxy.reload()
+    f = flow()
+    await proxy.send(f)
+    assert f.response.status_code == 502
+    assert f.response.headers["content-type"] == "application/json" and f.response.headers["retry-after"] == "5"
+    err = json.loads(f.response.content)
+    assert err["type"] == "error"
+    msg = err["error"]["message"]
+    assert "server glm" in msg and f"127.0.0.1:{down}" in msg and SESSION in msg
+    assert f.request.host == "api.anthropic.com", "nothing was sent anywhere"
+    assert proxy.connect.unreachable["glm"]
+    # the pin stays: the conversation stays on glm
+    from sessionpin import pins
+    assert (await pins.load(proxy.store, SESSION)).pin.server == "glm"
+
+
+async def test_a_server_requests_were_moved_to_is_named_by_server_connect(proxy):
+    r = proxy.connect
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    down = free_port()
+    try:
+        def data(port):
+            d = server_hooks.ServerConnectionHookData(client=tflow.tclient_conn(), server=tflow.tserver_conn())
+            d.server.address = ("127.0.0.1", port)
+            d.server.error = None
+            return d
+
+        untouched = data(down)
+        await r.server_connect(untouched)          # not a server the router moved anything to
+        assert untouched.server.error is None
+        r.moved_to(("127.0.0.1", down), "glm")
+        r.moved_to(("127.0.0.1", listening.getsockname()[1]), "glm")
+        failed = data(down)
+        await r.server_connect(failed)
+        assert failed.server.error.startswith("sessionpin: server glm (https://api.z.ai) cannot be reached")
+        up = data(listening.getsockname()[1])
+        await r.server_connect(up)
+        assert up.server.error is None
+        r.server_connected(data(down))             # a connection to it is open: no check
+        again = data(down)
+        await r.server_connect(again)
+        assert again.server.error is None
+        r.server_disconnected(data(down))
+        again = data(down)
+        await r.server_connect(again)
+        assert again.server.error is not None
+    finally:
+        listening.close()
+
+
+async def test_a_check_the_router_made_stands_once_for_the_connection_that_follows(proxy):
+    r = proxy.connect
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    addr = ("127.0.0.1", listening.getsockname()[1])
+    r.moved_to(addr, "glm")
+    client = tflow.tclient_conn()
+
+    def data():
+        d = server_hooks.ServerConnectionHookData(client=client, server=tflow.tserver_conn())
+        d.server.address = addr
+        d.server.error = None
+        return d
+    try:
+        assert await r.reachable(client.id, addr) is None
+        listening.close()                           # down after the check
+        first = data()
+        await r.server_connect(first)
+        assert first.server.error is None           # the router's check stood: no second connect
+        second = data()
+        await r.server_connect(second)              # once: this one is checked now
+        assert second.server.error is not None
+        assert await r.reachable(client.id, addr) is not None
+    finally:
+        listening.close()

@@ -1,0 +1,53 @@
+"""Defaults: lazy connections, no request streaming, one line per decision."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import pytest
+from mitmproxy import exceptions
+
+from sessionpin.proxy.defaults import Defaults, decisions
+from shellkit import flow, start
+
+
+@pytest.fixture
+def proxy(tmp_path):
+    p = start(tmp_path / "none.toml")
+    yield p
+    p.close()
+
+
+def test_stream_large_bodies_is_refused(proxy):
+    d = next(a for a in proxy.addons if isinstance(a, Defaults))
+    proxy.tctx.options.add_option("stream_large_bodies", Optional[str], None, "proxyserver's")
+    with pytest.raises(exceptions.OptionsError, match="stream_large_bodies"):
+        proxy.tctx.configure(d, stream_large_bodies="1m")
+
+
+def test_connection_chatter_is_off_unless_asked(proxy, caplog):
+    server_log = logging.getLogger("mitmproxy.proxy.server")
+    with caplog.at_level(logging.INFO, logger="mitmproxy.proxy.server"):
+        server_log.info("client connect")
+        server_log.info("server disconnect api.z.ai:443")
+        server_log.info("error establishing server connection: refused")
+    assert "client connect" not in caplog.text and "server disconnect" not in caplog.text
+    assert "error establishing" in caplog.text
+    d = next(a for a in proxy.addons if isinstance(a, Defaults))
+    proxy.tctx.configure(d, sessionpin_connection_log=True)
+    with caplog.at_level(logging.INFO, logger="mitmproxy.proxy.server"):
+        server_log.info("client connect")
+    assert "client connect" in caplog.text
+
+
+async def test_one_line_per_decision_on_the_terminal(proxy, capsys):
+    await proxy.send(flow())
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "claude-code opening abcd1234" in out
+    d = next(a for a in proxy.addons if isinstance(a, Defaults))
+    proxy.tctx.configure(d, sessionpin_decision_log="off")
+    await proxy.send(flow())
+    assert capsys.readouterr().out == ""
+    proxy.tctx.configure(d, sessionpin_decision_log="eventlog")
+    assert decisions.propagate and not any(type(h).__name__ == "_Terminal" for h in decisions.handlers)

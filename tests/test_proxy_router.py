@@ -1,0 +1,390 @@
+"""The router addon: the stepper's effects performed on real flows, with a real store."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from mitmproxy import http
+from mitmproxy.test import tflow, tutils
+
+from sessionpin import pins, route
+from sessionpin.store import NotDurable, StoreUnavailable
+from shellkit import CONFIG, SESSION, body, flow, start
+
+
+@pytest.fixture
+def cfg_path(tmp_path):
+    p = tmp_path / "config.toml"
+    p.write_text(CONFIG)
+    return p
+
+
+@pytest.fixture
+async def proxy(cfg_path):
+    p = start(cfg_path)
+    yield p
+    p.close()
+
+
+async def pin_of(proxy, session=SESSION):
+    return (await pins.load(proxy.store, session)).pin
+
+
+async def put(proxy, server, session=SESSION, renewed=None):
+    now = time.time() if renewed is None else renewed
+    await pins.create(proxy.store, session, pins.Pin(agent="claude-code", server=server, since=now, renewed=now))
+
+
+async def test_opening_turn_is_routed_and_pinned_before_it_leaves(proxy):
+    f = flow()
+    original = f.request.content
+    await proxy.send(f)
+    req = f.request
+    assert f.response is None
+    assert (req.scheme, req.host, req.port, req.path) == ("https", "api.z.ai", 443, "/api/anthropic/v1/messages?beta=true")
+    assert req.headers["host"] == "api.z.ai"
+    assert req.headers["x-api-key"] == "zai-sentinel" and "cookie" not in req.headers
+    assert req.content == original.replace(b'"claude-opus-4-1"', b'"glm-4.6"')
+    pin = await pin_of(proxy)
+    assert (pin.agent, pin.server, pin.rule, pin.turn) == ("claude-code", "glm", "opening", "opening")
+    assert f.comment == "opening abcd1234 → glm (pinned)"
+    assert f.marked == ":pushpin:"
+    meta = f.metadata["sessionpin"]
+    assert meta["rule"] == "opening" and meta["target"] == "glm" and meta["model"] == ["claude-opus-4-1", "glm-4.6"]
+    assert proxy.runtime._activity[SESSION][3] == 1
+
+
+async def test_the_pin_holds_after_the_current_server_changes(proxy, cfg_path):
+    await proxy.send(flow())
+    cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))
+    proxy.reload()
+    assert proxy.config.config.current("claude-code") == "anthropic"
+    f = flow("continuation")
+    await proxy.send(f)
+    assert f.request.host == "api.z.ai" and f.metadata["sessionpin"]["rule"] == "pinned"
+    new = flow(session="ffff0000-0000-4000-8000-000000000002")
+    await proxy.send(new)
+    assert new.request.host == "api.anthropic.com" and new.request.headers["x-api-key"] == "agent-sentinel"
+
+
+async def test_a_pin_is_followed_when_its_origin_left_the_config(proxy, cfg_path):
+    await proxy.send(flow())
+    cfg_path.write_text("")           # emptied: valid, routes no new conversation
+    proxy.reload()
+    f = flow("continuation")
+    await proxy.send(f)
+    assert f.response.status_code == 503 and "'glm'" in f.response.text   # its server is gone: refused, not moved
+    cfg_path.write_text(CONFIG.replace("[servers.anthropic]\nurl = \"https://api.anthropic.com\"\n", ""))
+    proxy.reload()
+    f = flow("continuation")
+    await proxy.send(f)
+    assert f.response is None and f.request.host == "api.z.ai"      # the addressed origin is no longer configured
+    assert f.request.headers["x-api-key"] == "zai-sentinel"
+    new = flow(session="ffff0000-0000-4000-8000-000000000003")
+    await proxy.send(new)
+    assert new.request.host == "api.anthropic.com" and "sessionpin" in new.metadata
+
+
+async def test_continuation_never_seen_begin_is_left_alone_and_pinned_so(proxy):
+    f = flow("continuation")
+    before = (f.request.url, f.request.content, f.request.headers.fields)
+    await proxy.send(f)
+    await proxy.settle()
+    assert (f.request.url, f.request.content, f.request.headers.fields) == before
+    assert (await pin_of(proxy)).server is None
+    assert f.comment == "continuation abcd1234 → left alone (not seen begin)"
+    assert not f.marked
+
+
+async def test_count_tokens_before_an_unseen_continuation_does_not_adopt_it(proxy):
+    # A resumed Claude Code session (never seen begin) sends /context's count_tokens first.
+    ct = flow("title", path="/v1/messages/count_tokens?beta=true")
+    await proxy.send(ct)
+    assert ct.request.host == "api.z.ai"           # a side request goes to the current server...
+    await proxy.settle()
+    main = flow("continuation")
+    await proxy.send(main)
+    assert main.request.host == "api.anthropic.com"   # ...and adopts nothing
+    assert main.metadata["sessionpin"]["rule"] == "continuation-unseen"
+
+
+async def test_pinned_server_gone_is_refused_503_in_anthropic_format(proxy):
+    await put(proxy, "ete")
+    f = flow("continuation")
+    await proxy.send(f)
+    assert f.response.status_code == 503 and f.response.headers["x-should-retry"] == "false"
+    err = json.loads(f.response.content)
+    assert err["type"] == "error" and SESSION in err["error"]["message"] and "'ete'" in err["error"]["message"]
+    assert f.request.host == "api.anthropic.com"
+    assert proxy.router.metrics.refusals["pinned-server-gone"] == 1
+
+
+async def test_missing_key_refuses_without_pinning(proxy):
+    proxy.router.env.pop("ZAI_API_KEY")
+    f = flow()
+    await proxy.send(f)
+    assert f.response.status_code == 502
+    assert "ZAI_API_KEY is not set" in json.loads(f.response.content)["error"]["message"]
+    assert await pin_of(proxy) is None
+
+
+async def test_server_without_key_env_refuses_foreign_requests(proxy, cfg_path):
+    cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "nokey"'))
+    proxy.reload()
+    f = flow()
+    await proxy.send(f)
+    assert f.response.status_code == 502 and "nokey has no key_env" in f.response.text
+    assert b"agent-sentinel" not in f.response.content
+
+
+@pytest.mark.parametrize("path, method", [("/api/claude_code/settings", b"GET"), ("/api/event_logging/batch", b"POST"),
+                                          ("/v1/models", b"GET")])
+async def test_non_model_paths_pass_untouched(proxy, path, method):
+    f = flow(path=path, method=method)
+    before = (f.request.url, f.request.content, f.request.headers.fields)
+    await proxy.send(f)
+    assert (f.request.url, f.request.content, f.request.headers.fields) == before
+    assert "sessionpin" not in f.metadata and f.response is None
+
+
+async def test_unconfigured_origin_without_a_pin_passes_untouched(proxy):
+    f = flow(host="example.com")
+    before = (f.request.url, f.request.content, f.request.headers.fields)
+    await proxy.send(f)
+    assert (f.request.url, f.request.content, f.request.headers.fields) == before
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", bytes(range(256)), b"[1,2]"])
+async def test_garbage_body_is_left_alone(proxy, content):
+    f = flow(content=content)
+    await proxy.send(f)
+    assert f.response is None and f.request.host == "api.anthropic.com" and f.request.content == content
+    assert await pin_of(proxy) is None
+
+
+async def test_an_exception_answers_502_and_never_sends(proxy, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("bug")
+    monkeypatch.setattr(route.ladder, "decide", boom)
+    f = flow()
+    await proxy.send(f)
+    assert f.response.status_code == 502 and "RuntimeError: bug" in f.response.text
+    assert f.request.host == "api.anthropic.com"
+
+
+class Faulty:
+    """A real memory store whose chosen operations fail as a failing backend's do."""
+
+    def __init__(self, store, fail: dict[str, Exception]):
+        self._s, self.fail, self.url = store, fail, store.url
+
+    def __getattr__(self, name):
+        if name in self.fail:
+            async def raises(*a, **k):
+                raise self.fail[name]
+            return raises
+        return getattr(self._s, name)
+
+
+async def test_a_pin_that_cannot_be_read_is_a_503_never_no_pin(proxy):
+    await put(proxy, "glm")
+    proxy.runtime.store = Faulty(proxy.store, {"get": StoreUnavailable("file:x: disk I/O error")})
+    f = flow("continuation")
+    await proxy.send(f)
+    assert f.response.status_code == 503 and f.response.headers["retry-after"] == "1"
+    assert "disk I/O error" in f.response.text and f.request.host == "api.anthropic.com"
+    assert proxy.router.metrics.store_errors == 1
+
+
+async def test_a_pin_that_cannot_be_saved_never_sends_the_conversation_away(proxy):
+    real = proxy.store
+    proxy.runtime.store = Faulty(real, {"apply": NotDurable("file:x: database is locked")})
+    for _ in range(2):          # the first try and the client's retry
+        f = flow()
+        await proxy.send(f)
+        assert f.response.status_code == 503 and "database is locked" in f.response.text
+        assert SESSION in f.response.text and "glm" in f.response.text
+        assert f.request.host == "api.anthropic.com"
+    assert (await pins.load(real, SESSION)).pin is None, "no pin is invented"
+
+
+async def test_pin_race_the_first_pin_wins(proxy):
+    real = proxy.store
+
+    class OtherProxyFirst(Faulty):
+        async def apply(self, checks, writes, durable=False):
+            now = time.time()
+            await pins.create(real, SESSION, pins.Pin(agent="claude-code", server="anthropic", since=now, renewed=now))
+            return await real.apply(checks, writes, durable=durable)
+    proxy.runtime.store = OtherProxyFirst(real, {})
+    f = flow()
+    await proxy.send(f)
+    assert f.request.host == "api.anthropic.com" and f.metadata["sessionpin"]["rule"] == "pinned"
+    assert f.request.headers["x-api-key"] == "agent-sentinel"
+
+
+async def test_a_followed_pin_is_renewed_at_most_daily_and_never_over_a_move(proxy):
+    now = time.time()
+    await put(proxy, "glm", renewed=now - 2 * pins.DAY)
+    await proxy.send(flow("continuation"))
+    await proxy.settle()
+    assert (await pin_of(proxy)).renewed >= now
+    seen = await pins.load(proxy.store, SESSION)
+    await pins.move(proxy.store, SESSION, seen, pins.Pin(agent="claude-code", server="glm", since=1,
+                                                         renewed=now - 3600))
+    await proxy.send(flow("continuation"))
+    await proxy.settle()
+    assert (await pin_of(proxy)).renewed == now - 3600
+
+
+async def test_opencode_title_then_toolless_opening_then_continuation(proxy, cfg_path):
+    # opencode with every tool disabled: its opening reads like its title (side). The next
+    # turn carries history; it follows where the title went and pins.
+    cfg_path.write_text(CONFIG + '[agents.opencode]\nserver = "glm"\n')
+    proxy.reload()
+    oc = [(b"x-opencode-session", b"ses_toolless")]
+    title = flow("title", session=None, headers=oc, agent=b"opencode/1.18.33", content=body("title"))
+    await proxy.send(title)
+    await proxy.settle()
+    assert title.request.host == "api.z.ai" and await pin_of(proxy, "ses_toolless") is None
+    nxt = flow("continuation", session=None, headers=oc, agent=b"opencode/1.18.33",
+               content=body("continuation").replace(b'"tools"', b'"x_tools"'))
+    await proxy.send(nxt)
+    assert nxt.request.host == "api.z.ai"
+    assert (await pin_of(proxy, "ses_toolless")).server == "glm"
+
+
+async def test_participants_see_routed_requests_and_response_headers(cfg_path):
+    seen = []
+
+    class Pool:
+        name = "pool"
+
+        async def request(self, flow, facts, decision):
+            seen.append(("request", flow.request.host, facts.turn if facts else None, decision.rule if decision else None))
+
+        def responseheaders(self, flow):
+            seen.append(("responseheaders", flow.response.stream))
+
+        def configure_store(self, store):
+            seen.append(("store", store.url))
+
+        async def status(self):
+            return {"enabled": True}
+
+        def metrics(self):
+            return "sessionpin_pool_ids 3"
+
+    p = start(cfg_path, participants=[Pool()])
+    try:
+        f = flow()
+        await p.send(f)
+        f.response = tutils.tresp(headers=http.Headers(content_type="text/event-stream"))
+        p.router.responseheaders(f)
+        out = flow(host="example.com", session="another-session")
+        await p.send(out)
+        st = (await p.status.status())
+        assert st.participants == {"pool": {"enabled": True}}
+        assert (await p.status.render_metrics()).endswith("sessionpin_pool_ids 3\n")
+    finally:
+        p.close()
+    assert seen == [("store", "memory:"), ("request", "api.z.ai", "opening", "opening"),
+                    ("responseheaders", True), ("request", "example.com", "opening", "out-of-scope")]
+
+
+@pytest.mark.parametrize("ctype, length, in_scope, streamed", [
+    ("text/event-stream; charset=utf-8", True, False, True),
+    ("application/x-ndjson", True, False, True),
+    ("application/json", True, True, False),
+    ("application/json", False, True, True),     # an in-scope response of unknown length
+    ("application/json", False, False, False),   # not ours: mitmproxy's default
+])
+def test_responseheaders_streams(tmp_path, ctype, length, in_scope, streamed):
+    p = start(tmp_path / "none.toml")
+    f = tflow.tflow(resp=True)
+    f.response.headers["content-type"] = ctype
+    if not length:
+        del f.response.headers["content-length"]
+    if in_scope:
+        f.metadata["sessionpin"] = {"target": "glm"}
+    p.router.responseheaders(f)
+    assert bool(f.response.stream) is streamed
+    p.close()
+
+
+async def test_websocket_upgrade_refused_for_a_routed_agent(proxy, cfg_path):
+    cfg_path.write_text(CONFIG + '[agents.codex]\nserver = "glm"\n')
+    proxy.reload()
+    f = flow(path="/v1/responses", method=b"GET", content=b"", agent=b"codex_exec/0.171.0",
+             headers=[(b"upgrade", b"websocket"), (b"connection", b"Upgrade")])
+    await proxy.send(f)
+    assert f.response.status_code == 404
+
+
+async def test_codex_zstd_body_keeps_its_encoding_and_only_the_model_changes(tmp_path):
+    from mitmproxy.net import encoding
+
+    from shellkit import Proxy  # noqa: F401  (documentation: start() builds one)
+    p = tmp_path / "config.toml"
+    p.write_text('''
+[servers.openai]
+url = "https://api.openai.com"
+[servers.router]
+url = "https://openrouter.example/api"
+key_env = "OR_KEY"
+models = { "gpt-5*" = "openai/gpt-5" }
+[agents.codex]
+server = "router"
+''')
+    plain = json.dumps({"model": "gpt-5-codex", "instructions": "x", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+        "tools": [], "stream": True}).encode()
+    sid = "0199a0b0-0000-7000-8000-000000000001"
+    h = http.Headers([(b"host", b"api.openai.com"), (b"user-agent", b"codex_cli_rs/0.171.0 (Linux; x86_64)"),
+                      (b"session-id", sid.encode()), (b"content-encoding", b"zstd"),
+                      (b"authorization", b"Bearer sk-agent")])
+    proxy = start(p)
+    proxy.router.env["OR_KEY"] = "or-sentinel"
+    try:
+        req = tutils.treq(method=b"POST", scheme=b"https", host="api.openai.com", port=443, path=b"/v1/responses",
+                          headers=h, content=b"")
+        req.raw_content = encoding.encode(plain, "zstd")
+        f = tflow.tflow(req=req)
+        await proxy.send(f)
+        assert f.response is None
+        assert f.request.url == "https://openrouter.example/api/v1/responses"
+        assert f.request.headers["content-encoding"] == "zstd"
+        assert encoding.decode(f.request.raw_content, "zstd") == plain.replace(b'"gpt-5-codex"', b'"openai/gpt-5"')
+        assert f.request.headers["authorization"] == "Bearer or-sentinel"
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("status, location, named", [
+    (307, "https://evil.example/v1/messages", "evil.example"),
+    (302, "/api/anthropic/v1/messages", "api.z.ai (same origin)"),
+    (308, "https://api.z.ai:8443/x", "api.z.ai"),
+])
+async def test_a_redirect_from_a_server_the_request_was_moved_to_is_not_passed_on(proxy, status, location, named):
+    f = flow()
+    await proxy.send(f)
+    assert f.request.host == "api.z.ai" and f.metadata["sessionpin"]["moved"]
+    f.response = tutils.tresp(status_code=status, headers=http.Headers(location=location, content_length="0"),
+                              content=b"")
+    proxy.router.responseheaders(f)
+    assert not f.response.stream
+    proxy.router.response(f)
+    assert f.response.status_code == 502 and "location" not in f.response.headers
+    msg = json.loads(f.response.content)["error"]["message"]
+    assert "server glm" in msg and named in msg and SESSION in msg
+
+
+async def test_a_redirect_to_a_request_left_where_it_was_sent_passes(proxy):
+    f = flow("continuation")         # never seen begin: left alone
+    await proxy.send(f)
+    f.response = tutils.tresp(status_code=307, headers=http.Headers(location="https://x.example/"), content=b"")
+    proxy.router.responseheaders(f)
+    proxy.router.response(f)
+    assert f.response.status_code == 307

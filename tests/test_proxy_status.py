@@ -1,0 +1,106 @@
+"""The status and metrics endpoints: who may read them, and what they say, in O(1)."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+import pytest
+
+from sessionpin.documents import read_status
+from shellkit import CONFIG, flow, internal, start
+
+
+@pytest.fixture
+def cfg_path(tmp_path):
+    p = tmp_path / "config.toml"
+    p.write_text(CONFIG)
+    return p
+
+
+@pytest.fixture
+async def proxy(cfg_path):
+    p = start(cfg_path)
+    yield p
+    p.close()
+
+
+async def test_status_and_metrics(proxy):
+    await proxy.send(flow())
+    f = internal("/__sessionpin/status")
+    await proxy.send(f)
+    status = read_status(f.response.content)
+    assert status is not None, f.response.content
+    assert status.agents["claude-code"] == "glm" and status.pins["glm"].pins == 1
+    assert status.servers["glm"].key_set is True and status.store == "memory:"
+    assert "zai-sentinel" not in f.response.text
+    assert "sessionpin" not in f.metadata          # the router left it to the status addon
+    f = internal("/__sessionpin/metrics", peer=("::ffff:127.0.0.1", 1, 0, 0))
+    await proxy.send(f)
+    text = f.response.text
+    assert 'sessionpin_pins{server="glm"} 1' in text
+    assert 'sessionpin_decisions_total{agent="claude-code",turn="opening",outcome="routed"} 1' in text
+    assert "sessionpin_store_errors_total 0" in text
+    for line in text.splitlines():
+        assert line.startswith("#") or re.match(r'^sessionpin_[a-z_]+(\{[^}]*\})? -?\d+$', line), line
+    f = internal("/__sessionpin/nope")
+    await proxy.send(f)
+    assert f.response.status_code == 404
+
+
+@pytest.mark.parametrize("peer, host, headers, allowed", [
+    (("127.0.0.1", 1), "127.0.0.1:8080", [], True),
+    (("::1", 1, 0, 0), "[::1]:8080", [], True),
+    (("127.0.0.1", 1), "localhost:8080", [(b"sec-fetch-site", b"none")], True),
+    (("10.0.0.5", 1), "127.0.0.1:8080", [], False),                                  # not loopback
+    (("127.0.0.1", 1), "evil.example:8080", [], False),                              # DNS rebinding
+    (("127.0.0.1", 1), "evil.example", [], False),
+    (("127.0.0.1", 1), "127.0.0.1:8080", [(b"sec-fetch-site", b"same-origin")], False),   # a page's script
+    (("127.0.0.1", 1), "api.anthropic.com", [], False),                               # reverse mode rewrote it
+])
+async def test_who_may_read_the_status(proxy, peer, host, headers, allowed):
+    f = internal("/__sessionpin/status", peer=peer, host=host, headers=headers)
+    await proxy.send(f)
+    assert (f.response.status_code == 200) is allowed
+    if not allowed:
+        assert b"config" not in f.response.content
+
+
+async def test_the_heartbeat_token_opens_it_on_any_listener(proxy):
+    token = proxy.status.token
+    assert proxy.runtime.heartbeat().token == token
+    f = internal("/__sessionpin/status", host="api.anthropic.com", headers=[(b"x-sessionpin-token", token.encode())])
+    await proxy.send(f)
+    assert f.response.status_code == 200
+    f = internal("/__sessionpin/status", host="127.0.0.1:8080", headers=[(b"x-sessionpin-token", b"guess")])
+    await proxy.send(f)
+    assert f.response.status_code == 403
+
+
+async def test_counts_come_from_the_index(proxy):
+    # many pins: the status reads a zcount per server, not the pins
+    from sessionpin import pins
+    for i in range(50):
+        await pins.create(proxy.store, f"s{i}", pins.Pin(agent="claude-code", server="glm" if i % 2 else None,
+                                                         since=2e9, renewed=2e9))
+    calls = []
+    real = proxy.store
+
+    class Counting:
+        url = real.url
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+    proxy.runtime.store = Counting()
+    counts, problem = await proxy.status.counts()
+    assert problem is None and counts["glm"].pins == 25 and counts["-"].pins == 25
+    assert "get" not in calls and "keys" not in calls and "mget" not in calls
+    assert len(calls) <= 1 + 2 * len(counts)
+
+
+def test_status_document_roundtrip():
+    from sessionpin.documents import PinCount, Status
+    s = Status(version="1", pid=1, host="h", started=1.0, pins={"glm": PinCount(pins=2, active=1)})
+    assert read_status(msgspec.json.encode(s)) == s
+    assert read_status(b'{"version": 1}') is None

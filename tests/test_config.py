@@ -154,24 +154,6 @@ def test_semantic_errors(text, expected):
     assert err(text) == expected
 
 
-@pytest.mark.parametrize("text, line", [
-    ('[servers.a]\nurl = "https://a\n', 2),
-    ('[servers.a]\nurl = "https://a"\nurl = "https://b"\n', 3),
-    ('[servers.a\n', 1),
-])
-def test_syntax_errors_carry_the_line(text, line):
-    e = err(text)
-    assert e.startswith(f"config.toml:{line}: TOML syntax: "), e
-    assert "\n" not in e
-
-
-def test_error_without_a_path():
-    with pytest.raises(ConfigError) as e:
-        config.parse('[agents.x]\n')
-    assert str(e.value).startswith("config:1: agents.x: unknown agent")
-    assert e.value.line == 1 and e.value.key == "agents.x" and e.value.path is None
-
-
 KEYS = [
     "sk-ant-api03-Ab3dE6gH9jK2mN5pQ8sT1vW4yZ7bC0eF3hJ6kM9nP2rS5uV8xA1cD4fG7iL0oR3tU6w-AbCdEfAA",
     "sk-0123456789abcdef0123456789abcdef",                           # DeepSeek-shaped
@@ -203,3 +185,22 @@ def test_variable_names_are_taken(name):
 def test_a_bad_variable_name_is_named_without_being_shown(bad):
     e = err(f'[servers.a]\nurl = "https://a"\nkey_env = "{bad}"\n')
     assert "not an environment variable name" in e and bad not in e
+
+
+@pytest.mark.parametrize("text, line", [
+    ('[servers.a]\nurl = "https://a\n', 2),
+    ('[servers.a]\nurl = "https://a"\nurl = "https://b"\n', 3),
+    ('[servers.a\n', 1),
+])
+def test_syntax_errors_carry_the_line(text, line):
+    e = err(text)
+    assert e.startswith(f"config.toml:{line}: TOML syntax: "), e
+    assert "\n" not in e
+
+
+def test_error_without_a_path():
+    with pytest.raises(ConfigError) as e:
+        config.parse('[agents.x]\n')
+    assert str(e.value).startswith("config:1: agents.x: unknown agent")
+    assert e.value.line == 1 and e.value.key == "agents.x" and e.value.path is None
+

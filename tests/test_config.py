@@ -203,4 +203,3 @@ def test_error_without_a_path():
         config.parse('[agents.x]\n')
     assert str(e.value).startswith("config:1: agents.x: unknown agent")
     assert e.value.line == 1 and e.value.key == "agents.x" and e.value.path is None
-

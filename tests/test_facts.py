@@ -652,7 +652,7 @@ def test_header_decided_turns_survive_an_unreadable_body():
 
 
 def test_too_large(monkeypatch):
-    monkeypatch.setattr(facts, "MAX_BODY", 1000)
+    monkeypatch.setattr(facts.encodings, "MAX_BODY", 1000)
     big = enc(cc_body()) + b" " * 2000
     assert _bad(big).reason == "too large"
     for encoding, compress in (("gzip", gzip.compress), ("zstd", zstd.compress), ("br", brotli.compress),

@@ -51,7 +51,7 @@ AGENT = frozenset({
 AGENT_PREFIXES = ("x-claude-code-", "x-stainless-", "x-opencode-", "x-codex-")
 # A name in a prefix family holding one of these is a credential, not an id.
 CREDENTIAL_WORDS = ("key", "token", "auth", "cookie", "secret", "password", "passwd", "credential",
-                    "jwt", "signature", "sig", "session-token", "bearer", "access")
+                    "jwt", "signature", "sig", "bearer", "access")
 # Recorded on inference requests and dropped on purpose (tests/test_headers.py):
 DROPPED = {
     "authorization": "the agent's credential for the server it addressed; the target's own is set",

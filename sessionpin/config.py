@@ -27,6 +27,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .facts import AGENTS
+from .redact import contains_key, shown
 
 AUTH_STYLES = ("x-api-key", "bearer")
 SERVER_KEYS = ("url", "key_env", "auth", "models")
@@ -231,9 +232,16 @@ class _Validator:
         prefix = parts.path.rstrip("/")
         key_env = None
         if "key_env" in body:
+            # It names a variable. A key pasted here would be echoed by status, the log and
+            # refusals, so a value that reads as a key is refused, and no refused value is
+            # shown beyond its first characters and length.
             key_env = self.string(body["key_env"], at + ("key_env",)).strip() or None
+            if key_env and contains_key(key_env):
+                raise self.error(at + ("key_env",), f"looks like a key, not a variable name: {shown(key_env)}; "
+                                                    "put the key in the proxy's environment and name the variable here")
             if key_env and not _ENV_NAME.match(key_env):
-                raise self.error(at + ("key_env",), f"not an environment variable name: {key_env!r}")
+                raise self.error(at + ("key_env",), f"not an environment variable name: {shown(key_env)} "
+                                                    "(letters, digits and '_', not starting with a digit)")
         auth = None
         if "auth" in body:
             auth = self.string(body["auth"], at + ("auth",)).strip().lower() or None

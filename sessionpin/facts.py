@@ -6,9 +6,11 @@ whatever could still be read (e.g. the session from a header when the body is ga
 
 Rules it keeps (sources: ../shared/reference/agent-traffic.md, the recordings in
 tests/fixtures/traffic, seeds/000's turn rule; docs/facts.md lists each one):
-- api from method and path only (reverse mode rewrites the host): POST .../messages,
-  .../messages/count_tokens, .../chat/completions, .../responses; anything else is "other",
-  which has no session and no turn.
+- api from method and path only (reverse mode rewrites the host): a POST whose path ends
+  with /v1/messages, /v1/messages/count_tokens, /v1/chat/completions or /v1/responses,
+  exactly, and is not ambiguous (``paths.api_of_path``; the router, which knows the
+  server's prefix, asks ``paths.scope``); anything else is "other", which has no session
+  and no turn.
 - agent from the User-Agent and the agents' own headers.
 - session from the agent's own id (headers first, then the body), then a list of common
   session headers, then a fingerprint ``fp:<hash>`` of the conversation's opening (system
@@ -17,8 +19,9 @@ tests/fixtures/traffic, seeds/000's turn rule; docs/facts.md lists each one):
 - turn: count_tokens is side; Claude Code by ``x-claude-code-request-class``, then the
   billing line of system[0]; opencode by ``x-parent-session-id`` and the title request;
   Codex by ``x-openai-subagent`` and ``x-codex-turn-metadata``; everyone else by history.
-- The body is decoded (gzip, deflate, br, zstd) up to MAX_BODY bytes and only the fields
-  the facts need are built (``sessionpin.wire``): contents stay unparsed.
+- The body is decoded (gzip, deflate, br, zstd; ``sessionpin.encodings``) up to MAX_BODY
+  bytes and only the fields the facts need are built (``sessionpin.wire``): contents stay
+  unparsed.
 - Nothing from a prompt leaves this module but a hash.
 """
 
@@ -26,19 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-import zlib
 from typing import Any, Iterable
 
 import msgspec
 
-from . import wire
+from . import encodings, paths, wire
+from .encodings import MAX_BODY, MAX_REQUEST_BODY, body_too_large, decode_body  # noqa: F401 (the reader's API)
+from .paths import ANTHROPIC_COUNT_TOKENS, ANTHROPIC_MESSAGES, OPENAI_CHAT, OPENAI_RESPONSES, OTHER  # the apis
 
-# api
-ANTHROPIC_MESSAGES = "anthropic-messages"
-ANTHROPIC_COUNT_TOKENS = "anthropic-count-tokens"
-OPENAI_CHAT = "openai-chat"
-OPENAI_RESPONSES = "openai-responses"
-OTHER = "other"
 INFERENCE_APIS = frozenset({ANTHROPIC_MESSAGES, ANTHROPIC_COUNT_TOKENS, OPENAI_CHAT, OPENAI_RESPONSES})
 
 # agent
@@ -60,10 +58,10 @@ UNKNOWN_TURN = "unknown"
 # A fingerprint session id starts with this; no client id does (they are uuids, ses_…, …).
 FINGERPRINT_PREFIX = "fp:"
 
-# A decoded body larger than this is not read ("too large").
-MAX_BODY = 64 * 1024 * 1024
 # A client session id longer than this is not taken (it would become a store key).
 MAX_ID = 256
+# Claude Code's metadata.user_id longer than this is not read for a session.
+MAX_USER_ID = 1024
 
 
 class Facts(msgspec.Struct, frozen=True, kw_only=True):
@@ -191,23 +189,14 @@ def header_map(headers: object) -> dict[str, str]:
 
 
 def api_of(method: str, url: str) -> str:
-    if method.strip().upper() != "POST":
-        return OTHER
+    """The api of a request by its method and URL (or path), the server's prefix unknown:
+    ``paths.api_of_path``. The router asks ``paths.scope`` with the prefix."""
     path = url
     scheme = path.find("://")
     if scheme != -1:
         slash = path.find("/", scheme + 3)
         path = path[slash:] if slash != -1 else "/"
-    path = path.split("?", 1)[0].split("#", 1)[0].rstrip("/").lower()
-    if path.endswith("/messages/count_tokens"):
-        return ANTHROPIC_COUNT_TOKENS
-    if path.endswith("/messages"):
-        return ANTHROPIC_MESSAGES
-    if path.endswith("/chat/completions"):
-        return OPENAI_CHAT
-    if path.endswith("/responses") or path.endswith("/responses/compact"):
-        return OPENAI_RESPONSES
-    return OTHER
+    return paths.api_of_path(method, path)
 
 
 # pi sends its SDK's User-Agent (OpenAI/JS, Anthropic/JS) and no header of its own: only its
@@ -243,106 +232,6 @@ def agent_of(h: dict[str, str]) -> str:
 # ---------------------------------------------------------------- the body
 
 
-class _TooLarge(Exception):
-    pass
-
-
-def _frames(data: bytes, limit: int, decompressor, decompress) -> bytes:
-    """Every concatenated frame (gzip members, zstd frames) decompressed, at most ``limit``
-    bytes; a frame cut short is an error. ``decompress(d, data, room)`` reads one frame."""
-    out = bytearray()
-    while data:
-        d = decompressor()
-        out += decompress(d, data, limit + 1 - len(out))
-        if len(out) > limit:
-            raise _TooLarge
-        if not d.eof:
-            raise ValueError("truncated")
-        data = d.unused_data
-    return bytes(out)
-
-
-def _zlib(data: bytes, limit: int, wbits: int) -> bytes:
-    return _frames(data, limit, lambda: zlib.decompressobj(wbits), lambda d, b, room: d.decompress(b, room))
-
-
-def _gzip(data: bytes, limit: int) -> bytes:
-    return _zlib(data, limit, 16 + zlib.MAX_WBITS)
-
-
-def _deflate(data: bytes, limit: int) -> bytes:
-    # HTTP "deflate" is zlib-wrapped; some clients send it raw.
-    try:
-        return _zlib(data, limit, zlib.MAX_WBITS)
-    except zlib.error:
-        return _zlib(data, limit, -zlib.MAX_WBITS)
-
-
-def _br(data: bytes, limit: int) -> bytes:
-    import brotli  # a dependency of the proxy; imported only when a body needs it
-
-    d = brotli.Decompressor()
-    try:
-        out = d.process(data, output_buffer_limit=limit + 1)
-    except TypeError:  # brotli < 1.2 has no limit
-        out = brotli.decompress(data)
-        if len(out) > limit:
-            raise _TooLarge
-        return out
-    if len(out) > limit:
-        raise _TooLarge
-    if not d.is_finished():
-        raise ValueError("truncated")
-    return out
-
-
-def _zstd(data: bytes, limit: int) -> bytes:
-    try:
-        from compression import zstd  # Python >= 3.14
-    except ImportError:
-        try:
-            from backports import zstd  # installed with the proxy on Python 3.12/3.13
-        except ImportError:
-            return _zstd_zstandard(data, limit)
-    return _frames(data, limit, zstd.ZstdDecompressor, lambda d, b, room: d.decompress(b, max_length=room))
-
-
-def _zstd_zstandard(data: bytes, limit: int) -> bytes:
-    import zstandard  # type: ignore[import-not-found]
-
-    reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
-    out = reader.read(limit + 1)
-    if len(out) > limit:
-        raise _TooLarge
-    return out
-
-
-_DECODERS = {"gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "br": _br, "zstd": _zstd}
-
-
-def decode_body(body: bytes | None, content_encoding: str) -> tuple[bytes, str]:
-    """(decoded body, "") or (b"", why it cannot be read)."""
-    if body is None:
-        return b"", "no body"
-    if not isinstance(body, (bytes, bytearray, memoryview)):
-        return b"", "body is not bytes"
-    if len(body) > MAX_BODY:
-        return b"", "too large"
-    data = bytes(body)
-    codings = [c.strip().lower() for c in content_encoding.split(",")]
-    for coding in reversed([c for c in codings if c and c != "identity"]):
-        decode = _DECODERS.get(coding)
-        if decode is None:
-            return b"", f"unknown content-encoding {coding[:32]!r}"
-        try:
-            data = decode(data, MAX_BODY)
-        except _TooLarge:
-            return b"", "too large"
-        except Exception:
-            return b"", f"bad {coding} body"
-    return data, ""
-
-
 _FLAVOUR = {
     ANTHROPIC_MESSAGES: "anthropic",
     ANTHROPIC_COUNT_TOKENS: "anthropic",
@@ -363,6 +252,7 @@ def parse_body(data: bytes, api: str | None = None, cache_key: bool = True) -> t
             fast = None
         if fast is not None:
             return fast
+    wire.count(len(data))
     try:
         return wire.body_decoder.decode(data), ""
     except msgspec.ValidationError:
@@ -371,6 +261,7 @@ def parse_body(data: bytes, api: str | None = None, cache_key: bool = True) -> t
         return None, "not JSON: truncated" if "truncated" in str(e) else "not JSON"
     except RecursionError:  # msgspec's guard against deep nesting
         return None, "not JSON: nested too deeply"
+    wire.count(len(data))
     try:
         fields = wire.loose_decoder.decode(data)
     except msgspec.ValidationError:
@@ -452,7 +343,9 @@ def clean_id(value: object) -> str | None:
 
 def user_id_session(user_id: str | None) -> tuple[str | None, str | None]:
     """Claude Code's metadata.user_id: JSON string today, ``user_…_session_<uuid>`` before."""
-    if not user_id:
+    if not user_id or len(user_id) > MAX_USER_ID:
+        # Real ones are ~150 characters; a longer one would only make the legacy pattern's
+        # search below quadratic (every "_session_" in it is a start).
         return None, None
     text = user_id.strip()
     if text.startswith("{"):

@@ -3,37 +3,46 @@
 ``plan(decision, request, source, config, env)`` is pure (the environment is passed in)
 and returns ``Changes``; the addon applies them all or none. Rules it keeps:
 - Origin and prefix move together: scheme, host, port and the path prefix are the
-  target server's; the path after the source server's prefix is kept (query included).
+  target server's; the path after the source server's prefix is kept. Only an exact
+  inference path under the source's prefix moves (``paths.scope``): any other path, or
+  an ambiguous one (dot segments, encoded separators…), is refused, never sent under
+  another server's key.
 - **An agent's credentials never reach a server other than the one it addressed.**
-  Going to another server drops every credential header the agent sent (x-api-key,
-  authorization, proxy-authorization, cookie, and any header whose name contains key,
-  token, auth, cookie or secret) and sets the target's key, read from its ``key_env``,
-  as ``x-api-key: K`` or ``authorization: Bearer K`` (the server's ``auth``, else the
-  style the agent used, else the api's own).
+  A request going to another server keeps only the headers and query parameters
+  ``headers.py`` allows (what the target's API needs and the agent's own ids, never a
+  value that looks like a key) and gets the target's key, read from its ``key_env``, as
+  ``x-api-key: K`` or ``authorization: Bearer K`` (the server's ``auth``, else the style
+  the agent used, else the api's own).
 - A target with no ``key_env`` only receives requests addressed to its own origin
-  (the agent's key is for it); anything else is refused, never sent with a wrong key.
-  So is a target whose ``key_env`` is unset or empty in the proxy's environment.
+  (the agent's ``x-api-key``/``authorization`` are for it, and stay); anything else is
+  refused, never sent with a wrong key. So is a target whose ``key_env`` is unset or
+  empty in the proxy's environment.
 - A request that stays on the server it addressed keeps its headers as they are.
 - ``models``: only the top-level ``"model"`` value changes, in place; every other byte
   of the body is the agent's (re-serialising breaks thinking signatures). A body whose
-  model cannot be located exactly is refused rather than sent unmapped.
+  model cannot be located exactly is refused rather than sent unmapped, and so is a body
+  the reader could not read (``unreadable``: unknown content-encoding, too large, too
+  deep…) when the target renames models, whether the request moves or stays.
+- A refusal's message never carries a key: it names servers and variables, and is
+  scrubbed (``redact.scrub``) before it leaves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
-from urllib.parse import unquote_plus
 
 import msgspec
 
 from . import facts as F
+from . import headers as H
+from . import paths
 from .config import Config, Server
 from .ladder import Decision
+from .redact import scrub
 
-CREDENTIAL_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie"})
-CREDENTIAL_WORDS = ("key", "token", "auth", "cookie", "secret", "password", "passwd", "credential",
-                    "jwt", "signature")
+# The agent's own credential headers: kept when the target is the origin they are for.
+AGENT_CREDENTIALS = ("x-api-key", "authorization")
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,8 @@ class RequestView:
     body: bytes | None = None                   # decoded body (only needed to map the model)
     api: str = F.OTHER
     model: str | None = None                    # the body's top-level model, from the reader
+    unreadable: str | None = None               # why the reader could not read the body
+                                                # (facts.reason when not facts.parsed), else None
 
 
 @dataclass(frozen=True)
@@ -66,21 +77,6 @@ class ModelNotFound(ValueError):
     """The body's top-level model could not be located byte for byte."""
 
 
-def is_credential(name: str) -> bool:
-    n = name.lower()
-    return n in CREDENTIAL_HEADERS or any(w in n for w in CREDENTIAL_WORDS)
-
-
-def strip_query_credentials(path: str) -> str:
-    """The path with every query parameter whose name reads as a credential (``key``,
-    ``api_key``, ``access_token``, …) removed; every other byte kept as sent."""
-    base, sep, query = path.partition("?")
-    if not sep:
-        return path
-    kept = [p for p in query.split("&") if not is_credential(unquote_plus(p.partition("=")[0]))]
-    return base + ("?" + "&".join(kept) if kept else "")
-
-
 def auth_style(server: Server, request: RequestView) -> str:
     if server.auth:
         return server.auth
@@ -93,7 +89,7 @@ def auth_style(server: Server, request: RequestView) -> str:
 
 
 def _refused(request: RequestView, why: str) -> Changes:
-    return Changes(request.scheme, request.host, request.port, request.path, refuse=why)
+    return Changes(request.scheme, request.host, request.port, request.path, refuse=scrub(why))
 
 
 def plan(decision: Decision, request: RequestView, source: Server | None, config: Config,
@@ -106,18 +102,22 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
 
     changes = Changes(request.scheme, request.host, request.port, request.path)
     if source is None or target.name != source.name:
-        rest = _rest(request.path, source)
-        # A key in the query (``?key=…``, as some APIs take) is a credential like a header.
-        path = target.prefix + strip_query_credentials(rest)
-        if not path.startswith("/"):
-            path = "/" + path
-        drop: tuple[str, ...] = ()
+        # Only an exact inference path moves; a request to an origin no longer configured
+        # (its session pinned elsewhere) keeps its API path from ``/v1/`` on.
+        where = paths.scope("POST", request.path, source.prefix if source else None)
+        if where.refuse:
+            return _refused(request, f"not sent to server {target.name}: {where.refuse}")
+        if not where.inference:
+            return _refused(request, f"not sent to server {target.name}: not an inference endpoint"
+                                     + (f" under {source.name}'s prefix" if source else ""))
+        # Only the allowed query parameters go (``?key=…``, as some APIs take, is a credential).
+        path = target.prefix + H.query_for_move(where.rest)   # rest starts with "/": scope said so
         add: tuple[tuple[str, str], ...] = ()
         if target.key_env:
             key = env.get(target.key_env, "")
             if not key.strip():
                 return _refused(request, f"server {target.name}: {target.key_env} is not set in the proxy's environment")
-            drop = tuple(dict.fromkeys(n.lower() for n, _ in request.headers if is_credential(n)))
+            drop = H.dropped_for_move(request.headers)
             if auth_style(target, request) == "x-api-key":
                 add = (("x-api-key", key.strip()),)
             else:
@@ -129,8 +129,16 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
                 f"server {target.name} has no key_env, so it only takes requests addressed to {target.origin}; "
                 f"this one was addressed to {addressed} (set servers.{target.name}.key_env)",
             )
+        else:
+            # Another prefix of the same origin: the agent's key was for this origin and stays;
+            # everything else is held to the allowlist like any move.
+            drop = H.dropped_for_move(request.headers, keep=AGENT_CREDENTIALS)
         changes = Changes(target.scheme, target.host, target.port, path, drop, add)
 
+    if target.models and request.model is None and request.unreadable:
+        # The model may need renaming and cannot be known: never forwarded unmapped.
+        return _refused(request, f"cannot rename the model for server {target.name}: the request body "
+                                 f"could not be read ({request.unreadable[:120]})")
     if request.model is not None and target.models:
         mapped = target.map_model(request.model)
         if mapped != request.model:
@@ -141,16 +149,6 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
             changes = Changes(changes.scheme, changes.host, changes.port, changes.path,
                               changes.drop_headers, changes.set_headers, body, (request.model, mapped))
     return changes
-
-
-def _rest(path: str, source: Server | None) -> str:
-    """The path after the source server's prefix. A request to an origin that is no longer
-    configured (its session pinned elsewhere) keeps its API path from ``/v1/`` on."""
-    if source is not None:
-        return path[len(source.prefix):] if path.startswith(source.prefix) else path
-    base, sep, query = path.partition("?")
-    at = base.rfind("/v1/")
-    return (base[at:] if at != -1 else base) + sep + query
 
 
 _WS = b" \t\r\n"
@@ -169,6 +167,8 @@ def model_span(body: bytes) -> tuple[int, int]:
         top = _decode_top.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ModelNotFound(f"body is not a JSON object ({e})") from None
+    except RecursionError:
+        raise ModelNotFound("body nested too deeply") from None
     if "model" not in top:
         raise ModelNotFound("no top-level model")
     if not bytes(top["model"]).startswith(b'"'):

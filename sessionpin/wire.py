@@ -102,6 +102,7 @@ def decode_fields(fields: dict[str, msgspec.Raw]) -> tuple[dict[str, object], st
         raw = fields.get(name)
         if raw is None:
             continue
+        count(len(raw))
         try:
             values[name] = decoder.decode(raw)
         except (msgspec.DecodeError, RecursionError):
@@ -114,24 +115,34 @@ def decode_fields(fields: dict[str, msgspec.Raw]) -> tuple[dict[str, object], st
 # A long conversation is megabytes of message contents the facts never look at, and even
 # skipping them costs a full scan. For a large body the reader instead decodes three small
 # parts and leaves the middle alone:
-#   1. the head: the top-level members before the messages array ("model", …);
+#   1. the head: the top-level members before the messages array ("model", …), walked one
+#      member at a time (msgspec finds where each value ends);
 #   2. the first messages, one at a time, until an assistant turn (history) and the first
 #      user message (fingerprint) are both known - or the array ends;
 #   3. the tail: the top-level members after the messages array, found by key.
-# Every part is proved top-level with msgspec, not guessed: in JSON a quote preceded by
-# ``,`` or ``{`` is never inside a string, and a slice that decodes as one complete object
-# (``{`` + the text after a comma, or the text before one + ``}``) can only start or end at
+# Every part is proved top-level with msgspec, not guessed: the head is walked from the
+# opening brace; in JSON a quote preceded by ``,`` is never inside a string, and a slice
+# that decodes as one complete object (``{`` + the text after a comma) can only start at
 # depth 1. What is not proved is the well-formedness of message contents after the last
 # message read: a body corrupt deep inside them is the server's to reject.
+#
+# Work per byte is bounded for every input (a 0.9 MB body of nested look-alike keys once
+# took 20 s): the head walk and the messages scan each byte once or twice; each tail key is
+# searched backwards once; a look-alike found nested costs a decode up to the end of its
+# own object, and once the failed tries add up to the body's size the reader stops and
+# decodes the whole body instead (itself linear). ``STEPS`` counts the bytes every find,
+# copy and decode scans, so tests can prove the bound without timing.
 # Anything unexpected returns None and the caller decodes the whole body.
 
 import re  # noqa: E402
 
 FAST_MIN = 256 * 1024
 _WS = b" \t\r\n"
+_WS_RUN = re.compile(rb"[ \t\r\n]*")
 # msgspec's message for a complete value followed by more text; its offset is one past the
 # first byte after the value (checked by tests/test_wire.py against the installed msgspec).
 _TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
+_AT_BYTE = re.compile(r"\(byte (\d+)\)")
 # Keys of each api's body worth looking for after the messages array. A key that is absent
 # costs one scan of the body, so only the ones that api has.
 NEEDED = {
@@ -142,8 +153,34 @@ NEEDED = {
 # prompt_cache_key is a session id for pi and Codex on any api; the caller asks for it
 # (``cache_key=True``) when the request may be theirs, so others pay no scan for it.
 CACHE_KEY = "prompt_cache_key"
+# Real bodies have fewer than 20 top-level members before their messages, and find their
+# first user and assistant turns within a few items: more falls back to the whole read
+# (per-member overhead is Python's, so it is capped, not just linear).
+HEAD_MEMBERS = 64
+FIRST_ITEMS = 256
+# Failed tail tries may scan this many times the body before the whole read takes over.
+TAIL_BUDGET = 1
 
 _message_decoder = msgspec.json.Decoder(Message)
+_raw_decoder = msgspec.json.Decoder(Raw)
+_key_decoder = msgspec.json.Decoder(str)
+
+
+class Steps:
+    """Bytes scanned by the reader: every find, copy and decode adds what it scanned.
+    Tests reset ``n`` and assert it stays within k × the body's size (never timing)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+STEPS = Steps()
+
+
+def count(n: int) -> None:
+    STEPS.n += n
 
 
 class _Skip(Struct):
@@ -153,75 +190,141 @@ class _Skip(Struct):
 _skip_decoder = msgspec.json.Decoder(_Skip)
 
 
+def _decode(decoder: msgspec.json.Decoder, buf) -> tuple[object, int]:
+    """``decoder.decode(buf)``, counted. (value, -1) when it decoded; (None, k) when msgspec
+    met trailing characters at byte k (one past the first byte after the value); (None, 0)
+    on any other error."""
+    try:
+        value = decoder.decode(buf)
+    except msgspec.ValidationError:
+        count(len(buf))
+        return None, 0
+    except msgspec.DecodeError as err:
+        text = str(err)
+        at = _AT_BYTE.search(text)
+        count(int(at.group(1)) if at else len(buf))
+        trailing = _TRAILING.search(text)
+        return None, int(trailing.group(1)) if trailing else 0
+    except RecursionError:   # msgspec's guard against deep nesting: the caller falls back
+        count(len(buf))
+        raise
+    count(len(buf))
+    return value, -1
+
+
 def _skip_ws(data: bytes, i: int) -> int:
-    n = len(data)
-    while i < n and data[i] in _WS:
-        i += 1
-    return i
+    j = _WS_RUN.match(data, i).end()
+    count(j - i + 1)
+    return j
 
 
 def _skip_ws_back(data: bytes, i: int) -> int:
-    """The index of the last non-space byte at or before i (-1 if none)."""
-    while i >= 0 and data[i] in _WS:
-        i -= 1
-    return i
+    """The index of the last non-space byte at or before i (-1 if none). Windows that double,
+    so a long run of spaces costs C-speed copies, not a Python loop per byte."""
+    width = 16
+    while i >= 0:
+        lo = max(0, i + 1 - width)
+        kept = data[lo:i + 1].rstrip(_WS)
+        count(i + 1 - lo)
+        if kept:
+            return lo + len(kept) - 1
+        i, width = lo - 1, width * 2
+    return -1
 
 
-def _key_at(data: bytes, key: bytes, lo: int, hi: int, last: bool) -> tuple[int, int]:
-    """The next (first or last) ``"key"`` in data[lo:hi] that is a member name: preceded by
-    ``,`` or ``{`` and followed by ``:``. Returns (position of that ``,``/``{``, position
-    after the ``:``), or (-1, -1)."""
+def _find(data: bytes, needle: bytes, lo: int, hi: int, last: bool) -> int:
+    p = data.rfind(needle, lo, hi) if last else data.find(needle, lo, hi)
+    count((hi - p if last else p + len(needle) - lo) if p != -1 else hi - lo)
+    return p
+
+
+def _key_before(data: bytes, key: bytes, lo: int, hi: int) -> tuple[int, int]:
+    """The last ``"key"`` in data[lo:hi] that is a member name: preceded by ``,`` or ``{``
+    and followed by ``:``. Returns (position of that ``,``/``{``, position after the ``:``),
+    or (-1, -1)."""
     needle = b'"' + key + b'"'
     while lo < hi:
-        p = data.rfind(needle, lo, hi) if last else data.find(needle, lo, hi)
+        p = _find(data, needle, lo, hi, last=True)
         if p == -1:
             return -1, -1
         before = _skip_ws_back(data, p - 1)
         after = _skip_ws(data, p + len(needle))
         if before >= 0 and data[before] in b",{" and after < len(data) and data[after] == ord(":"):
             return before, after + 1
-        if last:
-            hi = p
-        else:
-            lo = p + 1
+        hi = p
     return -1, -1
 
 
-def _as_object(buf: bytearray, lo: int, hi: int, at: int, char: int) -> dict[str, Raw] | None:
-    """buf[lo:hi] decoded as one object with the byte at ``at`` read as ``char`` (the ``,``
-    before a member read as ``{``), or None. No copy of the rest of the body per try: a key
-    found nested costs only the decode up to the end of its own object, where msgspec stops,
-    so thousands of look-alikes in a body stay linear."""
+def _value_end(view: memoryview, i: int) -> int:
+    """The index of the first non-space byte after the JSON value at ``i``, or -1 when the
+    value is not followed by one (it runs to the end, or is not JSON)."""
+    _, k = _decode(_raw_decoder, view[i:])
+    return i + k - 1 if k > 0 else -1
+
+
+def _head(data: bytes, start: int, array_key: str) -> tuple[dict[str, Raw], int] | None:
+    """The top-level members before ``array_key`` and the position of its value, walked
+    from the opening brace one member at a time: each byte is scanned once."""
+    view = memoryview(data)
+    head: dict[str, Raw] = {}
+    i = _skip_ws(data, start + 1)
+    for _ in range(HEAD_MEMBERS):
+        if i >= len(data) or data[i] != ord('"'):
+            return None   # "}" (no messages at the top level), or not JSON
+        colon = _value_end(view, i)
+        if colon == -1 or data[colon] != ord(":"):
+            return None
+        key, _ = _decode(_key_decoder, view[i:colon])
+        if not isinstance(key, str):
+            return None
+        v = _skip_ws(data, colon + 1)
+        if key == array_key:
+            return head, v
+        end = _value_end(view, v)
+        if end == -1:
+            return None
+        count(end - v)
+        head[key] = Raw(data[v:end])
+        if data[end] != ord(","):
+            return None   # "}": the object ended without the messages
+        i = _skip_ws(data, end + 1)
+    return None
+
+
+def _as_object(buf: bytearray, lo: int, at: int, char: int) -> tuple[dict[str, Raw] | None, int]:
+    """buf[lo:] decoded as one object with the byte at ``at`` read as ``char`` (the ``,``
+    before a member read as ``{``): (members or None, bytes scanned). No copy of the rest of
+    the body per try: a key found nested costs only the decode up to the end of its own
+    object, where msgspec stops."""
     saved = buf[at]
     buf[at] = char
+    before = STEPS.n
     try:
-        return loose_decoder.decode(memoryview(buf)[lo:hi])
-    except msgspec.DecodeError:
-        return None
+        members, _ = _decode(loose_decoder, memoryview(buf)[lo:])
+        return members, STEPS.n - before   # type: ignore[return-value]
     finally:
         buf[at] = saved
 
 
 def fast_decode(data: bytes, flavour: str, cache_key: bool = True) -> tuple[Body, str] | None:
     """A large body's facts fields without reading its message contents; None to fall back."""
-    array_key = b"input" if flavour == "responses" else b"messages"
+    try:
+        return _fast_decode(data, flavour, cache_key)
+    except RecursionError:   # msgspec's guard against deep nesting: the whole read says so
+        return None
+
+
+def _fast_decode(data: bytes, flavour: str, cache_key: bool) -> tuple[Body, str] | None:
+    array_key = "input" if flavour == "responses" else "messages"
     # 1. the head
     start = _skip_ws(data, 0)
     last = _skip_ws_back(data, len(data) - 1)
     if start >= len(data) or data[start] != ord("{") or data[last] != ord("}"):
         return None  # not one object: let the whole-body read say what is wrong
-    lo = start
-    while True:
-        before, value = _key_at(data, array_key, lo, min(len(data), start + 1024 * 1024), last=False)
-        if before == -1:
-            return None
-        try:   # the head is small: a copy of it costs nothing
-            head = loose_decoder.decode(b"{}" if before == start else data[start:before] + b"}")
-            break
-        except msgspec.DecodeError:
-            lo = value
-    buf: bytearray | None = None   # made on the first nested look-alike in the tail search
-    array_start = _skip_ws(data, value)
+    found = _head(data, start, array_key)
+    if found is None:
+        return None
+    head, array_start = found
     if array_start >= len(data) or data[array_start] != ord("["):
         return None
     # 2. the first messages. An element's end is where msgspec, decoding from its start,
@@ -232,26 +335,19 @@ def fast_decode(data: bytes, flavour: str, cache_key: bool = True) -> tuple[Body
     history = first_user = False
     view = memoryview(data)
     while not ended and not (history and first_user):
-        if s >= len(data) or data[s] != ord("{"):
+        if s >= len(data) or data[s] != ord("{") or len(messages) >= FIRST_ITEMS:
             return None
-        try:
-            _skip_decoder.decode(view[s:])
-            return None  # the element runs to the end of the body: not inside an array
-        except msgspec.ValidationError:
-            return None
-        except msgspec.DecodeError as err:
-            m = _TRAILING.search(str(err))
-            if m is None:
-                return None
-            after = s + int(m.group(1)) - 1  # msgspec counts the offending byte in
-        try:
-            msg = _message_decoder.decode(view[s:after])
-        except msgspec.DecodeError:
+        _, k = _decode(_skip_decoder, view[s:])
+        if k <= 0:
+            return None  # runs to the end of the body (not inside an array), or a wrong type
+        after = s + k - 1  # msgspec counts the offending byte in
+        msg, _ = _decode(_message_decoder, view[s:after])
+        if msg is None:
             return None  # a wrong type: the whole-body read names the field
-        messages.append(msg)
+        messages.append(msg)  # type: ignore[arg-type]
         # the same test the facts apply: Responses items by type, messages by role
-        history = history or (is_history(msg) if flavour == "responses" else msg.role == "assistant")
-        first_user = first_user or msg.role == "user"
+        history = history or (is_history(msg) if flavour == "responses" else msg.role == "assistant")  # type: ignore[union-attr]
+        first_user = first_user or msg.role == "user"  # type: ignore[union-attr]
         if data[after] == ord("]"):
             ended = True
         elif data[after] == ord(","):
@@ -261,6 +357,8 @@ def fast_decode(data: bytes, flavour: str, cache_key: bool = True) -> tuple[Body
     # 3. the tail: each needed key not in the head, found from the end and proved top-level
     tail: dict[str, Raw] = {}
     tail_from = len(data)
+    buf: bytearray | None = None   # made on the first nested look-alike in the tail search
+    failed = 0                     # bytes scanned by tries that found a nested look-alike
     needed = NEEDED[flavour]
     if cache_key and CACHE_KEY not in needed:
         needed += (CACHE_KEY,)
@@ -269,7 +367,7 @@ def fast_decode(data: bytes, flavour: str, cache_key: bool = True) -> tuple[Body
             continue
         hi = len(data)
         while True:
-            comma, _ = _key_at(data, name.encode(), array_start, hi, last=True)
+            comma, _ = _key_before(data, name.encode(), array_start, hi)
             if comma == -1 or data[comma] != ord(","):
                 if comma != -1:  # ``{"name"``: the first member of a nested object
                     hi = comma
@@ -278,17 +376,25 @@ def fast_decode(data: bytes, flavour: str, cache_key: bool = True) -> tuple[Body
             if comma > tail_from:  # inside the tail already decoded, so nested there
                 hi = comma
                 continue
+            if failed > TAIL_BUDGET * len(data):
+                return None   # look-alikes cost more than the whole read: let it decide
             if buf is None:
-                try:   # usually the first try is the real tail: copying just it is cheapest
-                    members = loose_decoder.decode(b"{" + data[comma + 1:])
-                except msgspec.DecodeError:
-                    members, buf = None, bytearray(data)
+                # usually the first try is the real tail: copying just it is cheapest
+                count(len(data) - comma)
+                before = STEPS.n
+                members, _ = _decode(loose_decoder, b"{" + data[comma + 1:])
+                if members is None:
+                    failed += STEPS.n - before
+                    count(len(data))
+                    buf = bytearray(data)
             else:
-                members = _as_object(buf, comma, len(data), comma, 0x7B)  # {
+                members, scanned = _as_object(buf, comma, comma, 0x7B)  # {
+                if members is None:
+                    failed += scanned
             if members is None:
                 hi = comma
                 continue
-            tail, tail_from = members, comma
+            tail, tail_from = members, comma  # type: ignore[assignment]
             break
     if tail.keys() & head.keys():
         # a key both before and after the messages: which one counts is the whole read's call

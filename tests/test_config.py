@@ -137,7 +137,8 @@ def test_error_names_file_line_key_and_the_servers():
     ('[servers.a]\nurl = "https://a?x=1"\n', "config.toml:2: servers.a.url: an origin and a path prefix only: no query, fragment or user"),
     ('[servers.a]\nurl = "https://"\n', "config.toml:2: servers.a.url: no host in 'https://'"),
     ('[servers.a]\nurl = "https://a:99999"\n', "config.toml:2: servers.a.url: not a URL: Port out of range 0-65535"),
-    ('[servers.a]\nurl = "https://a"\nkey_env = "MY KEY"\n', "config.toml:3: servers.a.key_env: not an environment variable name: 'MY KEY'"),
+    ('[servers.a]\nurl = "https://a"\nkey_env = "MY KEY"\n',
+     "config.toml:3: servers.a.key_env: not an environment variable name: M…(6 chars) (letters, digits and '_', not starting with a digit)"),
     ('[servers.a]\nurl = "https://a"\nauth = "basic"\n', "config.toml:3: servers.a.auth: must be one of x-api-key, bearer, got 'basic'"),
     ('[servers.a]\nurl = "https://a"\nmodels = { "x" = 1 }\n', "config.toml:3: servers.a.models.x: must be a string, not a number"),
     ('[servers.a]\nurl = "https://a"\nmodels = { "claude-*" = "" }\n', 'config.toml:3: servers.a.models."claude-*": maps to an empty model name'),
@@ -151,6 +152,39 @@ def test_error_names_file_line_key_and_the_servers():
 ])
 def test_semantic_errors(text, expected):
     assert err(text) == expected
+
+
+KEYS = [
+    "sk-ant-api03-Ab3dE6gH9jK2mN5pQ8sT1vW4yZ7bC0eF3hJ6kM9nP2rS5uV8xA1cD4fG7iL0oR3tU6w-AbCdEfAA",
+    "sk-0123456789abcdef0123456789abcdef",                           # DeepSeek-shaped
+    "3f9c2a7b1e8d4f6a0b5c9e2d7f1a8b3c.Hk29sLq0ZpXw7rTu",             # z.ai-shaped
+    "a3f9c2a7b1e8d4f6a0b5c9e2d7f1a8b3c",                             # hex, a valid variable name
+    "xS3kd9Qm2Lp7Zr4Tw8Yv1Bn6Hc5Jf0GdK",                              # base62, a valid variable name
+    "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.c2lnbmF0dXJlc2ln",  # a JWT
+    "AIzaSyD-1234567890abcdefghijklmnopqrstu",
+    "sk_live_0123456789abcdefABCDEF",
+]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_a_key_pasted_as_key_env_is_refused_and_never_echoed(key):
+    e = err(f'[servers.a]\nurl = "https://a"\nkey_env = "{key}"\n')
+    assert e == f"config.toml:3: servers.a.key_env: looks like a key, not a variable name: {key[:4]}…({len(key)} chars); " \
+               "put the key in the proxy's environment and name the variable here"
+    assert key[4:8] not in e
+
+
+@pytest.mark.parametrize("name", ["ZAI_API_KEY", "_K", "OPENROUTER_API_KEY_2", "MY_VERY_LONG_COMPANY_PROVIDER_GLM_API_KEY",
+                                  "anthropic_auth_token", "K"])
+def test_variable_names_are_taken(name):
+    c = config.parse(f'[servers.a]\nurl = "https://a"\nkey_env = "{name}"\n')
+    assert c.servers["a"].key_env == name
+
+
+@pytest.mark.parametrize("bad", ["1KEY", "MY-KEY", "MY KEY", "KEY$", "ключ"])
+def test_a_bad_variable_name_is_named_without_being_shown(bad):
+    e = err(f'[servers.a]\nurl = "https://a"\nkey_env = "{bad}"\n')
+    assert "not an environment variable name" in e and bad not in e
 
 
 @pytest.mark.parametrize("text, line", [

@@ -222,9 +222,14 @@ def test_recorded_fingerprints_group_by_conversation():
         ("POST", "/zen/v1/messages", facts.ANTHROPIC_MESSAGES),
         ("POST", "https://opencode.ai/zen/go/v1/chat/completions", facts.OPENAI_CHAT),
         ("POST", "https://api.openai.com/v1/responses", facts.OPENAI_RESPONSES),
-        ("POST", "https://api.openai.com/v1/responses/", facts.OPENAI_RESPONSES),
-        ("POST", "https://chatgpt.com/backend-api/codex/responses/compact", facts.OPENAI_RESPONSES),
-        (b"POST", b"/V1/Messages", facts.ANTHROPIC_MESSAGES),
+        (b"POST", b"/zen/v1/messages", facts.ANTHROPIC_MESSAGES),
+        # exact endpoints after /v1 only (sessionpin/paths.py): no trailing slash, no other
+        # case, no Codex remote-compaction endpoint (the recorded Codex compacts via /responses)
+        ("POST", "https://api.openai.com/v1/responses/", facts.OTHER),
+        ("POST", "https://chatgpt.com/backend-api/codex/responses/compact", facts.OTHER),
+        (b"POST", b"/V1/Messages", facts.OTHER),
+        ("POST", "https://api.anthropic.com/v1/threads/x/messages", facts.OTHER),
+        ("POST", "https://api.anthropic.com/api/anthropic/../../v1/messages", facts.OTHER),
         ("GET", "https://api.openai.com/v1/responses", facts.OTHER),  # Codex's WebSocket upgrade
         ("POST", "https://api.anthropic.com/api/event_logging/batch", facts.OTHER),
         ("GET", "https://api.anthropic.com/api/claude_code/settings", facts.OTHER),
@@ -655,7 +660,7 @@ def test_header_decided_turns_survive_an_unreadable_body():
 
 
 def test_too_large(monkeypatch):
-    monkeypatch.setattr(facts, "MAX_BODY", 1000)
+    monkeypatch.setattr(facts.encodings, "MAX_BODY", 1000)
     big = enc(cc_body()) + b" " * 2000
     assert _bad(big).reason == "too large"
     for encoding, compress in (("gzip", gzip.compress), ("zstd", zstd.compress), ("br", brotli.compress),
@@ -958,3 +963,18 @@ def test_header_session_reads_a_non_inference_requests_session_from_headers_only
     assert facts.header_session(f.agent, h) == "019a-sess"
     assert facts.header_session(facts.CODEX, [("upgrade", "websocket")]) is None
     assert facts.header_session(facts.CODEX, object()) is None   # garbage never raises
+
+
+@pytest.mark.parametrize("header, too_large", [
+    (None, False), ("0", False), ("113161", False), (str(facts.MAX_REQUEST_BODY), False),
+    (str(facts.MAX_REQUEST_BODY + 1), True), (b"1048576", False), ("10, 10", False), (" 10 ", False),
+    ("10, 11", True), ("", True), ("-1", True), ("1e9", True), ("0x10", True), ("١٠", True),
+    ("9" * 40, True), ("12abc", True),
+])
+def test_body_too_large_from_the_content_length_alone(header, too_large):
+    assert facts.body_too_large(header) is too_large
+
+
+def test_the_request_limit_is_what_the_reader_reads():
+    assert facts.MAX_REQUEST_BODY == facts.MAX_BODY == 64 * 1024 * 1024
+    assert facts.body_too_large("2048", limit=1024) and not facts.body_too_large("1024", limit=1024)

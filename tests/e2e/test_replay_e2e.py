@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from sessionpin import pins
+from sessionpin.headers import allowed as allowed_header
 from sessionpin.store import open_store
 
 from .harness import LOOPBACK, Client, FakeServer, Mitmdump, Received, Reply, TestCA, free_port, toml_config
@@ -75,7 +76,7 @@ TRANSPORT_HEADERS = {"host", "content-length", "connection", "transfer-encoding"
 
 
 def is_credential(name: str) -> bool:
-    """docs/router.md: the headers the router removes when it routes a request away."""
+    """The agent's credential headers (the router replaces them with the target's key)."""
     name = name.lower()
     return name in ("x-api-key", "authorization", "proxy-authorization", "cookie") or any(
         w in name for w in ("key", "token", "auth", "cookie", "secret"))
@@ -336,9 +337,10 @@ def assert_routed(s: Sent, server: str) -> None:
     assert got.header("host") == f"{LOOPBACK}:{s.fake_port}", f"{p.name}: Host {got.header('host')} at {server}"
     assert_only_model_changed(p.body, got.body, mapped_model(server, json.loads(p.body).get("model")), p.name)
     assert got.header("content-length") == str(len(got.body))
-    sent_h = sorted((k.lower(), v) for k, v in p.headers if k.lower() not in TRANSPORT_HEADERS and not is_credential(k))
+    sent_h = sorted((k.lower(), v) for k, v in p.headers
+                    if k.lower() not in TRANSPORT_HEADERS and not is_credential(k) and allowed_header(k))
     seen_h = sorted((k.lower(), v) for k, v in got.headers if k.lower() not in TRANSPORT_HEADERS and not is_credential(k))
-    assert seen_h == sent_h, f"{p.name}: only credential headers may change"
+    assert seen_h == sent_h, f"{p.name}: only credential headers and those the allowlist drops may change"
     creds = [(k.lower(), v) for k, v in got.headers if is_credential(k)]
     assert key is not None
     assert creds == [key_style(p, key)], f"{p.name}: credentials at {server}: {[k for k, _ in creds]}"

@@ -28,6 +28,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from sessionpin.headers import allowed as allowed_header
+
 from .harness import Client, FakeServer, Mitmdump, MitmdumpError, Received, Reply, TestCA, free_port, toml_config
 
 RUN = uuid.uuid4().hex[:8]
@@ -343,13 +345,15 @@ def assert_untouched(got: Received, req: Req) -> None:
 
 def assert_routed(got: Received, req: Req, *, key_header: str, key_value: str, prefix: str = "",
                   model: str | None = None) -> None:
-    """Routed: prefix + the same path, the server's key in place of the agent's, only the model changed."""
+    """Routed: prefix + the same path, the server's key in place of the agent's, only the model
+    changed, and of the agent's headers only those the allowlist keeps (sessionpin/headers.py)."""
     assert got.path == prefix + req.path
     assert got.body == (req.mapped_body(model) if model else req.body)
     assert got.header("content-length") == str(len(got.body))
-    sent = Counter(h for h in headers_of(req) if h[0] not in TRANSPORT_HEADERS | CREDENTIAL_HEADERS)
+    sent = Counter(h for h in headers_of(req)
+                   if h[0] not in TRANSPORT_HEADERS | CREDENTIAL_HEADERS and allowed_header(h[0]))
     seen = Counter(h for h in received_headers(got) if h[0] not in TRANSPORT_HEADERS | CREDENTIAL_HEADERS)
-    assert seen == sent, "only credential headers may change"
+    assert seen == sent, "only credential headers and headers the allowlist drops may change"
     creds = [h for h in received_headers(got) if h[0] in CREDENTIAL_HEADERS]
     assert creds == [(key_header, key_value)]
 

@@ -1,0 +1,162 @@
+"""Which requests are inference (sessionpin/paths.py): every recorded path, and the attack paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sessionpin import facts as F
+from sessionpin import flowfile, paths
+from sessionpin.config import parse
+
+FIXTURES = Path(__file__).parent / "fixtures" / "traffic"
+
+# The servers the recordings addressed, as an operator would configure them.
+CONFIG = parse('''
+[servers.anthropic]
+url = "https://api.anthropic.com"
+[servers.openai]
+url = "https://api.openai.com"
+[servers.zen]
+url = "https://opencode.ai/zen"
+[servers.zen-go]
+url = "https://opencode.ai/zen/go"
+[servers.downloads]
+url = "https://downloads.claude.ai"
+[servers.chatgpt]
+url = "https://chatgpt.com"
+[servers.ab]
+url = "https://ab.chatgpt.com"
+[servers.npm]
+url = "https://registry.npmjs.org"
+[servers.github]
+url = "https://api.github.com"
+''')
+
+
+def recorded():
+    """(where, method, url, the api the recording says) of every recorded request."""
+    out = []
+    for path in sorted(FIXTURES.glob("*/*.json")):
+        fx = json.loads(path.read_text())
+        out.append((f"{path.parent.name}/{path.stem}", fx["method"], fx["url"], fx["expect"]["api"]))
+    for path in sorted((FIXTURES / "flows").glob("*.flow")):
+        for r in flowfile.read_requests(path.read_bytes()):
+            out.append((f"{path.name}#{r.index}", r.method, r.url, None))
+    return out
+
+
+RECORDED = recorded()
+
+
+def _split(url: str):
+    scheme, rest = url.split("://", 1)
+    host, _, path = rest.partition("/")
+    return scheme, host, "/" + path
+
+
+@pytest.mark.parametrize("where, method, url, expected", RECORDED, ids=[r[0] for r in RECORDED])
+def test_every_recorded_request_reads_the_same_with_its_servers_prefix(where, method, url, expected):
+    scheme, host, path = _split(url)
+    server = CONFIG.server_for(scheme, host, 443, path)
+    assert server is not None, url
+    s = paths.scope(method, path, server.prefix)
+    assert s.refuse is None
+    assert s.api == F.api_of(method, url)
+    if expected is not None:
+        assert s.api == expected
+
+
+def test_the_recordings_cover_every_api_and_both_prefixes():
+    seen = {(paths.scope(m, _split(u)[2], CONFIG.server_for(*_split(u)[:2], 443, _split(u)[2]).prefix).api,
+             CONFIG.server_for(*_split(u)[:2], 443, _split(u)[2]).name) for _, m, u, _ in RECORDED}
+    assert {a for a, _ in seen} >= {paths.ANTHROPIC_MESSAGES, paths.ANTHROPIC_COUNT_TOKENS, paths.OPENAI_CHAT,
+                                     paths.OPENAI_RESPONSES, paths.OTHER}
+    assert {"zen", "zen-go", "anthropic", "openai"} <= {s for a, s in seen if a != paths.OTHER}
+
+
+@pytest.mark.parametrize("method, path, prefix, api", [
+    ("POST", "/v1/messages", "", paths.ANTHROPIC_MESSAGES),
+    ("POST", "/v1/messages?beta=true", "", paths.ANTHROPIC_MESSAGES),
+    ("POST", "/v1/messages/count_tokens?beta=true", "", paths.ANTHROPIC_COUNT_TOKENS),
+    ("POST", "/v1/chat/completions", "", paths.OPENAI_CHAT),
+    ("POST", "/v1/responses", "", paths.OPENAI_RESPONSES),
+    ("post", "/v1/responses", "", paths.OPENAI_RESPONSES),
+    ("POST", "/zen/v1/messages", "/zen", paths.ANTHROPIC_MESSAGES),
+    ("POST", "/zen/go/v1/chat/completions", "/zen/go", paths.OPENAI_CHAT),
+    ("POST", "/api/anthropic/v1/messages", "/api/anthropic", paths.ANTHROPIC_MESSAGES),
+    ("POST", "/zen/v1/responses", "/zen/v1", paths.OPENAI_RESPONSES),     # a prefix with the version in it
+    ("POST", "/v1/messages", "/v1", paths.ANTHROPIC_MESSAGES),
+    # not inference: left where it was addressed
+    ("GET", "/v1/responses", "", paths.OTHER),                             # Codex's WebSocket upgrade
+    ("POST", "/v1/threads/x/messages", "", paths.OTHER),
+    ("POST", "/v1/organizations/x/messages", "", paths.OTHER),
+    ("POST", "/v1/messages/batches", "", paths.OTHER),
+    ("POST", "/v1/models", "", paths.OTHER),
+    ("POST", "/messages", "", paths.OTHER),
+    ("POST", "/v2/messages", "", paths.OTHER),
+    ("POST", "/v1/messages/", "", paths.OTHER),
+    ("POST", "/V1/Messages", "", paths.OTHER),
+    ("POST", "/v1/responses/compact", "", paths.OTHER),
+    ("POST", "/v1/messages;x=1", "", paths.OTHER),
+    ("POST", "/v1/mess%61ges", "", paths.OTHER),
+    ("POST", "/zen/v1/messages", "/zen/go", paths.OTHER),                  # not under this prefix
+    ("POST", "/zenx/v1/messages", "/zen", paths.OTHER),
+    ("POST", "/v1/messages", "/api/anthropic", paths.OTHER),
+    ("POST", "/api/anthropic/x/v1/messages", "/api/anthropic", paths.OTHER),
+    ("POST", "/api/claude_code/settings", "", paths.OTHER),
+])
+def test_scope(method, path, prefix, api):
+    s = paths.scope(method, path, prefix)
+    assert (s.api, s.refuse) == (api, None)
+
+
+@pytest.mark.parametrize("path", [
+    "/../../v1/messages", "/api/anthropic/../../v1/messages", "/v1/./messages", "/v1/messages/..",
+    "/v1/threads/x/../../messages", "/v1/%2e%2e/v1/messages", "/v1/%2E%2E/messages", "/v1%2fmessages",
+    "/v1%2Fmessages", "/v1%5cmessages", "/v1\\messages", "/..\\v1\\messages", "//v1/messages",
+    "/v1//messages", "/api/anthropic//v1/messages", "/v1/messages%00", "/v1/messages\x00", "/v1/mess\nages",
+    "/v1/messages?beta=true\r\nx: y", "/v1/messages#x", "/v1/%252e%252e/messages", "/v1/messages%",
+    "/v1/messages%zz", "/v1/%7f", "v1/messages", "", "*", "https://api.anthropic.com/v1/messages",
+])
+@pytest.mark.parametrize("prefix", ["", "/api/anthropic"])
+def test_ambiguous_paths_are_refused(path, prefix):
+    s = paths.scope("POST", path, prefix)
+    assert s.refuse and s.api == paths.OTHER and not s.inference
+    assert paths.api_of_path("POST", path) == paths.OTHER
+
+
+def test_other_methods_are_never_refused_only_left_alone():
+    assert paths.scope("GET", "/../x", "") == paths.Scope(paths.OTHER)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet="/.%2eEfF5cC\\v1messagzoun_tpr?#x\x00", max_size=30), st.sampled_from(["", "/zen", "/zen/v1"]))
+def test_inference_is_always_prefix_plus_an_exact_endpoint(path, prefix):
+    s = paths.scope("POST", path, prefix)
+    if s.inference:
+        p = path.partition("?")[0]
+        assert any(p in (prefix + "/v1" + e, prefix + e if prefix.endswith("/v1") else None)
+                   for e in paths.ENDPOINTS)
+        assert paths.api_of_path("POST", path) == s.api
+        assert ".." not in p and "%" not in p and "//" not in p and "\\" not in p
+
+
+@pytest.mark.parametrize("path, prefix, rest", [
+    ("/v1/messages?beta=true", "", "/v1/messages?beta=true"),
+    ("/zen/go/v1/chat/completions", "/zen/go", "/v1/chat/completions"),
+    ("/zen/v1/responses?x=1", "/zen/v1", "/responses?x=1"),
+    ("/api/anthropic/v1/messages/count_tokens", None, "/v1/messages/count_tokens"),
+    ("/a/b/v1/responses?q", None, "/v1/responses?q"),
+])
+def test_rest_is_what_follows_the_prefix(path, prefix, rest):
+    assert paths.scope("POST", path, prefix).rest == rest
+
+
+@pytest.mark.parametrize("path", ["/v1/threads/x/messages", "/v1/messages/", "/x/v1/models", "/v1/../v1/messages"])
+def test_an_unknown_prefix_still_wants_an_exact_endpoint(path):
+    assert not paths.scope("POST", path, None).inference

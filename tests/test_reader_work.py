@@ -1,0 +1,174 @@
+"""The reader's work per byte is bounded for every body (issue 10): its steps are counted
+(``wire.STEPS``: the bytes each find, copy, decompression and decode attempt scans), never
+timed. Adversarial bodies: look-alike keys nested before, inside and after the messages,
+many of them in one object, deep nesting, strings full of quotes and ``"messages":``, many
+commas, long runs of spaces, many compressed frames. A quadratic search shows up as steps
+growing with the square of the body, far past the bound."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sessionpin import facts, wire
+
+# Steps per byte the reader may take, plus a constant for small bodies (a decompressor per
+# frame). The measured worst over these generators is about 9: a long first message is
+# scanned twice, and each tail key that is absent costs one backward search.
+K = 20
+C = 1 << 15
+
+FLAVOURS = {"anthropic": ("messages", "https://api.anthropic.com/v1/messages"),
+            "chat": ("messages", "https://x/v1/chat/completions"),
+            "responses": ("input", "https://x/v1/responses")}
+KEYS = ["messages", "input", "model", "stream", "system", "tools", "metadata", "prompt_cache_key",
+        "instructions", "previous_response_id"]
+
+
+def blob(kind: str, key: str, n: int) -> bytes:
+    """A JSON value built to make a key search work hard."""
+    k = json.dumps(key).encode()
+    if kind == "array of look-alikes":
+        return b"[" + b",".join([b"{" + k + b":0}"] * n) + b"]"
+    if kind == "one object of look-alikes":       # every try decodes to the end of this object
+        return b'{"a":0,' + b",".join([k + b":0"] * n) + b"}"
+    if kind == "nested look-alikes":
+        depth = min(n, 3000)
+        return (b"{" + k + b":") * depth + b"0" + b"}" * depth
+    if kind == "look-alikes with padding":
+        return b"[" + b",".join([b'{"x":"' + b"y" * 64 + b'",' + k + b":[0]}"] * n) + b"]"
+    if kind == "string of quotes":
+        return json.dumps(('",' + key + '":[{"role":"assistant"}]},{"' + key + '":') * n).encode()
+    if kind == "commas":
+        return b"[" + b"0," * n + b"0]"
+    if kind == "spaces":
+        return b"{" + b" " * n + k + b" " * n + b":" + b" " * n + b"0" + b" " * n + b"}"
+    if kind == "deep arrays":
+        depth = min(n, 3000)
+        return b"[" * depth + b"]" * depth
+    raise AssertionError(kind)
+
+
+KINDS = ["array of look-alikes", "one object of look-alikes", "nested look-alikes", "look-alikes with padding",
+         "string of quotes", "commas", "spaces", "deep arrays"]
+
+
+@st.composite
+def bodies(draw):
+    flavour = draw(st.sampled_from(sorted(FLAVOURS)))
+    array_key = FLAVOURS[flavour][0]
+    parts = []
+    for where in ("head", "message", "tail"):
+        if draw(st.booleans()):
+            parts.append((where, draw(st.sampled_from(KINDS)), draw(st.sampled_from(KEYS)),
+                          draw(st.integers(1, 20_000))))
+    head, tail, content = [b'"model":"m"'], [], b'"hi"'
+    for where, kind, key, n in parts:
+        b = blob(kind, key, n)
+        if where == "head":
+            head.insert(draw(st.integers(0, len(head))), b'"h":' + b)
+        elif where == "tail":
+            tail.append(b'"t":' + b)
+        else:
+            content = b
+    if draw(st.booleans()):
+        tail.append(b'"stream":true')
+    items = [b'{"role":"user","content":' + content + b"}"]
+    if draw(st.booleans()):
+        items.append(b'{"role":"assistant","content":"ok"}')
+    body = (b"{" + b",".join(head) + b"," + json.dumps(array_key).encode() + b":[" + b",".join(items) + b"]"
+            + b"".join(b"," + t for t in tail) + b"}")
+    return flavour, body
+
+
+def steps(fn) -> int:
+    wire.STEPS.n = 0
+    fn()
+    return wire.STEPS.n
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(bodies())
+def test_the_large_body_reader_does_bounded_work_per_byte(case):
+    flavour, body = case
+    n = steps(lambda: wire.fast_decode(body, flavour))
+    assert n <= K * len(body) + C, f"{n / len(body):.1f} steps per byte"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(bodies())
+def test_the_whole_reader_does_bounded_work_per_byte_and_reads_as_the_whole_body(case):
+    flavour, body = case
+    url = FLAVOURS[flavour][1]
+    headers = [("user-agent", "pi/1")]          # pi: prompt_cache_key looked for, fingerprint made
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(wire, "FAST_MIN", 0)          # every body read in parts
+        parts = []
+        n = steps(lambda: parts.append(facts.read("POST", url, headers, body)))
+        mp.setattr(wire, "FAST_MIN", 1 << 62)    # and whole
+        whole = facts.read("POST", url, headers, body)
+    assert n <= K * len(body) + C, f"{n / len(body):.1f} steps per byte"
+    if whole.parsed:   # the parts never read what lies past the first messages (docs/facts.md)
+        assert parts == [whole]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("where", ["head", "tail"])
+def test_the_reported_shape_and_its_kin_stay_linear(kind, where):
+    """The incident: thousands of nested {"messages":0} before the top-level key. Twice the
+    look-alikes must cost about twice the steps, not four times."""
+    def body(n):
+        b = blob(kind, "messages" if where == "head" else "metadata", n)
+        pad = b'{"role":"user","content":"' + b"x" * 1000 + b'"}'
+        if where == "head":
+            return b'{"h":' + b + b',"model":"m","messages":[' + pad + b"]}"
+        return b'{"model":"m","messages":[' + pad + b'],"t":' + b + b',"stream":true}'
+
+    small, large = body(4000), body(8000)
+    s_small = steps(lambda: wire.fast_decode(small, "anthropic"))
+    s_large = steps(lambda: wire.fast_decode(large, "anthropic"))
+    assert s_large <= K * len(large) + C
+    assert s_large <= 2.5 * s_small * len(large) / len(small) + C
+
+
+def test_many_compressed_frames_are_bounded():
+    frame = gzip.compress(b"")
+    for n in (10, 64, 65, 10_000):
+        data = frame * n
+        s = steps(lambda: facts.decode_body(data, "gzip"))
+        assert s <= K * len(data) + C
+    assert facts.decode_body(frame * 65, "gzip")[1] == "bad gzip body"   # more frames than anyone sends
+    assert facts.decode_body(gzip.compress(b'{"a":1}') * 3, "gzip") == (b'{"a":1}' * 3, "")
+
+
+def test_many_content_codings_are_not_undone():
+    assert facts.decode_body(b"{}", "gzip, " * 5 + "gzip")[1] == "too many content-encodings"
+    assert facts.decode_body(b"{}", "identity, " * 50) == (b"{}", "")
+
+
+def test_a_compression_bomb_costs_its_decoded_size_at_most():
+    data = gzip.compress(b" " * (8 << 20))
+    s = steps(lambda: facts.read("POST", "https://x/v1/chat/completions", [], data, "gzip"))
+    assert s <= K * (8 << 20) + C
+
+
+def test_a_long_user_id_is_not_searched(monkeypatch):
+    seen = []
+
+    class Spy:
+        def search(self, text):
+            seen.append(len(text))
+            return None
+
+    monkeypatch.setattr(facts, "_LEGACY_USER_ID", Spy())
+    uid = "_session_a" * 100_000 + "!"
+    f = facts.read("POST", "https://api.anthropic.com/v1/messages", [("user-agent", "claude-cli/2")],
+                   json.dumps({"model": "m", "messages": [], "metadata": {"user_id": uid}}).encode())
+    assert seen == [] and f.session is None
+    facts.read("POST", "https://api.anthropic.com/v1/messages", [("user-agent", "claude-cli/2")],
+               json.dumps({"model": "m", "messages": [], "metadata": {"user_id": "user_x_session_abc"}}).encode())
+    assert seen == [len("user_x_session_abc")]

@@ -4,6 +4,9 @@
     .venv/bin/python scripts/bench_proxy.py [--quick] [--rounds N] [--only latency|first-byte]
                                             [--shapes opening,history]
 
+Throughput: 4 and 8 keep-alive clients send 10 KB turns of pinned sessions back to back;
+plain and router take turns in phases of a few seconds; the ratio of their median rates.
+
 Latency: Claude-Code-shaped POST /v1/messages requests with 10 KB, 1 MB and 8 MB bodies, from 1 and
 from 8 concurrent clients (each on its own keep-alive connection through the proxy's CONNECT tunnel).
 Plain mitmdump carries them to the local upstream as addressed; the router gets them addressed to
@@ -162,6 +165,28 @@ class Clients:
             raise SystemExit(f"requests failed: {errors[:3]}")
         return out
 
+    def run_for(self, seconds: float) -> int:
+        """Every connection sends back to back for ``seconds``; how many requests completed."""
+        done = [0] * len(self.conns)
+        errors: list[str] = []
+        stop = time.monotonic() + seconds
+
+        def loop(i: int) -> None:
+            while time.monotonic() < stop:
+                out: list[float] = []
+                self._one(i, out, errors)
+                if errors:
+                    return
+                done[i] += 1
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(self.conns))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise SystemExit(f"requests failed: {errors[:3]}")
+        return sum(done)
+
     def close(self) -> None:
         for c in self.conns:
             c.close()
@@ -274,6 +299,33 @@ def latency(via: dict, pids: dict[str, int | None], sizes: dict[str, int], shape
     return ratios
 
 
+def throughput(via: dict, clients_list: tuple[int, ...], size: int, seconds: float, phases: int) -> dict[tuple, float]:
+    """Requests per second through each proxy with ``n`` keep-alive clients sending back to back.
+
+    Each client has its own connection and pinned session (turns of running conversations).
+    Plain and router take turns in phases of ``seconds`` (``phases`` each, alternating which
+    goes first), so a neighbour's load hits both alike; reported: the median rate of each and
+    the ratio router / plain."""
+    ratios: dict[tuple, float] = {}
+    print(f"\nthroughput, {size // 1024} KB bodies, phases of {seconds:g} s, {phases} per proxy")
+    print(f"{'clients':>7} {'plain req/s':>12} {'router req/s':>13} {'ratio':>6}")
+    for n in clients_list:
+        pools = {name: Clients(*via[name], n=n) for name in ("plain", "router")}
+        for pool in pools.values():
+            pool.load(size)
+            pool.step()
+        rates: dict[str, list[float]] = {"plain": [], "router": []}
+        for i in range(phases):
+            for name in (("plain", "router") if i % 2 == 0 else ("router", "plain")):
+                rates[name].append(pools[name].run_for(seconds) / seconds)
+        for pool in pools.values():
+            pool.close()
+        p, q = statistics.median(rates["plain"]), statistics.median(rates["router"])
+        ratios[(n,)] = q / p
+        print(f"{n:>7} {p:12.0f} {q:13.0f} {q / p:6.2f}", flush=True)
+    return ratios
+
+
 def first_byte(via: dict, upstream: FakeServer, n: int, pause_ms: int, with_plain: bool) -> dict[tuple, float]:
     """Median time to first byte per proxy, new connection and keep-alive; prints a table.
 
@@ -316,7 +368,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer requests (about a minute)")
     ap.add_argument("--repeat", type=int, default=1, help="multiply the number of timed requests")
     ap.add_argument("--rounds", type=int, default=1, help="run everything this many times; report the spread")
-    ap.add_argument("--only", choices=("latency", "first-byte"), help="run one of the two benchmarks")
+    ap.add_argument("--only", choices=("latency", "first-byte", "throughput"), help="run one of the benchmarks")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="body shapes for latency: opening,history")
     ap.add_argument("--pause-ms", type=int, default=1000, help="upstream pause after the first SSE event")
     args = ap.parse_args()
@@ -380,6 +432,10 @@ def main() -> None:
                     pids = {"plain": plain.proc.pid if plain.proc else None,
                             "router": router.proc.pid if router.proc else None}
                     got.update({("latency",) + k: v for k, v in latency(via, pids, SIZES, shapes, steps).items()})
+                if args.only in (None, "throughput"):
+                    got.update({("throughput",) + k: v for k, v in
+                                throughput(via, (4, 8), 10 * 1024, 3.0 if args.quick else 6.0,
+                                           3 if args.quick else 5).items()})
                 if args.only in (None, "first-byte"):
                     got.update({("first byte",) + k: v for k, v in
                                 first_byte(via, upstream, ttfb_n, args.pause_ms, with_plain=r == 0).items()})

@@ -130,7 +130,8 @@ def start(config_path, participants=None, **options) -> Proxy:
     addons = make_addons(participants=participants if participants is not None else [], env=env(config_path))
     tctx = taddons.context(*addons)
     options.setdefault("sessionpin_connect_check", False)
-    tctx.options.update(sessionpin_config=str(config_path), sessionpin_store="memory:", **options)
+    options.setdefault("sessionpin_store", "memory:")
+    tctx.options.update(sessionpin_config=str(config_path), **options)
     # as mitmproxy's script loader does: configure every addon with every option
     every = set(tctx.options.keys())
     for a in addons:

@@ -10,6 +10,7 @@ mitmproxy runs their hooks:
 | ``StoreRuntime`` | storeruntime.py | the store: open, heartbeat, activity flush, index sweep, close |
 | ``ConnectCheck`` | connect.py | name an unreachable server before mitmproxy's HTML 502 would |
 | ``StatusEndpoints`` | status.py | ``/__sessionpin/status`` and ``/metrics``, loopback only |
+| ``BodyLimit`` | limits.py | a 413 for an inference body over the limit, before it is buffered |
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
 
@@ -25,6 +26,7 @@ from mitmproxy import exceptions
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .defaults import Defaults
+from .limits import BodyLimit
 from .router import Metrics, Router
 from .status import StatusEndpoints
 from .storeruntime import StoreRuntime
@@ -55,7 +57,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
         if hasattr(p, "configure_store"):
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
-    return [Defaults(), config, runtime, connect, status, router, *lifecycle, *extra]
+    return [Defaults(), config, runtime, connect, BodyLimit(), status, router, *lifecycle, *extra]
 
 
 class _Lifecycle:

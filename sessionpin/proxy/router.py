@@ -34,7 +34,7 @@ from typing import Any, Mapping
 from mitmproxy import http
 from mitmproxy.net.http import url
 
-from .. import answers, ladder, pins, rewrite, route
+from .. import answers, ladder, paths, pins, rewrite, route
 from .. import facts as F
 from ..ids import short
 from ..store import StoreError
@@ -76,7 +76,7 @@ class Router:
 
     # ---- the request hook -------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response or flow.error or not flow.live:
+        if flow.response or flow.error or not flow.live or flow.metadata.get("sessionpin", {}).get("refused"):
             return
         req = flow.request
         if req.path.startswith(INTERNAL_PREFIX):
@@ -84,10 +84,19 @@ class Router:
         facts: F.Facts | None = None
         decision: ladder.Decision | None = None
         try:
-            if F.api_of(req.method, req.path) in F.INFERENCE_APIS:
+            source = self.config.config.server_for(req.scheme, req.host, req.port, req.path)
+            scope = paths.scope(req.method, req.path, source.prefix if source else None)
+            if scope.refuse and (source is not None or _looks_inference(req.path)):
+                # ambiguous (dot segments, encoded slashes…): never routed, never sent under
+                # another server's key — and not sent where it might mean something else
+                self._refuse(flow, None, route.Refuse(400, "ambiguous-path", (
+                    f"sessionpin: the request path is ambiguous ({scope.refuse}); it was not sent. "
+                    "Inference requests must use a plain path such as /v1/messages.")))
+                return
+            if scope.inference:
                 facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
                                req.headers.get("content-encoding"))
-                decision = await self._route(flow, facts)
+                decision = await self._route(flow, facts, source)
             elif _is_websocket(req):
                 await self._websocket(flow)
             elif any(_wants(p, req) for p in self.participants):
@@ -110,10 +119,8 @@ class Router:
                     except Exception:
                         log.exception("sessionpin: participant %s failed", type(p).__name__)
 
-    async def _route(self, flow: http.HTTPFlow, facts: F.Facts) -> ladder.Decision | None:
-        req = flow.request
+    async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:
         cfg = self.config.config
-        source = cfg.server_for(req.scheme, req.host, req.port, req.path)
         s = route.begin(route.Request(facts=facts, source=source, config=cfg, now=time.time()))
         while not s.done:
             s = route.step(s.state, await self._perform(flow, s.state, s.effect))
@@ -150,6 +157,7 @@ class Router:
         view = rewrite.RequestView(
             scheme=req.scheme, host=req.host, port=req.port, path=req.path,
             headers=tuple(req.headers.items(multi=True)), body=body, api=r.facts.api, model=r.facts.model,
+            unreadable=None if r.facts.parsed else r.facts.reason,
         )
         return rewrite.plan(state.decision, view, r.source, r.config, self.env)
 
@@ -331,6 +339,11 @@ class Router:
             flow.response = http.Response.make(404, body, headers)
             flow.metadata.setdefault("sessionpin", {}).update({"refused": 404, "refusal": "websocket"})
             flow.comment = "refused 404: websocket (the agent falls back to HTTPS)"
+
+
+def _looks_inference(path: str) -> bool:
+    p = path.partition("?")[0].lower()
+    return any(e in p for e in ("/messages", "/chat/completions", "/responses"))
 
 
 def _is_websocket(req: http.Request) -> bool:

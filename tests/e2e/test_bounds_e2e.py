@@ -1,0 +1,95 @@
+"""Bounded work and exact scope, end to end (issue 10's rows about bodies and paths):
+
+- a request body over the limit gets a clear 413 in the agent's format and is never
+  buffered whole nor sent to any server;
+- paths with dot segments or encoded slashes addressed to a configured server are
+  refused (400), never forwarded under another server's key;
+- look-alike paths (``/v1/threads/x/messages``) are not inference: never routed.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Iterator
+
+import pytest
+
+from .harness import Client, FakeServer, Mitmdump, TestCA, toml_config
+
+KEY_ENV = "SESSIONPIN_E2E_GLM_KEY"
+GLM_KEY = "glm-SENTINEL-" + uuid.uuid4().hex[:8]
+CLIENT_KEY = "sk-ant-api03-CLIENT-SENTINEL-" + uuid.uuid4().hex[:8]
+
+
+class Rig:
+    def __init__(self, tmp) -> None:
+        self.ca = TestCA(tmp / "ca")
+        self.anthropic = FakeServer("anthropic", self.ca).start()
+        self.glm = FakeServer("glm", self.ca, prefix="/api/anthropic").start()
+        config = toml_config({"anthropic": {"url": self.anthropic.url},
+                              "glm": {"url": self.glm.url, "key_env": KEY_ENV}}, {"claude-code": "glm"})
+        self.mitm = Mitmdump.router(tmp / "router", self.ca, config, env={KEY_ENV: GLM_KEY},
+                                    options={"sessionpin_max_body_mb": 1})
+        self.mitm.start()
+
+    def send(self, path: str, body: bytes, session: str | None = None) -> object:
+        session = session or str(uuid.uuid4())
+        headers = [("Content-Type", "application/json"), ("User-Agent", "claude-cli/2.1.332 (external, cli)"),
+                   ("x-api-key", CLIENT_KEY), ("X-Claude-Code-Session-Id", session),
+                   ("x-claude-code-request-class", "main"), ("anthropic-version", "2023-06-01")]
+        client = Client.via_proxy(self.mitm.port, self.mitm.mitm_ca)
+        return client.request("POST", self.anthropic.origin + path, headers, body)
+
+    def close(self) -> None:
+        self.mitm.stop()
+        self.anthropic.stop()
+        self.glm.stop()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory) -> Iterator[Rig]:
+    r = Rig(tmp_path_factory.mktemp("e2e-bounds"))
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def opening(size: int = 0) -> bytes:
+    return json.dumps({"model": "claude-opus-4-5", "max_tokens": 10, "stream": False,
+                       "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
+                       "messages": [{"role": "user", "content": "hi " + "x" * size}]}).encode()
+
+
+def test_a_body_over_the_limit_gets_a_413_and_reaches_no_server(rig: Rig) -> None:
+    before = (len(rig.anthropic.received()), len(rig.glm.received()))
+    r = rig.send("/v1/messages?beta=true", opening(3 * 1024 * 1024))
+    assert r.status == 413, r.text[:300]
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "request_too_large"
+    assert "1 MiB" in err["error"]["message"] and "sessionpin_max_body_mb" in err["error"]["message"]
+    assert (len(rig.anthropic.received()), len(rig.glm.received())) == before
+    # a body under the limit is routed as ever
+    r = rig.send("/v1/messages?beta=true", opening(1000))
+    assert r.status == 200 and len(rig.glm.received()) == before[1] + 1
+
+
+@pytest.mark.parametrize("path", ["/../../v1/messages", "/v1/%2e%2e/v1/messages", "/v1%2fmessages",
+                                  "//v1/messages", "/v1/./messages"])
+def test_an_ambiguous_path_to_a_configured_server_is_refused(rig: Rig, path: str) -> None:
+    before = (len(rig.anthropic.received()), len(rig.glm.received()))
+    r = rig.send(path, opening())
+    assert r.status == 400, (path, r.status, r.text[:200])
+    assert "ambiguous" in r.json()["error"]["message"]
+    assert (len(rig.anthropic.received()), len(rig.glm.received())) == before
+
+
+@pytest.mark.parametrize("path", ["/v1/threads/x/messages", "/v1/organizations/x/messages", "/v2/messages"])
+def test_a_look_alike_path_is_not_inference_and_is_left_alone(rig: Rig, path: str) -> None:
+    glm_before = len(rig.glm.received())
+    r = rig.send(path, opening())
+    assert r.status == 200
+    got = rig.anthropic.received()[-1]
+    assert got.path == path and got.header("x-api-key") == CLIENT_KEY
+    assert len(rig.glm.received()) == glm_before

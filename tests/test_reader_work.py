@@ -164,7 +164,8 @@ def test_a_long_user_id_is_not_searched(monkeypatch):
             seen.append(len(text))
             return None
 
-    monkeypatch.setattr(facts, "_LEGACY_USER_ID", Spy())
+    from sessionpin import sessions
+    monkeypatch.setattr(sessions, "_LEGACY_USER_ID", Spy())
     uid = "_session_a" * 100_000 + "!"
     f = facts.read("POST", "https://api.anthropic.com/v1/messages", [("user-agent", "claude-cli/2")],
                    json.dumps({"model": "m", "messages": [], "metadata": {"user_id": uid}}).encode())

@@ -75,7 +75,6 @@ async def test_open_store_urls(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("url, words", [
-    ("redis://localhost:6379/0", "redis"),
     ("ftp://x", "unknown scheme"),
     ("state.db", "no scheme"),
     ("file:", "names no file"),

@@ -74,11 +74,17 @@ class Server:
         port = "" if self.port == default else f":{self.port}"
         return f"{self.scheme}://{self.host}{port}"
 
+    def at(self, host: str, port: int, scheme: str | None = None) -> bool:
+        """Whether host:port (and scheme, when given) is this server's address — the one
+        test of "does this address belong to that server" (names compare case-blind,
+        without a trailing dot)."""
+        if scheme is not None and scheme.lower() != self.scheme:
+            return False
+        return str(host).lower().rstrip(".") == self.host and port == self.port
+
     def addresses(self, scheme: str, host: str, port: int, path: str) -> bool:
         """Whether a request to scheme://host:port/path is addressed to this server."""
-        if scheme.lower() != self.scheme or host.lower().rstrip(".") != self.host or port != self.port:
-            return False
-        return _under(path, self.prefix)
+        return self.at(host, port, scheme) and _under(path, self.prefix)
 
     def map_model(self, model: str) -> str:
         """The name this server knows ``model`` by: the first matching glob's, else unchanged."""
@@ -111,7 +117,11 @@ class Config:
 
     def addresses_origin(self, scheme: str, host: str, port: int) -> bool:
         """Whether scheme://host:port is the origin of any configured server."""
-        return any(s.addresses(scheme, host, port, s.prefix or "/") for s in self.servers.values())
+        return self.server_at(host, port, scheme) is not None
+
+    def server_at(self, host: str, port: int, scheme: str | None = None) -> Server | None:
+        """A configured server at host:port (the first one, when several share an origin)."""
+        return next((s for s in self.servers.values() if s.at(host, port, scheme)), None)
 
     def current(self, agent: str) -> str | None:
         """The server new conversations of ``agent`` go to; None: not routed."""

@@ -67,8 +67,7 @@ class ConnectCheck:
     # ---- the early start ------------------------------------------------------------------
     def http_connect(self, flow: http.HTTPFlow) -> None:
         req = flow.request      # a CONNECT has no scheme: host and port say which server
-        if self.moved and any((s.host, s.port) == (req.host.lower().rstrip("."), req.port)
-                              for s in self.config.config.servers.values()):
+        if self.moved and self.config.config.server_at(req.host, req.port) is not None:
             self._start(flow.client_conn.id)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
@@ -160,11 +159,10 @@ class ConnectCheck:
         addr = data.server.address
         if not addr:
             return
-        for s in self.config.config.servers.values():
-            if (s.host, s.port) == (str(addr[0]).lower(), addr[1]):
-                self.unreachable[s.name] = data.server.error or ""
-                log.warning("sessionpin: server %s (%s) cannot be reached: %s", s.name, s.origin, data.server.error)
-                return
+        s = self.config.config.server_at(str(addr[0]), addr[1])
+        if s is not None:
+            self.unreachable[s.name] = data.server.error or ""
+            log.warning("sessionpin: server %s (%s) cannot be reached: %s", s.name, s.origin, data.server.error)
 
 
 async def _connect(address: Address) -> str | None:

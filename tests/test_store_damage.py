@@ -485,6 +485,52 @@ def test_the_journal_is_compacted_and_still_rebuilds_everything(tmp_path, caplog
         s.close()
 
 
+class _AfterRead:
+    """A real connection that runs ``then`` right after its first read transaction ends:
+    the moment a compaction has read the database and not yet the journal."""
+
+    def __init__(self, conn, then) -> None:
+        self.conn, self.then = conn, then
+
+    def execute(self, sql, *args):
+        result = self.conn.execute(sql, *args)
+        if sql == "COMMIT" and self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return result
+
+
+def test_a_compaction_overtaken_by_another_leaves_the_journal_whole(tmp_path):
+    from sessionpin.store import guard
+    from sessionpin.store.journal import Journal
+
+    path = tmp_path / "state.db"
+    s = FileStore(path, compact_min_bytes=1 << 30)          # no compaction but the ones below
+    k = s._keeper
+    try:
+        for i in range(30):
+            s.set(f"k{i}", "v", durable=True)
+
+        def other_process_compacts():                      # writes 30..39, compacts, writes 40..44
+            for i in range(30, 40):
+                s.set(f"k{i}", "v", durable=True)
+            reader = k.connect()
+            assert guard.compact(reader, Journal(k.journal.path), k.lock, 1.0, time.time()) == 40
+            reader.close()
+            for i in range(40, 45):
+                s.set(f"k{i}", "v", durable=True)
+
+        reader = k.connect()
+        assert guard.compact(_AfterRead(reader, other_process_compacts), k.journal, k.lock, 1.0,
+                             time.time()) is None              # overtaken: it gives way
+        reader.close()
+    finally:
+        s.close()
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    assert sorted(fresh_view(path)) == sorted(f"k{i}" for i in range(45))   # from the journal alone
+
+
 COMPACTING_NEIGHBOUR = r"""
 import sys
 from sessionpin.store.file import FileStore

@@ -138,9 +138,11 @@ def compact(reader: sqlite3.Connection, journal: Journal, lock: FileLock, lock_w
     if not journal.current():
         return None
     ino = journal.inode()
-    parsed = journal.read()
-    if parsed is None or parsed.damaged or parsed.last_seq < seq:
+    parsed = journal.read_open()
+    if parsed.damaged or parsed.last_seq < seq:
         return None                        # damaged or behind: left for the next open to rebuild
+    if parsed.base > seq:
+        return None                        # another process compacted it after our read: its turn
     states: dict = {}
     fold(states, parsed.snapshot, parsed.at or 0.0)
     for r in parsed.records:

@@ -257,6 +257,12 @@ class Journal:
             self.live_bytes = self.size()
         return True
 
+    def read_open(self) -> Parsed:
+        """The journal our descriptor names (so what we parse is the file whose inode we
+        check later, even if another process renames a new one in meanwhile)."""
+        size = self.size()
+        return parse(os.pread(self._fd, size, 0) if size else b"")
+
     def read(self) -> Parsed | None:
         """The journal as it is on disk (None: there is none)."""
         try:

@@ -110,12 +110,12 @@ def test_modes(tmp_path):
 
 
 MODES_CHILD = r"""
-import os, sys, stat, threading
+import os, sys, stat, threading, time
 os.umask(0)                                    # nothing masks: the modes are ours alone
 from sessionpin.store.file import FileStore
 path = sys.argv[1]
 watched = [os.path.dirname(path), path, path + "-wal", path + "-shm", path + ".journal", path + ".lock"]
-seen, stop = {}, []
+seen, stop, passes = {}, [], [0]
 def watch():
     while not stop:
         for p in watched:
@@ -123,9 +123,13 @@ def watch():
                 seen.setdefault(p, set()).add(stat.S_IMODE(os.stat(p).st_mode))
             except FileNotFoundError:
                 pass
+        passes[0] += 1
 t = threading.Thread(target=watch); t.start()
 s = FileStore(path)
 s.set("a", "1"); s.set("b", "2", durable=True)
+done = passes[0]
+while passes[0] < done + 2:                    # two whole passes with every file there
+    time.sleep(0.001)
 stop.append(1); t.join()
 for p in watched:
     print(os.path.basename(p), sorted(seen.get(p, ())))

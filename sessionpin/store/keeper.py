@@ -113,6 +113,7 @@ class Keeper:
         self.dirty = False
         self.closed = False
         self.last_repair: dict | None = None
+        self.journal_counts: dict = {"bytes": None, "records": None}
         self.wfaults = Faults(url, f"write {path}", "writes fail (durable ones with NotDurable)")
         self.rfaults = Faults(url, f"read {path}", "reads fail with StoreUnavailable")
         self.stop = threading.Event()
@@ -127,6 +128,7 @@ class Keeper:
             if not sf.is_fault(exc):
                 raise
             self.wfaults.failed(exc)                    # the next write opens it again
+        self.count_journal()
         self.thread.start()
 
     def connect(self, read_only: bool = False) -> sqlite3.Connection:
@@ -258,6 +260,7 @@ class Keeper:
                     next_flush = now + self.flush_interval
                     self.flush()
                     recovery.maybe_compact(self)
+                    self.count_journal()
                 if now >= next_sweep:
                     next_sweep = now + self.sweep_interval
                     self.sweep()
@@ -331,18 +334,38 @@ class Keeper:
 
     # == the store itself ==============================================================
     def describe(self) -> dict[str, Any]:
+        """For status and doctor: no file is touched here (the facade calls it on the event
+        loop); the journal's figures are the background thread's latest count."""
         faults = {k: {"cause": f.cause, "since": f.since}
                   for k, f in (("write", self.wfaults), ("read", self.rfaults)) if f.cause is not None}
         j = self.journal
-        try:
-            size = j.path.stat().st_size
-        except OSError:
-            size = None
         return {"healthy": not faults and self.unsure is None, "faults": faults, "unsure": self.unsure,
                 "last_repair": self.last_repair,
-                "journal": {"path": str(j.path), "bytes": size, "records": _records(j.path),
-                            "live_bytes": j.live_bytes, "last_compaction": j.last_compaction,
-                            "last_rebuild": j.last_rebuild}}
+                "journal": {"path": str(j.path), "bytes": self.journal_counts["bytes"],
+                            "records": self.journal_counts["records"], "live_bytes": j.live_bytes,
+                            "last_compaction": j.last_compaction, "last_rebuild": j.last_rebuild}}
+
+    def count_journal(self) -> None:
+        """Keep the journal's figures for describe() (background thread): only the bytes
+        appended since the last count are read, unless the file was replaced or cut."""
+        try:
+            st = self.journal.path.stat()
+        except OSError:
+            self.journal_counts = {"bytes": None, "records": None}
+            return
+        seen = self.journal_counts
+        if (st.st_ino, st.st_size) == (seen.get("_ino"), seen.get("bytes")):
+            return
+        try:
+            with open(self.journal.path, "rb") as f:
+                if st.st_ino == seen.get("_ino") and st.st_size > (seen.get("bytes") or 0):
+                    f.seek(seen["bytes"])
+                    records = seen["records"] + f.read(st.st_size - seen["bytes"]).count(b"\n")
+                else:
+                    records = _records(f.read(st.st_size))
+        except OSError:
+            return
+        self.journal_counts = {"bytes": st.st_size, "records": records, "_ino": st.st_ino}
 
     def close(self) -> None:
         self.stop.set()
@@ -358,13 +381,8 @@ class Keeper:
             self.lock.close()
 
 
-def _records(path: Path) -> int | None:
-    """How many durable-write lines the journal holds after its snapshot (for status)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
+def _records(data: bytes) -> int:
+    """How many durable-write lines a journal holds after its snapshot."""
     head = decode(data.split(b"\n", 1)[0])
     keys = int(head.get("keys", 0)) if isinstance(head, dict) else 0
     return max(data.count(b"\n") - 1 - keys, 0)

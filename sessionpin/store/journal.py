@@ -1,0 +1,406 @@
+"""The decision journal: a second, append-only copy of every durable write, beside the database.
+
+The database is the store; the journal is what lets an acknowledged durable write survive
+the loss or damage of the database file (or its -wal) alone, and the database is what
+rebuilds a lost or damaged journal. The store knows nothing of pins: the journal is
+generic over durable writes and holds only what they hold.
+
+Format (``<db>.journal``, 0600, beside the database): lines of ``<crc32 hex8> <json>\\n``.
+- line 1, the header: ``{"sessionpin_journal": 1, "base": S, "keys": n, "at": t}``;
+- then ``n`` snapshot lines, each one key's whole state as of sequence ``S``:
+  ``["put", key, kind, value, expires_at]`` (value: the string, ``{field: value}`` or
+  ``{member: score}``);
+- then one line per durable transaction: ``{"s": seq, "at": t, "w": [entry, ...]}``, each
+  entry saying what a key, field or member *is* after the write (``ops.py``): ``put``,
+  ``del``, ``exp``, ``hset``, ``hdel``, ``zadd``, ``zrem``, ``zremr``.
+
+Rules it keeps:
+- Order: a durable write appends and fsyncs its line inside its database transaction,
+  after its changes and before ``COMMIT``, with the store's lock file held (filelock.py)
+  from before ``BEGIN`` until after the commit or the rollback. If the append or the commit
+  fails, the journal is cut back to its length before the append: a write that raises
+  leaves nothing here either. ``seq`` is the database's ``meta.journal_seq`` + 1, bumped
+  in the same transaction, so the database knows how much of the journal it holds.
+- Replay: a line whose ``seq`` is not above an earlier line's supersedes it (the earlier
+  one's transaction never committed: a crash between append and commit, or a cut that
+  failed). Lines with ``seq`` above the database's are replayed into it; the snapshot too
+  when the database is older than the snapshot (a fresh one after a loss has 0).
+- A torn last line (a crash mid-append) is skipped and cut off before the next append,
+  never "damage"; a bad line with good lines after it is damage: the journal is set aside
+  and rebuilt from the database.
+- Compaction rewrites it as a snapshot of the live durable keys (temp file, fsync,
+  rename, directory fsync) under the lock file; another process notices the new inode
+  and reopens it before its next append.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from .base import StoreVersionError
+from .memory import HASH, STRING, ZSET
+from .filelock import same_file
+from .sqlitefile import fsync_dir
+
+JOURNAL_VERSION = 1
+
+
+def encode(obj: Any) -> bytes:
+    payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return b"%08x %s\n" % (zlib.crc32(payload), payload)
+
+
+def decode(line: bytes) -> Any:
+    """The object of one line (without its newline), or None if it is not a good line."""
+    if len(line) < 10 or line[8:9] != b" ":
+        return None
+    payload = line[9:]
+    try:
+        if int(line[:8], 16) != zlib.crc32(payload):
+            return None
+        return json.loads(payload)
+    except ValueError:
+        return None
+
+
+@dataclass
+class Record:
+    seq: int
+    at: float
+    entries: list
+
+
+@dataclass
+class Parsed:
+    version: int = 0
+    base: int = 0
+    at: float | None = None
+    snapshot: list = field(default_factory=list)     # [["put", key, kind, value, x], ...]
+    records: list[Record] = field(default_factory=list)
+    good_bytes: int = 0          # the length up to the end of the last good line
+    snapshot_end: int = 0        # the length of the header and the snapshot
+    torn: bool = False           # bytes after it (a crash mid-append)
+    damaged: str | None = None   # why it cannot be trusted whole
+
+    @property
+    def last_seq(self) -> int:
+        return self.records[-1].seq if self.records else self.base
+
+
+def parse(data: bytes) -> Parsed:
+    out = Parsed()
+    lines = data.split(b"\n")
+    lines.pop()                  # after the last newline: empty, or a torn line
+    offset, bad_at, want = 0, None, None
+    records: list[Record] = []
+    for line in lines:
+        end = offset + len(line) + 1
+        obj = decode(line)
+        if obj is None:
+            if bad_at is None:
+                bad_at = offset
+            offset = end
+            continue
+        if bad_at is not None and out.damaged is None:
+            out.damaged = f"bad line at byte {bad_at}"
+        bad_at = None
+        if offset == 0:
+            if not (isinstance(obj, dict) and "sessionpin_journal" in obj):
+                out.damaged = out.damaged or "no header"
+            else:
+                out.version, out.base = int(obj["sessionpin_journal"]), int(obj.get("base", 0))
+                out.at, want = obj.get("at"), int(obj.get("keys", 0))
+                out.snapshot_end = end
+        elif isinstance(obj, list) and not records:
+            out.snapshot.append(obj)
+            out.snapshot_end = end
+        elif isinstance(obj, dict) and "s" in obj:
+            if want is not None and len(out.snapshot) != want and out.damaged is None:
+                out.damaged = f"snapshot has {len(out.snapshot)} of {want} keys"
+            records.append(Record(int(obj["s"]), float(obj["at"]), obj["w"]))
+        elif out.damaged is None:
+            out.damaged = f"unexpected line at byte {offset}"
+        out.good_bytes = end
+        offset = end
+    if data and out.version == 0 and out.damaged is None:
+        out.damaged = "no header"
+    if want is not None and not records and len(out.snapshot) != want and out.damaged is None:
+        out.damaged = f"snapshot has {len(out.snapshot)} of {want} keys"
+    out.torn = len(data) > out.good_bytes
+    kept: list[Record] = []
+    for r in records:            # a seq not above an earlier one's: that one never committed
+        while kept and kept[-1].seq >= r.seq:
+            kept.pop()
+        if r.seq > out.base:
+            kept.append(r)
+    out.records = kept
+    return out
+
+
+# == folding entries into states (kind, value, expires_at) ================================
+
+def fold(states: dict, entries: Iterable[list], at: float) -> None:
+    """Apply one transaction's entries, made at ``at``, to ``states`` (mutated)."""
+    for e in entries:
+        op, key = e[0], e[1]
+        cur = states.get(key)
+        if cur is not None and cur[2] is not None and cur[2] <= at:
+            cur = None                           # expired before this write: gone
+        new = cur
+        if op == "put":
+            kind, value = e[2], e[3]
+            new = (kind, value if kind == STRING else dict(value), e[4])
+        elif op == "del":
+            new = None
+        elif op == "exp":
+            new = None if cur is None else (cur[0], cur[1], e[2])
+        elif op in ("hset", "zadd"):
+            kind = HASH if op == "hset" else ZSET
+            members = cur[1] if cur is not None and cur[0] == kind else {}
+            members[e[2]] = e[3]
+            new = (kind, members, e[4])
+        elif op in ("hdel", "zrem", "zremr") and cur is not None and cur[0] == (HASH if op == "hdel" else ZSET):
+            if op == "zremr":
+                for m in [m for m, s in cur[1].items() if e[2] <= s <= e[3]]:
+                    del cur[1][m]
+            else:
+                cur[1].pop(e[2], None)
+            new = cur if cur[1] else None
+        if new is None:
+            states.pop(key, None)
+        else:
+            states[key] = new
+
+
+def touched(entries: Iterable[list]) -> set[str]:
+    return {e[1] for e in entries}
+
+
+def _last_line(fd: int, size: int) -> tuple[int, bytes]:
+    """(offset, bytes without the newline) of the last line of a file ending in a newline."""
+    end = size - 1                       # where the final newline is
+    pos, buf, chunk = max(end, 0), b"", 4096
+    while pos > 0:                       # buf holds the bytes [pos, end)
+        take = min(chunk, pos)
+        pos -= take
+        buf = os.pread(fd, take, pos) + buf
+        nl = buf.rfind(b"\n")
+        if nl >= 0:
+            return pos + nl + 1, buf[nl + 1:]
+        chunk *= 2
+    return 0, buf
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def header_base(fd: int) -> int:
+    first = os.pread(fd, 65536, 0).split(b"\n", 1)[0]
+    obj = decode(first)
+    return int(obj.get("base", 0)) if isinstance(obj, dict) else 0
+
+
+class Journal:
+    """The journal of one store. Appends, cuts and replacements are made with the store's
+    ``FileLock`` held (the caller holds it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self.live_bytes = 0              # its size after the last snapshot we wrote or read
+        self.last_compaction: float | None = None
+        self.last_rebuild: dict | None = None
+
+    @staticmethod
+    def check_version(path: Path) -> None:
+        """Refuse a journal of a newer format before anything is written."""
+        try:
+            with open(path, "rb") as f:
+                first = f.readline(4096)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        obj = decode(first.rstrip(b"\n"))
+        if isinstance(obj, dict) and int(obj.get("sessionpin_journal", 0)) > JOURNAL_VERSION:
+            raise StoreVersionError(
+                f"{path} was written by a newer sessionpin (journal format {obj['sessionpin_journal']}, "
+                f"this one reads {JOURNAL_VERSION}); upgrade sessionpin or point the store elsewhere. "
+                "The files were left untouched.")
+
+    def current(self) -> bool:
+        """Make our descriptor name the file at the path (another process may have replaced
+        it); False if there is none."""
+        if self._fd is not None and same_file(self.path, self._fd):
+            return True
+        had = self._fd is not None
+        self.close()
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if had:                          # another process compacted it: it is about this size live
+            self.live_bytes = self.size()
+        return True
+
+    def read_open(self) -> Parsed:
+        """The journal our descriptor names (so what we parse is the file whose inode we
+        check later, even if another process renames a new one in meanwhile)."""
+        size = self.size()
+        return parse(os.pread(self._fd, size, 0) if size else b"")
+
+    def read(self) -> Parsed | None:
+        """The journal as it is on disk (None: there is none)."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        parsed = parse(data)
+        if parsed.version > JOURNAL_VERSION:
+            self.check_version(self.path)
+        return parsed
+
+    def inode(self) -> int | None:
+        return os.fstat(self._fd).st_ino if self._fd is not None else None
+
+    @staticmethod
+    def sync_file(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size if self._fd is not None else 0
+
+    def append(self, seq: int, at: float, entries: list) -> int:
+        """Append one durable transaction's line and fsync it (after ``settle``); return the
+        length before, for ``cut``."""
+        fd = self._fd
+        size = os.fstat(fd).st_size
+        line = encode({"s": seq, "at": at, "w": entries})
+        written = os.write(fd, line)
+        if written != len(line):
+            os.ftruncate(fd, size)
+            raise OSError(errno.EIO, f"{self.path}: short write to the journal")
+        os.fdatasync(fd)
+        return size
+
+    def settle(self, db_seq: int) -> int:
+        """Before an append: cut a torn tail and the lines of transactions above ``db_seq``
+        (they never committed: the caller has checked that the database is the file it has
+        open, at ``db_seq``); return the sequence of the last line left."""
+        fd = self._fd
+        size = end = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            size = parse(self.path.read_bytes()).good_bytes
+        last = None
+        while size > 0:
+            start, line = _last_line(fd, size)
+            obj = decode(line)
+            if isinstance(obj, dict) and "s" in obj:
+                if int(obj["s"]) > db_seq:
+                    size = start                 # a dead line: drop it
+                    continue
+                last = int(obj["s"])
+            elif isinstance(obj, dict) and "sessionpin_journal" in obj:
+                last = int(obj.get("base", 0))
+            break
+        if last is None:                         # a snapshot line last: the header's base
+            last = header_base(fd)
+        if size != end:
+            os.ftruncate(fd, size)
+            os.fdatasync(fd)
+        return last
+
+    def lines_after(self, seq: int) -> bytes:
+        """The lines at the end whose sequence is above ``seq``, as they are (a torn
+        fragment after them is left out)."""
+        fd = self._fd
+        end = os.fstat(fd).st_size
+        if end and os.pread(fd, 1, end - 1) != b"\n":
+            end = parse(self.path.read_bytes()).good_bytes
+        pos = end
+        while pos > 0:
+            start, line = _last_line(fd, pos)
+            obj = decode(line)
+            if not (isinstance(obj, dict) and "s" in obj and int(obj["s"]) > seq):
+                break
+            pos = start
+        return os.pread(fd, end - pos, pos) if end > pos else b""
+
+    def cut(self, size: int) -> None:
+        """Take back what the last append added (its transaction did not commit)."""
+        os.ftruncate(self._fd, size)
+        os.fdatasync(self._fd)
+
+    def replace(self, base: int, at: float, states: Iterable[tuple[str, tuple]]) -> int:
+        """Write a new journal holding ``states`` as of sequence ``base``, atomically in place
+        of the old one (temp file, fsync, rename, directory fsync); return how many keys."""
+        tmp, n = self.write_snapshot(base, at, states)
+        self.put_in_place(tmp)
+        return n
+
+    def write_snapshot(self, base: int, at: float, states: Iterable[tuple[str, tuple]]) -> tuple[Path, int]:
+        """A new journal file beside this one (not yet in place, not yet fsync'd); its path
+        and how many keys it holds."""
+        lines = [encode(["put", key, kind, value, x]) for key, (kind, value, x) in states]
+        header = encode({"sessionpin_journal": JOURNAL_VERSION, "base": base, "keys": len(lines), "at": at})
+        tmp, n = None, 0
+        while tmp is None:
+            candidate = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}-{n}")
+            try:
+                fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                tmp = candidate
+            except FileExistsError:
+                n += 1
+        try:
+            try:
+                _write_all(fd, header)
+                for i in range(0, len(lines), 1000):
+                    _write_all(fd, b"".join(lines[i:i + 1000]))
+            finally:
+                os.close(fd)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return tmp, len(lines)
+
+    def put_in_place(self, tmp: Path, tail: bytes = b"") -> None:
+        """Append ``tail`` (lines made since the snapshot) to ``tmp``, fsync it and rename it
+        over the journal, then fsync the directory."""
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            try:
+                if tail:
+                    _write_all(fd, tail)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        fsync_dir(self.path.parent)
+        self.current()
+        self.live_bytes = self.size()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,602 @@
+"""The file store survives damage and deletion of its files (issue 10, the store's part).
+
+Each fault class of the issue, with real files and real processes (crashes are real
+SIGKILLs); after each: every acknowledged durable key is there with its value, and no key
+appears that nobody wrote (at most a killed writer's in-flight one).
+
+- pages damaged while running, then another process commits. Was: the read error was
+  taken as "no pin". Now: reads raise StoreUnavailable; the file is set aside and the
+  database rebuilt from the journal.
+- damaged at start (truncated to half, pages overwritten, garbage). Was: set aside and
+  started EMPTY. Now: set aside and rebuilt from the journal.
+- the database, database+wal+shm, or the directory deleted while running. Was: not
+  noticed; "durable" pins went into the unlinked file and were lost at restart. Now:
+  noticed within a second, writes refused meanwhile, restored from the open connection.
+- the -wal deleted, then kill -9. Now: its commits are replayed from the journal.
+- the -shm deleted while processes share the store. Was: split brain (lost updates).
+  Now: each notices and reopens; no update lost.
+- the journal torn, damaged or deleted: a torn line is skipped; otherwise it is rebuilt
+  from the database. Compaction keeps it bounded and loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sessionpin.store import NotDurable, StoreError, StoreUnavailable, StoreVersionError, open_store
+from sessionpin.store.file import FileStore
+from sessionpin.store.journal import decode, encode
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+LOGGER = "sessionpin.store.file"
+
+
+def run(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def spawn(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=ENV, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for(cond, timeout: float = 5.0) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def fresh_view(path: Path) -> dict[str, str]:
+    """Every string key, as a new process opening the store sees it."""
+    out = run(r"""
+import json, sys
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1])
+print(json.dumps({k: s.get(k) for k in s.keys() if not k.startswith("h")}))
+s.close()
+""", str(path))
+    return json.loads(out.stdout)
+
+
+FILL = r"""
+import sys
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    s.set(f"pin:{i:05d}", f"server-{i % 7}", 86400, durable=True)
+    s.set(f"seen:{i:05d}", "ordinary")
+s.close()
+"""
+
+
+def fill(path: Path, n: int) -> dict[str, str]:
+    run(FILL, str(path), str(n))
+    return {f"pin:{i:05d}": f"server-{i % 7}" for i in range(n)}
+
+
+def pins_of(view: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in view.items() if k.startswith("pin:")}
+
+
+def scribble(path: Path, offset: int, data: bytes) -> None:
+    """Overwrite bytes of a file from another process (opening and closing the database in
+    this one would drop the POSIX locks SQLite holds on it here)."""
+    run("import sys; f = open(sys.argv[1], 'r+b'); f.seek(int(sys.argv[2])); "
+        "f.write(bytes.fromhex(sys.argv[3])); f.close()", str(path), str(offset), data.hex())
+
+
+# == damaged pages ===========================================================================
+
+def test_pages_damaged_while_running_raise_then_are_rebuilt_from_the_journal(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    pins = fill(path, 3000)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        s = FileStore(path)
+        try:
+            assert s.get("pin:00001") == "server-1"
+            s._w.execute("PRAGMA wal_checkpoint(TRUNCATE)")       # every page in the main file
+            pages = path.stat().st_size // 4096
+            scribble(path, 4096 * (pages // 2), os.urandom(4096 * 3))
+            run("import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
+                "c.execute(\"UPDATE meta SET value = value WHERE name = 'journal_seq'\"); c.commit()", str(path))
+            raised, wrong = 0, []
+            for k, v in pins.items():                              # never "absent", never wrong
+                try:
+                    got = s.get(k)
+                except StoreUnavailable:
+                    raised += 1
+                    continue
+                if got != v:
+                    wrong.append((k, got))
+            assert wrong == [] and raised > 0
+            wait_for(lambda: s.describe()["last_repair"] is not None and s.describe()["unsure"] is None)
+            assert {k: s.get(k) for k in pins} == pins             # every durable pin, rebuilt
+            assert s.keys("seen:") == []                           # ordinary writes were not journaled
+            s.set("after", "1", durable=True)
+        finally:
+            s.close()
+    assert len([p for p in tmp_path.glob("state.db.corrupt-*")
+                if not p.name.endswith(("-wal", "-shm"))]) == 1        # kept for the operator
+    assert any("rebuilt from the journal" in r.getMessage() and "3000 keys" in r.getMessage()
+               for r in caplog.records)
+    assert pins_of(fresh_view(path)) == pins
+
+
+@pytest.mark.parametrize("damage", ["truncate to half", "three pages overwritten", "not a database"])
+def test_damaged_at_start_is_set_aside_and_rebuilt_from_the_journal(tmp_path, caplog, damage):
+    path = tmp_path / "state.db"
+    pins = fill(path, 2000)
+    size = path.stat().st_size
+    if damage == "truncate to half":
+        os.truncate(path, size // 2)
+    elif damage == "three pages overwritten":
+        data = bytearray(path.read_bytes())
+        data[4096 * 5: 4096 * 8] = os.urandom(4096 * 3)
+        path.write_bytes(bytes(data))
+    else:
+        path.write_bytes(b"garbage\n" * 1000)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        s = FileStore(path)
+    try:
+        assert {k: s.get(k) for k in s.keys("pin:")} == pins       # not empty: every pin, nothing else
+        assert s.keys("seen:") == []
+        rebuilt = s.describe()["journal"]["last_rebuild"]
+        assert rebuilt["rebuilt"] == "database" and rebuilt["keys"] == 2000
+    finally:
+        s.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("moved it aside" in m for m in messages)
+    assert any("rebuilt from the journal" in m and "2000 keys" in m for m in messages)
+    assert len([p for p in tmp_path.glob("state.db.corrupt-*") if not p.name.endswith(("-wal", "-shm"))]) == 1
+
+
+def test_missing_database_with_a_journal_is_rebuilt(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    pins = fill(path, 500)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        s = FileStore(path)
+    assert {k: s.get(k) for k in s.keys()} == pins
+    s.close()
+    assert any("rebuilt from the journal" in r.getMessage() and "500 keys" in r.getMessage() for r in caplog.records)
+
+
+# == files deleted while running ============================================================
+
+WRITER = r"""
+import json, sys, time
+from sessionpin.store import StoreUnavailable
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1], **json.loads(sys.argv[2]))
+tag = sys.argv[3]
+print("ready", flush=True)
+i = 0
+while True:
+    try:
+        s.set(f"{tag}:{i}", str(i), durable=True)
+        print("ack", i, flush=True)
+    except StoreUnavailable as exc:
+        print("refused", i, flush=True)
+    try:
+        s.set(f"o{tag}:{i}", "ordinary")
+    except StoreUnavailable:
+        pass
+    i += 1
+    time.sleep(0.002)
+"""
+
+
+def acked(out: str) -> dict[str, str]:
+    return {line.split()[1]: line.split()[1] for line in out.splitlines() if line.startswith("ack ")}
+
+
+def refused(out: str) -> set[str]:
+    return {line.split()[1] for line in out.splitlines() if line.startswith("refused ")}
+
+
+def in_flight(out: str) -> str:
+    """The index after the last one a killed writer reported: the write it was making."""
+    tried = [int(line.split()[1]) for line in out.splitlines() if line.startswith(("ack ", "refused "))]
+    return str(max(tried, default=-1) + 1)
+
+
+@pytest.mark.parametrize("what", ["db", "db+wal+shm", "directory"])
+def test_files_deleted_while_running_are_noticed_and_restored(tmp_path, caplog, what):
+    d = tmp_path / "state"
+    path = d / "state.db"
+    pins = fill(path, 300)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        s = FileStore(path)
+        writer = spawn(WRITER, str(path), "{}", "w")           # another process writes meanwhile
+        try:
+            assert writer.stdout.readline() == "ready\n"
+            for i in range(20):
+                s.set(f"mine:{i}", str(i), durable=True)
+            if what == "directory":
+                shutil.rmtree(d)
+            else:
+                for suffix in ([""] if what == "db" else ["", "-wal", "-shm"]):
+                    os.unlink(f"{path}{suffix}")
+            ours = {}
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.5:                 # durable writes through it all
+                i = len(ours)
+                try:
+                    s.set(f"during:{i}", str(i), durable=True)
+                    ours[f"during:{i}"] = str(i)
+                except NotDurable:
+                    ours[f"during:{i}"] = None                 # refused: must not appear
+                time.sleep(0.005)
+            assert s.describe()["unsure"] is None and s.describe()["last_repair"] is not None
+            noticed = [r for r in caplog.records if "while it was open" in r.getMessage()]
+            assert noticed and None in ours.values()           # it noticed, and refused meanwhile
+            assert {k: v for k, v in ours.items() if v} and list(ours.values())[-1] is not None
+        finally:
+            writer.send_signal(signal.SIGKILL)
+            out, _ = writer.communicate(timeout=30)
+            s.close()
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    for name in ("state.db", "state.db.journal", "state.db.lock"):
+        assert os.stat(d / name).st_mode & 0o777 == 0o600, name
+    view = fresh_view(path)
+    assert pins_of(view) == pins
+    assert all(view.get(f"mine:{i}") == str(i) for i in range(20))
+    for k, v in ours.items():
+        assert view.get(k) == v, k                             # acknowledged: there; refused: not
+    w = {f"w:{i}": v for i, v in acked(out).items()}
+    assert refused(out)                                        # it was refused meanwhile too
+    assert all(view.get(k) == v for k, v in w.items())         # the other process's acks too
+    assert {k for k in view if k.startswith("w:")} - set(w) <= {f"w:{in_flight(out)}"}   # nothing refused
+
+
+KILLED_WRITER = r"""
+import sys
+from sessionpin.store import StoreUnavailable
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1], watch_interval=3600)   # it will not look: the crash comes first
+print("ready", flush=True)
+for i in range(100000):
+    if i == int(sys.argv[2]):
+        print("paused", flush=True)
+        sys.stdin.readline()
+    try:
+        s.set(f"k:{i}", str(i), durable=True)
+        print("ack", i, flush=True)
+    except StoreUnavailable:
+        print("refused", i, flush=True)
+"""
+
+
+def test_wal_deleted_then_kill_9_loses_no_acknowledged_write(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    FileStore(path).close()                               # the schema is in the main file
+    p = spawn(KILLED_WRITER, str(path), "300")
+    assert p.stdout.readline() == "ready\n"
+    lines = [p.stdout.readline() for _ in range(301)]
+    assert lines[-1] == "paused\n"
+    os.unlink(f"{path}-wal")                               # its 300 commits since the last checkpoint
+    p.send_signal(signal.SIGKILL)                          # before it writes (and looks) again
+    out, _ = p.communicate(timeout=30)
+    acks = acked("".join(lines) + out)
+    assert len(acks) == 300
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        s = FileStore(path)
+    try:
+        assert {k: s.get(k) for k in s.keys()} == {f"k:{i}": v for i, v in acks.items()}   # none invented
+    finally:
+        s.close()
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "lacked 300 durable writes" in warning and "replayed them" in warning
+
+
+SHARER = r"""
+import sys, time
+from sessionpin.store import StoreUnavailable
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1])
+me = sys.argv[2]
+print("ready", flush=True)
+sys.stdin.readline()
+t0, i, incrs = time.monotonic(), 0, 0
+while time.monotonic() - t0 < float(sys.argv[3]):
+    try:
+        s.incr("shared")
+        incrs += 1
+    except StoreUnavailable:
+        pass
+    try:
+        s.set(f"{me}:{i}", str(i), durable=i % 5 == 0)
+        print("ack", i, flush=True)
+    except StoreUnavailable:
+        pass
+    i += 1
+print("incrs", incrs, flush=True)
+s.close()
+"""
+
+
+def test_shm_deleted_while_two_processes_share_the_store_is_no_split_brain(tmp_path, caplog):
+    # Two processes share the store; its -shm is deleted; then a third opens it (a restarted
+    # proxy, the CLI) and makes a new -shm. Without noticing, the first two keep one
+    # wal-index and the third another over the same WAL: updates are lost (split brain).
+    path = tmp_path / "state.db"
+    FileStore(path).close()
+    procs = [spawn(SHARER, str(path), f"p{j}", "3.0") for j in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline() == "ready\n"
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        time.sleep(0.8)
+        os.unlink(f"{path}-shm")
+        procs.append(spawn(SHARER, str(path), "p2", "1.5"))
+        assert procs[2].stdout.readline() == "ready\n"
+        procs[2].stdin.write("go\n")
+        procs[2].stdin.flush()
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    incrs = 0
+    s = FileStore(path)
+    try:
+        for j, (out, err) in enumerate(outs):
+            assert procs[j].returncode == 0, err
+            incrs += int(out.split("incrs ")[1])
+            for i in acked(out):
+                assert s.get(f"p{j}:{i}") == i
+        for j in (0, 1):                                     # each noticed, each repaired
+            assert "while it was open" in outs[j][1] and "repaired" in outs[j][1], outs[j][1]
+        assert s.get("shared") == str(incrs)                 # no update lost to a second -shm
+        assert s._w.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        s.close()
+
+
+LOCK_HOLDER = r"""
+import fcntl, sys, time
+fd = open(sys.argv[1], "a")
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_while_not_sure_of_its_file_reads_raise_rather_than_answer(tmp_path):
+    # Another process holds the store's lock file, so the repair has to wait: meanwhile
+    # every read and write raises, none answers from the deleted file.
+    path = tmp_path / "state.db"
+    pins = fill(path, 50)
+    s = FileStore(path, watch_interval=0.05)
+    try:
+        assert s.get("pin:00001") == "server-1"
+        holder = spawn(LOCK_HOLDER, f"{path}.lock", "1.5")
+        assert holder.stdout.readline() == "locked\n"
+        os.unlink(path)
+        wait_for(lambda: s.describe()["unsure"] is not None, timeout=1.0)   # noticed within a second
+        for call in (lambda: s.get("pin:00001"), lambda: s.keys(), lambda: s.hgetall("h"),
+                     lambda: s.set("pin:new", "x", durable=True), lambda: s.incr("n")):
+            with pytest.raises(StoreUnavailable, match="deleted"):
+                call()
+        assert not s.describe()["healthy"]
+        holder.wait(timeout=10)
+        wait_for(lambda: s.describe()["unsure"] is None)
+        assert {k: s.get(k) for k in s.keys("pin:")} == pins
+        assert s.set("pin:new", "x", durable=True) is True
+    finally:
+        s.close()
+    assert pins_of(fresh_view(path)) == {**pins, "pin:new": "x"}
+
+
+# == the journal itself ======================================================================
+
+def test_a_torn_last_journal_line_is_skipped_not_damage(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    pins = fill(path, 50)
+    journal = Path(f"{path}.journal")
+    torn = encode({"s": 10_000, "at": 0, "w": [["put", "pin:ghost", "s", "x", None]]})[:-9]
+    with open(journal, "ab") as f:                          # a crash in the middle of an append
+        f.write(torn)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        s = FileStore(path)
+        try:
+            assert {k: s.get(k) for k in s.keys("pin:")} == pins   # nothing invented
+            s.set("pin:after", "1", durable=True)
+        finally:
+            s.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not list(tmp_path.glob("*.corrupt-*"))
+    lines = journal.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and all(decode(line) is not None for line in lines[:-1])
+
+
+def test_a_damaged_or_deleted_journal_is_rebuilt_from_the_store(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    pins = fill(path, 200)
+    journal = Path(f"{path}.journal")
+    data = bytearray(journal.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 40] = b"#" * 40    # damage in the middle
+    journal.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        s = FileStore(path)
+        try:
+            assert {k: s.get(k) for k in s.keys("pin:")} == pins
+            assert s.describe()["journal"]["last_rebuild"]["from"] == "store"
+            journal.unlink()                                   # now deleted while running
+            wait_for(lambda: journal.exists())
+            s.set("pin:new", "x", durable=True)
+        finally:
+            s.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("was damaged" in m and "rebuilt it from the store" in m for m in messages)
+    assert any("was deleted" in m and "rebuilt it from the store" in m for m in messages)
+    assert len(list(tmp_path.glob("state.db.journal.corrupt-*"))) == 1
+    for suffix in ("", "-wal", "-shm"):                        # the journal alone rebuilds it all
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    assert pins_of(fresh_view(path)) == {**pins, "pin:new": "x"}
+
+
+def test_the_journal_is_compacted_and_still_rebuilds_everything(tmp_path, caplog):
+    path = tmp_path / "state.db"
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        s = FileStore(path, compact_min_bytes=8_000, compact_factor=2.0, flush_interval=0.05)
+        try:
+            for i in range(1500):                            # 1,500 durable writes on 50 keys
+                s.set(f"pin:{i % 50}", f"v{i}", 3600, durable=True)
+                s.hincr("seen", f"f{i % 5}", durable=True)
+                if i % 300 == 0:
+                    s.zadd("index", f"pin:{i % 50}", i, durable=True)
+            s.delete("pin:49", durable=True)
+            wait_for(lambda: s.describe()["journal"]["last_compaction"] is not None)
+            size = Path(f"{path}.journal").stat().st_size
+            assert size < 20_000                             # ~75 bytes a line × 3,000 lines without
+            journal = Path(f"{path}.journal")                 # counted by the background thread:
+            wait_for(lambda: s.describe()["journal"]["bytes"] == journal.stat().st_size)
+            assert s.describe()["journal"]["records"] < 1000
+        finally:
+            s.close()
+    assert any("compacted" in r.getMessage() for r in caplog.records)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    s = FileStore(path)
+    try:
+        assert {k: s.get(k) for k in s.keys("pin:")} == {f"pin:{i}": f"v{1450 + i}" for i in range(49)}
+        assert s.hgetall("seen") == {f"f{j}": "300" for j in range(5)}
+        assert [m for m, _ in s.zrange("index", 0, 2000)] == ["pin:0", "pin:0", "pin:0", "pin:0", "pin:0"][:1]
+    finally:
+        s.close()
+
+
+class _AfterRead:
+    """A real connection that runs ``then`` right after its first read transaction ends:
+    the moment a compaction has read the database and not yet the journal."""
+
+    def __init__(self, conn, then) -> None:
+        self.conn, self.then = conn, then
+
+    def execute(self, sql, *args):
+        result = self.conn.execute(sql, *args)
+        if sql == "COMMIT" and self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return result
+
+
+def test_a_compaction_overtaken_by_another_leaves_the_journal_whole(tmp_path):
+    from sessionpin.store import guard
+    from sessionpin.store.journal import Journal
+
+    path = tmp_path / "state.db"
+    s = FileStore(path, compact_min_bytes=1 << 30)          # no compaction but the ones below
+    k = s._keeper
+    try:
+        for i in range(30):
+            s.set(f"k{i}", "v", durable=True)
+
+        def other_process_compacts():                      # writes 30..39, compacts, writes 40..44
+            for i in range(30, 40):
+                s.set(f"k{i}", "v", durable=True)
+            reader = k.connect()
+            assert guard.compact(reader, Journal(k.journal.path), k.lock, 1.0, time.time()) == 40
+            reader.close()
+            for i in range(40, 45):
+                s.set(f"k{i}", "v", durable=True)
+
+        reader = k.connect()
+        assert guard.compact(_AfterRead(reader, other_process_compacts), k.journal, k.lock, 1.0,
+                             time.time()) is None              # overtaken: it gives way
+        reader.close()
+    finally:
+        s.close()
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    assert sorted(fresh_view(path)) == sorted(f"k{i}" for i in range(45))   # from the journal alone
+
+
+COMPACTING_NEIGHBOUR = r"""
+import sys
+from sessionpin.store.file import FileStore
+s = FileStore(sys.argv[1], compact_min_bytes=4_000, compact_factor=1.5, flush_interval=0.02)
+print("ready", flush=True)
+for i in range(int(sys.argv[2])):
+    s.set(f"{sys.argv[3]}:{i % 40}", str(i), durable=True)
+    print("ack", i, flush=True)
+s.close()
+"""
+
+
+def test_processes_appending_while_another_compacts_lose_nothing(tmp_path):
+    path = tmp_path / "state.db"
+    FileStore(path).close()
+    procs = [spawn(COMPACTING_NEIGHBOUR, str(path), "600", f"p{j}") for j in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    view = fresh_view(path)                                 # from the journal alone
+    assert view == {f"p{j}:{k}": str(560 + k) for j in range(2) for k in range(40)}
+
+
+# == another format ==========================================================================
+
+def test_a_journal_of_a_newer_version_is_refused_untouched(tmp_path):
+    path = tmp_path / "state.db"
+    fill(path, 10)
+    journal = Path(f"{path}.journal")
+    journal.write_bytes(encode({"sessionpin_journal": 99, "base": 1, "keys": 0, "at": 0}))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(StoreVersionError) as refused:
+        FileStore(path)
+    assert "\n" not in str(refused.value) and "journal format 99" in str(refused.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_newer_database_is_one_clear_line_through_open_store(tmp_path):
+    path = tmp_path / "state.db"
+    fill(path, 10)
+    run("import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('PRAGMA user_version = 9'); c.close()",
+        str(path))
+    with pytest.raises(StoreError) as refused:
+        open_store(f"file:{path}")
+    assert isinstance(refused.value, StoreVersionError) and "\n" not in str(refused.value)
+
+
+def test_acknowledged_durable_writes_survive_sigkill_and_the_loss_of_either_file(tmp_path):
+    """kill -9 a writer, then lose the database (or the journal): every acknowledged key."""
+    for lose in ("database", "journal"):
+        path = tmp_path / lose / "state.db"
+        p = spawn(KILLED_WRITER, str(path), "0")
+        assert p.stdout.readline() == "ready\n" and p.stdout.readline() == "paused\n"
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        lines = [p.stdout.readline() for _ in range(150)]
+        p.send_signal(signal.SIGKILL)
+        out, _ = p.communicate(timeout=30)
+        acks = {f"k:{i}": i for i in acked("".join(lines) + out)}
+        assert len(acks) >= 150
+        lost = ["", "-wal", "-shm"] if lose == "database" else [".journal"]
+        for suffix in lost:
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        view = fresh_view(path)
+        assert {k: view.get(k) for k in acks} == acks
+        assert len(set(view) - set(acks)) <= 1                 # the in-flight one at most

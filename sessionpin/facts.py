@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 import msgspec
 
-from . import encodings, paths, wire
+from . import encodings, largebody, paths, wire
 from .encodings import MAX_BODY, MAX_REQUEST_BODY, body_too_large, decode_body  # noqa: F401 (the reader's API)
 # The names, session and turn rules live in their own modules; facts re-exports them.
 from .kinds import (AGENTS, ANTHROPIC_COUNT_TOKENS, ANTHROPIC_MESSAGES, BILLING_PREFIX, CLAUDE_CODE,  # noqa: F401
@@ -56,6 +56,9 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     has_tools: bool = False       # the body offers tools (an agent's main turns do; titles do not)
     parsed: bool = True           # False: the body could not be read (see reason)
     reason: str = ""              # which rule decided the turn, or why the body was unparsed
+    model_span: tuple[int, int] | None = None  # where the top-level model's value lies in the
+                                  # decoded body, when the large-body reader found it (the
+                                  # rewrite then renames it without reading the body again)
 
 
 # ---------------------------------------------------------------- the entry point
@@ -101,10 +104,11 @@ def _read(method, url, headers, body, content_encoding) -> Facts:
         content_encoding = h.get("content-encoding", "")
     data, problem = decode_body(body, _text(content_encoding))
     parsed_body: wire.Body | None = None
+    spans: dict[str, tuple[int, int]] = {}
     if not problem:
         # pi and Codex may name their session only in the body's prompt_cache_key (pi is
         # known by its prompt, so an unknown agent may be pi): only they need it looked for.
-        parsed_body, problem = parse_body(data, api, cache_key=agent in (PI, CODEX, UNKNOWN_AGENT))
+        parsed_body, problem = parse_body(data, api, cache_key=agent in (PI, CODEX, UNKNOWN_AGENT), spans=spans)
     b = parsed_body if parsed_body is not None else wire.Body()
     ok = not problem
 
@@ -129,6 +133,7 @@ def _read(method, url, headers, body, content_encoding) -> Facts:
         has_tools=has_tools(b),
         parsed=ok,
         reason=reason,
+        model_span=spans.get("model") if b.model is not None else None,
     )
 
 
@@ -207,14 +212,16 @@ _FLAVOUR = {
 }
 
 
-def parse_body(data: bytes, api: str | None = None, cache_key: bool = True) -> tuple[wire.Body | None, str]:
+def parse_body(data: bytes, api: str | None = None, cache_key: bool = True,
+               spans: dict[str, tuple[int, int]] | None = None) -> tuple[wire.Body | None, str]:
     """The body's facts fields, and "" or why some could not be read. A large body of a
-    known api is read in parts (``wire.fast_decode``); anything odd there reads it whole."""
+    known api is read in parts (``largebody.fast_decode``, which fills ``spans`` with the
+    byte spans of the top-level members it read first); anything odd reads it whole."""
     if not data.strip():
         return None, "empty body"
-    if len(data) >= wire.FAST_MIN and api in _FLAVOUR:
+    if len(data) >= largebody.FAST_MIN and api in _FLAVOUR:
         try:
-            fast = wire.fast_decode(data, _FLAVOUR[api], cache_key)
+            fast = largebody.fast_decode(data, _FLAVOUR[api], cache_key, spans)
         except Exception:  # pragma: no cover - the whole-body path below is the safe one
             fast = None
         if fast is not None:

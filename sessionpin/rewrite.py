@@ -57,6 +57,7 @@ class RequestView:
     api: str = F.OTHER
     model: str | None = None                    # the body's top-level model, from the reader
     unreadable: str | None = None               # why the reader could not read the body
+    model_span: tuple[int, int] | None = None   # where the reader found the model in ``body``
                                                 # (facts.reason when not facts.parsed), else None
 
 
@@ -143,7 +144,7 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
         mapped = target.map_model(request.model)
         if mapped != request.model:
             try:
-                body = replace_model(request.body or b"", request.model, mapped)
+                body = replace_model(request.body or b"", request.model, mapped, request.model_span)
             except ModelNotFound as e:
                 return _refused(request, f"cannot rename model for server {target.name}: {e}")
             changes = Changes(changes.scheme, changes.host, changes.port, changes.path,
@@ -222,9 +223,16 @@ def _same_ends(view: memoryview, i: int, raw: memoryview, size: int, k: int = 64
             and view[i + size - k:i + size].tobytes() == raw[size - k:].tobytes())
 
 
-def replace_model(body: bytes, old: str, new: str) -> bytes:
-    start, end = model_span(body)
-    if _decode_str.decode(body[start:end]) != old:
+def replace_model(body: bytes, old: str, new: str, span: tuple[int, int] | None = None) -> bytes:
+    """``body`` with its top-level model ``old`` renamed ``new``, every other byte as sent.
+    ``span`` is where the reader found the model (facts.model_span: it walked the body's
+    top-level members up to the messages, duplicates refused), saving a second read."""
+    start, end = span if span is not None else model_span(body)
+    try:
+        found = _decode_str.decode(body[start:end]) if 0 <= start < end <= len(body) else None
+    except msgspec.DecodeError:
+        found = None
+    if found != old:
         raise ModelNotFound("the body's model is not the one read")
     # One allocation and one copy: ``a + b + c`` would copy the tail twice (a megabyte body
     # costs a fresh buffer, page faults included, per copy).

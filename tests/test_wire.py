@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from sessionpin import wire
+from sessionpin import largebody, wire
 
 
 def test_contents_stay_raw_and_unknown_fields_are_skipped():
@@ -73,15 +73,15 @@ def test_msgspec_names_where_a_value_ends():
     # (and fast_decode falls back to reading the whole body, correct but slower).
     data = b'{"role":"user","content":"}]"} ,{"x":1}]'
     with pytest.raises(msgspec.DecodeError) as err:
-        msgspec.json.decode(data, type=wire._Skip)
-    m = wire._TRAILING.search(str(err.value))
+        msgspec.json.decode(data, type=msgspec.Raw)
+    m = largebody._TRAILING.search(str(err.value))
     assert m and data[int(m.group(1)) - 1 :].startswith(b",{")  # one past the "," after the space
 
 
 def test_fast_decode_reads_the_head_first_messages_and_tail():
     data = (b'{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"x"},'
             + b'{"role":"user","content":"' + b"y" * 1000 + b'"}],"tools":[{"name":"stream"}],"stream":true}')
-    body, problem = wire.fast_decode(data, "anthropic")
+    body, problem = largebody.fast_decode(data, "anthropic")
     assert problem == "" and body.model == "m" and body.stream is True and len(body.tools) == 1
     assert [m.role for m in body.messages] == ["user", "assistant"]  # stopped once both were known
 
@@ -99,20 +99,20 @@ def test_fast_decode_reads_the_head_first_messages_and_tail():
     ],
 )
 def test_fast_decode_falls_back_on_anything_odd(data):
-    assert wire.fast_decode(data, "anthropic") is None
+    assert largebody.fast_decode(data, "anthropic") is None
 
 
 def _big(tail: bytes, msgs: list[bytes] | None = None) -> bytes:
-    pad = b'{"role":"user","content":"' + b"x" * (wire.FAST_MIN + 10) + b'"}'
+    pad = b'{"role":"user","content":"' + b"x" * (largebody.FAST_MIN + 10) + b'"}'
     body = b'{"model":"m","messages":[' + b",".join([pad, *(msgs or [])]) + b"]" + tail + b"}"
     return body
 
 
 def test_prompt_cache_key_after_the_messages_is_found_when_asked():
     data = _big(b',"prompt_cache_key":"pi-123"')
-    body, _ = wire.fast_decode(data, "chat", cache_key=True)
+    body, _ = largebody.fast_decode(data, "chat", cache_key=True)
     assert body.prompt_cache_key == "pi-123"
-    body, _ = wire.fast_decode(data, "chat", cache_key=False)
+    body, _ = largebody.fast_decode(data, "chat", cache_key=False)
     assert body.prompt_cache_key is None   # not looked for: no scan paid for it
 
 
@@ -122,21 +122,21 @@ def test_many_nested_look_alikes_read_the_same_in_parts_as_whole():
     calls = [b'{"role":"assistant","content":[{"type":"tool_use","input":{"a":1,"metadata":{"k":%d}}}]}' % i
              for i in range(3000)]
     data = _big(b',"tools":[{"name":"t"}]', calls)
-    fast, _ = wire.fast_decode(data, "anthropic")
+    fast, _ = largebody.fast_decode(data, "anthropic")
     whole = wire.body_decoder.decode(data)
     assert fast.metadata is None and whole.metadata is None
     assert fast.tools == whole.tools and fast.model == whole.model == "m"
 
 
 def test_a_key_both_before_and_after_the_messages_is_left_to_the_whole_read():
-    data = b'{"model":"a","stream":true,"messages":[' + b'{"role":"user","content":"' + b"x" * wire.FAST_MIN + \
+    data = b'{"model":"a","stream":true,"messages":[' + b'{"role":"user","content":"' + b"x" * largebody.FAST_MIN + \
         b'"}],"tools":[],"model":"b"}'
-    assert wire.fast_decode(data, "anthropic") is None
+    assert largebody.fast_decode(data, "anthropic") is None
 
 
 def test_a_typed_user_message_is_not_history_in_messages_bodies():
     # In chat/anthropic bodies history is an assistant role; a "type" only counts in Responses.
     data = _big(b"", [b'{"role":"user","type":"function_call_output","content":"y"}',
                       b'{"role":"assistant","content":"z"}'])
-    body, _ = wire.fast_decode(data, "chat")
+    body, _ = largebody.fast_decode(data, "chat")
     assert [m.role for m in body.messages] == ["user", "user", "assistant"]

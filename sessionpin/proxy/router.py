@@ -157,7 +157,7 @@ class Router:
         view = rewrite.RequestView(
             scheme=req.scheme, host=req.host, port=req.port, path=req.path,
             headers=tuple(req.headers.items(multi=True)), body=body, api=r.facts.api, model=r.facts.model,
-            unreadable=None if r.facts.parsed else r.facts.reason,
+            unreadable=None if r.facts.parsed else r.facts.reason, model_span=r.facts.model_span,
         )
         return rewrite.plan(state.decision, view, r.source, r.config, self.env)
 
@@ -364,17 +364,32 @@ def _wants(participant: Any, req: http.Request) -> bool:
 
 
 def _apply(req: http.Request, c: rewrite.Changes) -> None:
-    """Apply a plan: scheme first, then host, then port (the setters keep Host in step)."""
+    """Apply a plan in one pass over the headers (the header API costs a lookup per call):
+    the new origin (Host, or HTTP/2's :authority, follows it), the path, the headers
+    dropped and set, the body with the model renamed."""
+    hostport = None
     if (c.scheme, c.host, c.port) != (req.scheme, req.host, req.port):
         req.scheme = c.scheme
-        req.host = c.host
-        req.port = c.port
+        req.data.host = c.host
+        req.data.port = c.port
+        hostport = url.hostport(c.scheme, c.host, c.port)
+        if req.data.authority:
+            req.authority = hostport
     if c.path != req.path:
         req.path = c.path
-    for name in c.drop_headers:
-        req.headers.pop(name, None)
-    for name, value in c.set_headers:
-        req.headers[name] = value
+    if hostport is not None or c.drop_headers or c.set_headers:
+        drop = {n.lower().encode("latin-1") for n in c.drop_headers}
+        drop.update(n.lower().encode("latin-1") for n, _ in c.set_headers)
+        fields = []
+        for name, value in req.headers.fields:
+            low = name.lower()
+            if low == b"host" and hostport is not None:
+                fields.append((name, hostport.encode("idna")))
+            elif low not in drop:
+                fields.append((name, value))
+        fields.extend((n.encode("latin-1"), v.encode("latin-1")) for n, v in c.set_headers)
+        req.headers.fields = tuple(fields)
     if c.body is not None:
         req.content = c.body
+
 

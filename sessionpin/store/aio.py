@@ -1,10 +1,13 @@
 """The async facade: a ``SyncStore`` (memory, file) as the ``Store`` every caller awaits.
 
 Rules it keeps:
-- The facade owns its executors: one writer thread (a process's writes to one file are
-  serialised here rather than in SQLite's lock) and a few reader threads. Nothing runs
-  on the caller's event loop, so a write that waits for a lock held by another process
-  or for an fsync delays only the requests that need it.
+- The facade owns its threads: one writer lane (a process's writes to one file are
+  serialised here rather than in SQLite's lock) and a reader lane of a few threads.
+  Nothing runs on the caller's event loop, so a write that waits for a lock held by
+  another process or for an fsync delays only the requests that need it.
+- A lane is a queue and its threads that settle the caller's asyncio future directly
+  (``call_soon_threadsafe``): a pin read is on every request's path, and the hop through
+  ``concurrent.futures`` (its own future, a lock, a wrapped future) cost a third more.
 - Reads go to reader threads, never behind a write: a pinned turn's pin read does not
   wait for a new conversation's durable pin write.
 - ``Inline`` is the same surface without threads, for the memory store: its calls hold
@@ -16,13 +19,65 @@ Rules it keeps:
 from __future__ import annotations
 
 import asyncio
-import functools
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 from typing import Any, Callable
 
 from .base import READS, WRITES, SyncStore
 
 READER_THREADS = 2
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+class Lane:
+    """Threads that run calls in the order they were queued and answer on the caller's loop."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put((loop, fut, fn, args, kw))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            loop, fut, fn, args, kw = item
+            try:
+                result = fn(*args, **kw)
+            except BaseException as e:   # handed to the caller, whatever it is
+                error: BaseException | None = e
+                result = None
+            else:
+                error = None
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+            except RuntimeError:          # the caller's loop is closed: nobody waits
+                pass
+
+    def stop(self, wait: bool) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join()
 
 
 class Threaded:
@@ -31,13 +86,12 @@ class Threaded:
     def __init__(self, backend: SyncStore, *, readers: int = READER_THREADS) -> None:
         self.backend = backend
         self.url = backend.url
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="sessionpin-store-w")
-        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="sessionpin-store-r")
+        self._writer = Lane("sessionpin-store-w", 1)
+        self._readers = Lane("sessionpin-store-r", readers)
         self._closed = False
 
-    async def _call(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool, functools.partial(fn, *args, **kw))
+    async def _call(self, lane: Lane, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        return await lane.call(fn, *args, **kw)
 
     def describe(self) -> dict[str, Any]:
         return self.backend.describe()
@@ -49,16 +103,16 @@ class Threaded:
         try:
             await self._call(self._writer, self.backend.close)
         finally:
-            self._writer.shutdown(wait=False)
-            self._readers.shutdown(wait=False)
+            self._writer.stop(wait=False)
+            self._readers.stop(wait=False)
 
     def close_now(self) -> None:
         """Close from synchronous code (mitmproxy's ``done``, atexit): waits for queued writes."""
         if self._closed:
             return
         self._closed = True
-        self._writer.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
+        self._writer.stop(wait=True)
+        self._readers.stop(wait=True)
         self.backend.close()
 
     def __repr__(self) -> str:

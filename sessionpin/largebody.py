@@ -1,0 +1,340 @@
+"""The large-body reader: a long conversation's facts fields without reading its contents.
+
+A long conversation is megabytes of message contents the facts never look at, and even
+skipping them costs a full scan. For a large body the reader decodes three small parts
+and leaves the middle alone:
+  1. the head: the top-level members before the messages array ("model", …), walked one
+     member at a time (msgspec finds where each value ends) — which also gives the byte
+     span of each head member, so a model rename needs no second read of the body;
+  2. the first messages, one at a time, each walked member by member (one scan of each
+     byte), until an assistant turn (history) and the first user message (fingerprint)
+     are both known - or the array ends;
+  3. the tail: the top-level members after the messages array, found by key.
+Every part is proved top-level with msgspec, not guessed: the head is walked from the
+opening brace; in JSON a quote preceded by ``,`` is never inside a string, and a slice
+that decodes as one complete object (``{`` + the text after a comma) can only start at
+depth 1. What is not proved is the well-formedness of message contents after the last
+message read: a body corrupt deep inside them is the server's to reject.
+
+Work per byte is bounded for every input (a 0.9 MB body of nested look-alike keys once
+took 20 s): the head walk and the messages walk scan each byte once; each tail key is
+searched backwards once; a look-alike found nested costs a decode up to the end of its
+own object, and once the failed tries add up to the body's size the reader stops and
+decodes the whole body instead (itself linear). ``wire.STEPS`` counts the bytes every
+find, copy and decode scans, so tests can prove the bound without timing.
+Anything unexpected returns None and the caller decodes the whole body.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Raw
+
+import re
+
+from .wire import STEPS, Body, Message, count, decode_fields, is_history, loose_decoder
+
+FAST_MIN = 256 * 1024
+_WS = b" \t\r\n"
+_WS_RUN = re.compile(rb"[ \t\r\n]*")
+# msgspec's message for a complete value followed by more text; its offset is one past the
+# first byte after the value (checked by tests/test_wire.py against the installed msgspec).
+_TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
+_AT_BYTE = re.compile(r"\(byte (\d+)\)")
+# Keys of each api's body worth looking for after the messages array. A key that is absent
+# costs one scan of the body, so only the ones that api has.
+NEEDED = {
+    "anthropic": ("model", "stream", "system", "tools", "metadata"),
+    "chat": ("model", "stream", "tools"),
+    "responses": ("model", "stream", "instructions", "tools", "prompt_cache_key", "previous_response_id"),
+}
+# prompt_cache_key is a session id for pi and Codex on any api; the caller asks for it
+# (``cache_key=True``) when the request may be theirs, so others pay no scan for it.
+CACHE_KEY = "prompt_cache_key"
+# Real bodies have fewer than 20 top-level members before their messages, and find their
+# first user and assistant turns within a few items: more falls back to the whole read
+# (per-member overhead is Python's, so it is capped, not just linear).
+HEAD_MEMBERS = 64
+FIRST_ITEMS = 256
+# Failed tail tries may scan this many times the body before the whole read takes over.
+TAIL_BUDGET = 1
+
+_raw_decoder = msgspec.json.Decoder(Raw)
+_key_decoder = msgspec.json.Decoder(str)
+_name_decoder = msgspec.json.Decoder(str | None)
+
+
+
+
+
+def _decode(decoder: msgspec.json.Decoder, buf) -> tuple[object, int]:
+    """``decoder.decode(buf)``, counted. (value, -1) when it decoded; (None, k) when msgspec
+    met trailing characters at byte k (one past the first byte after the value); (None, 0)
+    on any other error."""
+    try:
+        value = decoder.decode(buf)
+    except msgspec.ValidationError:
+        count(len(buf))
+        return None, 0
+    except msgspec.DecodeError as err:
+        text = str(err)
+        at = _AT_BYTE.search(text)
+        count(int(at.group(1)) if at else len(buf))
+        trailing = _TRAILING.search(text)
+        return None, int(trailing.group(1)) if trailing else 0
+    except RecursionError:   # msgspec's guard against deep nesting: the caller falls back
+        count(len(buf))
+        raise
+    count(len(buf))
+    return value, -1
+
+
+def _skip_ws(data: bytes, i: int) -> int:
+    j = _WS_RUN.match(data, i).end()
+    count(j - i + 1)
+    return j
+
+
+def _skip_ws_back(data: bytes, i: int) -> int:
+    """The index of the last non-space byte at or before i (-1 if none). Windows that double,
+    so a long run of spaces costs C-speed copies, not a Python loop per byte."""
+    width = 16
+    while i >= 0:
+        lo = max(0, i + 1 - width)
+        kept = data[lo:i + 1].rstrip(_WS)
+        count(i + 1 - lo)
+        if kept:
+            return lo + len(kept) - 1
+        i, width = lo - 1, width * 2
+    return -1
+
+
+def _find(data: bytes, needle: bytes, lo: int, hi: int, last: bool) -> int:
+    p = data.rfind(needle, lo, hi) if last else data.find(needle, lo, hi)
+    count((hi - p if last else p + len(needle) - lo) if p != -1 else hi - lo)
+    return p
+
+
+def _key_before(data: bytes, key: bytes, lo: int, hi: int) -> tuple[int, int]:
+    """The last ``"key"`` in data[lo:hi] that is a member name: preceded by ``,`` or ``{``
+    and followed by ``:``. Returns (position of that ``,``/``{``, position after the ``:``),
+    or (-1, -1)."""
+    needle = b'"' + key + b'"'
+    while lo < hi:
+        p = _find(data, needle, lo, hi, last=True)
+        if p == -1:
+            return -1, -1
+        before = _skip_ws_back(data, p - 1)
+        after = _skip_ws(data, p + len(needle))
+        if before >= 0 and data[before] in b",{" and after < len(data) and data[after] == ord(":"):
+            return before, after + 1
+        hi = p
+    return -1, -1
+
+
+def _value_end(view: memoryview, i: int) -> int:
+    """The index of the first non-space byte after the JSON value at ``i``, or -1 when the
+    value is not followed by one (it runs to the end, or is not JSON)."""
+    _, k = _decode(_raw_decoder, view[i:])
+    return i + k - 1 if k > 0 else -1
+
+
+def _head(data: bytes, start: int, array_key: str,
+          spans: dict[str, tuple[int, int]] | None = None) -> tuple[dict[str, Raw], int] | None:
+    """The top-level members before ``array_key`` and the position of its value, walked
+    from the opening brace one member at a time: each byte is scanned once. Each member's
+    byte span goes into ``spans``; a member written twice makes the whole read decide."""
+    view = memoryview(data)
+    head: dict[str, Raw] = {}
+    i = _skip_ws(data, start + 1)
+    for _ in range(HEAD_MEMBERS):
+        if i >= len(data) or data[i] != ord('"'):
+            return None   # "}" (no messages at the top level), or not JSON
+        colon = _value_end(view, i)
+        if colon == -1 or data[colon] != ord(":"):
+            return None
+        key, _ = _decode(_key_decoder, view[i:colon])
+        if not isinstance(key, str):
+            return None
+        v = _skip_ws(data, colon + 1)
+        if key == array_key:
+            return head, v
+        end = _value_end(view, v)
+        if end == -1:
+            return None
+        count(end - v)
+        if key in head:
+            return None   # a duplicate member: which one counts is the whole read's call
+        head[key] = Raw(data[v:end])
+        if spans is not None:
+            spans[key] = (v, _end_of_value(data, v, end))
+        if data[end] != ord(","):
+            return None   # "}": the object ended without the messages
+        i = _skip_ws(data, end + 1)
+    return None
+
+
+def _end_of_value(data: bytes, v: int, after: int) -> int:
+    """One past the value's last byte, given the first non-space byte after it."""
+    j = after
+    while j > v and data[j - 1] in _WS:
+        j -= 1
+    return j
+
+
+ITEM_MEMBERS = 64
+
+
+def _item(data: bytes, view: memoryview, s: int) -> tuple[Message, int] | None:
+    """The message or input item whose ``{`` is at ``s``, walked member by member (each
+    byte scanned once: no skip pass before a decode), and the index of the first
+    non-space byte after it. Only ``role``, ``type`` and ``content`` are kept; a member
+    of the wrong type, a duplicate, or anything odd makes the whole read decide."""
+    i = _skip_ws(data, s + 1)
+    found: dict[str, object] = {}
+    if i < len(data) and data[i] == ord("}"):
+        return Message(), _skip_ws(data, i + 1)
+    for _ in range(ITEM_MEMBERS):
+        if i >= len(data) or data[i] != ord('"'):
+            return None
+        colon = _value_end(view, i)
+        if colon == -1 or data[colon] != ord(":"):
+            return None
+        key, _ = _decode(_key_decoder, view[i:colon])
+        if not isinstance(key, str):
+            return None
+        v = _skip_ws(data, colon + 1)
+        end = _value_end(view, v)
+        if end == -1:
+            return None
+        if key in ("role", "type", "content"):
+            if key in found:
+                return None
+            if key == "content":
+                found[key] = Raw(view[v:_end_of_value(data, v, end)])
+            else:
+                value, k = _decode(_name_decoder, view[v:end])
+                if k != -1:
+                    return None   # not a string or null: the whole read names the field
+                found[key] = value
+        if data[end] == ord("}"):
+            return Message(**found), _skip_ws(data, end + 1)   # type: ignore[arg-type]
+        if data[end] != ord(","):
+            return None
+        i = _skip_ws(data, end + 1)
+    return None
+
+
+def _as_object(buf: bytearray, lo: int, at: int, char: int) -> tuple[dict[str, Raw] | None, int]:
+    """buf[lo:] decoded as one object with the byte at ``at`` read as ``char`` (the ``,``
+    before a member read as ``{``): (members or None, bytes scanned). No copy of the rest of
+    the body per try: a key found nested costs only the decode up to the end of its own
+    object, where msgspec stops."""
+    saved = buf[at]
+    buf[at] = char
+    before = STEPS.n
+    try:
+        members, _ = _decode(loose_decoder, memoryview(buf)[lo:])
+        return members, STEPS.n - before   # type: ignore[return-value]
+    finally:
+        buf[at] = saved
+
+
+def fast_decode(data: bytes, flavour: str, cache_key: bool = True,
+                spans: dict[str, tuple[int, int]] | None = None) -> tuple[Body, str] | None:
+    """A large body's facts fields without reading its message contents; None to fall back.
+    ``spans`` (when given) receives the byte span of each top-level member read in the head."""
+    try:
+        return _fast_decode(data, flavour, cache_key, spans)
+    except RecursionError:   # msgspec's guard against deep nesting: the whole read says so
+        return None
+
+
+def _fast_decode(data: bytes, flavour: str, cache_key: bool,
+                 spans: dict[str, tuple[int, int]] | None) -> tuple[Body, str] | None:
+    array_key = "input" if flavour == "responses" else "messages"
+    # 1. the head
+    start = _skip_ws(data, 0)
+    last = _skip_ws_back(data, len(data) - 1)
+    if start >= len(data) or data[start] != ord("{") or data[last] != ord("}"):
+        return None  # not one object: let the whole-body read say what is wrong
+    found = _head(data, start, array_key, spans)
+    if found is None:
+        return None
+    head, array_start = found
+    if array_start >= len(data) or data[array_start] != ord("["):
+        return None
+    # 2. the first messages, each walked member by member (``_item``): one scan of the
+    # element, whatever its text holds.
+    messages: list[Message] = []
+    s = _skip_ws(data, array_start + 1)
+    ended = s < len(data) and data[s] == ord("]")
+    history = first_user = False
+    view = memoryview(data)
+    while not ended and not (history and first_user):
+        if s >= len(data) or data[s] != ord("{") or len(messages) >= FIRST_ITEMS:
+            return None
+        got = _item(data, view, s)
+        if got is None:
+            return None   # odd, or a wrong type: the whole-body read names the field
+        msg, after = got
+        messages.append(msg)  # type: ignore[arg-type]
+        # the same test the facts apply: Responses items by type, messages by role
+        history = history or (is_history(msg) if flavour == "responses" else msg.role == "assistant")  # type: ignore[union-attr]
+        first_user = first_user or msg.role == "user"  # type: ignore[union-attr]
+        if after >= len(data):
+            return None
+        if data[after] == ord("]"):
+            ended = True
+        elif data[after] == ord(","):
+            s = _skip_ws(data, after + 1)
+        else:
+            return None
+    # 3. the tail: each needed key not in the head, found from the end and proved top-level
+    tail: dict[str, Raw] = {}
+    tail_from = len(data)
+    buf: bytearray | None = None   # made on the first nested look-alike in the tail search
+    failed = 0                     # bytes scanned by tries that found a nested look-alike
+    needed = NEEDED[flavour]
+    if cache_key and CACHE_KEY not in needed:
+        needed += (CACHE_KEY,)
+    for name in needed:
+        if name in head or name in tail:
+            continue
+        hi = len(data)
+        while True:
+            comma, _ = _key_before(data, name.encode(), array_start, hi)
+            if comma == -1 or data[comma] != ord(","):
+                if comma != -1:  # ``{"name"``: the first member of a nested object
+                    hi = comma
+                    continue
+                break
+            if comma > tail_from:  # inside the tail already decoded, so nested there
+                hi = comma
+                continue
+            if failed > TAIL_BUDGET * len(data):
+                return None   # look-alikes cost more than the whole read: let it decide
+            if buf is None:
+                # usually the first try is the real tail: copying just it is cheapest
+                count(len(data) - comma)
+                before = STEPS.n
+                members, _ = _decode(loose_decoder, b"{" + data[comma + 1:])
+                if members is None:
+                    failed += STEPS.n - before
+                    count(len(data))
+                    buf = bytearray(data)
+            else:
+                members, scanned = _as_object(buf, comma, comma, 0x7B)  # {
+                if members is None:
+                    failed += scanned
+            if members is None:
+                hi = comma
+                continue
+            tail, tail_from = members, comma  # type: ignore[assignment]
+            break
+    if tail.keys() & head.keys():
+        # a key both before and after the messages: which one counts is the whole read's call
+        return None
+    values, problem = decode_fields({**tail, **head})
+    values["input" if flavour == "responses" else "messages"] = messages
+    return Body(**values), problem

@@ -47,6 +47,11 @@ def text(value: object) -> str:
             return value
         except UnicodeEncodeError:  # lone surrogates (e.g. from surrogateescape)
             return value.encode("utf-8", "surrogatepass").decode("utf-8", "backslashreplace")
-    if isinstance(value, (bytes, bytearray, memoryview)):
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")       # the usual case, at C speed
+        except UnicodeDecodeError:
+            return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, (bytearray, memoryview)):
         return bytes(value).decode("utf-8", "backslashreplace")
     return ""

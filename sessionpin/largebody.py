@@ -290,7 +290,10 @@ def _fast_decode(data: bytes, flavour: str, cache_key: bool,
             s = _skip_ws(data, after + 1)
         else:
             return None
-    # 3. the tail: each needed key not in the head, found from the end and proved top-level
+    # 3. the tail: each needed key not in the head, found from the end and proved top-level.
+    # "model" is looked for even when the head has it: a second top-level model after the
+    # messages (the whole read takes the last) must send the body to the whole read, since
+    # a model rename trusts the head's span (facts.model_span).
     tail: dict[str, Raw] = {}
     tail_from = len(data)
     buf: bytearray | None = None   # made on the first nested look-alike in the tail search
@@ -299,7 +302,7 @@ def _fast_decode(data: bytes, flavour: str, cache_key: bool,
     if cache_key and CACHE_KEY not in needed:
         needed += (CACHE_KEY,)
     for name in needed:
-        if name in head or name in tail:
+        if name in tail or (name in head and name != "model"):
             continue
         hi = len(data)
         while True:

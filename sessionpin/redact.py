@@ -59,8 +59,8 @@ _TOKEN = re.compile(_KEYCHARS + "+")
 
 def contains_key(text: str) -> bool:
     """Whether some part of ``text`` reads as a credential (see the module's rules)."""
-    if not isinstance(text, str):
-        return False
+    if not isinstance(text, str) or len(text) < 19:
+        return False   # shorter than the shortest key form (a prefix and 16 key characters)
     return bool(_PREFIXED.search(text)) or any(
         _random_run(m.group()) for m in _ALNUM_RUN.finditer(text)
     ) or any(_mixed(m.group()) for m in _B64_RUN.finditer(text))

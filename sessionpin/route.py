@@ -35,7 +35,9 @@ Rules this module keeps beyond the ladder's:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+import msgspec
 
 from . import facts as F
 from . import ladder
@@ -171,8 +173,8 @@ Event = PinRead | TitleRead | StoreFailed | Planned | PinCreated | PinLost | Not
 _UNREAD = Loaded(None, None)
 
 
-@dataclass(frozen=True)
-class State:
+class State(msgspec.Struct, frozen=True):
+    """What is known so far about one request (a msgspec struct: a step copies it in C)."""
     request: Request
     loaded: Loaded = _UNREAD         # the pin as read (pin None: none)
     title: str | None = None         # where this session's title-shaped request went
@@ -192,6 +194,9 @@ class Step:
         return isinstance(self.effect, TERMINAL)
 
 
+_replace = msgspec.structs.replace
+
+
 def begin(request: Request) -> Step:
     state = State(request)
     f = request.facts
@@ -209,22 +214,22 @@ def step(state: State, event: Event) -> Step:
                                   f"goes. Retry in a moment; if this persists, run 'sessionpin doctor'.",
                                   RETRY_AFTER))
     if isinstance(event, PinRead):
-        state = replace(state, loaded=event.loaded)
+        state = _replace(state, loaded=event.loaded)
         if event.loaded.pin is None and r.source is not None and f.agent == F.OPENCODE \
                 and f.turn == F.CONTINUATION:
             return Step(state, ReadTitle(f.session))
         return _decide(state)
     if isinstance(event, TitleRead):
-        return _decide(replace(state, title=event.server))
+        return _decide(_replace(state, title=event.server))
     if isinstance(event, Planned):
-        return _planned(replace(state, changes=event.changes))
+        return _planned(_replace(state, changes=event.changes))
     if isinstance(event, PinCreated):
         return Step(state, Forward(state.changes))
     if isinstance(event, PinLost):
         if state.raced:     # a second loss in one request cannot happen; refuse rather than loop
             return Step(state, Refuse(503, "store", f"sessionpin: session {f.session} changed pins twice "
                                       "while this request was decided; retry", RETRY_AFTER))
-        return _decide(replace(state, loaded=event.loaded, raced=True, changes=None))
+        return _decide(_replace(state, loaded=event.loaded, raced=True, changes=None))
     if isinstance(event, NotSaved):
         d = state.decision
         if r.source is not None and d is not None and d.target == r.source.name:
@@ -245,7 +250,7 @@ def _decide(state: State) -> Step:
 
 
 def _decided(state: State, d: Decision) -> Step:
-    state = replace(state, decision=d)
+    state = _replace(state, decision=d)
     r = state.request
     f = r.facts
     if d.refuse:

@@ -51,9 +51,12 @@ def clean_id(value: object) -> str | None:
     value = value.strip()
     if not value or len(value) > MAX_ID or value.startswith(FINGERPRINT_PREFIX):
         return None
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    if _CONTROL.search(value):
         return None
     return _text(value)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def user_id_session(user_id: str | None) -> tuple[str | None, str | None]:

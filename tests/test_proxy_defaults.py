@@ -8,7 +8,7 @@ from typing import Optional
 import pytest
 from mitmproxy import exceptions
 
-from sessionpin.proxy.defaults import Defaults, decisions
+from sessionpin.proxy.defaults import Defaults
 from shellkit import flow, start
 
 
@@ -41,13 +41,19 @@ def test_connection_chatter_is_off_unless_asked(proxy, caplog):
     assert "client connect" in caplog.text
 
 
-async def test_one_line_per_decision_on_the_terminal(proxy, capsys):
+async def test_one_line_per_decision_on_the_terminal(proxy, capsys, caplog):
+    import asyncio
     await proxy.send(flow())
+    await proxy.send(flow("continuation"))
+    await asyncio.sleep(0)           # lines are written once per turn of the event loop
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "claude-code opening abcd1234" in out
+    assert out.count("\n") == 2 and "claude-code opening abcd1234" in out and "continuation abcd1234" in out
     d = next(a for a in proxy.addons if isinstance(a, Defaults))
     proxy.tctx.configure(d, sessionpin_decision_log="off")
     await proxy.send(flow())
+    await asyncio.sleep(0)
     assert capsys.readouterr().out == ""
     proxy.tctx.configure(d, sessionpin_decision_log="eventlog")
-    assert decisions.propagate and not any(type(h).__name__ == "_Terminal" for h in decisions.handlers)
+    with caplog.at_level(logging.INFO, logger="sessionpin.decisions"):
+        await proxy.send(flow())
+    assert "claude-code opening abcd1234" in caplog.text and capsys.readouterr().out == ""

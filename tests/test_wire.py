@@ -140,3 +140,19 @@ def test_a_typed_user_message_is_not_history_in_messages_bodies():
                       b'{"role":"assistant","content":"z"}'])
     body, _ = largebody.fast_decode(data, "chat")
     assert [m.role for m in body.messages] == ["user", "user", "assistant"]
+
+
+@pytest.mark.parametrize("second", [b'"b"', b'"a"'])
+def test_a_second_top_level_model_after_the_messages_sends_the_body_to_the_whole_read(second):
+    # the head's model span is what a rename trusts: a duplicate later in the body (the
+    # whole read takes the last) must never be missed, whatever its value
+    pad = b'{"role":"user","content":"' + b"x" * (largebody.FAST_MIN + 10) + b'"}'
+    data = (b'{"model":"a","messages":[' + pad + b'],"tools":[{"name":"T","input_schema":{"properties":'
+            b'{"model":{"type":"string"}}}}],"model":' + second + b',"stream":true}')
+    assert largebody.fast_decode(data, "anthropic") is None
+    # nested look-alikes alone do not
+    data = (b'{"model":"a","messages":[' + pad + b'],"tools":[{"name":"T","input_schema":{"properties":'
+            b'{"model":{"type":"string"}}}}],"stream":true}')
+    spans = {}
+    body, _ = largebody.fast_decode(data, "anthropic", spans=spans)
+    assert body.model == "a" and data[slice(*spans["model"])] == b'"a"'

@@ -7,14 +7,16 @@ Rules it keeps:
   router can read and route them.
 - One line per decision: mitmproxy's connection chatter ("client connect", "server
   disconnect …") is dropped unless ``sessionpin_connection_log`` is on; decision lines
-  go to the terminal directly (``sessionpin_decision_log=terminal``, the default) rather
-  than through mitmproxy's log event, which every addon receives — a cost paid per
-  request (docs/benchmarks.md) — or into mitmweb's event log (``eventlog``), or nowhere
-  (``off``). Refusals and faults are always logged through mitmproxy (warnings).
+  (``DECISIONS``) go to the terminal directly (``sessionpin_decision_log=terminal``, the
+  default) — gathered and written once per turn of the event loop, not through Python's
+  logging and mitmproxy's log event, which every addon receives: a cost paid per request
+  (docs/benchmarks.md) — or into mitmweb's event log (``eventlog``), or nowhere (``off``).
+  Refusals and faults are always logged through mitmproxy (warnings).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -33,19 +35,43 @@ class _NoChatter(logging.Filter):
         return not (isinstance(msg, str) and (msg in CHATTER[:2] or msg.startswith(CHATTER[2:])))
 
 
-class _Terminal(logging.Handler):
-    """Decision lines straight to stdout, as mitmdump prints its own lines."""
+class DecisionLog:
+    """Where decision lines go (``sessionpin_decision_log``)."""
 
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            sys.stdout.write(record.getMessage() + "\n")
-            sys.stdout.flush()
-        except Exception:
-            self.handleError(record)
+    def __init__(self) -> None:
+        self.mode = "terminal"
+        self._lines: list[str] = []
+        self._flushing = False
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def write(self, line: str) -> None:
+        if self.mode == "eventlog":
+            decisions.info(line)
+        elif self.mode == "terminal":
+            self._lines.append(line)
+            if not self._flushing:
+                self._flushing = True
+                try:
+                    asyncio.get_running_loop().call_soon(self.flush)
+                except RuntimeError:      # no loop (a synchronous caller): now
+                    self.flush()
+
+    def flush(self) -> None:
+        self._flushing = False
+        lines, self._lines = self._lines, []
+        if lines:
+            try:
+                sys.stdout.write("\n".join(lines) + "\n")
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass
 
 
+DECISIONS = DecisionLog()
 _no_chatter = _NoChatter()
-_terminal = _Terminal()
 
 
 class Defaults:
@@ -77,16 +103,9 @@ class Defaults:
             else:
                 server_log.addFilter(_no_chatter)
         if "sessionpin_decision_log" in updated:
-            where = ctx.options.sessionpin_decision_log
-            decisions.removeHandler(_terminal)
-            decisions.disabled = where == "off"
-            decisions.propagate = where == "eventlog"
-            if where == "terminal":
-                decisions.addHandler(_terminal)
-            decisions.setLevel(logging.INFO)
+            DECISIONS.flush()
+            DECISIONS.mode = ctx.options.sessionpin_decision_log
 
     def done(self) -> None:
+        DECISIONS.flush()
         logging.getLogger("mitmproxy.proxy.server").removeFilter(_no_chatter)
-        decisions.removeHandler(_terminal)
-        decisions.propagate = True
-        decisions.disabled = False

@@ -63,10 +63,11 @@ class BodyLimit:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         req = flow.request
-        if req.method != "POST" or paths.api_of_path(req.method, req.path) == paths.OTHER:
+        if req.method != "POST":
             return
         limit = max(1, ctx.options.sessionpin_max_body_mb) * MIB
-        if not F.body_too_large(req.headers.get("content-length"), limit):
+        if not F.body_too_large(req.headers.get("content-length"), limit) \
+                or paths.api_of_path(req.method, req.path) == paths.OTHER:
             return
         api = paths.api_of_path(req.method, req.path)
         message = (f"sessionpin: this request's body ({req.headers.get('content-length', '?')} bytes) is over the "

@@ -39,11 +39,11 @@ from .. import facts as F
 from ..ids import short
 from ..store import StoreError
 from .configwatch import ConfigWatch
+from .defaults import DECISIONS
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
-decisions = logging.getLogger("sessionpin.decisions")    # one line per decision (see defaults.py)
 
 INTERNAL_PREFIX = "/__sessionpin/"
 TITLE_PREFIX = "title:"
@@ -254,9 +254,10 @@ class Router:
         if facts.session and facts.agent in F.AGENTS and (pin is not None or d.pin_action == ladder.CREATE):
             self.runtime.seen(facts.session, facts.agent, d.target if d.pin_action == ladder.CREATE else pin.server,
                               r.now)
-        model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""
-        decisions.info("sessionpin: %s %s %s %s → %s [%s: %s]%s", facts.agent, turn, sid,
-                 r.source.name if r.source else flow.request.pretty_host, where, d.rule, d.why, model)
+        if DECISIONS.on:
+            model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""
+            source = r.source.name if r.source else flow.request.pretty_host
+            DECISIONS.write(f"sessionpin: {facts.agent} {turn} {sid} {source} → {where} [{d.rule}: {d.why}]{model}")
 
     # ---- responses ---------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:

@@ -1,8 +1,9 @@
 """The async facade: a ``SyncStore`` (memory, file) as the ``Store`` every caller awaits.
 
 Rules it keeps:
-- The facade owns its threads: one writer lane (a process's writes to one file are
-  serialised here rather than in SQLite's lock) and a reader lane of a few threads.
+- The facade owns its threads: a writer lane (a process's writes to one file are
+  serialised here rather than in SQLite's lock) and a reader lane (a read takes
+  microseconds: one thread keeps up, and a second would only fight the first for the GIL).
   Nothing runs on the caller's event loop, so a write that waits for a lock held by
   another process or for an fsync delays only the requests that need it.
 - A lane is a queue and its threads that settle the caller's asyncio future directly
@@ -25,27 +26,27 @@ from typing import Any, Callable
 
 from .base import READS, WRITES, SyncStore
 
-READER_THREADS = 2
 
 
-def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if fut.cancelled():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
+def _settle(done: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for fut, result, error in done:
+        if fut.cancelled():
+            continue
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
 
 
 class Lane:
-    """Threads that run calls in the order they were queued and answer on the caller's loop."""
+    """A thread that runs calls in the order they were queued and answers on the caller's
+    loop. Calls queued while it worked are taken together, and their answers reach the
+    loop in one wakeup (each wakeup is a syscall on both sides)."""
 
-    def __init__(self, name: str, threads: int) -> None:
+    def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(threads)]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
 
     def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -55,39 +56,45 @@ class Lane:
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            answers: dict[asyncio.AbstractEventLoop, list] = {}
+            stop = False
+            for item in batch:
+                if item is None:
+                    stop = True
+                    continue
+                loop, fut, fn, args, kw = item
+                try:
+                    answers.setdefault(loop, []).append((fut, fn(*args, **kw), None))
+                except BaseException as e:   # handed to the caller, whatever it is
+                    answers.setdefault(loop, []).append((fut, None, e))
+            for loop, done in answers.items():
+                try:
+                    loop.call_soon_threadsafe(_settle, done)
+                except RuntimeError:          # the caller's loop is closed: nobody waits
+                    pass
+            if stop:
                 return
-            loop, fut, fn, args, kw = item
-            try:
-                result = fn(*args, **kw)
-            except BaseException as e:   # handed to the caller, whatever it is
-                error: BaseException | None = e
-                result = None
-            else:
-                error = None
-            try:
-                loop.call_soon_threadsafe(_settle, fut, result, error)
-            except RuntimeError:          # the caller's loop is closed: nobody waits
-                pass
 
     def stop(self, wait: bool) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        if wait:
-            for t in self._threads:
-                if t is not threading.current_thread():
-                    t.join()
+        self._queue.put(None)
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class Threaded:
     """A SyncStore served from threads the facade owns."""
 
-    def __init__(self, backend: SyncStore, *, readers: int = READER_THREADS) -> None:
+    def __init__(self, backend: SyncStore) -> None:
         self.backend = backend
         self.url = backend.url
-        self._writer = Lane("sessionpin-store-w", 1)
-        self._readers = Lane("sessionpin-store-r", readers)
+        self._writer = Lane("sessionpin-store-w")
+        self._readers = Lane("sessionpin-store-r")
         self._closed = False
 
     async def _call(self, lane: Lane, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:

@@ -42,7 +42,7 @@ from .kinds import (AGENTS, ANTHROPIC_COUNT_TOKENS, ANTHROPIC_MESSAGES, BILLING_
 from .kinds import text as _text
 from .sessions import (clean_id, codex_turn_metadata, fingerprint, opening, session_of,  # noqa: F401
                        user_id_session)
-from .turns import billing_line, has_history, has_tools, turn_of  # noqa: F401
+from .turns import billing_line, has_history, has_tools, turn_of, upgrade_turn  # noqa: F401
 
 class Facts(msgspec.Struct, frozen=True, kw_only=True):
     api: str                      # one of the api constants
@@ -91,6 +91,23 @@ def header_session(agent: str, headers: object) -> str | None:
         return session_of(agent, header_map(headers), wire.Body())[0]
     except Exception:
         return None
+
+
+def read_upgrade(url: str | bytes, headers: object) -> Facts:
+    """The facts of a WebSocket upgrade to a Responses endpoint (Codex opens its turns on
+    one): the headers say the agent, the session and the turn (``turns.upgrade_turn``);
+    the model is the one the turn metadata names, renamed per message. Never raises."""
+    try:
+        h = header_map(headers)
+        agent = agent_of(h)
+        session, source, _ = session_of(agent, h, wire.Body())
+        turn, why, history = upgrade_turn(h)
+        model = codex_turn_metadata(h).get("model")
+        return Facts(api=OPENAI_RESPONSES, agent=agent, session=session, session_source=source, turn=turn,
+                     model=model, stream=True, has_history=history, has_tools=True, reason=why)
+    except Exception as e:  # pragma: no cover - a last resort
+        return Facts(api=OPENAI_RESPONSES, agent=UNKNOWN_AGENT, turn=UNKNOWN_TURN, parsed=False,
+                     reason=f"internal error: {type(e).__name__}")
 
 
 def _read(method, url, headers, body, content_encoding) -> Facts:

@@ -37,6 +37,9 @@ from .redact import contains_key
 TRANSPORT = frozenset({
     "host", "content-type", "content-length", "content-encoding", "transfer-encoding",
     "connection", "accept", "accept-encoding", "accept-language",
+    # a WebSocket handshake (Codex's Responses socket, routed at its upgrade)
+    "upgrade", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+    "sec-websocket-protocol",
 })
 API = frozenset({"anthropic-version", "anthropic-beta", "openai-beta"})
 AGENT = frozenset({

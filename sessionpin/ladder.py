@@ -33,8 +33,14 @@
 6. A turn that cannot be told, with a session: the agent's current server, and pin it;
    with history it is a conversation under way never seen begin: as rule 5.
 
+7. A conversation never seen begin that forks or resumes a conversation the router knows
+   (``parent``: found by the client's explicit links or by the history's lineage,
+   ``sessionpin.lineage``) follows its parent's pin: to the parent's server, pinned; "not
+   routed" when the parent is; refused (503) when the parent's server is gone. This is
+   checked before rules 2-6: a fork's first request is a continuation never seen begin.
+
 So a request with no pin that carries history is always left alone, but for rule 5's
-one exception (tests/test_route.py holds this as a property).
+one exception and rule 7's forks (tests/test_route.py holds this as a property).
 
 ``pin_action`` is "create" (write a new pin for ``target``; ``None`` = not routed),
 "renew" (a pin was followed: renew it if ``pins.renew_due``) or "none".
@@ -89,7 +95,7 @@ def is_title_shaped(facts: F.Facts) -> bool:
 
 
 def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | None,
-           title_went: str | None = None) -> Decision:
+           title_went: str | None = None, parent: Pin | None = None) -> Decision:
     if facts.api not in F.INFERENCE_APIS:
         return _leave("out-of-scope", "not an inference request")
     if facts.agent not in F.AGENTS:
@@ -106,6 +112,14 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
         if pin.server not in config.servers:
             return Decision(None, NONE, "pinned-server-gone", f"pinned to {pin.server}, no longer configured", refuse=503)
         return Decision(pin.server, RENEW, "pinned", "pin")
+    # 7. a fork or resume of a conversation the router knows follows its parent
+    if parent is not None and parent.agent == facts.agent and facts.has_history:
+        if parent.server is None:
+            return _leave("fork-not-routed", "fork of a conversation not routed", CREATE)
+        if parent.server not in config.servers:
+            return Decision(None, NONE, "fork-of-gone", f"fork of a conversation pinned to {parent.server}, "
+                            "no longer configured", refuse=503)
+        return Decision(parent.server, CREATE, "fork", "fork, follows its parent")
     if source is None:
         return _leave("out-of-scope", "no pin, not addressed to a configured server")
 

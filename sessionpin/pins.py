@@ -49,6 +49,7 @@ class Pin(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     rule: str = ""              # the ladder rule that made it (or "operator")
     turn: str = ""              # the turn that made it
     source: str = ""            # the configured server the request that made it addressed ("" none)
+    parent: str = ""            # the conversation this one forked or resumed under a new id ("" none)
     v: int = 1
 
 

@@ -13,6 +13,9 @@ Effects the shell performs, and the events that answer them:
 
     ReadPin(session)        -> PinRead(loaded) | StoreFailed(error)
     ReadTitle(session)      -> TitleRead(server | None) | StoreFailed(error)
+    ReadLineage()           -> LineageRead(signals, root)   (lineage.signals/chain of the body)
+    FindConversation(root, fingerprint) -> ConversationFound(session | None) | StoreFailed(error)
+    FindParent(links)       -> ParentFound(session | None, loaded) | StoreFailed(error)
     Plan(target)            -> Planned(changes)          (rewrite.plan with the body)
     CreatePin(session, pin) -> PinCreated | PinLost(loaded) | NotSaved(error)
 
@@ -31,6 +34,17 @@ Rules this module keeps beyond the ladder's:
   (no key, model not found) is refused and pins nothing.
 - Only an opencode title-shaped request is remembered (in the store, with a TTL, so
   several proxies agree); every other side request is not.
+- A conversation is its lineage (docs/facts.md "Lineage"). A request with no pin that
+  carries history may fork or resume a conversation the router knows under a new id:
+  its parent is looked for by the client's explicit links first (a parent session id,
+  an earlier response's id), then by the root of its history; found, the ladder's rule 7
+  makes it follow the parent. A conversation pi names by a fingerprint of its opening is
+  told apart by its lineage: an opening is always a new conversation (a fresh id: the
+  fingerprint plus the request's nonce), a later turn belongs to the conversation whose
+  root its history extends — else to the latest conversation that began with that opening
+  (its answer was not seen whole), else to a pin of the fingerprint alone (made before
+  this rule).
+  The body's lineage is read only when a rule needs it.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from . import facts as F
 from . import ladder
 from .config import Config, Server
 from .ladder import Decision
+from .lineage import Signals
 from .pins import Loaded, Pin, renew_due
 from .rewrite import Changes
 
@@ -57,6 +72,7 @@ class Request:
     source: Server | None        # the configured server it addresses (None: none)
     config: Config
     now: float                   # epoch seconds
+    nonce: str = ""              # random, from the shell: a new fingerprint conversation's id
 
 
 # ---- effects ----------------------------------------------------------------------------
@@ -69,6 +85,27 @@ class ReadPin:
 @dataclass(frozen=True)
 class ReadTitle:
     session: str
+
+
+@dataclass(frozen=True)
+class ReadLineage:
+    pass
+
+
+@dataclass(frozen=True)
+class FindConversation:
+    agent: str
+    root: str | None
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class FindParent:
+    agent: str
+    session: str                 # the request's own (never its own parent)
+    sessions: tuple[str, ...]    # parent ids the client named
+    anchors: tuple[str, ...]     # earlier responses it named ("req:…", "msg:…", "resp:…")
+    root: str | None             # its history's root key
 
 
 @dataclass(frozen=True)
@@ -116,6 +153,14 @@ class RememberTitle:
 
 
 @dataclass(frozen=True)
+class RememberOpening:
+    """A fingerprint conversation began: the latest with this opening (``lineindex``)."""
+    agent: str
+    fingerprint: str
+    session: str
+
+
+@dataclass(frozen=True)
 class WritePin:
     """A pin that does not move the request ("not routed"): written after it left."""
     session: str
@@ -123,8 +168,8 @@ class WritePin:
     seen: Loaded
 
 
-Effect = ReadPin | ReadTitle | Plan | CreatePin | Forward | Leave | Refuse
-After = RenewPin | RememberTitle | WritePin
+Effect = ReadPin | ReadTitle | ReadLineage | FindConversation | FindParent | Plan | CreatePin | Forward | Leave | Refuse
+After = RenewPin | RememberTitle | WritePin | RememberOpening
 TERMINAL = (Forward, Leave, Refuse)
 
 
@@ -138,6 +183,23 @@ class PinRead:
 @dataclass(frozen=True)
 class TitleRead:
     server: str | None
+
+
+@dataclass(frozen=True)
+class LineageRead:
+    signals: Signals
+    root: str | None             # the key after the history's first model turn, if it has one
+
+
+@dataclass(frozen=True)
+class ConversationFound:
+    session: str | None
+
+
+@dataclass(frozen=True)
+class ParentFound:
+    session: str | None          # None: no parent known
+    loaded: Loaded = Loaded(None, None)
 
 
 @dataclass(frozen=True)
@@ -165,7 +227,8 @@ class NotSaved:
     error: str
 
 
-Event = PinRead | TitleRead | StoreFailed | Planned | PinCreated | PinLost | NotSaved
+Event = (PinRead | TitleRead | LineageRead | ConversationFound | ParentFound | StoreFailed | Planned | PinCreated
+         | PinLost | NotSaved)
 
 
 # ---- state ------------------------------------------------------------------------------
@@ -176,8 +239,13 @@ _UNREAD = Loaded(None, None)
 class State(msgspec.Struct, frozen=True):
     """What is known so far about one request (a msgspec struct: a step copies it in C)."""
     request: Request
+    session: str | None = None       # the conversation's id (a pi fingerprint's is resolved)
     loaded: Loaded = _UNREAD         # the pin as read (pin None: none)
     title: str | None = None         # where this session's title-shaped request went
+    lineage: LineageRead | None = None
+    parent: str | None = None        # the conversation this one forks or resumes
+    parent_pin: Pin | None = None
+    looked: bool = False             # the parent was looked for
     decision: Decision | None = None
     changes: Changes | None = None
     raced: bool = False              # another proxy's pin was taken once already
@@ -198,11 +266,35 @@ _replace = msgspec.structs.replace
 
 
 def begin(request: Request) -> Step:
-    state = State(request)
     f = request.facts
+    state = State(request, session=f.session)
     if not ladder.in_scope(f):
         return _decided(state, ladder.decide(f, None, request.config, request.source))
+    if f.session_source == "fingerprint":
+        if not f.has_history:     # an opening is always a new conversation
+            session = f"{f.session}.{request.nonce}" if request.nonce else f.session
+            return Step(_replace(state, session=session), ReadPin(session))
+        return Step(_replace(state, session=None), ReadLineage())
     return Step(state, ReadPin(f.session))
+
+
+def _fingerprint(state: State) -> bool:
+    return state.request.facts.session_source == "fingerprint"
+
+
+def _after_read(state: State) -> Step:
+    """No pin (or its pin read): look for a parent, then the opencode title rule, then decide."""
+    r, f = state.request, state.request.facts
+    if state.loaded.pin is None and f.has_history and not state.looked and not _fingerprint(state):
+        if state.lineage is None:
+            return Step(state, ReadLineage())
+        sig = state.lineage.signals
+        return Step(_replace(state, looked=True), FindParent(f.agent, state.session or "", sig.sessions,
+                                                             sig.anchors, state.lineage.root))
+    if state.loaded.pin is None and state.parent_pin is None and r.source is not None \
+            and f.agent == F.OPENCODE and f.turn == F.CONTINUATION:
+        return Step(state, ReadTitle(state.session or ""))
+    return _decide(state)
 
 
 def step(state: State, event: Event) -> Step:
@@ -210,24 +302,32 @@ def step(state: State, event: Event) -> Step:
     f = r.facts
     if isinstance(event, StoreFailed):
         return Step(state, Refuse(503, "store", f"sessionpin cannot read its pin store ({event.error}), so "
-                                  f"{f.agent} session {f.session} was not sent anywhere: its pin decides where it "
+                                  f"{f.agent} session {state.session or f.session} was not sent anywhere: its pin decides where it "
                                   f"goes. Retry in a moment; if this persists, run 'sessionpin doctor'.",
                                   RETRY_AFTER))
     if isinstance(event, PinRead):
-        state = _replace(state, loaded=event.loaded)
-        if event.loaded.pin is None and r.source is not None and f.agent == F.OPENCODE \
-                and f.turn == F.CONTINUATION:
-            return Step(state, ReadTitle(f.session))
-        return _decide(state)
+        return _after_read(_replace(state, loaded=event.loaded))
+    if isinstance(event, LineageRead):
+        state = _replace(state, lineage=event)
+        if state.session is None:          # a pi fingerprint with history: which conversation?
+            return Step(state, FindConversation(f.agent, event.root, f.session or ""))
+        return _after_read(state)
+    if isinstance(event, ConversationFound):
+        session = event.session or f.session     # else a pin of the fingerprint alone (older pins)
+        return Step(_replace(state, session=session), ReadPin(session))
+    if isinstance(event, ParentFound):
+        if event.session is not None and event.loaded.pin is not None:
+            state = _replace(state, parent=event.session, parent_pin=event.loaded.pin)
+        return _after_read(state)
     if isinstance(event, TitleRead):
         return _decide(_replace(state, title=event.server))
     if isinstance(event, Planned):
         return _planned(_replace(state, changes=event.changes))
     if isinstance(event, PinCreated):
-        return Step(state, Forward(state.changes))
+        return Step(state, Forward(state.changes), _remember_opening(state))
     if isinstance(event, PinLost):
         if state.raced:     # a second loss in one request cannot happen; refuse rather than loop
-            return Step(state, Refuse(503, "store", f"sessionpin: session {f.session} changed pins twice "
+            return Step(state, Refuse(503, "store", f"sessionpin: session {state.session} changed pins twice "
                                       "while this request was decided; retry", RETRY_AFTER))
         return _decide(_replace(state, loaded=event.loaded, raced=True, changes=None))
     if isinstance(event, NotSaved):
@@ -237,7 +337,7 @@ def step(state: State, event: Event) -> Step:
             # (never seen begin) is left alone — and goes to that same server.
             return Step(state, Forward(state.changes))
         return Step(state, Refuse(503, "store", (
-            f"sessionpin cannot save the pin of new {f.agent} session {f.session} ({event.error}), so it was "
+            f"sessionpin cannot save the pin of new {f.agent} session {state.session} ({event.error}), so it was "
             f"not sent to {d.target if d else '?'}: a restart could otherwise move the conversation. "
             f"Free space, fix the store's permissions or stop the process holding it, and retry; or run "
             f"'sessionpin use {f.agent} --not-routed'."), RETRY_AFTER))
@@ -246,26 +346,31 @@ def step(state: State, event: Event) -> Step:
 
 def _decide(state: State) -> Step:
     r = state.request
-    return _decided(state, ladder.decide(r.facts, state.loaded.pin, r.config, r.source, state.title))
+    return _decided(state, ladder.decide(r.facts, state.loaded.pin, r.config, r.source, state.title,
+                                         state.parent_pin))
 
 
 def _decided(state: State, d: Decision) -> Step:
     state = _replace(state, decision=d)
     r = state.request
     f = r.facts
+    session = state.session or ""
     if d.refuse:
-        pinned = state.loaded.pin.server if state.loaded.pin else "?"
+        pin = state.loaded.pin or state.parent_pin
+        pinned = pin.server if pin else "?"
         where = r.config.path or "the sessionpin config"
+        whose = f"session {session}" if state.loaded.pin else f"session {session} (a fork of {state.parent})"
         return Step(state, Refuse(d.refuse, d.rule, (
-            f"sessionpin: session {f.session} is pinned to server '{pinned}', which is no longer configured. "
+            f"sessionpin: {whose} is pinned to server '{pinned}', which is no longer configured. "
             f"It is not moved to another server. Add [servers.{pinned}] back to {where}, or move the "
-            f"conversation yourself with `sessionpin move {f.session} SERVER` (or start a new conversation).")))
+            f"conversation yourself with `sessionpin move {state.parent or session} SERVER` "
+            f"(or start a new conversation).")))
     if d.target is None:
         after: tuple[After, ...] = ()
-        if d.pin_action == ladder.CREATE:
-            after = (WritePin(f.session, _new_pin(r, d), state.loaded),)
+        if d.pin_action == ladder.CREATE and not (_fingerprint(state) and f.has_history):
+            after = (WritePin(session, _new_pin(state, d), state.loaded), *_remember_opening(state))
         elif d.pin_action == ladder.RENEW and state.loaded.pin is not None and renew_due(state.loaded.pin, r.now):
-            after = (RenewPin(f.session, state.loaded),)
+            after = (RenewPin(session, state.loaded),)
         return Step(state, Leave(), after)
     return Step(state, Plan(d.target))
 
@@ -275,16 +380,25 @@ def _planned(state: State) -> Step:
     f = r.facts
     if c.refuse:
         return Step(state, Refuse(502, "rewrite", f"sessionpin: {c.refuse}; the request was not sent"))
+    session = state.session or ""
     if d.pin_action == ladder.CREATE:
-        return Step(state, CreatePin(f.session, _new_pin(r, d), state.loaded))
+        return Step(state, CreatePin(session, _new_pin(state, d), state.loaded))
     after: tuple[After, ...] = ()
     if d.pin_action == ladder.RENEW and state.loaded.pin is not None and renew_due(state.loaded.pin, r.now):
-        after = (RenewPin(f.session, state.loaded),)
+        after = (RenewPin(session, state.loaded),)
     elif d.rule == "side-current" and ladder.is_title_shaped(f):
-        after = (RememberTitle(f.session, d.target),)
+        after = (RememberTitle(session, d.target),)
     return Step(state, Forward(c), after)
 
 
-def _new_pin(r: Request, d: Decision) -> Pin:
+def _remember_opening(state: State) -> tuple[After, ...]:
+    f = state.request.facts
+    if _fingerprint(state) and not f.has_history and state.session and state.session != f.session:
+        return (RememberOpening(f.agent, f.session or "", state.session),)
+    return ()
+
+
+def _new_pin(state: State, d: Decision) -> Pin:
+    r = state.request
     return Pin(agent=r.facts.agent, server=d.target, since=r.now, renewed=r.now, rule=d.rule,
-               turn=r.facts.turn or "", source=r.source.name if r.source else "")
+               turn=r.facts.turn or "", source=r.source.name if r.source else "", parent=state.parent or "")

@@ -132,3 +132,26 @@ def _codex_turn(h: dict[str, str], history: bool, ok: bool) -> tuple[str, str]:
     if meta.get("history_initialization") in ("cold_resume", "cold_fork"):
         return CONTINUATION, f"codex: turn-metadata history_initialization {meta['history_initialization']}"
     return _by_history(history, ok, "codex")
+
+
+def upgrade_turn(h: dict[str, str]) -> tuple[str, str, bool]:
+    """(turn, the rule, history) of Codex's Responses WebSocket upgrade, told by its headers
+    alone (it has no body). Every upgrade says ``request_kind: prewarm`` — the socket's
+    warm-up, not a side request: the socket carries the thread's turns — so only the
+    thread's origin counts: ``history_initialization`` new is the thread's opening,
+    cold_resume/cold_fork a thread under way; a subagent's or a title thread's socket
+    is what its thread is."""
+    sub = h.get("x-openai-subagent", "").strip().lower()
+    meta = codex_turn_metadata(h)
+    init = meta.get("history_initialization", "")
+    history = init in ("cold_resume", "cold_fork")
+    if sub == "compact":
+        return CONTINUATION, "codex socket: x-openai-subagent compact", True
+    if sub or meta.get("thread_source") == "subagent":
+        return SUBAGENT, "codex socket: subagent", history
+    source = meta.get("thread_source")
+    if source not in (None, "", "user"):
+        return SIDE, f"codex socket: thread_source {source[:24]}", history
+    if history:
+        return CONTINUATION, f"codex socket: history_initialization {init}", True
+    return OPENING, "codex socket: a new thread", False

@@ -314,13 +314,51 @@ def test_responseheaders_streams(tmp_path, ctype, length, in_scope, streamed):
     p.close()
 
 
-async def test_websocket_upgrade_refused_for_a_routed_agent(proxy, cfg_path):
-    cfg_path.write_text(CONFIG + '[agents.codex]\nserver = "glm"\n')
+CODEX_META = ('{"session_id":"01a22bef-e03d-7c53-8141-6c5fbf6ba8c0","thread_id":"01a22bef-e03d-7c53-8141-6c5fbf6ba8c0",'
+              '"request_kind":"prewarm","history_initialization":"%s","thread_source":"user","model":"gpt-6.2-sol"%s}')
+
+
+def upgrade(init="new", extra="", session="01a22bef-e03d-7c53-8141-6c5fbf6ba8c0"):
+    return flow(path="/v1/responses", method=b"GET", content=b"", agent=b"codex_exec/0.171.0", host="api.openai.com",
+                session=None,
+                headers=[(b"upgrade", b"websocket"), (b"connection", b"Upgrade"), (b"sec-websocket-version", b"13"),
+                         (b"sec-websocket-key", b"uwPXXqdS7ICAVOyaCf6oAQ=="), (b"session-id", session.encode()),
+                         (b"authorization", b"Bearer sk-agent"),
+                         (b"x-codex-turn-metadata", (CODEX_META % (init, extra)).encode())])
+
+
+CODEX_CONFIG = CONFIG + '''
+[servers.openai]
+url = "https://api.openai.com"
+[servers.alt]
+url = "https://alt.example"
+key_env = "ALT_KEY"
+models = { "gpt-6.2-*" = "alt-codex-1" }
+[agents.codex]
+server = "alt"
+'''
+
+
+async def test_a_codex_websocket_is_routed_at_its_upgrade(proxy, cfg_path):
+    cfg_path.write_text(CODEX_CONFIG)
     proxy.reload()
-    f = flow(path="/v1/responses", method=b"GET", content=b"", agent=b"codex_exec/0.171.0",
-             headers=[(b"upgrade", b"websocket"), (b"connection", b"Upgrade")])
+    proxy.router.env["ALT_KEY"] = "alt-sentinel"
+    f = upgrade()
     await proxy.send(f)
-    assert f.response.status_code == 404
+    assert f.response is None and f.request.host == "alt.example"
+    assert "alt-sentinel" in (f.request.headers.get("authorization", "") + f.request.headers.get("x-api-key", ""))
+    assert "sk-agent" not in str(f.request.headers) and "agent-sentinel" not in str(f.request.headers)
+    assert f.request.headers["upgrade"] == "websocket" and f.request.headers["sec-websocket-key"]
+    assert f.metadata["sessionpin"]["rule"] == "opening"
+    assert (await pin_of(proxy, "01a22bef-e03d-7c53-8141-6c5fbf6ba8c0")).server == "alt"
+    # a fork's socket names its parent thread: it follows the parent, whatever the current server
+    cfg_path.write_text(CODEX_CONFIG.replace('[agents.codex]\nserver = "alt"', '[agents.codex]\nserver = "openai"'))
+    proxy.reload()
+    fork = upgrade("cold_fork", ',"forked_from_thread_id":"01a22bef-e03d-7c53-8141-6c5fbf6ba8c0"',
+                   session="01a22bef-e37e-7e43-b818-a21bc8c78d79")
+    await proxy.send(fork)
+    assert fork.request.host == "alt.example" and fork.metadata["sessionpin"]["rule"] == "fork"
+    assert fork.metadata["sessionpin"]["parent"] == "01a22bef-e03d-7c53-8141-6c5fbf6ba8c0"
 
 
 async def test_codex_zstd_body_keeps_its_encoding_and_only_the_model_changes(tmp_path):

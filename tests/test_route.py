@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from sessionpin import facts as F
 from sessionpin import pins, route
 from sessionpin.config import parse
+from sessionpin.lineage import Signals
 from sessionpin.pins import Loaded, Pin
 from sessionpin.rewrite import Changes
 
@@ -50,7 +51,8 @@ def loaded(server, agent=F.CLAUDE_CODE, renewed=NOW - 60):
 NONE = Loaded(None, None)
 
 
-def drive(req, *, pin=NONE, title=None, plan=OK, create=None, read_fails=False):
+def drive(req, *, pin=NONE, title=None, plan=OK, create=None, read_fails=False, signals=None, root=None,
+          parent=None, conversation=None, pins_by_session=None):
     """Run the stepper to its end, answering each effect as told; return (effects, last step)."""
     s = route.begin(req)
     seen = []
@@ -58,7 +60,15 @@ def drive(req, *, pin=NONE, title=None, plan=OK, create=None, read_fails=False):
         e = s.effect
         seen.append(type(e).__name__)
         if isinstance(e, route.ReadPin):
-            ev = route.StoreFailed("file:x: disk I/O error") if read_fails else route.PinRead(pin)
+            got = (pins_by_session or {}).get(e.session, pin)
+            ev = route.StoreFailed("file:x: disk I/O error") if read_fails else route.PinRead(got)
+        elif isinstance(e, route.ReadLineage):
+            ev = route.LineageRead(signals or Signals(), root)
+        elif isinstance(e, route.FindConversation):
+            ev = route.ConversationFound(conversation)
+        elif isinstance(e, route.FindParent):
+            assert e.session != (parent or (None,))[0]
+            ev = route.ParentFound(*parent) if parent else route.ParentFound(None)
         elif isinstance(e, route.ReadTitle):
             ev = route.TitleRead(title)
         elif isinstance(e, route.Plan):
@@ -114,11 +124,48 @@ server = "anthropic"
     ("not routed pin renewed after", request(facts(F.CONTINUATION)), {"pin": loaded(None, renewed=NOW - 3 * pins.DAY)},
      ["ReadPin"], ("Leave", None, "pinned-not-routed", ("RenewPin",))),
     ("continuation unseen: left alone, 'not routed' written after", request(facts(F.CONTINUATION, has_history=True)), {},
-     ["ReadPin"], ("Leave", None, "continuation-unseen", ("WritePin",))),
+     ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "continuation-unseen", ("WritePin",))),
+    # rule 7: a fork (a new id carrying its parent's history) follows its parent
+    ("fork of a pinned conversation: parent's server, pinned durably",
+     request(facts(F.CONTINUATION, session="fork-1", has_history=True)), {"parent": ("s-1", loaded("anthropic"))},
+     ["ReadPin", "ReadLineage", "FindParent", "Plan", "CreatePin"], ("Forward", None, "fork", ())),
+    ("fork of a 'not routed' conversation: not routed",
+     request(facts(F.CONTINUATION, session="fork-1", has_history=True)), {"parent": ("s-1", loaded(None))},
+     ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "fork-not-routed", ("WritePin",))),
+    ("fork of a conversation pinned to a removed server: its 503",
+     request(facts(F.CONTINUATION, session="fork-1", has_history=True)), {"parent": ("s-1", loaded("ete"))},
+     ["ReadPin", "ReadLineage", "FindParent"], ("Refuse", 503, "fork-of-gone", ())),
+    ("a parent of another agent is not followed",
+     request(facts(F.CONTINUATION, session="fork-1", has_history=True)),
+     {"parent": ("s-1", loaded("anthropic", agent=F.OPENCODE))},
+     ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "continuation-unseen", ("WritePin",))),
+    ("an opening never looks for a parent", request(facts(session="fork-1")), {"parent": ("s-1", loaded("anthropic"))},
+     ["ReadPin", "Plan", "CreatePin"], ("Forward", None, "opening", ())),
+    # pi, named by a fingerprint of its opening: an opening is a new conversation; a later
+    # turn is the conversation whose root its history extends
+    ("pi opening: a new conversation (fingerprint + nonce), never the fingerprint's pin",
+     route.Request(facts=facts(agent=F.PI, session="fp:abc", session_source="fingerprint"), source=ANTHROPIC,
+                   config=CONFIG, now=NOW, nonce="n2"), {"pins_by_session": {"fp:abc": loaded("anthropic", agent=F.PI)}},
+     ["ReadPin", "Plan", "CreatePin"], ("Forward", None, "opening", ("RememberOpening",))),
+    ("pi turn: its conversation found by the root, pinned there",
+     request(facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)),
+     {"root": "r1", "conversation": "fp:abc.n1", "pins_by_session": {"fp:abc.n1": loaded("anthropic", agent=F.PI)}},
+     ["ReadLineage", "FindConversation", "ReadPin", "Plan"], ("Forward", None, "pinned", ())),
+    ("pi turn, root unknown: an older pin of the fingerprint alone",
+     request(facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)),
+     {"root": "r1", "pins_by_session": {"fp:abc": loaded("glm", agent=F.PI)}},
+     ["ReadLineage", "FindConversation", "ReadPin", "Plan"], ("Forward", None, "pinned", ())),
+    ("pi turn, nothing known: left alone, no pin written for a fingerprint",
+     request(facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)),
+     {"root": "r1"}, ["ReadLineage", "FindConversation", "ReadPin"], ("Leave", None, "continuation-unseen", ())),
+    ("pi turn with no first answer in its history: found by its opening",
+     request(facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)),
+     {"conversation": "fp:abc.n1", "pins_by_session": {"fp:abc.n1": loaded("glm", agent=F.PI)}},
+     ["ReadLineage", "FindConversation", "ReadPin", "Plan"], ("Forward", None, "pinned", ())),
     ("claude count_tokens, no pin: current server, not remembered",
      request(facts(F.SIDE, api=F.ANTHROPIC_COUNT_TOKENS)), {}, ["ReadPin", "Plan"], ("Forward", None, "side-current", ())),
     ("claude continuation: no title memory read", request(facts(F.CONTINUATION, has_history=True)), {"title": "glm"},
-     ["ReadPin"], ("Leave", None, "continuation-unseen", ("WritePin",))),
+     ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "continuation-unseen", ("WritePin",))),
     ("opencode title: current server, remembered", request(facts(F.SIDE, agent=F.OPENCODE, api=F.OPENAI_CHAT)), {},
      ["ReadPin", "Plan"], ("Forward", None, "side-current", ("RememberTitle",))),
     ("opencode side with tools: not remembered",
@@ -126,10 +173,15 @@ server = "anthropic"
      ["ReadPin", "Plan"], ("Forward", None, "side-current", ())),
     ("opencode continuation after its title: follows and pins",
      request(facts(F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)), {"title": "zen"},
-     ["ReadPin", "ReadTitle", "Plan", "CreatePin"], ("Forward", None, "continuation-after-title", ())),
+     ["ReadPin", "ReadLineage", "FindParent", "ReadTitle", "Plan", "CreatePin"],
+     ("Forward", None, "continuation-after-title", ())),
     ("opencode continuation, no title remembered: left alone",
      request(facts(F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)), {},
-     ["ReadPin", "ReadTitle"], ("Leave", None, "continuation-unseen", ("WritePin",))),
+     ["ReadPin", "ReadLineage", "FindParent", "ReadTitle"], ("Leave", None, "continuation-unseen", ("WritePin",))),
+    ("opencode fork: follows its parent, the title memory not read",
+     request(facts(F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)),
+     {"title": "glm", "parent": ("ses_p", loaded("zen", agent=F.OPENCODE))},
+     ["ReadPin", "ReadLineage", "FindParent", "Plan", "CreatePin"], ("Forward", None, "fork", ())),
 ]
 
 
@@ -138,6 +190,25 @@ def test_transitions(req, answers, effects, expected):
     seen, last = drive(req, **answers)
     assert seen == effects
     assert outcome(last) == expected
+
+
+def test_a_pi_opening_gets_its_own_id_and_a_fork_names_its_parent():
+    req = route.Request(facts=facts(agent=F.PI, session="fp:abc", session_source="fingerprint"), source=ANTHROPIC,
+                        config=CONFIG, now=NOW, nonce="n2")
+    s = route.begin(req)
+    assert s.effect == route.ReadPin("fp:abc.n2")
+    s = route.step(s.state, route.PinRead(NONE))
+    s = route.step(s.state, route.Planned(OK))
+    assert isinstance(s.effect, route.CreatePin) and s.effect.session == "fp:abc.n2"
+    _, s = drive(request(facts(F.CONTINUATION, session="fork-1", has_history=True)), parent=("s-1", loaded("anthropic")))
+    assert s.state.session == "fork-1" and s.state.parent == "s-1"
+    s2 = route.begin(request(facts(F.CONTINUATION, session="fork-1", has_history=True)))
+    s2 = route.step(s2.state, route.PinRead(NONE))
+    s2 = route.step(s2.state, route.LineageRead(Signals(sessions=("p",), anchors=("req:r",)), "root1"))
+    assert s2.effect == route.FindParent("claude-code", "fork-1", ("p",), ("req:r",), "root1")
+    s2 = route.step(s2.state, route.ParentFound("p", loaded("anthropic")))
+    s2 = route.step(s2.state, route.Planned(Changes("https", "api.anthropic.com", 443, "/v1/messages")))
+    assert isinstance(s2.effect, route.CreatePin) and s2.effect.pin.parent == "p" and s2.effect.pin.rule == "fork"
 
 
 def test_refusals_say_what_to_do():
@@ -183,7 +254,7 @@ MEMORY = st.sampled_from([None, "glm", "zen", "anthropic", "gone"])
        source=st.sampled_from([ANTHROPIC, CONFIG.servers["zen"], None]))
 def test_no_pin_and_history_is_left_alone(agent, turn, api, title, tools, parsed, source):
     f = facts(turn, agent=agent, api=api, has_history=True, has_tools=tools, parsed=parsed)
-    seen, s = drive(request(f, source=source), title=title)
+    seen, s = drive(request(f, source=source), title=title)   # no parent known (rule 7 aside)
     if agent == F.OPENCODE and turn == F.CONTINUATION and parsed and title in CONFIG.servers and source:
         # rule 5's one exception: opencode's title-shaped opening went there moments ago
         assert s.state.decision.rule == "continuation-after-title"

@@ -12,6 +12,8 @@ mitmproxy runs their hooks:
 | ``StatusEndpoints`` | status.py | ``/__sessionpin/status`` and ``/metrics``, loopback only |
 | ``BodyLimit`` | limits.py | a 413 for an inference body over the limit, before it is buffered |
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
+| ``LineageWatch`` | lineagewatch.py | records, from responses, what a fork of a conversation will name it by |
+| ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
 
 They share state by reference, handed over here — no process-global dict.
@@ -27,6 +29,8 @@ from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .defaults import Defaults
 from .limits import BodyLimit
+from .lineagewatch import LineageWatch
+from .websocket import WebSocketModels
 from .router import Metrics, Router
 from .status import StatusEndpoints
 from .storeruntime import StoreRuntime
@@ -51,13 +55,15 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
     metrics = Metrics()
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
     router = Router(config, runtime, connect, metrics, participants, env)
+    router.lineage = watch = LineageWatch(runtime)
     runtime.config_path = lambda: str(config.path) if config.path else None
     runtime.token = status.token
     for p in participants:
         if hasattr(p, "configure_store"):
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
-    return [Defaults(), config, runtime, connect, BodyLimit(), status, router, *lifecycle, *extra]
+    return [Defaults(), config, runtime, connect, BodyLimit(), status, router, watch, WebSocketModels(config),
+            *lifecycle, *extra]
 
 
 class _Lifecycle:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from collections import Counter
 from typing import Any, Mapping
@@ -34,7 +35,7 @@ from typing import Any, Mapping
 from mitmproxy import http
 from mitmproxy.net.http import url
 
-from .. import answers, ladder, paths, pins, rewrite, route
+from .. import answers, ladder, lineage, lineindex, paths, pins, rewrite, route
 from .. import facts as F
 from ..ids import short
 from ..store import StoreError
@@ -72,6 +73,7 @@ class Router:
         self.metrics = metrics
         self.participants = list(participants or [])
         self.env = env if env is not None else os.environ
+        self.lineage = None          # a LineageWatch, set by make_addons: it records what forks name
         self._background: set[asyncio.Task] = set()
 
     # ---- the request hook -------------------------------------------------------------------
@@ -98,7 +100,7 @@ class Router:
                                req.headers.get("content-encoding"))
                 decision = await self._route(flow, facts, source)
             elif _is_websocket(req):
-                await self._websocket(flow)
+                decision = await self._websocket(flow)
             elif any(_wants(p, req) for p in self.participants):
                 facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
                                req.headers.get("content-encoding"))
@@ -121,7 +123,8 @@ class Router:
 
     async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:
         cfg = self.config.config
-        s = route.begin(route.Request(facts=facts, source=source, config=cfg, now=time.time()))
+        nonce = secrets.token_hex(4) if facts.session_source == "fingerprint" else ""
+        s = route.begin(route.Request(facts=facts, source=source, config=cfg, now=time.time(), nonce=nonce))
         while not s.done:
             s = route.step(s.state, await self._perform(flow, s.state, s.effect))
         await self._finish(flow, s)
@@ -131,6 +134,8 @@ class Router:
         store = self.runtime.store
         if isinstance(effect, route.Plan):
             return route.Planned(self._plan(flow, state, effect.target))
+        if isinstance(effect, route.ReadLineage):
+            return _lineage_of(flow.request, state.request.facts.api)
         if store is None:
             return route.StoreFailed("no store is open")
         try:
@@ -138,6 +143,13 @@ class Router:
                 return route.PinRead(await pins.load(store, effect.session))
             if isinstance(effect, route.ReadTitle):
                 return route.TitleRead(await store.get(TITLE_PREFIX + effect.session))
+            if isinstance(effect, route.FindConversation):
+                return route.ConversationFound(await lineindex.find_conversation(store, effect.agent, effect.root,
+                                                                                 effect.fingerprint))
+            if isinstance(effect, route.FindParent):
+                found = await lineindex.find_parent(store, effect.agent, effect.session, effect.sessions,
+                                                    effect.anchors, effect.root)
+                return route.ParentFound(*found) if found else route.ParentFound(None)
             if isinstance(effect, route.CreatePin):
                 got = await pins.create(store, effect.session, effect.pin, effect.seen)
                 return route.PinCreated() if got.pin == effect.pin else route.PinLost(got)
@@ -152,11 +164,13 @@ class Router:
         r = state.request
         target = r.config.servers.get(target_name)
         body = None
-        if target is not None and r.facts.model is not None and target.map_model(r.facts.model) != r.facts.model:
+        upgrade = _is_websocket(req)     # no body: each message's model is renamed as it passes
+        model = None if upgrade else r.facts.model
+        if target is not None and model is not None and target.map_model(model) != model:
             body = req.get_content(strict=False)
         view = rewrite.RequestView(
             scheme=req.scheme, host=req.host, port=req.port, path=req.path,
-            headers=tuple(req.headers.items(multi=True)), body=body, api=r.facts.api, model=r.facts.model,
+            headers=tuple(req.headers.items(multi=True)), body=body, api=r.facts.api, model=model,
             unreadable=None if r.facts.parsed else r.facts.reason, model_span=r.facts.model_span,
         )
         return rewrite.plan(state.decision, view, r.source, r.config, self.env)
@@ -189,6 +203,8 @@ class Router:
         for after in s.after:
             self._later(after)
         self._decided(flow, state, changes)
+        if self.lineage is not None:
+            self.lineage.watch(flow, state)
 
     # ---- effects that run after the request left --------------------------------------------
     def _later(self, after: route.After) -> None:
@@ -204,9 +220,11 @@ class Router:
                     await store.set(TITLE_PREFIX + after.session, after.server, after.ttl)
                 elif isinstance(after, route.WritePin):
                     await pins.create(store, after.session, after.pin, after.seen)
+                elif isinstance(after, route.RememberOpening):
+                    await lineindex.remember_opening(store, after.agent, after.fingerprint, after.session)
             except Exception as e:
                 self.metrics.store_errors += 1
-                log.warning("sessionpin: %s for %s: %s", type(after).__name__, short(after.session), e)
+                log.warning("sessionpin: %s for %s: %s", type(after).__name__, short(getattr(after, "session", "")), e)
         task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -231,16 +249,19 @@ class Router:
         if d is None:     # refused before a decision (the pin could not be read)
             d = ladder.Decision(None, ladder.NONE, "store-unreadable", "pin store unreadable")
         turn = facts.turn or "-"
-        sid = short(facts.session)
+        session = state.session or facts.session
+        sid = short(session)
         where = f"refused {refused.status}" if refused else (d.target or "left alone")
         why = refused.kind if refused and not d.refuse else d.why
+        if state.parent:
+            why = f"fork of {short(state.parent)}" + (f": {why}" if d.refuse or refused else "")
         flow.comment = f"{turn} {sid} → {where} ({why})"
         if d.target is not None and refused is None:
             flow.marked = ":pushpin:"
         pin = state.loaded.pin
         outcome = ladder.REFUSED if refused else d.outcome
         meta: dict[str, Any] = {
-            "agent": facts.agent, "session": facts.session, "session_source": facts.session_source,
+            "agent": facts.agent, "session": session, "session_source": facts.session_source,
             "turn": facts.turn, "api": facts.api, "rule": d.rule, "why": d.why, "outcome": outcome,
             "target": d.target, "source": r.source.name if r.source else None, "pin_action": d.pin_action,
             "pinned": pin.server if pin else None, "reason": facts.reason,
@@ -248,16 +269,19 @@ class Router:
         }
         if changes is not None and changes.model:
             meta["model"] = list(changes.model)
+        if state.parent:
+            meta["parent"] = state.parent
         flow.metadata.setdefault("sessionpin", {}).update(meta)
         self.metrics.decisions[(facts.agent, facts.turn or "none", outcome)] += 1
         self.metrics.rules[d.rule] += 1
-        if facts.session and facts.agent in F.AGENTS and (pin is not None or d.pin_action == ladder.CREATE):
-            self.runtime.seen(facts.session, facts.agent, d.target if d.pin_action == ladder.CREATE else pin.server,
+        if session and facts.agent in F.AGENTS and (pin is not None or d.pin_action == ladder.CREATE):
+            self.runtime.seen(session, facts.agent, d.target if d.pin_action == ladder.CREATE else pin.server,
                               r.now)
+
         if DECISIONS.on:
             model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""
             source = r.source.name if r.source else flow.request.pretty_host
-            DECISIONS.write(f"sessionpin: {facts.agent} {turn} {sid} {source} → {where} [{d.rule}: {d.why}]{model}")
+            DECISIONS.write(f"sessionpin: {facts.agent} {turn} {sid} {source} → {where} [{d.rule}: {why}]{model}")
 
     # ---- responses ---------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -313,33 +337,28 @@ class Router:
                     meta.get("target"))
 
     # ---- Codex's WebSocket -----------------------------------------------------------------------
-    async def _websocket(self, flow: http.HTTPFlow) -> None:
-        """Codex tries a WebSocket first, then falls back to HTTPS POST: refuse the socket
-        so its turns come as requests the router can see and route — when the agent is
-        routed, or when the socket's session is pinned to a server (a subagent's socket
-        of a conversation that began routed)."""
+    async def _websocket(self, flow: http.HTTPFlow) -> ladder.Decision | None:
+        """Codex opens its Responses turns on a WebSocket: it is decided at the upgrade, like
+        an HTTPS request of its thread (``facts.read_upgrade``), and routed there — the socket
+        then goes to the chosen server with its key; ``websocket.WebSocketModels`` renames
+        the model in each ``response.create`` the client sends."""
         req = flow.request
-        if not req.path.split("?")[0].rstrip("/").endswith("/responses"):
-            return
-        agent = F.agent_of(F.header_map(req.headers.fields))
-        if agent not in F.AGENTS:
-            return
-        routed = self.config.config.current(agent) is not None
-        if not routed:
-            session = F.header_session(agent, req.headers.fields)
-            store = self.runtime.store
-            if session and store is not None:
-                try:
-                    pin = (await pins.load(store, session)).pin
-                    routed = pin is not None and pin.agent == agent and pin.server is not None
-                except StoreError:
-                    routed = True   # unknown: keep the socket's turns where the router can see them
-        if routed:
-            body, headers = answers.refusal(F.OPENAI_RESPONSES, 404, "websocket",
-                                            "sessionpin routes this agent; use HTTPS requests, not a WebSocket")
-            flow.response = http.Response.make(404, body, headers)
-            flow.metadata.setdefault("sessionpin", {}).update({"refused": 404, "refusal": "websocket"})
-            flow.comment = "refused 404: websocket (the agent falls back to HTTPS)"
+        source = self.config.config.server_for(req.scheme, req.host, req.port, req.path)
+        scope = paths.scope("POST", req.path, source.prefix if source else None)
+        if scope.api != F.OPENAI_RESPONSES:
+            return None
+        facts = F.read_upgrade(req.url, req.headers.fields)
+        if facts.agent not in F.AGENTS:
+            return None
+        return await self._route(flow, facts, source)
+
+
+def _lineage_of(req: http.Request, api: str) -> route.LineageRead:
+    """The links the request states and its history's root key (pure work on the body)."""
+    encoding = req.headers.get("content-encoding", "")
+    signals = lineage.signals(req.headers.fields, req.raw_content, encoding, api)
+    chain = lineage.chain(req.raw_content, api, turns=1, content_encoding=encoding)
+    return route.LineageRead(signals, chain.keys[0] if chain.keys else None)
 
 
 def _looks_inference(path: str) -> bool:

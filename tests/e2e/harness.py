@@ -77,7 +77,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Callable, Any, Iterable, Iterator
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -380,6 +380,17 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
+    def send_raw(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        """A recorded response: its status, its headers (but the framing ones), its body."""
+        self.send_response(status)
+        for k, v in headers:
+            if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
     def send_stream(self, events: list[bytes], pause_ms: int, pause_after_first_ms: int, extra: Headers = ()) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -411,6 +422,8 @@ class FakeServer:
         self.deltas = 3
         self.reply_bytes = 0
         self.keep_bodies = True     # False: record bodies as b"" (benchmarks send many megabytes)
+        # canned(received) -> (status, headers, body) or None: answer with a recorded response
+        self.canned: Callable[[Received], tuple[int, list[tuple[str, str]], bytes] | None] | None = None
         self._cond = threading.Condition()
         self._server: _TLSServer | None = None
         self._thread: threading.Thread | None = None
@@ -504,6 +517,11 @@ class FakeServer:
 
     # answers
     def _answer(self, h: _Handler, rec: Received, n: int) -> None:
+        if self.canned is not None:
+            answer = self.canned(rec)
+            if answer is not None:
+                h.send_raw(*answer)
+                return
         extra = [("x-fake-server", self.name), ("request-id", f"req_fake_{self.name}_{n}")]
         path = rec.path.split("?", 1)[0]
         if self.prefix:

@@ -526,8 +526,9 @@ def test_opencode_session_continued_or_forked_alone_is_left_alone(rig, scenario)
 
 def check_codex(s: Sent) -> None:
     if s.p.method == "GET":
-        assert s.reply.status == 404 and s.landed is None, f"{s}: the WebSocket upgrade was not refused"
-        assert s.reply.header("x-sessionpin-refused") == "websocket"
+        # the WebSocket upgrade is decided and routed like the thread's HTTPS turns
+        assert s.landed == "alt" and s.got is not None and s.got.method == "GET", f"{s}: the upgrade was not routed"
+        assert s.got.header("authorization") == f"Bearer {ALT_KEY}"
     elif s.p.rec.kind == "title-tool-result":
         # The title thread's second round (an artefact of the fake, which answered the title
         # prompt with a tool call) is a side request that carries history and has no pin:
@@ -539,7 +540,8 @@ def check_codex(s: Sent) -> None:
 
 @pytest.mark.parametrize("scenario", ["exec-tool", "exec-subagent", "tui"])
 def test_codex_conversation_goes_to_alt_whole(rig, scenario):
-    """WebSocket upgrades are answered 404 by the proxy (Codex then uses HTTPS POSTs); opening,
+    """WebSocket upgrades are routed to alt like the thread's turns (the fake answers them as plain
+    HTTP, so the recorded HTTPS POSTs follow); opening,
     tool results, the subagent (same session-id, x-openai-subagent) and compaction go to alt;
     the TUI's title thread (its own session id) is a side request: current server, no pin; its
     second round carries history and is left alone."""
@@ -658,12 +660,11 @@ def test_switching_the_current_server_moves_no_running_conversation(rig):
     assert pin is not None and (pin.agent, pin.server) == ("claude-code", "anthropic"), pin
 
 
-def test_codex_conversation_pinned_to_alt_keeps_refusing_websockets_after_codex_is_unrouted(rig):
+def test_codex_conversation_pinned_to_alt_keeps_its_websockets_on_alt_after_codex_is_unrouted(rig):
     """codex exec-subagent: the conversation opens on alt; the operator then sets Codex to "not
-    routed" for new conversations. The subagent's own WebSocket attempt (recorded, same session-id)
-    belongs to the conversation pinned to alt: if it passed, Codex would run the subagent over a
-    socket to api.openai.com, out of the router's sight, while its parent stays on alt. It must
-    be refused like before; the conversation's HTTPS requests stay on alt."""
+    routed" for new conversations. The subagent's own WebSocket (recorded, same session-id)
+    belongs to the conversation pinned to alt: it is routed to alt like the conversation's
+    HTTPS requests, never let through to api.openai.com."""
     r = Replay(RUN)
     recs = load("codex", "exec-subagent")
     sent = [rig.send(r.prepare(x)) for x in recs[:2]]          # WebSocket attempt, opening

@@ -1,0 +1,122 @@
+"""LineageWatch: remember what later requests may name a conversation by.
+
+A fork or resume under a new id (``claude --fork-session``, ``opencode --fork``, ``pi
+--fork``, …) carries its parent's history; to find the parent, the router needs to have
+remembered, from the parent's own traffic, the ids and hashes that history will hold
+(``sessionpin.lineindex``). This addon does that after a response, never on the
+request's path. Rules it keeps:
+
+- An opening (and any request that pinned a conversation without history) has its
+  history's head read from the request (``lineage.chain(turns=1)``); its streamed answer
+  is read as it passes (``lineage_stream.StreamReader``, every chunk forwarded unchanged
+  and undelayed); once the answer completes, the conversation's root key
+  (``lineage.extend(head, answer.digest)``) is recorded for it.
+- Every successful Claude Code response records its ``request-id`` header as an anchor
+  (Claude Code names it in ``cc_prev_req`` when another process resumes or forks).
+- Only ids and hashes; records are not durable and never delay a request or a response.
+- Bounded: at most ``MAX_WATCHED`` responses are watched at once (the oldest dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+from mitmproxy import http
+
+from .. import facts as F
+from .. import lineage, lineindex
+from ..lineage_stream import StreamReader
+from ..route import State
+from .storeruntime import StoreRuntime
+
+log = logging.getLogger("sessionpin")
+
+MAX_WATCHED = 10_000
+_CHAINED = (F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES)
+
+
+class _Watched:
+    __slots__ = ("agent", "session", "api", "head", "reader", "anchors")
+
+    def __init__(self, agent: str, session: str, api: str, head: str | None) -> None:
+        self.agent, self.session, self.api, self.head = agent, session, api, head
+        self.reader: StreamReader | None = None
+        self.anchors: list[str] = []
+
+
+class LineageWatch:
+    def __init__(self, runtime: StoreRuntime) -> None:
+        self.runtime = runtime
+        self.recorded = 0
+        self._watched: OrderedDict[str, _Watched] = OrderedDict()
+        self._tasks: set[asyncio.Task] = set()
+
+    def watch(self, flow: http.HTTPFlow, state: State) -> None:
+        """Called by the router once a request is decided and on its way."""
+        f = state.request.facts
+        d = state.decision
+        if not state.session or f.agent not in F.AGENTS or f.api not in _CHAINED or d is None or d.refuse:
+            return
+        pinned = state.loaded.pin is not None or d.pin_action == "create"
+        if not pinned:
+            return
+        head = None
+        if not f.has_history and f.turn in (F.OPENING, F.UNKNOWN_TURN) and d.pin_action == "create":
+            req = flow.request
+            head = lineage.chain(req.raw_content, f.api, turns=1,
+                                 content_encoding=req.headers.get("content-encoding", "")).head
+        if head is None and f.agent != F.CLAUDE_CODE:
+            return          # nothing to record: no root to learn, no anchor to keep
+        self._watched[flow.id] = _Watched(f.agent, state.session, f.api, head)
+        while len(self._watched) > MAX_WATCHED:
+            self._watched.popitem(last=False)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        w = self._watched.get(flow.id)
+        resp = flow.response
+        if w is None or resp is None:
+            return
+        if not 200 <= resp.status_code < 300:
+            self._watched.pop(flow.id, None)
+            return
+        if w.agent == F.CLAUDE_CODE:
+            request_id = resp.headers.get("request-id")
+            if request_id and F.clean_id(request_id):
+                w.anchors.append("req:" + request_id.strip())
+        if w.head is not None and "text/event-stream" in resp.headers.get("content-type", "").lower():
+            # (the router turned streaming on; the reader streams it the same, and reads it)
+            w.reader = StreamReader(w.api, resp.headers.get("content-encoding", ""))
+            resp.stream = w.reader
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        w = self._watched.pop(flow.id, None)
+        if w is None:
+            return
+        root = None
+        if w.reader is not None and w.head is not None:
+            answer = w.reader.result()
+            if answer.complete and not answer.overflow:
+                root = lineage.extend(w.head, answer.digest)
+        if root or w.anchors:
+            self._record(w, root)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._watched.pop(flow.id, None)
+
+    def _record(self, w: _Watched, root: str | None) -> None:
+        store = self.runtime.store
+        if store is None:
+            return
+
+        async def run() -> None:
+            try:
+                await lineindex.record(store, w.agent, w.session, root, w.anchors)
+                self.recorded += 1
+            except Exception as e:
+                self.runtime.errors += 1
+                log.warning("sessionpin: recording the lineage of a %s session: %s", w.agent, e)
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -11,6 +11,7 @@ mitmproxy runs their hooks:
 | ``ConnectCheck`` | connect.py | name an unreachable server before mitmproxy's HTML 502 would |
 | ``StatusEndpoints`` | status.py | ``/__sessionpin/status`` and ``/metrics``, loopback only |
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
+| ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
 
 They share state by reference, handed over here — no process-global dict.
@@ -22,6 +23,7 @@ from typing import Any
 
 from mitmproxy import exceptions
 
+from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .defaults import Defaults
@@ -47,15 +49,28 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
     runtime = StoreRuntime(env)
     connect = ConnectCheck(config)
     metrics = Metrics()
+    allocations = Allocations(config, runtime, connect)
+    participants = [*participants, allocations]
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
-    router = Router(config, runtime, connect, metrics, participants, env)
+    router = Router(config, runtime, connect, metrics, participants, env, allocations)
     runtime.config_path = lambda: str(config.path) if config.path else None
     runtime.token = status.token
     for p in participants:
         if hasattr(p, "configure_store"):
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
-    return [Defaults(), config, runtime, connect, status, router, *lifecycle, *extra]
+    return [Defaults(), config, runtime, connect, status, router, *lifecycle, *extra, _Options(allocations)]
+
+
+class _Options:
+    """Registers the server pools' option (``Allocations`` itself is a router participant,
+    whose hooks the router calls)."""
+
+    def __init__(self, allocations: Allocations) -> None:
+        self.allocations = allocations
+
+    def load(self, loader) -> None:
+        self.allocations.load(loader)
 
 
 class _Lifecycle:

@@ -34,10 +34,11 @@ from typing import Any, Mapping
 from mitmproxy import http
 from mitmproxy.net.http import url
 
-from .. import answers, ladder, pins, rewrite, route
+from .. import allocate, answers, ladder, pins, rewrite, route
 from .. import facts as F
 from ..ids import short
 from ..store import StoreError
+from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
@@ -65,8 +66,10 @@ class Metrics:
 
 class Router:
     def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
-                 participants: list[Any] | None = None, env: Mapping[str, str] | None = None) -> None:
+                 participants: list[Any] | None = None, env: Mapping[str, str] | None = None,
+                 allocations: Allocations | None = None) -> None:
         self.config = config
+        self.allocations = allocations or Allocations(config, runtime, connect)   # server pools' effects
         self.runtime = runtime
         self.connect = connect
         self.metrics = metrics
@@ -124,6 +127,8 @@ class Router:
         store = self.runtime.store
         if isinstance(effect, route.Plan):
             return route.Planned(self._plan(flow, state, effect.target))
+        if isinstance(effect, (route.Allocate, route.CheckMember)):
+            return await self.allocations.perform(flow, state, effect)
         if store is None:
             return route.StoreFailed("no store is open")
         try:
@@ -143,7 +148,8 @@ class Router:
     def _plan(self, flow: http.HTTPFlow, state: route.State, target_name: str) -> rewrite.Changes:
         req = flow.request
         r = state.request
-        target = r.config.servers.get(target_name)
+        config = allocate.snapshot(r.config, state.loaded.pin)    # a pool pin's model map
+        target = config.servers.get(target_name)
         body = None
         if target is not None and r.facts.model is not None and target.map_model(r.facts.model) != r.facts.model:
             body = req.get_content(strict=False)
@@ -151,7 +157,7 @@ class Router:
             scheme=req.scheme, host=req.host, port=req.port, path=req.path,
             headers=tuple(req.headers.items(multi=True)), body=body, api=r.facts.api, model=r.facts.model,
         )
-        return rewrite.plan(state.decision, view, r.source, r.config, self.env)
+        return rewrite.plan(state.decision, view, r.source, config, self.env)
 
     async def _finish(self, flow: http.HTTPFlow, s: route.Step) -> None:
         state, effect = s.state, s.effect
@@ -296,6 +302,7 @@ class Router:
         log.warning("sessionpin: refused 502 (redirect) %s: %s", short(meta.get("session")), refusal.message)
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self.allocations.failed(flow)
         meta = flow.metadata.get("sessionpin")
         if not meta or not meta.get("target") or flow.response is not None:
             return

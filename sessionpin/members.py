@@ -64,6 +64,7 @@ class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     why: str = ""
     rev: str = ""
     previous: str = ""          # move: the member it left; config: the revision before
+    n: int = -1                 # allocation, move: the cursor position it took (orders them exactly)
 
 
 _rec_enc = msgspec.json.Encoder()
@@ -189,13 +190,14 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
             writes.append(ZRem(pins.index_key(seen.pin.agent, seen.pin.server), session))
         writes.append(_record(Record(t=now, kind="move" if moved else "allocation", pool=pool.name,
                                      member=got.member, session=session, agent=pin.agent, rule=pin.rule, why=why,
-                                     rev=pool.revision, previous=seen.pin.server if moved and seen.pin else ""),
+                                     rev=pool.revision, previous=seen.pin.server if moved and seen.pin else "",
+                                     n=got.cursor.n - 1),
                               session))
         if cursor.rev != pool.revision:
             writes.append(_record(Record(t=now, kind="config", pool=pool.name, rev=pool.revision,
                                          previous=cursor.rev,
                                          why=f"{pool.policy}, {pool.affinity}: {', '.join(pool.members)}"),
-                                  "config"))
+                                  f"config-{pool.revision}"))
         if await store.apply([Check(pins.key(session), seen.raw), Check(cursor_key(pool.name), raw)], writes,
                              durable=True):
             return Allocated(got.member, pins.Loaded(new, text), why)
@@ -223,14 +225,14 @@ async def drain(store: Store, member: str, now: float) -> bool:
     """Drain ``member`` (durable); False when it already was."""
     if not await store.hsetnx(DRAINED, member, repr(now), durable=True):
         return False
-    await store.set(*_record_args(Record(t=now, kind="drain", member=member), "drain"))
+    await store.set(*_record_args(Record(t=now, kind="drain", member=member), f"drain-{member}"))
     return True
 
 
 async def undrain(store: Store, member: str, now: float) -> bool:
     if not await store.hdel(DRAINED, member, durable=True):
         return False
-    await store.set(*_record_args(Record(t=now, kind="undrain", member=member), "undrain"))
+    await store.set(*_record_args(Record(t=now, kind="undrain", member=member), f"undrain-{member}"))
     return True
 
 

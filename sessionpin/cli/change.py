@@ -49,7 +49,8 @@ def cmd_use(ctx: Ctx, args: argparse.Namespace) -> int:
     if target is not None and target not in cfg.servers and target not in cfg.pools:
         known = ", ".join(cfg.servers) or "none configured"
         pools = f"; pools: {', '.join(cfg.pools)}" if cfg.pools else ""
-        raise Fail(f"no server or pool named {target!r} in {ctx.config_path} (servers: {known}{pools}); "
+        what = "server or pool" if cfg.pools else "server"
+        raise Fail(f"no {what} named {target!r} in {ctx.config_path} (servers: {known}{pools}); "
                    f"add it with `sessionpin servers add {target} URL`")
     current = cfg.current(agent)
     if current == target:

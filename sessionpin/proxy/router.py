@@ -242,6 +242,7 @@ class Router:
             "turn": facts.turn, "api": facts.api, "rule": d.rule, "why": d.why, "outcome": outcome,
             "target": d.target, "source": r.source.name if r.source else None, "pin_action": d.pin_action,
             "pinned": pin.server if pin else None, "reason": facts.reason,
+            "pool": pin.pool if pin is not None and pin.pool else None,     # a server pool's allocation
             "moved": changes is not None and refused is None and d.target != (r.source.name if r.source else None),
         }
         if changes is not None and changes.model:

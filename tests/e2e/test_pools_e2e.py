@@ -151,12 +151,27 @@ def test_three_proxies_allocate_concurrent_openings_exactly_round_robin(rig: Poo
     assert in_turn == [MEMBERS[(before + i) % 3] for i in range(30)], "no member skipped or doubled"
     for r in records:
         assert where[r.session] == {r.member: 1}
+    # the decision line says why (ids and names only)
+    assert rig.proxies[0].wait_output(r"claude-code opening \w+ anthropic → glm-[abc] "
+                                      r"\[opening: pool glm: round-robin → glm-[abc]\]")
     # one pin each, snapshotting the member; the next turn through another proxy stays on it
     for i, s in enumerate(sessions[:6]):
         pin = rig.store(lambda st: pins.load(st, s)).pin
         assert pin.pool == "glm" and pin.server in MEMBERS and pin.why == f"pool glm: round-robin → {pin.server}"
         assert rig.send(cc("continuation", s), proxy=(i + 1) % 3).status == 200
         assert rig.where(s) == {pin.server: 2}
+    # each proxy counts what it allocated; the gauges count the pins (this is the module's first test)
+    allocated, active = Counter(), {}
+    for p in rig.proxies:
+        r = Client.via_proxy(p.port, p.mitm_ca, 10).request("GET", rig.fakes["anthropic"].origin
+                                                           + "/__sessionpin/metrics")
+        for line in r.text.splitlines():
+            for m in MEMBERS:
+                if line.startswith(f'sessionpin_pool_allocations_total{{pool="glm",member="{m}"}} '):
+                    allocated[m] += int(line.split()[-1])
+                if line.startswith(f'sessionpin_pool_member_active{{member="{m}"}} '):
+                    active[m] = int(line.split()[-1])
+    assert allocated == {m: 10 for m in MEMBERS} and active == {m: 10 for m in MEMBERS}, (allocated, active)
     # nothing of a prompt reached the store
     for f in rig.shared.glob("state.db*"):
         assert PROMPT.encode() not in f.read_bytes()

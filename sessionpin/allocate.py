@@ -35,7 +35,7 @@ from typing import Mapping
 
 import msgspec
 
-from .config import Config, Pool
+from .config import Config, Pool, Server
 from .pins import Pin
 
 HEADROOM_TIE = 0.05       # quota: members this close to the best headroom take turns
@@ -178,3 +178,16 @@ def snapshot(config: Config, pin: Pin | None) -> Config:
     if server.models == pin.models:
         return config
     return replace(config, servers={**config.servers, pin.server: replace(server, models=pin.models)})
+
+
+def addressed_as(config: Config, source: Server | None, target: str | None) -> Server | None:
+    """The addressed server as the rewrite should see it. Pool members may share one URL
+    (accounts of one provider); a request to that URL addresses none of them in
+    particular, so the agent's key is never taken for the target's: the target gets its
+    own key even when it is the server the URL resolved to."""
+    if source is None or target != source.name:
+        return source
+    if any(s.name != source.name and (s.origin, s.prefix) == (source.origin, source.prefix)
+           for s in config.servers.values()):
+        return replace(source, name=source.name + " (shared address)")
+    return source

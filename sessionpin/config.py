@@ -231,14 +231,19 @@ class _Validator:
         servers: dict[str, Server] = {}
         for name, body in self.table(doc.get("servers", {}), ("servers",)).items():
             servers[name] = self.server(name, self.table(body, ("servers", name)))
-        seen: dict[tuple[str, str], str] = {}
-        for s in servers.values():
-            other = seen.setdefault((s.origin, s.prefix), s.name)
-            if other != s.name:
-                raise self.error(("servers", s.name, "url"), f"same origin and prefix as server '{other}'")
         pools: dict[str, Pool] = {}
         for name, body in self.table(doc.get("pools", {}), ("pools",)).items():
             pools[name] = self.pool(name, self.table(body, ("pools", name)), servers)
+        seen: dict[tuple[str, str], str] = {}
+        for s in servers.values():
+            other = seen.setdefault((s.origin, s.prefix), s.name)
+            # Several accounts of one provider share its URL: allowed for members of one
+            # pool that each have a key of their own (the agent's key cannot be told to
+            # belong to one of them, so each always gets its own: allocate.addressed_as).
+            if other != s.name and not (s.key_env and servers[other].key_env and any(
+                    s.name in p.members and other in p.members for p in pools.values())):
+                shared = " (only members of one pool, each with its own key_env, may share one)" if pools else ""
+                raise self.error(("servers", s.name, "url"), f"same origin and prefix as server '{other}'{shared}")
         agents: dict[str, Agent] = {}
         for name, body in self.table(doc.get("agents", {}), ("agents",)).items():
             agents[name] = self.agent(name, self.table(body, ("agents", name)), servers, pools)

@@ -94,6 +94,7 @@ class Allocated:
     member: str
     loaded: pins.Loaded         # the pin now in force (ours); Loaded(None, None) when not committed
     why: str
+    conflicts: int = 0          # allocations of others that went first (each cost this one a retry)
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
                                   f"config-{pool.revision}"))
         if await store.apply([Check(pins.key(session), seen.raw), Check(cursor_key(pool.name), raw)], writes,
                              durable=True):
-            return Allocated(got.member, pins.Loaded(new, text), why)
+            return Allocated(got.member, pins.Loaded(new, text), why, conflicts)
         now_pin = await pins.load(store, session)
         if now_pin.raw != seen.raw:
             if now_pin.pin is not None:

@@ -157,7 +157,8 @@ class Router:
             scheme=req.scheme, host=req.host, port=req.port, path=req.path,
             headers=tuple(req.headers.items(multi=True)), body=body, api=r.facts.api, model=r.facts.model,
         )
-        return rewrite.plan(state.decision, view, r.source, config, self.env)
+        source = allocate.addressed_as(config, r.source, target_name)   # pool members sharing one URL
+        return rewrite.plan(state.decision, view, source, config, self.env)
 
     async def _finish(self, flow: http.HTTPFlow, s: route.Step) -> None:
         state, effect = s.state, s.effect

@@ -13,7 +13,8 @@ its return, through the async store facade a proxy uses:
 each first in one process with one conversation at a time, then in three processes at
 once ("three proxies": each its own store handle, CONCURRENCY openings in flight, one
 allocation at a time per process as the proxy's per-pool lock keeps it), baseline and
-allocation taking turns in BLOCKS blocks so disk drift falls on both alike. Prints the
+allocation taking turns in BLOCKS blocks (each first in every other block) so disk drift
+falls on both alike. Prints the
 median and 90th percentile per conversation, the ratio allocation / baseline of the
 medians measured in this run, the retries contention cost (conflicts per allocation),
 and checks the contended allocations came out exactly round-robin.
@@ -132,8 +133,9 @@ def main() -> None:
     lat: dict[str, list[float]] = {k: [] for k in ("baseline", "allocation", "baseline x3", "allocation x3")}
     conflicts = allocations = 0
     exact = True
-    for _ in range(args.blocks):
-        for kind in ("baseline", "allocation"):
+    for block in range(args.blocks):
+        # each takes the first turn in every other block (the disk's state drifts within a block)
+        for kind in ("baseline", "allocation") if block % 2 == 0 else ("allocation", "baseline"):
             got, c, _ = asyncio.run(run(url, kind, args.n, 1))
             lat[kind] += got
             before = asyncio.run(_cursor(url))

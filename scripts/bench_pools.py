@@ -10,7 +10,8 @@ its return, through the async store facade a proxy uses:
                choose (round-robin over three members), and write the pin, its index,
                the cursor's advance and the record in one durable ``apply``
 
-each first in one process with one conversation at a time, then in three processes at
+first on a memory store (no disk: what the transaction itself costs in CPU), then on the
+file store in one process with one conversation at a time, then in three processes at
 once ("three proxies": each its own store handle, CONCURRENCY openings in flight, one
 allocation at a time per process as the proxy's per-pool lock keeps it), baseline and
 allocation taking turns in BLOCKS blocks (each first in every other block) so disk drift
@@ -62,9 +63,10 @@ def template() -> pins.Pin:
     return pins.Pin(agent="claude-code", server=None, since=t, renewed=t, rule="opening", turn="opening")
 
 
-async def run(url: str, kind: str, n: int, concurrency: int) -> tuple[list[float], int, list[str]]:
+async def run(url: str, kind: str, n: int, concurrency: int, store=None) -> tuple[list[float], int, list[str]]:
     """``n`` new conversations, ``concurrency`` in flight; (latencies in s, conflicts, members)."""
-    store = open_store(url)
+    own = store is None
+    store = store or open_store(url)
     lock = asyncio.Lock()
     latencies: list[float] = []
     chosen: list[str] = []
@@ -91,7 +93,8 @@ async def run(url: str, kind: str, n: int, concurrency: int) -> tuple[list[float
     try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
-        await store.close()
+        if own:
+            await store.close()
     return latencies, conflicts, chosen
 
 
@@ -130,7 +133,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-pools-", dir=args.dir))
     url = f"file:{work / 'state.db'}"
     asyncio.run(_cursor(url))      # create the file before the children race to
-    lat: dict[str, list[float]] = {k: [] for k in ("baseline", "allocation", "baseline x3", "allocation x3")}
+    lat: dict[str, list[float]] = {k: [] for k in ("baseline", "allocation", "baseline x3", "allocation x3",
+                                                   "baseline (memory)", "allocation (memory)")}
+    memory = open_store("memory:")
     conflicts = allocations = 0
     exact = True
     for block in range(args.blocks):
@@ -138,6 +143,8 @@ def main() -> None:
         for kind in ("baseline", "allocation") if block % 2 == 0 else ("allocation", "baseline"):
             got, c, _ = asyncio.run(run(url, kind, args.n, 1))
             lat[kind] += got
+            got, c, _ = asyncio.run(run("memory:", kind, args.n * 5, 1, memory))
+            lat[kind + " (memory)"] += got
             before = asyncio.run(_cursor(url))
             got, c, chosen, _ = contended(url, kind, args.n, args.concurrency)
             lat[kind + " x3"] += got
@@ -151,10 +158,11 @@ def main() -> None:
           f"time; three processes: {args.n} each per block, {args.concurrency} in flight per process")
     print(f"{'new conversation':<28}{'median':>12}{'p90':>12}{'ratio to baseline':>20}")
     print("-" * 72)
-    for kind, base in (("baseline", "baseline"), ("allocation", "baseline"), ("baseline x3", "baseline x3"),
+    for kind, base in (("baseline (memory)", "baseline (memory)"), ("allocation (memory)", "baseline (memory)"),
+                       ("baseline", "baseline"), ("allocation", "baseline"), ("baseline x3", "baseline x3"),
                        ("allocation x3", "baseline x3")):
         med = statistics.median(lat[kind])
-        print(f"{kind:<28}{med * 1e3:>10.2f}ms{pct(lat[kind], 0.9) * 1e3:>10.2f}ms"
+        print(f"{kind:<28}{med * 1e3:>10.3f}ms{pct(lat[kind], 0.9) * 1e3:>10.3f}ms"
               f"{med / statistics.median(lat[base]):>20.2f}")
     print(f"\nconflicts under contention: {conflicts} retries over {allocations} allocations "
           f"({conflicts / max(1, allocations):.2f} per allocation; the limit is {members.MAX_CONFLICTS} per allocation)")

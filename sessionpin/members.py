@@ -5,7 +5,7 @@ decided, like ``pins.py`` for single pins. Keys:
 
     alloc:cursor:<pool>        string  allocate.Cursor JSON; no TTL (one per pool)
     alloc:rec:<pool>:<ms>:<id> string  an activity record (JSON: ids, pool, member, time, rule); 30 days
-    alloc:drained              hash    member -> when it was drained (JSON)
+    alloc:drained:<member>     string  when it was drained (epoch seconds); no TTL
     quota:<member>             string  quota.Quota JSON; TTL: its exhaustion + 10 minutes
 
 Rules it keeps:
@@ -45,7 +45,7 @@ from .store.base import Check, Set, Store, Write, ZRem
 
 CURSOR_PREFIX = "alloc:cursor:"
 RECORD_PREFIX = "alloc:rec:"
-DRAINED = "alloc:drained"
+DRAINED_PREFIX = "alloc:drained:"
 QUOTA_PREFIX = "quota:"
 RECORD_TTL = pins.PIN_TTL
 MAX_CONFLICTS = 20
@@ -122,14 +122,23 @@ async def active_counts(store: Store, members: tuple[str, ...] | list[str], now:
     return out
 
 
-async def drained(store: Store) -> dict[str, float]:
-    out = {}
-    for member, raw in (await store.hgetall(DRAINED)).items():
-        try:
-            out[member] = float(raw)
-        except ValueError:
-            out[member] = 0.0
-    return out
+def drained_key(member: str) -> str:
+    return DRAINED_PREFIX + member
+
+
+def _since(raw: str | None) -> float | None:
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        return 0.0
+
+
+async def drained(store: Store, members: tuple[str, ...] | list[str]) -> dict[str, float]:
+    """The drained ones among ``members``, with when they were drained."""
+    raws = await store.mget([drained_key(m) for m in members])
+    return {m: t for m, raw in zip(members, raws) if (t := _since(raw)) is not None}
 
 
 async def quotas(store: Store, members: tuple[str, ...] | list[str]) -> dict[str, quota.Quota]:
@@ -137,13 +146,17 @@ async def quotas(store: Store, members: tuple[str, ...] | list[str]) -> dict[str
     return {m: q for m, raw in zip(members, raws) if (q := quota.decode(raw)) is not None}
 
 
-async def health(store: Store, pool: Pool, now: float) -> dict[str, A.Health]:
-    gone = await drained(store)
-    q = await quotas(store, pool.members)
-    active = await active_counts(store, pool.members, now) if pool.policy == A.LEAST_ACTIVE else {}
-    return {m: A.Health(active=active.get(m, 0), headroom=q[m].headroom if m in q else None,
-                        exhausted_until=q[m].exhausted_until if m in q else 0.0, drained=m in gone)
-            for m in pool.members}
+async def state(store: Store, pool: Pool, now: float) -> tuple[str | None, dict[str, A.Health]]:
+    """The cursor's text and each member's health: one ``mget`` (plus the index's counts
+    for least-active)."""
+    ms = pool.members
+    raws = await store.mget([cursor_key(pool.name), *(quota_key(m) for m in ms), *(drained_key(m) for m in ms)])
+    q = [quota.decode(r) for r in raws[1:1 + len(ms)]]
+    gone = raws[1 + len(ms):]
+    active = await active_counts(store, ms, now) if pool.policy == A.LEAST_ACTIVE else {}
+    return raws[0], {m: A.Health(active=active.get(m, 0), headroom=q[i].headroom if q[i] else None,
+                                 exhausted_until=q[i].exhausted_until if q[i] else 0.0, drained=gone[i] is not None)
+                     for i, m in enumerate(ms)}
 
 
 # ---- the transaction --------------------------------------------------------------------
@@ -161,9 +174,9 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
     conflicts = 0
     while True:
         now = clock()
-        raw = await store.get(cursor_key(pool.name))
+        raw, health = await state(store, pool, now)
         cursor = A.decode_cursor(raw)
-        got = A.choose(pool, cursor, await health(store, pool, now), now, exclude)
+        got = A.choose(pool, cursor, health, now, exclude)
         if isinstance(got, A.Exhausted):
             pause = A.wait(got, now, deadline)
             if pause is None:
@@ -224,14 +237,14 @@ async def write_quota(store: Store, member: str, q: quota.Quota) -> None:
 
 async def drain(store: Store, member: str, now: float) -> bool:
     """Drain ``member`` (durable); False when it already was."""
-    if not await store.hsetnx(DRAINED, member, repr(now), durable=True):
+    if not await store.set(drained_key(member), repr(now), nx=True, durable=True):
         return False
     await store.set(*_record_args(Record(t=now, kind="drain", member=member), f"drain-{member}"))
     return True
 
 
 async def undrain(store: Store, member: str, now: float) -> bool:
-    if not await store.hdel(DRAINED, member, durable=True):
+    if not await store.delete(drained_key(member), durable=True):
         return False
     await store.set(*_record_args(Record(t=now, kind="undrain", member=member), f"undrain-{member}"))
     return True

@@ -61,7 +61,7 @@ def cmd_pools(ctx: Ctx, args: argparse.Namespace) -> int:
     if store is not None and pools:
         active = ctx.run(members.active_counts(store, everyone, now))
         q = ctx.run(members.quotas(store, everyone))
-        drained = ctx.run(members.drained(store))
+        drained = ctx.run(members.drained(store, everyone))
         cursors = {p.name: ctx.run(members.cursor(store, p.name)) for p in pools}
     report = []
     for p in pools:

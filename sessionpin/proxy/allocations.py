@@ -115,7 +115,7 @@ class Allocations:
             if store is not None:
                 q = quota.decode(await store.get(members.quota_key(effect.member)))
                 if effect.soft:
-                    drained = await members.drained(store)
+                    drained = await members.drained(store, [effect.member])
         except StoreError as e:    # unknown state: the pin decides, as without pools
             log.warning("sessionpin: reading member %s's state: %s", effect.member, e)
         missing = None
@@ -191,7 +191,7 @@ class Allocations:
             try:
                 active = await members.active_counts(store, everyone, time.time())
                 q = await members.quotas(store, everyone)
-                drained = await members.drained(store)
+                drained = await members.drained(store, everyone)
             except StoreError as e:
                 log.warning("sessionpin: pool metrics: %s", e)
         now = time.time()

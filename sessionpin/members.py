@@ -16,7 +16,9 @@ Rules it keeps:
   is in the store, or none.
 - A lost compare-and-set is read back: a pin another proxy wrote first decides
   (``Lost``); otherwise the cursor moved, and the allocation is made again from the new
-  cursor — at most ``MAX_CONFLICTS`` times, then ``Refused`` (503, retry-after).
+  cursor — at most ``MAX_CONFLICTS`` times, then ``Refused`` (503, retry-after). A retry
+  first waits a random moment (up to 2 ms per conflict so far, at most 20 ms), so proxies
+  that keep colliding spread out instead of colliding again.
 - When every eligible member is exhausted the allocation waits (``allocate.wait``) up
   to the caller's deadline, then ``Refused`` (429 "pool exhausted", retry-after: the
   earliest reset).
@@ -32,6 +34,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -50,6 +53,8 @@ QUOTA_PREFIX = "quota:"
 RECORD_TTL = pins.PIN_TTL
 MAX_CONFLICTS = 20
 CONTENTION_RETRY = 1          # seconds, the retry-after of a refusal for contention
+BACKOFF = 0.002               # seconds per conflict so far, the most a retry waits (jittered), up to:
+BACKOFF_MAX = 0.02
 MISSED_RETRY = 5              # seconds: a soft pool whose every member was missed (unreachable) may be back
 
 
@@ -222,7 +227,9 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
             seen = now_pin            # garbage (or it vanished): allocate over it
             continue
         conflicts += 1                # the cursor moved: another allocation went first
-        if conflicts >= MAX_CONFLICTS:
+        if conflicts < MAX_CONFLICTS:
+            await sleep(random.uniform(0, min(BACKOFF * conflicts, BACKOFF_MAX)))
+        else:
             return Refused(503, "pool-contention", (
                 f"sessionpin: pool {pool.name} was allocated by others {conflicts} times while this "
                 f"{pin.agent} conversation {session} waited for its turn; it was not sent anywhere. Retry."),

@@ -2,8 +2,11 @@
 
 Rules this module keeps:
 - The file names servers (an origin plus an optional path prefix, a key's environment
-  variable, an auth style, model renames) and, per agent, the server new conversations
-  go to. Nothing else: which server a *running* conversation uses is the pin's business.
+  variable, an auth style, model renames), pools of servers (members, a policy, an
+  affinity: docs/pools.md) and, per agent, the server or pool new conversations go to.
+  Nothing else: which server a *running* conversation uses is the pin's business.
+- A pool and a server may not share a name; a pool's members are configured servers,
+  each once; weights are positive integers for members of a "weighted" pool only.
 - Validation is strict: an unknown key, a bad URL, an agent name sessionpin does not
   know, or an agent pointed at a server that is not configured is an error. Every error
   is one line naming the file, the line and the key:
@@ -19,6 +22,8 @@ Rules this module keeps:
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import json
 import os
 import re
 import tomllib
@@ -32,7 +37,10 @@ from .redact import contains_key, shown
 AUTH_STYLES = ("x-api-key", "bearer")
 SERVER_KEYS = ("url", "key_env", "auth", "models")
 AGENT_KEYS = ("server",)
-TOP_KEYS = ("servers", "agents")
+POOL_KEYS = ("members", "policy", "weights", "affinity")
+POLICIES = ("round-robin", "weighted", "least-active", "quota")
+AFFINITIES = ("hard", "soft")
+TOP_KEYS = ("servers", "pools", "agents")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -95,9 +103,28 @@ class Server:
 
 
 @dataclass(frozen=True)
+class Pool:
+    """Servers that share an agent's new conversations (docs/pools.md)."""
+    name: str
+    members: tuple[str, ...]                   # server names, in written order
+    policy: str = "round-robin"                # round-robin | weighted | least-active | quota
+    weights: tuple[tuple[str, int], ...] = ()  # member -> weight (weighted only; absent: 1)
+    affinity: str = "hard"                     # hard: a pin never moves; soft: a hint (replicas)
+
+    def weight(self, member: str) -> int:
+        return dict(self.weights).get(member, 1)
+
+    @property
+    def revision(self) -> str:
+        """A hash of the definition: allocations record it, and a change of it is recorded."""
+        text = json.dumps([self.members, self.policy, sorted(self.weights), self.affinity])
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
 class Agent:
     name: str
-    server: str | None = None         # None: not routed
+    server: str | None = None         # None: not routed; a server's or a pool's name
 
 
 @dataclass(frozen=True)
@@ -105,6 +132,7 @@ class Config:
     path: str | None = None
     servers: dict[str, Server] = field(default_factory=dict)
     agents: dict[str, Agent] = field(default_factory=dict)
+    pools: dict[str, Pool] = field(default_factory=dict)
 
     def server_for(self, scheme: str, host: str, port: int, path: str) -> Server | None:
         """The configured server a request addresses (the longest matching prefix wins)."""
@@ -124,9 +152,13 @@ class Config:
         return next((s for s in self.servers.values() if s.at(host, port, scheme)), None)
 
     def current(self, agent: str) -> str | None:
-        """The server new conversations of ``agent`` go to; None: not routed."""
+        """The server (or pool) new conversations of ``agent`` go to; None: not routed."""
         a = self.agents.get(agent)
         return a.server if a else None
+
+    def pools_of(self, server: str) -> list[Pool]:
+        """The pools ``server`` is a member of."""
+        return [p for p in self.pools.values() if server in p.members]
 
 
 def default_path() -> Path:
@@ -210,15 +242,23 @@ class _Validator:
         servers: dict[str, Server] = {}
         for name, body in self.table(doc.get("servers", {}), ("servers",)).items():
             servers[name] = self.server(name, self.table(body, ("servers", name)))
+        pools: dict[str, Pool] = {}
+        for name, body in self.table(doc.get("pools", {}), ("pools",)).items():
+            pools[name] = self.pool(name, self.table(body, ("pools", name)), servers)
         seen: dict[tuple[str, str], str] = {}
         for s in servers.values():
             other = seen.setdefault((s.origin, s.prefix), s.name)
-            if other != s.name:
-                raise self.error(("servers", s.name, "url"), f"same origin and prefix as server '{other}'")
+            # Several accounts of one provider share its URL: allowed for members of one
+            # pool that each have a key of their own (the agent's key cannot be told to
+            # belong to one of them, so each always gets its own: allocate.addressed_as).
+            if other != s.name and not (s.key_env and servers[other].key_env and any(
+                    s.name in p.members and other in p.members for p in pools.values())):
+                shared = " (only members of one pool, each with its own key_env, may share one)" if pools else ""
+                raise self.error(("servers", s.name, "url"), f"same origin and prefix as server '{other}'{shared}")
         agents: dict[str, Agent] = {}
         for name, body in self.table(doc.get("agents", {}), ("agents",)).items():
-            agents[name] = self.agent(name, self.table(body, ("agents", name)), servers)
-        return Config(path=self.path, servers=servers, agents=agents)
+            agents[name] = self.agent(name, self.table(body, ("agents", name)), servers, pools)
+        return Config(path=self.path, servers=servers, agents=agents, pools=pools)
 
     def server(self, name: str, body: dict) -> Server:
         at = ("servers", name)
@@ -270,15 +310,58 @@ class _Validator:
             models=tuple(models),
         )
 
-    def agent(self, name: str, body: dict, servers: dict[str, Server]) -> Agent:
+    def pool(self, name: str, body: dict, servers: dict[str, Server]) -> Pool:
+        at = ("pools", name)
+        if not _NAME.match(name):
+            raise self.error(at, "a pool name is letters, digits, '_', '-' and '.'")
+        if name in servers:
+            raise self.error(at, f"a pool and a server may not share a name: server '{name}' exists")
+        self.unknown(body, POOL_KEYS, at)
+        if "members" not in body:
+            raise self.error(at, 'missing members (e.g. members = ["glm-a", "glm-b"])')
+        raw = body["members"]
+        if not isinstance(raw, list):
+            raise self.error(at + ("members",), f"must be an array of server names, not {_kind(raw)}")
+        if not raw:
+            raise self.error(at + ("members",), "must name at least one server")
+        members: list[str] = []
+        for m in raw:
+            m = self.string(m, at + ("members",)).strip()
+            if m not in servers:
+                known = ", ".join(servers) or "none configured"
+                raise self.error(at + ("members",), f"no server named {m!r} (servers: {known})")
+            if m in members:
+                raise self.error(at + ("members",), f"{m!r} is listed twice")
+            members.append(m)
+        policy = self.string(body.get("policy", "round-robin"), at + ("policy",)).strip()
+        if policy not in POLICIES:
+            raise self.error(at + ("policy",), f"must be one of {', '.join(POLICIES)}, got {policy!r}")
+        affinity = self.string(body.get("affinity", "hard"), at + ("affinity",)).strip()
+        if affinity not in AFFINITIES:
+            raise self.error(at + ("affinity",), f"must be one of {', '.join(AFFINITIES)}, got {affinity!r}")
+        weights: list[tuple[str, int]] = []
+        if "weights" in body:
+            if policy != "weighted":
+                raise self.error(at + ("weights",), f'weights are for policy = "weighted" (this pool is {policy})')
+            for member, w in self.table(body["weights"], at + ("weights",)).items():
+                if member not in members:
+                    raise self.error(at + ("weights", member), f"not a member of pool {name} "
+                                     f"(members: {', '.join(members)})")
+                if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                    raise self.error(at + ("weights", member), f"must be a whole number >= 1, not {w!r}")
+                weights.append((member, w))
+        return Pool(name=name, members=tuple(members), policy=policy, weights=tuple(weights), affinity=affinity)
+
+    def agent(self, name: str, body: dict, servers: dict[str, Server], pools: dict[str, Pool]) -> Agent:
         at = ("agents", name)
         if name not in AGENTS:
             raise self.error(at, f"unknown agent (known: {', '.join(AGENTS)})")
         self.unknown(body, AGENT_KEYS, at)
         server = self.string(body.get("server", ""), at + ("server",)).strip() or None
-        if server is not None and server not in servers:
+        if server is not None and server not in servers and server not in pools:
             known = ", ".join(servers) or "none configured"
-            raise self.error(at + ("server",), f"no server named {server!r} (servers: {known})")
+            extra = f"; pools: {', '.join(pools)}" if pools else ""
+            raise self.error(at + ("server",), f"no server named {server!r} (servers: {known}{extra})")
         return Agent(name=name, server=server)
 
 

@@ -17,6 +17,8 @@ Rules this module keeps (seeds/000, made stronger):
   (a hash) names every index. Counting live pins per agent and server is one ``zcount``
   each — status, metrics and the CLI's "N stay where they are" never walk the pins.
 - A stored value that is not a valid pin (bad JSON, wrong shape, no agent) reads as no pin.
+- A pool's allocation adds ``pool``, ``models`` and ``why`` (defaults omitted, so other pins
+  read and write as before; unknown fields are ignored by older readers).
 - Activity (last seen, requests seen) is not part of the pin: it changes on every
   request, so the router counts it in memory and flushes it lazily (``record_seen``).
 """
@@ -51,6 +53,12 @@ class Pin(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     source: str = ""            # the configured server the request that made it addressed ("" none)
     parent: str = ""            # the conversation this one forked or resumed under a new id ("" none)
     v: int = 1
+    # A pin made by a server pool's allocation (docs/pools.md) snapshots the concrete
+    # member: ``server`` is the member, ``models`` its model map then (None: not a
+    # snapshot; the server's current map applies), ``why`` the allocation's reason.
+    pool: str = ""
+    models: tuple[tuple[str, str], ...] | None = None
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,11 @@ async def load(store: Store, session: str) -> Loaded:
 def _indexed(session: str, pin: Pin) -> list[Write]:
     return [ZAdd(index_key(pin.agent, pin.server), session, expiry(pin)),
             HSet(INDEX_NAMES, group(pin.agent, pin.server), "1")]
+
+
+def index_writes(session: str, pin: Pin) -> list[Write]:
+    """The index entries of a pin, for a caller writing a pin in a transaction of its own."""
+    return _indexed(session, pin)
 
 
 def _unindexed(session: str, pin: Pin | None) -> list[Write]:

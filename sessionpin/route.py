@@ -18,6 +18,8 @@ Effects the shell performs, and the events that answer them:
     FindParent(links)       -> ParentFound(session | None, loaded) | StoreFailed(error)
     Plan(target)            -> Planned(changes)          (rewrite.plan with the body)
     CreatePin(session, pin) -> PinCreated | PinLost(loaded) | NotSaved(error)
+    Allocate(session, pool) -> Allocated(member) | PinLost(loaded) | NotAllocated | NotSaved
+    CheckMember(pool, member) -> MemberChecked(exhausted until, missing)
 
 Terminal effects: ``Forward(changes)`` (send it, rewritten as planned), ``Leave`` (send
 it untouched), ``Refuse(status, …)`` (answer it here). ``after`` holds what the shell
@@ -45,10 +47,18 @@ Rules this module keeps beyond the ladder's:
   (its answer was not seen whole), else to a pin of the fingerprint alone (made before
   this rule).
   The body's lineage is read only when a rule needs it.
+- Server pools (docs/pools.md): a target that is a pool is allocated a member, the pin
+  written by the allocation itself (``members.allocate``); a side request with no pin
+  goes where the allocator would send the opening, pinning nothing. A turn pinned to a
+  pool member known exhausted is answered 429 with the reset as ``retry-after`` — never
+  moved. In a soft pool, a pinned member that is gone, drained or unreachable is a clean
+  miss: the conversation is allocated afresh (compare-and-set over its pin), the move
+  recorded; a hard pool's pin never moves.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import msgspec
@@ -168,7 +178,28 @@ class WritePin:
     seen: Loaded
 
 
-Effect = ReadPin | ReadTitle | ReadLineage | FindConversation | FindParent | Plan | CreatePin | Forward | Leave | Refuse
+@dataclass(frozen=True)
+class Allocate:
+    """Choose a member of ``pool`` and pin the session there in one transaction."""
+    session: str
+    pool: str
+    pin: Pin                     # the pin to write; the allocation fills in the member
+    seen: Loaded                 # what was read (a soft move: the pin it replaces)
+    commit: bool = True          # False: only choose (a side request pins nothing)
+    exclude: frozenset[str] = frozenset()   # members this request missed (soft)
+    reason: str = ""             # a soft move: why the pinned member was missed
+
+
+@dataclass(frozen=True)
+class CheckMember:
+    """Before a request goes to a pool member: known exhausted? In a soft pool, missing?"""
+    pool: str
+    member: str
+    soft: bool
+
+
+Effect = (ReadPin | ReadTitle | ReadLineage | FindConversation | FindParent | Plan | CreatePin | Allocate
+          | CheckMember | Forward | Leave | Refuse)
 After = RenewPin | RememberTitle | WritePin | RememberOpening
 TERMINAL = (Forward, Leave, Refuse)
 
@@ -227,8 +258,30 @@ class NotSaved:
     error: str
 
 
+@dataclass(frozen=True)
+class Allocated:
+    member: str
+    loaded: Loaded               # the pin the allocation wrote (pin None: not committed)
+    why: str                     # "pool glm: round-robin → glm-b", "soft: glm-a unreachable → glm-b"
+
+
+@dataclass(frozen=True)
+class NotAllocated:
+    status: int                  # 429 pool exhausted, 503 contention or no member
+    kind: str
+    message: str
+    retry_after: int | None
+
+
+@dataclass(frozen=True)
+class MemberChecked:
+    exhausted_until: float = 0.0     # epoch seconds; past: not exhausted
+    exhausted_why: str = ""
+    missing: str | None = None       # soft pools: why it cannot take requests ("drained", "unreachable")
+
+
 Event = (PinRead | TitleRead | LineageRead | ConversationFound | ParentFound | StoreFailed | Planned | PinCreated
-         | PinLost | NotSaved)
+         | PinLost | NotSaved | Allocated | NotAllocated | MemberChecked)
 
 
 # ---- state ------------------------------------------------------------------------------
@@ -249,6 +302,9 @@ class State(msgspec.Struct, frozen=True):
     decision: Decision | None = None
     changes: Changes | None = None
     raced: bool = False              # another proxy's pin was taken once already
+    allocated: bool = False          # a pool's allocation wrote the pin (no CreatePin)
+    checked: str | None = None       # the pool member CheckMember answered for
+    missed: frozenset[str] = frozenset()   # soft pool members missed
 
 
 @dataclass(frozen=True)
@@ -330,6 +386,8 @@ def step(state: State, event: Event) -> Step:
             return Step(state, Refuse(503, "store", f"sessionpin: session {state.session} changed pins twice "
                                       "while this request was decided; retry", RETRY_AFTER))
         return _decide(_replace(state, loaded=event.loaded, raced=True, changes=None))
+    if isinstance(event, (Allocated, NotAllocated, MemberChecked)):
+        return _pooled(state, event)
     if isinstance(event, NotSaved):
         d = state.decision
         if r.source is not None and d is not None and d.target == r.source.name:
@@ -355,6 +413,8 @@ def _decided(state: State, d: Decision) -> Step:
     r = state.request
     f = r.facts
     session = state.session or ""
+    if d.rule == "pinned-server-gone" and _soft_pool(r, state.loaded.pin) is not None:
+        return _soft_miss(state, state.loaded.pin.server, "gone")
     if d.refuse:
         pin = state.loaded.pin or state.parent_pin
         pinned = pin.server if pin else "?"
@@ -372,6 +432,12 @@ def _decided(state: State, d: Decision) -> Step:
         elif d.pin_action == ladder.RENEW and state.loaded.pin is not None and renew_due(state.loaded.pin, r.now):
             after = (RenewPin(session, state.loaded),)
         return Step(state, Leave(), after)
+    pin = state.loaded.pin
+    if d.target in r.config.pools:
+        return Step(state, Allocate(session, d.target, _new_pin(state, d), state.loaded,
+                                    commit=d.pin_action == ladder.CREATE))
+    if d.rule == "pinned" and pin is not None and pin.pool and state.checked != d.target:
+        return Step(state, CheckMember(pin.pool, d.target, _soft_pool(r, pin) is not None))
     return Step(state, Plan(d.target))
 
 
@@ -381,10 +447,12 @@ def _planned(state: State) -> Step:
     if c.refuse:
         return Step(state, Refuse(502, "rewrite", f"sessionpin: {c.refuse}; the request was not sent"))
     session = state.session or ""
-    if d.pin_action == ladder.CREATE:
+    if d.pin_action == ladder.CREATE and not state.allocated:
         return Step(state, CreatePin(session, _new_pin(state, d), state.loaded))
     after: tuple[After, ...] = ()
-    if d.pin_action == ladder.RENEW and state.loaded.pin is not None and renew_due(state.loaded.pin, r.now):
+    if d.pin_action == ladder.CREATE:          # the allocation wrote the pin
+        after = _remember_opening(state)
+    elif d.pin_action == ladder.RENEW and state.loaded.pin is not None and renew_due(state.loaded.pin, r.now):
         after = (RenewPin(session, state.loaded),)
     elif d.rule == "side-current" and ladder.is_title_shaped(f):
         after = (RememberTitle(session, d.target),)
@@ -402,3 +470,46 @@ def _new_pin(state: State, d: Decision) -> Pin:
     r = state.request
     return Pin(agent=r.facts.agent, server=d.target, since=r.now, renewed=r.now, rule=d.rule,
                turn=r.facts.turn or "", source=r.source.name if r.source else "", parent=state.parent or "")
+
+
+# ---- server pools -----------------------------------------------------------------------
+
+def _soft_pool(r: Request, pin: Pin | None):
+    """The soft pool a pin was allocated in (as configured now), else None."""
+    pool = r.config.pools.get(pin.pool) if pin is not None and pin.pool else None
+    return pool if pool is not None and pool.affinity == "soft" else None
+
+
+def _soft_miss(state: State, member: str, reason: str) -> Step:
+    """A soft pool's pinned member cannot take the request: allocate afresh over the pin read."""
+    r, pin = state.request, state.loaded.pin
+    state = _replace(state, missed=state.missed | {member}, checked=None)
+    fresh = Pin(agent=pin.agent, server=None, since=r.now, renewed=r.now, rule="soft-move", turn=pin.turn,
+                source=pin.source)
+    return Step(state, Allocate(state.session or "", pin.pool, fresh, state.loaded, exclude=state.missed, reason=reason))
+
+
+def _pooled(state: State, event: Allocated | NotAllocated | MemberChecked) -> Step:
+    r, d = state.request, state.decision
+    f = r.facts
+    if isinstance(event, NotAllocated):
+        return Step(state, Refuse(event.status, event.kind, event.message, event.retry_after))
+    if isinstance(event, Allocated):
+        pin = event.loaded.pin
+        moved = pin is not None and pin.rule == "soft-move"
+        decision = Decision(event.member, ladder.NONE if moved else d.pin_action, "soft-move" if moved else d.rule,
+                            event.why)
+        state = _replace(state, decision=decision, allocated=True, loaded=event.loaded if pin else state.loaded)
+        if _soft_pool(r, pin) is not None:      # a soft pin's member is checked before it is used
+            return Step(state, CheckMember(pin.pool, event.member, True))
+        return Step(state, Plan(event.member))
+    member, pin = d.target, state.loaded.pin
+    if event.exhausted_until > r.now:           # deferred, never moved
+        wait = max(1, math.ceil(event.exhausted_until - r.now))
+        return Step(state, Refuse(429, "member-exhausted", (
+            f"sessionpin: server {member} (pool {pin.pool if pin else '?'}) is out of quota for another {wait}s "
+            f"({event.exhausted_why or 'it said so'}); {f.agent} session {state.session} stays on {member} and is not "
+            f"moved. Retry after {wait}s."), wait))
+    if event.missing and member not in state.missed and _soft_pool(r, pin) is not None:
+        return _soft_miss(state, member, event.missing)
+    return Step(_replace(state, checked=member), Plan(member))

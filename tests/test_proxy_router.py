@@ -286,7 +286,7 @@ async def test_participants_see_routed_requests_and_response_headers(cfg_path):
         out = flow(host="example.com", session="another-session")
         await p.send(out)
         st = (await p.status.status())
-        assert st.participants == {"pool": {"enabled": True}}
+        assert st.participants["pool"] == {"enabled": True}
         assert (await p.status.render_metrics()).endswith("sessionpin_pool_ids 3\n")
     finally:
         p.close()

@@ -16,7 +16,8 @@ Rules this package keeps:
 
 Modules: ``parser`` (the command line), ``context`` (config, store, pins as rows),
 ``proxies`` (finding live proxies), ``look`` (status, sessions), ``change`` (use, move,
-forget, servers), ``launch`` (env, exec, run), ``doctor``, ``tools`` (classify, pool).
+forget, servers), ``launch`` (env, exec, run), ``doctor``, ``tools`` (classify, pool),
+``serverpools`` (pools, drain, undrain).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .doctor import cmd_doctor
 from .launch import cmd_env, cmd_exec, cmd_run
 from .look import cmd_sessions, cmd_status
 from .parser import parser
+from .serverpools import cmd_drain, cmd_pools
 from .tools import cmd_delegate, cmd_pool
 
 COMMANDS = {
@@ -46,6 +48,9 @@ COMMANDS = {
     "env": cmd_env,
     "exec": cmd_exec,
     "doctor": cmd_doctor,
+    "pools": cmd_pools,
+    "drain": cmd_drain,
+    "undrain": cmd_drain,
 }
 
 

@@ -46,9 +46,11 @@ def cmd_use(ctx: Ctx, args: argparse.Namespace) -> int:
                    f"(e.g. `sessionpin use {agent} glm`)", 2)
     target = None if args.not_routed else args.server
     cfg = ctx.config()
-    if target is not None and target not in cfg.servers:
+    if target is not None and target not in cfg.servers and target not in cfg.pools:
         known = ", ".join(cfg.servers) or "none configured"
-        raise Fail(f"no server named {target!r} in {ctx.config_path} (servers: {known}); "
+        pools = f"; pools: {', '.join(cfg.pools)}" if cfg.pools else ""
+        what = "server or pool" if cfg.pools else "server"
+        raise Fail(f"no {what} named {target!r} in {ctx.config_path} (servers: {known}{pools}); "
                    f"add it with `sessionpin servers add {target} URL`")
     current = cfg.current(agent)
     if current == target:
@@ -60,12 +62,15 @@ def cmd_use(ctx: Ctx, args: argparse.Namespace) -> int:
         return 0
     new_text = configedit.set_agent_server(ctx.config_text(), agent, target)
     check(ctx, new_text, f"agents.{agent}.server",
-          lambda c: c.current(agent) == target and c.servers == cfg.servers
+          lambda c: c.current(agent) == target and c.servers == cfg.servers and c.pools == cfg.pools
           and {a: x.server for a, x in c.agents.items() if a != agent}
           == {a: x.server for a, x in cfg.agents.items() if a != agent},
           f'[agents.{agent}] server = "{target or ""}"')
     write_config(ctx, new_text)
     arrow = f"New {agent} conversations → {where(target)}"
+    if target in cfg.pools:
+        p = cfg.pools[target]
+        arrow += f" (pool: {', '.join(p.members)}; {p.policy}, {p.affinity} affinity)"
     if target is None:
         arrow += f" (left alone: they go where {agent} sends them)"
     out(f"{arrow}. (was: {where(current)})")
@@ -89,6 +94,10 @@ def write_config(ctx: Ctx, text: str) -> None:
 
 def warn_key(cfg: configmod.Config, target: str | None, proxy: Proxy) -> None:
     if target is None:
+        return
+    if target in cfg.pools:
+        for member in cfg.pools[target].members:
+            warn_key(cfg, member, proxy)
         return
     server = cfg.servers[target]
     if not server.key_env:
@@ -228,6 +237,10 @@ def cmd_servers_remove(ctx: Ctx, args: argparse.Namespace) -> int:
     if name not in cfg.servers:
         known = ", ".join(cfg.servers) or "none configured"
         raise Fail(f"no server named {name!r} in {ctx.config_path} (servers: {known})")
+    pools = [p.name for p in cfg.pools_of(name)]
+    if pools:
+        raise Fail(f"{name} is a member of pool {', '.join(pools)}; take it out of the pool's members in "
+                   f"{ctx.config_path} first (or `sessionpin drain {name}` to stop new conversations going there)")
     users = [a for a, x in cfg.agents.items() if x.server == name]
     if users:
         raise Fail(f"new {', '.join(users)} conversations go to {name}; first send them elsewhere: "

@@ -59,7 +59,7 @@ def ago(then: float | None, now: float) -> str:
 
 
 def why(pin: pins.Pin) -> str:
-    return PIN_WHY.get(pin.rule, pin.rule or "-")
+    return pin.why or PIN_WHY.get(pin.rule, pin.rule or "-")    # a pool's allocation says its own
 
 
 def iso(t: float | None) -> str | None:

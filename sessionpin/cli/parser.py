@@ -58,9 +58,9 @@ def parser() -> Parser:
     c = cmd("status", "config, store, servers, agents, pins per server, and which proxies answer")
     c.add_argument("--json", action="store_true")
 
-    c = cmd("use", "send an agent's NEW conversations to a server (running ones stay where they are)")
+    c = cmd("use", "send an agent's NEW conversations to a server or pool (running ones stay where they are)")
     c.add_argument("agent", metavar="AGENT", help=", ".join(AGENTS))
-    c.add_argument("server", metavar="SERVER", nargs="?")
+    c.add_argument("server", metavar="SERVER|POOL", nargs="?")
     c.add_argument("--not-routed", action="store_true", help="leave the agent's new conversations alone")
 
     c = cmd("sessions", "one row per pinned conversation")
@@ -91,6 +91,20 @@ def parser() -> Parser:
     r.add_argument("name", metavar="NAME")
     r.add_argument("--force", action="store_true",
                    help="remove it even if pinned conversations go to it or came from it")
+
+    c = cmd("pools", "server pools: members, cursor, active conversations, exhaustion, drains (--history: records)")
+    c.add_argument("pool", metavar="POOL", nargs="?", help="only this pool")
+    c.add_argument("--history", action="store_true", help="the recorded allocations, moves, drains and "
+                                                          "definition changes, oldest first")
+    c.add_argument("--limit", type=int, default=50, metavar="N", help="with --history: the last N (0: all)")
+    c.add_argument("--json", action="store_true")
+
+    c = cmd("drain", "stop new conversations going to a pool member (running ones stay)")
+    c.add_argument("member", metavar="MEMBER")
+    c.set_defaults(undo=False)
+    c = cmd("undrain", "let a drained pool member take new conversations again")
+    c.add_argument("member", metavar="MEMBER")
+    c.set_defaults(undo=True)
 
     c = cmd("doctor", "check the config, store, CA, proxy and keys; say what to fix")
     c.add_argument("--confdir", metavar="DIR")

@@ -14,6 +14,7 @@ mitmproxy runs their hooks:
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
 | ``LineageWatch`` | lineagewatch.py | records, from responses, what a fork of a conversation will name it by |
 | ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
+| ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
 
 They share state by reference, handed over here — no process-global dict.
@@ -25,6 +26,7 @@ from typing import Any
 
 from mitmproxy import exceptions
 
+from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .defaults import Defaults
@@ -53,8 +55,10 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
     runtime = StoreRuntime(env)
     connect = ConnectCheck(config)
     metrics = Metrics()
+    allocations = Allocations(config, runtime, connect)
+    participants = [*participants, allocations]
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
-    router = Router(config, runtime, connect, metrics, participants, env)
+    router = Router(config, runtime, connect, metrics, participants, env, allocations)
     router.lineage = watch = LineageWatch(runtime)
     runtime.config_path = lambda: str(config.path) if config.path else None
     runtime.token = status.token
@@ -63,7 +67,18 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
     return [Defaults(), config, runtime, connect, BodyLimit(), status, router, watch, WebSocketModels(config),
-            *lifecycle, *extra]
+            *lifecycle, *extra, _Options(allocations)]
+
+
+class _Options:
+    """Registers the server pools' option (``Allocations`` itself is a router participant,
+    whose hooks the router calls)."""
+
+    def __init__(self, allocations: Allocations) -> None:
+        self.allocations = allocations
+
+    def load(self, loader) -> None:
+        self.allocations.load(loader)
 
 
 class _Lifecycle:

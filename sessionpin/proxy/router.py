@@ -35,10 +35,11 @@ from typing import Any, Mapping
 from mitmproxy import http
 from mitmproxy.net.http import url
 
-from .. import answers, ladder, lineage, lineindex, paths, pins, rewrite, route
+from .. import allocate, answers, ladder, lineage, lineindex, paths, pins, rewrite, route
 from .. import facts as F
 from ..ids import short
 from ..store import StoreError
+from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DECISIONS
 from .connect import ConnectCheck
@@ -66,8 +67,10 @@ class Metrics:
 
 class Router:
     def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
-                 participants: list[Any] | None = None, env: Mapping[str, str] | None = None) -> None:
+                 participants: list[Any] | None = None, env: Mapping[str, str] | None = None,
+                 allocations: Allocations | None = None) -> None:
         self.config = config
+        self.allocations = allocations or Allocations(config, runtime, connect)   # server pools' effects
         self.runtime = runtime
         self.connect = connect
         self.metrics = metrics
@@ -136,6 +139,8 @@ class Router:
             return route.Planned(self._plan(flow, state, effect.target))
         if isinstance(effect, route.ReadLineage):
             return _lineage_of(flow.request, state.request.facts.api)
+        if isinstance(effect, (route.Allocate, route.CheckMember)):
+            return await self.allocations.perform(flow, state, effect)
         if store is None:
             return route.StoreFailed("no store is open")
         try:
@@ -162,7 +167,8 @@ class Router:
     def _plan(self, flow: http.HTTPFlow, state: route.State, target_name: str) -> rewrite.Changes:
         req = flow.request
         r = state.request
-        target = r.config.servers.get(target_name)
+        config = allocate.snapshot(r.config, state.loaded.pin)    # a pool pin's model map
+        target = config.servers.get(target_name)
         body = None
         upgrade = _is_websocket(req)     # no body: each message's model is renamed as it passes
         model = None if upgrade else r.facts.model
@@ -173,7 +179,8 @@ class Router:
             headers=tuple(req.headers.items(multi=True)), body=body, api=r.facts.api, model=model,
             unreadable=None if r.facts.parsed else r.facts.reason, model_span=r.facts.model_span,
         )
-        return rewrite.plan(state.decision, view, r.source, r.config, self.env)
+        source = allocate.addressed_as(config, r.source, target_name)   # pool members sharing one URL
+        return rewrite.plan(state.decision, view, source, config, self.env)
 
     async def _finish(self, flow: http.HTTPFlow, s: route.Step) -> None:
         state, effect = s.state, s.effect
@@ -194,7 +201,7 @@ class Router:
                     refusal = route.Refuse(502, "unreachable", (
                         f"sessionpin: server {decision.target} ({server.origin if server else '?'}, "
                         f"{changes.host}:{changes.port}) cannot be reached: {err}. {facts.agent} session "
-                        f"{facts.session} stays on {decision.target}; try again when it is back."),
+                        f"{state.session or facts.session} stays on {decision.target}; try again when it is back."),
                         UNREACHABLE_RETRY)
                     self._decided(flow, state, changes, refused=refusal)
                     self._refuse(flow, facts, refusal)
@@ -265,6 +272,7 @@ class Router:
             "turn": facts.turn, "api": facts.api, "rule": d.rule, "why": d.why, "outcome": outcome,
             "target": d.target, "source": r.source.name if r.source else None, "pin_action": d.pin_action,
             "pinned": pin.server if pin else None, "reason": facts.reason,
+            "pool": pin.pool if pin is not None and pin.pool else None,     # a server pool's allocation
             "moved": changes is not None and refused is None and d.target != (r.source.name if r.source else None),
         }
         if changes is not None and changes.model:
@@ -329,6 +337,7 @@ class Router:
         log.warning("sessionpin: refused 502 (redirect) %s: %s", short(meta.get("session")), refusal.message)
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self.allocations.failed(flow)
         meta = flow.metadata.get("sessionpin")
         if not meta or not meta.get("target") or flow.response is not None:
             return

@@ -22,7 +22,8 @@ API (import with ``from e2e.harness import ...`` from tests/, or ``from .harness
     ``received(path_contains)``, ``clear()``, ``wait_for(n)``.
     Behaviour knobs (plain attributes, or ``with fake.behave(pause_ms=1000): ...`` to restore them):
     ``pause_ms`` between SSE events, ``pause_after_first_ms`` after the first event only,
-    ``status`` (answer every request with this status and an error JSON), ``deltas`` (text deltas
+    ``status`` (answer every request with this status and an error JSON), ``headers`` (extra response
+    headers on every answer: ``retry-after``, rate-limit headers), ``deltas`` (text deltas
     per stream), ``reply_bytes`` (pad non-streamed message replies to about this size), ``keep_bodies``
     (False: log bodies as b"", for benchmarks).
     ``stop()`` closes the listener *and* every open connection: the server is unreachable.
@@ -419,6 +420,7 @@ class FakeServer:
         self.pause_ms = 0
         self.pause_after_first_ms = 0
         self.status: int | None = None
+        self.headers: Headers = []
         self.deltas = 3
         self.reply_bytes = 0
         self.keep_bodies = True     # False: record bodies as b"" (benchmarks send many megabytes)
@@ -506,7 +508,7 @@ class FakeServer:
         """Set behaviour knobs (pause_ms, pause_after_first_ms, status, deltas, reply_bytes) for a block."""
         old = {k: getattr(self, k) for k in knobs}
         for k, v in knobs.items():
-            if k not in ("pause_ms", "pause_after_first_ms", "status", "deltas", "reply_bytes"):
+            if k not in ("pause_ms", "pause_after_first_ms", "status", "headers", "deltas", "reply_bytes"):
                 raise AttributeError(k)
             setattr(self, k, v)
         try:
@@ -522,7 +524,7 @@ class FakeServer:
             if answer is not None:
                 h.send_raw(*answer)
                 return
-        extra = [("x-fake-server", self.name), ("request-id", f"req_fake_{self.name}_{n}")]
+        extra = [("x-fake-server", self.name), ("request-id", f"req_fake_{self.name}_{n}"), *self.headers]
         path = rec.path.split("?", 1)[0]
         if self.prefix:
             if not (path == self.prefix or path.startswith(self.prefix + "/")):

@@ -1,0 +1,134 @@
+"""``pools``, ``drain``, ``undrain``: server pools as the operator sees and steers them (docs/pools.md).
+
+Rules it keeps:
+- Everything comes from the config and the shared store, so it works with or without a
+  proxy, and every proxy on the store sees a drain at its next allocation.
+- Active conversations per member are the pin index's counts (``members.active_counts``),
+  never a walk; ``--history`` walks the activity records (ids, names, times, rules).
+- A drain is durable and only stops new allocations: running conversations stay (a soft
+  pool's move its pinned conversations at their next request — said so when draining).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from .. import members, quota
+from .common import Fail, ago, dump_json, iso, out, table
+from .context import Ctx
+
+
+def _member_of(ctx: Ctx, name: str):
+    cfg = ctx.config()
+    if name not in cfg.servers:
+        known = ", ".join(sorted({m for p in cfg.pools.values() for m in p.members})) or "no pool configured"
+        raise Fail(f"no server named {name!r} in {ctx.config_path} (pool members: {known})")
+    pools = cfg.pools_of(name)
+    if not pools:
+        raise Fail(f"{name} is in no pool; drains are for pool members (`sessionpin pools`)")
+    return cfg, pools
+
+
+def cmd_pools(ctx: Ctx, args: argparse.Namespace) -> int:
+    cfg = ctx.config()
+    store = ctx.store()
+    now = time.time()
+    if args.history:
+        records = [] if store is None else ctx.run(members.history(store, args.pool, args.limit))
+        if args.json:
+            dump_json([{k: v for k, v in _asdict(r).items() if v not in ("", -1)} for r in records])
+            return 0
+        if not records:
+            out("No pool activity recorded" + (f" for {args.pool}." if args.pool else "."))
+            return 0
+        grid = [["TIME", "KIND", "POOL", "MEMBER", "SESSION", "AGENT", "WHY"]]
+        for r in records:
+            grid.append([iso(r.t) or "-", r.kind, r.pool or "-", r.member or "-", r.session[:8] or "-",
+                         r.agent or "-", r.why or (f"rev {r.previous or '-'} → {r.rev}" if r.kind == "config" else "")])
+        for line in table(grid):
+            out(line)
+        return 0
+    pools = [p for p in cfg.pools.values() if args.pool in (None, p.name)]
+    if args.pool and not pools:
+        raise Fail(f"no pool named {args.pool!r} in {ctx.config_path} (pools: {', '.join(cfg.pools) or 'none'})")
+    everyone = sorted({m for p in pools for m in p.members})
+    active: dict[str, int] = {}
+    q: dict[str, quota.Quota] = {}
+    drained: dict[str, float] = {}
+    cursors: dict[str, Any] = {}
+    if store is not None and pools:
+        active = ctx.run(members.active_counts(store, everyone, now))
+        q = ctx.run(members.quotas(store, everyone))
+        drained = ctx.run(members.drained(store, everyone))
+        cursors = {p.name: ctx.run(members.cursor(store, p.name)) for p in pools}
+    report = []
+    for p in pools:
+        c = cursors.get(p.name)
+        rows = []
+        for m in p.members:
+            mq = q.get(m)
+            rows.append({"member": m, "active": active.get(m, 0),
+                         "exhausted_until": iso(mq.exhausted_until) if mq and mq.exhausted_until > now else None,
+                         "exhausted_why": mq.why if mq and mq.exhausted_until > now else None,
+                         "headroom": mq.headroom if mq else None, "drained_since": iso(drained.get(m)),
+                         "weight": p.weight(m) if p.policy == "weighted" else None})
+        report.append({"pool": p.name, "policy": p.policy, "affinity": p.affinity, "revision": p.revision,
+                       "agents": [a for a, x in cfg.agents.items() if x.server == p.name],
+                       "cursor": c.n if c else 0, "cursor_revision": (c.rev or None) if c else None,
+                       "members": rows})
+    if args.json:
+        dump_json(report)
+        return 0
+    if not report:
+        out(f"No pools in {ctx.config_path}; add a [pools.NAME] table with members = [...] (docs/pools.md).")
+        return 0
+    for i, p in enumerate(report):
+        if i:
+            out()
+        agents = ", ".join(p["agents"]) or "no agent"
+        stale = "" if p["cursor_revision"] in (None, p["revision"]) else " (last allocation under an older definition)"
+        out(f"pool {p['pool']}: {p['policy']}, {p['affinity']} affinity; new conversations of {agents}; "
+            f"cursor {p['cursor']}{stale}")
+        grid = [["MEMBER", "ACTIVE", "HEADROOM", "EXHAUSTED UNTIL", "DRAINED"]]
+        for r in p["members"]:
+            grid.append([r["member"] + (f" (weight {r['weight']})" if r["weight"] else ""), str(r["active"]),
+                         "-" if r["headroom"] is None else f"{r['headroom']:.0%}",
+                         f"{r['exhausted_until']} ({r['exhausted_why']})" if r["exhausted_until"] else "-",
+                         f"since {ago(drained.get(r['member']), now)}" if r["drained_since"] else "-"])
+        for line in table(grid, "  "):
+            out(line)
+    return 0
+
+
+def cmd_drain(ctx: Ctx, args: argparse.Namespace) -> int:
+    cfg, pools = _member_of(ctx, args.member)
+    store = ctx.store(create=True)
+    assert store is not None
+    now = time.time()
+    done = ctx.run(members.drain(store, args.member, now) if not args.undo else members.undrain(store, args.member, now))
+    names = ", ".join(p.name for p in pools)
+    n = ctx.run(members.active_counts(store, [args.member], now))[args.member]
+    if args.undo:
+        out(f"{args.member} takes new conversations of pool {names} again." if done
+            else f"{args.member} was not drained; nothing written.")
+        return 0
+    if not done:
+        out(f"{args.member} is already drained; nothing written.")
+        return 0
+    out(f"Drained {args.member}: no new conversations of pool {names} go to it (every proxy on this store, "
+        f"from its next allocation).")
+    soft = [p.name for p in pools if p.affinity == "soft"]
+    hard = [p.name for p in pools if p.affinity == "hard"]
+    if hard:
+        out(f"{n} running conversation{'s' if n != 1 else ''} pinned to it stay{'s' if n == 1 else ''} there "
+            f"(hard affinity: {', '.join(hard)}).")
+    if soft:
+        out(f"In soft pool{'s' if len(soft) > 1 else ''} {', '.join(soft)} its conversations move to a fresh member "
+            f"at their next request. Undo: `sessionpin undrain {args.member}`.")
+    return 0
+
+
+def _asdict(r: members.Record) -> dict[str, Any]:
+    return {f: getattr(r, f) for f in r.__struct_fields__}

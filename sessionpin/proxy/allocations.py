@@ -1,0 +1,230 @@
+"""Allocations: the shell of server pools (docs/pools.md). Glue, no rules.
+
+It performs the stepper's pool effects for the router and watches members' answers:
+
+- ``Allocate`` -> ``members.allocate`` (the store transaction), one allocation of a pool
+  at a time in this process (an ``asyncio.Lock`` per pool: this proxy's openings do not
+  race each other for the cursor; the compare-and-set settles races between proxies),
+  waiting up to ``sessionpin_pools_wait_ms`` while every member is exhausted. In a soft
+  pool, members whose connection failed here in the last ``UNREACHABLE_FOR`` seconds are
+  left out of new allocations.
+- ``CheckMember`` -> the member's quota state from the store; for a soft pool also
+  whether it is drained, gone from the config, or unreachable (``ConnectCheck``'s TCP
+  connect, none when a connection to it is open).
+- ``responseheaders``: a pool member's answer (status and rate-limit headers, never the
+  body) becomes its quota state in the store, shared by every proxy; written in the
+  background, at most every ``WRITE_EVERY`` seconds per member unless it changed.
+- ``metrics``: allocations (this process), active conversations, exhausted, drained, per
+  member; one log line per allocation and per soft move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from mitmproxy import ctx, http
+
+from .. import members, quota, route
+from ..ids import short
+from ..store import StoreError
+from .configwatch import ConfigWatch
+from .connect import ConnectCheck
+from .storeruntime import StoreRuntime
+
+log = logging.getLogger("sessionpin")
+decisions = logging.getLogger("sessionpin.decisions")
+
+WAIT_OPTION = "sessionpin_pools_wait_ms"
+WAIT_DEFAULT_MS = 10_000
+UNREACHABLE_FOR = 10.0      # seconds a failed connection keeps a soft member out of new allocations
+WRITE_EVERY = 5.0           # seconds between unchanged quota writes of one member
+
+
+class Allocations:
+    name = "pools"          # its key under "participants" in /__sessionpin/status
+
+    def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.connect = connect
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.allocated: Counter[tuple[str, str]] = Counter()     # (pool, member) -> allocations here
+        self.moved: Counter[tuple[str, str]] = Counter()         # (pool, member) -> soft moves to it here
+        self.unreachable: dict[str, float] = {}                  # member -> monotonic time of a failure
+        self._written: dict[str, tuple[float, quota.Quota]] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            WAIT_OPTION, int, WAIT_DEFAULT_MS,
+            "sessionpin server pools: how long (ms) a new conversation waits when every member of its pool is "
+            "out of quota, before it is answered 429 'pool exhausted' with retry-after.",
+        )
+
+    def _wait_s(self) -> float:
+        try:
+            return max(0, int(getattr(ctx.options, WAIT_OPTION))) / 1000.0
+        except AttributeError:       # driven without mitmproxy's options (tests)
+            return WAIT_DEFAULT_MS / 1000.0
+
+    # ---- the effects ----------------------------------------------------------------------
+    async def perform(self, flow: http.HTTPFlow, state: route.State, effect: route.Allocate | route.CheckMember
+                      ) -> route.Event:
+        store = self.runtime.store
+        r = state.request
+        if isinstance(effect, route.CheckMember):
+            return await self._check(flow, r, effect)
+        if store is None:
+            return route.NotSaved("no store is open")
+        pool = r.config.pools[effect.pool]
+        exclude = effect.exclude
+        if pool.affinity == "soft":
+            horizon = time.monotonic() - UNREACHABLE_FOR
+            exclude |= {m for m, t in self.unreachable.items() if t > horizon and m in pool.members}
+        deadline = time.time() + self._wait_s()
+        lock = self.locks.setdefault(pool.name, asyncio.Lock()) if effect.commit else contextlib.nullcontext()
+        try:
+            async with lock:
+                got = await members.allocate(store, r.config, pool, effect.session, effect.pin, effect.seen,
+                                             exclude=exclude, commit=effect.commit, deadline=deadline,
+                                             move_reason=effect.reason)
+        except StoreError as e:
+            msg = f"{store.url}: {e}" if store.url not in str(e) else str(e)
+            return route.NotSaved(msg)
+        if isinstance(got, members.Lost):
+            return route.PinLost(got.loaded)
+        if isinstance(got, members.Refused):
+            return route.NotAllocated(got.status, got.kind, got.message, got.retry_after)
+        if effect.commit:
+            counter = self.moved if effect.reason else self.allocated
+            counter[(pool.name, got.member)] += 1
+            if effect.reason:
+                log.warning("sessionpin: %s %s", short(effect.session), got.why)
+        return route.Allocated(got.member, got.loaded, got.why)
+
+    async def _check(self, flow: http.HTTPFlow, r: route.Request, effect: route.CheckMember) -> route.Event:
+        store = self.runtime.store
+        q = None
+        drained: dict[str, float] = {}
+        try:
+            if store is not None:
+                q = quota.decode(await store.get(members.quota_key(effect.member)))
+                if effect.soft:
+                    drained = await members.drained(store, [effect.member])
+        except StoreError as e:    # unknown state: the pin decides, as without pools
+            log.warning("sessionpin: reading member %s's state: %s", effect.member, e)
+        missing = None
+        if effect.soft:
+            server = r.config.servers.get(effect.member)
+            if server is None:
+                missing = "gone"
+            elif effect.member in drained:
+                missing = "drained"
+            else:
+                addr = (server.host, server.port)
+                self.connect.moved_to(addr, server.name)
+                err = await self.connect.reachable(flow.client_conn.id, addr)
+                if err is not None:
+                    self.unreachable[server.name] = time.monotonic()
+                    missing = "unreachable"
+                else:
+                    self.unreachable.pop(server.name, None)
+        return route.MemberChecked(q.exhausted_until if q else 0.0, q.why if q else "", missing)
+
+    # ---- watching answers ---------------------------------------------------------------------
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        meta = flow.metadata.get("sessionpin") or {}
+        member = meta.get("target")
+        resp = flow.response
+        if not member or resp is None or meta.get("refused") or not self.config.config.pools_of(member):
+            return
+        now = time.time()
+        q = quota.observe(resp.status_code, resp.headers.items(multi=True), now)
+        if q is None:
+            return
+        last = self._written.get(member)
+        if last is not None and now - last[0] < WRITE_EVERY and _same(last[1], q):
+            return
+        self._written[member] = (now, q)
+        if q.exhausted_until > now:
+            decisions.info("sessionpin: %s out of quota for %ds (%s): no new allocations until then",
+                           member, round(q.exhausted_until - now), q.why)
+        self._later(self._write(member, q))
+
+    async def _write(self, member: str, q: quota.Quota) -> None:
+        store = self.runtime.store
+        if store is None:
+            return
+        try:
+            await members.write_quota(store, member, q)
+        except StoreError as e:
+            self.runtime.errors += 1
+            log.warning("sessionpin: quota of %s: %s", member, e)
+
+    def failed(self, flow: http.HTTPFlow) -> None:
+        """The router's ``error`` hook: a soft member whose connection failed leaves new allocations."""
+        member = (flow.metadata.get("sessionpin") or {}).get("target")
+        if member and any(p.affinity == "soft" for p in self.config.config.pools_of(member)):
+            self.unreachable[member] = time.monotonic()
+
+    def _later(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- what the status endpoints show ------------------------------------------------------
+    async def metrics(self) -> str:
+        cfg = self.config.config
+        if not cfg.pools:
+            return ""
+        store = self.runtime.store
+        everyone = sorted({m for p in cfg.pools.values() for m in p.members})
+        active: dict[str, int] = {}
+        q: dict[str, quota.Quota] = {}
+        drained: dict[str, float] = {}
+        if store is not None:
+            try:
+                active = await members.active_counts(store, everyone, time.time())
+                q = await members.quotas(store, everyone)
+                drained = await members.drained(store, everyone)
+            except StoreError as e:
+                log.warning("sessionpin: pool metrics: %s", e)
+        now = time.time()
+        out = ["# HELP sessionpin_pool_allocations_total New conversations allocated to a pool member by this proxy.",
+               "# TYPE sessionpin_pool_allocations_total counter"]
+        for p in cfg.pools.values():
+            for m in p.members:
+                out.append(f'sessionpin_pool_allocations_total{{pool="{p.name}",member="{m}"}} '
+                           f'{self.allocated[(p.name, m)]}')
+        out += ["# HELP sessionpin_pool_moves_total Soft-pool conversations moved to a member by this proxy.",
+                "# TYPE sessionpin_pool_moves_total counter"]
+        for (p, m), n in sorted(self.moved.items()):
+            out.append(f'sessionpin_pool_moves_total{{pool="{p}",member="{m}"}} {n}')
+        for name, help, value in (
+                ("sessionpin_pool_member_active", "Live pinned conversations per pool member.",
+                 lambda m: active.get(m, 0)),
+                ("sessionpin_pool_member_exhausted", "1 while a member is known out of quota.",
+                 lambda m: int(m in q and q[m].exhausted_until > now)),
+                ("sessionpin_pool_member_drained", "1 while a member is drained.", lambda m: int(m in drained))):
+            out += [f"# HELP {name} {help}", f"# TYPE {name} gauge"]
+            out += [f'{name}{{member="{m}"}} {value(m)}' for m in everyone]
+        return "\n".join(out) + "\n"
+
+    def status(self) -> dict[str, Any]:
+        return {"allocated": {f"{p}/{m}": n for (p, m), n in sorted(self.allocated.items())},
+                "moved": {f"{p}/{m}": n for (p, m), n in sorted(self.moved.items())},
+                "unreachable": sorted(self.unreachable)}
+
+
+def _same(a: quota.Quota, b: quota.Quota) -> bool:
+    """Unchanged enough not to write again: same exhaustion, headroom within 2 points."""
+    if abs(a.exhausted_until - b.exhausted_until) > 1.0 or a.status != b.status:
+        return False
+    if (a.headroom is None) != (b.headroom is None):
+        return False
+    return a.headroom is None or abs(a.headroom - b.headroom) < 0.02

@@ -1,0 +1,158 @@
+"""What a server's own answers say about its quota. Pure: status and headers in, a ``Quota`` out.
+
+sessionpin sends no probes: it reads the headers real responses carry.
+
+Rules it keeps:
+- Anthropic: ``anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{limit,
+  remaining,reset}`` (reset: an RFC 3339 time). OpenAI and compatible servers:
+  ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (reset: a duration such as
+  ``1s``, ``6m0s``, ``20ms``, or seconds). ``retry-after`` (seconds or an HTTP date) and
+  ``retry-after-ms``.
+- Headroom is the smallest remaining/limit share over the dimensions reported.
+- 429: the member is exhausted until ``retry-after``; else until the latest reset of a
+  dimension with nothing remaining; else the earliest reset reported; else for
+  ``DEFAULT_429`` seconds. 529 (overloaded): until ``retry-after``, else for
+  ``DEFAULT_529`` seconds.
+- A success with a dimension at 0 remaining: exhausted until that dimension's reset.
+  Any other success clears exhaustion (the member answered).
+- Any other status teaches nothing (``None``) unless it carries rate-limit headers.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import re
+from datetime import datetime
+from typing import Iterable
+
+import msgspec
+
+DEFAULT_429 = 60.0
+DEFAULT_529 = 15.0
+STALE = 600.0             # an observation is kept this long past its exhaustion (the store's TTL)
+
+_ANTHROPIC = re.compile(r"^anthropic-ratelimit-(requests|tokens|input-tokens|output-tokens)-(limit|remaining|reset)$")
+_OPENAI = re.compile(r"^x-ratelimit-(limit|remaining|reset)-(requests|tokens)$")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+class Quota(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    observed: float                     # when (epoch seconds)
+    status: int = 0                     # the answer's status
+    headroom: float | None = None       # 0..1; None: no limits reported
+    exhausted_until: float = 0.0        # epoch seconds; 0: not exhausted
+    why: str = ""                       # "429, retry-after 30s", "tokens 0 left"
+
+
+_enc = msgspec.json.Encoder()
+_dec = msgspec.json.Decoder(Quota)
+
+
+def encode(q: Quota) -> str:
+    return _enc.encode(q).decode()
+
+
+def decode(raw: str | None) -> Quota | None:
+    if not raw:
+        return None
+    try:
+        return _dec.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def ttl(q: Quota, now: float) -> float:
+    return max(q.exhausted_until - now, 0.0) + STALE
+
+
+def observe(status: int, headers: Iterable[tuple[str, str]], now: float) -> Quota | None:
+    dims: dict[str, dict[str, str]] = {}
+    retry: float | None = None
+    for name, value in headers:
+        n = name.lower()
+        if m := _ANTHROPIC.match(n):
+            dims.setdefault(m.group(1), {})[m.group(2)] = value.strip()
+        elif m := _OPENAI.match(n):
+            dims.setdefault(m.group(2), {})[m.group(1)] = value.strip()
+        elif n == "retry-after-ms":
+            retry = _number(value, 1000.0) if retry is None else retry
+        elif n == "retry-after":
+            retry = _retry_after(value, now)
+    shares: list[float] = []
+    empty_resets: list[float] = []
+    resets: list[float] = []
+    empty: list[str] = []
+    for dim, d in dims.items():
+        limit, remaining = _number(d.get("limit")), _number(d.get("remaining"))
+        reset = _reset(d.get("reset"), now)
+        if reset is not None:
+            resets.append(reset)
+        if limit and remaining is not None and limit > 0:
+            shares.append(max(0.0, min(1.0, remaining / limit)))
+        if remaining is not None and remaining <= 0:
+            empty.append(dim)
+            if reset is not None:
+                empty_resets.append(reset)
+    headroom = min(shares) if shares else None
+    if status == 429:
+        if retry is not None:
+            until, why = now + retry, f"429, retry-after {retry:g}s"
+        elif empty_resets:
+            until, why = max(empty_resets), f"429, {', '.join(empty)} 0 left"
+        elif resets:
+            until, why = min(resets), "429"
+        else:
+            until, why = now + DEFAULT_429, "429, no reset given"
+        return Quota(observed=now, status=status, headroom=0.0 if headroom is None else headroom,
+                     exhausted_until=max(until, now), why=why)
+    if status == 529:
+        until = now + (retry if retry is not None else DEFAULT_529)
+        return Quota(observed=now, status=status, headroom=headroom, exhausted_until=until, why="529 overloaded")
+    if 200 <= status < 300:
+        if empty_resets and max(empty_resets) > now:
+            return Quota(observed=now, status=status, headroom=headroom, exhausted_until=max(empty_resets),
+                         why=f"{', '.join(empty)} 0 left")
+        return Quota(observed=now, status=status, headroom=headroom)
+    if dims:
+        return Quota(observed=now, status=status, headroom=headroom)
+    return None
+
+
+def _number(text: str | None, scale: float = 1.0) -> float | None:
+    if text is None:
+        return None
+    try:
+        v = float(text.strip())
+    except ValueError:
+        return None
+    return v / scale if v == v and v not in (float("inf"), float("-inf")) else None
+
+
+def _retry_after(text: str, now: float) -> float | None:
+    v = _number(text)
+    if v is not None:
+        return max(0.0, v)
+    try:
+        when = email.utils.parsedate_to_datetime(text.strip())
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - now)
+
+
+def _reset(text: str | None, now: float) -> float | None:
+    """A reset as epoch seconds: an RFC 3339 time, a duration ("6m0s", "20ms") or seconds."""
+    if not text:
+        return None
+    v = _number(text)
+    if v is not None:
+        return now + max(0.0, v)
+    if "T" in text or text[:4].isdigit() and "-" in text:
+        try:
+            return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    parts = _DURATION.findall(text)
+    if not parts or "".join(a + b for a, b in parts) != text.strip():
+        return None
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    return now + sum(float(a) * scale[b] for a, b in parts)

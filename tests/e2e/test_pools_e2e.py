@@ -1,0 +1,276 @@
+"""Server pools end to end: three real ``mitmdump -s addons/route.py`` on one file store and
+one config file, fake TLS members that answer 429 and rate-limit headers, real kills.
+
+- Concurrent openings through the three proxies are allocated exactly round-robin (no
+  member skipped or doubled), each conversation gets one pin, and its next turn, through
+  another proxy, goes to the same member.
+- A pinned turn on an exhausted member is deferred with ``retry-after`` — by the member's
+  own 429, then by the proxies themselves (which learned it from that answer, through the
+  store) — and never moved; new conversations avoid the member, wait for a reset within
+  ``sessionpin_pools_wait_ms``, and get 429 "pool exhausted" past it.
+- A soft pool's member killed and restarted: its conversations move to a fresh member
+  when they next ask while it is down; one still pinned to it goes back to it once it
+  is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from sessionpin import members, pins
+from sessionpin.store import open_store
+
+from .harness import Client, FakeServer, Mitmdump, Reply, TestCA, toml_config
+from .test_router_e2e import PROMPT, SESSION_HEADER, Req, cc, new_session
+
+MEMBERS = ("glm-a", "glm-b", "glm-c")
+REPLICAS = ("vllm-1", "vllm-2")
+KEYS = {name: f"{name}-SENTINEL-{new_session()[:8]}" for name in MEMBERS + REPLICAS}
+ENV = {f"SP_E2E_{name.upper().replace('-', '_')}_KEY": key for name, key in KEYS.items()}
+
+
+class Pools:
+    def __init__(self, tmp: Path, ca: TestCA, fakes: dict[str, FakeServer]) -> None:
+        self.fakes = fakes
+        self.shared = tmp / "shared"
+        self.shared.mkdir()
+        self.config_path = self.shared / "config.toml"
+        self.store_url = f"file:{self.shared / 'state.db'}"
+        self.config_path.write_text(self.config("glm"))
+        opts = {"sessionpin_config": str(self.config_path), "sessionpin_store": self.store_url,
+                "sessionpin_pools_wait_ms": 4000}
+        self.proxies = [Mitmdump.router(tmp / f"proxy{i}", ca, "", env=ENV, options=opts) for i in range(3)]
+
+    def config(self, current: str) -> str:
+        servers: dict[str, dict[str, Any]] = {"anthropic": {"url": self.fakes["anthropic"].url}}
+        for name in MEMBERS + REPLICAS:
+            servers[name] = {"url": self.fakes[name].url, "key_env": f"SP_E2E_{name.upper().replace('-', '_')}_KEY"}
+        text = toml_config(servers, {"claude-code": current})
+        return text + (f'[pools.glm]\nmembers = {list(MEMBERS)!r}\n\n'
+                       f'[pools.local]\nmembers = {list(REPLICAS)!r}\naffinity = "soft"\n').replace("'", '"')
+
+    def use(self, current: str) -> None:
+        """Point claude-code at a pool and wait until all three proxies show it."""
+        self.config_path.write_text(self.config(current))
+        deadline = time.monotonic() + 5
+        for p in self.proxies:
+            while time.monotonic() < deadline:
+                r = Client.via_proxy(p.port, p.mitm_ca, 10).request(
+                    "GET", self.fakes["anthropic"].origin + "/__sessionpin/status")
+                if r.status == 200 and r.json()["agents"].get("claude-code") == current:
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError(f"proxy did not take the config: {p.tail(20)}")
+
+    def send(self, req: Req, proxy: int = 0) -> Reply:
+        p = self.proxies[proxy]
+        return Client.via_proxy(p.port, p.mitm_ca, 30).request(
+            req.method, self.fakes["anthropic"].origin + req.path, req.headers, req.body)
+
+    def where(self, session: str) -> dict[str, int]:
+        out = {}
+        for name, fake in self.fakes.items():
+            n = sum(1 for r in fake.received() if r.header(SESSION_HEADER) == session)
+            if n:
+                out[name] = n
+        return out
+
+    def store(self, fn):
+        async def go():
+            s = open_store(self.store_url)
+            try:
+                return await fn(s)
+            finally:
+                await s.close()
+        return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pools]:
+    tmp = tmp_path_factory.mktemp("e2e-pools")
+    ca = TestCA(tmp / "ca")
+    fakes = {name: FakeServer(name, ca) for name in ("anthropic",) + MEMBERS + REPLICAS}
+    for f in fakes.values():
+        f.start()
+    r = Pools(tmp, ca, fakes)
+    try:
+        for p in r.proxies:
+            p.start()
+        yield r
+    finally:
+        for p in r.proxies:
+            p.stop()
+        for f in fakes.values():
+            f.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh(rig: Pools) -> Iterator[None]:
+    for f in rig.fakes.values():
+        f.status, f.headers = None, []
+        if not f.running:
+            f.start()
+    yield
+    # no member's quota state outlives its test; no key reached another member
+    rig.store(lambda s: _clear_quota(s))
+    for name, fake in rig.fakes.items():
+        for r in fake.received():
+            raw = r.raw()
+            for owner, key in KEYS.items():
+                assert owner == name or key.encode() not in raw, f"{name} received {owner}'s key"
+
+
+async def _clear_quota(store) -> None:
+    for k in await store.keys(members.QUOTA_PREFIX):
+        await store.delete(k)
+
+
+def test_three_proxies_allocate_concurrent_openings_exactly_round_robin(rig: Pools) -> None:
+    rig.use("glm")
+    before = rig.store(lambda s: members.cursor(s, "glm")).n
+    sessions = [new_session() for _ in range(30)]
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        replies = list(pool.map(lambda i: rig.send(cc("opening", sessions[i]), proxy=i % 3), range(30)))
+    assert [r.status for r in replies] == [200] * 30, [r.text[:200] for r in replies if r.status != 200]
+    where = {s: rig.where(s) for s in sessions}
+    assert all(len(w) == 1 and sum(w.values()) == 1 for w in where.values()), where
+    assert Counter(next(iter(w)) for w in where.values()) == {m: 10 for m in MEMBERS}
+    assert rig.store(lambda s: members.cursor(s, "glm")).n == before + 30
+    records = [r for r in rig.store(lambda s: members.history(s, "glm", 0))
+               if r.kind == "allocation" and r.session in where]
+    assert sorted(r.n for r in records) == list(range(before, before + 30))
+    in_turn = [r.member for r in sorted(records, key=lambda r: r.n)]
+    assert in_turn == [MEMBERS[(before + i) % 3] for i in range(30)], "no member skipped or doubled"
+    for r in records:
+        assert where[r.session] == {r.member: 1}
+    # the decision line says why (ids and names only)
+    assert rig.proxies[0].wait_output(r"claude-code opening \w+ anthropic → glm-[abc] "
+                                      r"\[opening: pool glm: round-robin → glm-[abc]\]")
+    # one pin each, snapshotting the member; the next turn through another proxy stays on it
+    for i, s in enumerate(sessions[:6]):
+        pin = rig.store(lambda st: pins.load(st, s)).pin
+        assert pin.pool == "glm" and pin.server in MEMBERS and pin.why == f"pool glm: round-robin → {pin.server}"
+        assert rig.send(cc("continuation", s), proxy=(i + 1) % 3).status == 200
+        assert rig.where(s) == {pin.server: 2}
+    # each proxy counts what it allocated; the gauges count the pins (this is the module's first test)
+    allocated, active = Counter(), {}
+    for p in rig.proxies:
+        r = Client.via_proxy(p.port, p.mitm_ca, 10).request("GET", rig.fakes["anthropic"].origin
+                                                           + "/__sessionpin/metrics")
+        for line in r.text.splitlines():
+            for m in MEMBERS:
+                if line.startswith(f'sessionpin_pool_allocations_total{{pool="glm",member="{m}"}} '):
+                    allocated[m] += int(line.split()[-1])
+                if line.startswith(f'sessionpin_pool_member_active{{member="{m}"}} '):
+                    active[m] = int(line.split()[-1])
+    assert allocated == {m: 10 for m in MEMBERS} and active == {m: 10 for m in MEMBERS}, (allocated, active)
+    # nothing of a prompt reached the store
+    for f in rig.shared.glob("state.db*"):
+        assert PROMPT.encode() not in f.read_bytes()
+
+
+def test_a_pinned_turn_on_an_exhausted_member_is_deferred_never_moved(rig: Pools) -> None:
+    rig.use("glm")
+    s = new_session()
+    assert rig.send(cc("opening", s), proxy=0).status == 200
+    [member] = rig.where(s)
+    others = [m for m in MEMBERS if m != member]
+    fake = rig.fakes[member]
+    fake.status, fake.headers = 429, [("retry-after", "30")]
+    # the member's own 429 reaches the agent, with its retry-after
+    r = rig.send(cc("continuation", s), proxy=1)
+    assert r.status == 429 and r.header("retry-after") == "30" and r.header("x-fake-server") == member
+    fake.status, fake.headers = None, []   # were it asked again, it would answer (and nothing would be deferred)
+    time.sleep(0.5)      # proxy 1 writes what it learned in the background
+    # another proxy learned it through the store: it defers the turn itself, in the agent's format
+    r = rig.send(cc("continuation", s), proxy=2)
+    assert r.status == 429 and r.header("x-sessionpin-refused") == "member-exhausted"
+    assert 25 <= int(r.header("retry-after")) <= 30 and r.header("x-should-retry") == "true"
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and member in err["message"] and s in err["message"]
+    assert rig.where(s) == {member: 2}, "deferred, never moved"
+    # new conversations avoid it
+    fresh = [new_session() for _ in range(4)]
+    for i, f in enumerate(fresh):
+        assert rig.send(cc("opening", f), proxy=i % 3).status == 200
+    assert Counter(next(iter(rig.where(f))) for f in fresh) == {others[0]: 2, others[1]: 2}
+
+
+def _exhaust(rig: Pools, member: str, seconds: int) -> None:
+    """Make ``member`` answer one pinned turn 429 with ``retry-after: seconds`` (a real answer)."""
+    s = new_session()
+    for _ in range(6):      # the pool sends the opening to whichever member's turn it is
+        assert rig.send(cc("opening", s), proxy=0).status == 200
+        if member in rig.where(s):
+            break
+        s = new_session()
+    else:
+        raise AssertionError(f"no opening reached {member}")
+    fake = rig.fakes[member]
+    fake.status, fake.headers = 429, [("retry-after", str(seconds))]
+    try:
+        assert rig.send(cc("continuation", s), proxy=0).status == 429
+    finally:
+        fake.status, fake.headers = None, []
+
+
+def test_every_member_exhausted_waits_for_a_reset_then_429_pool_exhausted(rig: Pools) -> None:
+    rig.use("glm")
+    _exhaust(rig, "glm-a", 60)
+    _exhaust(rig, "glm-b", 60)
+    _exhaust(rig, "glm-c", 3)
+    time.sleep(0.5)       # the quota writes are made in the background
+    s = new_session()
+    t0 = time.monotonic()
+    r = rig.send(cc("opening", s), proxy=1)
+    waited = time.monotonic() - t0
+    assert r.status == 200 and rig.where(s) == {"glm-c": 1}
+    assert 1.0 <= waited <= 4.5, waited          # it waited for glm-c's reset (within the 4 s limit)
+    _exhaust(rig, "glm-c", 60)
+    time.sleep(0.5)
+    s = new_session()
+    t0 = time.monotonic()
+    r = rig.send(cc("opening", s), proxy=2)
+    assert time.monotonic() - t0 < 2.0, "a reset beyond the limit is not waited for"
+    assert r.status == 429 and r.header("x-sessionpin-refused") == "pool-exhausted"
+    assert 50 <= int(r.header("retry-after")) <= 60
+    assert "glm" in r.json()["error"]["message"] and rig.where(s) == {}
+
+
+def test_a_soft_member_killed_and_restarted(rig: Pools) -> None:
+    rig.use("local")
+    cursor = rig.store(lambda s: members.cursor(s, "local")).n
+    sessions = [new_session() for _ in range(4)]
+    for s in sessions:
+        assert rig.send(cc("opening", s), proxy=0).status == 200
+    first = {s: next(iter(rig.where(s))) for s in sessions}
+    assert list(first.values()) == [REPLICAS[(cursor + i) % 2] for i in range(4)]
+    on_1 = [s for s in sessions if first[s] == "vllm-1"]
+    moving, staying = on_1
+    rig.fakes["vllm-1"].stop()
+    mark = [p.line_count for p in rig.proxies]
+    # while it is down: its conversation that asks moves to the fresh member (through any proxy)
+    r = rig.send(cc("continuation", moving), proxy=1)
+    assert r.status == 200 and rig.where(moving) == {"vllm-1": 1, "vllm-2": 1}
+    assert rig.proxies[1].wait_output(r"soft: vllm-1 unreachable → vllm-2", since=mark[1])
+    pin = rig.store(lambda st: pins.load(st, moving)).pin
+    assert (pin.server, pin.rule, pin.why) == ("vllm-2", "soft-move", "soft: vllm-1 unreachable → vllm-2")
+    # a new conversation goes to the member that is up
+    fresh = new_session()
+    assert rig.send(cc("opening", fresh), proxy=1).status == 200 and rig.where(fresh) == {"vllm-2": 1}
+    # it comes back: the conversation still pinned to it goes back to it; the moved one stays moved
+    rig.fakes["vllm-1"].start()
+    r = rig.send(cc("continuation", staying), proxy=2)
+    assert r.status == 200 and rig.where(staying) == {"vllm-1": 2}
+    assert rig.send(cc("continuation", moving), proxy=0).status == 200
+    assert rig.where(moving) == {"vllm-1": 1, "vllm-2": 2}
+    moves = [r for r in rig.store(lambda s: members.history(s, "local", 0)) if r.kind == "move"]
+    assert [(r.session, r.previous, r.member) for r in moves] == [(moving, "vllm-1", "vllm-2")]

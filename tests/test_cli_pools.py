@@ -1,0 +1,144 @@
+"""The operator's commands for server pools: use AGENT POOL, pools (and --history), drain, undrain."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+import sys
+import time
+
+import pytest
+
+from sessionpin import cli, config, members, pins, quota
+from sessionpin.cli import launch, proxies
+from sessionpin.store import open_store
+
+CONFIG = '''\
+[servers.anthropic]
+url = "https://api.anthropic.com"
+
+[servers.glm-a]
+url = "https://a.example"
+key_env = "SP_TEST_A_KEY"
+
+[servers.glm-b]
+url = "https://b.example"
+key_env = "SP_TEST_B_KEY"
+
+# the two accounts share new conversations
+[pools.glm]
+members = ["glm-a", "glm-b"]
+policy = "round-robin"
+
+[agents.claude-code]
+server = "anthropic"   # for now
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(CONFIG)
+    url = f"file:{tmp_path / 'state.db'}"
+    monkeypatch.setenv("SESSIONPIN_CONFIG", str(cfg))
+    monkeypatch.setenv("SESSIONPIN_STORE", url)
+    nowhere = ("127.0.0.1", free_port())
+    monkeypatch.setattr(proxies, "DEFAULT_LISTEN", nowhere)
+    monkeypatch.setattr(launch, "DEFAULT_LISTEN", nowhere)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    return type("Env", (), {"cfg": cfg, "url": url})
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    o, e = capsys.readouterr()
+    return code, o, e
+
+
+def in_store(url, fn):
+    async def go():
+        store = open_store(url)
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+    return asyncio.run(go())
+
+
+def allocate(url, session):
+    cfg = config.parse(CONFIG)
+    t = time.time()
+    pin = pins.Pin(agent="claude-code", server=None, since=t, renewed=t, rule="opening", turn="opening")
+    return in_store(url, lambda s: members.allocate(s, cfg, cfg.pools["glm"], session, pin, pins.Loaded(None, None)))
+
+
+def test_use_agent_pool_changes_only_that_line(env, capsys):
+    code, o, e = run(capsys, "use", "claude-code", "glm")
+    assert code == 0, e
+    assert o.splitlines()[0] == ("New claude-code conversations → glm (pool: glm-a, glm-b; round-robin, hard affinity). "
+                                 "(was: anthropic)")
+    assert env.cfg.read_text() == CONFIG.replace('server = "anthropic"   # for now', 'server = "glm"   # for now')
+    assert config.load(env.cfg).current("claude-code") == "glm"
+    code, o, e = run(capsys, "use", "claude-code", "glmm")
+    assert code == 1 and "no server or pool named 'glmm'" in e and "pools: glm" in e
+
+
+def test_pools_shows_members_cursor_active_exhausted_and_drained(env, capsys):
+    for s in ("s-1", "s-2", "s-3"):
+        assert isinstance(allocate(env.url, s), members.Allocated)
+    q = quota.observe(429, [("retry-after", "600")], time.time())
+    in_store(env.url, lambda s: members.write_quota(s, "glm-b", q))
+    code, o, e = run(capsys, "drain", "glm-a")
+    assert code == 0, e
+    assert "Drained glm-a: no new conversations of pool glm go to it" in o
+    assert "2 running conversations pinned to it stay there (hard affinity: glm)." in o
+    code, o, e = run(capsys, "pools", "--json")
+    assert code == 0, e
+    [p] = json.loads(o)
+    assert (p["pool"], p["policy"], p["affinity"], p["cursor"]) == ("glm", "round-robin", "hard", 3)
+    rows = {r["member"]: r for r in p["members"]}
+    assert rows["glm-a"]["active"] == 2 and rows["glm-a"]["drained_since"] and not rows["glm-a"]["exhausted_until"]
+    assert rows["glm-b"]["active"] == 1 and rows["glm-b"]["exhausted_until"] and rows["glm-b"]["headroom"] == 0.0
+    code, o, e = run(capsys, "pools")
+    assert "pool glm: round-robin, hard affinity; new conversations of no agent; cursor 3" in o
+    assert "429, retry-after 600s" in o
+    code, o, e = run(capsys, "undrain", "glm-a")
+    assert code == 0 and "takes new conversations of pool glm again" in o
+    code, o, e = run(capsys, "undrain", "glm-a")
+    assert code == 0 and "was not drained" in o
+
+
+def test_history_lists_allocations_and_drains_without_content(env, capsys):
+    allocate(env.url, "sess-aaaaaaaa-1")
+    run(capsys, "drain", "glm-b")
+    code, o, e = run(capsys, "pools", "--history", "--json")
+    assert code == 0, e
+    kinds = [(r["kind"], r.get("member"), r.get("session")) for r in json.loads(o)]
+    assert ("allocation", "glm-a", "sess-aaaaaaaa-1") in kinds and ("drain", "glm-b", None) in kinds
+    code, o, e = run(capsys, "pools", "--history")
+    assert "pool glm: round-robin → glm-a" in o
+
+
+def test_sessions_says_why_a_pin_went_where_it_did(env, capsys):
+    allocate(env.url, "sess-bbbbbbbb-2")
+    code, o, e = run(capsys, "sessions")
+    assert code == 0, e
+    assert "pool glm: round-robin → glm-a" in o
+
+
+def test_drain_needs_a_pool_member_and_remove_refuses_a_member(env, capsys):
+    code, o, e = run(capsys, "drain", "anthropic")
+    assert code == 1 and "in no pool" in e
+    code, o, e = run(capsys, "drain", "nope")
+    assert code == 1 and "no server named 'nope'" in e and "glm-a, glm-b" in e
+    code, o, e = run(capsys, "servers", "remove", "glm-a", "--force")
+    assert code == 1 and "member of pool glm" in e
+    assert env.cfg.read_text() == CONFIG

@@ -62,6 +62,7 @@ def json_request(data: bytes) -> tuple[str, str, Any, bytes | None, str | None]:
 def _line(path: str, index: int, method: str, url: str, f: facts.Facts) -> str:
     out: dict[str, Any] = {"file": path, "index": index, "method": method, "url": url}
     out.update(msgspec.structs.asdict(f))
+    out.pop("model_span", None)      # where the model sits in the body: the rewriter's, not a fact
     return json.dumps(out, ensure_ascii=False)
 
 

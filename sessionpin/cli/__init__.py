@@ -16,11 +16,13 @@ Rules this package keeps:
 
 Modules: ``parser`` (the command line), ``context`` (config, store, pins as rows),
 ``proxies`` (finding live proxies), ``look`` (status, sessions), ``change`` (use, move,
-forget, servers), ``launch`` (env, exec, run), ``doctor``, ``tools`` (classify, pool).
+forget, servers), ``launch`` (env, exec, run), ``doctor``, ``storecmd`` (store copy),
+``tools`` (classify, pool).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Sequence
@@ -34,6 +36,7 @@ from .doctor import cmd_doctor
 from .launch import cmd_env, cmd_exec, cmd_run
 from .look import cmd_sessions, cmd_status
 from .parser import parser
+from .storecmd import cmd_store
 from .tools import cmd_delegate, cmd_pool
 
 COMMANDS = {
@@ -46,11 +49,15 @@ COMMANDS = {
     "env": cmd_env,
     "exec": cmd_exec,
     "doctor": cmd_doctor,
+    "store": cmd_store,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # The stores log their faults (for the proxy's log); here the command's one error line
+    # says it, so Python's last-resort handler must not print them a second time.
+    logging.getLogger("sessionpin").addHandler(logging.NullHandler())
     p = parser()
     try:
         args, extra = p.parse_known_args(argv)
@@ -86,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         err(f"sessionpin: {e}")
         return 1
     except StoreError as e:
-        err(f"sessionpin: store {ctx.store_url}: {e}; check --store or SESSIONPIN_STORE (`sessionpin doctor`)")
+        shown = ctx.opened_store_url() or ctx.store_shown
+        text = str(e) if shown in str(e) else f"store {shown}: {e}"     # a Redis error names its store
+        err(f"sessionpin: {text}; check --store or SESSIONPIN_STORE (`sessionpin doctor`)")
         return 1
     except KeyboardInterrupt:
         err("sessionpin: interrupted")

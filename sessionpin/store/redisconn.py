@@ -10,7 +10,10 @@ Rules it keeps:
 - Timeouts: 1 s to connect, ``timeout`` (URL, default 2 s) per command; a durable write
   that waits for replicas may take ``wait_timeout_ms`` more. Connections idle for 30 s are
   PINGed before use (``health_check_interval``), and one the server closed is replaced
-  before a command is sent on it (redis-py checks for EOF when it takes one from the pool).
+  before a command is sent on it (redis-py checks for EOF when it takes one from the pool
+  — but skips that check while its "maintenance notifications" are on, which redis-py 8
+  does by default on RESP3: after a Redis restart the first write on each pooled
+  connection would fail. We turn them off; they are a managed-Redis feature we do not use).
 - TLS (``rediss://``) verifies the server's certificate and host name, against the
   system's CAs or ``?ca=PATH``; there is no option to turn that off.
 - Every error leaves as a ``StoreError`` whose message names the store by its safe URL.
@@ -29,6 +32,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.exceptions import (ConnectionError, RedisClusterException, RedisError, ResponseError,
                               TimeoutError)
 
@@ -49,7 +53,7 @@ def make_clients(cfg: RedisURL) -> tuple[Any, Any]:
     common: dict[str, Any] = dict(
         username=cfg.username, password=cfg.password, decode_responses=True,
         socket_connect_timeout=CONNECT_TIMEOUT, health_check_interval=HEALTH_CHECK_INTERVAL,
-        client_name="sessionpin")
+        client_name="sessionpin", maint_notifications_config=MaintNotificationsConfig(enabled=False))
     if cfg.tls:
         common.update(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=cfg.ca)
     read_retry = Retry(ExponentialBackoff(cap=0.1, base=0.05), READ_RETRIES)

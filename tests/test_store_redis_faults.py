@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -411,3 +412,30 @@ async def test_other_errors_are_store_errors(servers):
         assert not isinstance(e.value, StoreUnavailable)
     finally:
         await s.close()
+
+
+async def test_asyncio_losing_a_connection_mid_write_is_unavailable_not_a_crash():
+    """python/cpython#136234: writelines on a transport asyncio has just lost raises a
+    TypeError (AttributeError on some versions) from inside asyncio; redis-py lets it
+    through. It happened in test_redis_e2e's cluster failover (a 502 "could not decide")."""
+    from sessionpin.store.redisconn import asyncio_lost_it, translate
+    from sessionpin.store.redisurl import parse
+
+    a, b = socket.socketpair()
+    transport, _ = await asyncio.get_running_loop().create_connection(asyncio.Protocol, sock=a)
+    transport.close()
+    await asyncio.sleep(0)                        # asyncio drops the transport's insides
+    b.close()
+    try:
+        transport.writelines([b"PING\r\n"])
+    except (TypeError, AttributeError) as e:
+        lost = e
+    else:
+        pytest.skip("this Python's asyncio has python/cpython#136234 fixed: nothing to translate")
+    assert asyncio_lost_it(lost)
+    cfg = parse("redis://:hunter2@127.0.0.1:1/0")
+    err = translate(lost, cfg, write=True, durable=True, key="pin:x")
+    assert isinstance(err, NotDurable) and "connection lost while sending" in str(err)
+    assert isinstance(translate(lost, cfg, write=False, durable=False), StoreUnavailable)
+    with pytest.raises(TypeError):                # a TypeError of our own is a bug: not translated
+        translate(TypeError("'NoneType' object is not callable"), cfg, write=False, durable=False)

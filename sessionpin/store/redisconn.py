@@ -22,10 +22,16 @@ Rules it keeps:
   ``WrongType``; anything else Redis refuses → ``StoreError``. The password is scrubbed
   from any text that reaches a message, and redis-py's exception is not chained (it may
   hold the connection, and with it the password).
+- A connection lost under asyncio's feet while a command is being written is a lost
+  connection even when asyncio says so with a ``TypeError`` (python/cpython#136234: on
+  the Pythons that have it, ``_SelectorSocketTransport.writelines`` on a transport that
+  was just lost calls the ``None`` it left behind). redis-py drops that connection; we
+  answer "unavailable", as for any connection lost mid-command.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
@@ -99,15 +105,31 @@ def reason(e: BaseException, password: str | None) -> str:
     return scrub(text, password)[:300]
 
 
+def asyncio_lost_it(e: BaseException) -> bool:
+    """Is ``e`` asyncio's own failure to write on a transport it had just lost (see the
+    module's rules), rather than a bug of ours? Told by where it was raised."""
+    if not isinstance(e, (TypeError, AttributeError)):
+        return False
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return False
+    where = last.tb_frame.f_code
+    return Path(where.co_filename).parts[-2:] == ("asyncio", "selector_events.py") and \
+        where.co_name in ("writelines", "write", "_write_ready", "_write_sendmsg", "_write_send")
+
+
 def translate(e: BaseException, cfg: RedisURL, *, write: bool, durable: bool, key: str | None = None) -> StoreError:
     """The StoreError a caller sees for ``e``."""
-    why = reason(e, cfg.password)
+    lost = asyncio_lost_it(e)
+    why = "connection lost while sending (asyncio: python/cpython#136234)" if lost else reason(e, cfg.password)
     where = f"{cfg.safe}" + (f" ({key!r})" if key is not None else "")
     if isinstance(e, ResponseError) and code(e) == "WRONGTYPE":
         return WrongType(f"{where}: the key holds another type")
     if isinstance(e, (UnicodeError, ValueError)) and not isinstance(e, RedisError):
         return StoreError(f"{where}: {why}")
-    unavailable = isinstance(e, (ConnectionError, TimeoutError, RedisClusterException, OSError))
+    unavailable = lost or isinstance(e, (ConnectionError, TimeoutError, RedisClusterException, OSError))
     if isinstance(e, ResponseError):
         unavailable = code(e) in UNAVAILABLE_REPLIES
     elif not unavailable and not isinstance(e, RedisError):

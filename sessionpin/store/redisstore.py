@@ -90,7 +90,9 @@ class RedisStore:
                 if not self._checked:
                     try:
                         await self._check()
-                    except RedisError as e:
+                    except StoreError:
+                        raise
+                    except Exception as e:   # translate re-raises what is not the server's
                         raise self._fail(e, write=write, durable=durable, key=key) from None
 
     async def _check(self) -> None:
@@ -136,7 +138,7 @@ class RedisStore:
         if stale or self._recheck:
             try:
                 await self._check_durability()
-            except RedisError as e:
+            except Exception as e:   # translate re-raises what is not the server's
                 raise self._fail(e, write=True, durable=True, key=key) from None
         if self._durability or self._cfg.durability == ACCEPT_WEAKER:
             return
@@ -357,7 +359,7 @@ class RedisStore:
                 if not is_refusal(e):
                     raise
                 self._replication = None
-        except RedisError as e:
+        except Exception as e:   # translate re-raises what is not the server's
             raise self._fail(e, write=False, durable=False) from None
         self._ok()
         return self.describe()

@@ -113,6 +113,7 @@ async def test_a_redis_that_does_not_fsync_is_named_at_start(cfg_path, caplog):
         f = flow("opening", session=session())       # moved to glm: needs a durable pin
         await p.send(f)
         assert f.response.status_code == 503 and "appendfsync everysec" in f.response.text
+        assert f.response.headers["retry-after"] == "1" and f.request.host == "api.anthropic.com"
     finally:
         await p.runtime.done()
         weak.cleanup()

@@ -94,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except StoreError as e:
         shown = ctx.opened_store_url() or ctx.store_shown
-        text = str(e) if shown in str(e) else f"store {shown}: {e}"     # a Redis error names its store
+        text = str(e).rstrip(".")
+        text = text if shown in text else f"store {shown}: {text}"     # a Redis error names its store
         err(f"sessionpin: {text}; check --store or SESSIONPIN_STORE (`sessionpin doctor`)")
         return 1
     except KeyboardInterrupt:

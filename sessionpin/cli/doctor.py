@@ -59,7 +59,10 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
             add("proxy", "FAIL", mismatch.removeprefix("Warning: "))
         else:
             add("proxy", "ok", f"answering at {p.url} (pid {p.pid})")
-    if not live:
+    if not live and not store_ok:
+        add("proxy", "warn", "not looked for: proxies announce themselves in the store, which cannot be read "
+            "(a proxy that runs refuses in-scope requests with 503 until it can)")
+    elif not live:
         add("proxy", "FAIL", f"not answering: {proxy.why}; start it with `sessionpin run`"
             + (f" --store {ctx.store_shown}" if "uses" in proxy.why else ""))
     for p in proxies:
@@ -200,16 +203,17 @@ SLOW_DURABLE_WRITE = 0.05    # seconds: a new routed conversation's first reques
 
 
 def _redis(ctx: Ctx, store, add) -> bool:
-    """Reachability, persistence, replicas, latency of a Redis store (one line each)."""
+    """Reachability, persistence, replicas, latency of a Redis store (one line each).
+    True when it can be read (its other problems are FAIL lines of their own)."""
     try:
         info = ctx.run(store.check())
     except StoreError as e:   # names the store (masked) and the cause
-        add("store", "FAIL", f"{e}; start Redis or fix the URL (--store, and the proxy's sessionpin_store)")
+        add("store", "FAIL", f"{str(e).rstrip('.')}; start Redis or fix the URL (--store, and the proxy's "
+            "sessionpin_store)")
         return False
     rep = info.get("replication") or {}
     shape = "cluster" if info.get("cluster") else "standalone"
     add("store", "ok", f"{store.url}: reachable (Redis {info.get('version', '?')}, {shape})")
-    ok = True
     durability = info["durability"]
     server = durability["server"]
     if info["durable"]:
@@ -220,13 +224,11 @@ def _redis(ctx: Ctx, store, add) -> bool:
             "if Redis or its host crashes; for fsynced pins set appendonly yes and appendfsync always "
             "(redis.conf, or CONFIG SET) and drop durability=accept-weaker")
     else:
-        ok = False
         add("store durability", "FAIL", f"durable writes are refused: the server says {server}, and a pin must "
             "be on disk before a request leaves. New conversations the proxy moves get 503 until you set "
             "appendonly yes and appendfsync always on every primary (redis.conf, or CONFIG SET), or accept "
             "weaker durability with ?durability=accept-weaker in the store URL")
     if rep.get("role") not in (None, "master"):
-        ok = False
         add("store replicas", "FAIL", f"the URL reaches a {rep.get('role')}, not the primary: writes are refused "
             "(READONLY); point it at the primary")
     wait = durability["wait"]
@@ -235,7 +237,6 @@ def _redis(ctx: Ctx, store, add) -> bool:
         if replicas is None:
             add("store replicas", "warn", f"wait={wait}, and the server does not say how many replicas it has")
         elif replicas < wait:
-            ok = False
             add("store replicas", "FAIL", f"wait={wait}, but the primary has {replicas} replica(s) online: every "
                 "durable write raises NotReplicated, so new conversations the proxy moves get 503; bring "
                 f"replicas back or lower ?wait=")
@@ -243,16 +244,15 @@ def _redis(ctx: Ctx, store, add) -> bool:
             add("store replicas", "ok", f"{replicas} replica(s) online; a durable write waits for {wait} of them "
                 f"(up to {durability['wait_timeout_ms']} ms)")
     if wait and replicas is not None and replicas < wait:
-        return ok                      # a durable write cannot succeed: said above, once
+        return True                    # a durable write cannot succeed: said above, once
     took, problem = _durable_round_trip(ctx, store)
     if problem:
-        ok = False
         add("store latency", "FAIL", problem)
     elif took is not None:
         level = "warn" if took > SLOW_DURABLE_WRITE else "ok"
         add("store latency", level, f"a durable write's round trip: {took * 1000:.1f} ms (a new conversation the "
             "proxy moves waits for one before its first request leaves)")
-    return ok
+    return True
 
 
 def _durable_round_trip(ctx: Ctx, store) -> tuple[float | None, str | None]:

@@ -56,9 +56,9 @@ def cmd_store_copy(ctx: Ctx, args: argparse.Namespace) -> int:
                     pass
     if dst_proxies and not args.force:
         who = ", ".join(f"pid {b.pid} on {b.host}" for b in dst_proxies)
-        raise Fail(f"a proxy uses {dst_shown} ({who}): it makes pins while a copy runs, and the copy would "
-                   "replace a newer pin of the same conversation (moving it); stop that proxy first, or give "
-                   "--force to copy anyway")
+        raise Fail(f"a proxy uses {dst_shown} ({who}; its heartbeat is at most 30 s old): it makes pins while "
+                   "a copy runs, and the copy would replace a newer pin of the same conversation (moving it); "
+                   "stop that proxy first (its heartbeat lapses 30 s later), or give --force to copy anyway")
     assert counts is not None
     if args.json:
         dump_json({"from": src_shown, "to": dst_shown, "copied": counts.copied, "equal": counts.equal,

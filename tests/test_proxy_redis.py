@@ -176,3 +176,23 @@ async def test_done_flushes_and_closes_the_clients_on_the_loop(server, cfg_path)
         assert (await pins.seen(fresh.store, s)).requests == 2
     finally:
         await fresh.runtime.done()
+
+
+async def test_a_server_the_store_will_not_use_is_named_and_refused(cfg_path, caplog):
+    """A standalone URL that reaches a cluster node: the store refuses it (not "unreachable"),
+    the proxy says so once and answers 503, sending nothing."""
+    from redis_servers import shared_cluster
+    node = next(n for n in shared_cluster().nodes if n.alive)
+    caplog.set_level(logging.INFO)
+    p = start(cfg_path, sessionpin_store=node.url(unique_prefix()))
+    try:
+        p.runtime.running()
+        await asyncio.wait_for(p.runtime._checking[1], 10)
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert any("refuses this server" in m and "add ?cluster=1" in m for m in said), said
+        f = flow("opening", session=session())
+        await p.send(f)
+        assert f.response.status_code == 503 and "cluster=1" in f.response.text
+        assert f.request.host == "api.anthropic.com"
+    finally:
+        await p.runtime.done()

@@ -39,7 +39,7 @@ from mitmproxy import ctx, exceptions
 
 from .. import __version__, pins
 from ..documents import HEARTBEAT_TTL, Heartbeat, heartbeat_encoder, heartbeat_key
-from ..store import Store, StoreError, default_store_url, open_store, safe_url
+from ..store import Store, StoreError, StoreUnavailable, default_store_url, open_store, safe_url
 
 log = logging.getLogger("sessionpin")
 
@@ -134,11 +134,15 @@ class StoreRuntime:
     async def _check(self, store: Store) -> None:
         try:
             info = await store.check()      # type: ignore[attr-defined]
-        except StoreError as e:
+        except StoreUnavailable as e:
             # e names the store (its safe URL) and the cause
             log.error("sessionpin: the store cannot be reached: %s. The proxy serves: a request whose pin "
                       "cannot be read or saved is refused with 503 naming the store, never sent by a guess; "
                       "it recovers by itself when the store is back.", e)
+            return
+        except StoreError as e:         # a server the store will not use (too old, a cluster node…)
+            log.error("sessionpin: the store refuses this server: %s. Requests whose pin it cannot read are "
+                      "refused with 503 until the URL or the server is fixed (`sessionpin doctor`).", e)
             return
         except Exception as e:   # a bug must not kill the proxy at start
             log.warning("sessionpin: checking store %s: %s: %s", store.url, type(e).__name__, e)

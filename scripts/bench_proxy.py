@@ -2,7 +2,7 @@
 """What the router costs: plain mitmdump vs mitmdump -s addons/route.py, in one run, one upstream.
 
     .venv/bin/python scripts/bench_proxy.py [--quick] [--rounds N] [--only latency|first-byte]
-                                            [--shapes opening,history]
+                                            [--shapes opening,history] [--sizes 10KB,1MB,8MB] [--redis]
 
 Throughput: 4 and 8 keep-alive clients send 10 KB turns of pinned sessions back to back;
 plain and router take turns in phases of a few seconds; the ratio of their median rates.
@@ -18,6 +18,9 @@ shared machine hits both alike. Reported: the median latency of each and the rat
 request (its process's user + system time over the timed steps, from /proc; Linux only), which
 load from other processes moves far less than latency (it counts in clock ticks, usually 10 ms:
 --quick runs too few requests for it to mean much).
+``--redis`` adds a third proxy to the latency table: the same router with its pins in Redis (a
+redis-server of its own on loopback, ``appendonly yes``, ``appendfsync always``), taking its turn
+in the same steps, so its ratio to plain mitmdump stands beside the file store's from one run.
 Two body shapes: ``opening`` (the issue's measure: the bulk is the opening user message, the part
 the reader must read for the conversation's fingerprint) and ``history`` (the bulk is tool results
 later in the conversation, as in a long Claude Code session; the reader skips it).
@@ -262,37 +265,46 @@ def cpu_seconds(pid: int | None) -> float | None:
 
 
 def latency(via: dict, pids: dict[str, int | None], sizes: dict[str, int], shapes: list[str],
-            steps: dict[str, int]) -> dict[tuple, float]:
+            steps: dict[str, int], routers: tuple[str, ...] = ("router",)) -> dict[tuple, float]:
     """Median latency ratio router / plain per (shape, body, clients); prints a table.
+    ``routers``: "router" (the file store) and, with --redis, "redis" (the same router on Redis).
 
     Also each proxy's CPU time per timed request (its process's user + system time over the
     timed steps): latency on a shared machine is noisy, the CPU a proxy spends is not."""
     ratios: dict[tuple, float] = {}
-    print(f"{'shape':>8} {'body':>6} {'clients':>7} {'n':>5} {'plain ms':>9} {'router ms':>9} {'ratio':>6}"
-          f"   {'cpu/req: plain ms':>17} {'router ms':>9} {'ratio':>6}")
+    names = ("plain", *routers)
+    head = "".join(f" {name + ' ms':>9} {'ratio':>6}" for name in routers)
+    cpu_head = "".join(f" {name + ' ms':>9} {'ratio':>6}" for name in routers)
+    print(f"{'shape':>8} {'body':>6} {'clients':>7} {'n':>5} {'plain ms':>9}{head}   {'cpu/req: plain ms':>17}{cpu_head}")
     for clients in (1, 8):
-        pools = {name: Clients(*via[name], n=clients) for name in ("plain", "router")}
+        pools = {name: Clients(*via[name], n=clients) for name in names}
         for shape in shapes:
             for label, size in sizes.items():
-                got: dict[str, list[float]] = {"plain": [], "router": []}
+                got: dict[str, list[float]] = {name: [] for name in names}
                 cpu = {name: 0.0 for name in got}
                 for pool in pools.values():
                     pool.load(size, shape)
                     pool.step()  # warm-up at this size, not timed
                 for i in range(steps[label]):
-                    for name in (("plain", "router") if i % 2 == 0 else ("router", "plain")):
+                    k = i % len(names)
+                    for name in names[k:] + names[:k]:      # rotate: none always goes first
                         before = cpu_seconds(pids[name])
                         got[name] += pools[name].step()
                         after = cpu_seconds(pids[name])
                         if before is not None and after is not None:
                             cpu[name] += after - before
-                p, q = statistics.median(got["plain"]), statistics.median(got["router"])
-                ratios[(shape, label, clients)] = q / p
-                cp, cq = (cpu[k] / len(got[k]) for k in ("plain", "router"))
-                cpu_cols = f"   {ms(cp):>17} {ms(cq):>9} {cq / cp:6.2f}" if cp > 0 else ""
-                if cp > 0:
-                    ratios[(shape, label, clients, "cpu")] = cq / cp
-                print(f"{shape:>8} {label:>6} {clients:>7} {len(got['plain']):>5} {ms(p):>9} {ms(q):>9} {q / p:6.2f}"
+                med = {name: statistics.median(got[name]) for name in names}
+                per = {name: cpu[name] / len(got[name]) for name in names}
+                cols, cpu_cols = "", ""
+                for name in routers:
+                    key = (shape, label, clients) + (() if name == "router" else (name,))
+                    ratios[key] = med[name] / med["plain"]
+                    cols += f" {ms(med[name]):>9} {ratios[key]:6.2f}"
+                    if per["plain"] > 0:
+                        ratios[key + ("cpu",)] = per[name] / per["plain"]
+                        cpu_cols += f" {ms(per[name]):>9} {ratios[key + ('cpu',)]:6.2f}"
+                cpu_cols = f"   {ms(per['plain']):>17}{cpu_cols}" if per["plain"] > 0 else ""
+                print(f"{shape:>8} {label:>6} {clients:>7} {len(got['plain']):>5} {ms(med['plain']):>9}{cols}"
                       + cpu_cols, flush=True)
         for pool in pools.values():
             pool.close()
@@ -371,7 +383,13 @@ def main() -> None:
     ap.add_argument("--only", choices=("latency", "first-byte", "throughput"), help="run one of the benchmarks")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="body shapes for latency: opening,history")
     ap.add_argument("--pause-ms", type=int, default=1000, help="upstream pause after the first SSE event")
+    ap.add_argument("--sizes", default=",".join(SIZES), help="body sizes for latency: 10KB,1MB,8MB")
+    ap.add_argument("--redis", action="store_true",
+                    help="also the router with its pins in Redis (a redis-server of its own, appendfsync always)")
     args = ap.parse_args()
+    sizes = {k: SIZES[k] for k in args.sizes.split(",") if k}
+    if not sizes or not set(args.sizes.split(",")) - {""} <= set(SIZES):
+        ap.error(f"--sizes: choose from {', '.join(SIZES)}")
     steps = {"10KB": 20, "1MB": 8, "8MB": 2} if args.quick else {"10KB": 80, "1MB": 30, "8MB": 8}
     steps = {k: v * args.repeat for k, v in steps.items()}
     ttfb_n = 8 if args.quick else 30
@@ -397,6 +415,17 @@ def main() -> None:
         streaming = Mitmdump(tmp / "streaming", script=tmp / "stream.py", options=trust)
         lazy = Mitmdump(tmp / "lazy", script=tmp / "stream.py", options={**trust, "connection_strategy": "lazy"})
         procs = [plain, router, streaming, lazy]
+        redis = on_redis = None
+        if args.redis:
+            from redis_servers import RedisServer   # tests/ is on the path
+
+            (tmp / "redis").mkdir()
+            redis = RedisServer(tmp / "redis").start()
+            on_redis = Mitmdump.router(tmp / "router-redis", ca, config,
+                                       env={KEY_ENV: UPSTREAM_KEY, "SESSIONPIN_STORE": redis.url("{bench}:")})
+            on_redis.options.pop("sessionpin_store")
+            procs.append(on_redis)
+        routers = ("router", "redis") if on_redis else ("router",)
         try:
             for p in procs:
                 p.start()
@@ -404,22 +433,28 @@ def main() -> None:
             via = {name: (Client.via_proxy(p.port, p.mitm_ca, timeout=120), upstream.url)
                    for name, p in (("plain", plain), ("streaming", streaming), ("lazy", lazy))}
             via["router"] = (Client.via_proxy(router.port, router.mitm_ca, timeout=120), origin.origin)
+            if on_redis:
+                via["redis"] = (Client.via_proxy(on_redis.port, on_redis.mitm_ca, timeout=120), origin.origin)
 
             # is the router routing? (otherwise the ratios below measure nothing)
-            upstream.keep_bodies = True
-            before = len(upstream.received())
-            check = Clients(*via["router"], n=1)
-            check.load(1024)
-            check.step()
-            check.close()
-            routed = upstream.received()[before:]
-            upstream.keep_bodies = False
-            ok = (len(routed) == 2 and all(r.header("x-api-key") == UPSTREAM_KEY for r in routed)
-                  and all(b'"model": "glm-4.6"' in r.body for r in routed)
-                  and not origin.received("/v1/messages"))
-            print(f"router routes to the upstream with its key and model: {'yes' if ok else 'NO'}")
-            if not ok:
-                print("  (the router is not routing: the figures below measure a pass-through addon)")
+            for name in routers:
+                upstream.keep_bodies = True
+                before = len(upstream.received())
+                check = Clients(*via[name], n=1)
+                check.load(1024)
+                check.step()
+                check.close()
+                routed = upstream.received()[before:]
+                upstream.keep_bodies = False
+                ok = (len(routed) == 2 and all(r.header("x-api-key") == UPSTREAM_KEY for r in routed)
+                      and all(b'"model": "glm-4.6"' in r.body for r in routed)
+                      and not origin.received("/v1/messages"))
+                if name == "redis" and redis is not None:
+                    ok = ok and any(k.startswith("{bench}:pin:") for k in redis.client().keys("*"))
+                print(f"{name} routes to the upstream with its key and model"
+                      f"{' (its pins in Redis)' if name == 'redis' else ''}: {'yes' if ok else 'NO'}")
+                if not ok:
+                    print("  (the router is not routing: the figures below measure a pass-through addon)")
 
             rounds: list[dict[tuple, float]] = []
             for r in range(args.rounds):
@@ -428,10 +463,11 @@ def main() -> None:
                     print(f"\n== round {r + 1} of {args.rounds}")
                 if args.only in (None, "latency"):
                     print(f"\nlatency, median per request ({'quick' if args.quick else 'full'};"
-                          " plain and router alternate request by request)")
-                    pids = {"plain": plain.proc.pid if plain.proc else None,
-                            "router": router.proc.pid if router.proc else None}
-                    got.update({("latency",) + k: v for k, v in latency(via, pids, SIZES, shapes, steps).items()})
+                          f" {', '.join(('plain',) + routers)} take turns request by request)")
+                    pids = {name: p.proc.pid if p.proc else None
+                            for name, p in (("plain", plain), ("router", router), ("redis", on_redis)) if p}
+                    got.update({("latency",) + k: v
+                                for k, v in latency(via, pids, sizes, shapes, steps, routers).items()})
                 if args.only in (None, "throughput"):
                     got.update({("throughput",) + k: v for k, v in
                                 throughput(via, (4, 8), 10 * 1024, 3.0 if args.quick else 6.0,
@@ -454,6 +490,8 @@ def main() -> None:
                 p.stop()
             upstream.stop()
             origin.stop()
+            if redis is not None:
+                redis.cleanup()
 
 
 if __name__ == "__main__":

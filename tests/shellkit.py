@@ -124,10 +124,12 @@ class Proxy:
                 a.done()
 
 
-def start(config_path, participants=None, **options) -> Proxy:
-    """The addons on ``config_path`` with a memory store. The connect check is off unless
-    asked for (test hosts like api.z.ai do not resolve here)."""
-    addons = make_addons(participants=participants if participants is not None else [], env=env(config_path))
+def start(config_path, participants=None, *, pool: bool = False, **options) -> Proxy:
+    """The addons on ``config_path`` with a memory store (``sessionpin_store=`` for another).
+    The connect check is off unless asked for (test hosts like api.z.ai do not resolve
+    here). ``pool=True``: the addons as mitmdump loads them, the OpenCode id pool included."""
+    addons = make_addons(participants=None if pool else participants if participants is not None else [],
+                         env=env(config_path))
     tctx = taddons.context(*addons)
     options.setdefault("sessionpin_connect_check", False)
     options.setdefault("sessionpin_store", "memory:")

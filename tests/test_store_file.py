@@ -75,6 +75,7 @@ async def test_open_store_urls(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("url, words", [
+    ("redis://localhost:6379/0?nope=1", "unknown option 'nope'"),   # redis:// itself is a store now
     ("ftp://x", "unknown scheme"),
     ("state.db", "no scheme"),
     ("file:", "names no file"),

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from redis_servers import shared_cluster, shared_server, shift_ttls, unique_prefix
 from sessionpin.store import (Check, Delete, HIncr, HSet, Set, Store, StoreError, WrongType, ZAdd, ZRem,
-                              open_store)
+                              open_store, open_sync_store)
 from sessionpin.store.redisstore import RedisStore
 from sessionpin.store.redisurl import parse
 
@@ -76,6 +76,9 @@ def test_open_store_gives_a_redis_store():
     assert isinstance(s, RedisStore) and isinstance(s, Store)
     assert s.url == "rediss://:***@example.invalid:6380/0"
     assert "pw" not in repr(s) and s.describe()["durable"] is False
+    with pytest.raises(StoreError, match="no synchronous backend") as e:
+        open_sync_store("redis://:hunter2@example.invalid:6380/0")
+    assert "hunter2" not in str(e.value)
 
 
 # -- the two targets ---------------------------------------------------------------------

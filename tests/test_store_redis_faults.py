@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -228,6 +229,24 @@ async def test_stopped_redis_fails_closed_then_recovers(servers, caplog):
         await s.close()
 
 
+async def test_a_restart_between_two_writes_costs_no_write(servers):
+    """Redis restarted (SIGTERM, start) while the store was idle: the pooled connections
+    the server closed are replaced before the next command, so the first write after the
+    restart succeeds (writes are never retried; redis-py 8 skips that check when its
+    "maintenance notifications" are on, so the store turns them off)."""
+    server = servers()
+    for url in (server.url(), server.url(durability="accept-weaker")):
+        s = open_store(url)
+        try:
+            await s.set("k", "1", durable=True)
+            await s.hincr("h", "n")
+            await asyncio.to_thread(server.restart)      # the loop runs meanwhile, as in a proxy
+            assert await s.set("k", "2", durable=True) is True
+            assert await s.hincr("h", "n") == 2 and await s.get("k") == "2"
+        finally:
+            await s.close()
+
+
 async def test_hung_redis_times_out(servers):
     server = servers()
     s = open_store(server.url(timeout=0.5))
@@ -393,3 +412,30 @@ async def test_other_errors_are_store_errors(servers):
         assert not isinstance(e.value, StoreUnavailable)
     finally:
         await s.close()
+
+
+async def test_asyncio_losing_a_connection_mid_write_is_unavailable_not_a_crash():
+    """python/cpython#136234: writelines on a transport asyncio has just lost raises a
+    TypeError (AttributeError on some versions) from inside asyncio; redis-py lets it
+    through. It happened in test_redis_e2e's cluster failover (a 502 "could not decide")."""
+    from sessionpin.store.redisconn import asyncio_lost_it, translate
+    from sessionpin.store.redisurl import parse
+
+    a, b = socket.socketpair()
+    transport, _ = await asyncio.get_running_loop().create_connection(asyncio.Protocol, sock=a)
+    transport.close()
+    await asyncio.sleep(0)                        # asyncio drops the transport's insides
+    b.close()
+    try:
+        transport.writelines([b"PING\r\n"])
+    except (TypeError, AttributeError) as e:
+        lost = e
+    else:
+        pytest.skip("this Python's asyncio has python/cpython#136234 fixed: nothing to translate")
+    assert asyncio_lost_it(lost)
+    cfg = parse("redis://:hunter2@127.0.0.1:1/0")
+    err = translate(lost, cfg, write=True, durable=True, key="pin:x")
+    assert isinstance(err, NotDurable) and "connection lost while sending" in str(err)
+    assert isinstance(translate(lost, cfg, write=False, durable=False), StoreUnavailable)
+    with pytest.raises(TypeError):                # a TypeError of our own is a bug: not translated
+        translate(TypeError("'NoneType' object is not callable"), cfg, write=False, durable=False)

@@ -16,12 +16,13 @@ Rules this package keeps:
 
 Modules: ``parser`` (the command line), ``context`` (config, store, pins as rows),
 ``proxies`` (finding live proxies), ``look`` (status, sessions), ``change`` (use, move,
-forget, servers), ``launch`` (env, exec, run), ``doctor``, ``tools`` (classify, pool),
-``serverpools`` (pools, drain, undrain).
+forget, servers), ``launch`` (env, exec, run), ``doctor``, ``storecmd`` (store copy),
+``tools`` (classify, pool), ``serverpools`` (pools, drain, undrain).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Sequence
@@ -36,6 +37,7 @@ from .launch import cmd_env, cmd_exec, cmd_run
 from .look import cmd_sessions, cmd_status
 from .parser import parser
 from .serverpools import cmd_drain, cmd_pools
+from .storecmd import cmd_store
 from .tools import cmd_delegate, cmd_pool
 
 COMMANDS = {
@@ -51,11 +53,15 @@ COMMANDS = {
     "pools": cmd_pools,
     "drain": cmd_drain,
     "undrain": cmd_drain,
+    "store": cmd_store,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # The stores log their faults (for the proxy's log); here the command's one error line
+    # says it, so Python's last-resort handler must not print them a second time.
+    logging.getLogger("sessionpin").addHandler(logging.NullHandler())
     p = parser()
     try:
         args, extra = p.parse_known_args(argv)
@@ -91,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         err(f"sessionpin: {e}")
         return 1
     except StoreError as e:
-        err(f"sessionpin: store {ctx.store_url}: {e}; check --store or SESSIONPIN_STORE (`sessionpin doctor`)")
+        shown = ctx.opened_store_url() or ctx.store_shown
+        text = str(e).rstrip(".")
+        text = text if shown in text else f"store {shown}: {text}"     # a Redis error names its store
+        err(f"sessionpin: {text}; check --store or SESSIONPIN_STORE (`sessionpin doctor`)")
         return 1
     except KeyboardInterrupt:
         err("sessionpin: interrupted")

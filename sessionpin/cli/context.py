@@ -2,7 +2,10 @@
 
 Rules it keeps:
 - A command opens the store only when it needs it, and a file store that does not exist
-  yet is not created by a read command (``store(create=False)`` is None).
+  yet is not created by a read command (``store(create=False)`` is None). A store that
+  is not a file (Redis) always "exists": whether it answers is the store's to say.
+- The store URL is shown only as ``store_shown`` (a password as ``***``), in every line
+  and every error a command prints.
 - The store is the async ``Store`` every part uses; the CLI runs it on one event loop
   it owns for the command's life (``run``), and closes both at the end.
 - Every store change a command makes is compare-and-set against the pin it showed the
@@ -22,7 +25,7 @@ from typing import Any, Awaitable, TypeVar
 from .. import config as configmod
 from .. import pins
 from ..ids import matches, short
-from ..store import Store, StoreError, default_store_url, open_store
+from ..store import Store, StoreError, default_store_url, open_store, safe_url
 from .common import HOUR, NOT_SEEN_BEGIN, Fail, iso, plural, where, why
 
 T = TypeVar("T")
@@ -56,6 +59,15 @@ class Ctx:
             self._runner = asyncio.Runner()
         return self._runner.run(coro)
 
+    @property
+    def store_shown(self) -> str:
+        """The store URL as it may be printed (a password as ``***``)."""
+        return safe_url(self.store_url)
+
+    def opened_store_url(self) -> str | None:
+        """The open store's own (safe) URL, if a store was opened."""
+        return self._store.url if self._store is not None else None
+
     def store_file(self) -> Path | None:
         return store_file(self.store_url)
 
@@ -72,9 +84,9 @@ class Ctx:
         try:
             self._store = open_store(self.store_url)
         except StoreError as e:
-            raise Fail(f"cannot open the store {self.store_url}: {e}; check --store or SESSIONPIN_STORE") from None
+            raise Fail(f"cannot open the store {self.store_shown}: {e}; check --store or SESSIONPIN_STORE") from None
         except OSError as e:
-            raise Fail(f"cannot open the store {self.store_url}: {e.strerror or e}; "
+            raise Fail(f"cannot open the store {self.store_shown}: {e.strerror or e}; "
                        "check --store or SESSIONPIN_STORE") from None
         return self._store
 

@@ -3,7 +3,10 @@
 Each check is one line: ok, warn or FAIL, and what to do. The store is checked by what it
 does (a durable write read back and removed, through the same async facade the proxy
 uses) and by what it says of itself (``describe()``: its durability, its journal, a
-fault it is in). Exit 1 when anything FAILs.
+fault it is in). A Redis store gets a line each for reachability, persistence (AOF
+``appendfsync always``, or the weaker durability its URL accepts, said plainly), replicas
+(when ``?wait=`` asks for them) and latency (a durable write's round trip). Exit 1 when
+anything FAILs. The store URL is only ever shown masked.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import config as configmod
-from ..store import StoreError
+from ..store import NotDurable, StoreError
 from .common import Fail, dump_json, out, plural
 from .context import Ctx
 from .launch import CA_FILE
@@ -56,9 +59,12 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
             add("proxy", "FAIL", mismatch.removeprefix("Warning: "))
         else:
             add("proxy", "ok", f"answering at {p.url} (pid {p.pid})")
-    if not live:
+    if not live and not store_ok:
+        add("proxy", "warn", "not looked for: proxies announce themselves in the store, which cannot be read "
+            "(a proxy that runs refuses in-scope requests with 503 until it can)")
+    elif not live:
         add("proxy", "FAIL", f"not answering: {proxy.why}; start it with `sessionpin run`"
-            + (f" --store {ctx.store_url}" if "uses" in proxy.why else ""))
+            + (f" --store {ctx.store_shown}" if "uses" in proxy.why else ""))
     for p in proxies:
         if p.gone:
             add("proxy", "warn", f"{p.why}; its heartbeat expires within 30 s")
@@ -105,6 +111,8 @@ def _store(ctx: Ctx, add) -> bool:
     except Fail as e:
         add("store", "FAIL", str(e))
         return False
+    if store is not None and hasattr(store, "check"):
+        return _redis(ctx, store, add)
     if store is None:
         parent = next((p for p in [f.parent, *f.parent.parents] if p.exists()), None) if f else None
         if parent is not None and os.access(parent, os.W_OK | os.X_OK):
@@ -189,3 +197,87 @@ def _keys(ctx: Ctx, cfg: configmod.Config, proxy, add) -> None:
     for name, n in sorted((s, n) for s, n in counts.items() if s is not None and s not in cfg.servers and n):
         add(f"pins {name}", "warn", f"{plural(n, 'conversation')} pinned to {name}, which is not configured: "
             f"their requests get 503; move or forget them (`sessionpin sessions --server {name}`)")
+
+
+SLOW_DURABLE_WRITE = 0.05    # seconds: a new routed conversation's first request waits this long
+
+
+def _redis(ctx: Ctx, store, add) -> bool:
+    """Reachability, persistence, replicas, latency of a Redis store (one line each).
+    True when it can be read (its other problems are FAIL lines of their own)."""
+    try:
+        info = ctx.run(store.check())
+    except StoreError as e:   # names the store (masked) and the cause
+        add("store", "FAIL", f"{str(e).rstrip('.')}; start Redis or fix the URL (--store, and the proxy's "
+            "sessionpin_store)")
+        return False
+    rep = info.get("replication") or {}
+    shape = "cluster" if info.get("cluster") else "standalone"
+    add("store", "ok", f"{store.url}: reachable (Redis {info.get('version', '?')}, {shape})")
+    durability = info["durability"]
+    server = durability["server"]
+    if info["durable"]:
+        add("store durability", "ok", f"durable writes are fsynced by Redis before they return ({server})")
+    elif durability["required"] == "accept-weaker":
+        add("store durability", "warn", f"durable writes are NOT fsynced before they return: the server says "
+            f"{server}, and the URL accepts that (durability=accept-weaker). A pin Redis acknowledged can be lost "
+            "if Redis or its host crashes; for fsynced pins set appendonly yes and appendfsync always "
+            "(redis.conf, or CONFIG SET) and drop durability=accept-weaker")
+    else:
+        add("store durability", "FAIL", f"durable writes are refused: the server says {server}, and a pin must "
+            "be on disk before a request leaves. New conversations the proxy moves get 503 until you set "
+            "appendonly yes and appendfsync always on every primary (redis.conf, or CONFIG SET), or accept "
+            "weaker durability with ?durability=accept-weaker in the store URL")
+    if rep.get("role") not in (None, "master"):
+        add("store replicas", "FAIL", f"the URL reaches a {rep.get('role')}, not the primary: writes are refused "
+            "(READONLY); point it at the primary")
+    wait = durability["wait"]
+    replicas = rep.get("replicas")
+    if wait:
+        if replicas is None:
+            add("store replicas", "warn", f"wait={wait}, and the server does not say how many replicas it has")
+        elif replicas < wait:
+            add("store replicas", "FAIL", f"wait={wait}, but the primary has {replicas} replica(s) online: every "
+                "durable write raises NotReplicated, so new conversations the proxy moves get 503; bring "
+                f"replicas back or lower ?wait=")
+        else:
+            add("store replicas", "ok", f"{replicas} replica(s) online; a durable write waits for {wait} of them "
+                f"(up to {durability['wait_timeout_ms']} ms)")
+    if wait and replicas is not None and replicas < wait:
+        return True                    # a durable write cannot succeed: said above, once
+    took, problem = _durable_round_trip(ctx, store)
+    if problem:
+        add("store latency", "FAIL", problem)
+    elif took is not None:
+        level = "warn" if took > SLOW_DURABLE_WRITE else "ok"
+        add("store latency", level, f"a durable write's round trip: {took * 1000:.1f} ms (a new conversation the "
+            "proxy moves waits for one before its first request leaves)")
+    return True
+
+
+def _durable_round_trip(ctx: Ctx, store) -> tuple[float | None, str | None]:
+    """(seconds a durable write took, None) or (None, what went wrong); the probe key is removed."""
+    key = f"doctor:{os.getpid()}"
+
+    async def exercise() -> float:
+        started = time.monotonic()
+        await store.set(key, "1", 60, durable=True)
+        took = time.monotonic() - started
+        try:
+            if await store.get(key) != "1":
+                raise StoreError(f"{store.url}: a durable write did not read back")
+        finally:
+            await store.delete(key)
+        return took
+    try:
+        return ctx.run(exercise()), None
+    except NotDurable as e:
+        if not getattr(e, "applied", False):
+            return None, None          # refused before anything was sent: the durability line says why
+        try:
+            ctx.run(store.delete(key))
+        except StoreError:
+            pass
+        return None, str(e)
+    except StoreError as e:
+        return None, str(e)

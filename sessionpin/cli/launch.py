@@ -3,6 +3,9 @@
 ``run`` starts mitmdump (or mitmweb) as a program with the router script; by default it
 shows one line per decision (``flow_detail=0``: mitmdump's own per-flow lines off; the
 router drops mitmproxy's connection chatter) — ``--verbose`` brings both back.
+A store URL holding a password is handed to mitmdump in ``$SESSIONPIN_STORE``, never on
+its command line (which ``ps`` shows to every user, and which ``run`` prints): the
+printed command shows it masked.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..facts import AGENTS
+from ..store import safe_url
 from .common import Fail, dump_json, err, out
 from .context import Ctx
 from .proxies import DEFAULT_LISTEN, Proxy, confdir_of, find_proxy
@@ -172,8 +176,9 @@ def run_command(ctx: Ctx, web: bool, extra: Sequence[str], verbose: bool = False
         cmd += ["--listen-port", str(DEFAULT_LISTEN[1])]
     cmd += ["-s", str(route_script()),
             "--set", "connection_strategy=lazy",
-            "--set", f"sessionpin_config={ctx.config_path}",
-            "--set", f"sessionpin_store={ctx.store_url}"]
+            "--set", f"sessionpin_config={ctx.config_path}"]
+    if not store_env(ctx):
+        cmd += ["--set", f"sessionpin_store={ctx.store_url}"]
     if verbose:
         cmd += ["--set", "sessionpin_connection_log=true"]
     elif not web and not _sets(extra, "flow_detail"):
@@ -183,18 +188,27 @@ def run_command(ctx: Ctx, web: bool, extra: Sequence[str], verbose: bool = False
     return cmd + list(extra)
 
 
+def store_env(ctx: Ctx) -> dict[str, str]:
+    """The environment that hands mitmdump a store URL holding a password (else none)."""
+    return {} if safe_url(ctx.store_url) == ctx.store_url else {"SESSIONPIN_STORE": ctx.store_url}
+
+
 def cmd_run(ctx: Ctx, args: argparse.Namespace, extra: Sequence[str]) -> int:
     ctx.config()  # a broken config stops here, with its one line
     extra = [a for a in extra if a != "--"] if extra[:1] == ["--"] else list(extra)
     cmd = run_command(ctx, args.web, extra, args.verbose)
+    env = store_env(ctx)
+    shown = shlex.join(cmd)
+    if env:
+        shown = f"SESSIONPIN_STORE={shlex.quote(ctx.store_shown)} {shown}"
     if args.dry_run:
-        out(shlex.join(cmd))
+        out(shown)
         return 0
-    err(f"sessionpin: {shlex.join(cmd)}")
+    err(f"sessionpin: {shown}")
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execv(cmd[0], cmd)
+        os.execve(cmd[0], cmd, {**os.environ, **env})
     except OSError as e:
         raise Fail(f"cannot start {cmd[0]}: {e.strerror or e}", 126) from None
     return 0  # not reached

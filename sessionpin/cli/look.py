@@ -7,6 +7,7 @@ server); ``sessions`` lists pins one row each (a walk, which is what it is for).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from ..facts import AGENTS
@@ -40,7 +41,8 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     if args.json:
         dump_json({
             "config": str(ctx.config_path), "config_exists": ctx.config_path.exists(),
-            "store": ctx.store_url, "store_exists": store is not None,
+            "store": ctx.store_shown, "store_exists": store is not None,
+            "store_info": _described(store),
             "proxy": proxy.as_json(), "proxies": [p.as_json() for p in proxies], "servers": servers,
             "not_routed": {"pinned": nr_pinned, "active_last_hour": nr_active},
             "unconfigured_servers_with_pins": missing, "agents": agents,
@@ -48,7 +50,11 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
         return 0
 
     out(f"config  {ctx.config_path}" + ("" if ctx.config_path.exists() else "  (no file: nothing is routed)"))
-    out(f"store   {ctx.store_url}" + ("" if store is not None else "  (no file yet: nothing pinned)"))
+    note = "  (no file yet: nothing pinned)" if store is None else ""
+    info = _described(store)
+    if info.get("kind") == "redis":
+        note = f"  ({info.get('health')}; {info.get('note')})"
+    out(f"store   {ctx.store_shown}{note}")
     live = [p for p in proxies if p.answering]
     for p in live:
         up = f", up {ago(p.started, now).removesuffix(' ago')}" if p.started else ""
@@ -114,3 +120,13 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
     for line in table(grid):
         out(line)
     return 0
+
+
+def _described(store) -> dict:
+    """What the store says of itself (its safe URL, durability, health), as JSON."""
+    if store is None:
+        return {}
+    try:
+        return json.loads(json.dumps(store.describe(), default=str))
+    except Exception as e:   # a description is best effort
+        return {"error": str(e)}

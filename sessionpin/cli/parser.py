@@ -110,6 +110,19 @@ def parser() -> Parser:
     c.add_argument("--confdir", metavar="DIR")
     c.add_argument("--json", action="store_true")
 
+    c = cmd("store", "copy every pin and record from one store into another (file ↔ Redis)")
+    st = c.add_subparsers(dest="store_command", metavar="copy", parser_class=Parser)
+    a = st.add_parser("copy", parents=[common], allow_abbrev=False,
+                      help="copy every live key, with its remaining TTL, from FROM to TO (idempotent)",
+                      description="Copy every live key (pins, activity, the pool's records), with the TTL it "
+                                  "has left, from the store FROM into the store TO. Running it again copies "
+                                  "only what changed. Keys only TO has are left alone.")
+    a.add_argument("source", metavar="FROM", help="a store URL: file:PATH, redis://…, rediss://…, unix://…")
+    a.add_argument("destination", metavar="TO", help="a store URL (a file store is created if missing)")
+    a.add_argument("--force", action="store_true",
+                   help="copy even though a proxy uses TO (its newer pins may be replaced by FROM's)")
+    a.add_argument("--json", action="store_true")
+
     c = cmd("classify", "read recorded requests and say what each one is (FILE...)", add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)
     c = cmd("pool", "the OpenCode session-id pool: spares and bindings per provider and model")

@@ -163,9 +163,9 @@ def find_proxy(ctx: Ctx, proxies: list[Proxy] | None = None) -> Proxy:
         other = status.store or "another store"
         return Proxy(False, None, DEFAULT_LISTEN, None,
                      f"a sessionpin proxy answers at {DEFAULT_LISTEN[0]}:{DEFAULT_LISTEN[1]} but uses {other}, "
-                     f"not {ctx.store_url}")
+                     f"not {ctx.store_shown}")
     gone = ", ".join(str(p.pid) for p in proxies if p.gone)
-    return Proxy(False, why=f"no live proxy heartbeat in the store {ctx.store_url}"
+    return Proxy(False, why=f"no live proxy heartbeat in the store {ctx.store_shown}"
                  + (f" (pid {gone} is gone)" if gone else ""))
 
 

@@ -6,12 +6,21 @@ Rules it keeps:
   with one line and exit status 2 (a store of a newer format is left untouched); a
   change while running that cannot be opened is refused and the old store stays.
 - Every store call is the async facade's: nothing here touches a file on the event loop.
+- A store that says how it is (Redis: ``check()``) is checked as soon as the loop runs,
+  so status and doctor show its durability at once. One that cannot be reached then
+  does not stop the proxy: it serves, the router refuses the requests whose pin it
+  cannot read or save (503 naming the store), and the store reconnects by itself.
+- The store URL is shown only in its safe form (a password as ``***``): in log lines,
+  errors and the heartbeat.
 - Activity (last seen, requests per session) is counted in memory by the router and
   flushed every few seconds; a heartbeat (``documents.Heartbeat``) lets the CLI find
   this proxy and tell it from a killed one; the pin index is swept every few minutes.
 - Background failures are logged and retried next round: the loop never dies.
-- At exit the last activity is flushed and the heartbeat removed when the store is a
-  local one (a few seconds at most); the store is closed after its queued writes.
+- At exit the last activity is flushed and the heartbeat removed (a few seconds at
+  most), then the store is closed: a local one after its queued writes, from a thread of
+  its own; a Redis one on mitmproxy's loop, whose connections its clients hold — ``done``
+  returns that work as a task, which mitmproxy awaits at shutdown (and which runs on
+  the loop when a script reload calls ``done`` synchronously).
 """
 
 from __future__ import annotations
@@ -30,20 +39,22 @@ from mitmproxy import ctx, exceptions
 
 from .. import __version__, pins
 from ..documents import HEARTBEAT_TTL, Heartbeat, heartbeat_encoder, heartbeat_key
-from ..store import Store, StoreError, default_store_url, open_store
+from ..store import Store, StoreError, StoreUnavailable, default_store_url, open_store, safe_url
 
 log = logging.getLogger("sessionpin")
 
 FLUSH_EVERY = 5.0
 HEARTBEAT_EVERY = 10.0
 SWEEP_EVERY = 600.0
+EXIT_TIMEOUT = 5.0
 
 
 class StoreRuntime:
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self.env = env if env is not None else os.environ
         self.store: Store | None = None
-        self.url: str | None = None
+        self.url: str | None = None                      # the store's safe URL (no password)
+        self._opened: str | None = None                  # the URL as given
         self.errors = 0                                  # background store calls that failed
         self.started = time.time()
         self.host = socket.gethostname()
@@ -51,6 +62,9 @@ class StoreRuntime:
         self.token = ""                                  # the status endpoint's, set by make_addons
         self._activity: dict[str, list] = {}             # session -> [agent, server, last seen, requests]
         self._task: asyncio.Task | None = None
+        self._checking: tuple[Store, asyncio.Task] | None = None
+        self._closing: set[asyncio.Task] = set()       # stores closed on the loop (kept referenced)
+        self._failing = False                            # the background loop's store calls fail
         self._on_store: list[Callable[[Store], None]] = []
 
     # ---- what other addons call --------------------------------------------------------
@@ -79,35 +93,77 @@ class StoreRuntime:
         if "sessionpin_store" not in updated and self.store is not None:
             return
         url = ctx.options.sessionpin_store or self.env.get("SESSIONPIN_STORE") or default_store_url()
-        if url == self.url and self.store is not None:
+        if url == self._opened and self.store is not None:
             return
         try:
             store = open_store(url)
         except (StoreError, OSError, ValueError) as e:
-            message = f"sessionpin_store: cannot open {url}: {e}"
+            message = f"sessionpin_store: cannot open {safe_url(url)}: {e}"
             if self.store is None:      # at start: one line, nothing served
                 log.error("sessionpin: %s", message)
                 print(f"sessionpin: {message}", file=sys.stderr, flush=True)
                 sys.exit(2)
             raise exceptions.OptionsError(message) from None
-        old, self.store, self.url = self.store, store, store.url
+        old, self.store, self.url, self._opened = self.store, store, store.url, url
         if old is not None:
-            _close(old)
+            self._close(old)
         log.info("sessionpin: pins in %s", store.url)
         for fn in self._on_store:
             fn(store)
+        self._check_soon()
 
     def running(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._background())
+        self._check_soon()
 
-    def done(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+    def _check_soon(self) -> None:
+        """Check the store now that a loop runs (once per store; a store without ``check``,
+        a local one, has nothing to ask)."""
+        store = self.store
+        if store is None or not hasattr(store, "check"):
+            return
+        if self._checking is not None and self._checking[0] is store:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return                          # configure before the loop: running() does it
+        self._checking = (store, loop.create_task(self._check(store)))
+
+    async def _check(self, store: Store) -> None:
+        try:
+            info = await store.check()      # type: ignore[attr-defined]
+        except StoreUnavailable as e:
+            # e names the store (its safe URL) and the cause
+            log.error("sessionpin: the store cannot be reached: %s. The proxy serves: a request whose pin "
+                      "cannot be read or saved is refused with 503 naming the store, never sent by a guess; "
+                      "it recovers by itself when the store is back.", e)
+            return
+        except StoreError as e:         # a server the store will not use (too old, a cluster node…)
+            log.error("sessionpin: the store refuses this server: %s. Requests whose pin it cannot read are "
+                      "refused with 503 until the URL or the server is fixed (`sessionpin doctor`).", e)
+            return
+        except Exception as e:   # a bug must not kill the proxy at start
+            log.warning("sessionpin: checking store %s: %s: %s", store.url, type(e).__name__, e)
+            return
+        durability = info.get("durability") or {}
+        said = f"{info.get('note')} (the server: {durability.get('server', '?')})"
+        if info.get("durable") or durability.get("required") != "fsync-always":
+            log.info("sessionpin: store %s: %s", store.url, said)
+        else:
+            log.warning("sessionpin: store %s: %s; new conversations the router would move get 503 until "
+                        "it does (`sessionpin doctor` says how)", store.url, said)
+
+    def done(self) -> "asyncio.Task | None":
+        for task in (self._task, self._checking[1] if self._checking else None):
+            if task is not None:
+                task.cancel()
+        self._task = self._checking = None
         store = self.store
         if store is None:
-            return
+            return None
+        self.store = None
         pending = self._take()
         key = heartbeat_key(self.host, os.getpid())
 
@@ -115,9 +171,36 @@ class StoreRuntime:
             await pins.record_seen(store, pending)
             await store.delete(key)
         if hasattr(store, "backend"):   # a local store: its calls work from another loop too
-            _run_elsewhere(last_words, timeout=5.0)
-        _close(store)
-        self.store = None
+            _run_elsewhere(last_words, timeout=EXIT_TIMEOUT)
+            _close(store)
+            return None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            _close(store)               # no loop: nothing can be said to the store any more
+            return None
+
+        async def finish() -> None:
+            try:
+                await asyncio.wait_for(last_words(), EXIT_TIMEOUT)
+            except Exception as e:
+                log.warning("sessionpin: at exit: store %s: %s: %s", store.url, type(e).__name__, e)
+            finally:
+                await store.close()
+        return loop.create_task(finish())
+
+    def _close(self, store: Store) -> None:
+        """Close a store that was replaced while running: a Redis one on this loop."""
+        if hasattr(store, "backend"):
+            _close(store)
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(store.close())
+        except RuntimeError:
+            _close(store)
+            return
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     # ---- background -----------------------------------------------------------------------
     async def _background(self) -> None:
@@ -132,26 +215,37 @@ class StoreRuntime:
                 if store is None:
                     continue
                 now = time.monotonic()
+                wrote = False
                 if now - last_flush >= FLUSH_EVERY:
                     last_flush = now
                     pending = self._take()
                     if pending:
+                        wrote = True
                         await pins.record_seen(store, pending)
-                if first or now - last_beat >= HEARTBEAT_EVERY:
+                # while the store fails, the heartbeat is tried every round: the CLI finds
+                # this proxy as soon as the store is back
+                if first or self._failing or now - last_beat >= HEARTBEAT_EVERY:
                     beat = self.heartbeat()
                     # the first beat waits (up to 2 s) for the listeners to come up
                     if beat.listen or not first or now - begun > 2.0:
                         first = False
-                        last_beat = now
+                        wrote = True
                         await store.set(beat.key, heartbeat_encoder.encode(beat).decode(), HEARTBEAT_TTL)
+                        last_beat = now
                 if now - last_sweep >= SWEEP_EVERY:
                     last_sweep = now
+                    wrote = True
                     await pins.sweep_index(store, time.time())
+                if wrote and self._failing:
+                    self._failing = False
+                    log.info("sessionpin: store %s: background writes work again", self.url)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:   # never let the loop die
+            except Exception as e:   # never let the loop die; one line per outage, not per round
                 self.errors += 1
-                log.warning("sessionpin: store %s: %s: %s", self.url, type(e).__name__, e)
+                (log.debug if self._failing else log.warning)(
+                    "sessionpin: store %s: %s: %s", self.url, type(e).__name__, e)
+                self._failing = True
 
     def _take(self) -> list[tuple[str, str, str | None, float, int]]:
         pending, self._activity = self._activity, {}

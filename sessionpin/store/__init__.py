@@ -22,7 +22,7 @@ from .base import (Check, Delete, HIncr, HSet, NotDurable, Set, Store, StoreErro
 
 __all__ = ["Check", "Delete", "HIncr", "HSet", "NotDurable", "Set", "Store", "StoreError", "StoreUnavailable",
            "StoreVersionError", "SyncStore", "WrongType", "ZAdd", "ZRem", "open_store", "open_sync_store",
-           "default_store_url"]
+           "default_store_url", "safe_url"]
 
 STATE_FILE = "state.db"
 
@@ -31,10 +31,15 @@ def default_store_url() -> str:
     return "file:" + str(Path(platformdirs.user_state_dir("sessionpin")) / STATE_FILE)
 
 
-def _safe(url: str) -> str:
+def safe_url(url: str) -> str:
+    """The URL as it may be shown: a password in it replaced by ``***`` (the form a
+    store's own ``url`` has; for a URL no store was opened with)."""
     from .redisurl import mask
 
     return mask(url)
+
+
+_safe = safe_url
 
 
 def _scheme(url: str) -> tuple[str, str]:

@@ -13,6 +13,7 @@ Rules it keeps:
   ``equal``; running the copy twice changes nothing the second time.
 - ``skipped``: keys that were gone (expired, deleted) by the time they were read. Keys
   of the destination that the source does not have are left alone (a copy, not a sync).
+  Keys under an ``exclude`` prefix are not copied (the CLI leaves proxies' heartbeats out).
 - Writes are ordinary, not durable (one fsync per key would make a large copy slow);
   they reach stable storage as the destination promises for ordinary writes — within a
   couple of seconds and on ``close()``, which the caller does when the copy returns.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from .base import Delete, HSet, Store, WrongType, ZAdd
 
@@ -89,10 +91,12 @@ async def copy_key(src: Store, dst: Store, key: str) -> str:
     return "copied"
 
 
-async def copy(src: Store, dst: Store, prefix: str = "") -> CopyCounts:
-    """Copy every live key of ``src`` (under ``prefix``) into ``dst``."""
+async def copy(src: Store, dst: Store, prefix: str = "", exclude: Sequence[str] = ()) -> CopyCounts:
+    """Copy every live key of ``src`` (under ``prefix``, not under an ``exclude`` prefix) into ``dst``."""
     counts = CopyCounts()
     for key in await src.keys(prefix):
+        if key.startswith(tuple(exclude)):
+            continue
         outcome = await copy_key(src, dst, key)
         setattr(counts, outcome, getattr(counts, outcome) + 1)
         if outcome == "skipped":

@@ -10,7 +10,10 @@ Rules it keeps:
 - Timeouts: 1 s to connect, ``timeout`` (URL, default 2 s) per command; a durable write
   that waits for replicas may take ``wait_timeout_ms`` more. Connections idle for 30 s are
   PINGed before use (``health_check_interval``), and one the server closed is replaced
-  before a command is sent on it (redis-py checks for EOF when it takes one from the pool).
+  before a command is sent on it (redis-py checks for EOF when it takes one from the pool
+  — but skips that check while its "maintenance notifications" are on, which redis-py 8
+  does by default on RESP3: after a Redis restart the first write on each pooled
+  connection would fail. We turn them off; they are a managed-Redis feature we do not use).
 - TLS (``rediss://``) verifies the server's certificate and host name, against the
   system's CAs or ``?ca=PATH``; there is no option to turn that off.
 - Every error leaves as a ``StoreError`` whose message names the store by its safe URL.
@@ -19,16 +22,23 @@ Rules it keeps:
   ``WrongType``; anything else Redis refuses → ``StoreError``. The password is scrubbed
   from any text that reaches a message, and redis-py's exception is not chained (it may
   hold the connection, and with it the password).
+- A connection lost under asyncio's feet while a command is being written is a lost
+  connection even when asyncio says so with a ``TypeError`` (python/cpython#136234: on
+  the Pythons that have it, ``_SelectorSocketTransport.writelines`` on a transport that
+  was just lost calls the ``None`` it left behind). redis-py drops that connection; we
+  answer "unavailable", as for any connection lost mid-command.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.exceptions import (ConnectionError, RedisClusterException, RedisError, ResponseError,
                               TimeoutError)
 
@@ -49,7 +59,7 @@ def make_clients(cfg: RedisURL) -> tuple[Any, Any]:
     common: dict[str, Any] = dict(
         username=cfg.username, password=cfg.password, decode_responses=True,
         socket_connect_timeout=CONNECT_TIMEOUT, health_check_interval=HEALTH_CHECK_INTERVAL,
-        client_name="sessionpin")
+        client_name="sessionpin", maint_notifications_config=MaintNotificationsConfig(enabled=False))
     if cfg.tls:
         common.update(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=cfg.ca)
     read_retry = Retry(ExponentialBackoff(cap=0.1, base=0.05), READ_RETRIES)
@@ -95,15 +105,31 @@ def reason(e: BaseException, password: str | None) -> str:
     return scrub(text, password)[:300]
 
 
+def asyncio_lost_it(e: BaseException) -> bool:
+    """Is ``e`` asyncio's own failure to write on a transport it had just lost (see the
+    module's rules), rather than a bug of ours? Told by where it was raised."""
+    if not isinstance(e, (TypeError, AttributeError)):
+        return False
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return False
+    where = last.tb_frame.f_code
+    return Path(where.co_filename).parts[-2:] == ("asyncio", "selector_events.py") and \
+        where.co_name in ("writelines", "write", "_write_ready", "_write_sendmsg", "_write_send")
+
+
 def translate(e: BaseException, cfg: RedisURL, *, write: bool, durable: bool, key: str | None = None) -> StoreError:
     """The StoreError a caller sees for ``e``."""
-    why = reason(e, cfg.password)
+    lost = asyncio_lost_it(e)
+    why = "connection lost while sending (asyncio: python/cpython#136234)" if lost else reason(e, cfg.password)
     where = f"{cfg.safe}" + (f" ({key!r})" if key is not None else "")
     if isinstance(e, ResponseError) and code(e) == "WRONGTYPE":
         return WrongType(f"{where}: the key holds another type")
     if isinstance(e, (UnicodeError, ValueError)) and not isinstance(e, RedisError):
         return StoreError(f"{where}: {why}")
-    unavailable = isinstance(e, (ConnectionError, TimeoutError, RedisClusterException, OSError))
+    unavailable = lost or isinstance(e, (ConnectionError, TimeoutError, RedisClusterException, OSError))
     if isinstance(e, ResponseError):
         unavailable = code(e) in UNAVAILABLE_REPLIES
     elif not unavailable and not isinstance(e, RedisError):

@@ -36,6 +36,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from .base import Check, NotDurable, StoreError, StoreUnavailable, Write
 from .redisconn import make_clients, reason, translate
+from .redisinfo import glob_escape, is_refusal, replication
 from .redislua import APPLY, CAS, apply_args, cas_args, ttl_ms
 from .redislua import score as score_arg
 from .redisurl import ACCEPT_WEAKER, FSYNC_ALWAYS, parse
@@ -60,10 +61,6 @@ class NotReplicated(NotDurable):
         self.wanted = wanted
 
 
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
 class RedisStore:
     def __init__(self, url: str, *, recheck_interval: float = RECHECK_INTERVAL) -> None:
         self._cfg = parse(url)
@@ -81,6 +78,8 @@ class RedisStore:
         self._recheck = True
         self._down: str | None = None             # the cause while failing, for describe/logs
         self._closed = False
+        self._version = "?"                       # the server's, once checked
+        self._replication: dict[str, Any] | None = None   # the primary's role and replicas, by check()
 
     # -- checking the server -----------------------------------------------------------
     async def _ready(self, key: str | None, *, write: bool, durable: bool) -> None:
@@ -91,7 +90,9 @@ class RedisStore:
                 if not self._checked:
                     try:
                         await self._check()
-                    except RedisError as e:
+                    except StoreError:
+                        raise
+                    except Exception as e:   # translate re-raises what is not the server's
                         raise self._fail(e, write=write, durable=durable, key=key) from None
 
     async def _check(self) -> None:
@@ -103,6 +104,7 @@ class RedisStore:
             major_minor = (0, 0)
         if major_minor < MIN_VERSION:
             raise StoreError(f"{self.url}: Redis {version} is too old: the store needs Redis >= 7.0")
+        self._version = version
         mode = info.get("redis_mode", "standalone")
         if mode == "cluster" and not self._cfg.cluster:
             raise StoreError(f"{self.url}: this server is a node of a Redis Cluster; add ?cluster=1 to the URL")
@@ -120,7 +122,7 @@ class RedisStore:
             else:
                 configs = [await self._writes.config_get("append*")]
         except RedisError as e:
-            if not _is_refusal(e):
+            if not is_refusal(e):
                 raise
             self._durability, self._server = None, f"unknown: CONFIG GET refused ({reason(e, self._cfg.password)})"
         else:
@@ -136,7 +138,7 @@ class RedisStore:
         if stale or self._recheck:
             try:
                 await self._check_durability()
-            except RedisError as e:
+            except Exception as e:   # translate re-raises what is not the server's
                 raise self._fail(e, write=True, durable=True, key=key) from None
         if self._durability or self._cfg.durability == ACCEPT_WEAKER:
             return
@@ -334,7 +336,7 @@ class RedisStore:
         return bool(await self._write(first, durable, script=self._apply, keys=keys, args=args))
 
     async def keys(self, prefix: str = "") -> list[str]:
-        pattern = _glob_escape(self._prefix + prefix) + "*"
+        pattern = glob_escape(self._prefix + prefix) + "*"
 
         async def scan() -> list[str]:
             found = set()
@@ -346,11 +348,18 @@ class RedisStore:
 
     # -- the store itself ----------------------------------------------------------------------
     async def check(self) -> dict[str, Any]:
-        """Check the server now (reachable, version, durability) and describe the store."""
+        """Check the server now (reachable, version, durability, the primary's replicas)
+        and describe the store."""
         await self._ready(None, write=False, durable=False)
         try:
             await self._check_durability()
-        except RedisError as e:
+            try:
+                self._replication = await replication(self._writes, self._cfg.cluster, self._prefix)
+            except RedisError as e:
+                if not is_refusal(e):
+                    raise
+                self._replication = None
+        except Exception as e:   # translate re-raises what is not the server's
             raise self._fail(e, write=False, durable=False) from None
         self._ok()
         return self.describe()
@@ -373,10 +382,12 @@ class RedisStore:
             "kind": "redis",
             "cluster": cfg.cluster,
             "url": self.url,
+            "version": self._version,
             "prefix": self._prefix,
             "durable": durable,
             "durability": {"required": cfg.durability, "server": self._server, "wait": cfg.wait,
                            "wait_timeout_ms": cfg.wait_timeout_ms},
+            "replication": self._replication,        # None until check() asked
             "health": "ok" if self._down is None and self._checked else (
                 f"unavailable: {self._down}" if self._down else "not connected yet"),
             "note": note,
@@ -393,15 +404,11 @@ class RedisStore:
                 pass
 
     def close_now(self) -> None:
-        """Close from synchronous code: there is nothing to flush (every acknowledged write
-        is in Redis); the sockets close with the process or the event loop."""
+        """Close from synchronous code with no event loop running: there is nothing to
+        flush (every acknowledged write is in Redis); the sockets close with the process.
+        Where the loop the store was used on still runs, await ``close()`` on it instead
+        (the proxy does, in ``done``): the clients' connections belong to that loop."""
         self._closed = True
 
     def __repr__(self) -> str:
         return f"<RedisStore {self.url}>"
-
-
-def _is_refusal(e: RedisError) -> bool:
-    """CONFIG GET refused (disabled, renamed, no permission) rather than Redis unreachable."""
-    text = str(e).lower()
-    return any(w in text for w in ("unknown command", "noperm", "no permissions", "not allowed", "disabled"))

@@ -62,16 +62,26 @@ def has_hash_tag(prefix: str) -> bool:
 
 
 def mask(url: str) -> str:
-    """The URL as written, password masked (for messages about a URL we could not parse)."""
+    """The URL as written, password masked (for messages about a URL we could not parse).
+
+    Errs on the side of hiding: a password holding an unescaped ``/``, ``?`` or ``@`` (which
+    a URL parser would read as the path, the query or the host) is still masked whole,
+    and an ``@`` in the query of a URL without a password masks the text before it."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    authority, slash, tail = rest.partition("/")
-    auth, at, host = authority.rpartition("@")
-    if not at:
+    before_query = rest.partition("?")[0]
+    if "@" in before_query:
+        auth, _, tail = before_query.rpartition("@")
+        tail += rest[len(before_query):]
+    elif "@" in rest:
+        auth, _, tail = rest.partition("@")
+    else:
         return url
     user, colon, _ = auth.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{host}{slash}{tail}"
+    if "/" in user or "?" in user:        # not a user name: the host or path came first
+        user, colon = "", ":"
+    return f"{scheme}://{user}{':***' if colon else ''}@{tail}"
 
 
 def parse(url: str) -> RedisURL:

@@ -1,0 +1,104 @@
+"""``store copy FROM TO``: move sessionpin's state between stores (file → Redis and back).
+
+Rules it keeps:
+- The copy is ``sessionpin.store.copy``'s: every live key with the TTL it has left,
+  idempotent (a second run copies nothing), keys only TO has left alone. It prints the
+  counts. Proxy heartbeats (``proxy:…``) are not copied: they say which proxy runs on
+  *that* store, and a copied one would make TO look used by a proxy that is not on it.
+- FROM must exist (a file store is not created by reading it); TO is created if it is a
+  file that does not exist yet.
+- It refuses to write into a store a proxy is using (a heartbeat in TO, i.e. a proxy
+  that announced itself there in the last 30 s) unless ``--force``: a proxy on TO makes
+  pins while the copy runs, and the copy replaces any key whose value differs — a
+  conversation pinned there since would be moved back to where FROM had it. Copying out
+  of a store a proxy uses is allowed (reads only); pins made after the copy are not in TO,
+  and the command says so (a second run after stopping the proxy copies just those).
+- Both URLs are shown masked; FROM and TO must be different stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..documents import HEARTBEAT_PREFIX, read_heartbeat
+from ..store import Store, StoreError, open_store, safe_url
+from ..store.copy import copy
+from .common import Fail, dump_json, out, plural
+from .context import Ctx, store_file
+
+
+def cmd_store(ctx: Ctx, args: argparse.Namespace) -> int:
+    if args.store_command != "copy":
+        raise Fail("give a store command: `sessionpin store copy FROM TO`", 2)
+    return cmd_store_copy(ctx, args)
+
+
+def cmd_store_copy(ctx: Ctx, args: argparse.Namespace) -> int:
+    src_url, dst_url = args.source, args.destination
+    src_shown, dst_shown = safe_url(src_url), safe_url(dst_url)
+    if _same(src_url, dst_url):
+        raise Fail(f"FROM and TO are the same store ({src_shown}); give two different stores")
+    f = store_file(src_url)
+    if f is not None and not f.exists():
+        raise Fail(f"no store at {f}: nothing to copy from; check FROM")
+    src, dst = _open(src_url), None
+    try:
+        dst = _open(dst_url)
+        counts, src_proxies, dst_proxies = ctx.run(_copy(src, dst, args.force))
+    except StoreError as e:     # names the store it is about (masked) and the cause
+        raise Fail(f"{e}; nothing more was copied (a second run goes on where this one stopped)") from None
+    finally:
+        for s in (src, dst):
+            if s is not None:
+                try:
+                    ctx.run(s.close())     # a file store's ordinary writes reach disk here
+                except StoreError:
+                    pass
+    if dst_proxies and not args.force:
+        who = ", ".join(f"pid {b.pid} on {b.host}" for b in dst_proxies)
+        raise Fail(f"a proxy uses {dst_shown} ({who}; its heartbeat is at most 30 s old): it makes pins while "
+                   "a copy runs, and the copy would replace a newer pin of the same conversation (moving it); "
+                   "stop that proxy first (its heartbeat lapses 30 s later), or give --force to copy anyway")
+    assert counts is not None
+    if args.json:
+        dump_json({"from": src_shown, "to": dst_shown, "copied": counts.copied, "equal": counts.equal,
+                   "skipped": counts.skipped, "heartbeats_left_out": len(src_proxies)})
+        return 0
+    out(f"Copied {plural(counts.copied, 'key')} from {src_shown} to {dst_shown}; "
+        f"{counts.equal} already there and equal, {counts.skipped} gone before they were read.")
+    if src_proxies:
+        out(f"Left out {plural(len(src_proxies), 'proxy heartbeat')}: a proxy uses {src_shown}, so pins it makes "
+            "from now on are not in the copy. Stop it and run the copy again: the second run copies only "
+            "what changed.")
+    return 0
+
+
+async def _copy(src: Store, dst: Store, force: bool):
+    """(counts, heartbeats in FROM, heartbeats in TO); counts None when TO is in use and not forced."""
+    src_proxies = await _heartbeats(src)
+    dst_proxies = await _heartbeats(dst)
+    if dst_proxies and not force:
+        return None, src_proxies, dst_proxies
+    counts = await copy(src, dst, exclude=[HEARTBEAT_PREFIX])
+    return counts, src_proxies, dst_proxies
+
+
+async def _heartbeats(store: Store) -> list:
+    """The proxies that announced themselves in ``store`` (a heartbeat lives 30 s)."""
+    keys = await store.keys(HEARTBEAT_PREFIX)
+    beats = [read_heartbeat(v) for v in (await store.mget(keys) if keys else [])]
+    return [b for b in beats if b is not None]
+
+
+def _open(url: str) -> Store:
+    try:
+        return open_store(url)
+    except (StoreError, OSError) as e:
+        raise Fail(f"cannot open the store {safe_url(url)}: {e}") from None
+
+
+def _same(a: str, b: str) -> bool:
+    fa, fb = store_file(a), store_file(b)
+    if fa is not None or fb is not None:
+        return fa is not None and fb is not None and fa.resolve() == fb.resolve()
+    return a == b and not a.startswith("memory:")

@@ -24,7 +24,7 @@ from typing import Iterable
 
 from . import pins
 from .pins import Loaded
-from .store.base import Set, Store
+from .store.base import Set, Store, Write
 
 PREFIX = "lin:"
 ROOT_TTL = pins.PIN_TTL
@@ -71,11 +71,17 @@ async def find_parent(store: Store, agent: str, own: str, sessions: Iterable[str
     return None
 
 
+def record_writes(agent: str, session: str, root: str | None = None, anchors: Iterable[str] = ()) -> list[Write]:
+    """What later requests may name this conversation by, as writes (batched by the caller)."""
+    writes: list[Write] = [Set(anchor_key(agent, a), session, ANCHOR_TTL) for a in anchors]
+    if root:
+        writes.append(Set(root_key(agent, root), session, ROOT_TTL))
+    return writes
+
+
 async def record(store: Store, agent: str, session: str, root: str | None = None,
                  anchors: Iterable[str] = ()) -> None:
     """Remember what later requests may name this conversation by (one transaction)."""
-    writes = [Set(anchor_key(agent, a), session, ANCHOR_TTL) for a in anchors]
-    if root:
-        writes.append(Set(root_key(agent, root), session, ROOT_TTL))
+    writes = record_writes(agent, session, root, anchors)
     if writes:
         await store.apply([], writes)

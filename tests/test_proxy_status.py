@@ -99,6 +99,37 @@ async def test_counts_come_from_the_index(proxy):
     assert len(calls) <= 1 + 2 * len(counts)
 
 
+async def test_scrapes_share_one_count_until_this_proxy_writes_a_pin(proxy, monkeypatch):
+    # A count scans the index on the reader thread every pin read uses: scrapers must not
+    # run one each (issue 9: two scrapers at 100k pins delayed every opening).
+    import asyncio
+
+    from sessionpin import pins
+    from sessionpin.proxy import status as status_mod
+    counted = []
+    real = pins.counts
+
+    async def counting(*a, **kw):
+        counted.append(1)
+        await asyncio.sleep(0.01)
+        return await real(*a, **kw)
+    monkeypatch.setattr(status_mod.pins, "counts", counting)
+    await proxy.send(flow())                                       # an opening: pinned to glm
+    replies = []
+    for _ in range(3):
+        fs = [internal("/__sessionpin/status") for _ in range(5)]
+        await asyncio.gather(*(proxy.send(f) for f in fs))        # five scrapers at once
+        replies += [read_status(f.response.content) for f in fs]
+    assert len(counted) == 1 and all(r.pins["glm"].pins == 1 for r in replies)
+    await proxy.send(flow(session="abcd1234-0000-4000-8000-000000000002"))   # this proxy pins again
+    f = internal("/__sessionpin/status")
+    await proxy.send(f)
+    assert read_status(f.response.content).pins["glm"].pins == 2 and len(counted) == 2
+    monkeypatch.setattr(status_mod, "COUNTS_FRESH", 0.0)            # and a count goes stale with time
+    await proxy.send(internal("/__sessionpin/metrics"))
+    assert len(counted) == 3
+
+
 def test_status_document_roundtrip():
     from sessionpin.documents import PinCount, Status
     s = Status(version="1", pid=1, host="h", started=1.0, pins={"glm": PinCount(pins=2, active=1)})

@@ -15,13 +15,18 @@ request's path. Rules it keeps:
   (Claude Code names it in ``cc_prev_req`` when another process resumes or forks).
 - Only ids and hashes; records are not durable and never delay a request or a response.
 - Bounded: at most ``MAX_WATCHED`` responses are watched at once (the oldest dropped).
+- Records are written in batches, one store write at a time: while a write waits (a
+  store another process holds locked waits out its busy timeout), the records that
+  follow gather into the next one instead of queueing a write each in front of a new
+  conversation's pin. At most ``MAX_PENDING`` writes wait; beyond that the oldest are
+  dropped and counted (a lost record costs a fork its parent link, nothing more).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from mitmproxy import http
 
@@ -29,11 +34,13 @@ from .. import facts as F
 from .. import lineage, lineindex
 from ..lineage_stream import StreamReader
 from ..route import State
+from ..store.base import Write
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
 
 MAX_WATCHED = 10_000
+MAX_PENDING = 10_000
 _CHAINED = (F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES)
 
 
@@ -49,9 +56,13 @@ class _Watched:
 class LineageWatch:
     def __init__(self, runtime: StoreRuntime) -> None:
         self.runtime = runtime
-        self.recorded = 0
+        self.recorded = 0            # records written
+        self.dropped = 0             # records dropped: the store could not keep up, or failed
         self._watched: OrderedDict[str, _Watched] = OrderedDict()
-        self._tasks: set[asyncio.Task] = set()
+        self._pending: deque[list[Write]] = deque()
+        self._writes = 0             # writes in _pending
+        self._flusher: asyncio.Task | None = None
+        self._failing = False        # the last batch failed (logged once per streak)
 
     def watch(self, flow: http.HTTPFlow, state: State) -> None:
         """Called by the router once a request is decided and on its way."""
@@ -106,17 +117,32 @@ class LineageWatch:
         self._watched.pop(flow.id, None)
 
     def _record(self, w: _Watched, root: str | None) -> None:
-        store = self.runtime.store
-        if store is None:
+        if self.runtime.store is None:
             return
+        writes = lineindex.record_writes(w.agent, w.session, root, w.anchors)
+        self._pending.append(writes)
+        self._writes += len(writes)
+        while self._writes > MAX_PENDING and len(self._pending) > 1:
+            self._writes -= len(self._pending.popleft())
+            self.dropped += 1
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
-        async def run() -> None:
+    async def _flush(self) -> None:
+        while self._pending and self.runtime.store is not None:
+            batch = list(self._pending)
+            self._pending.clear()
+            self._writes = 0
             try:
-                await lineindex.record(store, w.agent, w.session, root, w.anchors)
-                self.recorded += 1
+                await self.runtime.store.apply([], [x for writes in batch for x in writes])
+                self.recorded += len(batch)
+                if self._failing:
+                    log.info("sessionpin: lineage records are written again")
+                self._failing = False
             except Exception as e:
                 self.runtime.errors += 1
-                log.warning("sessionpin: recording the lineage of a %s session: %s", w.agent, e)
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+                self.dropped += len(batch)
+                if not self._failing:
+                    log.warning("sessionpin: lineage records not written (%s); dropped until the store takes "
+                                "writes again (forks of these conversations are then left alone)", e)
+                self._failing = True

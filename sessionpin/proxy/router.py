@@ -63,6 +63,7 @@ class Metrics:
         self.rules: Counter[str] = Counter()
         self.refusals: Counter[str] = Counter()
         self.store_errors = 0
+        self.pin_writes = 0          # pins this proxy wrote or tried to: the status's counts are stale
 
 
 class Router:
@@ -137,6 +138,8 @@ class Router:
         store = self.runtime.store
         if isinstance(effect, route.Plan):
             return route.Planned(self._plan(flow, state, effect.target))
+        if isinstance(effect, (route.CreatePin, route.Allocate)):
+            self.metrics.pin_writes += 1
         if isinstance(effect, route.ReadLineage):
             return _lineage_of(flow.request, state.request.facts.api)
         if isinstance(effect, (route.Allocate, route.CheckMember)):
@@ -226,6 +229,7 @@ class Router:
                 elif isinstance(after, route.RememberTitle):
                     await store.set(TITLE_PREFIX + after.session, after.server, after.ttl)
                 elif isinstance(after, route.WritePin):
+                    self.metrics.pin_writes += 1
                     await pins.create(store, after.session, after.pin, after.seen)
                 elif isinstance(after, route.RememberOpening):
                     await lineindex.remember_opening(store, after.agent, after.fingerprint, after.session)

@@ -22,10 +22,19 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections import deque
 from typing import Any, Callable
 
 from .base import READS, WRITES, SyncStore
 
+
+
+def _answer(answers: dict[asyncio.AbstractEventLoop, list]) -> None:
+    for loop, done in answers.items():
+        try:
+            loop.call_soon_threadsafe(_settle, done)
+        except RuntimeError:          # the caller's loop is closed: nobody waits
+            pass
 
 
 def _settle(done: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
@@ -39,11 +48,20 @@ def _settle(done: list[tuple[asyncio.Future, Any, BaseException | None]]) -> Non
 
 
 class Lane:
-    """A thread that runs calls in the order they were queued and answers on the caller's
-    loop. Calls queued while it worked are taken together, and their answers reach the
-    loop in one wakeup (each wakeup is a syscall on both sides)."""
+    """A thread that runs calls and answers on the caller's loop.
 
-    def __init__(self, name: str) -> None:
+    Calls run in the order they were queued, except that a durable write goes first: it
+    is a new conversation's pin, on that request's path, while the other writes
+    (activity, lineage, renewals) are background work that may pile up behind a store
+    another process holds locked — each of them then waits out the busy timeout.
+
+    ``batch``: calls queued while the lane worked are answered in one wakeup of the
+    caller's loop (each wakeup is a syscall on both sides) — for reads, microseconds each,
+    one on every request's path. Without it each call is answered when it is done — for
+    writes, any of which may wait for another process's lock."""
+
+    def __init__(self, name: str, batch: bool) -> None:
+        self.batch = batch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -54,32 +72,40 @@ class Lane:
         self._queue.put((loop, fut, fn, args, kw))
         return fut
 
-    def _work(self) -> None:
+    def _drain(self, pending: deque) -> None:
         while True:
-            batch = [self._queue.get()]
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            answers: dict[asyncio.AbstractEventLoop, list] = {}
-            stop = False
-            for item in batch:
-                if item is None:
-                    stop = True
-                    continue
-                loop, fut, fn, args, kw = item
-                try:
-                    answers.setdefault(loop, []).append((fut, fn(*args, **kw), None))
-                except BaseException as e:   # handed to the caller, whatever it is
-                    answers.setdefault(loop, []).append((fut, None, e))
-            for loop, done in answers.items():
-                try:
-                    loop.call_soon_threadsafe(_settle, done)
-                except RuntimeError:          # the caller's loop is closed: nobody waits
-                    pass
-            if stop:
+            try:
+                pending.append(self._queue.get_nowait())
+            except queue.Empty:
                 return
+
+    @staticmethod
+    def _next(pending: deque) -> Any:
+        for i, item in enumerate(pending):
+            if item is not None and item[4].get("durable") is True:
+                del pending[i]
+                return item
+        return pending.popleft()
+
+    def _work(self) -> None:
+        pending: deque = deque()
+        answers: dict[asyncio.AbstractEventLoop, list] = {}
+        while True:
+            if not pending:
+                pending.append(self._queue.get())
+            self._drain(pending)
+            item = self._next(pending)
+            if item is None:
+                _answer(answers)
+                return
+            loop, fut, fn, args, kw = item
+            try:
+                answers.setdefault(loop, []).append((fut, fn(*args, **kw), None))
+            except BaseException as e:   # handed to the caller, whatever it is
+                answers.setdefault(loop, []).append((fut, None, e))
+            if not self.batch or (not pending and self._queue.empty()):
+                _answer(answers)
+                answers = {}
 
     def stop(self, wait: bool) -> None:
         self._queue.put(None)
@@ -93,8 +119,8 @@ class Threaded:
     def __init__(self, backend: SyncStore) -> None:
         self.backend = backend
         self.url = backend.url
-        self._writer = Lane("sessionpin-store-w")
-        self._readers = Lane("sessionpin-store-r")
+        self._writer = Lane("sessionpin-store-w", batch=False)
+        self._readers = Lane("sessionpin-store-r", batch=True)
         self._closed = False
 
     async def _call(self, lane: Lane, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:

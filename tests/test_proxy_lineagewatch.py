@@ -103,16 +103,37 @@ async def test_records_that_come_while_a_write_waits_go_in_one_write():
     store = Threaded(backend)
     watch = lineagewatch.LineageWatch(Runtime(store))
     try:
-        for w in watched(200):
+        first, *rest = watched(200)
+        watch._record(first, None)
+        for _ in range(300):
+            if backend.applies:
+                break
+            await asyncio.sleep(0.01)
+        assert backend.applies == 1          # the first write waits for the store
+        for w in rest:
             watch._record(w, None)
             await asyncio.sleep(0)
         backend.hold.set()
         await flushed(watch)
-        assert backend.applies == 2          # the first record, then the 199 that waited behind it
+        assert backend.applies == 2          # the 199 that came meanwhile: one write
         assert (watch.recorded, watch.dropped) == (200, 0)
         assert await store.get(lineindex.anchor_key("claude-code", "req:r199")) == "s199"
     finally:
         backend.hold.set()
+        await store.close()
+
+
+async def test_records_close_together_go_in_one_write():
+    backend = Held()
+    backend.hold.set()
+    store = Threaded(backend)
+    watch = lineagewatch.LineageWatch(Runtime(store))
+    try:
+        for w in watched(20):
+            watch._record(w, None)
+        await flushed(watch)
+        assert backend.applies == 1 and watch.recorded == 20
+    finally:
         await store.close()
 
 

@@ -15,7 +15,9 @@ request's path. Rules it keeps:
   (Claude Code names it in ``cc_prev_req`` when another process resumes or forks).
 - Only ids and hashes; records are not durable and never delay a request or a response.
 - Bounded: at most ``MAX_WATCHED`` responses are watched at once (the oldest dropped).
-- Records are written in batches, one store write at a time: while a write waits (a
+- Records are written in batches, a tenth of a second after the first of them (a hop to
+  the store's writer thread per response cost more than the rest of this addon), one
+  store write at a time: while a write waits (a
   store another process holds locked waits out its busy timeout), the records that
   follow gather into the next one instead of queueing a write each in front of a new
   conversation's pin. At most ``MAX_PENDING`` writes wait; beyond that the oldest are
@@ -41,6 +43,7 @@ log = logging.getLogger("sessionpin")
 
 MAX_WATCHED = 10_000
 MAX_PENDING = 10_000
+FLUSH_DELAY = 0.1        # seconds records gather before a write: one thread wakeup for many responses
 _CHAINED = (F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES)
 
 
@@ -129,6 +132,7 @@ class LineageWatch:
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
+        await asyncio.sleep(FLUSH_DELAY)
         while self._pending and self.runtime.store is not None:
             batch = list(self._pending)
             self._pending.clear()

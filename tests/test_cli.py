@@ -441,6 +441,9 @@ def test_env_lines_per_runtime(env, capsys):
     assert code == 1 and "pi has no base-URL variable" in e
     code, o, _ = run(capsys, "env", "codex", "--reverse", "8082")
     assert code == 0 and "openai_base_url=\"http://127.0.0.1:8082/v1\"" in o and "OPENAI_BASE_URL" not in o
+    # the hints suggest one reverse port per origin (the README's table), so one proxy can listen for all
+    assert "`sessionpin env codex --reverse 8083`" in run(capsys, "env", "codex", "--confdir", str(confdir))[1]
+    assert "`sessionpin env claude-code --reverse 8081`" in run(capsys, "env", "claude-code")[1]
 
 
 def test_exec_runs_the_command_with_the_variables(env, tmp_path):

@@ -177,7 +177,8 @@ def session_of(r: Replay, rec: Recorded) -> str:
 def converse(ws: WsClient, r: Replay, messages: list[dict[str, Any]]) -> list[str]:
     """Send each message as Codex does (ids swapped; ``previous_response_id`` = the socket's last
     response); return the texts sent."""
-    sent, last = [], None
+    done = [json.loads(e) for e in ws.received if '"response.completed"' in e]
+    sent, last = [], done[-1]["response"]["id"] if done else None
     for m in messages:
         if "previous_response_id" in m:
             m = {**m, "previous_response_id": last}

@@ -21,6 +21,9 @@ load from other processes moves far less than latency (it counts in clock ticks,
 ``--redis`` adds a third proxy to the latency table: the same router with its pins in Redis (a
 redis-server of its own on loopback, ``appendonly yes``, ``appendfsync always``), taking its turn
 in the same steps, so its ratio to plain mitmdump stands beside the file store's from one run.
+``--no-lineage`` adds the router without its lineage watch (``LineageWatch``: what it records
+from responses for later forks — here a ``request-id`` anchor per Claude Code answer) the same
+way: the lineage's cost is the difference between the two routers' ratios in one run.
 Two body shapes: ``opening`` (the issue's measure: the bulk is the opening user message, the part
 the reader must read for the conversation's fingerprint) and ``history`` (the bulk is tool results
 later in the conversation, as in a long Claude Code session; the reader skips it).
@@ -69,6 +72,9 @@ KEY_ENV = "SESSIONPIN_BENCH_KEY"
 UPSTREAM_KEY = "bench-upstream-key-" + uuid.uuid4().hex[:8]
 CLIENT_KEY = "sk-ant-bench-client-" + uuid.uuid4().hex[:8]
 STREAM_ONLY = "def responseheaders(flow):\n    flow.response.stream = True\n"
+NO_LINEAGE = ("from sessionpin.proxy import make_addons\nfrom sessionpin.proxy.lineagewatch import LineageWatch\n"
+              "addons = [a for a in make_addons() if not isinstance(a, LineageWatch)]\n"
+              "for a in addons:\n    if hasattr(a, 'lineage'):\n        a.lineage = None\n")
 SIZES = {"10KB": 10 * 1024, "1MB": 1024 * 1024, "8MB": 8 * 1024 * 1024}
 
 
@@ -386,6 +392,7 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(SIZES), help="body sizes for latency: 10KB,1MB,8MB")
     ap.add_argument("--redis", action="store_true",
                     help="also the router with its pins in Redis (a redis-server of its own, appendfsync always)")
+    ap.add_argument("--no-lineage", action="store_true", help="also the router without its lineage watch")
     args = ap.parse_args()
     sizes = {k: SIZES[k] for k in args.sizes.split(",") if k}
     if not sizes or not set(args.sizes.split(",")) - {""} <= set(SIZES):
@@ -425,7 +432,13 @@ def main() -> None:
                                        env={KEY_ENV: UPSTREAM_KEY, "SESSIONPIN_STORE": redis.url("{bench}:")})
             on_redis.options.pop("sessionpin_store")
             procs.append(on_redis)
-        routers = ("router", "redis") if on_redis else ("router",)
+        no_lineage = None
+        if args.no_lineage:
+            (tmp / "nolin.py").write_text(NO_LINEAGE)
+            no_lineage = Mitmdump.router(tmp / "router-nolin", ca, config, env={KEY_ENV: UPSTREAM_KEY})
+            no_lineage.script = tmp / "nolin.py"
+            procs.append(no_lineage)
+        routers = ("router",) + (("redis",) if on_redis else ()) + (("nolin",) if no_lineage else ())
         try:
             for p in procs:
                 p.start()
@@ -433,8 +446,9 @@ def main() -> None:
             via = {name: (Client.via_proxy(p.port, p.mitm_ca, timeout=120), upstream.url)
                    for name, p in (("plain", plain), ("streaming", streaming), ("lazy", lazy))}
             via["router"] = (Client.via_proxy(router.port, router.mitm_ca, timeout=120), origin.origin)
-            if on_redis:
-                via["redis"] = (Client.via_proxy(on_redis.port, on_redis.mitm_ca, timeout=120), origin.origin)
+            for name, p in (("redis", on_redis), ("nolin", no_lineage)):
+                if p is not None:
+                    via[name] = (Client.via_proxy(p.port, p.mitm_ca, timeout=120), origin.origin)
 
             # is the router routing? (otherwise the ratios below measure nothing)
             for name in routers:
@@ -465,7 +479,8 @@ def main() -> None:
                     print(f"\nlatency, median per request ({'quick' if args.quick else 'full'};"
                           f" {', '.join(('plain',) + routers)} take turns request by request)")
                     pids = {name: p.proc.pid if p.proc else None
-                            for name, p in (("plain", plain), ("router", router), ("redis", on_redis)) if p}
+                            for name, p in (("plain", plain), ("router", router), ("redis", on_redis),
+                                            ("nolin", no_lineage)) if p}
                     got.update({("latency",) + k: v
                                 for k, v in latency(via, pids, sizes, shapes, steps, routers).items()})
                 if args.only in (None, "throughput"):

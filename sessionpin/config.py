@@ -29,6 +29,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 from urllib.parse import urlsplit
 
 from .facts import AGENTS
@@ -96,10 +97,7 @@ class Server:
 
     def map_model(self, model: str) -> str:
         """The name this server knows ``model`` by: the first matching glob's, else unchanged."""
-        for pattern, name in self.models:
-            if fnmatch.fnmatchcase(model, pattern):
-                return name
-        return model
+        return map_model(self.models, model)
 
 
 @dataclass(frozen=True)
@@ -195,6 +193,14 @@ def parse(text: str, path: str | None = None) -> Config:
             line = text.count("\n") + 1
         raise ConfigError(path, line, None, f"TOML syntax: {msg}") from None
     return _Validator(text, path).config(doc)
+
+
+def map_model(models: Iterable[tuple[str, str]], model: str) -> str:
+    """``model`` renamed by a model map (``Server.models``): the first matching glob's name."""
+    for pattern, name in models:
+        if fnmatch.fnmatchcase(model, pattern):
+            return name
+    return model
 
 
 def _under(path: str, prefix: str) -> bool:

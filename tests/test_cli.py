@@ -223,6 +223,33 @@ def test_sessions_table_and_filters(env, capsys):
     assert data[0]["server"] is None and data[0]["requests"] == 5 and data[0]["agent"] == "claude-code"
 
 
+def test_sessions_name_a_forks_parent(env, capsys):
+    """A fork under a new id is pinned naming its parent: WHY says so, and a PARENT column
+    appears when a listed conversation is a fork (JSON: ``parent``)."""
+    put_pins(env.url, RUNNING)
+    parent, fork = RUNNING[0][0], "9c2e41d0-dddd-4000-8000-000000000004"
+
+    async def put() -> None:
+        store = open_store(env.url)
+        try:
+            now = time.time()
+            await pins.create(store, fork, pins.Pin(agent="claude-code", server="anthropic", since=now, renewed=now,
+                                                    rule="fork", turn="continuation", parent=parent))
+        finally:
+            await store.close()
+    asyncio.run(put())
+    code, o, _ = run(capsys, "sessions", "--agent", "claude-code")
+    lines = [line.split() for line in o.splitlines()]
+    assert lines[0] == ["SESSION", "AGENT", "SERVER", "WHY", "PARENT", "PINNED", "LAST", "SEEN", "REQUESTS"]
+    row = next(line for line in lines if line[0] == "9c2e41d0")
+    assert row[3:7] == ["fork", "of", "1f0c9a2b", "1f0c9a2b"]
+    assert all(line[5] == "-" for line in lines[1:] if line[0] != "9c2e41d0" and line[3] == "began")
+    data = json.loads(run(capsys, "sessions", "--json")[1])
+    assert {d["session"]: d["parent"] for d in data}[fork] == parent
+    assert {d["session"]: d["why"] for d in data}[fork] == "fork of 1f0c9a2b"
+    assert "PARENT" not in run(capsys, "sessions", "--agent", "opencode")[1]     # no fork listed: no column
+
+
 def test_sessions_unknown_filter(env, capsys):
     put_pins(env.url, RUNNING)
     code, _, e = run(capsys, "sessions", "--server", "nope")
@@ -441,6 +468,9 @@ def test_env_lines_per_runtime(env, capsys):
     assert code == 1 and "pi has no base-URL variable" in e
     code, o, _ = run(capsys, "env", "codex", "--reverse", "8082")
     assert code == 0 and "openai_base_url=\"http://127.0.0.1:8082/v1\"" in o and "OPENAI_BASE_URL" not in o
+    # the hints suggest one reverse port per origin (the README's table), so one proxy can listen for all
+    assert "`sessionpin env codex --reverse 8083`" in run(capsys, "env", "codex", "--confdir", str(confdir))[1]
+    assert "`sessionpin env claude-code --reverse 8081`" in run(capsys, "env", "claude-code")[1]
 
 
 def test_exec_runs_the_command_with_the_variables(env, tmp_path):

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from .. import pins
+from ..ids import short
 
 HOUR = 3600.0
 # One wording, used everywhere, for what happens to a conversation the proxy has no pin for.
@@ -59,6 +60,8 @@ def ago(then: float | None, now: float) -> str:
 
 
 def why(pin: pins.Pin) -> str:
+    if pin.parent and not pin.why:            # a fork or resume under a new id follows its parent
+        return f"fork of {short(pin.parent)}"
     return pin.why or PIN_WHY.get(pin.rule, pin.rule or "-")    # a pool's allocation says its own
 
 

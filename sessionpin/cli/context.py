@@ -151,7 +151,7 @@ class Row:
             "session": self.session, "short": short(self.session), "agent": self.pin.agent,
             "server": self.pin.server, "pinned_since": iso(self.pin.since), "last_seen": iso(self.seen.last),
             "requests": self.seen.requests, "rule": self.pin.rule or None, "why": why(self.pin),
-            "turn": self.pin.turn or None,
+            "turn": self.pin.turn or None, "parent": self.pin.parent or None,
             "since_epoch": self.pin.since, "last_seen_epoch": self.seen.last or None,
         }
 

@@ -32,6 +32,9 @@ NODE_AGENTS = ("claude-code", "opencode", "pi", "gemini-cli")
 REVERSE = {
     "claude-code": ("ANTHROPIC_BASE_URL", "https://api.anthropic.com", ""),
 }
+# The reverse-mode port the hints suggest: one per origin, so one proxy can listen for all
+# (README, "Pointing each agent at the proxy").
+REVERSE_PORT = {"claude-code": 8081, "codex": 8083}
 # A command name -> the agent it is (for ``exec``).
 COMMAND_AGENT = {"claude": "claude-code", "opencode": "opencode", "pi": "pi", "codex": "codex",
                  "gemini": "gemini-cli"}
@@ -77,8 +80,8 @@ def cmd_env(ctx: Ctx, args: argparse.Namespace) -> int:
         out(f"# {ca} does not exist yet: the proxy creates it when it first starts")
     for k, v in env.items():
         out(f"export {k}={shlex.quote(v)}")
-    if agent in REVERSE or agent == "codex":
-        out(f"# or reverse mode, no CA: `sessionpin env {agent} --reverse 8081`")
+    if agent in REVERSE_PORT:
+        out(f"# or reverse mode, no CA: `sessionpin env {agent} --reverse {REVERSE_PORT[agent]}`")
     return 0
 
 

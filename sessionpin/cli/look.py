@@ -113,9 +113,11 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
         what = "no pinned conversations" + ("" if store is not None else f" (no store file yet at {ctx.store_file()})")
         out(what + (" match" if (args.agent or args.server or args.not_routed) and store is not None else ""))
         return 0
-    grid = [["SESSION", "AGENT", "SERVER", "WHY", "PINNED", "LAST SEEN", "REQUESTS"]]
+    forks = any(r.pin.parent for r in selected)     # the PARENT column, when a listed one is a fork
+    grid = [["SESSION", "AGENT", "SERVER", "WHY", *(["PARENT"] if forks else []), "PINNED", "LAST SEEN", "REQUESTS"]]
     for r in selected:
-        grid.append([short(r.session), r.pin.agent, where(r.pin.server), why(r.pin), ago(r.pin.since, now),
+        parent = [short(r.pin.parent) if r.pin.parent else "-"] if forks else []
+        grid.append([short(r.session), r.pin.agent, where(r.pin.server), why(r.pin), *parent, ago(r.pin.since, now),
                      ago(r.seen.last, now), str(r.seen.requests)])
     for line in table(grid):
         out(line)

@@ -7,10 +7,11 @@ remembered, from the parent's own traffic, the ids and hashes that history will 
 request's path. Rules it keeps:
 
 - An opening (and any request that pinned a conversation without history) has its
-  history's head read from the request (``lineage.chain(turns=1)``); its streamed answer
-  is read as it passes (``lineage_stream.StreamReader``, every chunk forwarded unchanged
-  and undelayed); once the answer completes, the conversation's root key
-  (``lineage.extend(head, answer.digest)``) is recorded for it.
+  streamed answer read as it passes (``lineage_stream.StreamReader``, every chunk
+  forwarded unchanged and undelayed); once the answer completes, its history's head is
+  read from the request (``lineage.chain(turns=1)``: after the answer, never before the
+  request leaves — a 1 MB opening message costs ~10 ms to hash) and the conversation's
+  root key (``lineage.extend(head, answer.digest)``) is recorded for it.
 - Every successful Claude Code response records its ``request-id`` header as an anchor
   (Claude Code names it in ``cc_prev_req`` when another process resumes or forks).
 - Only ids and hashes; records are not durable and never delay a request or a response.
@@ -48,10 +49,10 @@ _CHAINED = (F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES)
 
 
 class _Watched:
-    __slots__ = ("agent", "session", "api", "head", "reader", "anchors")
+    __slots__ = ("agent", "session", "api", "opening", "reader", "anchors")
 
-    def __init__(self, agent: str, session: str, api: str, head: str | None) -> None:
-        self.agent, self.session, self.api, self.head = agent, session, api, head
+    def __init__(self, agent: str, session: str, api: str, opening: bool) -> None:
+        self.agent, self.session, self.api, self.opening = agent, session, api, opening
         self.reader: StreamReader | None = None
         self.anchors: list[str] = []
 
@@ -76,14 +77,10 @@ class LineageWatch:
         pinned = state.loaded.pin is not None or d.pin_action == "create"
         if not pinned:
             return
-        head = None
-        if not f.has_history and f.turn in (F.OPENING, F.UNKNOWN_TURN) and d.pin_action == "create":
-            req = flow.request
-            head = lineage.chain(req.raw_content, f.api, turns=1,
-                                 content_encoding=req.headers.get("content-encoding", "")).head
-        if head is None and f.agent != F.CLAUDE_CODE:
+        opening = not f.has_history and f.turn in (F.OPENING, F.UNKNOWN_TURN) and d.pin_action == "create"
+        if not opening and f.agent != F.CLAUDE_CODE:
             return          # nothing to record: no root to learn, no anchor to keep
-        self._watched[flow.id] = _Watched(f.agent, state.session, f.api, head)
+        self._watched[flow.id] = _Watched(f.agent, state.session, f.api, opening)
         while len(self._watched) > MAX_WATCHED:
             self._watched.popitem(last=False)
 
@@ -99,7 +96,7 @@ class LineageWatch:
             request_id = resp.headers.get("request-id")
             if request_id and F.clean_id(request_id):
                 w.anchors.append("req:" + request_id.strip())
-        if w.head is not None and "text/event-stream" in resp.headers.get("content-type", "").lower():
+        if w.opening and "text/event-stream" in resp.headers.get("content-type", "").lower():
             # (the router turned streaming on; the reader streams it the same, and reads it)
             w.reader = StreamReader(w.api, resp.headers.get("content-encoding", ""))
             resp.stream = w.reader
@@ -109,10 +106,13 @@ class LineageWatch:
         if w is None:
             return
         root = None
-        if w.reader is not None and w.head is not None:
+        if w.reader is not None:
             answer = w.reader.result()
             if answer.complete and not answer.overflow:
-                root = lineage.extend(w.head, answer.digest)
+                req = flow.request
+                head = lineage.chain(req.raw_content, w.api, turns=1,
+                                     content_encoding=req.headers.get("content-encoding", "")).head
+                root = lineage.extend(head, answer.digest) if head is not None else None
         if root or w.anchors:
             self._record(w, root)
 

@@ -39,6 +39,7 @@ from .. import allocate, answers, ladder, lineage, lineindex, paths, pins, rewri
 from .. import facts as F
 from ..ids import short
 from ..store import StoreError
+from . import websocket
 from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DECISIONS
@@ -103,7 +104,7 @@ class Router:
                 facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
                                req.headers.get("content-encoding"))
                 decision = await self._route(flow, facts, source)
-            elif _is_websocket(req):
+            elif websocket.is_upgrade(req):
                 decision = await self._websocket(flow)
             elif any(_wants(p, req) for p in self.participants):
                 facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
@@ -173,7 +174,7 @@ class Router:
         config = allocate.snapshot(r.config, state.loaded.pin)    # a pool pin's model map
         target = config.servers.get(target_name)
         body = None
-        upgrade = _is_websocket(req)     # no body: each message's model is renamed as it passes
+        upgrade = websocket.is_upgrade(req)     # no body: each message's model is renamed as it passes
         model = None if upgrade else r.facts.model
         if target is not None and model is not None and target.map_model(model) != model:
             body = req.get_content(strict=False)
@@ -213,6 +214,8 @@ class Router:
         for after in s.after:
             self._later(after)
         self._decided(flow, state, changes)
+        if changes is not None and websocket.is_upgrade(flow.request):
+            flow.metadata["sessionpin"][websocket.MODELS] = websocket.socket_models(state)
         if self.lineage is not None:
             self.lineage.watch(flow, state)
 
@@ -352,18 +355,11 @@ class Router:
     # ---- Codex's WebSocket -----------------------------------------------------------------------
     async def _websocket(self, flow: http.HTTPFlow) -> ladder.Decision | None:
         """Codex opens its Responses turns on a WebSocket: it is decided at the upgrade, like
-        an HTTPS request of its thread (``facts.read_upgrade``), and routed there — the socket
-        then goes to the chosen server with its key; ``websocket.WebSocketModels`` renames
-        the model in each ``response.create`` the client sends."""
-        req = flow.request
-        source = self.config.config.server_for(req.scheme, req.host, req.port, req.path)
-        scope = paths.scope("POST", req.path, source.prefix if source else None)
-        if scope.api != F.OPENAI_RESPONSES:
-            return None
-        facts = F.read_upgrade(req.url, req.headers.fields)
-        if facts.agent not in F.AGENTS:
-            return None
-        return await self._route(flow, facts, source)
+        an HTTPS request of its thread, and routed there — the socket then goes to the chosen
+        server with its key; ``websocket.WebSocketModels`` renames the model in each
+        ``response.create`` the client sends, with the map recorded here."""
+        read = websocket.upgrade_facts(self.config.config, flow.request)
+        return await self._route(flow, *read) if read else None
 
 
 def _lineage_of(req: http.Request, api: str) -> route.LineageRead:
@@ -377,10 +373,6 @@ def _lineage_of(req: http.Request, api: str) -> route.LineageRead:
 def _looks_inference(path: str) -> bool:
     p = path.partition("?")[0].lower()
     return any(e in p for e in ("/messages", "/chat/completions", "/responses"))
-
-
-def _is_websocket(req: http.Request) -> bool:
-    return req.method == "GET" and "websocket" in req.headers.get("upgrade", "").lower()
 
 
 def _wants(participant: Any, req: http.Request) -> bool:

@@ -1,11 +1,19 @@
-"""WebSocketModels: the model name in the messages of a WebSocket the router moved.
+"""Codex's Responses WebSocket: what the router reads at the upgrade, and ``WebSocketModels``,
+the model name in the messages of a socket the router decided.
 
 Codex sends its turns as ``response.create`` messages on a Responses WebSocket; the router
-decided the socket at its upgrade (``router.Router._websocket``). A message that goes to a
-server with model renames gets its top-level ``model`` renamed like an HTTPS body: only
-those bytes change (``rewrite.replace_model``). A message whose model cannot be located
-exactly is not sent on unmapped: it is dropped, and the client gets an ``error`` event
-saying why (the same rule as the HTTPS body's 502).
+decides the socket at its upgrade (``upgrade_facts``, ``router.Router._websocket``) and
+opens it to the chosen server with that server's key. Rules kept here:
+
+- The socket's model map is the one its server had as the upgrade was planned (a pool
+  pin's snapshot included: ``socket_models``), kept in the flow's metadata for the
+  socket's life — like its server and its key, which the handshake fixed. A config edit
+  applies from the next socket.
+- A message the client sends on a socket with a model map gets its top-level ``model``
+  renamed like an HTTPS body: only those bytes change (``rewrite.replace_model``). A
+  message whose model cannot be located exactly is not sent on unmapped: it is dropped,
+  and the client gets an ``error`` event saying why (the same rule as the HTTPS body's
+  502). The server's messages pass as sent.
 """
 
 from __future__ import annotations
@@ -15,29 +23,50 @@ import logging
 
 from mitmproxy import ctx, http
 
-from .. import rewrite
+from .. import allocate, paths, rewrite
+from .. import facts as F
+from ..config import Config, Server, map_model
 from ..ids import short
-from .configwatch import ConfigWatch
+from ..route import State
 
 log = logging.getLogger("sessionpin")
+MODELS = "socket_models"     # the flow metadata's key for a socket's model map
+
+
+def is_upgrade(req: http.Request) -> bool:
+    return req.method == "GET" and "websocket" in req.headers.get("upgrade", "").lower()
+
+
+def upgrade_facts(config: Config, req: http.Request) -> tuple[F.Facts, Server | None] | None:
+    """The facts of an upgrade the router decides (a known agent's, to a Responses endpoint),
+    told by its headers (``facts.read_upgrade``), and the server it addresses; else None."""
+    source = config.server_for(req.scheme, req.host, req.port, req.path)
+    if paths.scope("POST", req.path, source.prefix if source else None).api != F.OPENAI_RESPONSES:
+        return None
+    facts = F.read_upgrade(req.url, req.headers.fields)
+    return (facts, source) if facts.agent in F.AGENTS else None
+
+
+def socket_models(state: State) -> list[list[str]]:
+    """The model map of the server a socket is opened to, as its upgrade was planned."""
+    d = state.decision
+    target = allocate.snapshot(state.request.config, state.loaded.pin).servers.get(d.target) if d else None
+    return [list(m) for m in target.models] if target is not None else []
 
 
 class WebSocketModels:
-    def __init__(self, config: ConfigWatch) -> None:
-        self.config = config
+    def __init__(self) -> None:
         self.renamed = 0
         self.refused = 0
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         meta = flow.metadata.get("sessionpin")
-        if not meta or not meta.get("target") or flow.websocket is None:
+        if not meta or not meta.get(MODELS) or flow.websocket is None:
             return
         msg = flow.websocket.messages[-1]
         if not msg.from_client or not msg.is_text:
             return
-        server = self.config.config.servers.get(meta["target"])
-        if server is None or not server.models:
-            return
+        models = [tuple(m) for m in meta[MODELS]]
         data = msg.content
         try:
             start, end = rewrite.model_span(data)
@@ -46,7 +75,7 @@ class WebSocketModels:
             if b'"model"' not in data:
                 return               # a message without a model (nothing to rename)
             return self._refuse(flow, msg, meta, "its model could not be located exactly")
-        mapped = server.map_model(model) if isinstance(model, str) else model
+        mapped = map_model(models, model) if isinstance(model, str) else model
         if mapped == model:
             return
         msg.content = rewrite.replace_model(data, model, mapped, (start, end))

@@ -106,7 +106,7 @@ def test_status_document_roundtrip():
     assert read_status(b'{"version": 1}') is None
 
 
-# --------------------------------------------------------------------------- the exposition, read by the reference parser
+# --------------------------------------------------------------- the exposition, read by the reference parser
 
 ODD = ['plain', 'quo"te', 'back\\slash', 'new\nline', 'all "\\\n of them\\n', 'ünï—code']
 
@@ -145,11 +145,12 @@ def test_label_values_are_escaped_and_read_back_as_they_were():
 def test_help_text_is_escaped():
     from sessionpin.proxy.exposition import family, joined
     out = []
-    family(out, "x_total", "counter", 'a "help" with \\ and\na line feed', [((("k", "v"),), 1)])
+    family(out, "x_total", "counter", 'a "help" with \\ and\na line feed', ("k",), [("v", 1)])
     assert families(joined(out))["x"].documentation == 'a "help" with \\ and\na line feed'
 
 
 async def test_the_pools_families_are_escaped_and_grouped():
+    from sessionpin import quota
     from sessionpin.config import parse
     from sessionpin.pool import report
     from sessionpin.proxy.allocations import pool_metrics_text
@@ -160,11 +161,15 @@ url = "https://b.example"
 members = ["glm", "glm-b"]
 ''')
     text = pool_metrics_text(cfg.pools.values(), {("both", "glm"): 2}, {("both", "glm-b"): 1}, ["glm", "glm-b"],
-                             {"glm": 3}, {}, {"glm-b": 1.0}, 0.0)
+                             {"glm": 3}, {"glm": quota.Quota(observed=0.0, exhausted_until=9.0)}, {"glm-b": 1.0}, 0.0)
     got = families(text)
     assert [(s.labels, s.value) for s in got["sessionpin_pool_allocations"].samples] == \
         [({"pool": "both", "member": "glm"}, 2), ({"pool": "both", "member": "glm-b"}, 0)]
-    assert [s.value for s in got["sessionpin_pool_member_drained"].samples] == [0, 1]
+    assert [(s.labels, s.value) for s in got["sessionpin_pool_moves"].samples] == \
+        [({"pool": "both", "member": "glm-b"}, 1)]
+    for name, values in (("active", [3, 0]), ("exhausted", [1, 0]), ("drained", [0, 1])):
+        assert [(s.labels, s.value) for s in got[f"sessionpin_pool_member_{name}"].samples] == \
+            [({"member": "glm"}, values[0]), ({"member": "glm-b"}, values[1])]
     # the OpenCode id pool: provider and model names come from the agents' requests
     snap = {"groups": [{"provider": p, "model": m, "fresh_spares": i, "bindings": [{}] * i}
                        for i, (p, m) in enumerate(zip(ODD, reversed(ODD)))]}

@@ -210,16 +210,16 @@ def pool_metrics_text(pools: Iterable[Any], allocated: Mapping[tuple[str, str], 
     """The server pools' families, from what was read (no store read here)."""
     out: list[str] = []
     family(out, "sessionpin_pool_allocations_total", "counter",
-           "New conversations allocated to a pool member by this proxy.",
-           [((("pool", p.name), ("member", m)), allocated.get((p.name, m), 0)) for p in pools for m in p.members])
+           "New conversations allocated to a pool member by this proxy.", ("pool", "member"),
+           [((p.name, m), allocated.get((p.name, m), 0)) for p in pools for m in p.members])
     family(out, "sessionpin_pool_moves_total", "counter", "Soft-pool conversations moved to a member by this proxy.",
-           [((("pool", p), ("member", m)), n) for (p, m), n in sorted(moved.items())])
-    family(out, "sessionpin_pool_member_active", "gauge", "Live pinned conversations per pool member.",
-           [((("member", m),), active.get(m, 0)) for m in everyone])
-    family(out, "sessionpin_pool_member_exhausted", "gauge", "1 while a member is known out of quota.",
-           [((("member", m),), int(m in q and q[m].exhausted_until > now)) for m in everyone])
-    family(out, "sessionpin_pool_member_drained", "gauge", "1 while a member is drained.",
-           [((("member", m),), int(m in drained)) for m in everyone])
+           ("pool", "member"), sorted(moved.items()))
+    family(out, "sessionpin_pool_member_active", "gauge", "Live pinned conversations per pool member.", ("member",),
+           [(m, active.get(m, 0)) for m in everyone])
+    family(out, "sessionpin_pool_member_exhausted", "gauge", "1 while a member is known out of quota.", ("member",),
+           [(m, int(m in q and q[m].exhausted_until > now)) for m in everyone])
+    family(out, "sessionpin_pool_member_drained", "gauge", "1 while a member is drained.", ("member",),
+           [(m, int(m in drained)) for m in everyone])
     return joined(out)
 
 

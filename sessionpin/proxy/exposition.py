@@ -1,9 +1,10 @@
 """The Prometheus text format (version 0.0.4) that ``/__sessionpin/metrics`` answers.
 
-``family(out, name, kind, help, samples)`` appends one metric family as one group: its
-``# HELP`` and ``# TYPE`` lines, then every sample of it, so no two families interleave.
-``samples`` is an iterable of ``(labels, value)``, ``labels`` a sequence of ``(name,
-value)`` pairs in the order they are written (empty: a sample without labels).
+``family(out, name, kind, help, labels, samples)`` appends one metric family as one group:
+its ``# HELP`` and ``# TYPE`` lines, then every sample of it, so no two families interleave.
+``labels`` are the label names, in the order they are written; ``samples`` is an iterable
+of ``(values, value)``: ``values`` is a tuple of one label value per name, or with one
+label name the label value itself (a dict's or Counter's ``items()`` as they are).
 
 Escaping, as the format says: in a label value a backslash, a double quote and a line feed
 become ``\\\\``, ``\\"`` and ``\\n``; in HELP text a backslash and a line feed. Label names and
@@ -17,9 +18,7 @@ reference client's parser.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
-
-Labels = Sequence[tuple[str, object]]
+from typing import Any, Iterable
 
 
 def label(v: object) -> str:
@@ -31,15 +30,24 @@ def help_text(s: str) -> str:
     return s.replace("\\", "\\\\").replace("\n", "\\n")
 
 
-def family(out: list[str], name: str, kind: str, help: str, samples: Iterable[tuple[Labels, int | float]]) -> None:
+def family(out: list[str], name: str, kind: str, help: str, labels: tuple[str, ...],
+           samples: Iterable[tuple[Any, int | float]]) -> None:
     out.append(f"# HELP {name} {help_text(help)}")
     out.append(f"# TYPE {name} {kind}")
-    for labels, value in samples:
-        if labels:
-            inner = ",".join([f'{k}="{label(v)}"' for k, v in labels])
-            out.append(f"{name}{{{inner}}} {value}")
-        else:
-            out.append(f"{name} {value}")
+    if not labels:
+        out.extend([f"{name} {value}" for _, value in samples])
+    elif len(labels) == 1:
+        head = f'{name}{{{labels[0]}="'
+        out.extend([f'{head}{label(v)}"}} {value}' for v, value in samples])
+    else:
+        head = f'{name}{{{labels[0]}="'
+        seps = [f'",{k}="' for k in labels[1:]]
+        for values, value in samples:
+            parts = [head, label(values[0])]
+            for sep, v in zip(seps, values[1:], strict=True):
+                parts += (sep, label(v))
+            parts.append(f'"}} {value}')
+            out.append("".join(parts))
 
 
 def joined(out: list[str]) -> str:

@@ -150,19 +150,22 @@ def metrics_text(counts: Mapping[str, PinCount] | None, m: Metrics, store_errors
     out: list[str] = []
     by_server = sorted((counts or {}).items())
     family(out, "sessionpin_pins", "gauge", 'Live pins by server ("-" = not routed); -1 when the store cannot be read.',
-           [((), -1)] if counts is None else [((("server", s),), n.pins) for s, n in by_server])
+           ("server",), [(s, n.pins) for s, n in by_server])
+    if counts is None:
+        out.append("sessionpin_pins -1")
     family(out, "sessionpin_active_sessions", "gauge", "Pinned sessions seen in the last hour, by server.",
-           [((("server", s),), n.active) for s, n in by_server])
+           ("server",), [(s, n.active) for s, n in by_server])
     family(out, "sessionpin_decisions_total", "counter", "Decisions on inference requests by agent, turn and outcome.",
-           [((("agent", a), ("turn", t), ("outcome", o)), n) for (a, t, o), n in sorted(m.decisions.items())])
+           ("agent", "turn", "outcome"), sorted(m.decisions.items()))
     family(out, "sessionpin_decisions_by_rule_total", "counter", "Decisions by the ladder rule that made them.",
-           [((("rule", r),), n) for r, n in sorted(m.rules.items())])
+           ("rule",), sorted(m.rules.items()))
     family(out, "sessionpin_refusals_total", "counter", "Requests answered by the router with an error, by reason.",
-           [((("reason", r),), n) for r, n in sorted(m.refusals.items())])
-    family(out, "sessionpin_store_errors_total", "counter", "Store calls that failed.", [((), store_errors)])
-    family(out, "sessionpin_config_reloads_total", "counter", "Config files reloaded while running.", [((), reloads)])
+           ("reason",), sorted(m.refusals.items()))
+    family(out, "sessionpin_store_errors_total", "counter", "Store calls that failed.", (), [((), store_errors)])
+    family(out, "sessionpin_config_reloads_total", "counter", "Config files reloaded while running.", (),
+           [((), reloads)])
     family(out, "sessionpin_config_rejected_total", "counter", "Config texts refused by validation while running.",
-           [((), rejected)])
+           (), [((), rejected)])
     return joined(out)
 
 

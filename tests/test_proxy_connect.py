@@ -115,3 +115,29 @@ async def test_a_check_the_router_made_stands_once_for_the_connection_that_follo
         assert await r.reachable(client.id, addr) is not None
     finally:
         listening.close()
+
+
+async def test_behind_an_upstream_proxy_nothing_is_tried_directly(proxy, cfg_path):
+    """Clients of an upstream: listener reach servers through that proxy: a direct connect tells nothing."""
+    from mitmproxy.proxy import mode_specs
+
+    down = free_port()
+    cfg_path.write_text(CONFIG.replace("https://api.z.ai/api/anthropic", f"https://127.0.0.1:{down}/api/anthropic"))
+    proxy.reload()
+    f = flow()
+    f.client_conn.proxy_mode = mode_specs.ProxyMode.parse("upstream:http://127.0.0.1:3128")
+    proxy.connect.client_connected(f.client_conn)
+    await proxy.send(f)
+    assert f.response is None and f.request.host == "127.0.0.1" and f.request.port == down   # sent on, via the proxy
+    assert proxy.connect.unreachable == {}
+    # mitmproxy's own connection through that proxy: not checked either
+    d = server_hooks.ServerConnectionHookData(client=f.client_conn, server=tflow.tserver_conn())
+    d.server.address, d.server.error = ("127.0.0.1", down), None
+    d.server.via = ("http", ("127.0.0.1", 3128))
+    await proxy.connect.server_connect(d)
+    assert d.server.error is None
+    proxy.connect.client_disconnected(f.client_conn)
+    assert not proxy.connect.via_proxy
+    g = flow(session="abcd1234-0000-4000-8000-000000000002")           # a regular client: checked as before
+    await proxy.send(g)
+    assert g.response.status_code == 502 and "cannot be reached" in g.response.text

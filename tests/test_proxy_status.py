@@ -135,3 +135,95 @@ def test_status_document_roundtrip():
     s = Status(version="1", pid=1, host="h", started=1.0, pins={"glm": PinCount(pins=2, active=1)})
     assert read_status(msgspec.json.encode(s)) == s
     assert read_status(b'{"version": 1}') is None
+
+
+# --------------------------------------------------------------- the exposition, read by the reference parser
+
+ODD = ['plain', 'quo"te', 'back\\slash', 'new\nline', 'all "\\\n of them\\n', 'ünï—code']
+
+
+def families(text):
+    """Our text through prometheus_client's parser: {name: family}; each family one group, typed."""
+    from prometheus_client.parser import text_string_to_metric_families
+    got = list(text_string_to_metric_families(text))
+    names = [f.name for f in got]
+    assert len(names) == len(set(names)), f"a family in two groups: {names}"
+    assert all(f.type != "unknown" and f.documentation for f in got), [(f.name, f.type) for f in got]
+    return {f.name: f for f in got}
+
+
+def test_label_values_are_escaped_and_read_back_as_they_were():
+    from sessionpin.documents import PinCount
+    from sessionpin.proxy.router import Metrics
+    from sessionpin.proxy.status import metrics_text
+    m = Metrics()
+    for i, v in enumerate(ODD):
+        m.decisions[(v, "opening", "routed")] += i + 1
+        m.refusals[v] += i + 1
+    text = metrics_text({v: PinCount(pins=i, active=1) for i, v in enumerate(ODD)}, m, 0, 0, 0)
+    assert len(text.splitlines()) == 2 * 8 + 4 * len(ODD) + 3          # a raw line feed would add lines
+    got = families(text)
+    assert {s.labels["server"]: s.value for s in got["sessionpin_pins"].samples} == \
+        {v: i for i, v in enumerate(ODD)}
+    assert {s.labels["reason"]: s.value for s in got["sessionpin_refusals"].samples} == \
+        {v: i + 1 for i, v in enumerate(ODD)}
+    assert {s.labels["agent"] for s in got["sessionpin_decisions"].samples} == set(ODD)
+    got = families(metrics_text(None, Metrics(), 2, 0, 0))     # the store cannot be read
+    assert [(s.labels, s.value) for s in got["sessionpin_pins"].samples] == [({}, -1)]
+    assert got["sessionpin_store_errors"].samples[0].value == 2
+
+
+def test_help_text_is_escaped():
+    from sessionpin.proxy.exposition import family, joined
+    out = []
+    family(out, "x_total", "counter", 'a "help" with \\ and\na line feed', ("k",), [("v", 1)])
+    assert families(joined(out))["x"].documentation == 'a "help" with \\ and\na line feed'
+
+
+async def test_the_pools_families_are_escaped_and_grouped():
+    from sessionpin import quota
+    from sessionpin.config import parse
+    from sessionpin.pool import report
+    from sessionpin.proxy.allocations import pool_metrics_text
+    cfg = parse(CONFIG + '''
+[servers.glm-b]
+url = "https://b.example"
+[pools.both]
+members = ["glm", "glm-b"]
+''')
+    text = pool_metrics_text(cfg.pools.values(), {("both", "glm"): 2}, {("both", "glm-b"): 1}, ["glm", "glm-b"],
+                             {"glm": 3}, {"glm": quota.Quota(observed=0.0, exhausted_until=9.0)}, {"glm-b": 1.0}, 0.0)
+    got = families(text)
+    assert [(s.labels, s.value) for s in got["sessionpin_pool_allocations"].samples] == \
+        [({"pool": "both", "member": "glm"}, 2), ({"pool": "both", "member": "glm-b"}, 0)]
+    assert [(s.labels, s.value) for s in got["sessionpin_pool_moves"].samples] == \
+        [({"pool": "both", "member": "glm-b"}, 1)]
+    for name, values in (("active", [3, 0]), ("exhausted", [1, 0]), ("drained", [0, 1])):
+        assert [(s.labels, s.value) for s in got[f"sessionpin_pool_member_{name}"].samples] == \
+            [({"member": "glm"}, values[0]), ({"member": "glm-b"}, values[1])]
+    # the OpenCode id pool: provider and model names come from the agents' requests
+    snap = {"groups": [{"provider": p, "model": m, "fresh_spares": i, "bindings": [{}] * i}
+                       for i, (p, m) in enumerate(zip(ODD, reversed(ODD)))]}
+    got = families(report.metrics({"probes": 4}, snap))
+    assert {(s.labels["provider"], s.labels["model"]): s.value for s in got["sessionpin_pool_spares"].samples} == \
+        {(p, m): i for i, (p, m) in enumerate(zip(ODD, reversed(ODD)))}
+    assert len(got["sessionpin_pool_bindings"].samples) == len(ODD)
+
+
+async def test_the_whole_scrape_reads_as_prometheus_text(cfg_path):
+    cfg_path.write_text(CONFIG + '''
+[servers.glm-b]
+url = "https://b.example"
+[pools.both]
+members = ["glm", "glm-b"]
+''')
+    p = start(cfg_path, pool=True)
+    try:
+        await p.send(flow())
+        f = internal("/__sessionpin/metrics")
+        await p.send(f)
+    finally:
+        p.close()
+    got = families(f.response.text)
+    assert {"sessionpin_pins", "sessionpin_decisions", "sessionpin_pool_allocations", "sessionpin_pool_events"} <= \
+        set(got)

@@ -92,18 +92,21 @@ def status(counters: Counter[str] | Mapping[str, int], *, running: bool, enabled
 
 
 def metrics(counters: Counter[str] | Mapping[str, int], snap: Mapping[str, Any] | None = None) -> str:
-    """Prometheus text lines for /__sessionpin/metrics."""
-    lines = ["# TYPE sessionpin_pool_events_total counter"]
+    """Prometheus text lines for /__sessionpin/metrics: each family one group (HELP, TYPE, samples)."""
+    lines = ["# HELP sessionpin_pool_events_total OpenCode id pool events in this proxy, by kind.",
+             "# TYPE sessionpin_pool_events_total counter"]
     lines += [f'sessionpin_pool_events_total{{event="{name}"}} {int(counters.get(name, 0))}' for name in COUNTERS]
     if snap is not None:
-        lines.append("# TYPE sessionpin_pool_spares gauge")
-        lines.append("# TYPE sessionpin_pool_bindings gauge")
-        for g in snap["groups"]:
-            labels = f'provider="{_esc(g["provider"])}",model="{_esc(g["model"])}"'
-            lines.append(f"sessionpin_pool_spares{{{labels}}} {g['fresh_spares']}")
-            lines.append(f"sessionpin_pool_bindings{{{labels}}} {len(g['bindings'])}")
+        groups = [(f'provider="{_esc(g["provider"])}",model="{_esc(g["model"])}"', g) for g in snap["groups"]]
+        lines += ["# HELP sessionpin_pool_spares Fresh spare ids by provider and model.",
+                  "# TYPE sessionpin_pool_spares gauge"]
+        lines += [f"sessionpin_pool_spares{{{labels}}} {g['fresh_spares']}" for labels, g in groups]
+        lines += ["# HELP sessionpin_pool_bindings Conversations bound to an id, by provider and model.",
+                  "# TYPE sessionpin_pool_bindings gauge"]
+        lines += [f"sessionpin_pool_bindings{{{labels}}} {len(g['bindings'])}" for labels, g in groups]
     return "\n".join(lines) + "\n"
 
 
 def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    """A label value in the Prometheus text format (as sessionpin.proxy.exposition.label)."""
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

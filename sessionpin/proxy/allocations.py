@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from mitmproxy import ctx, http
 
@@ -34,6 +34,7 @@ from ..ids import short
 from ..store import StoreError
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
+from .exposition import family, joined
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
@@ -194,31 +195,32 @@ class Allocations:
                 drained = await members.drained(store, everyone)
             except StoreError as e:
                 log.warning("sessionpin: pool metrics: %s", e)
-        now = time.time()
-        out = ["# HELP sessionpin_pool_allocations_total New conversations allocated to a pool member by this proxy.",
-               "# TYPE sessionpin_pool_allocations_total counter"]
-        for p in cfg.pools.values():
-            for m in p.members:
-                out.append(f'sessionpin_pool_allocations_total{{pool="{p.name}",member="{m}"}} '
-                           f'{self.allocated[(p.name, m)]}')
-        out += ["# HELP sessionpin_pool_moves_total Soft-pool conversations moved to a member by this proxy.",
-                "# TYPE sessionpin_pool_moves_total counter"]
-        for (p, m), n in sorted(self.moved.items()):
-            out.append(f'sessionpin_pool_moves_total{{pool="{p}",member="{m}"}} {n}')
-        for name, help, value in (
-                ("sessionpin_pool_member_active", "Live pinned conversations per pool member.",
-                 lambda m: active.get(m, 0)),
-                ("sessionpin_pool_member_exhausted", "1 while a member is known out of quota.",
-                 lambda m: int(m in q and q[m].exhausted_until > now)),
-                ("sessionpin_pool_member_drained", "1 while a member is drained.", lambda m: int(m in drained))):
-            out += [f"# HELP {name} {help}", f"# TYPE {name} gauge"]
-            out += [f'{name}{{member="{m}"}} {value(m)}' for m in everyone]
-        return "\n".join(out) + "\n"
+        return pool_metrics_text(cfg.pools.values(), self.allocated, self.moved, everyone, active, q, drained,
+                                 time.time())
 
     def status(self) -> dict[str, Any]:
         return {"allocated": {f"{p}/{m}": n for (p, m), n in sorted(self.allocated.items())},
                 "moved": {f"{p}/{m}": n for (p, m), n in sorted(self.moved.items())},
                 "unreachable": sorted(self.unreachable)}
+
+
+def pool_metrics_text(pools: Iterable[Any], allocated: Mapping[tuple[str, str], int],
+                      moved: Mapping[tuple[str, str], int], everyone: list[str], active: Mapping[str, int],
+                      q: Mapping[str, quota.Quota], drained: Mapping[str, float], now: float) -> str:
+    """The server pools' families, from what was read (no store read here)."""
+    out: list[str] = []
+    family(out, "sessionpin_pool_allocations_total", "counter",
+           "New conversations allocated to a pool member by this proxy.", ("pool", "member"),
+           [((p.name, m), allocated.get((p.name, m), 0)) for p in pools for m in p.members])
+    family(out, "sessionpin_pool_moves_total", "counter", "Soft-pool conversations moved to a member by this proxy.",
+           ("pool", "member"), sorted(moved.items()))
+    family(out, "sessionpin_pool_member_active", "gauge", "Live pinned conversations per pool member.", ("member",),
+           [(m, active.get(m, 0)) for m in everyone])
+    family(out, "sessionpin_pool_member_exhausted", "gauge", "1 while a member is known out of quota.", ("member",),
+           [(m, int(m in q and q[m].exhausted_until > now)) for m in everyone])
+    family(out, "sessionpin_pool_member_drained", "gauge", "1 while a member is drained.", ("member",),
+           [(m, int(m in drained)) for m in everyone])
+    return joined(out)
 
 
 def _same(a: quota.Quota, b: quota.Quota) -> bool:

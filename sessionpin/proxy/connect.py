@@ -17,6 +17,10 @@ Rules it keeps:
   connection, started less than ``FRESH`` seconds before and successful, stands once.
 - ``server_connect`` is the fallback for connections the router did not check (another
   path to the same address): it sets mitmproxy's error message to name the server.
+- Not for a client of an ``upstream:`` listener, nor a connection made through an
+  upstream proxy: mitmproxy reaches the server through that proxy, so a direct TCP connect
+  tells nothing (behind a corporate firewall it always fails). There the proxy's own answer
+  to mitmproxy's CONNECT is the check.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from collections import Counter
 
 from mitmproxy import ctx, http
+from mitmproxy.proxy import mode_specs
 
 from .. import facts as F
 from .configwatch import ConfigWatch
@@ -48,6 +53,7 @@ class ConnectCheck:
         self.failures = 0
         # (client connection id, address) -> (started, check task)
         self._checks: dict[tuple[str, Address], tuple[float, asyncio.Task]] = {}
+        self.via_proxy: set[str] = set()             # clients of an upstream: listener
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -60,6 +66,13 @@ class ConnectCheck:
         for _, task in self._checks.values():
             task.cancel()
         self._checks.clear()
+
+    def client_connected(self, client) -> None:
+        if isinstance(getattr(client, "proxy_mode", None), mode_specs.UpstreamMode):
+            self.via_proxy.add(client.id)
+
+    def client_disconnected(self, client) -> None:
+        self.via_proxy.discard(client.id)
 
     def moved_to(self, address: Address, server: str) -> None:
         self.moved[(address[0].lower(), address[1])] = server
@@ -76,7 +89,7 @@ class ConnectCheck:
             self._start(flow.client_conn.id)
 
     def _start(self, client: str) -> None:
-        if not self.moved or not ctx.options.sessionpin_connect_check:
+        if not self.moved or not ctx.options.sessionpin_connect_check or client in self.via_proxy:
             return
         now = time.monotonic()
         for key in [k for k, (t, task) in self._checks.items() if now - t > FRESH and task.done()]:
@@ -93,7 +106,7 @@ class ConnectCheck:
     async def reachable(self, client: str, address: Address) -> str | None:
         """None when ``address`` is up (or need not be checked), else why it is not."""
         addr = (address[0].lower(), address[1])
-        if not ctx.options.sessionpin_connect_check or self.open[addr] > 0:
+        if not ctx.options.sessionpin_connect_check or self.open[addr] > 0 or client in self.via_proxy:
             return None
         err = await self._check(client, addr, keep=True)
         name = self.moved.get(addr)
@@ -126,7 +139,7 @@ class ConnectCheck:
     # ---- mitmproxy's connections ------------------------------------------------------------
     async def server_connect(self, data) -> None:
         server = data.server
-        if not server.address or server.error or not ctx.options.sessionpin_connect_check:
+        if not server.address or server.error or server.via is not None or not ctx.options.sessionpin_connect_check:
             return
         addr = (str(server.address[0]).lower(), server.address[1])
         name = self.moved.get(addr)

@@ -38,6 +38,7 @@ from .. import facts as F
 from ..documents import METRICS_PATH, STATUS_PATH, PinCount, ServerStatus, Status
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
+from .exposition import family, joined
 from .router import INTERNAL_PREFIX, Metrics
 from .storeruntime import StoreRuntime
 
@@ -151,38 +152,8 @@ class StatusEndpoints:
 
     async def render_metrics(self) -> str:
         counts, _ = await self.counts()
-        m = self.metrics
-        out: list[str] = []
-
-        def family(name: str, kind: str, help: str) -> None:
-            out.append(f"# HELP {name} {help}")
-            out.append(f"# TYPE {name} {kind}")
-
-        family("sessionpin_pins", "gauge", "Live pins by server (\"-\" = not routed); -1 when the store cannot be read.")
-        if counts is None:
-            out.append("sessionpin_pins -1")
-        for server, n in sorted((counts or {}).items()):
-            out.append(f'sessionpin_pins{{server="{_label(server)}"}} {n.pins}')
-        family("sessionpin_active_sessions", "gauge", "Pinned sessions seen in the last hour, by server.")
-        for server, n in sorted((counts or {}).items()):
-            out.append(f'sessionpin_active_sessions{{server="{_label(server)}"}} {n.active}')
-        family("sessionpin_decisions_total", "counter", "Decisions on inference requests by agent, turn and outcome.")
-        for (agent, turn, outcome), n in sorted(m.decisions.items()):
-            out.append(f'sessionpin_decisions_total{{agent="{_label(agent)}",turn="{_label(turn)}",'
-                       f'outcome="{_label(outcome)}"}} {n}')
-        family("sessionpin_decisions_by_rule_total", "counter", "Decisions by the ladder rule that made them.")
-        for rule, n in sorted(m.rules.items()):
-            out.append(f'sessionpin_decisions_by_rule_total{{rule="{_label(rule)}"}} {n}')
-        family("sessionpin_refusals_total", "counter", "Requests answered by the router with an error, by reason.")
-        for reason, n in sorted(m.refusals.items()):
-            out.append(f'sessionpin_refusals_total{{reason="{_label(reason)}"}} {n}')
-        family("sessionpin_store_errors_total", "counter", "Store calls that failed.")
-        out.append(f"sessionpin_store_errors_total {m.store_errors + self.runtime.errors}")
-        family("sessionpin_config_reloads_total", "counter", "Config files reloaded while running.")
-        out.append(f"sessionpin_config_reloads_total {self.config.reloads}")
-        family("sessionpin_config_rejected_total", "counter", "Config texts refused by validation while running.")
-        out.append(f"sessionpin_config_rejected_total {self.config.rejected}")
-        text = "\n".join(out) + "\n"
+        text = metrics_text(counts, self.metrics, self.metrics.store_errors + self.runtime.errors,
+                            self.config.reloads, self.config.rejected)
         for p in self.participants:
             if hasattr(p, "metrics"):
                 try:
@@ -193,6 +164,31 @@ class StatusEndpoints:
                 if more:
                     text += more if more.endswith("\n") else more + "\n"
         return text
+
+
+def metrics_text(counts: Mapping[str, PinCount] | None, m: Metrics, store_errors: int, reloads: int,
+                 rejected: int) -> str:
+    """The router's families, from what was counted (no store read here)."""
+    out: list[str] = []
+    by_server = sorted((counts or {}).items())
+    family(out, "sessionpin_pins", "gauge", 'Live pins by server ("-" = not routed); -1 when the store cannot be read.',
+           ("server",), [(s, n.pins) for s, n in by_server])
+    if counts is None:
+        out.append("sessionpin_pins -1")
+    family(out, "sessionpin_active_sessions", "gauge", "Pinned sessions seen in the last hour, by server.",
+           ("server",), [(s, n.active) for s, n in by_server])
+    family(out, "sessionpin_decisions_total", "counter", "Decisions on inference requests by agent, turn and outcome.",
+           ("agent", "turn", "outcome"), sorted(m.decisions.items()))
+    family(out, "sessionpin_decisions_by_rule_total", "counter", "Decisions by the ladder rule that made them.",
+           ("rule",), sorted(m.rules.items()))
+    family(out, "sessionpin_refusals_total", "counter", "Requests answered by the router with an error, by reason.",
+           ("reason",), sorted(m.refusals.items()))
+    family(out, "sessionpin_store_errors_total", "counter", "Store calls that failed.", (), [((), store_errors)])
+    family(out, "sessionpin_config_reloads_total", "counter", "Config files reloaded while running.", (),
+           [((), reloads)])
+    family(out, "sessionpin_config_rejected_total", "counter", "Config texts refused by validation while running.",
+           (), [((), rejected)])
+    return joined(out)
 
 
 def is_loopback(peer: Any) -> bool:
@@ -217,10 +213,6 @@ def _loopback_host(host_header: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _label(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _safe(info: dict[str, Any]) -> dict[str, Any]:

@@ -130,6 +130,41 @@ async def test_scrapes_share_one_count_until_this_proxy_writes_a_pin(proxy, monk
     assert len(counted) == 3
 
 
+async def test_a_participants_status_and_metrics_are_shared_by_scrapes_too(cfg_path):
+    # the OpenCode pool's report reads its spares and bindings: not once per scrape
+    import asyncio
+
+    class Participant:
+        name = "pool"
+
+        def __init__(self):
+            self.calls = {"status": 0, "metrics": 0}
+
+        async def request(self, flow, facts, decision):
+            pass
+
+        async def status(self):
+            self.calls["status"] += 1
+            await asyncio.sleep(0.01)
+            return {"spares": 3}
+
+        async def metrics(self):
+            self.calls["metrics"] += 1
+            return "# HELP x y\n# TYPE x gauge\nx 1\n"
+
+    part = Participant()
+    p = start(cfg_path, participants=[part])
+    try:
+        fs = [internal(path) for path in ["/__sessionpin/status", "/__sessionpin/metrics"] * 4]
+        await asyncio.gather(*(p.send(f) for f in fs))
+        assert part.calls == {"status": 1, "metrics": 1}
+        assert all(f.response.status_code == 200 for f in fs)
+        assert read_status(fs[0].response.content).participants["pool"]["spares"] == 3
+        assert "x 1" in fs[1].response.text
+    finally:
+        p.close()
+
+
 def test_status_document_roundtrip():
     from sessionpin.documents import PinCount, Status
     s = Status(version="1", pid=1, host="h", started=1.0, pins={"glm": PinCount(pins=2, active=1)})

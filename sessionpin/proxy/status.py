@@ -28,7 +28,7 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import msgspec
 from mitmproxy import ctx, http
@@ -60,8 +60,7 @@ class StatusEndpoints:
         self.participants = list(participants or [])
         self.env = env if env is not None else os.environ
         self.token = secrets.token_urlsafe(24)      # published in the heartbeat only
-        self._counted: tuple[float, tuple[int, int], tuple[dict[str, PinCount] | None, str | None]] | None = None
-        self._counting: asyncio.Future | None = None
+        self._fresh = Fresh()
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live:
@@ -100,17 +99,11 @@ class StatusEndpoints:
 
     async def counts(self) -> tuple[dict[str, PinCount] | None, str | None]:
         mark = (self.metrics.pin_writes, id(self.runtime.store))
-        if self._counted is not None and self._counted[1] == mark and time.monotonic() - self._counted[0] < COUNTS_FRESH:
-            return self._counted[2]
-        if self._counting is None or self._counting.done():
-            self._counting = asyncio.ensure_future(self._count(mark))
-        return await asyncio.shield(self._counting)
+        return await self._fresh.get(("counts", mark), self._count_now, keep=lambda got: got[0] is not None)
 
-    async def _count(self, mark: tuple[int, int]) -> tuple[dict[str, PinCount] | None, str | None]:
-        t0 = time.monotonic()
-        got = await self._count_now()
-        self._counted = (t0, mark, got) if got[0] is not None else None
-        return got
+    async def _participant(self, p: Any, what: str) -> Any:
+        """A participant's status or metrics, shared like the counts (the pool's read its spares)."""
+        return await self._fresh.get((what, id(p), id(self.runtime.store)), lambda: _maybe(getattr(p, what)()))
 
     async def _count_now(self) -> tuple[dict[str, PinCount] | None, str | None]:
         store = self.runtime.store
@@ -134,7 +127,7 @@ class StatusEndpoints:
         for p in self.participants:
             if hasattr(p, "status"):
                 try:
-                    participants[str(getattr(p, "name", type(p).__name__))] = await _maybe(p.status())
+                    participants[str(getattr(p, "name", type(p).__name__))] = await self._participant(p, "status")
                 except Exception as e:
                     log.warning("sessionpin: participant %s status: %s", type(p).__name__, e)
         return Status(
@@ -157,7 +150,7 @@ class StatusEndpoints:
         for p in self.participants:
             if hasattr(p, "metrics"):
                 try:
-                    more = await _maybe(p.metrics())
+                    more = await self._participant(p, "metrics")
                 except Exception as e:
                     log.warning("sessionpin: participant %s metrics: %s", type(p).__name__, e)
                     continue
@@ -218,6 +211,38 @@ def _loopback_host(host_header: str) -> bool:
 def _safe(info: dict[str, Any]) -> dict[str, Any]:
     """A store's description as JSON-able plain data."""
     return msgspec.json.decode(msgspec.json.encode(info, enc_hook=str))
+
+
+class Fresh:
+    """Values computed at most once at a time, and answered again for ``COUNTS_FRESH``
+    seconds while their key stays the same (a key that changes makes a new value)."""
+
+    def __init__(self) -> None:
+        self._done: dict[Any, tuple[float, Any]] = {}
+        self._running: dict[Any, asyncio.Future] = {}
+
+    async def get(self, key: Any, compute: Callable[[], Awaitable[Any]],
+                  keep: Callable[[Any], bool] = lambda _: True) -> Any:
+        kind = key[:-1]            # the last part of a key is what makes a value stale
+        done = self._done.get(kind)
+        if done is not None and done[1][0] == key and time.monotonic() - done[0] < COUNTS_FRESH:
+            return done[1][1]
+        running = self._running.get(key)
+        if running is None or running.done():
+            running = self._running[key] = asyncio.ensure_future(self._compute(key, compute, keep))
+        return await asyncio.shield(running)
+
+    async def _compute(self, key: Any, compute: Callable[[], Awaitable[Any]], keep: Callable[[Any], bool]) -> Any:
+        t0 = time.monotonic()
+        try:
+            value = await compute()
+        finally:
+            self._running.pop(key, None)
+        if keep(value):
+            self._done[key[:-1]] = (t0, (key, value))
+        else:
+            self._done.pop(key[:-1], None)
+        return value
 
 
 async def _maybe(value: Any) -> Any:

@@ -137,7 +137,7 @@ def test_a_locked_store_never_sends_a_new_conversation_away_and_never_stalls_a_p
 def test_after_the_lock_a_retried_opening_is_pinned_durably(rig: Rig) -> None:
     rig.set_config("glm")
     s = new_session()
-    with StoreLock(store_path(rig), seconds=3.0):
+    with StoreLock(store_path(rig), seconds=30.0):      # held until the 503 is in
         assert rig.send(cc("opening", s)).status == 503
     assert rig.send(cc("opening", s)).status == 200                # the lock is gone: pinned
     rig.mitm.restart(sig=signal.SIGKILL)

@@ -381,8 +381,8 @@ def test_an_unreadable_body_of_a_moved_session_is_refused_never_sent_unmapped(ri
     del body
     got = rig.of(s)
     assert list(got) == ["glm"], "the addressed server got nothing"
-    for rec in got["glm"][1:]:   # anything forwarded was renamed
-        assert rec.json()["model"] == "glm-4.6"
+    for rec in got["glm"][1:]:   # anything forwarded was renamed (bytes: it may not even parse)
+        assert OPUS.encode() not in rec.body and b"glm-4.6" in rec.body
     assert r.status == 502, (r.status, r.text[:300])
     message = refusal_message(r)
     assert "cannot rename the model for server glm" in message and "could not be read" in message, message

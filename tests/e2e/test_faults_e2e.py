@@ -7,37 +7,42 @@ the proxy's environment, ``claude-opus-*`` renamed ``glm-4.6``); ``claude-code``
 to glm. Every test uses fresh session ids and checks what each fake received, headers
 included; after each test no fake holds a key meant for another.
 
-Each row, and what the code before issue 10 (c33fb11) did with it — found by running this
-module against a checkout of c33fb11 with this harness (``PYTHONPATH`` at the checkout):
+Each row, and what the code before issue 10 (c33fb11) did with it — seen by running this
+module, one test at a time, against a copy of c33fb11 with this harness (its tree first on
+``PYTHONPATH``):
 
 1. ``test_removed_or_emptied_config_never_moves_a_pinned_conversation``: ``servers remove
-   anthropic`` said nothing and removed it; the pinned conversation's next turn,
-   addressed to the now-unconfigured origin, passed untouched to anthropic.
-2. ``test_a_redirect_from_the_routed_server_is_a_502_and_is_not_followed``: the 307/302/308
-   reached the agent as sent (Location and all).
+   anthropic`` removed it without a word (exit 0). With the config edited instead (a copy
+   of this test without the CLI steps), the pinned conversation's next turn went to
+   anthropic ("reply from anthropic."). The test goes on: the file emptied while running
+   (a 503 naming glm, a new conversation left alone), ``servers remove glm`` counted and
+   refused without ``--force``, then the 503; glm back, the conversation is there.
+2. ``test_a_redirect_from_the_routed_server_is_a_502_and_is_not_followed``: the 307, 302
+   and 308 reached the agent as sent, ``Location`` and all.
 3. ``test_nested_look_alike_keys_do_not_stall_the_proxy``: a 1.2 MB body of look-alike
-   keys before ``"messages"`` held every client for minutes (the client's 30 s timeout).
-   The steps-per-byte unit tests are in tests/test_reader_work.py.
+   keys before ``"messages"`` held the proxy past the client's 30 s timeout. So did the
+   code of this branch before bc78740 (the lineage reader's head search, not the facts
+   reader's); the steps-per-byte unit tests are in tests/test_reader_work.py.
 4. ``test_a_200_mb_body_is_refused_413_without_being_buffered``: no limit: the body was
-   buffered whole and sent on (RSS grew by ~3x the body).
-5. ``test_an_unreadable_body_of_a_moved_session_is_refused_never_sent_unmapped``: the body
-   reached glm with glm's key and the model unmapped (``claude-opus-…``).
-6. ``test_unknown_headers_and_query_parameters_never_reach_the_other_server``: a denylist:
-   ``x-access``, ``openai-organization``, ``anthropic-organization-id``,
-   ``chatgpt-account-id``, ``sig=``/``code=`` reached glm.
+   buffered whole and sent to glm (the fake answered 400, not JSON). The test bounds the
+   proxy's peak RSS growth (generously, < 300 MB) and checks that the 413 is counted in
+   ``sessionpin_refusals_total{reason="too-large"}`` (not counted before e52a1d6).
+5. ``test_an_unreadable_body_of_a_moved_session_is_refused_never_sent_unmapped``: the 70 MB
+   body, the 10k-deep one and the mislabelled gzip reached glm with glm's key and the
+   model unmapped.
+6. ``test_unknown_headers_and_query_parameters_never_reach_the_other_server``: ``sig=`` and
+   ``code=`` reached glm, and so did ``anthropic-organization-id`` and
+   ``chatgpt-account-id`` (seen with the path check left out).
 7. ``test_look_alike_paths_of_a_pinned_session_are_not_routed``: ``/v1/threads/x/messages``
-   of a pinned session went to glm with glm's key. (tests/e2e/test_bounds_e2e.py's
-   look-alike test covers fresh sessions; it cannot run on c33fb11 at all: its option
-   ``sessionpin_max_body_mb`` did not exist.)
+   of a pinned session went to glm. (test_bounds_e2e.py's look-alike test covers fresh
+   sessions; it cannot run on c33fb11 at all, whose mitmdump lacks its options.)
 8. ``test_ambiguous_paths_of_a_pinned_session_are_refused``: ``/../../v1/messages`` of a
-   pinned session was sent to glm as ``/api/anthropic/../../v1/messages`` with glm's key.
-   (test_bounds_e2e.py's ambiguous-path test covers fresh sessions.)
-9. ``test_a_key_pasted_as_key_env_is_never_echoed``: the config was accepted; the key
-   came back in status, in the log and in the 502 body ("… is not set").
+   pinned session reached glm as ``/api/anthropic/../../v1/messages`` with glm's key;
+   ``/v1%2fmessages`` passed to anthropic. (test_bounds_e2e.py covers fresh sessions.)
+9. ``test_a_key_pasted_as_key_env_is_never_echoed``: the config was accepted (no
+   ``config_error``); the issue saw the key in status, the log and a 502 body.
 10. ``test_status_and_metrics_refuse_a_foreign_host``: ``Host: evil`` got 200 with the
    config path, the store path and every server's URL.
-Also: the 413 is counted in ``sessionpin_refusals_total{reason="too-large"}`` (it was not
-counted at all before this module's fix).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -267,7 +273,8 @@ def test_removed_or_emptied_config_never_moves_a_pinned_conversation(rig: Rig) -
         r = rig.cli("servers", "remove", "anthropic")
         assert r.returncode != 0, r.stdout + r.stderr
         said = r.stdout + r.stderr
-        assert "began addressed to anthropic" in said and "--force" in said, said
+        assert re.search(r"\d+ running conversations? began addressed to anthropic", said), said
+        assert "--force" in said, said
         assert "[servers.anthropic]" in rig.mitm.config_path.read_text()
         r = rig.cli("servers", "remove", "anthropic", "--force")
         assert r.returncode == 0, r.stdout + r.stderr
@@ -294,8 +301,15 @@ def test_removed_or_emptied_config_never_moves_a_pinned_conversation(rig: Rig) -
         assert len(rig.of(s1)["glm"]) == 2 and "anthropic" not in rig.of(s1), "sent nowhere"
         s3 = str(uuid.uuid4())
         assert rig.send("opening", s3).status == 200 and list(rig.of(s3)) == ["anthropic"]
-        # the pinned server gone, but its origin still configured: 503 as well
-        rig.mitm.write_config(rig.config("anthropic"))
+        # the pinned server itself removed with the CLI: counted, --force, then 503
+        rig.mitm.write_config(rig.config("anthropic", "glm"))
+        rig.wait_servers({"anthropic", "glm"})
+        assert rig.cli("use", "claude-code", "--not-routed").returncode == 0
+        r = rig.cli("servers", "remove", "glm")
+        said = r.stdout + r.stderr
+        assert r.returncode != 0 and re.search(r"\d+ running conversations? (is|are) pinned to glm", said), said
+        assert "503" in said and "--force" in said, said
+        assert rig.cli("servers", "remove", "glm", "--force").returncode == 0
         rig.wait_servers({"anthropic"})
         r = rig.send("continuation", s1)
         assert r.status == 503 and "glm" in refusal_message(r), r.text[:300]

@@ -240,6 +240,72 @@ def _as_object(buf: bytearray, lo: int, at: int, char: int) -> tuple[dict[str, R
         buf[at] = saved
 
 
+def head_members(data: bytes, array_key: str) -> tuple[dict[str, Raw], int] | None:
+    """The top-level members before the array ``array_key`` and the index of that array's
+    ``[``, walked from the opening brace (each byte scanned once); None when the body is
+    not ``{..., "array_key": [`` with at most ``HEAD_MEMBERS`` distinct members before it."""
+    start = _skip_ws(data, 0)
+    if start >= len(data) or data[start] != ord("{"):
+        return None
+    try:
+        found = _head(data, start, array_key)
+    except RecursionError:
+        return None
+    if found is None or found[1] >= len(data) or data[found[1]] != ord("["):
+        return None
+    return found
+
+
+def tail_members(data: bytes, names, array_start: int) -> dict[str, Raw] | None:
+    """The top-level members after the array that starts at ``array_start``, found from the
+    end by any of ``names`` and proved top-level (``{`` + the text after the comma before a
+    name decodes as one object). {} when none is there; None when failed tries (look-alikes
+    nested in the body) scanned more than ``TAIL_BUDGET`` times the body: the caller then
+    decodes the whole body, which is linear."""
+    tail: dict[str, Raw] = {}
+    tail_from = len(data)
+    buf: bytearray | None = None   # made on the first nested look-alike in the tail search
+    failed = 0                     # bytes scanned by tries that found a nested look-alike
+    try:
+        for name in names:
+            if name in tail:
+                continue
+            hi = len(data)
+            while True:
+                comma, _ = _key_before(data, name.encode(), array_start, hi)
+                if comma == -1 or data[comma] != ord(","):
+                    if comma != -1:  # ``{"name"``: the first member of a nested object
+                        hi = comma
+                        continue
+                    break
+                if comma > tail_from:  # inside the tail already decoded, so nested there
+                    hi = comma
+                    continue
+                if failed > TAIL_BUDGET * len(data):
+                    return None
+                if buf is None:
+                    # usually the first try is the real tail: copying just it is cheapest
+                    count(len(data) - comma)
+                    before = STEPS.n
+                    members, _ = _decode(loose_decoder, b"{" + data[comma + 1:])
+                    if members is None:
+                        failed += STEPS.n - before
+                        count(len(data))
+                        buf = bytearray(data)
+                else:
+                    members, scanned = _as_object(buf, comma, comma, 0x7B)  # {
+                    if members is None:
+                        failed += scanned
+                if members is None:
+                    hi = comma
+                    continue
+                tail, tail_from = members, comma  # type: ignore[assignment]
+                break
+    except RecursionError:
+        return None
+    return tail
+
+
 def fast_decode(data: bytes, flavour: str, cache_key: bool = True,
                 spans: dict[str, tuple[int, int]] | None = None) -> tuple[Body, str] | None:
     """A large body's facts fields without reading its message contents; None to fall back.
@@ -294,47 +360,12 @@ def _fast_decode(data: bytes, flavour: str, cache_key: bool,
     # "model" is looked for even when the head has it: a second top-level model after the
     # messages (the whole read takes the last) must send the body to the whole read, since
     # a model rename trusts the head's span (facts.model_span).
-    tail: dict[str, Raw] = {}
-    tail_from = len(data)
-    buf: bytearray | None = None   # made on the first nested look-alike in the tail search
-    failed = 0                     # bytes scanned by tries that found a nested look-alike
     needed = NEEDED[flavour]
     if cache_key and CACHE_KEY not in needed:
         needed += (CACHE_KEY,)
-    for name in needed:
-        if name in tail or (name in head and name != "model"):
-            continue
-        hi = len(data)
-        while True:
-            comma, _ = _key_before(data, name.encode(), array_start, hi)
-            if comma == -1 or data[comma] != ord(","):
-                if comma != -1:  # ``{"name"``: the first member of a nested object
-                    hi = comma
-                    continue
-                break
-            if comma > tail_from:  # inside the tail already decoded, so nested there
-                hi = comma
-                continue
-            if failed > TAIL_BUDGET * len(data):
-                return None   # look-alikes cost more than the whole read: let it decide
-            if buf is None:
-                # usually the first try is the real tail: copying just it is cheapest
-                count(len(data) - comma)
-                before = STEPS.n
-                members, _ = _decode(loose_decoder, b"{" + data[comma + 1:])
-                if members is None:
-                    failed += STEPS.n - before
-                    count(len(data))
-                    buf = bytearray(data)
-            else:
-                members, scanned = _as_object(buf, comma, comma, 0x7B)  # {
-                if members is None:
-                    failed += scanned
-            if members is None:
-                hi = comma
-                continue
-            tail, tail_from = members, comma  # type: ignore[assignment]
-            break
+    tail = tail_members(data, [n for n in needed if n not in head or n == "model"], array_start)
+    if tail is None:
+        return None   # look-alikes cost more than the whole read: let it decide
     if tail.keys() & head.keys():
         # a key both before and after the messages: which one counts is the whole read's call
         return None

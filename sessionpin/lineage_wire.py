@@ -12,8 +12,10 @@ Rules this module keeps:
   field that still does not decode counts as absent.
 - A large body's history is read item by item from the start of its array (``walk``), so a
   reader that needs only the first turns pays for those, not for the whole body. The array is
-  proved top-level the way ``wire.fast_decode`` proves it (the text before the key decodes as the
-  head of one object), each item's end is where msgspec reports trailing characters.
+  proved top-level the way the large-body reader proves it (``largebody.head_members``: the
+  members before the key walked one at a time from the opening brace), each item's end is where
+  msgspec reports trailing characters. Work per byte is bounded (``wire.STEPS`` counts it):
+  look-alike keys nested before or after the history cost no second scan.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from typing import Iterator
 
 import msgspec
 from msgspec import Raw, Struct
+
+from . import largebody
+from .wire import count
 
 
 class Part(Struct):
@@ -134,27 +139,11 @@ def _skip_ws(data: bytes, i: int) -> int:
 
 
 def _array_start(data: bytes, key: bytes) -> int:
-    """The position just after the ``[`` of the top-level ``"key": [``, or -1."""
-    start = _skip_ws(data, 0)
-    if start >= len(data) or data[start] != ord("{"):
-        return -1
-    needle, lo, limit = b'"' + key + b'"', start, min(len(data), start + 1024 * 1024)
-    while True:
-        p = data.find(needle, lo, limit)
-        if p == -1:
-            return -1
-        before = p - 1
-        while before > start and data[before] in _WS:
-            before -= 1
-        after = _skip_ws(data, p + len(needle))
-        if data[before] in b",{" and after < len(data) and data[after] == ord(":"):
-            try:  # the members before the key decode as the head of one object: top-level
-                _loose.decode(b"{}" if before == start else data[start:before] + b"}")
-                value = _skip_ws(data, after + 1)
-                return value + 1 if value < len(data) and data[value] == ord("[") else -1
-            except msgspec.DecodeError:
-                pass
-        lo = p + 1
+    """The position just after the ``[`` of the top-level ``"key": [``, or -1. The members
+    before it are walked one at a time from the opening brace (``largebody.head_members``:
+    each byte scanned once), so look-alike keys nested before it cost nothing extra."""
+    found = largebody.head_members(data, key.decode())
+    return -1 if found is None else found[1] + 1
 
 
 def walk(data: bytes, key: bytes) -> Iterator[Item] | None:
@@ -174,13 +163,14 @@ def walk(data: bytes, key: bytes) -> Iterator[Item] | None:
             try:
                 _skip.decode(view[i:])
                 return  # an item running to the end of the body: not inside an array
-            except msgspec.ValidationError:
-                return  # not an object
+            except (msgspec.ValidationError, RecursionError):
+                return  # not an object, or nested deeper than msgspec reads
             except msgspec.DecodeError as err:
                 m = _TRAILING.search(str(err))
                 if m is None:
                     return
                 end = i + int(m.group(1)) - 1
+            count(2 * (end - i))   # the skip, then the item's decode
             one = item(view[i:end])
             if one is not None:
                 yield one
@@ -245,46 +235,16 @@ def _lenient_history(data: bytes, key: str) -> History | None:
 
 def top_fields(data: bytes, names: tuple[str, ...], array_key: bytes) -> dict[str, Raw] | None:
     """The top-level members ``names`` of a large body without reading its history: those before
-    the array ``array_key`` from the head, the others from the tail, each tail found from the
-    end and proved top-level by decoding ``{`` + the text after its comma as one object (a slice
-    that decodes so can only start at depth 1). None when the body is not shaped so (the caller
-    then decodes it whole)."""
-    s = _array_start(data, array_key)
-    if s == -1:
+    the array ``array_key`` from the head (walked member by member), the others from the tail,
+    found from the end and proved top-level (``largebody.tail_members``: a slice that decodes as
+    ``{`` + the text after a comma can only start at depth 1). None when the body is not shaped
+    so, or when look-alikes in it would cost more than reading it whole (the caller then decodes
+    it whole)."""
+    found = largebody.head_members(data, array_key.decode())
+    if found is None:
         return None
-    start = _skip_ws(data, 0)
-    head_end = data.rfind(b'"' + array_key + b'"', start, s)
-    before = head_end - 1
-    while before > start and data[before] in _WS:
-        before -= 1
-    try:
-        out = dict(_loose.decode(b"{}" if before <= start else data[start:before] + b"}"))
-    except msgspec.DecodeError:
+    head, value = found
+    tail = largebody.tail_members(data, [n for n in names if n not in head], value)
+    if tail is None:
         return None
-    tail_from = len(data)
-    for name in names:
-        if name in out:
-            continue
-        # a tail already decoded holds every member after its start: look only before it
-        needle, hi = b'"' + name.encode() + b'"', tail_from
-        while True:
-            p = data.rfind(needle, s, hi)
-            if p == -1:
-                break
-            comma = p - 1
-            while comma > s and data[comma] in _WS:
-                comma -= 1
-            after = _skip_ws(data, p + len(needle))
-            if data[comma] != ord(",") or after >= len(data) or data[after] != ord(":"):
-                hi = p
-                continue
-            try:
-                members = _loose.decode(b"{" + data[comma + 1:])
-            except msgspec.DecodeError:
-                hi = p
-                continue
-            if name in members:
-                out.update(members)
-                tail_from = comma
-            break
-    return out
+    return {**tail, **head}

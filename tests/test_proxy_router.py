@@ -426,3 +426,14 @@ async def test_a_redirect_to_a_request_left_where_it_was_sent_passes(proxy):
     proxy.router.responseheaders(f)
     proxy.router.response(f)
     assert f.response.status_code == 307
+
+
+@pytest.mark.parametrize("path,shape", [("/../../v1/messages", "anthropic"), ("/v1%2fmessages", "anthropic"),
+                                        ("/v1/./chat/completions", "openai"), ("/x/../v1/responses", "openai")])
+async def test_an_ambiguous_path_is_refused_400_in_the_format_of_the_api_it_names(proxy, path, shape):
+    f = flow(path=path)
+    await proxy.send(f)
+    assert f.response.status_code == 400 and f.response.headers["x-sessionpin-refused"] == "ambiguous-path"
+    err = json.loads(f.response.content)
+    assert ("type" in err) == (shape == "anthropic") and "ambiguous" in err["error"]["message"]
+    assert await pin_of(proxy) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import msgspec
 
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessionpin import facts, largebody, wire
+from sessionpin import facts, largebody, lineage_wire, wire
 
 # Steps per byte the reader may take, plus a constant for small bodies (a decompressor per
 # frame). The measured worst over these generators is about 9: a long first message is
@@ -175,3 +176,93 @@ def test_a_long_user_id_is_not_searched(monkeypatch):
     facts.read("POST", "https://api.anthropic.com/v1/messages", [("user-agent", "claude-cli/2")],
                json.dumps({"model": "m", "messages": [], "metadata": {"user_id": "user_x_session_abc"}}).encode())
     assert seen == [len("user_x_session_abc")]
+
+
+# ---------------------------------------------------------------- every other head search
+# The lineage reader (lineage_wire) finds a large body's history and its links by the same
+# kind of search: the array's start (``_array_start``), the members around it
+# (``top_fields``), and the items one by one (``walk``). Its head search once decoded the text
+# before each look-alike key it met: quadratic (a 60 KB head of ``{"messages":0}`` took 1 s,
+# 1.2 MB would have taken minutes). It now walks the head as the large-body reader does.
+
+
+class _Counted:
+    """A msgspec decoder that adds what it is given to the steps: the count does not rest on
+    the reader counting its own decodes (the quadratic head search counted nothing)."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+
+    def decode(self, buf):
+        try:
+            value = self.decoder.decode(buf)
+        except msgspec.DecodeError as err:   # msgspec stops where it says
+            at = re.search(r"\(byte (\d+)\)", str(err))
+            wire.count(int(at.group(1)) if at else len(buf))
+            raise
+        except BaseException:
+            wire.count(len(buf))
+            raise
+        wire.count(len(buf))
+        return value
+
+
+def _count_decoders(mp: pytest.MonkeyPatch) -> None:
+    for module in (lineage_wire, largebody, wire):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, msgspec.json.Decoder):
+                mp.setattr(module, name, _Counted(value))
+
+
+def lineage_reads(flavour: str, body: bytes) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        _count_decoders(mp)
+        _lineage_reads(flavour, body)
+
+
+def _lineage_reads(flavour: str, body: bytes) -> None:
+    key = b"input" if flavour == "responses" else b"messages"
+    lineage_wire._array_start(body, key)
+    lineage_wire.top_fields(body, ("system", "diagnostics", "previous_response_id", "client_metadata"), key)
+    items = lineage_wire.walk(body, key)
+    if items is not None:
+        for _ in items:
+            pass
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(bodies())
+def test_the_lineage_reader_does_bounded_work_per_byte(case):
+    flavour, body = case
+    n = steps(lambda: lineage_reads(flavour, body))
+    assert n <= K * len(body) + C, f"{n / len(body):.1f} steps per byte"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("where", ["head", "tail"])
+def test_the_lineage_reader_stays_linear_on_the_reported_shape(kind, where):
+    def body(n):
+        b = blob(kind, "messages" if where == "head" else "system", n)
+        pad = b'{"role":"user","content":"' + b"x" * 1000 + b'"}'
+        if where == "head":
+            return b'{"h":' + b + b',"model":"m","messages":[' + pad + b"]}"
+        return b'{"model":"m","messages":[' + pad + b'],"t":' + b + b',"system":"s"}'
+
+    small, large = body(4000), body(8000)
+    s_small = steps(lambda: lineage_reads("anthropic", small))
+    s_large = steps(lambda: lineage_reads("anthropic", large))
+    assert s_large <= K * len(large) + C
+    assert s_large <= 2.5 * s_small * len(large) / len(small) + C
+
+
+def test_the_lineage_reader_still_finds_what_it_found():
+    body = (b'{"h":[' + b",".join([b'{"messages":0}'] * 5000) + b'],"model":"m","messages":['
+            b'{"role":"user","content":"hi"},{"role":"assistant","content":"ok"}],'
+            b'"t":[{"system":1}],"system":"billing","diagnostics":{"previous_message_id":"msg_1"}}')
+    fields = lineage_wire.top_fields(body, ("system", "diagnostics"), b"messages")
+    assert bytes(fields["system"]) == b'"billing"' and bytes(fields["model"]) == b'"m"'
+    assert bytes(fields["diagnostics"]) == b'{"previous_message_id":"msg_1"}'
+    assert [i.role for i in lineage_wire.walk(body, b"messages")] == ["user", "assistant"]
+    assert lineage_wire.walk(b'{"a":{"messages":[1]}}', b"messages") is None
+    deep = b'{"messages":[' + b"[" * 20000 + b"]" * 20000 + b"]}"
+    assert list(lineage_wire.walk(deep, b"messages")) == []

@@ -66,7 +66,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
         if hasattr(p, "configure_store"):
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
-    return [Defaults(), config, runtime, connect, BodyLimit(), status, router, watch, WebSocketModels(),
+    return [Defaults(), config, runtime, connect, BodyLimit(metrics), status, router, watch, WebSocketModels(),
             *lifecycle, *extra, _Options(allocations)]
 
 

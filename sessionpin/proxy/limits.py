@@ -12,6 +12,7 @@ Rules it keeps:
   checked; other traffic passes as mitmproxy passes it.
 - Nothing of the request reaches any server: its credentials are removed before it is
   sent to the sink, and the sink keeps nothing.
+- Each 413 is counted in the router's metrics (``sessionpin_refusals_total{reason="too-large"}``).
 - A body with no length (chunked, HTTP/2 without ``content-length``) is buffered as
   mitmproxy does; the reader then refuses it as "too large" (docs/router.md).
 """
@@ -35,7 +36,8 @@ MIB = 1024 * 1024
 
 
 class BodyLimit:
-    def __init__(self) -> None:
+    def __init__(self, metrics=None) -> None:
+        self.metrics = metrics          # the router's Metrics: a 413 is a refusal like the others
         self._server: asyncio.AbstractServer | None = None
         self._port = 0
         self._answers: dict[str, tuple[int, bytes, dict[str, str]]] = {}
@@ -77,6 +79,8 @@ class BodyLimit:
                                                            "message": message})
         flow.comment = "refused 413: body over the limit"
         self.refused += 1
+        if self.metrics is not None:
+            self.metrics.refusals["too-large"] += 1
         log.warning("sessionpin: refused 413 (too-large) %s %s: %s", req.pretty_host, req.path.split("?")[0],
                     message)
         if not self._port:      # not running yet: drop it rather than buffer it

@@ -31,6 +31,7 @@ import secrets
 import time
 from collections import Counter
 from typing import Any, Mapping
+from urllib.parse import unquote
 
 from mitmproxy import http
 from mitmproxy.net.http import url
@@ -98,7 +99,8 @@ class Router:
                 # another server's key — and not sent where it might mean something else
                 self._refuse(flow, None, route.Refuse(400, "ambiguous-path", (
                     f"sessionpin: the request path is ambiguous ({scope.refuse}); it was not sent. "
-                    "Inference requests must use a plain path such as /v1/messages.")))
+                    "Inference requests must use a plain path such as /v1/messages.")),
+                    api=_api_looked_like(req.path))
                 return
             if scope.inference:
                 facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
@@ -244,8 +246,9 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     # ---- answering and showing ---------------------------------------------------------------
-    def _refuse(self, flow: http.HTTPFlow, facts: F.Facts | None, r: route.Refuse) -> None:
-        api = facts.api if facts and facts.api in F.INFERENCE_APIS else F.api_of("POST", flow.request.path)
+    def _refuse(self, flow: http.HTTPFlow, facts: F.Facts | None, r: route.Refuse, api: str | None = None) -> None:
+        if api is None:
+            api = facts.api if facts and facts.api in F.INFERENCE_APIS else F.api_of("POST", flow.request.path)
         body, headers = answers.refusal(api, r.status, r.kind, r.message, r.retry_after)
         flow.response = http.Response.make(r.status, body, headers)
         self.metrics.refusals[r.kind] += 1
@@ -373,6 +376,17 @@ def _lineage_of(req: http.Request, api: str) -> route.LineageRead:
 def _looks_inference(path: str) -> bool:
     p = path.partition("?")[0].lower()
     return any(e in p for e in ("/messages", "/chat/completions", "/responses"))
+
+
+def _api_looked_like(path: str) -> str:
+    """The api whose error format a refused ambiguous path gets: the one its last segments
+    name (``/../../v1/messages`` is Claude Code's, answered in Anthropic's format)."""
+    p = unquote(path.partition("?")[0]).lower()
+    for end, api in (("/messages/count_tokens", F.ANTHROPIC_COUNT_TOKENS), ("/messages", F.ANTHROPIC_MESSAGES),
+                     ("/chat/completions", F.OPENAI_CHAT), ("/responses", F.OPENAI_RESPONSES)):
+        if p.endswith(end):
+            return api
+    return F.OTHER
 
 
 def _wants(participant: Any, req: http.Request) -> bool:

@@ -3,6 +3,7 @@ taddons context with a real store."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 
@@ -102,7 +103,9 @@ class Proxy:
         """The request hook of every addon, in order (as mitmproxy runs them)."""
         for a in self.addons:
             if hasattr(a, "request"):
-                await a.request(f)
+                got = a.request(f)
+                if inspect.isawaitable(got):   # mitmproxy takes sync and async hooks alike
+                    await got
 
     async def settle(self) -> None:
         """Let the effects that run after a request left (renewals, memories) finish."""

@@ -19,13 +19,6 @@ def proxy(tmp_path):
     p.close()
 
 
-def test_stream_large_bodies_is_refused(proxy):
-    d = next(a for a in proxy.addons if isinstance(a, Defaults))
-    proxy.tctx.options.add_option("stream_large_bodies", Optional[str], None, "proxyserver's")
-    with pytest.raises(exceptions.OptionsError, match="stream_large_bodies"):
-        proxy.tctx.configure(d, stream_large_bodies="1m")
-
-
 def test_connection_chatter_is_off_unless_asked(proxy, caplog):
     server_log = logging.getLogger("mitmproxy.proxy.server")
     with caplog.at_level(logging.INFO, logger="mitmproxy.proxy.server"):

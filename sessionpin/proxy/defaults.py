@@ -3,8 +3,9 @@
 Rules it keeps:
 - ``connection_strategy=lazy``: mitmproxy connects upstream only after the router chose
   the server (with "eager", reverse mode connects to the original target before any hook).
-- ``stream_large_bodies`` must stay unset: it sends request bodies upstream before the
-  router can read and route them.
+- ``stream_large_bodies`` is not ours to take here: ``BodyLimit`` (limits.py) sets it to
+  the body limit, and refuses another value (it would send request bodies upstream before
+  the router can read and route them).
 - One line per decision: mitmproxy's connection chatter ("client connect", "server
   disconnect …") is dropped unless ``sessionpin_connection_log`` is on; decision lines
   (``DECISIONS``) go to the terminal directly (``sessionpin_decision_log=terminal``, the
@@ -20,7 +21,7 @@ import asyncio
 import logging
 import sys
 
-from mitmproxy import ctx, exceptions
+from mitmproxy import ctx
 
 log = logging.getLogger("sessionpin")
 decisions = logging.getLogger("sessionpin.decisions")
@@ -88,11 +89,6 @@ class Defaults:
         )
 
     def configure(self, updated: set[str]) -> None:
-        if "stream_large_bodies" in updated and ctx.options.stream_large_bodies:
-            raise exceptions.OptionsError(
-                "sessionpin: stream_large_bodies must stay unset: it sends request bodies upstream before "
-                "the router can read and route them"
-            )
         if "connection_strategy" in updated and ctx.options.connection_strategy != "lazy":
             log.info("sessionpin: setting connection_strategy=lazy (the router chooses the upstream)")
             ctx.options.connection_strategy = "lazy"

@@ -13,8 +13,14 @@ Rules it keeps:
 - Nothing of the request reaches any server: its credentials are removed before it is
   sent to the sink, and the sink keeps nothing.
 - Each 413 is counted in the router's metrics (``sessionpin_refusals_total{reason="too-large"}``).
-- A body with no length (chunked, HTTP/2 without ``content-length``) is buffered as
-  mitmproxy does; the reader then refuses it as "too large" (docs/router.md).
+- A body with no length (chunked, HTTP/2 without ``content-length``) cannot be judged at
+  its headers. Such a request is pointed at the sink while its body arrives, and mitmproxy's
+  ``stream_large_bodies`` is set to the same limit: a body that grows past it is streamed,
+  and so goes to the sink (a 413, nothing kept); one that ends within it is buffered as
+  usual, and the ``request`` hook (before the router's) puts its destination and headers
+  back, so the router decides it as any other. ``stream_large_bodies`` is ours: another
+  value would stream inference bodies below the limit to the addressed server before the
+  router read them, so it is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import logging
 import secrets
 
 import h11
-from mitmproxy import ctx, http
+from mitmproxy import ctx, exceptions, http
 
 from .. import answers, headers, paths
 from .. import facts as F
@@ -41,6 +47,9 @@ class BodyLimit:
         self._server: asyncio.AbstractServer | None = None
         self._port = 0
         self._answers: dict[str, tuple[int, bytes, dict[str, str]]] = {}
+        # requests of unknown length pointed at the sink until their body ends: flow id ->
+        # (token, scheme, host, port, headers) to put back if it ends within the limit
+        self._held: dict[str, tuple[str, str, str, int, http.Headers]] = {}
         self.refused = 0
 
     def load(self, loader) -> None:
@@ -49,6 +58,24 @@ class BodyLimit:
             "sessionpin: an inference request whose body is larger than this many MiB gets a 413 "
             "before it is buffered.",
         )
+
+    def configure(self, updated: set[str]) -> None:
+        if not ({"sessionpin_max_body_mb", "stream_large_bodies"} & updated) \
+                or "stream_large_bodies" not in ctx.options:
+            return
+        want = f"{max(1, ctx.options.sessionpin_max_body_mb)}m"
+        have = ctx.options.stream_large_bodies
+        if have == want:
+            return
+        if "stream_large_bodies" in updated and "sessionpin_max_body_mb" not in updated and have:
+            raise exceptions.OptionsError(
+                f"sessionpin: stream_large_bodies is set by sessionpin to sessionpin_max_body_mb ({want}): "
+                "another value would send request bodies upstream before the router can read and route "
+                "them; set sessionpin_max_body_mb instead")
+        if have:
+            log.warning("sessionpin: stream_large_bodies set to %s (sessionpin_max_body_mb), not %s: a smaller "
+                        "value would send request bodies upstream before the router can route them", want, have)
+        ctx.options.stream_large_bodies = want
 
     def running(self) -> None:
         if self._server is None:
@@ -67,14 +94,66 @@ class BodyLimit:
         req = flow.request
         if req.method != "POST":
             return
-        limit = max(1, ctx.options.sessionpin_max_body_mb) * MIB
-        if not F.body_too_large(req.headers.get("content-length"), limit) \
-                or paths.api_of_path(req.method, req.path) == paths.OTHER:
-            return
         api = paths.api_of_path(req.method, req.path)
-        message = (f"sessionpin: this request's body ({req.headers.get('content-length', '?')} bytes) is over the "
-                   f"proxy's limit of {limit // MIB} MiB (sessionpin_max_body_mb); it was not sent anywhere.")
-        status, body = 413, answers.refusal(api, 413, "too-large", message)
+        if api == paths.OTHER:
+            return
+        limit = max(1, ctx.options.sessionpin_max_body_mb) * MIB
+        length = req.headers.get("content-length")
+        if length is None:
+            self._hold(flow, api, limit)
+            return
+        if not F.body_too_large(length, limit):
+            return
+        message = _message(flow, limit)
+        self._refuse(flow, message)
+        if not self._port:      # not running yet: drop it rather than buffer it
+            flow.kill()
+            return
+        self._to_sink(flow, self._prepare(api, message))
+        req.stream = True
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        held = self._held.pop(flow.id, None)
+        if held is None:
+            return
+        token, scheme, host, port, original = held
+        if flow.request.stream:     # it grew past the limit: mitmproxy streamed it to the sink
+            self._refuse(flow, _message(flow, max(1, ctx.options.sessionpin_max_body_mb) * MIB))
+            return
+        self._answers.pop(token, None)   # it ended within the limit: as it came, for the router
+        req = flow.request
+        req.scheme, req.host, req.port = scheme, host, port
+        req.headers = original
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        held = self._held.pop(flow.id, None)
+        if held is not None:
+            self._answers.pop(held[0], None)
+
+    def _hold(self, flow: http.HTTPFlow, api: str, limit: int) -> None:
+        """Point a request of unknown length at the sink until its body ends (see the module)."""
+        if not self._port or "stream_large_bodies" not in ctx.options or not ctx.options.stream_large_bodies:
+            return
+        req = flow.request
+        held = (self._prepare(api, _message(flow, limit)), req.scheme, req.host, req.port, req.headers.copy())
+        self._held[flow.id] = held
+        self._to_sink(flow, held[0])
+
+    def _prepare(self, api: str, message: str) -> str:
+        token = secrets.token_hex(8)
+        self._answers[token] = (413, *answers.refusal(api, 413, "too-large", message))
+        return token
+
+    def _to_sink(self, flow: http.HTTPFlow, token: str) -> None:
+        req = flow.request
+        for name in headers.dropped_for_move(req.headers.items(multi=True)):
+            req.headers.pop(name, None)
+        req.headers[TOKEN_HEADER] = token
+        req.scheme, req.host, req.port = "http", "127.0.0.1", self._port
+
+    def _refuse(self, flow: http.HTTPFlow, message: str) -> None:
+        """Mark, count and log one 413 (the sink answers it)."""
+        req = flow.request
         flow.metadata.setdefault("sessionpin", {}).update({"refused": 413, "refusal": "too-large",
                                                            "message": message})
         flow.comment = "refused 413: body over the limit"
@@ -83,16 +162,6 @@ class BodyLimit:
             self.metrics.refusals["too-large"] += 1
         log.warning("sessionpin: refused 413 (too-large) %s %s: %s", req.pretty_host, req.path.split("?")[0],
                     message)
-        if not self._port:      # not running yet: drop it rather than buffer it
-            flow.kill()
-            return
-        token = secrets.token_hex(8)
-        self._answers[token] = (status, *body)
-        for name in headers.dropped_for_move(req.headers.items(multi=True)):
-            req.headers.pop(name, None)
-        req.headers[TOKEN_HEADER] = token
-        req.scheme, req.host, req.port = "http", "127.0.0.1", self._port
-        req.stream = True
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The sink: read one request, drop its body, answer what was prepared for it."""
@@ -119,3 +188,10 @@ class BodyLimit:
             pass
         finally:
             writer.close()
+
+
+def _message(flow: http.HTTPFlow, limit: int) -> str:
+    size = flow.request.headers.get("content-length")
+    what = f"body ({size} bytes) is over" if size is not None else "body (sent without a length) grew past"
+    return (f"sessionpin: this request's {what} the proxy's limit of {limit // MIB} MiB "
+            f"(sessionpin_max_body_mb); it was not sent anywhere.")

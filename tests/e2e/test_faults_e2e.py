@@ -27,6 +27,9 @@ module, one test at a time, against a copy of c33fb11 with this harness (its tre
    buffered whole and sent to glm (the fake answered 400, not JSON). The test bounds the
    proxy's peak RSS growth (generously, < 300 MB) and checks that the 413 is counted in
    ``sessionpin_refusals_total{reason="too-large"}`` (not counted before e52a1d6).
+   ``test_a_200_mb_body_without_a_length_is_refused_413_without_being_buffered``: the same
+   body chunked: buffered whole (peak RSS +400 MB) and answered 502 by the reader as
+   "too large" before the sink took bodies of unknown length; now 413, +~50 MB.
 5. ``test_an_unreadable_body_of_a_moved_session_is_refused_never_sent_unmapped``: the 70 MB
    body, the 10k-deep one and the mislabelled gzip reached glm with glm's key and the
    model unmapped.
@@ -261,6 +264,76 @@ def test_a_200_mb_body_is_refused_413_without_being_buffered(rig: Rig) -> None:
     assert 'sessionpin_refusals_total{reason="too-large"}' in rig.metrics()
     # the conversation goes on
     assert rig.send("continuation", s).status == 200 and len(rig.of(s)["glm"]) == 2
+
+
+def _send_chunked(client: Client, origin: str, session: str, body_chunks) -> tuple[int, str]:
+    """POST with ``Transfer-Encoding: chunked`` (no length): the proxy cannot judge it at its headers."""
+    conn = client.connect(origin)
+    c = conn._conn
+    c.putrequest("POST", "/v1/messages?beta=true", skip_accept_encoding=True)
+    for k, v in headers_of(session):
+        c.putheader(k, v)
+    c.putheader("Transfer-Encoding", "chunked")
+    c.endheaders()
+    try:
+        for chunk in body_chunks:
+            c.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        c.send(b"0\r\n\r\n")
+    except OSError:
+        pass   # the proxy may answer and close before the whole body is sent
+    resp = c.getresponse()
+    status, text = resp.status, resp.read().decode("utf-8", "replace")
+    conn.close()
+    return status, text
+
+
+SMALL_LIMIT_MB = 16
+
+
+def test_a_200_mb_body_without_a_length_is_refused_413_without_being_buffered(rig: Rig, tmp_path: Path) -> None:
+    """The same body sent chunked: no Content-Length to judge at the headers. The proxy
+    buffers such a body up to its limit only (mitmproxy's stream_large_bodies, set to the
+    limit), then streams it to its sink for the 413 (before: buffered whole). A router of
+    its own with a 16 MiB limit, so that "up to the limit" and "whole" are far apart."""
+    mitm = Mitmdump.router(tmp_path / "small", rig.ca, rig.base, env={GLM_ENV: GLM_KEY},
+                           options={"sessionpin_max_body_mb": SMALL_LIMIT_MB})
+    mitm.start()
+    try:
+        client = Client.via_proxy(mitm.port, mitm.mitm_ca, timeout=120)
+        origin = rig.fakes["anthropic"].origin
+        s = str(uuid.uuid4())
+        r = client.request("POST", origin + "/v1/messages?beta=true", headers_of(s), body_of("opening", s))
+        assert r.status == 200 and r.json()["content"][0]["text"] == "reply from glm.", r.text[:300]
+        pid = mitm.proc.pid
+        try:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        except OSError:
+            pass
+        rss_before = _rss_kb(pid, "VmRSS")
+        chunk = (b'{"model":"' + OPUS.encode() + b'","messages":[{"role":"user","content":"'
+                 + b"x" * (1024 * 1024))[:1024 * 1024]
+        status, text = _send_chunked(client, origin, s, (chunk for _ in range(200)))
+        peak = _rss_kb(pid, "VmHWM")
+        assert status == 413, text[:300]
+        err = json.loads(text)
+        assert err["error"]["type"] == "request_too_large" and "sent without a length" in err["error"]["message"]
+        assert [len(x) for x in rig.of(s).values()] == [1], "only the opening reached a server"
+        # mitmproxy holds up to the limit (and copies of it while it switches to streaming):
+        # a few times 16 MiB, never the 200 MB (buffering it whole took ~600 MB more)
+        assert peak - rss_before < 120 * 1024, f"the proxy's peak RSS grew by {(peak - rss_before) // 1024} MB"
+        # a chunked body within the limit is routed as any other: to its pin, renamed, glm's key
+        small = body_of("continuation", s)
+        status, text = _send_chunked(client, origin, s, [small[:100], small[100:]])
+        assert status == 200 and json.loads(text)["content"][0]["text"] == "reply from glm.", text[:300]
+        got = rig.of(s)
+        assert list(got) == ["glm"] and len(got["glm"]) == 2
+        last = got["glm"][-1]
+        assert last.header("x-api-key") == GLM_KEY and last.json()["model"] == "glm-4.6"
+        assert last.header("x-sessionpin-sink") is None
+        r = client.request("GET", origin + "/__sessionpin/metrics", [])
+        assert 'sessionpin_refusals_total{reason="too-large"} 1' in r.text, r.text[:2000]
+    finally:
+        mitm.stop()
 
 
 # --------------------------------------------------------------------------- row 1

@@ -6,7 +6,8 @@
 - a database made where one was deleted never reads the old file's leftover -wal/-shm,
   and is made (and filled from the journal) by one process at a time;
 - a repair that keeps failing is logged once, not once per try;
-- the repairs are kept in the store, so another process (``sessionpin doctor``) shows them.
+- the repairs are kept in the store, so another process (``sessionpin doctor``) shows them;
+- ``sessionpin sessions`` works when only the journal is left.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from sessionpin import pins
 from sessionpin.store import StoreUnavailable
 from sessionpin.store.file import FileStore
 
@@ -185,3 +188,19 @@ def test_repairs_are_kept_in_the_store_for_other_processes(tmp_path):
         assert "deleted while it was open; restored it from the connection still open" in last
     finally:
         s.close()
+
+
+def test_sessions_when_only_the_journal_is_left(tmp_path):
+    path = tmp_path / "state.db"
+    now = time.time()
+    pin = pins.encode(pins.Pin(agent="claude-code", server="glm", since=now, renewed=now, rule="opening"))
+    run("import sys\nfrom sessionpin.store.file import FileStore\ns = FileStore(sys.argv[1])\n"
+        "s.set('pin:s-1', sys.argv[2], 86400, durable=True)\ns.close()", str(path), pin)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    env = {k: v for k, v in ENV.items() if not k.startswith("SESSIONPIN_")}
+    out = subprocess.run([sys.executable, "-m", "sessionpin.cli", "--config", str(tmp_path / "config.toml"),
+                          "--store", f"file:{path}", "sessions", "--json"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [(r["session"], r["server"]) for r in json.loads(out.stdout)] == [("s-1", "glm")]

@@ -40,7 +40,7 @@ def test_a_miss_while_the_database_file_is_replaced_is_not_an_answer(tmp_path):
     try:
         assert s.get("pin:00001") == "server-1"
         assert s.get("pin:new") is None
-        # another process puts a new file in place (as its repair would), holding a pin
+        # another process puts a new file in place (as its repair does), holding a pin
         # this store's open connection cannot see
         run(r"""
 import os, shutil, sqlite3, sys
@@ -48,6 +48,8 @@ p = sys.argv[1]
 src = sqlite3.connect(p); dst = sqlite3.connect(p + ".new"); src.backup(dst)
 dst.execute("INSERT INTO entries (key, kind, value) VALUES ('pin:new', 's', 'glm')"); dst.commit()
 dst.execute("PRAGMA journal_mode = DELETE"); dst.close(); src.close()
+for stale in (p + "-wal", p + "-shm"):               # as guard.put_in_place does
+    os.unlink(stale)
 os.rename(p + ".new", p)
 """, str(path))
         with pytest.raises(StoreUnavailable, match="replaced"):

@@ -441,14 +441,16 @@ def test_a_damaged_or_deleted_journal_is_rebuilt_from_the_store(tmp_path, caplog
         try:
             assert {k: s.get(k) for k in s.keys("pin:")} == pins
             assert s.describe()["journal"]["last_rebuild"]["from"] == "store"
+            before = journal.read_bytes()
             journal.unlink()                                   # now deleted while running
             wait_for(lambda: journal.exists())
+            assert journal.read_bytes() == before              # restored from the descriptor still open
             s.set("pin:new", "x", durable=True)
         finally:
             s.close()
     messages = [r.getMessage() for r in caplog.records]
     assert any("was damaged" in m and "rebuilt it from the store" in m for m in messages)
-    assert any("was deleted" in m and "rebuilt it from the store" in m for m in messages)
+    assert any("was deleted" in m and "restored it from the descriptor still open" in m for m in messages)
     assert len(list(tmp_path.glob("state.db.journal.corrupt-*"))) == 1
     for suffix in ("", "-wal", "-shm"):                        # the journal alone rebuilds it all
         Path(f"{path}{suffix}").unlink(missing_ok=True)

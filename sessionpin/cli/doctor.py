@@ -170,7 +170,28 @@ def _store(ctx: Ctx, add) -> bool:
     if isinstance(journal, dict) and journal:
         detail += f"; journal {journal.get('path', '')} ({journal.get('records', '?')} records)"
     add("store", "ok", detail)
+    _repairs(info, add)
     return True
+
+
+REPAIRS_SHOWN = 3
+
+
+def _repairs(info: dict[str, Any], add) -> None:
+    """The store's latest repairs (kept in the store by whichever process made them: the
+    proxy's at its start or while it ran), newest first: what was damaged or lost, and what
+    was rebuilt from what, with counts."""
+    repairs = [r for r in info.get("repairs") or [] if isinstance(r, dict) and r.get("what")]
+    if not repairs:
+        return
+    for r in reversed(repairs[-REPAIRS_SHOWN:]):
+        at = r.get("at")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if isinstance(at, (int, float)) else "?"
+        add("store repair", "warn", f"{when}: {r['what']}")
+    if len(repairs) > REPAIRS_SHOWN:
+        add("store repair", "warn", f"and {len(repairs) - REPAIRS_SHOWN} earlier (`sessionpin status --json` "
+            "lists them under store_info.repairs); a file moved aside is kept beside the store for you to inspect "
+            "or delete")
 
 
 def _keys(ctx: Ctx, cfg: configmod.Config, proxy, add) -> None:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import ops
+from . import guard, ops
 from . import sqlitefile as sf
 from .base import Check, NotDurable, StoreError, StoreUnavailable, Write
 from .keeper import Keeper, Unsure
@@ -205,8 +205,21 @@ class FileStore:
             if sf.is_damage(exc):
                 k.suspect = True            # the background thread checks the pages
                 k.wake.set()
+            elif k.ident is not None and not isinstance(exc, Unsure):
+                why = k.ident.differs(guard.identity(self.path))
+                if why:                     # (a reader opening after the file was deleted, say)
+                    k.notice(why)
+                    exc = Unsure(f"{why} while it was open; repairing")
             cause = k.rfaults.failed(exc)
             raise StoreUnavailable(f"store {self.url}: cannot read {self.path} ({cause})") from exc
+        if (not result or (isinstance(result, list) and None in result)) and k.ident is not None:
+            # A miss is an answer only from the file the path names: one deleted or replaced
+            # (not yet noticed by the watch) may lack what the current one holds.
+            why = k.ident.differs(guard.identity(self.path))
+            if why:
+                k.notice(why)
+                cause = k.rfaults.failed(Unsure(f"{why} while it was open; repairing"))
+                raise StoreUnavailable(f"store {self.url}: cannot read {self.path} ({cause})")
         k.rfaults.ok()
         return result
 

@@ -247,15 +247,40 @@ class Journal:
         it); False if there is none."""
         if self._fd is not None and same_file(self.path, self._fd):
             return True
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return False                 # our descriptor is kept: a deleted journal is restored from it
         had = self._fd is not None
         self.close()
-        try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
+        self._fd = fd
         if had:                          # another process compacted it: it is about this size live
             self.live_bytes = self.size()
         return True
+
+    def read_deleted(self) -> bytes | None:
+        """What the journal our descriptor names holds, if that file was deleted (no name
+        left); None otherwise."""
+        if self._fd is None:
+            return None
+        st = os.fstat(self._fd)
+        if st.st_nlink:
+            return None
+        return os.pread(self._fd, st.st_size, 0) if st.st_size else b""
+
+    def restore(self, data: bytes) -> None:
+        """Put ``data`` (a deleted journal's bytes) in place as the journal: temp file,
+        fsync, rename, directory fsync."""
+        tmp, fd = self._new_temp()
+        try:
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        self.put_in_place(tmp)
 
     def read_open(self) -> Parsed:
         """The journal our descriptor names (so what we parse is the file whose inode we
@@ -361,14 +386,7 @@ class Journal:
         and how many keys it holds."""
         lines = [encode(["put", key, kind, value, x]) for key, (kind, value, x) in states]
         header = encode({"sessionpin_journal": JOURNAL_VERSION, "base": base, "keys": len(lines), "at": at})
-        tmp, n = None, 0
-        while tmp is None:
-            candidate = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}-{n}")
-            try:
-                fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                tmp = candidate
-            except FileExistsError:
-                n += 1
+        tmp, fd = self._new_temp()
         try:
             try:
                 _write_all(fd, header)
@@ -380,6 +398,16 @@ class Journal:
             _unlink(tmp)
             raise
         return tmp, len(lines)
+
+    def _new_temp(self) -> tuple[Path, int]:
+        """A new file beside the journal (0600, a name no other process uses) and its descriptor."""
+        n = 0
+        while True:
+            candidate = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}-{n}")
+            try:
+                return candidate, os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                n += 1
 
     def put_in_place(self, tmp: Path, tail: bytes = b"") -> None:
         """Append ``tail`` (lines made since the snapshot) to ``tmp``, fsync it and rename it

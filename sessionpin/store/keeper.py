@@ -113,6 +113,9 @@ class Keeper:
         self.dirty = False
         self.closed = False
         self.last_repair: dict | None = None
+        self.repairs: list = []                        # the history kept in the database (recovery.remember)
+        self.pending: list[str] = []                   # repairs made before there was a database to record them
+        self.repair_failing: str | None = None         # why the last repair failed, in a streak of failures
         self.journal_counts: dict = {"bytes": None, "records": None}
         self.wfaults = Faults(url, f"write {path}", "writes fail (durable ones with NotDurable)")
         self.rfaults = Faults(url, f"read {path}", "reads fail with StoreUnavailable")
@@ -340,7 +343,7 @@ class Keeper:
                   for k, f in (("write", self.wfaults), ("read", self.rfaults)) if f.cause is not None}
         j = self.journal
         return {"healthy": not faults and self.unsure is None, "faults": faults, "unsure": self.unsure,
-                "last_repair": self.last_repair,
+                "last_repair": self.last_repair, "repairs": list(self.repairs),
                 "journal": {"path": str(j.path), "bytes": self.journal_counts["bytes"],
                             "records": self.journal_counts["records"], "live_bytes": j.live_bytes,
                             "last_compaction": j.last_compaction, "last_rebuild": j.last_rebuild}}

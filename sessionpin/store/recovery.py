@@ -15,14 +15,16 @@ Rules they keep:
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import guard
 from . import sqlitefile as sf
-from .journal import Journal
+from .journal import Journal, parse
 
 if TYPE_CHECKING:
     from .keeper import Keeper
@@ -32,7 +34,8 @@ log = logging.getLogger("sessionpin.store.file")
 
 def open_full(k: Keeper, read_header: bool = False) -> None:
     """Open the writer connection with everything checked (wlock held). The lock file
-    is taken only to change something: set a file aside, replay, rebuild."""
+    is taken only to change something: make a missing database, set a file aside,
+    replay, rebuild."""
     sf.prepare_dir(k.path.parent)
     if read_header:
         try:
@@ -40,22 +43,51 @@ def open_full(k: Keeper, read_header: bool = False) -> None:
         except sf.Unreadable:
             pass                                # set aside below, under the lock
     Journal.check_version(k.journal.path)
-    conn, fresh, found = connect_db(k, read_header)
+    making = not k.path.exists()
+    if making:                                  # made, filled and reconciled by one process at a time
+        k.lock.acquire(k.lock_wait)
     try:
-        reconcile(k, conn, fresh=fresh, found=found)
+        if making and not k.path.exists():
+            clear_leftovers(k)
+        conn, fresh, found = connect_db(k, read_header)
         try:
-            sf.txn(conn, lambda c: c.execute("DELETE FROM entries WHERE expires_at <= ?", (k.clock(),)),
-                   durable=False)
-            k.dirty = True
-        except sqlite3.Error as exc:
-            if not sf.is_fault(exc):
-                raise                           # dropping expired rows can wait for the sweeper
-    except BaseException:
-        conn.close()
-        raise
+            reconcile(k, conn, fresh=fresh, found=found)
+            try:
+                sf.txn(conn, lambda c: c.execute("DELETE FROM entries WHERE expires_at <= ?", (k.clock(),)),
+                       durable=False)
+                k.dirty = True
+            except sqlite3.Error as exc:
+                if not sf.is_fault(exc):
+                    raise                       # dropping expired rows can wait for the sweeper
+            if k.pending:
+                remember(k, conn)
+            k.repairs = history(conn)
+        except BaseException:
+            conn.close()
+            raise
+    finally:
+        if making:
+            k.lock.release()
     k.w = conn
     k.ident = guard.identity(k.path)
     k.gen += 1                                  # readers opened meanwhile open afresh
+
+
+def clear_leftovers(k: Keeper) -> None:
+    """The database file is missing (lock file held): a -wal or -shm still there belongs to
+    the file that was deleted, and SQLite would pair a new file with them (reading the
+    old WAL's pages into it). The -shm goes; the -wal is moved aside for the operator
+    (what its durable commits held is in the journal)."""
+    try:
+        Path(f"{k.path}-shm").unlink()
+    except FileNotFoundError:
+        pass
+    wal = Path(f"{k.path}-wal")
+    if wal.exists():
+        dest = sf.set_aside(wal, "its database file is missing", label="orphan")
+        log.warning("store file %s is missing but its -wal was left behind; moved it aside to %s (a new "
+                    "database never reads another's WAL)", k.path, dest)
+    Path(f"{k.path}-journal").unlink(missing_ok=True)   # SQLite's rollback journal of that file
 
 
 def connect_db(k: Keeper, read_header: bool) -> tuple[sqlite3.Connection, bool, int]:
@@ -71,6 +103,7 @@ def connect_db(k: Keeper, read_header: bool) -> tuple[sqlite3.Connection, bool, 
         except sf.Unreadable as why:
             aside = sf.set_aside(k.path, str(why))
             log.warning("store file %s could not be read (%s); moved it aside to %s", k.path, why, aside)
+            k.pending.append(f"the database could not be read ({why}); moved it aside to {aside}")
         conn, _, found = try_connect(k, False)
         return conn, True, found
     finally:
@@ -117,6 +150,7 @@ def reconcile_locked(k: Keeper, conn: sqlite3.Connection, parsed, *, fresh: bool
         if not fresh and found >= 2:            # a journal this store had: lost
             log.warning("journal %s was missing; rebuilt it from the store (%d keys)", j.path, n)
             j.last_rebuild = {"rebuilt": "journal", "from": "store", "keys": n, "at": now, "why": "missing"}
+            remember(k, conn, f"the journal was missing; rebuilt it from the database ({n} keys)")
         return
     if parsed.damaged:
         lines, keys = guard.replay(conn, parsed, now)  # what can still be read of it
@@ -125,23 +159,70 @@ def reconcile_locked(k: Keeper, conn: sqlite3.Connection, parsed, *, fresh: bool
         log.warning("journal %s was damaged (%s); moved it aside to %s, replayed %d of its lines the store "
                     "lacked, and rebuilt it from the store (%d keys)", j.path, parsed.damaged, dest, lines, n)
         j.last_rebuild = {"rebuilt": "journal", "from": "store", "keys": n, "at": now, "why": parsed.damaged}
+        remember(k, conn, f"the journal was damaged ({parsed.damaged}); moved it aside to {dest}, replayed "
+                          f"{lines} of its lines, rebuilt it from the database ({n} keys)")
         return
     j.current()
     lines, keys = guard.replay(conn, parsed, now)
     if lines and fresh:
         log.warning("store file %s rebuilt from the journal %s: %d keys", k.path, j.path, keys)
         k.last_repair = j.last_rebuild = {"rebuilt": "database", "from": "journal", "keys": keys, "at": now}
+        remember(k, conn, f"rebuilt from the journal: {keys} keys")
     elif lines:
         log.warning("store file %s lacked %d durable writes that the journal %s holds; replayed them (%d keys)",
                     k.path, lines, j.path, keys)
         j.last_rebuild = {"rebuilt": "database", "from": "journal", "lines": lines, "keys": keys, "at": now}
+        remember(k, conn, f"lacked {lines} durable writes the journal holds; replayed them ({keys} keys)")
     if parsed.last_seq < guard.db_seq(conn):
         n = guard.rebuild_journal(conn, j, now)
         log.warning("journal %s lacked durable writes the store holds; rebuilt it from the store (%d keys)",
                     j.path, n)
         j.last_rebuild = {"rebuilt": "journal", "from": "store", "keys": n, "at": now, "why": "behind"}
+        remember(k, conn, f"the journal lacked durable writes the database holds; rebuilt it ({n} keys)")
     else:
         j.live_bytes = parsed.snapshot_end
+
+
+# == the repair history (for doctor: the proxy's repairs seen from another process) ========
+
+HISTORY = 20          # the last repairs kept in the database's meta table
+
+
+def remember(k: Keeper, conn: sqlite3.Connection, what: str | None = None) -> None:
+    """Add a repair to the history kept in the database (with those waiting from before the
+    database could take them: a set-aside happens before there is one)."""
+    entries = [{"at": time.time(), "what": w} for w in [*k.pending, *([what] if what else [])]]
+    if not entries:
+        return
+    k.pending.clear()
+
+    def body(c: sqlite3.Connection) -> list:
+        kept = _history(c) + entries
+        c.execute("INSERT INTO meta (name, value) VALUES ('repairs', ?) "
+                  "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (json.dumps(kept[-HISTORY:]),))
+        return kept[-HISTORY:]
+    try:
+        k.repairs = sf.txn(conn, body, durable=True)
+    except sqlite3.Error as exc:
+        if not sf.is_fault(exc):
+            raise
+        log.debug("store %s: could not record a repair: %s", k.url, exc)
+
+
+def history(conn: sqlite3.Connection) -> list:
+    try:
+        return _history(conn)
+    except sqlite3.Error:
+        return []
+
+
+def _history(c: sqlite3.Connection) -> list:
+    row = c.execute("SELECT value FROM meta WHERE name = 'repairs'").fetchone()
+    try:
+        got = json.loads(row[0]) if row else []
+    except ValueError:
+        return []
+    return got if isinstance(got, list) else []
 
 
 def check_pages(k: Keeper) -> None:
@@ -174,11 +255,26 @@ def repair(k: Keeper) -> None:
             finally:
                 k.lock.release()
         except Exception as exc:
-            log.debug("store %s: repair failed, trying again: %s", k.url, exc)
+            # one line per streak of failures (tried again every watch_interval)
+            if k.repair_failing is None:
+                log.error("store %s: cannot repair it (%s): %s; reads and writes refuse until it can, trying "
+                          "again every %g s", k.url, why, recovery_cause(exc), k.watch_interval)
+            else:
+                log.debug("store %s: repair failed again: %s", k.url, exc)
+            k.repair_failing = recovery_cause(exc)
             return
         k.unsure = k.damaged = None
         k.last_repair = {"why": why, "action": action, "at": time.time()}
         log.warning("store %s repaired: %s (%s); reads and writes go on", k.url, action, why)
+        k.repair_failing = None
+        if k.w is not None:
+            remember(k, k.w, f"{why} while it was open; {action}")
+
+
+def recovery_cause(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return f"{type(exc).__name__}: {exc}"
 
 
 def repair_locked(k: Keeper) -> str:
@@ -199,20 +295,35 @@ def repair_locked(k: Keeper) -> str:
 
 
 def repair_journal(k: Keeper) -> None:
+    """The journal's path names no file: restore it from the descriptor we still have open
+    (the deleted file, every line in it), or, without one, rebuild it from the database."""
     with k.wlock:
         if k.w is None or k.closed:
             return
+        j = k.journal
         k.lock.acquire(k.lock_wait)
         try:
-            if k.journal.current():
+            if j.current():
                 return                          # another process made it again
-            n = guard.rebuild_journal(k.w, k.journal, k.clock())
+            how, n = "", 0
+            data = j.read_deleted()
+            if data is not None:
+                parsed = parse(data)
+                if not parsed.damaged and parsed.last_seq == guard.db_seq(k.w):
+                    j.restore(data)
+                    how, n = "restored it from the descriptor still open", len(parsed.snapshot) + len(parsed.records)
+            if not how:
+                n = guard.rebuild_journal(k.w, j, k.clock())
+                how = "rebuilt it from the store"
         finally:
             k.lock.release()
-    log.warning("journal %s was deleted while the store was open; rebuilt it from the store (%d keys)",
-                k.journal.path, n)
-    k.journal.last_rebuild = {"rebuilt": "journal", "from": "store", "keys": n, "at": time.time(),
-                                 "why": "deleted"}
+    what = f"{how} ({n} {'lines' if how.startswith('restored') else 'keys'})"
+    log.warning("journal %s was deleted while the store was open; %s", j.path, what)
+    j.last_rebuild = {"rebuilt": "journal", "from": "descriptor" if how.startswith("restored") else "store",
+                      "keys" if not how.startswith("restored") else "lines": n, "at": time.time(), "why": "deleted"}
+    with k.wlock:
+        if k.w is not None and not k.closed:
+            remember(k, k.w, f"the journal was deleted while it was open; {what}")
 
 
 def maybe_compact(k: Keeper) -> None:

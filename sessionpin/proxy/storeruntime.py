@@ -99,8 +99,7 @@ class StoreRuntime:
             store = open_store(url)
         except (StoreError, OSError, ValueError) as e:
             message = f"sessionpin_store: cannot open {safe_url(url)}: {e}"
-            if self.store is None:      # at start: one line, nothing served
-                log.error("sessionpin: %s", message)
+            if self.store is None:      # at start: one line (not also through the log), nothing served
                 print(f"sessionpin: {message}", file=sys.stderr, flush=True)
                 sys.exit(2)
             raise exceptions.OptionsError(message) from None

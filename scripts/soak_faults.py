@@ -52,7 +52,8 @@ came (or the connection was cut); the latest fault begun wins.
     delete-db         unlink state.db while the proxies run
     delete-wal        unlink state.db-wal
     delete-shm        unlink state.db-shm
-    delete-dir        remove the whole store directory (db, -wal, -shm, journal, lock file)
+    delete-dir        remove the whole store directory (db, -wal, -shm, journal, lock file):
+                      renamed away in one step, then deleted
     damage-pages      overwrite 3 random 4 KiB pages of state.db (page 1 in 1 of 4) in place
     damage-journal    overwrite 64 bytes in the middle of state.db.journal
     delete-journal    unlink state.db.journal
@@ -89,7 +90,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -571,7 +572,11 @@ class Faults:
         elif kind == "delete-dir":
             if not w.store_dir.exists():
                 return False
-            shutil.rmtree(w.store_dir)
+            # rm -rf races the proxies creating files in it: take it away from its path in
+            # one step (the files are then nameless, as after a deletion), then delete it
+            gone = w.tmp / f"deleted-store-{len(self.log)}"
+            os.rename(w.store_dir, gone)
+            shutil.rmtree(gone)
         elif kind == "damage-pages":
             if not p["db"].exists():
                 return False
@@ -669,6 +674,10 @@ async def read_pins(url: str, sessions: list[str]) -> dict[str, pins.Pin | None]
         return out
     finally:
         await store.close()
+
+
+def utc(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:12]
 
 
 def fault_at(faults: list[Fault], t: float) -> str:
@@ -850,7 +859,7 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
             origin_unpinned += 1
             continue
         lost.append((s, conv.server, None if pin is None else (pin.server or "not routed"), conv.proxy,
-                     fault_at(log, conv.at)))
+                     f"opened {utc(conv.at)}", f"during {fault_at(log, conv.at)}"))
 
     by_kind = collections.Counter(f.kind for f in log)
     settle = collections.defaultdict(list)
@@ -887,11 +896,11 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
     for k in sorted(per_fault, key=lambda k: (k == "none", k)):
         print(f"  {k:18s} " + ", ".join(f"{x} {n}" for x, n in sorted(per_fault[k].items())))
     killing = ("kill9", "damage-at-start", "delete-wal+kill9", "delete-db+kill9")
-    odd_cuts = [(o.session, o.kind, o.proxy, fault_at(log, o.t + o.took), f"{o.t:.2f}", f"took {o.took:.1f} s", o.error)
+    odd_cuts = [(o.session, o.kind, o.proxy, fault_at(log, o.t + o.took), utc(o.t), f"took {o.took:.1f} s", o.error)
                 for o in outs if o.status is None and fault_at(log, o.t + o.took) not in killing]
     print(f"cut requests outside a kill's window: {len(odd_cuts)}")
     for title, rows in (("CUT OUTSIDE A KILL", odd_cuts), ("MISROUTED", [(o.session, convs[o.session].server, o.server, o.proxy, o.kind,
-                                        fault_at(log, o.t + o.took), f"{o.t:.2f}") for o in misrouted]),
+                                        fault_at(log, o.t + o.took), utc(o.t)) for o in misrouted]),
                         ("MISROUTED AT THE SERVERS", server_side), ("LOST", lost), ("LEAKED", leaked + in_output),
                         ("OTHER ANSWERS", [(o.session, o.kind, o.status, o.proxy, o.text[:160]) for o in others])):
         if rows:
@@ -899,9 +908,9 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
             for row in rows[:10]:
                 print("   ", row)
     if misrouted or lost or server_side:
-        print("fault timeline (epoch start, kind, detail, settle s):")
+        print("fault timeline (UTC start, kind, detail, settle s):")
         for f in log:
-            print(f"   {f.start:.2f} {f.kind} {f.detail} {(f.settled or f.start) - f.start:.1f}")
+            print(f"   {utc(f.start)} {f.kind} {f.detail} {(f.settled or f.start) - f.start:.1f}")
     failed = bool(misrouted or server_side or lost or leaked or in_output)
     print("RESULT: " + ("FAIL" if failed else "ok: nothing misrouted, no pin lost, no key leaked"))
     return {

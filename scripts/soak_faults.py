@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/soak_faults.py [--seconds 120] [--proxies 1|2|3] [--store file|redis]
                                             [--clients 4] [--shapes cc,codex] [--faults KIND,...]
-                                            [--seed N] [--keep] [--json FILE]
+                                            [--seed N] [--keep] [--json FILE] [--set OPTION=VALUE]
 
 Everything is on 127.0.0.1: a throwaway CA, fake TLS inference servers (tests/e2e/harness.py),
 1-3 ``mitmdump -s addons/route.py`` processes sharing ONE store (a SQLite file store in a temp
@@ -701,6 +701,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the temp directory (proxy logs, store)")
     ap.add_argument("--json", default=None, help="write the summary as JSON to this file")
+    ap.add_argument("--set", dest="mitm_set", action="append", default=[], metavar="OPTION=VALUE",
+                    help="a mitmdump option for every proxy (repeatable), e.g. termlog_verbosity=debug")
     args = ap.parse_args()
 
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
@@ -722,6 +724,10 @@ def main() -> int:
     print(f"soak: {args.seconds:.0f} s, {args.proxies} proxies, store {args.store}, {args.clients} clients, "
           f"shapes {','.join(shapes)}, seed {seed}, faults {','.join(kinds)}", flush=True)
     world = World(tmp, args.proxies, args.store, shapes, rng)
+    for item in args.mitm_set:
+        key, _, value = item.partition("=")
+        for m in world.proxies:
+            m.options[key] = value
     failed = True
     try:
         world.start_all()

@@ -31,6 +31,11 @@ Rules it keeps:
 - Compaction rewrites it as a snapshot of the live durable keys (temp file, fsync,
   rename, directory fsync) under the lock file; another process notices the new inode
   and reopens it before its next append.
+- While the store runs, ``Verifier`` looks at it now and then without the lock (the
+  keeper's background thread): damage (a bad line with good lines after it) is only a
+  suspicion until confirmed under the lock file; the keeper then sets it aside and
+  rebuilds it from the database, as at open. A compaction that reads damage says so
+  (``Verifier.seen``) rather than leaving it for the next open.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +232,7 @@ class Journal:
         self.live_bytes = 0              # its size after the last snapshot we wrote or read
         self.last_compaction: float | None = None
         self.last_rebuild: dict | None = None
+        self.verifier = Verifier(path)
 
     @staticmethod
     def check_version(path: Path) -> None:
@@ -286,7 +293,10 @@ class Journal:
         """The journal our descriptor names (so what we parse is the file whose inode we
         check later, even if another process renames a new one in meanwhile)."""
         size = self.size()
-        return parse(os.pread(self._fd, size, 0) if size else b"")
+        parsed = parse(os.pread(self._fd, size, 0) if size else b"")
+        if parsed.damaged:               # compaction saw it: the keeper rebuilds it at once
+            self.verifier.seen = parsed.damaged
+        return parsed
 
     def read(self) -> Parsed | None:
         """The journal as it is on disk (None: there is none)."""
@@ -432,3 +442,134 @@ class Journal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+# == verifying it while the store runs ====================================================
+
+VERIFY_SHARE = 0.02      # a verification that took t waits t / VERIFY_SHARE before the next
+CHUNK = 1 << 20
+
+
+def _bad(line: bytes) -> bool:
+    """Whether one line (without its newline) fails its checksum (no JSON is read)."""
+    try:
+        return len(line) < 10 or line[8:9] != b" " or int(line[:8], 16) != zlib.crc32(line[9:])
+    except ValueError:
+        return True
+
+
+class Verifier:
+    """Notices damage to the journal while the store runs (the keeper's background thread,
+    no lock taken): the bytes are read, never parsed as JSON.
+
+    The first look at a file (at start, after a compaction or a rebuild: a new inode)
+    checks every line's checksum and the header and snapshot count, as ``parse`` does.
+    Later looks check that the bytes already verified still have the same CRC-32 (one
+    pass over them in C, 1 MiB at a time) and check only the lines appended since. A file
+    whose inode, size, mtime and ctime are those of the last look, and whose ctime was
+    over a second old then (a write in the same clock tick as a look changes neither),
+    is not read again.
+
+    Appends of other processes racing a look are never damage: a line without its
+    newline (being written) and bad lines with no good line after them (torn, or a cut
+    being made) are left for the next look, as ``parse`` leaves a torn tail. A verdict of
+    damage is only a suspicion: the keeper confirms it under the lock file, where nobody
+    appends or cuts, before it sets the file aside."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen: str | None = None     # damage a reader of the journal (compaction) saw
+        self.cost = 0.0                  # the CPU time of the last look
+        self.next_at = 0.0               # monotonic time before which no look is due
+        self.reset()
+
+    def reset(self) -> None:
+        self._sig: tuple | None = None   # (ino, size, mtime, ctime) of a clean, settled look
+        self._ino: int | None = None
+        self._end = 0                    # the bytes verified: whole good lines up to here
+        self._crc = 0                    # their CRC-32
+        self._keys: int | None = None    # the header's snapshot count
+        self._snap = 0                   # snapshot lines seen
+        self._records = False            # a transaction line seen
+
+    def due(self, now: float) -> bool:
+        return self.seen is not None or now >= self.next_at
+
+    def check(self) -> str | None:
+        """Why the journal at the path is damaged, or None (also when there is none)."""
+        started = time.thread_time()
+        try:
+            return self._check()
+        finally:
+            self.cost = time.thread_time() - started
+            self.next_at = time.monotonic() + self.cost / VERIFY_SHARE
+
+    def _check(self) -> str | None:
+        self.seen = None
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            self.reset()
+            return None                  # a missing journal is the keeper's watch's to rebuild
+        try:
+            st = os.fstat(fd)
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if sig == self._sig:
+                return None
+            self._sig = None
+            if st.st_ino != self._ino or st.st_size < self._end or self._prefix_crc(fd) != self._crc:
+                self.reset()
+                self._ino = st.st_ino
+            tail = os.pread(fd, st.st_size - self._end, self._end) if st.st_size > self._end else b""
+        finally:
+            os.close(fd)
+        why = self._scan(tail)
+        if why is None and self._end == st.st_size and time.time() - st.st_ctime > 1.0:
+            self._sig = sig
+        elif why is not None:
+            self.reset()
+        return why
+
+    def _prefix_crc(self, fd: int) -> int:
+        crc, pos = 0, 0
+        while pos < self._end:
+            chunk = os.pread(fd, min(CHUNK, self._end - pos), pos)
+            if not chunk:
+                return -1                # cut meanwhile
+            crc, pos = zlib.crc32(chunk, crc), pos + len(chunk)
+        return crc
+
+    def _scan(self, tail: bytes) -> str | None:
+        lines = tail.split(b"\n")
+        lines.pop()                      # after the last newline: empty, or being written
+        pos, good, bad_at = self._end, self._end, None
+        for line in lines:
+            at, pos = pos, pos + len(line) + 1
+            if _bad(line):
+                bad_at = at if bad_at is None else bad_at
+                continue
+            if bad_at is not None:
+                return f"bad line at byte {bad_at}"
+            kind = line[9:10]
+            if at == 0:
+                head = decode(line)
+                if not (isinstance(head, dict) and "sessionpin_journal" in head):
+                    return "no header"
+                self._keys = int(head.get("keys", 0))
+            elif self._keys is None:
+                return "no header"
+            elif kind == b"[" and not self._records:
+                self._snap += 1
+            elif kind == b"{":
+                if not self._records and self._snap != self._keys:
+                    return f"snapshot has {self._snap} of {self._keys} keys"
+                self._records = True
+            else:
+                return f"unexpected line at byte {at}"
+            good = pos
+        if good > self._end:
+            self._crc = zlib.crc32(memoryview(tail)[:good - self._end], self._crc)
+            self._end = good
+        if self._keys is not None and not self._records and bad_at is None and self._snap != self._keys:
+            return f"snapshot has {self._snap} of {self._keys} keys"
+        return None

@@ -479,6 +479,7 @@ class Verifier:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.seen: str | None = None     # damage a reader of the journal (compaction) saw
+        self.failing: str | None = None  # why the last rebuild after damage failed (the keeper's)
         self.cost = 0.0                  # the CPU time of the last look
         self.next_at = 0.0               # monotonic time before which no look is due
         self.reset()

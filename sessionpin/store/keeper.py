@@ -22,7 +22,8 @@ Rules it keeps:
   when nobody writes.
 - A read or write that meets damaged pages makes the background thread run
   ``quick_check``; if the pages are damaged the file is set aside and the database
-  rebuilt from the journal. A journal that vanished is rebuilt from the database.
+  rebuilt from the journal. A journal that vanished is rebuilt from the database; one
+  damaged while running (journal.Verifier's looks, or a compaction) too, as at open.
 - The background thread also fsyncs ordinary commits (WAL and directory) within
   ``flush_interval``, sweeps expired keys in bounded batches, and compacts the journal
   when it has grown past ``compact_factor`` × its live size (and ``compact_min_bytes``).
@@ -283,6 +284,33 @@ class Keeper:
             recovery.repair(self)
         elif self.w is not None and not self.journal.path.exists():
             recovery.repair_journal(self)
+        elif self.w is not None and self.journal.verifier.due(time.monotonic()):
+            self.verify_journal()
+
+    def verify_journal(self) -> None:
+        """A journal damaged while the store runs (journal.Verifier, no lock) is confirmed
+        under the lock file, set aside and rebuilt from the database, as at open."""
+        v = self.journal.verifier
+        if v.check() is None:
+            return
+        with self.wlock:
+            if self.closed or self.w is None or self.unsure is not None or \
+                    self.ident.differs(guard.identity(self.path)):
+                return                          # the database is not sure: its repair comes first
+            try:
+                self.lock.acquire(self.lock_wait)
+                try:
+                    parsed = self.journal.read() if v.check() is not None else None
+                    if parsed is not None and parsed.damaged:
+                        recovery.reconcile_locked(self, self.w, parsed, fresh=False, found=0)
+                finally:
+                    self.lock.release()
+            except Exception as exc:            # tried again at the next look; said once
+                (log.error if v.failing is None else log.debug)(
+                    "store %s: its journal is damaged and cannot be rebuilt yet: %s", self.url, cause_of(exc))
+                v.failing = cause_of(exc)
+                return
+            v.failing = None
 
     def flush(self) -> None:
         """Put ordinary commits on stable storage: fsync the WAL and the directory.

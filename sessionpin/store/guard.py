@@ -169,10 +169,13 @@ def compact(reader: sqlite3.Connection, journal: Journal, lock: FileLock, lock_w
 
 # == restoring through an open connection =================================================
 
-def restore_from(conn: sqlite3.Connection, path: Path) -> Path:
+def restore_from(conn: sqlite3.Connection, path: Path) -> tuple[Path, str | None]:
     """Copy what ``conn`` sees (the file it has open, unlinked or not, with its WAL) into a
-    new file beside ``path``, fsync'd; return that file's path, for the caller to put in
-    place. The directory is made again (0700) if it is gone."""
+    new file beside ``path``, fsync'd; return that file's path and, if the copy fails
+    ``quick_check``, what is wrong with it (None: whole). The caller puts a whole copy in
+    place and never a damaged one: the backup API copies pages as they are, so pages
+    damaged on disk that no read met are in the copy. The directory is made again (0700)
+    if it is gone."""
     sf.prepare_dir(path.parent)
     n = 0
     while True:
@@ -186,7 +189,14 @@ def restore_from(conn: sqlite3.Connection, path: Path) -> Path:
         dest = sqlite3.connect(tmp, isolation_level=None)
         try:
             conn.backup(dest)
-            dest.execute("PRAGMA journal_mode = DELETE")   # one file: no -wal/-shm beside it
+            damaged = quick_check(dest)                    # the copy, as the next open reads it
+            if damaged is None:
+                try:
+                    dest.execute("PRAGMA journal_mode = DELETE")   # one file: no -wal/-shm beside it
+                except sqlite3.DatabaseError as exc:
+                    if not sf.is_damage(exc):
+                        raise
+                    damaged = str(exc)
         finally:
             dest.close()
         fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)      # no SQLite connection has it now
@@ -201,7 +211,7 @@ def restore_from(conn: sqlite3.Connection, path: Path) -> Path:
             except OSError:
                 pass
         raise
-    return tmp
+    return tmp, damaged
 
 
 def put_in_place(tmp: Path, path: Path) -> None:
@@ -227,3 +237,113 @@ def quick_check(conn: sqlite3.Connection) -> str | None:
         raise
     return None if verdict == ["ok"] else "; ".join(verdict[:3])
 
+
+
+# == salvage: the rows of a damaged file that can still be read ===========================
+
+class Salvaged(NamedTuple):
+    keys: int          # keys copied (whole: a hash or sorted set only with all its members)
+    errors: int        # reads that met damaged pages (scans cut short, keys skipped)
+
+
+def salvage(src: Path, dest: sqlite3.Connection, now: float, seeds: set[str], *,
+            busy_timeout: float = 2.0) -> Salvaged:
+    """Copy, row by row, every live key of the damaged database ``src`` that can still be
+    read into ``dest`` (a new, empty database), in one durable transaction.
+
+    A scan stops at the first damaged page it meets, so the keys are found by many: the
+    whole table forwards and backwards, then forwards and backwards again from every key
+    known otherwise (``seeds``: the journal's keys; the keys of the expiry index, of the
+    fields and of the sorted-set members), which reaches each whole leaf page that any of
+    them lies on or next to. Each key found is then read alone (its row, and its fields or
+    members: a key any of whose reads fails is skipped). Expired keys are not copied."""
+    errors = 0
+    try:
+        c = sf.connect(src, busy_timeout=busy_timeout)
+    except sqlite3.Error:
+        return Salvaged(0, 1)
+    try:
+        c.execute("PRAGMA query_only = 1")
+        found: set[str] = set()
+        errors += _scan_keys(c, "SELECT key FROM entries", "key", found)
+        known = set(seeds)
+        for table, col in (("fields", "key"), ("zsets", "key")):
+            errors += _scan_keys(c, f"SELECT DISTINCT {col} FROM {table}", col, known)
+        errors += _scan_index_keys(c, known)
+        fwd_done, bwd_done = set(), set()
+        for start in sorted(known - found):
+            errors += _walk(c, start, ">=", "ASC", found, fwd_done)
+            errors += _walk(c, start, "<", "DESC", found, bwd_done)
+        states = []
+        for key in sorted(found):
+            try:
+                state = ops.read_state(c, key)
+            except sqlite3.DatabaseError:
+                errors += 1
+                continue
+            if state is not None and not ops.expired(state[2], now):
+                states.append((key, state))
+    finally:
+        c.close()
+
+    def body(d: sqlite3.Connection) -> None:
+        for key, state in states:
+            ops.write_state(d, key, state)
+
+    sf.txn(dest, body, durable=True)
+    return Salvaged(len(states), errors)
+
+
+def _scan_keys(c: sqlite3.Connection, select: str, col: str, into: set[str]) -> int:
+    """``select`` (one column, ordered by ``col``) forwards until it fails, then backwards
+    until it fails or meets what the forward scan read; how many scans failed."""
+    errors, last = 0, None
+    try:
+        for (key,) in c.execute(f"{select} ORDER BY {col}"):
+            into.add(key)
+            last = key
+        return 0
+    except sqlite3.DatabaseError:
+        errors += 1
+    try:
+        for (key,) in c.execute(f"{select} ORDER BY {col} DESC"):
+            if last is not None and key <= last:
+                break
+            into.add(key)
+    except sqlite3.DatabaseError:
+        errors += 1
+    return errors
+
+
+def _scan_index_keys(c: sqlite3.Connection, into: set[str]) -> int:
+    """The keys of the expiry index (its own pages), forwards then backwards by expiry."""
+    errors, seen = 0, 0
+    try:
+        for (key,) in c.execute("SELECT key FROM entries INDEXED BY entries_expiry "
+                                "WHERE expires_at IS NOT NULL ORDER BY expires_at"):
+            into.add(key)
+            seen += 1
+        return 0
+    except sqlite3.DatabaseError:
+        errors += 1
+    try:
+        for (key,) in c.execute("SELECT key FROM entries INDEXED BY entries_expiry "
+                                "WHERE expires_at IS NOT NULL ORDER BY expires_at DESC"):
+            into.add(key)
+    except sqlite3.DatabaseError:
+        errors += 1
+    return errors
+
+
+def _walk(c: sqlite3.Connection, start: str, op: str, order: str, found: set[str], done: set[str]) -> int:
+    """Read keys of the table from ``start`` on, in one direction, until a damaged page or a
+    key a walk in the same direction has passed already; 1 if it met damage."""
+    try:
+        for (key,) in c.execute(f"SELECT key FROM entries WHERE key {op} ? ORDER BY key {order}", (start,)):
+            if key in done:
+                return 0
+            done.add(key)
+            found.add(key)
+        return 0
+    except sqlite3.DatabaseError:
+        return 1

@@ -107,6 +107,9 @@ class Keeper:
         self.ident: guard.Identity | None = None       # what the paths named when we opened
         self.unsure: str | None = None                 # why reads and writes refuse, until repaired
         self.damaged: str | None = None                # quick_check's verdict, when it failed
+        self.damaged_db: tuple[int, int] | None = None # the database file it was about
+        self.salvage_from: Path | None = None          # a damaged file set aside: its readable rows go in
+        self.salvaged: Any = None                      # the last salvage's counts (guard.Salvaged)
         self.suspect = False                           # a call met damaged pages: check them
         self.gen = 0                                   # readers reopen when it moves
         self.checked = False

@@ -16,7 +16,10 @@ Rules they keep:
   opened them. A path that names something else (or nothing) means the files it writes
   are not the ones the next process will read; the store then restores the database
   from the connection it still has open (SQLite's backup API reads an unlinked file
-  through it), puts it in place of the stale files, and opens that.
+  through it), checks the copy with ``quick_check`` (the backup copies damaged pages as
+  they are), and only if it is whole puts it in place of the stale files and opens it.
+- Salvage reads, row by row, what a damaged file still holds (``salvage``); the journal
+  is replayed over it, so for every key the journal holds, the journal wins.
 - Compaction keeps, of the keys the journal has durably written, those the database
   still holds, with their state there; it runs only when the database is at the journal's
   last sequence.
@@ -25,6 +28,7 @@ Rules they keep:
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 from typing import NamedTuple
@@ -227,10 +231,11 @@ def put_in_place(tmp: Path, path: Path) -> None:
     sf.fsync_dir(path.parent)
 
 
-def quick_check(conn: sqlite3.Connection) -> str | None:
-    """None if the database's pages are whole; what is wrong otherwise."""
+def quick_check(conn: sqlite3.Connection, full: bool = False) -> str | None:
+    """None if the database's pages are whole; what is wrong otherwise. ``full``: also
+    check that every index agrees with its table (``integrity_check``: slower)."""
     try:
-        verdict = [r[0] for r in conn.execute("PRAGMA quick_check")]
+        verdict = [r[0] for r in conn.execute("PRAGMA integrity_check(3)" if full else "PRAGMA quick_check")]
     except sqlite3.DatabaseError as exc:
         if sf.is_damage(exc):
             return str(exc)
@@ -255,95 +260,129 @@ def salvage(src: Path, dest: sqlite3.Connection, now: float, seeds: set[str], *,
     whole table forwards and backwards, then forwards and backwards again from every key
     known otherwise (``seeds``: the journal's keys; the keys of the expiry index, of the
     fields and of the sorted-set members), which reaches each whole leaf page that any of
-    them lies on or next to. Each key found is then read alone (its row, and its fields or
-    members: a key any of whose reads fails is skipped). Expired keys are not copied."""
+    them lies on or next to. A hash or sorted set is copied only with all its members (a
+    key any of whose reads fails is skipped). Expired keys are not copied."""
     errors = 0
-    try:
-        c = sf.connect(src, busy_timeout=busy_timeout)
-    except sqlite3.Error:
+    scratch = src.with_name(f"{src.name}.salvage-{os.getpid()}")
+    try:                                        # read a copy: SQLite may rewrite or delete a
+        for suffix in ("", "-wal"):             # -wal it opens, and the damaged file is the
+            _unlink(Path(f"{scratch}{suffix}"))  # operator's to inspect, as it was
+            if suffix == "" or Path(f"{src}-wal").exists():
+                shutil.copyfile(f"{src}{suffix}", f"{scratch}{suffix}")
+        c = sf.connect(scratch, busy_timeout=busy_timeout)
+    except (sqlite3.Error, OSError):
+        for suffix in ("", "-wal", "-shm"):
+            _unlink(Path(f"{scratch}{suffix}"))
         return Salvaged(0, 1)
     try:
         c.execute("PRAGMA query_only = 1")
-        found: set[str] = set()
-        errors += _scan_keys(c, "SELECT key FROM entries", "key", found)
+        c.execute("PRAGMA cache_size = -65536")         # 64 MiB: the walks read pages again
+        rows: dict[str, tuple] = {}
+        errors += _scan_rows(c, rows)
         known = set(seeds)
-        for table, col in (("fields", "key"), ("zsets", "key")):
-            errors += _scan_keys(c, f"SELECT DISTINCT {col} FROM {table}", col, known)
-        errors += _scan_index_keys(c, known)
-        fwd_done, bwd_done = set(), set()
-        for start in sorted(known - found):
-            errors += _walk(c, start, ">=", "ASC", found, fwd_done)
-            errors += _walk(c, start, "<", "DESC", found, bwd_done)
+        for table in ("fields", "zsets"):
+            errors += _scan_column(c, f"SELECT DISTINCT key FROM {table}", "key", known)
+        errors += _scan_column(c, "SELECT key FROM entries INDEXED BY entries_expiry WHERE expires_at IS NOT NULL",
+                               "expires_at", known)
+        starts = sorted(known - rows.keys())
+        fwd_done: set[str] = set()
+        bwd_done: set[str] = set()
+        for start in starts:                    # each walk stops where an earlier one went on
+            if start not in fwd_done:
+                errors += _walk(c, start, ">=", "ASC", rows, fwd_done)
+        for start in reversed(starts):
+            if start not in bwd_done:
+                errors += _walk(c, start, "<=", "DESC", rows, bwd_done)
         states = []
-        for key in sorted(found):
-            try:
-                state = ops.read_state(c, key)
-            except sqlite3.DatabaseError:
-                errors += 1
+        for key in sorted(rows):
+            kind, value, x = rows[key]
+            if ops.expired(x, now):
                 continue
-            if state is not None and not ops.expired(state[2], now):
-                states.append((key, state))
+            if kind in (ops.HASH, ops.ZSET):
+                try:
+                    state = ops.read_state(c, key)
+                except sqlite3.DatabaseError:
+                    errors += 1
+                    continue
+                if state is None:
+                    continue
+            else:
+                state = (kind, value, x)
+            states.append((key, state))
     finally:
         c.close()
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            _unlink(Path(f"{scratch}{suffix}"))
 
     def body(d: sqlite3.Connection) -> None:
+        d.executemany("INSERT OR REPLACE INTO entries (key, kind, value, expires_at) VALUES (?, ?, ?, ?)",
+                      ((k, st[0], st[1], st[2]) for k, st in states if st[0] == ops.STRING))
         for key, state in states:
-            ops.write_state(d, key, state)
+            if state[0] != ops.STRING:
+                ops.write_state(d, key, state)
 
     sf.txn(dest, body, durable=True)
     return Salvaged(len(states), errors)
 
 
-def _scan_keys(c: sqlite3.Connection, select: str, col: str, into: set[str]) -> int:
-    """``select`` (one column, ordered by ``col``) forwards until it fails, then backwards
-    until it fails or meets what the forward scan read; how many scans failed."""
-    errors, last = 0, None
+_ROW = "SELECT key, kind, value, expires_at FROM entries"
+
+
+def _scan_rows(c: sqlite3.Connection, rows: dict[str, tuple]) -> int:
+    """The table forwards until it fails, then backwards until it fails or meets what the
+    forward scan read; how many scans failed."""
+    last = None
     try:
-        for (key,) in c.execute(f"{select} ORDER BY {col}"):
-            into.add(key)
+        for key, kind, value, x in c.execute(f"{_ROW} ORDER BY key"):
+            rows[key] = (kind, value, x)
             last = key
         return 0
     except sqlite3.DatabaseError:
-        errors += 1
+        pass
     try:
-        for (key,) in c.execute(f"{select} ORDER BY {col} DESC"):
+        for key, kind, value, x in c.execute(f"{_ROW} ORDER BY key DESC"):
             if last is not None and key <= last:
                 break
-            into.add(key)
+            rows[key] = (kind, value, x)
     except sqlite3.DatabaseError:
-        errors += 1
-    return errors
+        return 2
+    return 1
 
 
-def _scan_index_keys(c: sqlite3.Connection, into: set[str]) -> int:
-    """The keys of the expiry index (its own pages), forwards then backwards by expiry."""
-    errors, seen = 0, 0
+def _scan_column(c: sqlite3.Connection, select: str, order: str, into: set[str]) -> int:
+    """The keys ``select`` names (its own pages: an index, another table), forwards by
+    ``order`` and then backwards; how many scans failed."""
+    errors = 0
     try:
-        for (key,) in c.execute("SELECT key FROM entries INDEXED BY entries_expiry "
-                                "WHERE expires_at IS NOT NULL ORDER BY expires_at"):
+        for (key,) in c.execute(f"{select} ORDER BY {order}"):
             into.add(key)
-            seen += 1
         return 0
     except sqlite3.DatabaseError:
         errors += 1
     try:
-        for (key,) in c.execute("SELECT key FROM entries INDEXED BY entries_expiry "
-                                "WHERE expires_at IS NOT NULL ORDER BY expires_at DESC"):
+        for (key,) in c.execute(f"{select} ORDER BY {order} DESC"):
             into.add(key)
     except sqlite3.DatabaseError:
         errors += 1
     return errors
 
 
-def _walk(c: sqlite3.Connection, start: str, op: str, order: str, found: set[str], done: set[str]) -> int:
-    """Read keys of the table from ``start`` on, in one direction, until a damaged page or a
-    key a walk in the same direction has passed already; 1 if it met damage."""
+def _walk(c: sqlite3.Connection, start: str, op: str, order: str, rows: dict[str, tuple], done: set[str]) -> int:
+    """Read the table from ``start`` on, in one direction, until a damaged page or a key a
+    walk in the same direction has passed already; 1 if it met damage."""
     try:
-        for (key,) in c.execute(f"SELECT key FROM entries WHERE key {op} ? ORDER BY key {order}", (start,)):
+        for key, kind, value, x in c.execute(f"{_ROW} WHERE key {op} ? ORDER BY key {order}", (start,)):
             if key in done:
                 return 0
             done.add(key)
-            found.add(key)
+            rows[key] = (kind, value, x)
         return 0
     except sqlite3.DatabaseError:
         return 1
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -21,8 +21,10 @@ Rules it keeps:
   every ``watch_interval`` (0.25 s), so a vanished file is noticed within a second even
   when nobody writes.
 - A read or write that meets damaged pages makes the background thread run
-  ``quick_check``; if the pages are damaged the file is set aside and the database
-  rebuilt from the journal. A journal that vanished is rebuilt from the database.
+  ``quick_check``; if the pages are damaged the database is restored from the writer
+  connection if that copy passes ``quick_check``, else the file is set aside and the
+  database rebuilt from the journal (under the rows still readable). A journal that
+  vanished is put back from the descriptor still open, else rebuilt from the database.
 - The background thread also fsyncs ordinary commits (WAL and directory) within
   ``flush_interval``, sweeps expired keys in bounded batches, and compacts the journal
   when it has grown past ``compact_factor`` × its live size (and ``compact_min_bytes``).

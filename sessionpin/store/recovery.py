@@ -11,6 +11,9 @@ Rules they keep:
   the store (N keys)", "repaired: restored it from the connection still open (why)".
 - A repair keeps the writer connection until the restored file is in place: for a
   deleted file, that connection is the only copy of what it held.
+- A repair puts the journal back first (from the descriptor still open, if its file is
+  gone), and never puts in place or opens a database it has not ``quick_check``ed: when
+  the data the store still has is damaged, the journal is the source of truth.
 """
 
 from __future__ import annotations
@@ -266,7 +269,9 @@ def _history(c: sqlite3.Connection) -> list:
 
 def check_pages(k: Keeper) -> None:
     """A call met damaged pages: check them on a fresh connection (the writer's page
-    cache may still hold good copies: under WAL another's commit does not empty it)."""
+    cache may still hold good copies: under WAL another's commit does not empty it).
+    The full ``integrity_check``, since a call did raise: an index that disagrees with its
+    table raises "malformed" on the keys it covers, and ``quick_check`` passes it."""
     k.suspect = False
     db = guard.identity(k.path).db
     try:
@@ -274,7 +279,7 @@ def check_pages(k: Keeper) -> None:
     except (sqlite3.Error, OSError):
         return
     try:
-        why = guard.quick_check(conn)
+        why = guard.quick_check(conn, full=True)
     finally:
         conn.close()
     if why is not None:

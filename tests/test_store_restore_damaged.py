@@ -136,3 +136,33 @@ def test_damaged_at_start_with_no_journal_salvages_what_it_can_read_loudly(tmp_p
     assert any("no journal" in r.getMessage() and "salvaged" in r.getMessage() for r in errors)
     assert (tmp_path / "state.db.journal").exists()             # rebuilt from what was salvaged
     assert pins_of(fresh_view(path)) == got
+
+
+def test_a_repair_whose_open_meets_damaged_pages_is_not_tried_the_same_way_forever(tmp_path, caplog, monkeypatch):
+    from sessionpin.store import recovery
+    path = tmp_path / "state.db"
+    pins = fill(path, 300)
+    real, calls = recovery.reconcile, []
+
+    def reconcile(k, conn, **kw):                          # the file put in place reads damaged
+        calls.append(1)                                    # pages once it is opened
+        if len(calls) == 1:
+            exc = sqlite3.DatabaseError("database disk image is malformed")
+            exc.sqlite_errorcode = sqlite3.SQLITE_CORRUPT
+            raise exc
+        return real(k, conn, **kw)
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        s = FileStore(path)
+        try:
+            monkeypatch.setattr(recovery, "reconcile", reconcile)
+            os.unlink(path)
+            wait_for(lambda: s.describe()["last_repair"] is not None and s.describe()["unsure"] is None,
+                     timeout=20)
+            assert {k: s.get(k) for k in pins} == pins
+        finally:
+            s.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("cannot repair it" in m for m in messages) == 1, messages
+    assert any("moved the damaged file aside" in m and "rebuilt it from the journal" in m for m in messages)
+    assert len(calls) == 2

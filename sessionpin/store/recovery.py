@@ -300,7 +300,7 @@ def repair(k: Keeper) -> None:
             finally:
                 k.lock.release()
         except Exception as exc:
-            if sf.is_damage(exc) and not k.damaged:
+            if sf.is_damage(exc):
                 # the file it opened met damaged pages after all: the next try sets it aside
                 # and rebuilds it from the journal, rather than opening it again and again
                 k.damaged, k.damaged_db = str(exc), guard.identity(k.path).db
@@ -355,7 +355,7 @@ def repair_locked(k: Keeper) -> str:
         k.checked = False
     k.drop_writer()                             # only now: for a deleted file it was the only copy
     open_full(k)
-    return f"{journal_note}; {action}" if journal_note else action
+    return f"{action}; {journal_note}" if journal_note else action
 
 
 def set_aside_damaged(k: Keeper, why: str, copy: Path | None = None) -> str:

@@ -419,11 +419,21 @@ def repair_journal(k: Keeper) -> None:
                 if (not parsed.damaged and parsed.last_seq == seq) or (seq is None and data):
                     j.restore(data)
                     how, n = "restored it from the descriptor still open", len(parsed.snapshot) + len(parsed.records)
-            if not how and seq is None:
-                return                          # nothing to rebuild it from until the database is repaired
+            if not how and seq is not None:
+                try:
+                    n = guard.rebuild_journal(k.w, j, k.clock())
+                    how = "rebuilt it from the store"
+                except sqlite3.DatabaseError as exc:
+                    if not sf.is_damage(exc):
+                        raise
+                    k.suspect = True            # never a journal from damaged pages: check them
+                    k.wake.set()
+                    if data:                    # and put back what the descriptor holds meanwhile
+                        parsed = parse(data)
+                        j.restore(data)
+                        how, n = "restored it from the descriptor still open", len(parsed.snapshot) + len(parsed.records)
             if not how:
-                n = guard.rebuild_journal(k.w, j, k.clock())
-                how = "rebuilt it from the store"
+                return                          # nothing to rebuild it from until the database is repaired
         finally:
             k.lock.release()
     what = f"{how} ({n} {'lines' if how.startswith('restored') else 'keys'})"

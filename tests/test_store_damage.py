@@ -113,6 +113,8 @@ def test_pages_damaged_while_running_raise_then_are_rebuilt_from_the_journal(tmp
             s._w.execute("PRAGMA wal_checkpoint(TRUNCATE)")       # every page in the main file
             pages = path.stat().st_size // 4096
             scribble(path, 4096 * (pages // 2), os.urandom(4096 * 3))
+            s._w.execute("PRAGMA shrink_memory")                   # the writer keeps no good copies
+            s._w.execute("PRAGMA cache_size = 1")
             run("import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
                 "c.execute(\"UPDATE meta SET value = value WHERE name = 'journal_seq'\"); c.commit()", str(path))
             raised, wrong = 0, []
@@ -127,14 +129,16 @@ def test_pages_damaged_while_running_raise_then_are_rebuilt_from_the_journal(tmp
             assert wrong == [] and raised > 0
             wait_for(lambda: s.describe()["last_repair"] is not None and s.describe()["unsure"] is None)
             assert {k: s.get(k) for k in pins} == pins             # every durable pin, rebuilt
-            assert s.keys("seen:") == []                           # ordinary writes were not journaled
+            seen = s.keys("seen:")                                 # ordinary writes were not journaled:
+            assert 0 < len(seen) < 3000                            # those on whole pages are salvaged,
+            assert {s.get(k) for k in seen} == {"ordinary"}        # as they were
             s.set("after", "1", durable=True)
         finally:
             s.close()
-    assert len([p for p in tmp_path.glob("state.db.corrupt-*")
-                if not p.name.endswith(("-wal", "-shm"))]) == 1        # kept for the operator
-    assert any("rebuilt from the journal" in r.getMessage() and "3000 keys" in r.getMessage()
-               for r in caplog.records)
+    assert list(tmp_path.glob("state.db.corrupt-*"))               # kept for the operator
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("reads damaged pages" in m and "moved its copy aside" in m for m in messages), messages
+    assert any("rebuilt from the journal" in m and "3000 keys" in m for m in messages)
     assert pins_of(fresh_view(path)) == pins
 
 
@@ -155,7 +159,7 @@ def test_damaged_at_start_is_set_aside_and_rebuilt_from_the_journal(tmp_path, ca
         s = FileStore(path)
     try:
         assert {k: s.get(k) for k in s.keys("pin:")} == pins       # not empty: every pin, nothing else
-        assert s.keys("seen:") == []
+        assert {s.get(k) for k in s.keys("seen:")} <= {"ordinary"}  # ordinary writes: those still readable
         rebuilt = s.describe()["journal"]["last_rebuild"]
         assert rebuilt["rebuilt"] == "database" and rebuilt["keys"] == 2000
     finally:

@@ -16,7 +16,10 @@ Rules they keep:
   opened them. A path that names something else (or nothing) means the files it writes
   are not the ones the next process will read; the store then restores the database
   from the connection it still has open (SQLite's backup API reads an unlinked file
-  through it), puts it in place of the stale files, and opens that.
+  through it), checks the copy with ``quick_check`` (the backup copies damaged pages as
+  they are), and only if it is whole puts it in place of the stale files and opens it.
+- Salvage reads, row by row, what a damaged file still holds (``salvage``); the journal
+  is replayed over it, so for every key the journal holds, the journal wins.
 - Compaction keeps, of the keys the journal has durably written, those the database
   still holds, with their state there; it runs only when the database is at the journal's
   last sequence.
@@ -25,6 +28,7 @@ Rules they keep:
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 from typing import NamedTuple
@@ -140,7 +144,7 @@ def compact(reader: sqlite3.Connection, journal: Journal, lock: FileLock, lock_w
     ino = journal.inode()
     parsed = journal.read_open()
     if parsed.damaged or parsed.last_seq < seq:
-        return None                        # damaged or behind: left for the next open to rebuild
+        return None                        # damaged or behind: not compacted; the keeper rebuilds a damaged one (Verifier.seen)
     if parsed.base > seq:
         return None                        # another process compacted it after our read: its turn
     states: dict = {}
@@ -169,10 +173,13 @@ def compact(reader: sqlite3.Connection, journal: Journal, lock: FileLock, lock_w
 
 # == restoring through an open connection =================================================
 
-def restore_from(conn: sqlite3.Connection, path: Path) -> Path:
+def restore_from(conn: sqlite3.Connection, path: Path) -> tuple[Path, str | None]:
     """Copy what ``conn`` sees (the file it has open, unlinked or not, with its WAL) into a
-    new file beside ``path``, fsync'd; return that file's path, for the caller to put in
-    place. The directory is made again (0700) if it is gone."""
+    new file beside ``path``, fsync'd; return that file's path and, if the copy fails
+    ``quick_check``, what is wrong with it (None: whole). The caller puts a whole copy in
+    place and never a damaged one: the backup API copies pages as they are, so pages
+    damaged on disk that no read met are in the copy. The directory is made again (0700)
+    if it is gone."""
     sf.prepare_dir(path.parent)
     n = 0
     while True:
@@ -186,7 +193,14 @@ def restore_from(conn: sqlite3.Connection, path: Path) -> Path:
         dest = sqlite3.connect(tmp, isolation_level=None)
         try:
             conn.backup(dest)
-            dest.execute("PRAGMA journal_mode = DELETE")   # one file: no -wal/-shm beside it
+            damaged = quick_check(dest)                    # the copy, as the next open reads it
+            if damaged is None:
+                try:
+                    dest.execute("PRAGMA journal_mode = DELETE")   # one file: no -wal/-shm beside it
+                except sqlite3.DatabaseError as exc:
+                    if not sf.is_damage(exc):
+                        raise
+                    damaged = str(exc)
         finally:
             dest.close()
         fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)      # no SQLite connection has it now
@@ -201,7 +215,7 @@ def restore_from(conn: sqlite3.Connection, path: Path) -> Path:
             except OSError:
                 pass
         raise
-    return tmp
+    return tmp, damaged
 
 
 def put_in_place(tmp: Path, path: Path) -> None:
@@ -217,13 +231,158 @@ def put_in_place(tmp: Path, path: Path) -> None:
     sf.fsync_dir(path.parent)
 
 
-def quick_check(conn: sqlite3.Connection) -> str | None:
-    """None if the database's pages are whole; what is wrong otherwise."""
+def quick_check(conn: sqlite3.Connection, full: bool = False) -> str | None:
+    """None if the database's pages are whole; what is wrong otherwise. ``full``: also
+    check that every index agrees with its table (``integrity_check``: slower)."""
     try:
-        verdict = [r[0] for r in conn.execute("PRAGMA quick_check")]
+        verdict = [r[0] for r in conn.execute("PRAGMA integrity_check(3)" if full else "PRAGMA quick_check")]
     except sqlite3.DatabaseError as exc:
         if sf.is_damage(exc):
             return str(exc)
         raise
     return None if verdict == ["ok"] else "; ".join(verdict[:3])
 
+
+
+# == salvage: the rows of a damaged file that can still be read ===========================
+
+class Salvaged(NamedTuple):
+    keys: int          # keys copied (whole: a hash or sorted set only with all its members)
+    errors: int        # reads that met damaged pages (scans cut short, keys skipped)
+
+
+def salvage(src: Path, dest: sqlite3.Connection, now: float, seeds: set[str], *,
+            busy_timeout: float = 2.0) -> Salvaged:
+    """Copy, row by row, every live key of the damaged database ``src`` that can still be
+    read into ``dest`` (a new, empty database), in one durable transaction.
+
+    A scan stops at the first damaged page it meets, so the keys are found by many: the
+    whole table forwards and backwards, then forwards and backwards again from every key
+    known otherwise (``seeds``: the journal's keys; the keys of the expiry index, of the
+    fields and of the sorted-set members), which reaches each whole leaf page that any of
+    them lies on or next to. A hash or sorted set is copied only with all its members (a
+    key any of whose reads fails is skipped). Expired keys are not copied."""
+    errors = 0
+    scratch = src.with_name(f"{src.name}.salvage-{os.getpid()}")
+    try:                                        # read a copy: SQLite may rewrite or delete a
+        for suffix in ("", "-wal"):             # -wal it opens, and the damaged file is the
+            _unlink(Path(f"{scratch}{suffix}"))  # operator's to inspect, as it was
+            if suffix == "" or Path(f"{src}-wal").exists():
+                shutil.copyfile(f"{src}{suffix}", f"{scratch}{suffix}")
+        c = sf.connect(scratch, busy_timeout=busy_timeout)
+    except (sqlite3.Error, OSError):
+        for suffix in ("", "-wal", "-shm"):
+            _unlink(Path(f"{scratch}{suffix}"))
+        return Salvaged(0, 1)
+    try:
+        c.execute("PRAGMA query_only = 1")
+        c.execute("PRAGMA cache_size = -65536")         # 64 MiB: the walks read pages again
+        rows: dict[str, tuple] = {}
+        errors += _scan_rows(c, rows)
+        known = set(seeds)
+        for table in ("fields", "zsets"):
+            errors += _scan_column(c, f"SELECT DISTINCT key FROM {table}", "key", known)
+        errors += _scan_column(c, "SELECT key FROM entries INDEXED BY entries_expiry WHERE expires_at IS NOT NULL",
+                               "expires_at", known)
+        starts = sorted(known - rows.keys())
+        fwd_done: set[str] = set()
+        bwd_done: set[str] = set()
+        for start in starts:                    # each walk stops where an earlier one went on
+            if start not in fwd_done:
+                errors += _walk(c, start, ">=", "ASC", rows, fwd_done)
+        for start in reversed(starts):
+            if start not in bwd_done:
+                errors += _walk(c, start, "<=", "DESC", rows, bwd_done)
+        states = []
+        for key in sorted(rows):
+            kind, value, x = rows[key]
+            if ops.expired(x, now):
+                continue
+            if kind in (ops.HASH, ops.ZSET):
+                try:
+                    state = ops.read_state(c, key)
+                except sqlite3.DatabaseError:
+                    errors += 1
+                    continue
+                if state is None:
+                    continue
+            else:
+                state = (kind, value, x)
+            states.append((key, state))
+    finally:
+        c.close()
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            _unlink(Path(f"{scratch}{suffix}"))
+
+    def body(d: sqlite3.Connection) -> None:
+        d.executemany("INSERT OR REPLACE INTO entries (key, kind, value, expires_at) VALUES (?, ?, ?, ?)",
+                      ((k, st[0], st[1], st[2]) for k, st in states if st[0] == ops.STRING))
+        for key, state in states:
+            if state[0] != ops.STRING:
+                ops.write_state(d, key, state)
+
+    sf.txn(dest, body, durable=True)
+    return Salvaged(len(states), errors)
+
+
+_ROW = "SELECT key, kind, value, expires_at FROM entries"
+
+
+def _scan_rows(c: sqlite3.Connection, rows: dict[str, tuple]) -> int:
+    """The table forwards until it fails, then backwards until it fails or meets what the
+    forward scan read; how many scans failed."""
+    last = None
+    try:
+        for key, kind, value, x in c.execute(f"{_ROW} ORDER BY key"):
+            rows[key] = (kind, value, x)
+            last = key
+        return 0
+    except sqlite3.DatabaseError:
+        pass
+    try:
+        for key, kind, value, x in c.execute(f"{_ROW} ORDER BY key DESC"):
+            if last is not None and key <= last:
+                break
+            rows[key] = (kind, value, x)
+    except sqlite3.DatabaseError:
+        return 2
+    return 1
+
+
+def _scan_column(c: sqlite3.Connection, select: str, order: str, into: set[str]) -> int:
+    """The keys ``select`` names (its own pages: an index, another table), forwards by
+    ``order`` and then backwards; how many scans failed."""
+    errors = 0
+    try:
+        for (key,) in c.execute(f"{select} ORDER BY {order}"):
+            into.add(key)
+        return 0
+    except sqlite3.DatabaseError:
+        errors += 1
+    try:
+        for (key,) in c.execute(f"{select} ORDER BY {order} DESC"):
+            into.add(key)
+    except sqlite3.DatabaseError:
+        errors += 1
+    return errors
+
+
+def _walk(c: sqlite3.Connection, start: str, op: str, order: str, rows: dict[str, tuple], done: set[str]) -> int:
+    """Read the table from ``start`` on, in one direction, until a damaged page or a key a
+    walk in the same direction has passed already; 1 if it met damage."""
+    try:
+        for key, kind, value, x in c.execute(f"{_ROW} WHERE key {op} ? ORDER BY key {order}", (start,)):
+            if key in done:
+                return 0
+            done.add(key)
+            rows[key] = (kind, value, x)
+        return 0
+    except sqlite3.DatabaseError:
+        return 1
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -21,9 +21,12 @@ Rules it keeps:
   every ``watch_interval`` (0.25 s), so a vanished file is noticed within a second even
   when nobody writes.
 - A read or write that meets damaged pages makes the background thread run
-  ``quick_check``; if the pages are damaged the file is set aside and the database
-  rebuilt from the journal. A journal that vanished is rebuilt from the database; one
-  damaged while running (journal.Verifier's looks, or a compaction) too, as at open.
+  ``quick_check`` (``integrity_check`` when a call met them); if the pages are damaged the
+  database is restored from the writer connection if that copy passes the check, else the
+  file is set aside and the database rebuilt from the journal (under the rows still
+  readable). A journal that vanished is put back from the descriptor still open, else
+  rebuilt from the database; one damaged while running (journal.Verifier's looks, or a
+  compaction) is rebuilt from the database, as at open.
 - The background thread also fsyncs ordinary commits (WAL and directory) within
   ``flush_interval``, sweeps expired keys in bounded batches, and compacts the journal
   when it has grown past ``compact_factor`` × its live size (and ``compact_min_bytes``).
@@ -108,6 +111,9 @@ class Keeper:
         self.ident: guard.Identity | None = None       # what the paths named when we opened
         self.unsure: str | None = None                 # why reads and writes refuse, until repaired
         self.damaged: str | None = None                # quick_check's verdict, when it failed
+        self.damaged_db: tuple[int, int] | None = None # the database file it was about
+        self.salvage_from: Path | None = None          # a damaged file set aside: its readable rows go in
+        self.salvaged: Any = None                      # the last salvage's counts (guard.Salvaged)
         self.suspect = False                           # a call met damaged pages: check them
         self.gen = 0                                   # readers reopen when it moves
         self.checked = False

@@ -11,6 +11,9 @@ Rules they keep:
   the store (N keys)", "repaired: restored it from the connection still open (why)".
 - A repair keeps the writer connection until the restored file is in place: for a
   deleted file, that connection is the only copy of what it held.
+- A repair puts the journal back first (from the descriptor still open, if its file is
+  gone), and never puts in place or opens a database it has not ``quick_check``ed: when
+  the data the store still has is damaged, the journal is the source of truth.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from . import guard
 from . import sqlitefile as sf
-from .journal import Journal, parse
+from .journal import Journal, parse, touched
 
 if TYPE_CHECKING:
     from .keeper import Keeper
@@ -51,6 +54,9 @@ def open_full(k: Keeper, read_header: bool = False) -> None:
             clear_leftovers(k)
         conn, fresh, found = connect_db(k, read_header)
         try:
+            src, k.salvage_from = k.salvage_from, None
+            if src is not None and fresh:
+                salvage_into(k, conn, src)
             reconcile(k, conn, fresh=fresh, found=found)
             try:
                 sf.txn(conn, lambda c: c.execute("DELETE FROM entries WHERE expires_at <= ?", (k.clock(),)),
@@ -104,6 +110,8 @@ def connect_db(k: Keeper, read_header: bool) -> tuple[sqlite3.Connection, bool, 
             aside = sf.set_aside(k.path, str(why))
             log.warning("store file %s could not be read (%s); moved it aside to %s", k.path, why, aside)
             k.pending.append(f"the database could not be read ({why}); moved it aside to {aside}")
+            if aside is not None:
+                k.salvage_from = aside          # its readable rows, under the journal's (open_full)
         conn, _, found = try_connect(k, False)
         return conn, True, found
     finally:
@@ -127,6 +135,40 @@ def try_connect(k: Keeper, read_header: bool) -> tuple[sqlite3.Connection, bool,
         raise
     k.checked = True
     return conn, created or found == 0, found
+
+
+def salvage_into(k: Keeper, conn: sqlite3.Connection, src: Path) -> None:
+    """A damaged database was set aside (``src``) and ``conn`` is its new, empty file (lock
+    file held): copy into it every key of ``src`` that can still be read, row by row. The
+    journal is replayed over them next (reconcile: a fresh database replays all of it), so
+    for every key the journal holds, the journal's state wins; the salvaged rows add what
+    only the database had (ordinary writes: activity, renewed expiries). Without a journal
+    they are all there is: said at ERROR, with the counts."""
+    parsed = k.journal.read()
+    seeds: set[str] = set()
+    if parsed is not None:
+        seeds = touched(parsed.snapshot)
+        for r in parsed.records:
+            seeds |= touched(r.entries)
+    try:
+        got = guard.salvage(src, conn, k.clock(), seeds, busy_timeout=k.busy_timeout)
+    except sqlite3.Error as exc:
+        if not sf.is_fault(exc):
+            raise
+        got = guard.Salvaged(0, 1)
+    k.salvaged = got
+    if parsed is not None:
+        log.warning("store file %s: read %d keys row by row from the damaged file %s (%d reads met damaged "
+                    "pages); the journal %s is replayed over them", k.path, got.keys, src, got.errors, k.journal.path)
+        k.pending.append(f"read {got.keys} keys row by row from the damaged file ({got.errors} reads met "
+                         f"damaged pages); the journal replayed over them")
+    else:
+        log.error("store file %s was damaged and there is no journal %s to rebuild it from: salvaged %d keys "
+                  "row by row from %s; %d reads met damaged pages, and the keys on those pages are LOST (pins "
+                  "among them route as new conversations). The damaged file is kept there for inspection",
+                  k.path, k.journal.path, got.keys, src, got.errors)
+        k.pending.append(f"damaged with no journal: salvaged {got.keys} keys row by row from {src}; "
+                         f"{got.errors} reads met damaged pages, the keys on them are lost")
 
 
 def reconcile(k: Keeper, conn: sqlite3.Connection, *, fresh: bool, found: int) -> None:
@@ -227,18 +269,21 @@ def _history(c: sqlite3.Connection) -> list:
 
 def check_pages(k: Keeper) -> None:
     """A call met damaged pages: check them on a fresh connection (the writer's page
-    cache may still hold good copies: under WAL another's commit does not empty it)."""
+    cache may still hold good copies: under WAL another's commit does not empty it).
+    The full ``integrity_check``, since a call did raise: an index that disagrees with its
+    table raises "malformed" on the keys it covers, and ``quick_check`` passes it."""
     k.suspect = False
+    db = guard.identity(k.path).db
     try:
         conn = k.connect()
     except (sqlite3.Error, OSError):
         return
     try:
-        why = guard.quick_check(conn)
+        why = guard.quick_check(conn, full=True)
     finally:
         conn.close()
     if why is not None:
-        k.damaged = why
+        k.damaged, k.damaged_db = why, db
         k.notice(f"its pages are damaged ({why})")
 
 
@@ -255,6 +300,10 @@ def repair(k: Keeper) -> None:
             finally:
                 k.lock.release()
         except Exception as exc:
+            if sf.is_damage(exc):
+                # the file it opened met damaged pages after all: the next try sets it aside
+                # and rebuilds it from the journal, rather than opening it again and again
+                k.damaged, k.damaged_db = str(exc), guard.identity(k.path).db
             # one line per streak of failures (tried again every watch_interval)
             if k.repair_failing is None:
                 log.error("store %s: cannot repair it (%s): %s; reads and writes refuse until it can, trying "
@@ -263,7 +312,7 @@ def repair(k: Keeper) -> None:
                 log.debug("store %s: repair failed again: %s", k.url, exc)
             k.repair_failing = recovery_cause(exc)
             return
-        k.unsure = k.damaged = None
+        k.unsure = k.damaged = k.damaged_db = None
         k.last_repair = {"why": why, "action": action, "at": time.time()}
         log.warning("store %s repaired: %s (%s); reads and writes go on", k.url, action, why)
         k.repair_failing = None
@@ -278,20 +327,70 @@ def recovery_cause(exc: BaseException) -> str:
 
 
 def repair_locked(k: Keeper) -> str:
+    """One repair (lock file held). The journal first: if its path names no file it is put
+    back from the descriptor still open, before anything is done to the database (whose
+    rebuild may need it). Then the database: follow the file another process put in place;
+    or restore it from the connection still open, if that copy passes ``quick_check``;
+    or, when the copy is damaged or there is no connection, set the damaged file aside and
+    rebuild it from the journal, with the rows of the damaged file that can still be read
+    under the journal's. No file is opened after a repair without ``quick_check``, except
+    a copy this repair has just checked."""
+    journal_note = restore_journal_first(k)
     now = guard.identity(k.path)
-    if k.ident is not None and now.db is not None and now.db != k.ident.db:
+    damaged_here = k.damaged is not None and now.db is not None and now.db == k.damaged_db
+    if k.ident is not None and now.db is not None and now.db != k.ident.db and not damaged_here:
         action = "opened the database file another process put in its place"  # (it repaired first)
-    elif k.damaged is not None:
-        dest = sf.set_aside(k.path, k.damaged)
-        action = f"moved the damaged file aside to {dest} and rebuilt it from the journal"
-    elif k.w is not None and k.ident is not None and k.ident.differs(now):
-        guard.put_in_place(guard.restore_from(k.w, k.path), k.path)
-        action = "restored it from the connection still open"
+        k.checked = False
+    elif k.w is not None and k.ident is not None and (damaged_here or k.ident.differs(now)):
+        tmp, bad = guard.restore_from(k.w, k.path)
+        if bad is None:
+            guard.put_in_place(tmp, k.path)
+            action = "restored it from the connection still open"
+        else:
+            action = set_aside_damaged(k, bad, copy=tmp)
+    elif damaged_here:
+        action = set_aside_damaged(k, k.damaged or "damaged")
     else:
         action = "reopened it"
+        k.checked = False
     k.drop_writer()                             # only now: for a deleted file it was the only copy
     open_full(k)
-    return action
+    return f"{action}; {journal_note}" if journal_note else action
+
+
+def set_aside_damaged(k: Keeper, why: str, copy: Path | None = None) -> str:
+    """The data the store has is damaged: keep it for the operator (``.corrupt-…``), clear the
+    path (the file there, and any -wal/-shm, set aside with it), and leave the rebuild to
+    ``open_full``: the journal, with what of the damaged data can be read (``salvage_from``)."""
+    if copy is not None:
+        dest = sf.set_aside(k.path, why, src=copy)
+        old = sf.set_aside(k.path, why)         # the file at the path: the same damage, or stale
+        also = f" (and the file at its path to {old})" if old is not None else ""
+        k.salvage_from = dest
+        return (f"the connection still open reads damaged pages ({why}): moved its copy aside to {dest}{also} "
+                f"and rebuilt it from the journal")
+    dest = sf.set_aside(k.path, why)
+    k.salvage_from = dest
+    return f"moved the damaged file aside to {dest} and rebuilt it from the journal"
+
+
+def restore_journal_first(k: Keeper) -> str:
+    """Before a repair touches the database: a journal whose path names no file is put back
+    from the descriptor still open on it, as it is (the reconcile that follows the repair
+    replays it, or rebuilds it from the database if it is behind). '' if nothing was done."""
+    j = k.journal
+    if j.current():
+        return ""
+    data = j.read_deleted()
+    if not data:
+        return ""                               # no descriptor on it: the reconcile rebuilds it
+    j.restore(data)
+    parsed = parse(data)
+    n = len(parsed.snapshot) + len(parsed.records)
+    log.warning("journal %s was deleted while the store was open; restored it from the descriptor still open "
+                "(%d lines)", j.path, n)
+    j.last_rebuild = {"rebuilt": "journal", "from": "descriptor", "lines": n, "at": time.time(), "why": "deleted"}
+    return f"restored the deleted journal from the descriptor still open ({n} lines)"
 
 
 def repair_journal(k: Keeper) -> None:
@@ -307,14 +406,34 @@ def repair_journal(k: Keeper) -> None:
                 return                          # another process made it again
             how, n = "", 0
             data = j.read_deleted()
+            try:
+                seq: int | None = guard.db_seq(k.w)
+            except sqlite3.DatabaseError as exc:
+                if not sf.is_damage(exc):
+                    raise
+                seq = None                      # the database is damaged: the journal is the truth
+                k.suspect = True                # (the watch checks its pages next)
+                k.wake.set()
             if data is not None:
                 parsed = parse(data)
-                if not parsed.damaged and parsed.last_seq == guard.db_seq(k.w):
+                if (not parsed.damaged and parsed.last_seq == seq) or (seq is None and data):
                     j.restore(data)
                     how, n = "restored it from the descriptor still open", len(parsed.snapshot) + len(parsed.records)
+            if not how and seq is not None:
+                try:
+                    n = guard.rebuild_journal(k.w, j, k.clock())
+                    how = "rebuilt it from the store"
+                except sqlite3.DatabaseError as exc:
+                    if not sf.is_damage(exc):
+                        raise
+                    k.suspect = True            # never a journal from damaged pages: check them
+                    k.wake.set()
+                    if data:                    # and put back what the descriptor holds meanwhile
+                        parsed = parse(data)
+                        j.restore(data)
+                        how, n = "restored it from the descriptor still open", len(parsed.snapshot) + len(parsed.records)
             if not how:
-                n = guard.rebuild_journal(k.w, j, k.clock())
-                how = "rebuilt it from the store"
+                return                          # nothing to rebuild it from until the database is repaired
         finally:
             k.lock.release()
     what = f"{how} ({n} {'lines' if how.startswith('restored') else 'keys'})"

@@ -314,22 +314,25 @@ def move_no_clobber(src: Path, dest: Path) -> bool:
     return True
 
 
-def set_aside(path: Path, why: str, label: str = "corrupt") -> Path | None:
+def set_aside(path: Path, why: str, label: str = "corrupt", src: Path | None = None) -> Path | None:
     """Move ``path`` (and its -wal/-shm) to a new ``<name>.<label>-<utc>-<pid>-<n>``; the
-    name taken, or None if the file was gone already (another process set it aside)."""
+    name taken, or None if the file was gone already (another process set it aside).
+    ``src``: move that file (and its -wal/-shm) instead, to a name made from ``path``'s
+    (a damaged restored copy is kept under the name of the database it was copied for)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    src = path if src is None else src
     n = 0
     while True:
         dest = path.with_name(f"{path.name}.{label}-{stamp}-{os.getpid()}-{n}")
         try:
-            if move_no_clobber(path, dest):
+            if move_no_clobber(src, dest):
                 break
         except FileNotFoundError:
             return None
         n += 1
     for suffix in ("-wal", "-shm"):
         try:
-            move_no_clobber(Path(f"{path}{suffix}"), Path(f"{dest}{suffix}"))
+            move_no_clobber(Path(f"{src}{suffix}"), Path(f"{dest}{suffix}"))
         except FileNotFoundError:
             pass
     fsync_dir(path.parent)

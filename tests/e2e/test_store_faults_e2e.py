@@ -218,10 +218,13 @@ def test_pages_damaged_while_running_then_a_commit_from_another_connection(fakes
         mark = p.mitm.line_count
         p.until_glm("continuation", sessions)                # glm, or 503 naming the store: never anthropic
         p.wait_log(r"its pages are damaged", since=mark)     # the damage was met, not hidden
-        p.wait_log(r"repaired: moved the damaged file aside to .* rebuilt it from the journal", since=mark)
+        repaired = p.wait_log(r"repaired: (moved the damaged file aside to|the connection still open reads damaged "
+                              r"pages .* moved its copy aside to) .* rebuilt it from the journal|repaired: restored it "
+                              r"from the connection still open", since=mark)
         assert p.until_glm("continuation", sessions) == 0    # and after the repair, straight to glm
         all_on_glm(p, sessions)
-        assert list(p.db.parent.glob("state.db.corrupt-*"))   # kept for the operator
+        if "rebuilt it from the journal" in repaired:        # (not when the router's page cache still
+            assert list(p.db.parent.glob("state.db.corrupt-*"))   # held good copies: a checked copy of it)
     finally:
         p.stop()
 

@@ -67,6 +67,31 @@ def test_directory_deleted_after_unnoticed_damage_rebuilds_from_the_restored_jou
     assert pins_of(view) == pins and view.get("after") == "1"
 
 
+def test_directory_moved_away_after_unnoticed_damage_restores_the_journal_it_still_names(tmp_path, caplog):
+    """The directory moved (``mv``, or a delete that renames first): the journal still has a
+    name, elsewhere, so it is not 'deleted' — but our path names no file. Its descriptor is
+    read all the same (found by the fault soak: the journal was taken for gone, the damaged
+    copy salvaged alone, and the keys on its damaged pages lost)."""
+    d = tmp_path / "state"
+    path = d / "state.db"
+    pins = fill(path, 300)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        s = FileStore(path)
+        try:
+            assert s.get("pin:00001") == "server-1"
+            _damage_unnoticed(s, path)
+            os.rename(d, tmp_path / "moved")                     # still linked, under another name
+            wait_for(lambda: s.describe()["last_repair"] is not None and s.describe()["unsure"] is None,
+                     timeout=20)
+            assert {k: s.get(k) for k in pins} == pins
+        finally:
+            s.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("restored it from the descriptor still open" in m for m in messages), messages
+    assert not any("no journal" in m for m in messages), messages
+    assert pins_of(fresh_view(path)) == pins
+
+
 def test_a_damaged_copy_is_reported_by_restore_from(tmp_path):
     path = tmp_path / "state.db"
     fill(path, 300)

@@ -266,13 +266,19 @@ class Journal:
         return True
 
     def read_deleted(self) -> bytes | None:
-        """What the journal our descriptor names holds, if that file was deleted (no name
-        left); None otherwise."""
+        """What the journal our descriptor names holds, if our path no longer names that
+        file: deleted, or moved away with its directory (``mv``, or a delete that renames
+        first: it still has a name, elsewhere, but it is gone from here); None otherwise."""
         if self._fd is None:
             return None
         st = os.fstat(self._fd)
         if st.st_nlink:
-            return None
+            try:
+                here = os.stat(self.path)
+            except FileNotFoundError:
+                here = None
+            if here is not None and (here.st_dev, here.st_ino) == (st.st_dev, st.st_ino):
+                return None
         return os.pread(self._fd, st.st_size, 0) if st.st_size else b""
 
     def restore(self, data: bytes) -> None:

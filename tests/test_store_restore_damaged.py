@@ -21,6 +21,8 @@ import shutil
 import sqlite3
 import time
 
+import pytest
+
 from sessionpin.store.file import FileStore
 from sessionpin.store import guard
 
@@ -37,7 +39,12 @@ def _damage_unnoticed(s: FileStore, path, pages=(5, 9, 12)) -> None:
     s._w.execute("PRAGMA cache_size = 1")
 
 
-def test_directory_deleted_after_unnoticed_damage_rebuilds_from_the_restored_journal(tmp_path, caplog):
+@pytest.mark.parametrize("gone", ["deleted", "moved away"])
+def test_directory_gone_after_unnoticed_damage_rebuilds_from_the_restored_journal(tmp_path, caplog, gone):
+    """``moved away`` (``mv``, or a delete that renames first): the journal still has a name,
+    elsewhere, but our path names no file; its descriptor is read as for a deleted one (the
+    fault soak: the journal was taken for present, the damaged copy salvaged alone, and the
+    keys on its damaged pages lost)."""
     d = tmp_path / "state"
     path = d / "state.db"
     pins = fill(path, 300)
@@ -46,9 +53,10 @@ def test_directory_deleted_after_unnoticed_damage_rebuilds_from_the_restored_jou
         try:
             assert s.get("pin:00001") == "server-1"
             _damage_unnoticed(s, path)
-            gone = tmp_path / "gone"
-            os.rename(d, gone)
-            shutil.rmtree(gone)                                  # the db, its -wal/-shm, the journal
+            moved = tmp_path / "moved"
+            os.rename(d, moved)
+            if gone == "deleted":
+                shutil.rmtree(moved)                             # the db, its -wal/-shm, the journal
             wait_for(lambda: s.describe()["last_repair"] is not None and s.describe()["unsure"] is None,
                      timeout=20)
             assert {k: s.get(k) for k in pins} == pins           # every durable pin
@@ -59,37 +67,12 @@ def test_directory_deleted_after_unnoticed_damage_rebuilds_from_the_restored_jou
     messages = [r.getMessage() for r in caplog.records]
     assert any("restored it from the descriptor still open" in m for m in messages), messages
     assert any("reads damaged pages" in m and "moved its copy aside" in m for m in messages), messages
-    assert not any("cannot repair it" in m for m in messages), messages
+    assert not any("cannot repair it" in m or "no journal" in m for m in messages), messages
     copies = [p for p in d.glob("state.db.corrupt-*") if not p.name.endswith(("-wal", "-shm"))]
     assert len(copies) == 1                                      # the damaged copy, kept
     assert not list(d.glob("state.db.restore-*"))
     view = fresh_view(path)                                      # the next start (as after kill -9)
     assert pins_of(view) == pins and view.get("after") == "1"
-
-
-def test_directory_moved_away_after_unnoticed_damage_restores_the_journal_it_still_names(tmp_path, caplog):
-    """The directory moved (``mv``, or a delete that renames first): the journal still has a
-    name, elsewhere, so it is not 'deleted' — but our path names no file. Its descriptor is
-    read all the same (found by the fault soak: the journal was taken for gone, the damaged
-    copy salvaged alone, and the keys on its damaged pages lost)."""
-    d = tmp_path / "state"
-    path = d / "state.db"
-    pins = fill(path, 300)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        s = FileStore(path)
-        try:
-            assert s.get("pin:00001") == "server-1"
-            _damage_unnoticed(s, path)
-            os.rename(d, tmp_path / "moved")                     # still linked, under another name
-            wait_for(lambda: s.describe()["last_repair"] is not None and s.describe()["unsure"] is None,
-                     timeout=20)
-            assert {k: s.get(k) for k in pins} == pins
-        finally:
-            s.close()
-    messages = [r.getMessage() for r in caplog.records]
-    assert any("restored it from the descriptor still open" in m for m in messages), messages
-    assert not any("no journal" in m for m in messages), messages
-    assert pins_of(fresh_view(path)) == pins
 
 
 def test_a_damaged_copy_is_reported_by_restore_from(tmp_path):

@@ -357,27 +357,37 @@ def test_a_newer_format_store_is_one_line_and_a_nonzero_exit_nothing_served(fake
 
 # == the journal's side ====================================================================
 
-def test_a_damaged_journal_is_rebuilt_from_the_store(fakes: Fakes, tmp_path: Path) -> None:
+def _the_database_lost_every_pin_comes_back(p: Proxy, sessions: list[str]) -> None:
+    """The journal is whole again: kill the router, delete the database, and every pin
+    comes back from the journal alone."""
+    p.stop(signal.SIGKILL)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{p.db}{suffix}").unlink(missing_ok=True)
+    mark = p.mitm.line_count
+    p.start()
+    p.wait_log(r"rebuilt from the journal", since=mark)
+    assert p.until_glm("continuation", sessions) == 0
+    all_on_glm(p, sessions)
+
+
+@pytest.mark.parametrize("while_running", [False, True], ids=["at start", "while running"])
+def test_a_damaged_journal_is_rebuilt_from_the_store(fakes: Fakes, tmp_path: Path, while_running: bool) -> None:
     p = Proxy(fakes, tmp_path / "router", tmp_path / "router" / "state.db").start()
     journal = Path(f"{p.db}.journal")
     try:
         sessions = p.open(10)
-        p.stop()
+        if not while_running:
+            p.stop()
+        mark = p.mitm.line_count
         lines = journal.read_bytes().split(b"\n")
         lines[3] = b"00000000 " + b"x" * 40                  # a bad line with good ones after it
-        journal.write_bytes(b"\n".join(lines))
-        p.start()
-        p.wait_log(r"journal .* was damaged .*moved it aside")
+        with open(journal, "r+b") as f:                      # in place, as a bad disk would
+            f.write(b"\n".join(lines))
+        if not while_running:
+            p.start()
+        p.wait_log(r"journal .* was damaged .*moved it aside", since=mark, timeout=10)
         assert p.until_glm("continuation", sessions) == 0
-        # the rebuilt journal holds every pin: lose the database, and they come back from it
-        p.stop(signal.SIGKILL)
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{p.db}{suffix}").unlink(missing_ok=True)
-        mark = p.mitm.line_count
-        p.start()
-        p.wait_log(r"rebuilt from the journal", since=mark)
-        assert p.until_glm("continuation", sessions) == 0
-        all_on_glm(p, sessions)
+        _the_database_lost_every_pin_comes_back(p, sessions)
     finally:
         p.stop()
 
@@ -392,15 +402,6 @@ def test_a_journal_deleted_while_running_is_restored(fakes: Fakes, tmp_path: Pat
         during = p.open(10)                                  # refused until it is back, then pinned
         p.wait_log(r"journal .* was deleted while the store was open", since=mark, timeout=5)
         assert journal.exists()
-        # the journal is whole again: without the database, every pin comes back from it
-        p.stop(signal.SIGKILL)
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{p.db}{suffix}").unlink(missing_ok=True)
-        mark = p.mitm.line_count
-        p.start()
-        p.wait_log(r"rebuilt from the journal", since=mark)
-        sessions = before + during
-        assert p.until_glm("continuation", sessions) == 0
-        all_on_glm(p, sessions)
+        _the_database_lost_every_pin_comes_back(p, before + during)
     finally:
         p.stop()

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from e2e.harness import Client, FakeServer, Mitmdump, TestCA, toml_config  # noqa: E402
+from e2e.harness import Client, FakeServer, Mitmdump, StoreLock, TestCA, toml_config  # noqa: E402
 
 KEY_ENV = "SESSIONPIN_BENCH_KEY"
 UPSTREAM_KEY = "bench-upstream-key-" + uuid.uuid4().hex[:8]
@@ -101,30 +101,6 @@ def headers(session: str) -> list[tuple[str, str]]:
     return [("Content-Type", "application/json"), ("User-Agent", "claude-cli/2.1.332 (external, cli)"),
             ("anthropic-version", "2023-06-01"), ("x-api-key", CLIENT_KEY),
             ("X-Claude-Code-Session-Id", session), ("x-claude-code-request-class", "main")]
-
-
-class StoreLock:
-    """Another process holds the store's write lock until the block ends."""
-
-    def __init__(self, db: Path, seconds: float) -> None:
-        code = ("import select, sqlite3, sys\n"
-                "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-                "c.execute('BEGIN IMMEDIATE')\n"
-                "print('locked', flush=True)\n"
-                "select.select([sys.stdin], [], [], float(sys.argv[2]))\n"
-                "c.execute('ROLLBACK')\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(db), str(seconds)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "locked"
-        self.until = time.monotonic() + seconds
-
-    def __enter__(self) -> StoreLock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
 
 
 class Version:

@@ -994,3 +994,28 @@ def toml_config(servers: dict[str, dict[str, Any]], agents: dict[str, str | None
             out.append(f"server = {_toml_value(server)}")
         out.append("")
     return "\n".join(out)
+
+
+class StoreLock:
+    """Another process holds a SQLite store's write lock (``BEGIN IMMEDIATE``) until the
+    block ends, at most ``seconds`` (``until``: that deadline, monotonic)."""
+
+    def __init__(self, db: Path | str, seconds: float) -> None:
+        code = ("import select, sqlite3, sys\n"
+                "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+                "c.execute('BEGIN IMMEDIATE')\n"
+                "print('locked', flush=True)\n"
+                "select.select([sys.stdin], [], [], float(sys.argv[2]))\n"
+                "c.execute('ROLLBACK')\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(db), str(seconds)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "locked"
+        self.until = time.monotonic() + seconds
+
+    def __enter__(self) -> "StoreLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from .harness import FakeServer, TestCA
+from .harness import FakeServer, StoreLock, TestCA
 from .test_router_e2e import Rig, cc, new_session
 
 
@@ -49,30 +47,6 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 
 def store_path(rig: Rig) -> Path:
     return Path(rig.mitm.options["sessionpin_store"].removeprefix("file:"))
-
-
-class StoreLock:
-    """Another process holds the store's write lock (BEGIN IMMEDIATE) until the block ends
-    (at most ``seconds``)."""
-
-    def __init__(self, db: Path, seconds: float) -> None:
-        code = ("import select, sqlite3, sys\n"
-                "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-                "c.execute('BEGIN IMMEDIATE')\n"
-                "print('locked', flush=True)\n"
-                "select.select([sys.stdin], [], [], float(sys.argv[2]))\n"
-                "c.execute('ROLLBACK')\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(db), str(seconds)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "locked"
-
-    def __enter__(self) -> "StoreLock":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
 
 
 def test_count_tokens_before_an_unseen_continuation_does_not_adopt_it(rig: Rig) -> None:

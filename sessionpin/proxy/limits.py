@@ -94,15 +94,15 @@ class BodyLimit:
         req = flow.request
         if req.method != "POST":
             return
+        limit = max(1, ctx.options.sessionpin_max_body_mb) * MIB
+        length = req.headers.get("content-length")
+        if length is not None and not F.body_too_large(length, limit):
+            return                          # the common case: judged by its length, nothing more
         api = paths.api_of_path(req.method, req.path)
         if api == paths.OTHER:
             return
-        limit = max(1, ctx.options.sessionpin_max_body_mb) * MIB
-        length = req.headers.get("content-length")
         if length is None:
             self._hold(flow, api, limit)
-            return
-        if not F.body_too_large(length, limit):
             return
         message = _message(flow, limit)
         self._refuse(flow, message)

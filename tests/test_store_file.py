@@ -719,3 +719,16 @@ def test_describe(tmp_path):
     assert d["kind"] == "file" and d["path"] == str(tmp_path / "s.db") and d["url"] == f"file:{tmp_path}/s.db"
     assert d["durable"] is True and d["format"] == FORMAT_VERSION and d["healthy"] is True
     s.close()
+
+
+def test_a_damage_verdict_is_one_line() -> None:
+    """SQLite's integrity_check rows span lines; the store's log lines and the refusal a
+    client reads quote them, so each must stay one line (an operator's grep and the e2e
+    tests read them line by line)."""
+    from sessionpin.store import sqlitefile as sf
+    assert sf.verdict(["ok"]) is None
+    rows = ["*** in database main ***\nOn tree page 2 cell 10: invalid page number -8\nOn tree page 2 cell 8: x",
+            "Multiple uses for byte 1794 of page 2", "third", "fourth"]
+    said = sf.verdict(rows)
+    assert said is not None and "\n" not in said
+    assert said.startswith("*** in database main *** On tree page 2 cell 10") and "fourth" not in said

@@ -235,12 +235,12 @@ def quick_check(conn: sqlite3.Connection, full: bool = False) -> str | None:
     """None if the database's pages are whole; what is wrong otherwise. ``full``: also
     check that every index agrees with its table (``integrity_check``: slower)."""
     try:
-        verdict = [r[0] for r in conn.execute("PRAGMA integrity_check(3)" if full else "PRAGMA quick_check")]
+        rows = [r[0] for r in conn.execute("PRAGMA integrity_check(3)" if full else "PRAGMA quick_check")]
     except sqlite3.DatabaseError as exc:
         if sf.is_damage(exc):
             return str(exc)
         raise
-    return None if verdict == ["ok"] else "; ".join(verdict[:3])
+    return sf.verdict(rows)
 
 
 

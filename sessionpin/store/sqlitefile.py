@@ -243,6 +243,15 @@ def txn(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], object], 
     return result
 
 
+def verdict(rows: list[str]) -> str | None:
+    """SQLite's ``quick_check``/``integrity_check`` rows as one line (None: whole). A row may
+    itself span lines ("*** in database main ***\nOn tree page 2 ..."), and a store's log
+    line and the refusal a client reads must stay one line each."""
+    if rows == ["ok"]:
+        return None
+    return "; ".join(" ".join(row.split()) for row in rows[:3])
+
+
 def init_db(conn: sqlite3.Connection, path: Path, *, quick_check: bool) -> int:
     """Check ids, switch to WAL, check pages, make or upgrade the schema. Returns the
     version found before (0: new, 1: upgraded). Unreadable: set the file aside."""
@@ -259,13 +268,13 @@ def init_db(conn: sqlite3.Connection, path: Path, *, quick_check: bool) -> int:
     conn.execute("PRAGMA synchronous = NORMAL")
     if quick_check:
         try:
-            verdict = [r[0] for r in conn.execute("PRAGMA quick_check")]
+            rows = [r[0] for r in conn.execute("PRAGMA quick_check")]
         except sqlite3.DatabaseError as exc:
             if is_damage(exc):
                 raise Unreadable(str(exc)) from None
             raise
-        if verdict != ["ok"]:
-            raise Unreadable("; ".join(verdict[:3]))
+        if (why := verdict(rows)) is not None:
+            raise Unreadable(why)
     if user_version < FORMAT_VERSION:
         txn(conn, lambda c: _make_schema(c, path), durable=True)
     return user_version

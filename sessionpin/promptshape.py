@@ -1,0 +1,194 @@
+"""The shape of a request's prompt, as a prompt cache sees it: what a later turn can reuse.
+
+A provider's prompt cache reuses a request's prefix, in the order the server lays the prompt
+out: tools, then the system prompt, then the messages. ``shape(body, api)`` reduces a request
+to that order as digests and sizes — the model, a digest of the tools, of the system prompt,
+and of each message, with their lengths in bytes — and ``compare(prev, cur)`` says how much of
+the previous request's prompt the current one repeats, and where and why it stops.
+
+Rules it keeps:
+- Only digests (blake2b-64) and byte lengths leave this module, never a prompt's text.
+- ``cache_control`` markers are not part of a digest: clients move their breakpoint to the
+  newest message each turn, which changes no cached token. They are found by their key
+  (``"cache_control":{…}``: inside a JSON string a quote is always escaped, so the bytes only
+  occur as a key) and cut out before hashing.
+- Claude Code's billing line (a system block ``x-anthropic-billing-header: …``, new on every
+  request) is not part of the system prompt's digest: the API takes it out before caching
+  (else no Claude Code turn would ever read from cache).
+- A message of one text reads the same as a string or as one text block (the API makes
+  the one the other; Claude Code switches between them for its newest message).
+- OpenAI chat and Responses put the system prompt in the messages (``system``/``developer``
+  items, ``instructions``): the leading ones count as the system prompt.
+- A Responses request that continues a stored response (``previous_response_id``) carries only
+  its new items: its shape is ``partial`` and its history cannot be compared.
+- ``compare`` gives the share of the previous prompt's bytes the current one repeats from the
+  start (1.0: all of it, the history only grew), the first message that differs, and the
+  first difference's kind: ``model``, ``tools``, ``system`` or ``messages``. The share is of
+  bytes, an estimate of the share of tokens (the cache counts tokens; the proxy has no
+  tokenizer).
+- Pure, never raises: a body that cannot be read gives ``None``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import msgspec
+from msgspec import Raw
+
+from . import facts
+from .encodings import decode_body
+
+_MARKER = re.compile(rb',?\s*"cache_control"\s*:\s*\{[^{}]*\}')
+_LEADING = frozenset({"system", "developer"})
+_BILLING = facts.BILLING_PREFIX.encode()
+
+
+class Shape(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    model: str = ""
+    tools: str = ""                       # digest ("" none)
+    tools_len: int = 0
+    system: str = ""
+    system_len: int = 0
+    messages: tuple[str, ...] = ()        # a digest per message (or Responses input item)
+    lengths: tuple[int, ...] = ()         # its length in bytes
+    partial: bool = False                 # continues a stored response: the history is not all here
+
+    @property
+    def size(self) -> int:
+        return self.tools_len + self.system_len + sum(self.lengths)
+
+
+class Difference(msgspec.Struct, frozen=True, kw_only=True):
+    share: float          # of the previous prompt's bytes, repeated from the start by this one
+    kind: str = ""        # "" (only grew), "model", "tools", "system", "messages", "unknown"
+    at: int | None = None  # the first message that differs (0-based), for "messages"
+
+
+class _Body(msgspec.Struct):
+    model: str | None = None
+    tools: Raw = Raw()              # (msgspec takes no Raw in a union: empty means absent)
+    system: Raw = Raw()
+    instructions: Raw = Raw()
+    messages: list[Raw] | None = None
+    input: Raw = Raw()              # a list of items, or a string
+    previous_response_id: str | None = None
+
+
+class _Role(msgspec.Struct):
+    role: str | None = None
+
+
+class _Text(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    text: str
+
+
+_body = msgspec.json.Decoder(_Body)
+_loose = msgspec.json.Decoder(dict[str, Raw])
+_one_text = msgspec.json.Decoder(list[_Text])
+_encode = msgspec.json.Encoder().encode
+_role = msgspec.json.Decoder(_Role)
+_items = msgspec.json.Decoder(list[Raw])
+
+
+def _digest(raw: bytes, message: bool = False) -> tuple[str, int]:
+    clean = _MARKER.sub(b"", raw) if b'"cache_control"' in raw else raw
+    if message:
+        clean = _canonical(clean)
+    return hashlib.blake2b(clean, digest_size=8).hexdigest(), len(clean)
+
+
+def _canonical(raw: bytes) -> bytes:
+    """A message of one text in one form: the API reads a string content as one text block,
+    and clients switch between the two (Claude Code sends its newest message as blocks, to
+    mark it, and the same message as a string the turn after)."""
+    try:
+        fields = _loose.decode(raw)
+        content = fields.get("content")
+        if content is None or not bytes(content).startswith(b"["):
+            return raw
+        blocks = _one_text.decode(content)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return raw
+    if len(blocks) != 1 or blocks[0].type != "text":
+        return raw
+    fields["content"] = Raw(_encode(blocks[0].text))
+    return _encode(fields)
+
+
+def _role_of(raw: bytes) -> str | None:
+    try:
+        return _role.decode(raw).role
+    except Exception:
+        return None
+
+
+def shape(body: bytes | None, api: str, content_encoding: str = "") -> Shape | None:
+    try:
+        return _shape(body, api, content_encoding)
+    except Exception:
+        return None
+
+
+def _shape(body: bytes | None, api: str, content_encoding: str) -> Shape | None:
+    if not body or api not in (facts.ANTHROPIC_MESSAGES, facts.OPENAI_CHAT, facts.OPENAI_RESPONSES):
+        return None
+    if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
+        body, why = decode_body(body, content_encoding)
+        if why:
+            return None
+    b = _body.decode(body)
+    items: list[bytes] = []
+    system: list[bytes] = []
+    if api == facts.OPENAI_RESPONSES:
+        if len(b.instructions) and bytes(b.instructions) != b"null":
+            system.append(bytes(b.instructions))
+        raw = bytes(b.input)
+        if raw.lstrip().startswith(b"["):
+            items = [bytes(r) for r in _items.decode(raw)]
+        elif raw and raw != b"null":
+            items = [raw]
+    else:
+        raw = bytes(b.system)
+        if raw.lstrip().startswith(b"["):
+            system += [block for block in (bytes(r) for r in _items.decode(raw)) if _BILLING not in block[:200]]
+        elif raw and raw != b"null":
+            system.append(raw)
+        items = [bytes(r) for r in b.messages or ()]
+    if api != facts.ANTHROPIC_MESSAGES:
+        lead = 0
+        while lead < len(items) and _role_of(items[lead]) in _LEADING:
+            lead += 1
+        system += items[:lead]
+        items = items[lead:]
+    tools, tools_len = _digest(bytes(b.tools)) if len(b.tools) and bytes(b.tools) != b"null" else ("", 0)
+    sys_d, sys_len = _digest(b"\x00".join(system)) if system else ("", 0)
+    digests, lengths = [], []
+    for raw in items:
+        d, n = _digest(raw, message=True)
+        digests.append(d)
+        lengths.append(n)
+    return Shape(model=b.model or "", tools=tools, tools_len=tools_len, system=sys_d, system_len=sys_len,
+                 messages=tuple(digests), lengths=tuple(lengths), partial=bool(b.previous_response_id))
+
+
+def compare(prev: Shape, cur: Shape) -> Difference:
+    """How much of ``prev``'s prompt ``cur`` repeats from the start, and where it stops."""
+    size = prev.size or 1
+    if prev.model != cur.model:
+        return Difference(share=0.0, kind="model")
+    if prev.tools != cur.tools:
+        return Difference(share=0.0, kind="tools")
+    done = prev.tools_len
+    if prev.system != cur.system:
+        return Difference(share=done / size, kind="system")
+    done += prev.system_len
+    if prev.partial or cur.partial:
+        return Difference(share=1.0)      # the history lives on the server: assumed continued
+    for i, d in enumerate(prev.messages):
+        if i >= len(cur.messages) or cur.messages[i] != d:
+            return Difference(share=done / size, kind="messages", at=i)
+        done += prev.lengths[i]
+    return Difference(share=1.0)

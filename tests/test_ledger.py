@@ -1,0 +1,139 @@
+"""The ledger's figures: limits, misses and their reasons; its records in a real store, summed."""
+
+import json
+
+import pytest
+
+from sessionpin import facts as F
+from sessionpin import ledger
+from sessionpin.ledger import Turn, assess, prior_of
+from sessionpin.promptshape import shape
+from sessionpin.store import open_store
+from sessionpin.usage import Diagnostic, Usage
+
+TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}}]
+
+
+def request(n: int, model: str = "claude-opus-5-5", tools=TOOLS, system="sys", edit: int | None = None):
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}" + ("!" if i == edit else "")}
+            for i in range(n)]
+    return shape(json.dumps({"model": model, "tools": tools, "system": system, "messages": msgs}).encode(),
+                 F.ANTHROPIC_MESSAGES)
+
+
+def answered(t: float, read: int, total: int = 10_000, server: str = "anthropic", model: str = "claude-opus-5-5",
+             write_1h: int = 0) -> Turn:
+    return Turn(t=t, api=F.ANTHROPIC_MESSAGES, server=server, model=model,
+                usage=Usage(input=total, output=100, cache_read=read, cache_write_1h=write_1h))
+
+
+def chain(*steps):
+    """Assess turns one after another like the proxy does: (turn, started, shape, diagnostic)."""
+    prior = prior_shape = None
+    out = []
+    for turn, started, s, diag in steps:
+        got = assess(turn, started, s, prior, prior_shape, diag)
+        prior, prior_shape = prior_of(got, s, prior), s
+        out.append(got)
+    return out
+
+
+def test_a_first_turn_has_no_limit_and_a_continued_history_hits():
+    first, second = chain((answered(10, 0, 8_000), 0, request(2), None),
+                          (answered(20, 8_000, 9_000), 15, request(4), None))
+    assert first.limit is None and not first.miss and first.reason == "first_turn"
+    assert second.limit == 8_000 and not second.miss and second.reason == "" and second.efficiency == 1.0
+
+
+@pytest.mark.parametrize("change,reason,detail", [
+    (dict(model="claude-sonnet-5"), "model_changed", "from claude-opus-5-5"),
+    (dict(tools=TOOLS * 2), "tools_changed", ""),
+    (dict(system="another"), "system_changed", ""),
+    (dict(edit=1), "messages_changed", "at message 1"),
+])
+def test_each_change_is_the_reason_of_its_miss(change, reason, detail):
+    model = change.get("model", "claude-opus-5-5")
+    _, second = chain((answered(10, 0, 8_000), 0, request(3), None),
+                      (answered(20, 0, 9_000, model=model), 15, request(5, **change), None))
+    assert second.miss and second.reason == reason and second.detail == detail
+    assert second.limit < 8_000
+
+
+def test_a_move_to_another_server_and_an_idle_gap():
+    moved = chain((answered(10, 0, 8_000), 0, request(3), None),
+                  (answered(20, 0, 9_000, server="glm"), 15, request(5), None))[1]
+    assert moved.miss and moved.reason == "server_changed" and moved.detail == "from anthropic" and moved.limit == 0
+    idle = chain((answered(10, 0, 8_000), 0, request(3), None),
+                 (answered(1000, 0, 9_000), 400, request(5), None))[1]
+    assert idle.miss and idle.reason == "idle" and idle.detail.startswith("idle 6 min") and idle.limit == 8_000
+    # a lane that wrote 1-hour cache keeps it for an hour: 400 s idle is no reason then
+    unexplained = chain((answered(10, 0, 8_000, write_1h=7_000), 0, request(3), None),
+                        (answered(1000, 0, 9_000), 400, request(5), None))[1]
+    assert unexplained.miss and unexplained.reason == "unknown"
+
+
+def test_the_providers_diagnostic_comes_first_and_the_proxys_detail_stays():
+    second = chain((answered(10, 0, 8_000), 0, request(3), None),
+                   (answered(20, 100, 9_000), 15, request(5, edit=2),
+                    Diagnostic(reason="messages_changed", missed=7000)))[1]
+    assert second.reason == "messages_changed" and second.detail == "at message 2; provider: messages_changed"
+    # a diagnostic that names no change leaves the proxy's reason
+    other = chain((answered(10, 0, 8_000), 0, request(3), None),
+                  (answered(20, 0, 9_000), 15, request(5, tools=[]), Diagnostic(reason="unavailable")))[1]
+    assert other.reason == "tools_changed" and other.detail == "provider: unavailable"
+
+
+def test_a_small_drop_is_no_miss():
+    second = chain((answered(10, 0, 10_000), 0, request(3), None),
+                   (answered(20, 8_500, 11_000), 15, request(5), None))[1]
+    assert not second.miss and second.efficiency == 0.85
+
+
+def test_the_stored_compact_prior_says_whether_the_history_was_rewritten():
+    first = answered(10, 0, 8_000)
+    stored = prior_of(first, request(3), None)
+    stored = ledger.decode_prior(json.dumps(json.loads(ledger._turn_encoder.encode(stored))))
+    grown = assess(answered(20, 8_000, 9_000), 15, request(5), stored)
+    assert not grown.miss and grown.limit == 8_000
+    rewritten = assess(answered(20, 0, 9_000), 15, request(5, edit=1), stored)
+    assert rewritten.reason == "messages_changed" and rewritten.detail == "before message 3"
+
+
+def test_lanes():
+    assert ledger.lane_of(F.CLAUDE_CODE, F.SUBAGENT, None, {"x-claude-code-agent-id": "a1"}) == "agent:a1"
+    assert ledger.lane_of(F.CODEX, F.CONTINUATION, None, {"thread-id": "t"}) == "thread:t"
+    assert ledger.lane_of(F.OPENCODE, F.SIDE, "nano", {}) == "side:nano"
+    assert ledger.lane_of(F.PI, F.CONTINUATION, "m", {}) == "main"
+
+
+@pytest.fixture(params=["memory:", "file"])
+async def store(request, tmp_path):
+    s = open_store(request.param if request.param != "file" else f"file:{tmp_path}/s.db")
+    yield s
+    await s.close()
+
+
+async def test_the_store_sums_what_each_turn_reported(store):
+    turns = chain((answered(10, 0, 8_000, write_1h=7_000), 0, request(3), None),
+                  (answered(20, 7_000, 9_000), 15, request(5), None),
+                  (answered(30, 0, 10_000, server="glm"), 25, request(7), None))
+    prior = None
+    for t in turns:
+        prior = prior_of(t, None, prior)
+        assert await store.apply([], ledger.writes("s1", F.CLAUDE_CODE, t, prior))
+    s = await ledger.load(store, "s1")
+    assert s.agent == F.CLAUDE_CODE and s.turns == 3 and s.misses == 1 and s.reasons == {"server_changed": 1}
+    assert s.by[("anthropic", "claude-opus-5-5")] == Usage(input=17_000, output=200, cache_read=7_000,
+                                                           cache_write_1h=7_000)
+    assert s.by[("glm", "claude-opus-5-5")] == Usage(input=10_000, output=100)
+    assert s.usage == turns[0].usage + turns[1].usage + turns[2].usage
+    assert s.limit == 8_000 and s.within == 7_000 and s.efficiency == 7_000 / 8_000
+    back = await ledger.turns(store, "s1")
+    assert back == turns
+    assert await ledger.load_prior(store, "s1", "main") == prior
+    assert await ledger.load(store, "nothing") is None
+
+
+def test_a_bad_ledger_hash_reads_what_it_can():
+    s = ledger.summary({"turns": "x", "a|m|input": "5", "a|m|bogus": "1", "weird": "1", "miss:idle": "2"})
+    assert s.turns == 0 and s.by == {("a", "m"): Usage(input=5)} and s.reasons == {"idle": 2}

@@ -1,0 +1,95 @@
+"""A request's prompt as a cache sees it: digests and sizes, and where a later request departs from it."""
+
+import gzip
+import json
+from pathlib import Path
+
+from sessionpin import facts as F
+from sessionpin.promptshape import Difference, compare, shape
+
+TRAFFIC = Path(__file__).parent / "fixtures" / "traffic"
+
+
+def body(**kw) -> bytes:
+    return json.dumps(kw).encode()
+
+
+TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}}]
+SYSTEM = [{"type": "text", "text": "you are a coding agent"}]
+
+
+def turn(n: int, marker_at: int | None = None, **over) -> bytes:
+    msgs = []
+    for i in range(n):
+        m = {"role": "user" if i % 2 == 0 else "assistant", "content": [{"type": "text", "text": f"message {i}"}]}
+        if i == marker_at:
+            m["content"][0]["cache_control"] = {"type": "ephemeral"}
+        msgs.append(m)
+    kw = {"model": "claude-opus-5-5", "system": SYSTEM, "tools": TOOLS, "messages": msgs, **over}
+    return body(**kw)
+
+
+def test_a_history_that_only_grew_repeats_all_of_the_previous_prompt():
+    prev, cur = shape(turn(3, marker_at=2), F.ANTHROPIC_MESSAGES), shape(turn(5, marker_at=4), F.ANTHROPIC_MESSAGES)
+    assert len(cur.messages) == 5 and cur.messages[:3] == prev.messages   # the moved breakpoint changes nothing
+    d = compare(prev, cur)
+    assert d.share == 1.0 and d.kind == "" and d.at is None
+
+
+def test_the_first_difference_is_named():
+    prev = shape(turn(5), F.ANTHROPIC_MESSAGES)
+    edited = json.loads(turn(7))
+    edited["messages"][3]["content"][0]["text"] = "compacted"
+    d = compare(prev, shape(json.dumps(edited).encode(), F.ANTHROPIC_MESSAGES))
+    assert d.kind == "messages" and d.at == 3 and 0 < d.share < 1
+    assert compare(prev, shape(turn(7, model="claude-haiku-5"), F.ANTHROPIC_MESSAGES)).kind == "model"
+    assert compare(prev, shape(turn(7, tools=TOOLS * 2), F.ANTHROPIC_MESSAGES)).kind == "tools"
+    sys_changed = compare(prev, shape(turn(7, system="another"), F.ANTHROPIC_MESSAGES))
+    assert sys_changed.kind == "system" and 0 < sys_changed.share < 0.5
+
+
+def test_chat_leading_system_messages_are_the_system_prompt():
+    def chat(system: str, n: int) -> bytes:
+        return body(model="kimi", messages=[{"role": "system", "content": system}] +
+                    [{"role": "user", "content": f"m{i}"} for i in range(n)])
+    a, b = shape(chat("s1", 2), F.OPENAI_CHAT), shape(chat("s2", 3), F.OPENAI_CHAT)
+    assert len(a.messages) == 2 and a.system
+    assert compare(a, b).kind == "system"
+    assert compare(a, shape(chat("s1", 3), F.OPENAI_CHAT)).share == 1.0
+
+
+def test_responses_instructions_and_a_stored_history():
+    a = shape(body(model="gpt", instructions="i", input=[{"role": "user", "content": "x"}]), F.OPENAI_RESPONSES)
+    b = shape(body(model="gpt", instructions="i", input=[{"role": "user", "content": "y"}],
+                   previous_response_id="resp_1"), F.OPENAI_RESPONSES)
+    assert b.partial and compare(a, b).share == 1.0
+
+
+def test_a_compressed_body_and_bad_input():
+    raw = turn(3)
+    assert shape(gzip.compress(raw), F.ANTHROPIC_MESSAGES, "gzip") == shape(raw, F.ANTHROPIC_MESSAGES)
+    assert shape(b"{not json", F.ANTHROPIC_MESSAGES) is None
+    assert shape(None, F.ANTHROPIC_MESSAGES) is None
+    assert shape(raw, F.OTHER) is None
+
+
+def _recorded(name):
+    d = json.loads((TRAFFIC / "claude-code" / name).read_text())
+    return shape(json.dumps(d["body"], separators=(",", ":"), ensure_ascii=False).encode(), F.ANTHROPIC_MESSAGES)
+
+
+def test_recorded_claude_code_turns_continue_their_history():
+    # One recorded interactive conversation: each main turn repeats the whole previous prompt,
+    # though the billing line changes every request, the cache breakpoint moves to the newest
+    # message, and that message goes from one marked text block to a string.
+    names = ["interactive-04-opening.json", "interactive-05-tool-result.json", "interactive-06-continuation.json",
+             "interactive-08-tool-result.json", "interactive-09-continuation.json", "interactive-11-tool-result.json"]
+    shapes = [_recorded(n) for n in names]
+    for a, b in zip(shapes, shapes[1:]):
+        assert compare(a, b) == compare(a, a) == Difference(share=1.0)
+        assert len(b.messages) > len(a.messages) and a.tools and a.system
+
+
+def test_recorded_compaction_rewrites_the_history_from_its_first_message():
+    d = compare(_recorded("interactive-19-compaction.json"), _recorded("interactive-20-after-compaction.json"))
+    assert d.kind == "messages" and d.at == 0 and 0 < d.share < 1

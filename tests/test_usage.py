@@ -1,0 +1,244 @@
+"""The usage reader: the tokens an answer cost, read as it streams, equal to what the server said."""
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from sessionpin import facts as F
+from sessionpin.usage import Diagnostic, Usage, UsageReader
+
+FLOWS = Path(__file__).parent / "fixtures" / "traffic" / "flows"
+
+
+def sse(*events: dict, named: bool = True) -> bytes:
+    out = b""
+    for ev in events:
+        if named and "type" in ev:
+            out += f"event: {ev['type']}\n".encode()
+        out += b"data: " + json.dumps(ev).encode() + b"\n\n"
+    return out
+
+
+def fed(api: str, data: bytes, sizes=(1, 2, 3, 5, 8, 13, 64, 4096), encoding: str = "", seed: int = 0):
+    """Feed ``data`` in chunks of random sizes; check every chunk comes back unchanged."""
+    r = UsageReader(api, encoding)
+    rnd = random.Random(seed)
+    i, back = 0, b""
+    while i < len(data):
+        n = rnd.choice(sizes)
+        chunk = data[i:i + n]
+        back += r(chunk)
+        i += n
+    assert r(b"") == b""
+    assert back == data
+    return r.result()
+
+
+# ---------------------------------------------------------------- Anthropic
+
+def anthropic_stream(start_usage: dict, delta_usage: dict, diagnostics: dict | None = None) -> bytes:
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-opus-5-5", "content": [],
+               "usage": start_usage}
+    if diagnostics is not None:
+        message["diagnostics"] = diagnostics
+    return sse({"type": "message_start", "message": message},
+               {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+               {"type": "ping"},
+               {"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": 'a text naming "usage" and {"usage": 1}'}},
+               {"type": "content_block_stop", "index": 0},
+               {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": delta_usage},
+               {"type": "message_stop"})
+
+
+def test_anthropic_input_is_the_sum_of_uncached_and_cache_fields_and_the_1h_write_is_apart():
+    data = anthropic_stream(
+        {"input_tokens": 3, "cache_creation_input_tokens": 500, "cache_read_input_tokens": 90_000,
+         "cache_creation": {"ephemeral_5m_input_tokens": 200, "ephemeral_1h_input_tokens": 300}, "output_tokens": 1},
+        {"output_tokens": 420})
+    for seed in range(5):
+        read = fed(F.ANTHROPIC_MESSAGES, data, seed=seed)
+        assert read.usage == Usage(input=90_503, output=420, cache_read=90_000, cache_write_5m=200,
+                                   cache_write_1h=300)
+        assert read.model == "claude-opus-5-5" and read.id == "msg_1" and read.diagnostic is None
+        assert read.usage.uncached == 3
+
+
+def test_anthropic_delta_restates_cumulative_fields_it_does_not_add():
+    data = anthropic_stream({"input_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                             "output_tokens": 1},
+                            {"input_tokens": 12, "cache_read_input_tokens": 7, "output_tokens": 30})
+    read = fed(F.ANTHROPIC_MESSAGES, data)
+    assert read.usage == Usage(input=19, output=30, cache_read=7)
+
+
+def test_anthropic_write_without_its_split_counts_as_5_minutes():
+    data = anthropic_stream({"input_tokens": 1, "cache_creation_input_tokens": 800, "cache_read_input_tokens": 0,
+                             "output_tokens": 1}, {"output_tokens": 2})
+    assert fed(F.ANTHROPIC_MESSAGES, data).usage == Usage(input=801, output=2, cache_write_5m=800)
+
+
+def test_anthropic_cache_miss_diagnostic_on_message_start():
+    data = anthropic_stream({"input_tokens": 5000, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                             "output_tokens": 1}, {"output_tokens": 2},
+                            {"cache_miss_reason": {"type": "tools_changed", "cache_missed_input_tokens": 4990}})
+    assert fed(F.ANTHROPIC_MESSAGES, data).diagnostic == Diagnostic(reason="tools_changed", missed=4990)
+    none = anthropic_stream({"input_tokens": 5, "output_tokens": 1}, {"output_tokens": 2}, {"cache_miss_reason": None})
+    assert fed(F.ANTHROPIC_MESSAGES, none).diagnostic is None
+
+
+def test_crlf_lines_and_data_without_a_space():
+    data = anthropic_stream({"input_tokens": 4, "cache_read_input_tokens": 6, "output_tokens": 1},
+                            {"output_tokens": 9}).replace(b"\n", b"\r\n").replace(b"data: ", b"data:")
+    assert fed(F.ANTHROPIC_MESSAGES, data).usage == Usage(input=10, output=9, cache_read=6)
+
+
+def test_a_gzip_stream_is_read_and_passed_on_compressed():
+    data = anthropic_stream({"input_tokens": 4, "cache_read_input_tokens": 6, "output_tokens": 1},
+                            {"output_tokens": 9})
+    assert fed(F.ANTHROPIC_MESSAGES, gzip.compress(data), encoding="gzip").usage == \
+        Usage(input=10, output=9, cache_read=6)
+
+
+def test_an_event_over_the_bound_is_dropped_and_said():
+    big = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x" * 5000}}
+    data = sse(big) + anthropic_stream({"input_tokens": 4, "output_tokens": 1}, {"output_tokens": 9})
+    r = UsageReader(F.ANTHROPIC_MESSAGES, max_event=1000)
+    assert r(data) == data
+    r(b"")
+    read = r.result()
+    assert read.overflow and read.usage == Usage(input=4, output=9)
+
+
+def test_an_error_event_or_garbage_reads_as_no_usage_and_never_raises():
+    r = UsageReader(F.ANTHROPIC_MESSAGES)
+    for chunk in (b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error"}}\n\n',
+                  b'data: {"usage": [1,2\n\n', b"\xff\xfe\n\n", b'data: {"type":"message_delta","usage":"no"}\n\n'):
+        assert r(chunk) == chunk
+    r(b"")
+    assert r.result().usage is None
+    assert UsageReader("other")(b"abc") == b"abc"
+
+
+# ---------------------------------------------------------------- OpenAI chat and Responses
+
+def test_chat_usage_in_the_last_chunk_with_cached_and_reasoning_tokens():
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "gpt-6",
+             "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}], "usage": None}
+    last = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "gpt-6", "choices": [],
+            "usage": {"prompt_tokens": 2000, "completion_tokens": 300, "total_tokens": 2300,
+                      "prompt_tokens_details": {"cached_tokens": 1536},
+                      "completion_tokens_details": {"reasoning_tokens": 256}}}
+    data = sse(chunk, last, named=False) + b"data: [DONE]\n\n"
+    read = fed(F.OPENAI_CHAT, data)
+    assert read.usage == Usage(input=2000, output=300, cache_read=1536, reasoning=256)
+    assert read.model == "gpt-6" and read.id == "chatcmpl-1"
+
+
+@pytest.mark.parametrize("usage,cached", [({"prompt_tokens": 100, "completion_tokens": 5,
+                                            "prompt_cache_hit_tokens": 64, "prompt_cache_miss_tokens": 36}, 64),
+                                           ({"prompt_tokens": 100, "completion_tokens": 5, "cached_tokens": 80}, 80)])
+def test_chat_cache_fields_of_deepseek_and_moonshot(usage, cached):
+    data = sse({"id": "c", "model": "m", "choices": [], "usage": usage}, named=False)
+    assert fed(F.OPENAI_CHAT, data).usage == Usage(input=100, output=5, cache_read=cached)
+
+
+def responses_completed(usage: dict, diagnostics: dict | None = None, rid: str = "resp_1") -> dict:
+    response = {"id": rid, "object": "response", "model": "gpt-6.2", "status": "completed",
+                "output": [{"type": "message", "content": [{"type": "output_text", "text": '"usage": 1'}]}],
+                "usage": usage}
+    if diagnostics is not None:
+        response["prompt_cache_diagnostics"] = diagnostics
+    return {"type": "response.completed", "sequence_number": 9, "response": response}
+
+
+R_USAGE = {"input_tokens": 12_000, "input_tokens_details": {"cached_tokens": 11_520}, "output_tokens": 800,
+           "output_tokens_details": {"reasoning_tokens": 640}, "total_tokens": 12_800}
+
+
+def test_responses_usage_and_the_providers_diagnostic():
+    created = {"type": "response.created", "response": {"id": "resp_1", "model": "gpt-6.2", "usage": None}}
+    data = sse(created, {"type": "response.output_text.delta", "delta": "hi"},
+               responses_completed(R_USAGE, {"type": "cache_miss", "reason": "tools_changed",
+                                             "cache_missed_tokens": 9000}))
+    read = fed(F.OPENAI_RESPONSES, data)
+    assert read.usage == Usage(input=12_000, output=800, cache_read=11_520, reasoning=640)
+    assert read.diagnostic == Diagnostic(reason="tools_changed", missed=9000) and read.id == "resp_1"
+
+
+def test_responses_socket_messages_give_one_read_per_answer():
+    r = UsageReader(F.OPENAI_RESPONSES)
+    got = []
+    for i in range(2):
+        for ev in ({"type": "response.created", "response": {"id": f"resp_{i}", "usage": None}},
+                   {"type": "response.output_text.delta", "delta": "x"},
+                   responses_completed({**R_USAGE, "output_tokens": 10 + i}, rid=f"resp_{i}")):
+            read = r.message(json.dumps(ev))
+            if read is not None:
+                got.append(read)
+    assert [(g.id, g.usage.output) for g in got] == [("resp_0", 10), ("resp_1", 11)]
+
+
+@pytest.mark.parametrize("api,body,want", [
+    (F.ANTHROPIC_MESSAGES, {"id": "msg_2", "model": "claude-haiku-5", "content": [],
+                            "usage": {"input_tokens": 7, "cache_read_input_tokens": 3, "output_tokens": 4}},
+     Usage(input=10, output=4, cache_read=3)),
+    (F.OPENAI_CHAT, {"id": "c", "model": "m", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}},
+     Usage(input=9, output=2)),
+    (F.OPENAI_RESPONSES, responses_completed(R_USAGE)["response"],
+     Usage(input=12_000, output=800, cache_read=11_520, reasoning=640)),
+])
+def test_a_whole_json_answer(api, body, want):
+    r = UsageReader(api)
+    r.body(json.dumps(body).encode())
+    assert r.result().usage == want
+
+
+# ---------------------------------------------------------------- the recorded answers
+
+def _recorded():
+    from mitmproxy.io import FlowReader
+
+    for path in sorted(FLOWS.glob("*.flow")):
+        with path.open("rb") as f:
+            for flow in FlowReader(f).stream():
+                resp = getattr(flow, "response", None)
+                api = F.api_of(flow.request.method, flow.request.url) if hasattr(flow, "request") else None
+                if resp is not None and api in (F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES):
+                    yield path.name, api, resp.raw_content, resp.headers.get("content-encoding", "")
+
+
+def expected(api: str, data: bytes) -> Usage:
+    """The usage a recorded stream states, read the plain way: every event parsed."""
+    events = [json.loads(line[5:]) for line in data.decode().splitlines()
+              if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    if api == F.ANTHROPIC_MESSAGES:
+        u = {}
+        for ev in events:
+            if ev["type"] == "message_start":
+                u.update(ev["message"]["usage"])
+            elif ev["type"] == "message_delta":
+                u.update(ev["usage"])
+        read, write = u.get("cache_read_input_tokens", 0), u.get("cache_creation_input_tokens", 0)
+        return Usage(input=u["input_tokens"] + read + write, output=u["output_tokens"], cache_read=read,
+                     cache_write_5m=write)
+    if api == F.OPENAI_CHAT:
+        u = [ev["usage"] for ev in events if ev.get("usage")][-1]
+        return Usage(input=u["prompt_tokens"], output=u["completion_tokens"],
+                     cache_read=(u.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    u = [ev["response"]["usage"] for ev in events if ev.get("type") == "response.completed"][-1]
+    return Usage(input=u["input_tokens"], output=u["output_tokens"], cache_read=u["input_tokens_details"]["cached_tokens"],
+                 reasoning=u["output_tokens_details"]["reasoning_tokens"])
+
+
+def test_every_recorded_answer_reads_as_the_usage_it_states():
+    seen = 0
+    for name, api, data, encoding in _recorded():
+        assert not encoding
+        for seed in range(3):
+            assert fed(api, data, seed=seed).usage == expected(api, data), name
+        seen += 1
+    assert seen >= 12

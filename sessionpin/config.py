@@ -33,10 +33,12 @@ from typing import Iterable
 from urllib.parse import urlsplit
 
 from .facts import AGENTS
+from .prices import KINDS as PRICE_KINDS
+from .prices import Price
 from .redact import contains_key, shown
 
 AUTH_STYLES = ("x-api-key", "bearer")
-SERVER_KEYS = ("url", "key_env", "auth", "models")
+SERVER_KEYS = ("url", "key_env", "auth", "models", "prices")
 AGENT_KEYS = ("server",)
 POOL_KEYS = ("members", "policy", "weights", "affinity")
 POLICIES = ("round-robin", "weighted", "least-active", "quota")
@@ -76,6 +78,7 @@ class Server:
     key_env: str | None = None        # environment variable holding this server's key
     auth: str | None = None           # "x-api-key" | "bearer" | None: the style the agent used
     models: tuple[tuple[str, str], ...] = ()   # (glob, name), first match wins
+    prices: tuple[tuple[str, Price], ...] = ()  # (model glob, price per million tokens): docs/ledger.md
 
     @property
     def origin(self) -> str:
@@ -310,10 +313,21 @@ class _Validator:
                 if not target:
                     raise self.error(at + ("models", pattern), "maps to an empty model name")
                 models.append((pattern, target))
+        prices: list[tuple[str, Price]] = []
+        for pattern, table in self.table(body.get("prices", {}), at + ("prices",)).items():
+            where = at + ("prices", pattern)
+            table = self.table(table, where)
+            self.unknown(table, PRICE_KINDS, where)
+            values = {}
+            for k, v in table.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != v or v == float("inf"):
+                    raise self.error(where + (k,), f"must be a price per million tokens (a number >= 0), got {v!r}")
+                values[k] = float(v)
+            prices.append((pattern, Price(**values)))
         return Server(
             name=name, url=url, scheme=parts.scheme, host=parts.hostname.lower().rstrip("."),
             port=port or _DEFAULT_PORT[parts.scheme], prefix=prefix, key_env=key_env, auth=auth,
-            models=tuple(models),
+            models=tuple(models), prices=tuple(prices),
         )
 
     def pool(self, name: str, body: dict, servers: dict[str, Server]) -> Pool:

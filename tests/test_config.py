@@ -142,7 +142,7 @@ def test_error_names_file_line_key_and_the_servers():
     ('[servers.a]\nurl = "https://a"\nauth = "basic"\n', "config.toml:3: servers.a.auth: must be one of x-api-key, bearer, got 'basic'"),
     ('[servers.a]\nurl = "https://a"\nmodels = { "x" = 1 }\n', "config.toml:3: servers.a.models.x: must be a string, not a number"),
     ('[servers.a]\nurl = "https://a"\nmodels = { "claude-*" = "" }\n', 'config.toml:3: servers.a.models."claude-*": maps to an empty model name'),
-    ('[servers.a]\nurl = "https://a"\nmodel = {}\n', "config.toml:3: servers.a.model: unknown key (known: url, key_env, auth, models)"),
+    ('[servers.a]\nurl = "https://a"\nmodel = {}\n', "config.toml:3: servers.a.model: unknown key (known: url, key_env, auth, models, prices)"),
     ('[server.a]\nurl = "https://a"\n', "config.toml:1: server: unknown key (known: servers, pools, agents)"),
     ('servers = 1\n', "config.toml:1: servers: must be a table, not a number"),
     ('[servers.a]\nurl = "https://a"\n[servers.b]\nurl = "https://a/"\n', "config.toml:4: servers.b.url: same origin and prefix as server 'a'"),

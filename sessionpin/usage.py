@@ -3,7 +3,8 @@
 ``UsageReader(api, content_encoding)`` is a valid ``flow.response.stream`` callable (every
 chunk is returned unchanged, at once); ``message(data)`` reads one WebSocket message (Codex's
 Responses socket: one event per message, possibly several answers per socket); ``body(data)``
-reads a whole JSON answer (a request that did not ask for a stream). ``result()`` gives the
+reads a whole JSON answer (a request that did not ask for a stream; ``whole=True`` reads one
+passing as a stream — a chunked answer the router streams — at its end, up to ``max_event`` bytes). ``result()`` gives the
 ``Usage`` of the answer, the model and id the server named, and the server's own cache
 diagnostic when it sent one. Pure: no mitmproxy, no I/O, no clock; never raises.
 
@@ -205,9 +206,11 @@ def _n(v: int | None) -> int:
 class UsageReader:
     """Feed it the body's chunks (``reader(chunk)`` returns the chunk), then ``result()``."""
 
-    def __init__(self, api: str, content_encoding: str = "", max_event: int = MAX_EVENT) -> None:
+    def __init__(self, api: str, content_encoding: str = "", max_event: int = MAX_EVENT, whole: bool = False) -> None:
         self.api = api
         self.max_event = max_event
+        self.whole = whole                 # a JSON answer passing as a stream: read at its end (bounded)
+        self._body = bytearray()
         self._events = _EVENTS.get(api)
         self._broken = self._events is None
         self._line = bytearray()
@@ -234,6 +237,16 @@ class UsageReader:
     def __call__(self, chunk: bytes) -> bytes:
         try:
             if self._broken:
+                return chunk
+            if self.whole:
+                if not chunk:
+                    self.body(bytes(self._body))
+                    self._body.clear()
+                elif len(self._body) + len(chunk) > self.max_event:
+                    self._overflow = self._broken = True
+                    self._body.clear()
+                else:
+                    self._body += chunk
                 return chunk
             if not chunk:
                 self._end()

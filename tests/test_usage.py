@@ -242,3 +242,17 @@ def test_every_recorded_answer_reads_as_the_usage_it_states():
             assert fed(api, data, seed=seed).usage == expected(api, data), name
         seen += 1
     assert seen >= 12
+
+
+def test_a_json_answer_passing_as_a_stream_is_read_at_its_end_within_the_bound():
+    body = json.dumps({"id": "msg_3", "model": "m", "content": [],
+                       "usage": {"input_tokens": 7, "cache_read_input_tokens": 3, "output_tokens": 4}}).encode()
+    r = UsageReader(F.ANTHROPIC_MESSAGES, whole=True)
+    for i in range(0, len(body), 10):
+        assert r(body[i:i + 10]) == body[i:i + 10]
+    r(b"")
+    assert r.result().usage == Usage(input=10, output=4, cache_read=3)
+    small = UsageReader(F.ANTHROPIC_MESSAGES, whole=True, max_event=20)
+    assert small(body) == body
+    small(b"")
+    assert small.result().usage is None and small.result().overflow

@@ -14,6 +14,7 @@ mitmproxy runs their hooks:
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
 | ``LineageWatch`` | lineagewatch.py | records, from responses, what a fork of a conversation will name it by |
 | ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
+| ``LedgerWatch`` | ledgerwatch.py | every answered turn's tokens, cache read and miss reason, into the ledger |
 | ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
 
@@ -31,6 +32,7 @@ from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .defaults import Defaults
 from .limits import BodyLimit
+from .ledgerwatch import LedgerMetrics, LedgerWatch
 from .lineagewatch import LineageWatch
 from .websocket import WebSocketModels
 from .router import Metrics, Router
@@ -56,7 +58,8 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
     connect = ConnectCheck(config)
     metrics = Metrics()
     allocations = Allocations(config, runtime, connect)
-    participants = [*participants, allocations]
+    ledger = LedgerWatch(runtime)     # after LineageWatch: it chains onto that addon's stream reader
+    participants = [LedgerMetrics(ledger), *participants, allocations]
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
     router = Router(config, runtime, connect, metrics, participants, env, allocations)
     router.lineage = watch = LineageWatch(runtime)
@@ -66,7 +69,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
         if hasattr(p, "configure_store"):
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
-    return [Defaults(), config, runtime, connect, BodyLimit(metrics), status, router, watch, WebSocketModels(),
+    return [Defaults(), config, runtime, connect, BodyLimit(metrics), status, router, watch, WebSocketModels(), ledger,
             *lifecycle, *extra, _Options(allocations)]
 
 

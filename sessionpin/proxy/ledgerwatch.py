@@ -1,0 +1,315 @@
+"""LedgerWatch: every answered turn's tokens, read as the answer streams, kept in the ledger.
+
+Rules it keeps (``sessionpin.ledger`` holds the rules of the figures, docs/ledger.md the meaning):
+- A request the router decided (its flow has sessionpin metadata with a session, an inference
+  api, no refusal) and answered 2xx has its answer read by a ``usage.UsageReader``: a streamed
+  answer as it passes (the reader is chained after any stream callable already set, every
+  chunk returned unchanged and undelayed), a buffered one from its body once complete, and
+  Codex's socket from each server message (one turn per ``response.completed``).
+- After the answer, the request's prompt shape is read (``promptshape.shape``, digests only)
+  and the turn is assessed against the previous turn of its lane: this proxy's memory first,
+  else the lane's last turn in the store (another proxy's, or before a restart).
+- The flow's comment gains the turn's tokens and cache read (``… | in 12.3k out 420 cache 97%``,
+  and the miss's reason); the metadata gains ``ledger``.
+- Records are written in batches off the request path, a fraction of a second after the first,
+  one store write at a time (as ``LineageWatch`` does); a failed write is counted and logged once
+  per outage, never retried (a lost turn costs the ledger that turn, nothing else). At most
+  ``MAX_PENDING`` turns wait; the oldest are dropped and counted.
+- Bounded memory: at most ``MAX_WATCHED`` answers read at once and ``MAX_LANES`` lanes' last
+  prompt shapes kept (the oldest dropped: their next turn is compared with the store's compact
+  record instead).
+- Prometheus counters (``metrics()``, rendered by the status endpoint): tokens by agent, server,
+  model and kind; turns; misses by reason; the sums of limits and of what was read within them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, OrderedDict, deque
+from mitmproxy import http
+
+from .. import facts as F
+from .. import ledger, promptshape
+from ..usage import APIS, FIELDS, Read, UsageReader
+from .exposition import family, joined
+from .storeruntime import StoreRuntime
+
+log = logging.getLogger("sessionpin")
+
+MAX_WATCHED = 10_000
+MAX_LANES = 2_000
+MAX_PENDING = 10_000
+FLUSH_DELAY = 0.2
+
+
+class _Tee:
+    """Two stream callables, one after the other (each returns the chunk unchanged)."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, chunk: bytes) -> bytes:
+        chunk = self.first(chunk)
+        self.second(chunk)
+        return chunk
+
+
+class _Watched:
+    __slots__ = ("agent", "session", "api", "kind", "server", "lane", "reader", "started", "shape")
+
+    def __init__(self, agent: str, session: str, api: str, kind: str, server: str, lane: str, started: float) -> None:
+        self.agent, self.session, self.api, self.kind, self.server, self.lane = agent, session, api, kind, server, lane
+        self.started = started
+        self.reader: UsageReader | None = None
+        self.shape: promptshape.Shape | None = None       # a socket's last response.create
+
+
+class _Pending:
+    """A turn waiting to be written; ``assessed`` False: its lane's previous turn is read from the
+    store first (this proxy had none in memory)."""
+    __slots__ = ("agent", "session", "turn", "started", "shape", "diagnostic", "assessed", "prior")
+
+    def __init__(self, agent, session, turn, started, shape, diagnostic, assessed: bool, prior) -> None:
+        self.agent, self.session, self.turn, self.started = agent, session, turn, started
+        self.shape, self.diagnostic, self.assessed, self.prior = shape, diagnostic, assessed, prior
+
+
+class LedgerWatch:
+    def __init__(self, runtime: StoreRuntime) -> None:
+        self.runtime = runtime
+        self.recorded = 0
+        self.dropped = 0
+        self.unread = 0                  # answers that stated no usage
+        self.tokens: Counter[tuple[str, str, str, str]] = Counter()   # (agent, server, model, kind)
+        self.turns: Counter[tuple[str, str]] = Counter()              # (agent, server)
+        self.misses: Counter[tuple[str, str, str]] = Counter()        # (agent, server, reason)
+        self.limit: Counter[tuple[str, str]] = Counter()
+        self.within: Counter[tuple[str, str]] = Counter()
+        self._watched: OrderedDict[str, _Watched] = OrderedDict()
+        self._lanes: OrderedDict[tuple[str, str], tuple[ledger.Prior, promptshape.Shape | None]] = OrderedDict()
+        self._pending: deque[_Pending] = deque()
+        self._flusher: asyncio.Task | None = None
+        self._failing = False
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        try:
+            w = self._watch(flow)
+            if w is None:
+                return
+            resp = flow.response
+            sse = "text/event-stream" in resp.headers.get("content-type", "").lower()
+            w.reader = UsageReader(w.api, resp.headers.get("content-encoding", ""), whole=not sse)
+            if callable(resp.stream):
+                resp.stream = _Tee(resp.stream, w.reader)
+            elif resp.stream:
+                resp.stream = w.reader
+            # else: buffered, read from the body in ``response``
+        except Exception:
+            log.exception("sessionpin: ledger: cannot watch a response")
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        w = self._watched.pop(flow.id, None)
+        if w is None or w.reader is None:
+            return
+        try:
+            resp = flow.response
+            if resp is not None and not resp.stream and resp.raw_content:
+                w.reader.whole = False
+                w.reader.body(resp.raw_content)
+            read = w.reader.result()
+            req = flow.request
+            shape = promptshape.shape(req.raw_content, w.api, req.headers.get("content-encoding", "")) \
+                if read.usage is not None else None
+            self._turn(flow, w, read, shape, time.time())        # the answer just ended
+        except Exception:
+            log.exception("sessionpin: ledger: cannot read an answer's usage")
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._watched.pop(flow.id, None)
+
+    def websocket_start(self, flow: http.HTTPFlow) -> None:
+        try:
+            w = self._watch(flow, websocket=True)
+            if w is not None:
+                w.reader = UsageReader(w.api)
+        except Exception:
+            log.exception("sessionpin: ledger: cannot watch a socket")
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        w = self._watched.get(flow.id)
+        if w is None or w.reader is None or flow.websocket is None:
+            return
+        try:
+            msg = flow.websocket.messages[-1]
+            if msg.from_client:
+                if msg.is_text and b'"response.create"' in msg.content[:200]:
+                    w.shape = promptshape.shape(msg.content, w.api)
+                    w.started = msg.timestamp
+                return
+            read = w.reader.message(msg.content)
+            if read is not None:
+                self._turn(flow, w, read, w.shape, msg.timestamp)
+        except Exception:
+            log.exception("sessionpin: ledger: cannot read a socket message's usage")
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        self._watched.pop(flow.id, None)
+
+    # ---- a turn -----------------------------------------------------------------------------
+    def _watch(self, flow: http.HTTPFlow, websocket: bool = False) -> _Watched | None:
+        meta = flow.metadata.get("sessionpin")
+        if not meta or meta.get("refused") or not meta.get("session") or meta.get("agent") not in F.AGENTS:
+            return None
+        api = meta.get("api")
+        if api not in APIS:
+            return None
+        resp = flow.response
+        if not websocket and (resp is None or not 200 <= resp.status_code < 300):
+            return None
+        server = meta.get("target") or meta.get("source") or flow.request.pretty_host
+        headers = {k: flow.request.headers.get(k, "") for k in ("x-claude-code-agent-id", "thread-id")}
+        lane = ledger.lane_of(meta["agent"], meta.get("turn"), None, headers)
+        if lane.startswith("side:"):
+            lane = "side"     # refined by the answer's model
+        w = _Watched(meta["agent"], meta["session"], api, meta.get("turn") or "", server, lane,
+                     flow.request.timestamp_start or time.time())
+        self._watched[flow.id] = w
+        while len(self._watched) > MAX_WATCHED:
+            self._watched.popitem(last=False)
+        return w
+
+    def _turn(self, flow: http.HTTPFlow, w: _Watched, read: Read, shape, ended: float | None) -> None:
+        if read.usage is None:
+            self.unread += 1
+            return
+        model = read.model or (shape.model if shape is not None else "") or ""
+        lane = f"side:{model}"[:ledger.MAX_LANE] if w.lane == "side" else w.lane
+        turn = ledger.Turn(t=ended or time.time(), api=w.api, lane=lane, kind=w.kind, server=w.server, model=model,
+                           id=(read.id or "")[:200], usage=read.usage)
+        held = self._lanes.get((w.session, lane))
+        if held is not None:
+            turn = ledger.assess(turn, w.started, shape, held[0], held[1], read.diagnostic)
+            self._counted(w.agent, turn)
+        prior = self._remember(w.session, lane, turn, shape, held[0] if held else None)
+        u = read.usage
+        note = f"in {_k(u.input)} out {_k(u.output)} cache {u.cache_read * 100 // u.input if u.input else 0}%"
+        if turn.miss:
+            note += f" miss: {turn.reason}" + (f" ({turn.detail})" if turn.detail else "")
+        if flow.websocket is None:
+            flow.comment = f"{flow.comment} | {note}" if flow.comment else note
+        meta = flow.metadata.setdefault("sessionpin", {})
+        meta["ledger"] = {"lane": lane, "model": model, **{f: getattr(u, f) for f in FIELDS},
+                          "limit": turn.limit, "miss": turn.miss, "reason": turn.reason}
+        self._queue(_Pending(w.agent, w.session, turn, w.started, shape, read.diagnostic, held is not None, prior))
+
+    def _counted(self, agent: str, turn: ledger.Turn) -> None:
+        u = turn.usage
+        for f in FIELDS:
+            v = getattr(u, f)
+            if v:
+                self.tokens[(agent, turn.server, turn.model, f)] += v
+        self.turns[(agent, turn.server)] += 1
+        if turn.miss:
+            self.misses[(agent, turn.server, turn.reason)] += 1
+        if turn.limit:
+            self.limit[(agent, turn.server)] += turn.limit
+            self.within[(agent, turn.server)] += min(u.cache_read, turn.limit)
+
+    def _remember(self, session: str, lane: str, turn: ledger.Turn, shape, before) -> ledger.Prior:
+        k = (session, lane)
+        prior = ledger.prior_of(turn, shape, before)
+        self._lanes[k] = (prior, shape)
+        self._lanes.move_to_end(k)
+        while len(self._lanes) > MAX_LANES:
+            self._lanes.popitem(last=False)
+        return prior
+
+    # ---- writing ----------------------------------------------------------------------------
+    def _queue(self, p: _Pending) -> None:
+        self._pending.append(p)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()
+            self.dropped += 1
+        if self.runtime.store is None:
+            return
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(FLUSH_DELAY)
+        while self._pending and self.runtime.store is not None:
+            store = self.runtime.store
+            batch = list(self._pending)
+            self._pending.clear()
+            try:
+                writes = []
+                sessions = set()
+                for p in batch:
+                    turn, prior = p.turn, p.prior
+                    if not p.assessed:
+                        stored = await ledger.load_prior(store, p.session, turn.lane)
+                        turn = ledger.assess(turn, p.started, p.shape, stored, None, p.diagnostic)
+                        self._counted(p.agent, turn)
+                        prior = ledger.prior_of(turn, p.shape, stored)
+                    writes += ledger.writes(p.session, p.agent, turn, prior)
+                    sessions.add(p.session)
+                await store.apply([], writes)
+                for s in sessions:
+                    await store.expire(ledger.key(s), ledger.TTL)
+                    await store.expire(ledger.turns_key(s), ledger.TTL)
+                self.recorded += len(batch)
+                if self._failing:
+                    log.info("sessionpin: ledger records are written again")
+                self._failing = False
+            except Exception as e:
+                self.runtime.errors += 1
+                self.dropped += len(batch)
+                if not self._failing:
+                    log.warning("sessionpin: ledger records not written (%s); dropped until the store takes "
+                                "writes again", e)
+                self._failing = True
+
+    # ---- Prometheus -------------------------------------------------------------------------
+    def metrics(self) -> str:
+        out: list[str] = []
+        family(out, "sessionpin_ledger_tokens_total", "counter",
+               "Tokens the servers reported, by agent, server, model and kind (input includes cache_read and "
+               "cache_write_*; output includes reasoning).",
+               ("agent", "server", "model", "kind"), sorted(self.tokens.items()))
+        family(out, "sessionpin_ledger_turns_total", "counter", "Answered turns read, by agent and server.",
+               ("agent", "server"), sorted(self.turns.items()))
+        family(out, "sessionpin_ledger_cache_misses_total", "counter",
+               "Turns that read more than 20% less from cache than the previous prompt of their lane, by reason.",
+               ("agent", "server", "reason"), sorted(self.misses.items()))
+        family(out, "sessionpin_ledger_cache_limit_tokens_total", "counter",
+               "Tokens turns could have read from cache (the previous prompt's repeated prefix).",
+               ("agent", "server"), sorted(self.limit.items()))
+        family(out, "sessionpin_ledger_cache_read_within_limit_tokens_total", "counter",
+               "Tokens read from cache, up to each turn's limit (divide by the limit: cache efficiency).",
+               ("agent", "server"), sorted(self.within.items()))
+        family(out, "sessionpin_ledger_dropped_total", "counter", "Ledger records not written (store failing or "
+               "too many waiting).", (), [((), self.dropped)])
+        return joined(out)
+
+
+class LedgerMetrics:
+    """The ledger's counters as a router participant (the status endpoint renders participants'
+    ``metrics()``); it takes no part in routing."""
+
+    name = "ledger"
+
+    def __init__(self, watch: LedgerWatch) -> None:
+        self.watch = watch
+
+    def metrics(self) -> str:
+        return self.watch.metrics()
+
+
+def _k(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 10_000 else str(n)
+

@@ -1,0 +1,210 @@
+"""LedgerWatch in the shell: it reads each answer's usage as it streams (chained after the lineage
+reader, every chunk unchanged), assesses the turn against its lane and writes the ledger off the
+request path; the flow's comment and metadata gain the figures; Prometheus counts them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from mitmproxy import http
+from mitmproxy.test import tutils
+
+from sessionpin import ledger
+from sessionpin.proxy import ledgerwatch, lineagewatch
+from sessionpin.usage import Usage
+from shellkit import SESSION, body, flow, start
+
+
+def sse_with_usage(read: int, write: int, uncached: int = 3, out: int = 50, msg: str = "msg_1",
+                   model: str = "glm-4.6", diagnostics: dict | None = None) -> list[bytes]:
+    message = {"id": msg, "model": model, "content": [],
+               "usage": {"input_tokens": uncached, "cache_read_input_tokens": read,
+                         "cache_creation_input_tokens": write, "output_tokens": 1}}
+    if diagnostics is not None:
+        message["diagnostics"] = diagnostics
+    events = [{"type": "message_start", "message": message},
+              {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+              {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hello."}},
+              {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": out}},
+              {"type": "message_stop"}]
+    return [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events]
+
+
+@pytest.fixture
+async def proxy(tmp_path):
+    from shellkit import CONFIG
+    p = tmp_path / "config.toml"
+    p.write_text(CONFIG)
+    proxy = start(p)
+    yield proxy
+    proxy.close()
+
+
+def watch_of(proxy) -> ledgerwatch.LedgerWatch:
+    return next(a for a in proxy.addons if isinstance(a, ledgerwatch.LedgerWatch))
+
+
+async def flushed(watch) -> None:
+    for _ in range(300):
+        if (watch._flusher is None or watch._flusher.done()) and not watch._pending:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the ledger records were not written")
+
+
+async def answer(proxy, f, chunks, status=200, ctype=b"text/event-stream") -> bytes:
+    """The response as mitmproxy hands it to the addons (in their order): headers, the stream, the end."""
+    f.response = tutils.tresp(status_code=status, content=b"", headers=http.Headers(
+        [(b"content-type", ctype), (b"request-id", b"req_1")]))
+    f.response.headers.pop("content-length", None)
+    for a in proxy.addons:
+        if hasattr(a, "responseheaders"):
+            a.responseheaders(f)
+    stream, passed = f.response.stream, b""
+    if callable(stream):
+        for c in chunks:
+            got = stream(c)
+            assert got == c                 # every chunk forwarded unchanged, at once
+            passed += got
+        stream(b"")
+    else:
+        f.response.content = b"".join(chunks)
+        passed = f.response.raw_content
+    for a in proxy.addons:
+        if hasattr(a, "response"):
+            a.response(f)
+    await flushed(watch_of(proxy))
+    return passed
+
+
+async def test_an_opening_and_a_continuation_are_read_chained_after_the_lineage_reader(proxy):
+    f = flow("opening")
+    await proxy.send(f)
+    chunks = sse_with_usage(read=0, write=9000)
+    assert await answer(proxy, f, chunks) == b"".join(chunks)
+    assert isinstance(f.response.stream, ledgerwatch._Tee)          # the lineage reader still reads it
+    assert isinstance(f.response.stream.first, lineagewatch.StreamReader)
+    assert f.metadata["sessionpin"]["ledger"]["input"] == 9003
+    assert "in 9003 out 50 cache 0%" in f.comment and f.comment.startswith("opening ")
+    g = flow("continuation")
+    await proxy.send(g)
+    await answer(proxy, g, sse_with_usage(read=9000, write=200, msg="msg_2"))
+    assert "cache 97%" in g.comment and "miss" not in g.comment
+    s = await ledger.load(proxy.store, SESSION)
+    assert s.turns == 2 and s.misses == 0 and s.agent == "claude-code"
+    assert s.by == {("glm", "glm-4.6"): Usage(input=9003 + 9203, output=100, cache_read=9000, cache_write_5m=9200)}
+    turns = await ledger.turns(proxy.store, SESSION)
+    assert [t.id for t in turns] == ["msg_1", "msg_2"] and turns[1].limit == 9003 and turns[0].reason == "first_turn"
+    assert await proxy.store.ttl(ledger.key(SESSION)) > ledger.TTL - 60
+
+
+async def test_a_miss_gets_the_providers_reason_in_the_comment_and_the_counters(proxy):
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=0, write=9000))
+    g = flow("continuation")
+    await proxy.send(g)
+    await answer(proxy, g, sse_with_usage(read=0, write=9200, msg="msg_2", diagnostics={
+        "cache_miss_reason": {"type": "system_changed", "cache_missed_input_tokens": 9000}}))
+    assert "miss: system_changed" in g.comment and "provider: system_changed" in g.comment
+    text = await proxy.status.render_metrics()
+    assert 'sessionpin_ledger_cache_misses_total{agent="claude-code",server="glm",reason="system_changed"} 1' in text
+    assert 'sessionpin_ledger_tokens_total{agent="claude-code",server="glm",model="glm-4.6",kind="cache_read"}' \
+        not in text     # nothing read from cache: no sample
+    assert 'kind="cache_write_5m"} 18200' in text     # both turns: the first counted as it was written
+    from prometheus_client.parser import text_string_to_metric_families
+    names = {m.name for m in text_string_to_metric_families(text)}
+    assert "sessionpin_ledger_cache_misses" in names
+
+
+async def test_a_restarted_proxy_compares_with_the_stores_record_of_the_lane(proxy, tmp_path):
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=0, write=9000))
+    watch = watch_of(proxy)
+    watch._lanes.clear()                      # what a restart forgets
+    g = flow("continuation")                  # its history begins with the opening's message
+    await proxy.send(g)
+    await answer(proxy, g, sse_with_usage(read=0, write=9200, msg="msg_2"))
+    edited = json.loads(body("continuation"))
+    edited["messages"][0]["content"] = "hi, edited"
+    h = flow("continuation", content=json.dumps(edited, indent=1).encode())   # as the client writes it
+    await proxy.send(h)
+    watch._lanes.clear()
+    await answer(proxy, h, sse_with_usage(read=0, write=9200, msg="msg_3"))
+    turns = await ledger.turns(proxy.store, SESSION)
+    assert turns[1].miss and turns[1].limit == 9003 and turns[1].reason == "unknown"   # nothing changed that it sees
+    assert turns[2].miss and turns[2].reason == "messages_changed" and turns[2].detail == "before message 3"
+    assert turns[2].limit < 9203
+
+
+async def test_a_buffered_json_answer_and_an_error_answer(proxy):
+    f = flow("opening")
+    await proxy.send(f)
+    body = json.dumps({"id": "msg_j", "model": "glm-4.6", "content": [],
+                       "usage": {"input_tokens": 7, "cache_read_input_tokens": 0, "output_tokens": 4}}).encode()
+    await answer(proxy, f, [body], ctype=b"application/json")
+    assert f.metadata["sessionpin"]["ledger"]["output"] == 4
+    g = flow("continuation")
+    await proxy.send(g)
+    await answer(proxy, g, [b'{"type":"error"}'], status=529, ctype=b"application/json")
+    assert "ledger" not in g.metadata["sessionpin"]
+    assert (await ledger.load(proxy.store, SESSION)).turns == 1
+
+
+async def test_an_answer_without_usage_and_a_flow_the_router_left_alone(proxy):
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, [b'event: message_stop\ndata: {"type":"message_stop"}\n\n'])
+    assert watch_of(proxy).unread == 1 and await ledger.load(proxy.store, SESSION) is None
+    other = flow("opening", path="/api/claude_code/settings")     # not an inference request
+    await proxy.send(other)
+    await answer(proxy, other, sse_with_usage(read=0, write=1))
+    assert "ledger" not in other.metadata.get("sessionpin", {})
+
+
+async def test_codexs_socket_gives_one_turn_per_completed_response(tmp_path):
+    import time as _time
+
+    from mitmproxy import websocket
+    from wsproto.frame_protocol import Opcode
+
+    from test_proxy_router import CODEX_CONFIG, upgrade
+    p = tmp_path / "config.toml"
+    p.write_text(CODEX_CONFIG)
+    proxy = start(p)
+    proxy.router.env["ALT_KEY"] = "alt-sentinel"
+    try:
+        f = upgrade()
+        await proxy.send(f)
+        f.response = tutils.tresp(status_code=101, content=b"")
+        f.websocket = websocket.WebSocketData()
+        watch = watch_of(proxy)
+        watch.websocket_start(f)
+
+        def say(value, from_client):
+            f.websocket.messages.append(websocket.WebSocketMessage(Opcode.TEXT, from_client,
+                                                                   json.dumps(value).encode(), _time.time()))
+            for a in proxy.addons:
+                if hasattr(a, "websocket_message"):
+                    a.websocket_message(f)
+        for i, cached in enumerate((0, 900)):
+            say({"type": "response.create", "model": "gpt-6.2-sol", "input": [{"role": "user", "content": "x"}] * (i + 1)},
+                True)
+            say({"type": "response.created", "response": {"id": f"resp_{i}", "usage": None}}, False)
+            say({"type": "response.completed", "response": {
+                "id": f"resp_{i}", "model": "alt-codex-1",
+                "usage": {"input_tokens": 1000 + i, "input_tokens_details": {"cached_tokens": cached},
+                          "output_tokens": 10, "output_tokens_details": {"reasoning_tokens": 4}}}}, False)
+        watch.websocket_end(f)
+        await flushed(watch)
+        session = f.metadata["sessionpin"]["session"]
+        s = await ledger.load(proxy.store, session)
+        assert s.turns == 2 and s.by == {("alt", "alt-codex-1"): Usage(input=2001, output=20, cache_read=900,
+                                                                      reasoning=8)}
+        turns = await ledger.turns(proxy.store, session)
+        assert [t.id for t in turns] == ["resp_0", "resp_1"] and turns[1].limit == 1000 and turns[1].miss is False
+    finally:
+        proxy.close()

@@ -17,9 +17,9 @@ Rules it keeps:
   tokens: it read more than 20 % less than the conversation had cached. Every miss gets a
   reason: the provider's own (Anthropic ``cache_miss_reason``, Responses
   ``prompt_cache_diagnostics``) when it sent one that names a change, else the proxy's, in
-  this order: the model changed, the server changed (an operator's move or a pool), the tools
-  changed, the system prompt changed, the history was rewritten at message N (compaction,
-  an edit), idle longer than the cache's lifetime (5 minutes, or 1 hour once the lane wrote
+  this order: the server changed (an operator's move or a pool; first, as a move renames the
+  model too), the model changed, the tools changed, the system prompt changed, the history
+  was rewritten at message N (compaction, an edit), idle longer than the cache's lifetime (5 minutes, or 1 hour once the lane wrote
   1-hour cache), else ``unknown``.
 - The store holds, per conversation, with a pin's lifetime: ``ledger:<session>`` (a hash of
   sums: tokens per server and model, turns, misses per reason, the sums of limits and of
@@ -149,10 +149,10 @@ def assess(turn: Turn, started: float, shape: Shape | None, prior: Prior | None,
         return msgspec.structs.replace(turn, limit=None, miss=False, reason="first_turn" if not u.cache_read else "",
                                        detail="")
     share, kind, at = 1.0, "", None
-    if turn.model and prior.model and turn.model != prior.model:
-        share, kind = 0.0, "model_changed"
-    elif turn.server != prior.server:
+    if turn.server != prior.server:       # first: a move renames the model too (the server's model map)
         share, kind = 0.0, "server_changed"
+    elif turn.model and prior.model and turn.model != prior.model:
+        share, kind = 0.0, "model_changed"
     elif shape is not None and prior_shape is not None:
         d = compare(prior_shape, shape)
         share, at = d.share, d.at

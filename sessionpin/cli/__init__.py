@@ -17,7 +17,8 @@ Rules this package keeps:
 Modules: ``parser`` (the command line), ``context`` (config, store, pins as rows),
 ``proxies`` (finding live proxies), ``look`` (status, sessions), ``change`` (use, move,
 forget, servers), ``launch`` (env, exec, run), ``doctor``, ``storecmd`` (store copy),
-``tools`` (classify, pool), ``serverpools`` (pools, drain, undrain).
+``tools`` (classify, pool), ``serverpools`` (pools, drain, undrain), ``ledgercmd`` (show,
+costs, and the ledger's columns of sessions).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .common import Fail, err
 from .context import make_ctx
 from .doctor import cmd_doctor
 from .launch import cmd_env, cmd_exec, cmd_run
+from .ledgercmd import cmd_costs, cmd_show
 from .look import cmd_sessions, cmd_status
 from .parser import parser
 from .serverpools import cmd_drain, cmd_pools
@@ -54,6 +56,8 @@ COMMANDS = {
     "drain": cmd_drain,
     "undrain": cmd_drain,
     "store": cmd_store,
+    "show": cmd_show,
+    "costs": cmd_costs,
 }
 
 

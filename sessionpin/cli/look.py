@@ -14,6 +14,7 @@ from ..facts import AGENTS
 from ..ids import short
 from .common import Fail, ago, dump_json, out, table, where, why
 from .context import Ctx
+from .ledgercmd import LEDGER_COLUMNS, ledger_cells, ledger_json
 from .proxies import config_mismatch, find_proxies, find_proxy, key_state, proxy_keys
 
 
@@ -107,18 +108,22 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
     if args.not_routed:
         selected = [r for r in selected if r.pin.server is None]
     if args.json:
-        dump_json([r.as_json() for r in selected])
+        spent = ledger_json(ctx, [r.session for r in selected])
+        dump_json([r.as_json() | ({"ledger": spent[r.session]} if spent.get(r.session) else {}) for r in selected])
         return 0
     if not selected:
         what = "no pinned conversations" + ("" if store is not None else f" (no store file yet at {ctx.store_file()})")
         out(what + (" match" if (args.agent or args.server or args.not_routed) and store is not None else ""))
         return 0
     forks = any(r.pin.parent for r in selected)     # the PARENT column, when a listed one is a fork
-    grid = [["SESSION", "AGENT", "SERVER", "WHY", *(["PARENT"] if forks else []), "PINNED", "LAST SEEN", "REQUESTS"]]
+    spent = ledger_cells(ctx, [r.session for r in selected])      # {} when none has a ledger: no columns
+    grid = [["SESSION", "AGENT", "SERVER", "WHY", *(["PARENT"] if forks else []), "PINNED", "LAST SEEN", "REQUESTS",
+             *(LEDGER_COLUMNS if spent else ())]]
     for r in selected:
         parent = [short(r.pin.parent) if r.pin.parent else "-"] if forks else []
         grid.append([short(r.session), r.pin.agent, where(r.pin.server), why(r.pin), *parent, ago(r.pin.since, now),
-                     ago(r.seen.last, now), str(r.seen.requests)])
+                     ago(r.seen.last, now), str(r.seen.requests),
+                     *(spent.get(r.session, ["-"] * len(LEDGER_COLUMNS)) if spent else ())])
     for line in table(grid):
         out(line)
     return 0

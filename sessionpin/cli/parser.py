@@ -69,6 +69,15 @@ def parser() -> Parser:
     c.add_argument("--not-routed", action="store_true", help="only conversations pinned 'not routed'")
     c.add_argument("--json", action="store_true")
 
+    c = cmd("show", "one conversation's turns: tokens, cache reads, misses and their reasons, cost")
+    c.add_argument("session", metavar="SESSION", help="its id, a unique prefix, or the short id shown")
+    c.add_argument("--limit", type=int, default=0, metavar="N", help="only the last N turns (0: all)")
+    c.add_argument("--json", action="store_true")
+
+    c = cmd("costs", "tokens, cache reads and cost summed per conversation, server, agent or model")
+    c.add_argument("--by", choices=("session", "server", "agent", "model"), default="server")
+    c.add_argument("--json", action="store_true")
+
     c = cmd("move", "move one running conversation to another server (after a warning)")
     c.add_argument("session", metavar="SESSION", help="its id, a unique prefix, or the short id shown")
     c.add_argument("server", metavar="SERVER", nargs="?")

@@ -1,0 +1,224 @@
+"""The ledger end to end: a real mitmdump, real TLS, fake servers streaming Anthropic SSE with usage.
+
+One Claude Code conversation goes through the proxy turn by turn; the fakes answer each turn
+with the usage (and, once, the provider's cache diagnostic) the test planned. Checked:
+- every answer reaches the client byte-identical and as it streams (events spaced as sent);
+- the ledger in the store, read by ``sessionpin show --json``, equals the sums of the usage
+  objects the fakes sent, per server and model, across a restart of the proxy;
+- each crafted miss gets its reason: tools changed (assessed after the restart, from the
+  store's record), the provider's own diagnostic, compaction (history rewritten at message 0),
+  an operator's move to another server, a model switch; a continued history is a hit;
+- ``sessionpin sessions`` and ``show`` show them, the Prometheus counters count the misses by
+  reason (the flow's comment is checked in tests/test_proxy_ledgerwatch.py);
+- ``sessionpin costs`` prices them with the config's prices.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from .harness import Client, FakeServer, Mitmdump, TestCA, sse, toml_config
+
+GLM_ENV = "SESSIONPIN_LEDGER_E2E_GLM_KEY"
+SESSION = str(uuid.uuid4())
+TOOLS = [{"name": "Bash", "description": "Run a shell command.",
+          "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+PRICES = {"claude-*": "{ input = 5, output = 25, cache_read = 0.5, cache_write_5m = 6.25, cache_write_1h = 10 }"}
+
+
+class UsageServer(FakeServer):
+    """A fake that streams, for each /v1/messages request, the next planned usage (and diagnostics)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.plan: list[tuple[dict, dict | None]] = []
+        self.sent: list[bytes] = []
+
+    def _answer(self, h, rec, n) -> None:
+        if not rec.path.split("?")[0].endswith("/v1/messages"):
+            return super()._answer(h, rec, n)
+        usage, diagnostics = self.plan.pop(0)
+        model = json.loads(rec.body)["model"]
+        message = {"id": f"msg_{self.name}_{n}", "type": "message", "role": "assistant", "model": model,
+                   "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
+        if diagnostics is not None:
+            message["diagnostics"] = diagnostics
+        events = [sse("message_start", {"type": "message_start", "message": message}),
+                  sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                              "content_block": {"type": "text", "text": ""}}),
+                  sse("ping", {"type": "ping"})]
+        events += [sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                               "delta": {"type": "text_delta", "text": f"part {i}. "}})
+                   for i in range(3)]
+        events += [sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                   sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                         "usage": {"output_tokens": usage["output_tokens"]}}),
+                   sse("message_stop", {"type": "message_stop"})]
+        self.sent.append(b"".join(events))
+        h.send_stream(events, self.pause_ms, 0, [("request-id", f"req_{self.name}_{n}")])
+
+
+def sessionpin_argv() -> list[str]:
+    exe = Path(sys.executable).parent / "sessionpin"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "sessionpin.cli"]
+
+
+class Rig:
+    def __init__(self, tmp: Path) -> None:
+        self.ca = TestCA(tmp / "ca")
+        self.fakes = {n: UsageServer(n, self.ca).start() for n in ("anthropic", "glm")}
+        servers = {"anthropic": {"url": self.fakes["anthropic"].url},
+                   "glm": {"url": self.fakes["glm"].url, "key_env": GLM_ENV}}
+        text = toml_config(servers, {"claude-code": "anthropic"})
+        for name in servers:
+            text += "".join(f'\n[servers.{name}.prices]\n"{glob}" = {table}\n' for glob, table in PRICES.items())
+        self.mitm = Mitmdump.router(tmp / "router", self.ca, text, env={GLM_ENV: "glm-sentinel"})
+        self.store = self.mitm.options["sessionpin_store"]
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_")}
+        self.messages: list[dict] = [{"role": "user", "content": "Fix the failing test."}]
+
+    def cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*sessionpin_argv(), "--config", str(self.mitm.config_path), "--store", self.store,
+                               *argv], capture_output=True, text=True, env=self.env, stdin=subprocess.DEVNULL,
+                              timeout=60)
+
+    def turn(self, fake: str, usage: dict, diagnostics: dict | None = None, *, model="claude-opus-5-5",
+             tools=TOOLS, system="You are a coding agent.", messages: list | None = None):
+        """One Claude Code turn: the history so far (or ``messages``), answered by ``fake``."""
+        self.fakes[fake].plan.append((usage, diagnostics))
+        if messages is not None:
+            self.messages = messages
+        headers = [("Content-Type", "application/json"), ("User-Agent", "claude-cli/2.1.332 (external, cli)"),
+                   ("anthropic-version", "2023-06-01"), ("x-claude-code-request-class", "main"),
+                   ("X-Claude-Code-Session-Id", SESSION), ("x-api-key", "sk-ant-client")]
+        body = {"model": model, "system": system, "tools": tools, "messages": self.messages, "max_tokens": 1024,
+                "stream": True}
+        client = Client.via_proxy(self.mitm.port, self.mitm.mitm_ca)
+        reply = client.request("POST", self.fakes["anthropic"].origin + "/v1/messages?beta=true", headers,
+                               json.dumps(body).encode())
+        assert reply.status == 200, reply.body[:500]
+        assert reply.body == self.fakes[fake].sent[-1], "the answer was changed on its way"
+        self.messages = copy.deepcopy(self.messages) + [
+            {"role": "assistant", "content": [{"type": "text", "text": "part 0. part 1. part 2."}]},
+            {"role": "user", "content": f"and now step {len(self.messages)}"}]
+        return reply
+
+    def ledger(self, turns: int) -> dict:
+        deadline = time.monotonic() + 15
+        while True:
+            p = self.cli("show", SESSION, "--json")
+            got = json.loads(p.stdout) if p.returncode == 0 else {"turns": []}
+            if len(got["turns"]) >= turns or time.monotonic() > deadline:
+                assert len(got["turns"]) == turns, (p.stdout, p.stderr)
+                return got
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    r = Rig(tmp_path_factory.mktemp("e2e-ledger"))
+    try:
+        r.mitm.start()
+        yield r
+    finally:
+        r.mitm.stop()
+        for f in r.fakes.values():
+            f.stop()
+
+
+def u(uncached: int, read: int, write: int, out: int, one_hour: int = 0) -> dict:
+    usage = {"input_tokens": uncached, "cache_read_input_tokens": read, "cache_creation_input_tokens": write,
+             "output_tokens": out}
+    if one_hour:
+        usage["cache_creation"] = {"ephemeral_5m_input_tokens": write - one_hour, "ephemeral_1h_input_tokens": one_hour}
+    return usage
+
+
+def test_a_conversations_ledger_reasons_and_costs(rig: Rig) -> None:
+    plan = []
+
+    def turn(fake, usage, *a, **kw):
+        plan.append((fake, usage))
+        return rig.turn(fake, usage, *a, **kw)
+
+    with rig.fakes["anthropic"].behave(pause_ms=60):
+        first = turn("anthropic", u(3, 0, 20_000, 400, one_hour=20_000))
+    gaps = [b.at - a.at for a, b in zip(first.events, first.events[1:])]
+    assert len(first.events) == 9 and min(gaps[1:]) > 0.03, "the answer was not passed on as it streamed"
+    turn("anthropic", u(5, 20_000, 900, 300))                             # the history grew: a hit
+    assert rig.ledger(2)["turns"][1]["reason"] is None
+
+    rig.mitm.restart()                                                    # the next turn is compared
+    turn("anthropic", u(4, 0, 21_500, 200), tools=TOOLS + [{"name": "Edit", "input_schema": {"type": "object"}}])
+    turn("anthropic", u(6, 0, 22_000, 100), {"cache_miss_reason": {"type": "messages_changed",
+                                                                   "cache_missed_input_tokens": 21_000}},
+         tools=TOOLS + [{"name": "Edit", "input_schema": {"type": "object"}}])
+    tools2 = TOOLS + [{"name": "Edit", "input_schema": {"type": "object"}}]
+    turn("anthropic", u(2_000, 0, 0, 500), tools=tools2,                  # compaction: a summary replaces it all
+         messages=[{"role": "user", "content": "Summary of the conversation so far."}])
+    p = rig.cli("move", SESSION, "glm", "--yes")
+    assert p.returncode == 0, p.stderr
+    turn("glm", u(30, 0, 2_600, 50), tools=tools2)
+    turn("glm", u(40, 0, 2_700, 60), tools=tools2, model="claude-sonnet-5")
+
+    got = rig.ledger(7)
+    reasons = [(t["reason"], t["detail"]) for t in got["turns"]]
+    assert reasons == [
+        ("first_turn", None),
+        (None, None),
+        ("tools_changed", None),
+        ("messages_changed", "provider: messages_changed"),
+        ("messages_changed", "at message 0"),
+        ("server_changed", "from anthropic"),
+        ("model_changed", "from claude-opus-5-5"),
+    ]
+    assert [t["server"] for t in got["turns"]] == ["anthropic"] * 5 + ["glm"] * 2
+
+    # the sums of what the servers said, per server and model
+    want: dict[tuple[str, str], dict[str, int]] = {}
+    for i, (fake, usage) in enumerate(plan):
+        model = "claude-sonnet-5" if i == 6 else "claude-opus-5-5"
+        w = want.setdefault((fake, model), {"input": 0, "output": 0, "cache_read": 0, "cache_write_5m": 0,
+                                            "cache_write_1h": 0})
+        one_hour = usage.get("cache_creation", {}).get("ephemeral_1h_input_tokens", 0)
+        w["input"] += usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+        w["output"] += usage["output_tokens"]
+        w["cache_read"] += usage["cache_read_input_tokens"]
+        w["cache_write_1h"] += one_hour
+        w["cache_write_5m"] += usage["cache_creation_input_tokens"] - one_hour
+    by = {(r["server"], r["model"]): {k: v for k, v in r["tokens"].items() if k in w}
+          for r in got["by_server_model"]}
+    assert by == want
+    assert got["misses"] == 5 and got["turns"] and got["tokens"]["cache_read"] == 20_000
+
+    # the cost at the config's prices
+    a = want[("anthropic", "claude-opus-5-5")]
+    uncached = a["input"] - a["cache_read"] - a["cache_write_5m"] - a["cache_write_1h"]
+    expected = (uncached * 5 + a["output"] * 25 + a["cache_read"] * 0.5 + a["cache_write_5m"] * 6.25
+                + a["cache_write_1h"] * 10) / 1e6
+    p = rig.cli("costs", "--by", "server", "--json")
+    costs = {r["server"]: r for r in json.loads(p.stdout)}
+    assert costs["anthropic"]["cost"] == pytest.approx(expected) and costs["glm"]["cost"] > 0
+
+    # what an operator sees: the sessions columns, the show table, Prometheus
+    p = rig.cli("sessions")
+    assert p.returncode == 0 and "COST" in p.stdout.splitlines()[0]
+    p = rig.cli("show", SESSION[:8])
+    assert "miss: server_changed (from anthropic)" in p.stdout and "first turn" in p.stdout
+    client = Client.via_proxy(rig.mitm.port, rig.mitm.mitm_ca)
+    text = client.request("GET", rig.fakes["anthropic"].origin + "/__sessionpin/metrics").body.decode()
+    from prometheus_client.parser import text_string_to_metric_families
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    misses = {s.labels["reason"]: s.value for s in families["sessionpin_ledger_cache_misses"].samples
+              if s.name.endswith("_total")}
+    assert misses == {"tools_changed": 1, "messages_changed": 2, "server_changed": 1, "model_changed": 1}

@@ -9,10 +9,11 @@ passing as a stream — a chunked answer the router streams — at its end, up t
 diagnostic when it sent one. Pure: no mitmproxy, no I/O, no clock; never raises.
 
 Rules it keeps (docs/ledger.md says what each figure means):
-- Only events that carry a usage object are parsed: an SSE event is parsed only if its data
-  holds the bytes ``"usage"`` (inside a JSON string a quote is always escaped, so these bytes
-  only occur as a key). Every other event costs a newline scan and a substring search:
-  the work per streamed byte is bounded, and the text of an answer is never decoded.
+- Only events that carry a usage object are parsed: an SSE event is parsed only if it holds
+  the bytes ``"usage"`` (inside a JSON string a quote is always escaped, so these bytes only
+  occur as a key). A chunk is cut at its last blank line (the end of an event) and searched
+  for those bytes: a chunk without them costs a few scans in C, whatever its events; the work
+  per streamed byte is bounded, and the text of an answer is never decoded.
 - Anthropic messages: ``message_start.message.usage``, then ``message_delta.usage``, whose
   fields are cumulative: a field the delta states replaces the start's (``output_tokens``
   always; the input and cache fields when the server restates them). ``input_tokens``
@@ -36,6 +37,8 @@ Rules it keeps (docs/ledger.md says what each figure means):
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 from . import facts
@@ -43,6 +46,8 @@ from .lineage_stream import _Inflate
 
 MAX_EVENT = 4 * 1024 * 1024
 _USAGE = b'"usage"'
+_USAGE_RE = re.compile(re.escape(_USAGE))     # (a regex search: far faster than ``in`` on runs of one byte)
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -199,6 +204,12 @@ APIS = tuple(_EVENTS)
 _R_FINAL = ("response.completed", "response.incomplete", "response.failed", "response.done")
 
 
+def _last_end(buf: bytes) -> int:
+    """Where the last complete event of ``buf`` ends (after its blank line), 0 if none does."""
+    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf != -1 else 0, crlf + 4 if crlf != -1 else 0)
+
+
 def _n(v: int | None) -> int:
     return v if isinstance(v, int) and v > 0 else 0
 
@@ -213,9 +224,8 @@ class UsageReader:
         self._body = bytearray()
         self._events = _EVENTS.get(api)
         self._broken = self._events is None
-        self._line = bytearray()
-        self._data = bytearray()
-        self._has_data = self._dropping = False
+        self._pending = bytearray()        # the event under way (its start came in an earlier chunk)
+        self._dropping = False
         self._overflow = False
         self._id: str | None = None
         self._model: str | None = None
@@ -263,7 +273,7 @@ class UsageReader:
         try:
             if isinstance(data, str):
                 data = data.encode("utf-8", "surrogatepass")
-            if self._events is None or _USAGE not in data:
+            if self._events is None or _USAGE_RE.search(data) is None:
                 return None
             if len(data) > self.max_event:
                 self._overflow = True
@@ -287,7 +297,7 @@ class UsageReader:
         try:
             if self._inflate is not None:
                 data = self._inflate.feed(data)
-            if _USAGE not in data:
+            if _USAGE_RE.search(data) is None:
                 return
             b = decoder.decode(data)
         except Exception:
@@ -311,54 +321,46 @@ class UsageReader:
     # ------------------------------------------------------------ SSE
 
     def _lines(self, data: bytes) -> None:
-        start = 0
-        while True:
-            nl = data.find(b"\n", start)
-            if nl == -1:
-                rest = data[start:]
-                if len(self._line) + len(rest) > self.max_event:
-                    self._line.clear()
-                    self._drop()
-                else:
-                    self._line += rest
-                return
-            if self._line:
-                self._line += data[start:nl]
-                line = bytes(self._line)
-                self._line.clear()
-            else:
-                line = data[start:nl]
-            self._one_line(line[:-1] if line.endswith(b"\r") else line)
-            start = nl + 1
-
-    def _drop(self) -> None:
-        self._overflow = self._dropping = True
-        self._data.clear()
-        self._has_data = False
-
-    def _one_line(self, line: bytes) -> None:
-        if not line:
-            if self._has_data and not self._dropping and _USAGE in self._data:
-                self._event(bytes(self._data))
-            self._data.clear()
-            self._has_data = self._dropping = False
-        elif self._dropping or line.startswith(b":"):
+        """Whole events are cut at their blank line; only those holding ``"usage"`` are read
+        line by line. The rest costs a few scans in C per chunk, never a Python step per line,
+        and an event arriving in many chunks is gathered in one buffer (linear, not quadratic)."""
+        tail = bytes(self._pending[-3:])          # a blank line may straddle two chunks
+        probe = tail + data if tail else data
+        end = _last_end(probe) - len(tail)        # where, in ``data``, the last complete event ends
+        if end <= 0:
+            if not self._dropping:
+                self._pending += data
+                if len(self._pending) > self.max_event:
+                    self._overflow = self._dropping = True
+                    self._pending.clear()
             return
-        elif line.startswith(b"data:"):
-            value = line[6:] if line.startswith(b"data: ") else line[5:]
-            if len(self._data) + len(value) + 1 > self.max_event:
-                self._drop()
-                return
-            if self._has_data:
-                self._data += b"\n"
-            self._data += value
-            self._has_data = True
+        if self._dropping:                        # the end of an event over the bound: skip it
+            self._dropping = False
+            buf = data[max(0, _EVENT_END.search(probe).end() - len(tail)):end]
+        else:
+            buf = bytes(self._pending) + data[:end] if self._pending else data[:end]
+        if _USAGE_RE.search(buf) is not None:
+            for block in _EVENT_END.split(buf):
+                if _USAGE_RE.search(block) is not None:
+                    self._block(block)
+        self._pending = bytearray(data[end:])
+        if len(self._pending) > self.max_event:
+            self._overflow = self._dropping = True
+            self._pending.clear()
+
+    def _block(self, block: bytes) -> None:
+        """One event's lines: its data lines joined, as SSE says."""
+        data = []
+        for line in block.splitlines():
+            if line.startswith(b"data:"):
+                data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+        if data:
+            self._event(b"\n".join(data))
 
     def _end(self) -> None:
-        if self._line:
-            self._one_line(bytes(self._line))
-            self._line.clear()
-        self._one_line(b"")
+        if self._pending and not self._dropping and _USAGE_RE.search(self._pending) is not None:
+            self._block(bytes(self._pending))
+        self._pending = bytearray()
 
     # ------------------------------------------------------------ events
 

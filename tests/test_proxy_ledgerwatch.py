@@ -208,3 +208,38 @@ async def test_codexs_socket_gives_one_turn_per_completed_response(tmp_path):
         assert [t.id for t in turns] == ["resp_0", "resp_1"] and turns[1].limit == 1000 and turns[1].miss is False
     finally:
         proxy.close()
+
+
+async def test_an_opentelemetry_span_per_answered_turn_with_the_decision_on_it(proxy):
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sessionpin.proxy.otelspans import Spans
+    exporter = InMemorySpanExporter()
+    watch = watch_of(proxy)
+    watch.spans = Spans.build("", processor=SimpleSpanProcessor(exporter))
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=0, write=9000))
+    g = flow("continuation")
+    await proxy.send(g)
+    await answer(proxy, g, sse_with_usage(read=9000, write=200, msg="msg_2"))
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["chat glm-4.6", "chat glm-4.6"]
+    a = dict(spans[1].attributes)
+    assert a["gen_ai.conversation.id"] == SESSION and a["gen_ai.usage.input_tokens"] == 9203
+    assert a["gen_ai.usage.cache_read.input_tokens"] == 9000 and a["gen_ai.response.id"] == "msg_2"
+    assert a["gen_ai.request.model"] == "claude-opus-4-1"       # as the client asked, before the server's map
+    assert a["sessionpin.decision.target"] == "glm" and a["sessionpin.decision.rule"] == "pinned"
+    assert a["sessionpin.cache.limit_tokens"] == 9003 and spans[1].end_time >= spans[1].start_time
+
+
+def test_the_otel_option_refuses_what_it_cannot_build(proxy):
+    from mitmproxy import exceptions
+    watch = watch_of(proxy)
+    with pytest.raises(exceptions.OptionsError, match="not one of console, otlp"):
+        proxy.tctx.configure(watch, sessionpin_otel="zipkin")
+    proxy.tctx.configure(watch, sessionpin_otel="console")
+    assert watch.spans is not None
+    proxy.tctx.configure(watch, sessionpin_otel="")
+    assert watch.spans is None

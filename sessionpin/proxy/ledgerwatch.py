@@ -20,6 +20,8 @@ Rules it keeps (``sessionpin.ledger`` holds the rules of the figures, docs/ledge
   record instead).
 - Prometheus counters (``metrics()``, rendered by the status endpoint): tokens by agent, server,
   model and kind; turns; misses by reason; the sums of limits and of what was read within them.
+- With ``sessionpin_otel`` set, an OpenTelemetry span per answered turn (``otelspans``); a turn
+  first judged when written (its lane unknown to this proxy) has its span without a verdict.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from .. import facts as F
 from .. import ledger, promptshape
 from ..usage import APIS, FIELDS, Read, UsageReader
 from .exposition import family, joined
+from .otelspans import KINDS as OTEL_KINDS
+from .otelspans import Spans
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
@@ -94,6 +98,38 @@ class LedgerWatch:
         self._pending: deque[_Pending] = deque()
         self._flusher: asyncio.Task | None = None
         self._failing = False
+        self.spans: Spans | None = None      # OpenTelemetry, when sessionpin_otel names an exporter
+        self._otel = ""
+
+    # ---- options ----------------------------------------------------------------------------
+    def load(self, loader) -> None:
+        loader.add_option("sessionpin_otel", str, "",
+                          "sessionpin: an OpenTelemetry span per answered turn (GenAI conventions): "
+                          "console, otlp (OTEL_EXPORTER_OTLP_* variables), or empty: off.")
+
+    def configure(self, updated: set[str]) -> None:
+        if "sessionpin_otel" not in updated:
+            return
+        from mitmproxy import ctx, exceptions
+        kind = (ctx.options.sessionpin_otel or "").strip().lower()
+        if kind == self._otel:
+            return
+        if kind not in OTEL_KINDS:
+            raise exceptions.OptionsError(f"sessionpin_otel: {kind!r} is not one of console, otlp (or empty: off)")
+        spans = None
+        if kind:
+            try:
+                spans = Spans.build(kind)
+            except ValueError as e:
+                raise exceptions.OptionsError(f"sessionpin_otel={kind}: {e}") from None
+        if self.spans is not None:
+            self.spans.shutdown()
+        self.spans, self._otel = spans, kind
+
+    def done(self) -> None:
+        if self.spans is not None:
+            self.spans.shutdown()
+            self.spans = None
 
     # ---- hooks ------------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -205,6 +241,14 @@ class LedgerWatch:
         meta = flow.metadata.setdefault("sessionpin", {})
         meta["ledger"] = {"lane": lane, "model": model, **{f: getattr(u, f) for f in FIELDS},
                           "limit": turn.limit, "miss": turn.miss, "reason": turn.reason}
+        if self.spans is not None:
+            try:
+                renamed = meta.get("model")       # [as the client asked, as the server was sent]
+                request_model = renamed[0] if isinstance(renamed, list) and renamed else \
+                    shape.model if shape is not None and shape.model else None
+                self.spans.emit(turn, w.session, w.agent, w.started, turn.t, meta, request_model)
+            except Exception:
+                log.exception("sessionpin: ledger: cannot emit a span")
         self._queue(_Pending(w.agent, w.session, turn, w.started, shape, read.diagnostic, held is not None, prior))
 
     def _counted(self, agent: str, turn: ledger.Turn) -> None:

@@ -20,7 +20,8 @@ Rules it keeps (docs/ledger.md says what each figure means):
   excludes the cache: input = input_tokens + cache_read_input_tokens +
   cache_creation_input_tokens. ``cache_creation.ephemeral_5m_input_tokens`` and
   ``ephemeral_1h_input_tokens`` split the cache write; without them it is all 5 minutes
-  (the default lifetime). ``message.diagnostics.cache_miss_reason`` (``{type,
+  (the default lifetime). ``output_tokens_details.thinking_tokens`` (where the server sends
+  it: a part of ``output_tokens``) is the reasoning. ``message.diagnostics.cache_miss_reason`` (``{type,
   cache_missed_input_tokens}``, beta ``cache-diagnosis-2026-04-07``) is the provider's reason.
 - OpenAI chat: the last chunk's ``usage`` (``prompt_tokens`` includes the cache;
   ``prompt_tokens_details.cached_tokens``, else DeepSeek's ``prompt_cache_hit_tokens``,
@@ -102,12 +103,17 @@ class _ACacheCreation(msgspec.Struct):
     ephemeral_1h_input_tokens: int | None = None
 
 
+class _AOutputDetails(msgspec.Struct):
+    thinking_tokens: int | None = None
+
+
 class _AUsage(msgspec.Struct):
     input_tokens: int | None = None
     output_tokens: int | None = None
     cache_read_input_tokens: int | None = None
     cache_creation_input_tokens: int | None = None
     cache_creation: _ACacheCreation | None = None
+    output_tokens_details: _AOutputDetails | None = None
 
 
 class _AMissReason(msgspec.Struct):
@@ -390,6 +396,8 @@ class UsageReader:
             v = getattr(u, name)
             if v is not None:
                 self._a[name] = v
+        if u.output_tokens_details is not None and u.output_tokens_details.thinking_tokens is not None:
+            self._a["thinking"] = u.output_tokens_details.thinking_tokens
         if u.cache_creation is not None:
             if u.cache_creation.ephemeral_5m_input_tokens is not None:
                 self._a["5m"] = u.cache_creation.ephemeral_5m_input_tokens
@@ -401,7 +409,8 @@ class UsageReader:
         read, write = _n(a.get("cache_read_input_tokens")), _n(a.get("cache_creation_input_tokens"))
         one_h = min(_n(a.get("1h")), write)
         return Usage(input=_n(a.get("input_tokens")) + read + write, output=_n(a.get("output_tokens")),
-                     cache_read=read, cache_write_5m=write - one_h, cache_write_1h=one_h)
+                     cache_read=read, cache_write_5m=write - one_h, cache_write_1h=one_h,
+                     reasoning=_n(a.get("thinking")))
 
     def _anthropic_diag(self, d: _ADiagnostics | None) -> None:
         if d is None or d.cache_miss_reason is None:

@@ -75,6 +75,12 @@ def test_anthropic_delta_restates_cumulative_fields_it_does_not_add():
     assert read.usage == Usage(input=19, output=30, cache_read=7)
 
 
+def test_anthropic_thinking_tokens_are_the_reasoning_part_of_output():
+    data = anthropic_stream({"input_tokens": 4, "output_tokens": 1},
+                            {"output_tokens": 2820, "output_tokens_details": {"thinking_tokens": 1240}})
+    assert fed(F.ANTHROPIC_MESSAGES, data).usage == Usage(input=4, output=2820, reasoning=1240)
+
+
 def test_anthropic_write_without_its_split_counts_as_5_minutes():
     data = anthropic_stream({"input_tokens": 1, "cache_creation_input_tokens": 800, "cache_read_input_tokens": 0,
                              "output_tokens": 1}, {"output_tokens": 2})

@@ -198,6 +198,8 @@ async def test_codexs_socket_gives_one_turn_per_completed_response(tmp_path):
                 "id": f"resp_{i}", "model": "alt-codex-1",
                 "usage": {"input_tokens": 1000 + i, "input_tokens_details": {"cached_tokens": cached},
                           "output_tokens": 10, "output_tokens_details": {"reasoning_tokens": 4}}}}, False)
+        assert f.comment.endswith(" | in 1001 out 10 cache 89%")      # the latest turn's figures, once
+        assert f.comment.count(" | in ") == 1
         watch.websocket_end(f)
         await flushed(watch)
         session = f.metadata["sessionpin"]["session"]

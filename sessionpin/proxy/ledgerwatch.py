@@ -9,7 +9,7 @@ Rules it keeps (``sessionpin.ledger`` holds the rules of the figures, docs/ledge
 - After the answer, the request's prompt shape is read (``promptshape.shape``, digests only)
   and the turn is assessed against the previous turn of its lane: this proxy's memory first,
   else the lane's last turn in the store (another proxy's, or before a restart).
-- The flow's comment gains the turn's tokens and cache read (``… | in 12.3k out 420 cache 97%``,
+- The flow's comment gains the turn's tokens and cache read (``… | in 12.3k out 420 cache 97%``; a socket's, its latest turn's,
   and the miss's reason); the metadata gains ``ledger``.
 - Records are written in batches off the request path, a fraction of a second after the first,
   one store write at a time (as ``LineageWatch`` does); a failed write is counted and logged once
@@ -233,11 +233,12 @@ class LedgerWatch:
             self._counted(w.agent, turn)
         prior = self._remember(w.session, lane, turn, shape, held[0] if held else None)
         u = read.usage
-        note = f"in {_k(u.input)} out {_k(u.output)} cache {u.cache_read * 100 // u.input if u.input else 0}%"
+        note = f"{_k(u.input)} out {_k(u.output)} cache {u.cache_read * 100 // u.input if u.input else 0}%"
         if turn.miss:
             note += f" miss: {turn.reason}" + (f" ({turn.detail})" if turn.detail else "")
-        if flow.websocket is None:
-            flow.comment = f"{flow.comment} | {note}" if flow.comment else note
+        # a socket carries many turns: its comment shows the latest one's figures
+        base = flow.comment.split(_NOTE, 1)[0] if flow.comment else ""
+        flow.comment = f"{base}{_NOTE}{note}" if base else f"in {note}"
         meta = flow.metadata.setdefault("sessionpin", {})
         meta["ledger"] = {"lane": lane, "model": model, **{f: getattr(u, f) for f in FIELDS},
                           "limit": turn.limit, "miss": turn.miss, "reason": turn.reason}
@@ -352,6 +353,9 @@ class LedgerMetrics:
 
     def metrics(self) -> str:
         return self.watch.metrics()
+
+
+_NOTE = " | in "       # where the ledger's part of a comment begins
 
 
 def _k(n: int) -> str:

@@ -9,8 +9,8 @@ Rules it keeps (``sessionpin.ledger`` holds the rules of the figures, docs/ledge
 - After the answer, the request's prompt shape is read (``promptshape.shape``, digests only)
   and the turn is assessed against the previous turn of its lane: this proxy's memory first,
   else the lane's last turn in the store (another proxy's, or before a restart).
-- The flow's comment gains the turn's tokens and cache read (``… | in 12.3k out 420 cache 97%``; a socket's, its latest turn's,
-  and the miss's reason); the metadata gains ``ledger``.
+- The flow's comment gains the turn's tokens and cache read (``… | in 12.3k out 420 cache 97%``,
+  and the miss's reason; a socket's comment, its latest turn's); the metadata gains ``ledger``.
 - Records are written in batches off the request path, a fraction of a second after the first,
   one store write at a time (as ``LineageWatch`` does); a failed write is counted and logged once
   per outage, never retried (a lost turn costs the ledger that turn, nothing else). At most

@@ -24,6 +24,8 @@ in the same steps, so its ratio to plain mitmdump stands beside the file store's
 ``--no-lineage`` adds the router without its lineage watch (``LineageWatch``: what it records
 from responses for later forks — here a ``request-id`` anchor per Claude Code answer) the same
 way: the lineage's cost is the difference between the two routers' ratios in one run.
+``--no-ledger`` likewise adds the router without its ledger watch (``LedgerWatch``: every answer's
+usage read as it streams, the request's prompt shape after it, the ledger's store writes).
 Two body shapes: ``opening`` (the issue's measure: the bulk is the opening user message, the part
 the reader must read for the conversation's fingerprint) and ``history`` (the bulk is tool results
 later in the conversation, as in a long Claude Code session; the reader skips it).
@@ -75,6 +77,8 @@ STREAM_ONLY = "def responseheaders(flow):\n    flow.response.stream = True\n"
 NO_LINEAGE = ("from sessionpin.proxy import make_addons\nfrom sessionpin.proxy.lineagewatch import LineageWatch\n"
               "addons = [a for a in make_addons() if not isinstance(a, LineageWatch)]\n"
               "for a in addons:\n    if hasattr(a, 'lineage'):\n        a.lineage = None\n")
+NO_LEDGER = ("from sessionpin.proxy import make_addons\nfrom sessionpin.proxy.ledgerwatch import LedgerWatch\n"
+             "addons = [a for a in make_addons() if not isinstance(a, LedgerWatch)]\n")
 SIZES = {"10KB": 10 * 1024, "1MB": 1024 * 1024, "8MB": 8 * 1024 * 1024}
 
 
@@ -393,6 +397,7 @@ def main() -> None:
     ap.add_argument("--redis", action="store_true",
                     help="also the router with its pins in Redis (a redis-server of its own, appendfsync always)")
     ap.add_argument("--no-lineage", action="store_true", help="also the router without its lineage watch")
+    ap.add_argument("--no-ledger", action="store_true", help="also the router without its ledger watch")
     args = ap.parse_args()
     sizes = {k: SIZES[k] for k in args.sizes.split(",") if k}
     if not sizes or not set(args.sizes.split(",")) - {""} <= set(SIZES):
@@ -438,7 +443,14 @@ def main() -> None:
             no_lineage = Mitmdump.router(tmp / "router-nolin", ca, config, env={KEY_ENV: UPSTREAM_KEY})
             no_lineage.script = tmp / "nolin.py"
             procs.append(no_lineage)
-        routers = ("router",) + (("redis",) if on_redis else ()) + (("nolin",) if no_lineage else ())
+        no_ledger = None
+        if args.no_ledger:
+            (tmp / "noledger.py").write_text(NO_LEDGER)
+            no_ledger = Mitmdump.router(tmp / "router-noledger", ca, config, env={KEY_ENV: UPSTREAM_KEY})
+            no_ledger.script = tmp / "noledger.py"
+            procs.append(no_ledger)
+        routers = ("router",) + (("redis",) if on_redis else ()) + (("nolin",) if no_lineage else ()) \
+            + (("noledger",) if no_ledger else ())
         try:
             for p in procs:
                 p.start()
@@ -446,7 +458,7 @@ def main() -> None:
             via = {name: (Client.via_proxy(p.port, p.mitm_ca, timeout=120), upstream.url)
                    for name, p in (("plain", plain), ("streaming", streaming), ("lazy", lazy))}
             via["router"] = (Client.via_proxy(router.port, router.mitm_ca, timeout=120), origin.origin)
-            for name, p in (("redis", on_redis), ("nolin", no_lineage)):
+            for name, p in (("redis", on_redis), ("nolin", no_lineage), ("noledger", no_ledger)):
                 if p is not None:
                     via[name] = (Client.via_proxy(p.port, p.mitm_ca, timeout=120), origin.origin)
 
@@ -480,7 +492,7 @@ def main() -> None:
                           f" {', '.join(('plain',) + routers)} take turns request by request)")
                     pids = {name: p.proc.pid if p.proc else None
                             for name, p in (("plain", plain), ("router", router), ("redis", on_redis),
-                                            ("nolin", no_lineage)) if p}
+                                            ("nolin", no_lineage), ("noledger", no_ledger)) if p}
                     got.update({("latency",) + k: v
                                 for k, v in latency(via, pids, sizes, shapes, steps, routers).items()})
                 if args.only in (None, "throughput"):

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict, deque
+
 from mitmproxy import http
 
 from .. import facts as F

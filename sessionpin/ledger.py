@@ -19,8 +19,11 @@ Rules it keeps:
   ``prompt_cache_diagnostics``) when it sent one that names a change, else the proxy's, in
   this order: the server changed (an operator's move or a pool; first, as a move renames the
   model too), the model changed, the tools changed, the system prompt changed, the history
-  was rewritten at message N (compaction, an edit), idle longer than the cache's lifetime (5 minutes, or 1 hour once the lane wrote
-  1-hour cache), else ``unknown``.
+  was rewritten at message N (compaction, an edit), idle longer than the cache's lifetime
+  (5 minutes, or 1 hour once the lane wrote 1-hour cache), a previous prompt under 4,096
+  tokens (some models' minimum cacheable prefix: ``too_short``), else ``unknown``. After a
+  prompt under 1,024 tokens (the shortest any provider caches) nothing can be missed: no
+  limit, no miss.
 - The store holds, per conversation, with a pin's lifetime: ``ledger:<session>`` (a hash of
   sums: tokens per server and model, turns, misses per reason, the sums of limits and of
   what was read within them; the last turn of each lane, compact) and
@@ -48,10 +51,15 @@ MISS_SHARE = 0.8
 CACHE_TTL = 300.0            # a prompt cache's default lifetime (refreshed by each read)
 CACHE_TTL_1H = 3600.0
 MAX_LANE = 64
+# The shortest prompt a provider caches: 1,024 tokens (OpenAI, and Anthropic's larger models);
+# some Anthropic models need 2,048 or 4,096 (``SHORT_PREFIX``): a miss after a shorter prompt
+# than that is said to be "too_short" when nothing else explains it.
+MIN_CACHEABLE = 1024
+SHORT_PREFIX = 4096
 # the provider's reasons that name a change (the others say it could not compare)
 _PROVIDER_CHANGES = frozenset({"model_changed", "system_changed", "tools_changed", "messages_changed"})
 REASONS = ("first_turn", "model_changed", "server_changed", "tools_changed", "system_changed", "messages_changed",
-           "idle", "unknown")
+           "idle", "too_short", "unknown")
 
 
 class Prior(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -163,6 +171,8 @@ def assess(turn: Turn, started: float, shape: Shape | None, prior: Prior | None,
     elif shape is not None and prior.shaped:
         share, kind = _compare_stored(prior, shape)
     limit = round(prior.input * share)
+    if prior.input < MIN_CACHEABLE:     # no provider caches a prompt this short: nothing to miss
+        return msgspec.structs.replace(turn, limit=0, miss=False, reason="", detail="")
     miss = u.cache_read < MISS_SHARE * prior.input
     if not miss:
         return msgspec.structs.replace(turn, limit=limit, miss=False, reason="", detail="")
@@ -176,6 +186,8 @@ def assess(turn: Turn, started: float, shape: Shape | None, prior: Prior | None,
     idle = started - prior.t
     if not reason and idle > prior.ttl:
         reason, detail = "idle", f"idle {_duration(idle)} (cache lifetime {_duration(prior.ttl)})"
+    if not reason and prior.input < SHORT_PREFIX:
+        reason, detail = "too_short", f"the previous prompt had {prior.input} tokens: under some models' minimum"
     if diagnostic is not None and diagnostic.reason:
         said = f"provider: {diagnostic.reason}"
         if diagnostic.reason in _PROVIDER_CHANGES:

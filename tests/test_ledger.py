@@ -83,6 +83,18 @@ def test_the_providers_diagnostic_comes_first_and_the_proxys_detail_stays():
     assert other.reason == "tools_changed" and other.detail == "provider: unavailable"
 
 
+def test_short_prompts():
+    # under 1,024 tokens no provider caches: nothing to miss
+    tiny = chain((answered(10, 0, 900), 0, request(3), None), (answered(20, 0, 1_000), 15, request(5), None))[1]
+    assert not tiny.miss and tiny.limit == 0
+    # under 4,096 some models do not: said when nothing else explains the miss
+    short = chain((answered(10, 0, 3_000), 0, request(3), None), (answered(20, 0, 3_200), 15, request(5), None))[1]
+    assert short.miss and short.reason == "too_short" and "3000 tokens" in short.detail
+    moved = chain((answered(10, 0, 3_000), 0, request(3), None),
+                  (answered(20, 0, 3_200, server="glm"), 15, request(5), None))[1]
+    assert moved.reason == "server_changed"
+
+
 def test_a_small_drop_is_no_miss():
     second = chain((answered(10, 0, 10_000), 0, request(3), None),
                    (answered(20, 8_500, 11_000), 15, request(5), None))[1]

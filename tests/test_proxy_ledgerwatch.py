@@ -190,24 +190,24 @@ async def test_codexs_socket_gives_one_turn_per_completed_response(tmp_path):
             for a in proxy.addons:
                 if hasattr(a, "websocket_message"):
                     a.websocket_message(f)
-        for i, cached in enumerate((0, 900)):
+        for i, cached in enumerate((0, 1800)):
             say({"type": "response.create", "model": "gpt-6.2-sol", "input": [{"role": "user", "content": "x"}] * (i + 1)},
                 True)
             say({"type": "response.created", "response": {"id": f"resp_{i}", "usage": None}}, False)
             say({"type": "response.completed", "response": {
                 "id": f"resp_{i}", "model": "alt-codex-1",
-                "usage": {"input_tokens": 1000 + i, "input_tokens_details": {"cached_tokens": cached},
+                "usage": {"input_tokens": 2000 + i, "input_tokens_details": {"cached_tokens": cached},
                           "output_tokens": 10, "output_tokens_details": {"reasoning_tokens": 4}}}}, False)
-        assert f.comment.endswith(" | in 1001 out 10 cache 89%")      # the latest turn's figures, once
+        assert f.comment.endswith(" | in 2001 out 10 cache 89%")      # the latest turn's figures, once
         assert f.comment.count(" | in ") == 1
         watch.websocket_end(f)
         await flushed(watch)
         session = f.metadata["sessionpin"]["session"]
         s = await ledger.load(proxy.store, session)
-        assert s.turns == 2 and s.by == {("alt", "alt-codex-1"): Usage(input=2001, output=20, cache_read=900,
+        assert s.turns == 2 and s.by == {("alt", "alt-codex-1"): Usage(input=4001, output=20, cache_read=1800,
                                                                       reasoning=8)}
         turns = await ledger.turns(proxy.store, session)
-        assert [t.id for t in turns] == ["resp_0", "resp_1"] and turns[1].limit == 1000 and turns[1].miss is False
+        assert [t.id for t in turns] == ["resp_0", "resp_1"] and turns[1].limit == 2000 and turns[1].miss is False
     finally:
         proxy.close()
 

@@ -4,9 +4,10 @@
 chunk is returned unchanged, at once); ``message(data)`` reads one WebSocket message (Codex's
 Responses socket: one event per message, possibly several answers per socket); ``body(data)``
 reads a whole JSON answer (a request that did not ask for a stream; ``whole=True`` reads one
-passing as a stream — a chunked answer the router streams — at its end, up to ``max_event`` bytes). ``result()`` gives the
-``Usage`` of the answer, the model and id the server named, and the server's own cache
-diagnostic when it sent one. Pure: no mitmproxy, no I/O, no clock; never raises.
+passing as a stream — a chunked answer the router streams — at its end, up to ``max_event``
+bytes). ``result()`` gives the ``Usage`` of the answer, the model and id the server named,
+and the server's own cache diagnostic when it sent one. Pure: no mitmproxy, no I/O, no
+clock; never raises.
 
 Rules it keeps (docs/ledger.md says what each figure means):
 - Only events that carry a usage object are parsed: an SSE event is parsed only if it holds
@@ -447,7 +448,8 @@ class UsageReader:
                                 reasoning=_n(reasoning))
         d = r.prompt_cache_diagnostics
         if d is not None and d.type == "cache_miss":
-            reason = d.reason if isinstance(d.reason, str) else (d.reason or {}).get("type") if isinstance(d.reason, dict) else None
+            reason = d.reason if isinstance(d.reason, str) else \
+                d.reason.get("type") if isinstance(d.reason, dict) else None
             self._diag = Diagnostic(reason=str(reason or "cache_miss"), missed=d.cache_missed_tokens)
         elif d is not None and d.type in ("comparison_response_not_found", "unavailable"):
             self._diag = Diagnostic(reason=d.type)

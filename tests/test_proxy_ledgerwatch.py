@@ -191,8 +191,8 @@ async def test_codexs_socket_gives_one_turn_per_completed_response(tmp_path):
                 if hasattr(a, "websocket_message"):
                     a.websocket_message(f)
         for i, cached in enumerate((0, 1800)):
-            say({"type": "response.create", "model": "gpt-6.2-sol", "input": [{"role": "user", "content": "x"}] * (i + 1)},
-                True)
+            say({"type": "response.create", "model": "gpt-6.2-sol",
+                 "input": [{"role": "user", "content": "x"}] * (i + 1)}, True)
             say({"type": "response.created", "response": {"id": f"resp_{i}", "usage": None}}, False)
             say({"type": "response.completed", "response": {
                 "id": f"resp_{i}", "model": "alt-codex-1",

@@ -237,7 +237,8 @@ def expected(api: str, data: bytes) -> Usage:
         return Usage(input=u["prompt_tokens"], output=u["completion_tokens"],
                      cache_read=(u.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
     u = [ev["response"]["usage"] for ev in events if ev.get("type") == "response.completed"][-1]
-    return Usage(input=u["input_tokens"], output=u["output_tokens"], cache_read=u["input_tokens_details"]["cached_tokens"],
+    return Usage(input=u["input_tokens"], output=u["output_tokens"],
+                 cache_read=u["input_tokens_details"]["cached_tokens"],
                  reasoning=u["output_tokens_details"]["reasoning_tokens"])
 
 

@@ -10,6 +10,7 @@ from sessionpin.ledger import Turn, assess, prior_of
 from sessionpin.promptshape import shape
 from sessionpin.store import open_store
 from sessionpin.usage import Diagnostic, Usage
+from stores import file_url, memory_url, redis_cluster_url, redis_url, store_url  # noqa: F401
 
 TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}}]
 
@@ -118,9 +119,9 @@ def test_lanes():
     assert ledger.lane_of(F.PI, F.CONTINUATION, "m", {}) == "main"
 
 
-@pytest.fixture(params=["memory:", "file"])
-async def store(request, tmp_path):
-    s = open_store(request.param if request.param != "file" else f"file:{tmp_path}/s.db")
+@pytest.fixture
+async def store(store_url):
+    s = open_store(store_url)     # every kind: memory, file, Redis, Redis Cluster (tests/stores.py)
     yield s
     await s.close()
 

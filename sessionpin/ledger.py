@@ -27,7 +27,8 @@ Rules it keeps:
 - The store holds, per conversation, with a pin's lifetime: ``ledger:<session>`` (a hash of
   sums: tokens per server and model, turns, misses per reason, the sums of limits and of
   what was read within them; the last turn of each lane, compact) and
-  ``ledger:turns:<session>`` (a sorted set, one member per turn, scored by time). Ids,
+  ``ledger:turns:<session>`` (a sorted set, one member per turn, scored by time; the last
+  ``MAX_TURNS``, trimmed by the writer now and then). Ids,
   digests, names and numbers only. Sums are ``hincr``: several proxies add to one ledger.
 - Pure (no I/O here): the proxy's shell performs the writes this module describes.
 """
@@ -51,6 +52,7 @@ MISS_SHARE = 0.8
 CACHE_TTL = 300.0            # a prompt cache's default lifetime (refreshed by each read)
 CACHE_TTL_1H = 3600.0
 MAX_LANE = 64
+MAX_TURNS = 10_000           # turns kept per conversation (the oldest go; the sums stay whole)
 # The shortest prompt a provider caches: 1,024 tokens (OpenAI, and Anthropic's larger models);
 # some Anthropic models need 2,048 or 4,096 (``SHORT_PREFIX``): a miss after a shorter prompt
 # than that is said to be "too_short" when nothing else explains it.
@@ -241,6 +243,16 @@ def writes(session: str, agent: str, turn: Turn, prior: Prior) -> list[Write]:
     out.append(HSet(k, "lane:" + turn.lane, _turn_encoder.encode(prior).decode()))
     out.append(ZAdd(turns_key(session), _turn_encoder.encode(turn).decode(), turn.t))
     return out
+
+
+async def trim(store: Store, session: str, keep: int = MAX_TURNS) -> int:
+    """Drop a conversation's oldest turns beyond ``keep`` (its sums stay whole); how many went."""
+    k = turns_key(session)
+    n = await store.zcount(k, float("-inf"), float("inf"))
+    if n <= keep:
+        return 0
+    oldest = await store.zrange(k, float("-inf"), float("inf"), n - keep)
+    return await store.zremrange(k, float("-inf"), oldest[-1][1]) if oldest else 0
 
 
 async def load_prior(store: Store, session: str, lane: str) -> Prior | None:

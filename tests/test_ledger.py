@@ -150,3 +150,15 @@ async def test_the_store_sums_what_each_turn_reported(store):
 def test_a_bad_ledger_hash_reads_what_it_can():
     s = ledger.summary({"turns": "x", "a|m|input": "5", "a|m|bogus": "1", "weird": "1", "miss:idle": "2"})
     assert s.turns == 0 and s.by == {("a", "m"): Usage(input=5)} and s.reasons == {"idle": 2}
+
+
+async def test_a_long_conversation_keeps_its_last_turns_and_whole_sums(store):
+    prior = None
+    for i in range(12):
+        t = Turn(t=100.0 + i, api=F.ANTHROPIC_MESSAGES, server="a", model="m", id=f"msg_{i}", usage=Usage(input=10))
+        prior = prior_of(t, None, prior)
+        await store.apply([], ledger.writes("long", "pi", t, prior))
+    assert await ledger.trim(store, "long", keep=5) == 7
+    assert [t.id for t in await ledger.turns(store, "long")] == [f"msg_{i}" for i in range(7, 12)]
+    assert (await ledger.load(store, "long")).usage == Usage(input=120)
+    assert await ledger.trim(store, "long", keep=5) == 0

@@ -47,6 +47,7 @@ MAX_WATCHED = 10_000
 MAX_LANES = 2_000
 MAX_PENDING = 10_000
 FLUSH_DELAY = 0.2
+TRIM_EVERY = 500         # batches written for one conversation between looks at its number of turns
 
 
 class _Tee:
@@ -99,6 +100,7 @@ class LedgerWatch:
         self._pending: deque[_Pending] = deque()
         self._flusher: asyncio.Task | None = None
         self._failing = False
+        self._written: dict[str, int] = {}   # batches written per conversation (when to trim its turns)
         self.spans: Spans | None = None      # OpenTelemetry, when sessionpin_otel names an exporter
         self._otel = ""
 
@@ -308,6 +310,11 @@ class LedgerWatch:
                 for s in sessions:
                     await store.expire(ledger.key(s), ledger.TTL)
                     await store.expire(ledger.turns_key(s), ledger.TTL)
+                    self._written[s] = self._written.get(s, 0) + 1
+                    if self._written[s] % TRIM_EVERY == 0:     # a long conversation keeps its last turns
+                        await ledger.trim(store, s)
+                while len(self._written) > MAX_LANES:
+                    del self._written[next(iter(self._written))]
                 self.recorded += len(batch)
                 if self._failing:
                     log.info("sessionpin: ledger records are written again")

@@ -68,3 +68,15 @@ def attributes(turn: Turn, session: str, agent: str, decision: Mapping[str, Any]
         if isinstance(v, (str, int, float, bool)) and v != "":
             out[f"sessionpin.decision.{key}"] = v
     return out
+
+
+def metric_attributes(turn: Turn, request_model: str | None = None) -> dict[str, Value]:
+    """The client metrics' attributes: few and bounded (no session, no id)."""
+    out: dict[str, Value] = {"gen_ai.operation.name": "chat",
+                             "gen_ai.provider.name": PROVIDERS.get(turn.api, turn.api),
+                             "sessionpin.server": turn.server}
+    if turn.model:
+        out["gen_ai.response.model"] = turn.model
+    if request_model:
+        out["gen_ai.request.model"] = request_model
+    return out

@@ -1,7 +1,7 @@
 """A turn's span attributes, named by OpenTelemetry's GenAI conventions (input inclusive of the cache)."""
 
 from sessionpin import facts as F
-from sessionpin.genai import attributes, span_name
+from sessionpin.genai import attributes, metric_attributes, span_name
 from sessionpin.ledger import Turn
 from sessionpin.usage import Usage
 
@@ -35,3 +35,10 @@ def test_a_miss_and_an_openai_turn():
     assert a["gen_ai.provider.name"] == "openai" and span_name(turn) == "chat"
     assert a["sessionpin.cache.reason"] == "idle" and a["sessionpin.usage.reasoning.output_tokens"] == 1
     assert "gen_ai.response.model" not in a and "sessionpin.cache.limit_tokens" not in a
+
+
+def test_metric_attributes_are_few_and_bounded():
+    turn = Turn(t=1.0, api=F.OPENAI_CHAT, server="kimi", model="kimi-k2", id="c1", usage=Usage(input=5))
+    assert metric_attributes(turn, "k2") == {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai",
+                                             "sessionpin.server": "kimi", "gen_ai.response.model": "kimi-k2",
+                                             "gen_ai.request.model": "k2"}

@@ -217,9 +217,10 @@ async def test_an_opentelemetry_span_per_answered_turn_with_the_decision_on_it(p
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from sessionpin.proxy.otelspans import Spans
-    exporter = InMemorySpanExporter()
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
     watch = watch_of(proxy)
-    watch.spans = Spans.build("", processor=SimpleSpanProcessor(exporter))
+    watch.spans = Spans.build("", processor=SimpleSpanProcessor(exporter), metric_reader=reader)
     f = flow("opening")
     await proxy.send(f)
     await answer(proxy, f, sse_with_usage(read=0, write=9000))
@@ -234,6 +235,12 @@ async def test_an_opentelemetry_span_per_answered_turn_with_the_decision_on_it(p
     assert a["gen_ai.request.model"] == "claude-opus-4-1"       # as the client asked, before the server's map
     assert a["sessionpin.decision.target"] == "glm" and a["sessionpin.decision.rule"] == "pinned"
     assert a["sessionpin.cache.limit_tokens"] == 9003 and spans[1].end_time >= spans[1].start_time
+    metrics = {m.name: m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+               for m in sm.metrics}
+    usage = {p.attributes["gen_ai.token.type"]: p.sum for p in metrics["gen_ai.client.token.usage"].data.data_points}
+    assert usage == {"input": 9003 + 9203, "output": 100}
+    assert "gen_ai.conversation.id" not in metrics["gen_ai.client.token.usage"].data.data_points[0].attributes
+    assert metrics["gen_ai.client.operation.duration"].data.data_points[0].count == 2
 
 
 def test_the_otel_option_refuses_what_it_cannot_build(proxy):

@@ -80,3 +80,27 @@ def metric_attributes(turn: Turn, request_model: str | None = None) -> dict[str,
     if request_model:
         out["gen_ai.request.model"] = request_model
     return out
+
+
+def request_attributes(decision: Mapping[str, Any], status: int | None) -> dict[str, Value]:
+    """A request that gave no turn (refused, failed, answered without usage): its decision."""
+    out: dict[str, Value] = {"gen_ai.operation.name": "chat"}
+    api = decision.get("api")
+    if api in PROVIDERS:
+        out["gen_ai.provider.name"] = PROVIDERS[api]
+    if isinstance(decision.get("session"), str):
+        out["gen_ai.conversation.id"] = decision["session"]
+    if isinstance(decision.get("agent"), str):
+        out["sessionpin.agent"] = decision["agent"]
+    if isinstance(decision.get("turn"), str):
+        out["sessionpin.turn"] = decision["turn"]
+    renamed = decision.get("model")
+    if isinstance(renamed, list) and renamed and isinstance(renamed[0], str):
+        out["gen_ai.request.model"] = renamed[0]
+    if status is not None:
+        out["http.response.status_code"] = status
+    for key in ("rule", "outcome", "target", "why", "moved", "pool", "refusal"):
+        v = decision.get(key)
+        if isinstance(v, (str, int, float, bool)) and v != "":
+            out[f"sessionpin.decision.{key}"] = v
+    return out

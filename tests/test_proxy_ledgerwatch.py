@@ -252,3 +252,30 @@ def test_the_otel_option_refuses_what_it_cannot_build(proxy):
     assert watch.spans is not None
     proxy.tctx.configure(watch, sessionpin_otel="")
     assert watch.spans is None
+
+
+async def test_a_request_that_gave_no_turn_has_a_span_with_its_decision(proxy):
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from sessionpin.proxy.otelspans import Spans
+    exporter = InMemorySpanExporter()
+    watch_of(proxy).spans = Spans.build("", processor=SimpleSpanProcessor(exporter))
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, [b'{"type":"error"}'], status=529, ctype=b"application/json")
+    g = flow("continuation")
+    await proxy.send(g)
+    from mitmproxy import flow as mflow
+    g.error = mflow.Error("Client disconnected.")
+    for a in proxy.addons:
+        if hasattr(a, "error"):
+            a.error(g)
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["chat", "chat"]
+    a = dict(spans[0].attributes)
+    assert a["http.response.status_code"] == 529 and a["sessionpin.decision.target"] == "glm"
+    assert a["gen_ai.conversation.id"] == SESSION and a["gen_ai.request.model"] == "claude-opus-4-1"
+    assert spans[0].status.status_code == StatusCode.ERROR
+    assert spans[1].status.description == "Client disconnected." and "gen_ai.usage.input_tokens" not in a

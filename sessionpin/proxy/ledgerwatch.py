@@ -154,6 +154,7 @@ class LedgerWatch:
     def response(self, flow: http.HTTPFlow) -> None:
         w = self._watched.pop(flow.id, None)
         if w is None or w.reader is None:
+            self._request_span(flow, None)
             return
         try:
             resp = flow.response
@@ -167,9 +168,25 @@ class LedgerWatch:
             self._turn(flow, w, read, shape, time.time())        # the answer just ended
         except Exception:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
+        self._request_span(flow, None)          # (nothing when it gave a turn: that has its span)
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._watched.pop(flow.id, None)
+        self._request_span(flow, flow.error.msg if flow.error else "error")
+
+    def _request_span(self, flow: http.HTTPFlow, error: str | None) -> None:
+        """The span of a decided request that gave no turn (OpenTelemetry on only)."""
+        if self.spans is None:
+            return
+        meta = flow.metadata.get("sessionpin")
+        if not meta or meta.get("agent") not in F.AGENTS or "ledger" in meta or flow.websocket is not None:
+            return
+        try:
+            resp = flow.response
+            self.spans.emit_request(meta, flow.request.timestamp_start or time.time(), time.time(),
+                                    resp.status_code if resp is not None else None, error)
+        except Exception:
+            log.exception("sessionpin: ledger: cannot emit a span")
 
     def websocket_start(self, flow: http.HTTPFlow) -> None:
         try:

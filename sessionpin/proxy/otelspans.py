@@ -8,7 +8,8 @@ imports nothing. Needs the ``otel`` extra (``opentelemetry-sdk``).
 Rules it keeps:
 - One span per answered turn (``LedgerWatch`` hands each one over), from the request's start
   to the answer's end, named and attributed by ``sessionpin.genai``; the routing decision is
-  on it. And the conventions' client metrics: ``gen_ai.client.token.usage`` (input and output
+  on it. A decided request that gave no turn (refused, failed, an error answer, no usage)
+  has a span too, with its decision and how it ended. And the conventions' client metrics: ``gen_ai.client.token.usage`` (input and output
   tokens per turn, ``gen_ai.token.type``) and ``gen_ai.client.operation.duration``, with the
   operation, provider, models and server (no session: a metric's attributes stay few).
   Export runs on the SDK's threads (batch, periodic reader), never on the event loop.
@@ -85,6 +86,17 @@ class Spans:
             self.tokens.record(turn.usage.input, {**common, "gen_ai.token.type": "input"})
             self.tokens.record(turn.usage.output, {**common, "gen_ai.token.type": "output"})
             self.duration.record(max(0.0, ended - started), common)
+        self.emitted += 1
+
+    def emit_request(self, decision: Mapping[str, Any], started: float, ended: float, status: int | None,
+                     error: str | None) -> None:
+        """A decided request that gave no turn: its span, with the decision and how it ended."""
+        span = self.tracer.start_span("chat", start_time=int(started * 1e9),
+                                      attributes=genai.request_attributes(decision, status))
+        if error is not None or (status is not None and status >= 400):
+            from opentelemetry.trace import Status, StatusCode
+            span.set_status(Status(StatusCode.ERROR, error or f"HTTP {status}"))
+        span.end(end_time=int(max(ended, started) * 1e9))
         self.emitted += 1
 
     def shutdown(self) -> None:

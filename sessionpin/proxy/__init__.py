@@ -15,6 +15,7 @@ mitmproxy runs their hooks:
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
 | ``LineageWatch`` | lineagewatch.py | records, from responses, what a fork of a conversation will name it by |
 | ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
+| ``SocketBounds`` | wsbounds.py | a WebSocket message (inflated) over the limit closes its socket; few messages kept |
 | ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
 
@@ -35,6 +36,7 @@ from .defaults import Defaults
 from .limits import BodyLimit
 from .lineagewatch import LineageWatch
 from .websocket import WebSocketModels
+from .wsbounds import SocketBounds
 from .router import Metrics, Router
 from .status import StatusEndpoints
 from .storeruntime import StoreRuntime
@@ -69,7 +71,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
     return [Defaults(), config, runtime, connect, BodyLimit(metrics), PageGuard(config, metrics), status, router,
-            watch, WebSocketModels(), *lifecycle, *extra, _Options(allocations)]
+            watch, WebSocketModels(), SocketBounds(), *lifecycle, *extra, _Options(allocations)]
 
 
 class _Options:

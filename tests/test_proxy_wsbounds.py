@@ -154,3 +154,19 @@ def test_at_its_end_a_socket_keeps_no_more_than_the_allowance(proxy):
     _message(b, f, 100_000)
     b.websocket_end(f)
     assert f.websocket.messages == []
+
+
+def test_a_compressed_message_of_many_frames_is_judged_by_its_inflated_size(proxy):
+    """Only its first frame carries RSV1: its continuations' sizes on the wire are compressed
+    sizes, never compared with the limit as if they were the message's."""
+    proxy.tctx.configure(_bounds(proxy), sessionpin_ws_max_message_mb=1)
+    client, side = _pair()
+    text = "".join(f"{i:07d}" for i in range(100_000))[: MIB - 1000]      # little to compress
+    out = client.send(Message(data=text[:400_000], message_finished=False))
+    out += client.send(Message(data=text[400_000:], message_finished=True))
+    got, events = _receive(side, out)
+    assert got == len(text) and not any(isinstance(e, CloseConnection) for e in events)
+    client, side = _pair()
+    out = b"".join(client.send(Message(data=text[:400_000], message_finished=False)) for _ in range(3))
+    got, events = _receive(side, out)
+    assert got <= MIB and [e.code for e in events if isinstance(e, CloseConnection)] == [1009]

@@ -69,6 +69,7 @@ class _MessageLimit(wsproto.extensions.Extension):
         self.side, self.conn = side, conn
         self.size = 0
         self.limit = LIMIT.max_message
+        self.compressed = False         # the current message's first frame had RSV1 (deflated)
 
     def enabled(self) -> bool:
         return True
@@ -78,8 +79,9 @@ class _MessageLimit(wsproto.extensions.Extension):
 
     def frame_inbound_header(self, proto, opcode: Opcode, rsv: RsvBits, payload_length: int) -> CloseReason | RsvBits:
         if opcode in (Opcode.TEXT, Opcode.BINARY):
-            self.size, self.limit = 0, LIMIT.max_message
-        if not opcode.iscontrol() and not rsv.rsv1 and self.size + payload_length > self.limit:
+            # (only a message's first frame carries RSV1: its continuations are compressed alike)
+            self.size, self.limit, self.compressed = 0, LIMIT.max_message, rsv.rsv1
+        if not opcode.iscontrol() and not self.compressed and self.size + payload_length > self.limit:
             return _too_big(self.side, self.conn, self.limit)     # said at its header: not waited for
         return RsvBits(False, False, False)
 

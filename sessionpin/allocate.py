@@ -19,10 +19,14 @@ Rules it keeps:
 - round-robin / weighted: the first eligible member on the walk from the cursor.
 - least-active: the eligible member with the fewest active (pinned, live) conversations;
   ties take turns by the walk.
-- quota: the eligible member with the most headroom (the smallest remaining/limit share
-  it last reported; unknown counts as full); members within ``HEADROOM_TIE`` of the best
-  are equal and take turns by the walk, so a burst of openings between two responses is
-  not all sent to one member.
+- quota: each eligible member's share of new conversations is its headroom (the smallest
+  remaining/limit share it last reported, at most 1; unknown counts as full; at least
+  ``HEADROOM_FLOOR``, so a member whose last word was "empty" is asked again) over the
+  eligible members' total. The cursor's position picks the member on the golden-ratio
+  sequence laid over those shares (a low-discrepancy walk: any run of consecutive
+  allocations, across proxies, is within a few conversations of the shares). No claim
+  buys a member more than a full member's share: a member reporting ``remaining
+  1000000`` of a limit of 1 counts as full, like one that says nothing (issue 20).
 - No eligible member: when some member is only exhausted, ``Exhausted(until)`` with the
   earliest reset (the caller may wait for it, ``wait``); otherwise ``NoMember``.
 """
@@ -38,7 +42,8 @@ import msgspec
 from .config import Config, Pool, Server
 from .pins import Pin
 
-HEADROOM_TIE = 0.05       # quota: members this close to the best headroom take turns
+HEADROOM_FLOOR = 0.05     # quota: the least share a member's reported headroom counts for
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0     # quota: the step of the low-discrepancy walk
 WAIT_STEP = 1.0           # seconds: a waiting allocation looks again at least this often
 
 ROUND_ROBIN, WEIGHTED, LEAST_ACTIVE, QUOTA = "round-robin", "weighted", "least-active", "quota"
@@ -133,8 +138,7 @@ def choose(pool: Pool, cursor: Cursor, health: Mapping[str, Health], now: float,
         low = min(health.get(m, Health()).active for m in ok)
         ok = {m for m in ok if health.get(m, Health()).active == low}
     elif pool.policy == QUOTA:
-        best = max(_headroom(health.get(m, Health())) for m in ok)
-        ok = {m for m in ok if _headroom(health.get(m, Health())) >= best - HEADROOM_TIE}
+        return _by_headroom(pool, cursor, [m for m in pool.members if m in ok], health)
     for step in range(size):
         member = order[(cursor.n + step) % size]
         if member in ok:
@@ -143,7 +147,24 @@ def choose(pool: Pool, cursor: Cursor, health: Mapping[str, Health], now: float,
 
 
 def _headroom(h: Health) -> float:
-    return 1.0 if h.headroom is None else h.headroom
+    """A member's weight under quota: its headroom in ``HEADROOM_FLOOR``..1 (unknown: 1)."""
+    if h.headroom is None or h.headroom != h.headroom:
+        return 1.0
+    return max(HEADROOM_FLOOR, min(1.0, h.headroom))
+
+
+def _by_headroom(pool: Pool, cursor: Cursor, members: list[str], health: Mapping[str, Health]) -> Choice:
+    """The member whose share of ``[0, total)`` holds the cursor's point on the golden-ratio
+    sequence: each gets its headroom's share of consecutive allocations (see the module)."""
+    weights = [_headroom(health.get(m, Health())) for m in members]
+    point = ((cursor.n + 1) * GOLDEN) % 1.0 * sum(weights)
+    chosen = members[-1]
+    for member, w in zip(members, weights):
+        if point < w:
+            chosen = member
+            break
+        point -= w
+    return Choice(chosen, Cursor(cursor.n + 1, pool.revision), f"pool {pool.name}: {pool.policy} → {chosen}")
 
 
 def _none_why(pool: Pool, health: Mapping[str, Health], exclude: frozenset[str]) -> str:

@@ -332,12 +332,29 @@ def remove_server(text: str, name: str) -> str:
 # --- writing ------------------------------------------------------------------------
 
 
+def _make_dirs(d: Path) -> None:
+    """``d`` and its missing parents, each made 0700 (``mkdir``'s mode only loses the umask's bits)."""
+    missing = []
+    while not d.exists() and d.parent != d:
+        missing.append(d)
+        d = d.parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(p, 0o700)
+
+
 def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename; keep its mode (0600 for a new file)."""
+    """Replace ``path`` with ``text`` in one rename; keep its mode without write for group and
+    others (0600 for a new file). Directories made for it are 0700 whatever the umask: a
+    config directory others can write lets them replace the file (a server's URL, with its
+    key, pointed elsewhere; the proxy reloads it)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(path.parent)
     try:
-        mode = path.stat().st_mode & 0o7777
+        mode = path.stat().st_mode & 0o7777 & ~0o022
     except FileNotFoundError:
         mode = 0o600
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -24,6 +24,11 @@ Rules this module keeps:
   does not look like a key; the others are dropped, every kept byte as sent.
 - Organisation and account headers are dropped: they name the agent's account at the
   server it addressed, and mean nothing (or the wrong thing) anywhere else.
+- A web page is told apart by what only a browser's fetch adds (``from_web_page``): an
+  ``Origin`` header, or ``Sec-Fetch-Site`` other than ``none`` (``none`` is a navigation
+  the user typed). ``Sec-Fetch-Mode`` alone is not a page: pi's SDK sends
+  ``sec-fetch-mode: cors`` (and ``anthropic-dangerous-direct-browser-access``) with no
+  ``Origin`` and no ``Sec-Fetch-Site``.
 """
 
 from __future__ import annotations
@@ -99,6 +104,42 @@ def dropped_for_move(headers: Iterable[tuple[str, str]], keep: Iterable[str] = (
         if not allowed(name) or not _clean_value(value):
             drop[n] = None
     return tuple(drop)
+
+
+def from_web_page(headers: Iterable[tuple[str, str]], allowed_origins: Iterable[str] = ()) -> str | None:
+    """Why these headers are a web page's request (None: they are not, or the page's origin
+    is one the operator allowed). A page's script can reach a listener on loopback (a
+    no-cors ``text/plain`` POST needs no preflight), and a proxy that routes it adds a
+    server's key: its origin must be allowed by name."""
+    origin = site = None
+    for name, value in headers:
+        n = name.strip().lower()
+        if n == "origin" and origin is None:
+            origin = value.strip()
+        elif n == "sec-fetch-site" and site is None:
+            site = value.strip().lower()
+    if origin is not None:
+        if normal_origin(origin) in {normal_origin(o) for o in allowed_origins}:
+            return None
+        return f"Origin: {_shown(origin)}"
+    if site is not None and site != "none":
+        return f"Sec-Fetch-Site: {_shown(site)}"
+    return None
+
+
+def normal_origin(origin: str) -> str:
+    """An origin as browsers send it: lower case, no trailing slash, no default port."""
+    o = origin.strip().lower().rstrip("/")
+    for scheme, port in (("https://", ":443"), ("http://", ":80")):
+        if o.startswith(scheme) and o.endswith(port):
+            o = o[: -len(port)]
+    return o
+
+
+def _shown(value: str) -> str:
+    """A header value fit for a log line: printable, short."""
+    v = "".join(c if c.isprintable() else "?" for c in value)
+    return v if len(v) <= 80 else v[:77] + "..."
 
 
 def query_for_move(path: str) -> str:

@@ -27,7 +27,9 @@ Rules it keeps:
 - "Active conversations" per member are the pin index's live members (one ``zcount``
   per agent that has pinned there), never a walk.
 - Quota state and drains are shared by every proxy through the store; quota writes are
-  ordinary (an observation lost costs one stale reading), drains durable.
+  ordinary (an observation lost costs one stale reading), drains durable. A member's
+  exhaustion is read clamped to ``max_reset`` after it was observed, whoever wrote it;
+  ``reset`` forgets a member's state (the operator's ``sessionpin pools reset``).
 - Records hold ids, names, times and rules — never content.
 """
 
@@ -60,7 +62,7 @@ MISSED_RETRY = 5              # seconds: a soft pool whose every member was miss
 
 class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     t: float
-    kind: str                   # allocation | move | config | drain | undrain
+    kind: str                   # allocation | move | config | drain | undrain | reset
     pool: str = ""
     member: str = ""
     session: str = ""
@@ -146,17 +148,36 @@ async def drained(store: Store, members: tuple[str, ...] | list[str]) -> dict[st
     return {m: t for m, raw in zip(members, raws) if (t := _since(raw)) is not None}
 
 
-async def quotas(store: Store, members: tuple[str, ...] | list[str]) -> dict[str, quota.Quota]:
+async def quotas(store: Store, members: tuple[str, ...] | list[str], now: float | None = None,
+                 max_reset: float = quota.MAX_RESET) -> dict[str, quota.Quota]:
+    """Members' quota states; with ``now``, each exhaustion clamped to ``max_reset`` after
+    it was observed (``quota.clamped``); without, as stored (the operator's view)."""
     raws = await store.mget([quota_key(m) for m in members])
-    return {m: q for m, raw in zip(members, raws) if (q := quota.decode(raw)) is not None}
+    got = ((m, quota.decode(raw)) for m, raw in zip(members, raws))
+    return {m: q if now is None else quota.clamped(q, now, max_reset) for m, q in got if q is not None}
 
 
-async def state(store: Store, pool: Pool, now: float) -> tuple[str | None, dict[str, A.Health]]:
+async def read_quota(store: Store, member: str, now: float, max_reset: float = quota.MAX_RESET) -> quota.Quota | None:
+    """One member's quota state, its exhaustion clamped (``quota.clamped``)."""
+    return quota.clamped(quota.decode(await store.get(quota_key(member))), now, max_reset)
+
+
+async def reset(store: Store, member: str, now: float) -> bool:
+    """Forget ``member``'s quota state (durable; every proxy reads it from the store at its
+    next allocation or pinned turn); False when there was none. Recorded."""
+    if not await store.delete(quota_key(member), durable=True):
+        return False
+    await store.set(*_record_args(Record(t=now, kind="reset", member=member), f"reset-{member}"))
+    return True
+
+
+async def state(store: Store, pool: Pool, now: float,
+                max_reset: float = quota.MAX_RESET) -> tuple[str | None, dict[str, A.Health]]:
     """The cursor's text and each member's health: one ``mget`` (plus the index's counts
-    for least-active)."""
+    for least-active). Exhaustions are clamped to ``max_reset`` (``quota.clamped``)."""
     ms = pool.members
     raws = await store.mget([cursor_key(pool.name), *(quota_key(m) for m in ms), *(drained_key(m) for m in ms)])
-    q = [quota.decode(r) for r in raws[1:1 + len(ms)]]
+    q = [quota.clamped(quota.decode(r), now, max_reset) for r in raws[1:1 + len(ms)]]
     gone = raws[1 + len(ms):]
     active = await active_counts(store, ms, now) if pool.policy == A.LEAST_ACTIVE else {}
     return raws[0], {m: A.Health(active=active.get(m, 0), headroom=q[i].headroom if q[i] else None,
@@ -168,7 +189,7 @@ async def state(store: Store, pool: Pool, now: float) -> tuple[str | None, dict[
 
 async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: pins.Pin, seen: pins.Loaded, *,
                    exclude: frozenset[str] = frozenset(), commit: bool = True, deadline: float | None = None,
-                   move_reason: str = "", clock: Callable[[], float] = time.time,
+                   move_reason: str = "", max_reset: float = quota.MAX_RESET, clock: Callable[[], float] = time.time,
                    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> Allocated | Lost | Refused:
     """Choose a member for ``session`` and pin it there (``commit``), in one ``apply``.
 
@@ -179,7 +200,7 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
     conflicts = 0
     while True:
         now = clock()
-        raw, health = await state(store, pool, now)
+        raw, health = await state(store, pool, now, max_reset)
         cursor = A.decode_cursor(raw)
         got = A.choose(pool, cursor, health, now, exclude)
         if isinstance(got, A.Exhausted):

@@ -16,11 +16,20 @@ Rules it keeps:
 - A success with a dimension at 0 remaining: exhausted until that dimension's reset.
   Any other success clears exhaustion (the member answered).
 - Any other status teaches nothing (``None``) unless it carries rate-limit headers.
+- A member's claims are clamped, never trusted past what a real provider says (issue 20):
+  a reset or ``retry-after`` further than ``max_reset`` (default ``MAX_RESET``, 1 h: the
+  longest window the providers document) is taken as ``max_reset`` (the ``why`` keeps
+  the claim); a remaining above its limit is the limit (headroom at most 1: "full", what a
+  member that says nothing counts as); numbers that are not finite are no numbers.
+  ``clamped`` applies the same bound to a state read back from the store (written by an
+  older proxy, or one with another bound), and ``decode`` refuses what no ``observe``
+  writes (non-finite times, a headroom outside 0..1), so no reader can overflow on it.
 """
 
 from __future__ import annotations
 
 import email.utils
+import math
 import re
 from datetime import datetime
 from typing import Iterable
@@ -29,6 +38,7 @@ import msgspec
 
 DEFAULT_429 = 60.0
 DEFAULT_529 = 15.0
+MAX_RESET = 3600.0        # seconds: the furthest reset a claim is believed (the providers' longest window)
 STALE = 600.0             # an observation is kept this long past its exhaustion (the store's TTL)
 
 _ANTHROPIC = re.compile(r"^anthropic-ratelimit-(requests|tokens|input-tokens|output-tokens)-(limit|remaining|reset)$")
@@ -56,16 +66,33 @@ def decode(raw: str | None) -> Quota | None:
     if not raw:
         return None
     try:
-        return _dec.decode(raw)
+        q = _dec.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    if not (math.isfinite(q.observed) and math.isfinite(q.exhausted_until)):
+        return None
+    if q.headroom is not None and not 0.0 <= q.headroom <= 1.0:
+        return msgspec.structs.replace(q, headroom=None if q.headroom != q.headroom else min(1.0, max(0.0, q.headroom)))
+    return q
+
+
+def clamped(q: Quota | None, now: float, max_reset: float = MAX_RESET) -> Quota | None:
+    """``q`` with its exhaustion ending at most ``max_reset`` after it was observed (and
+    after ``now``, for an observation stamped in the future)."""
+    if q is None:
+        return None
+    bound = min(q.observed, now) + max_reset
+    if q.exhausted_until <= bound:
+        return q
+    return msgspec.structs.replace(q, exhausted_until=bound, why=f"{q.why} (taken as {max_reset:g}s)")
 
 
 def ttl(q: Quota, now: float) -> float:
     return max(q.exhausted_until - now, 0.0) + STALE
 
 
-def observe(status: int, headers: Iterable[tuple[str, str]], now: float) -> Quota | None:
+def observe(status: int, headers: Iterable[tuple[str, str]], now: float,
+            max_reset: float = MAX_RESET) -> Quota | None:
     dims: dict[str, dict[str, str]] = {}
     retry: float | None = None
     for name, value in headers:
@@ -75,7 +102,8 @@ def observe(status: int, headers: Iterable[tuple[str, str]], now: float) -> Quot
         elif m := _OPENAI.match(n):
             dims.setdefault(m.group(2), {})[m.group(1)] = value.strip()
         elif n == "retry-after-ms":
-            retry = _number(value, 1000.0) if retry is None else retry
+            ms = _number(value, 1000.0)
+            retry = max(0.0, ms) if retry is None and ms is not None else retry
         elif n == "retry-after":
             retry = _retry_after(value, now)
     shares: list[float] = []
@@ -87,8 +115,8 @@ def observe(status: int, headers: Iterable[tuple[str, str]], now: float) -> Quot
         reset = _reset(d.get("reset"), now)
         if reset is not None:
             resets.append(reset)
-        if limit and remaining is not None and limit > 0:
-            shares.append(max(0.0, min(1.0, remaining / limit)))
+        if limit and remaining is not None and limit > 0 and (share := remaining / limit) == share:
+            shares.append(max(0.0, min(1.0, share)))     # more left than its limit: full, no more
         if remaining is not None and remaining <= 0:
             empty.append(dim)
             if reset is not None:
@@ -103,19 +131,28 @@ def observe(status: int, headers: Iterable[tuple[str, str]], now: float) -> Quot
             until, why = min(resets), "429"
         else:
             until, why = now + DEFAULT_429, "429, no reset given"
-        return Quota(observed=now, status=status, headroom=0.0 if headroom is None else headroom,
-                     exhausted_until=max(until, now), why=why)
+        return _bounded(Quota(observed=now, status=status, headroom=0.0 if headroom is None else headroom,
+                              exhausted_until=max(until, now), why=why), max_reset)
     if status == 529:
         until = now + (retry if retry is not None else DEFAULT_529)
-        return Quota(observed=now, status=status, headroom=headroom, exhausted_until=until, why="529 overloaded")
+        return _bounded(Quota(observed=now, status=status, headroom=headroom, exhausted_until=until,
+                              why="529 overloaded"), max_reset)
     if 200 <= status < 300:
         if empty_resets and max(empty_resets) > now:
-            return Quota(observed=now, status=status, headroom=headroom, exhausted_until=max(empty_resets),
-                         why=f"{', '.join(empty)} 0 left")
+            return _bounded(Quota(observed=now, status=status, headroom=headroom, exhausted_until=max(empty_resets),
+                                  why=f"{', '.join(empty)} 0 left"), max_reset)
         return Quota(observed=now, status=status, headroom=headroom)
     if dims:
         return Quota(observed=now, status=status, headroom=headroom)
     return None
+
+
+def _bounded(q: Quota, max_reset: float) -> Quota:
+    """An observation's exhaustion ends at most ``max_reset`` after it (the claim kept in ``why``)."""
+    if q.exhausted_until - q.observed <= max_reset:
+        return q
+    return msgspec.structs.replace(q, exhausted_until=q.observed + max_reset,
+                                   why=f"{q.why} (taken as {max_reset:g}s)")
 
 
 def _number(text: str | None, scale: float = 1.0) -> float | None:
@@ -125,7 +162,9 @@ def _number(text: str | None, scale: float = 1.0) -> float | None:
         v = float(text.strip())
     except ValueError:
         return None
-    return v / scale if v == v and v not in (float("inf"), float("-inf")) else None
+    # "nan" is no number; an overflow ("1e400", a thousand digits) is infinitely far: every
+    # time made of it is clamped to the reset bound, and a share of it to 0..1
+    return None if v != v else v / scale
 
 
 def _retry_after(text: str, now: float) -> float | None:
@@ -133,10 +172,9 @@ def _retry_after(text: str, now: float) -> float | None:
     if v is not None:
         return max(0.0, v)
     try:
-        when = email.utils.parsedate_to_datetime(text.strip())
-    except (TypeError, ValueError):
+        return max(0.0, email.utils.parsedate_to_datetime(text.strip()).timestamp() - now)
+    except (TypeError, ValueError, IndexError, OverflowError, OSError):
         return None
-    return max(0.0, when.timestamp() - now)
 
 
 def _reset(text: str | None, now: float) -> float | None:
@@ -149,7 +187,7 @@ def _reset(text: str | None, now: float) -> float | None:
     if "T" in text or text[:4].isdigit() and "-" in text:
         try:
             return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-        except ValueError:
+        except (ValueError, OverflowError, OSError):
             return None
     parts = _DURATION.findall(text)
     if not parts or "".join(a + b for a, b in parts) != text.strip():

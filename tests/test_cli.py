@@ -515,6 +515,32 @@ def test_run_command_line(env, capsys):
     assert any(a.startswith("web_columns=") and a.endswith(",comment") for a in cmd)
 
 
+PRIVATE_UMASK = r"""
+import os, stat, sys
+from pathlib import Path
+os.umask(0)
+from sessionpin.cli import launch
+launch.private_umask()                  # what `sessionpin run` does before it execs mitmdump
+from mitmproxy.certs import CertStore
+confdir = Path(sys.argv[1]) / ".mitmproxy"
+CertStore.from_store(confdir, "mitmproxy", 2048)     # mitmproxy makes its confdir and CA, as at its first start
+print(oct(stat.S_IMODE(os.umask(0))), oct(stat.S_IMODE(confdir.stat().st_mode)))
+for f in sorted(confdir.iterdir()):
+    print(f.name, oct(stat.S_IMODE(f.stat().st_mode)))
+"""
+
+
+def test_run_makes_what_mitmdump_creates_private_whatever_the_umask(tmp_path):
+    """Issue 20: under umask 000 mitmproxy's confdir was 0777 and its CA files 0666."""
+    out = subprocess.run([sys.executable, "-c", PRIVATE_UMASK, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[0] == "0o77 0o700"
+    files = dict(line.split() for line in lines[1:] if line)
+    assert "mitmproxy-ca.pem" in files and set(files.values()) == {"0o600"}, files
+
+
 def test_run_refuses_a_broken_config(env, capsys):
     env.cfg.write_text("[agents.nobody]\n")
     code, _, e = run(capsys, "run", "--dry-run")

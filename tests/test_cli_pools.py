@@ -142,3 +142,35 @@ def test_drain_needs_a_pool_member_and_remove_refuses_a_member(env, capsys):
     code, o, e = run(capsys, "servers", "remove", "glm-a", "--force")
     assert code == 1 and "member of pool glm" in e
     assert env.cfg.read_text() == CONFIG
+
+
+def test_pools_shows_a_far_claim_without_dying_and_reset_forgets_it(env, capsys):
+    """Issue 20: a 429 with ``retry-after: 1e300`` stored by a proxy without the bound made
+    ``sessionpin pools`` die (OverflowError); ``pools reset MEMBER`` clears it for every proxy."""
+    t = time.time()
+    far = quota.Quota(observed=t, status=429, headroom=0.0, exhausted_until=1e300, why="429, retry-after 1e+300s")
+    in_store(env.url, lambda s: s.set(members.quota_key("glm-b"), quota.encode(far), 600))
+    for argv in (("pools",), ("pools", "--json"), ("pools", "glm")):
+        code, o, e = run(capsys, *argv)
+        assert code == 0, e
+    code, o, e = run(capsys, "pools")
+    assert "beyond 9999 (429, retry-after 1e+300s)" in o
+    code, o, e = run(capsys, "pools", "reset", "glm-b")
+    assert code == 0, e
+    assert o.startswith("Forgot glm-b's quota state (it was out of quota until beyond 9999: 429, retry-after 1e+300s)")
+    assert in_store(env.url, lambda s: s.get(members.quota_key("glm-b"))) is None
+    code, o, e = run(capsys, "pools", "--json")
+    assert {r["member"]: r["exhausted_until"] for r in json.loads(o)[0]["members"]} == {"glm-a": None, "glm-b": None}
+    code, o, e = run(capsys, "pools", "reset", "glm-b")
+    assert code == 0 and "glm-b has no quota state; nothing written." in o
+    code, o, e = run(capsys, "pools", "--history", "--json")
+    assert ("reset", "glm-b") in [(r["kind"], r.get("member")) for r in json.loads(o)]
+
+
+def test_pools_reset_needs_a_pool_member(env, capsys):
+    code, o, e = run(capsys, "pools", "reset", "anthropic")
+    assert code == 1 and "in no pool" in e
+    code, o, e = run(capsys, "pools", "reset", "nope")
+    assert code == 1 and "no server named 'nope'" in e
+    code, o, e = run(capsys, "pools", "glm", "glm-a")
+    assert code == 1 and "sessionpin pools reset MEMBER" in e

@@ -210,6 +210,23 @@ def test_write_atomic_keeps_mode_and_new_file_is_private(tmp_path):
     assert [x.name for x in p.parent.iterdir()] == ["config.toml"]   # no temp file left
 
 
+def test_under_umask_000_the_config_s_directories_are_0700_and_no_one_else_may_write_it(tmp_path):
+    """Issue 20: under umask 000 the config directory was 0777: anyone could replace
+    config.toml and point a server's URL (with its key) elsewhere."""
+    p = tmp_path / "home" / ".config" / "sessionpin" / "config.toml"
+    old = os.umask(0)
+    try:
+        configedit.write_atomic(p, "a = 1\n")
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "home", tmp_path / "home" / ".config", p.parent):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    os.chmod(p, 0o666)                   # a file others may write keeps no write for them
+    configedit.write_atomic(p, "a = 2\n")
+    assert stat.S_IMODE(p.stat().st_mode) == 0o644
+
+
 # --- property: any config written in the usual forms ------------------------------------
 
 from hypothesis import given, settings, strategies as st  # noqa: E402

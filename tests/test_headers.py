@@ -242,3 +242,45 @@ def test_shown_never_shows_more_than_four_characters():
 def test_scrub_takes_the_whole_word():
     assert redact.scrub(f"server glm: {HEX_KEY} is not set, {KEY}.") == "server glm: [redacted] is not set, [redacted]"
     assert redact.scrub("server glm: ZAI_API_KEY is not set") == "server glm: ZAI_API_KEY is not set"
+
+
+# --------------------------------------------------------------------------- web pages
+
+
+@pytest.mark.parametrize("where,method,url,hs", recorded_inference_requests(), ids=lambda x: x if isinstance(x, str) else None)
+def test_no_recorded_agent_request_is_a_web_page(where, method, url, hs):
+    # pi's SDK sends sec-fetch-mode: cors and anthropic-dangerous-direct-browser-access:
+    # it must keep working (issue 20)
+    assert headers.from_web_page(hs) is None, where
+
+
+def test_pi_fetch_metadata_is_not_a_web_page():
+    assert headers.from_web_page([("sec-fetch-mode", "cors"), ("anthropic-dangerous-direct-browser-access", "true"),
+                                  ("Sec-Fetch-Site", "none")]) is None
+
+
+@pytest.mark.parametrize("hs,why", [
+    ([("Sec-Fetch-Site", "cross-site"), ("Sec-Fetch-Mode", "no-cors")], "Sec-Fetch-Site: cross-site"),
+    ([("sec-fetch-site", "same-site")], "Sec-Fetch-Site: same-site"),
+    ([("sec-fetch-site", "same-origin")], "Sec-Fetch-Site: same-origin"),
+    ([("Origin", "https://evil.example")], "Origin: https://evil.example"),
+    ([("origin", "null")], "Origin: null"),
+    ([("origin", "https://evil.example"), ("sec-fetch-site", "none")], "Origin: https://evil.example"),
+])
+def test_browser_fetch_metadata_is_a_web_page(hs, why):
+    assert headers.from_web_page(hs) == why
+
+
+def test_an_allowed_origin_passes_and_only_it():
+    allowed = ["https://App.example:443/", "http://127.0.0.1:3000"]
+    assert headers.from_web_page([("Origin", "https://app.example"), ("sec-fetch-site", "cross-site")], allowed) is None
+    assert headers.from_web_page([("Origin", "http://127.0.0.1:3000")], allowed) is None
+    assert headers.from_web_page([("Origin", "http://app.example")], allowed) == "Origin: http://app.example"
+    assert headers.from_web_page([("Origin", "https://app.example.evil")], allowed) is not None
+    # a page's request without an Origin cannot be told to come from an allowed page
+    assert headers.from_web_page([("sec-fetch-site", "cross-site")], allowed) == "Sec-Fetch-Site: cross-site"
+
+
+def test_a_web_page_header_value_is_shown_short_and_printable():
+    why = headers.from_web_page([("Origin", "https://x.example/\x1b[2J" + "a" * 300)])
+    assert why.isprintable() and len(why) < 100

@@ -241,3 +241,37 @@ async def test_three_proxies_on_one_file_allocate_exactly_round_robin(tmp_path):
     finally:
         for s in proxies:
             await s.close()
+
+
+async def _stored(store, member, q):
+    """A quota state as an older proxy (without the bound) would have written it."""
+    await store.set(members.quota_key(member), quota.encode(q), 3600)
+
+
+async def test_a_far_exhaustion_in_the_store_is_read_clamped(store, clock):
+    """A state written unbounded (issue 20: ``retry-after: 99999999``) keeps a member out of
+    new allocations and defers its pinned turns for at most the bound."""
+    far = quota.Quota(observed=clock(), status=429, headroom=0.0, exhausted_until=clock() + 99999999.0,
+                      why="429, retry-after 1e+08s")
+    await _stored(store, "glm-a", far)
+    _, health = await members.state(store, POOL, clock())
+    assert health["glm-a"].exhausted_until == clock() + quota.MAX_RESET
+    got = await members.read_quota(store, "glm-a", clock(), max_reset=60.0)
+    assert got.exhausted_until == clock() + 60.0 and "taken as 60s" in got.why
+    assert (await members.quotas(store, ["glm-a"]))["glm-a"] == far            # the operator sees what is stored
+    assert (await members.quotas(store, ["glm-a"], clock()))["glm-a"].exhausted_until == clock() + quota.MAX_RESET
+    # past the bound it takes new conversations again
+    clock.t += quota.MAX_RESET + 1
+    got = [(await alloc(store, f"s{i}", clock)).member for i in range(3)]
+    assert sorted(got) == ["glm-a", "glm-b", "glm-c"]
+
+
+async def test_reset_forgets_a_member_s_state_and_records_it(store, clock):
+    await exhaust(store, clock, "glm-a", 600)
+    assert await members.reset(store, "glm-a", clock())
+    assert await store.get(members.quota_key("glm-a")) is None
+    assert await members.read_quota(store, "glm-a", clock()) is None
+    assert not await members.reset(store, "glm-a", clock())         # nothing left: nothing written
+    assert [(r.kind, r.member) for r in await members.history(store)] == [("reset", "glm-a")]
+    got = [(await alloc(store, f"s{i}", clock)).member for i in range(3)]
+    assert sorted(got) == ["glm-a", "glm-b", "glm-c"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -141,3 +142,30 @@ async def test_behind_an_upstream_proxy_nothing_is_tried_directly(proxy, cfg_pat
     g = flow(session="abcd1234-0000-4000-8000-000000000002")           # a regular client: checked as before
     await proxy.send(g)
     assert g.response.status_code == 502 and "cannot be reached" in g.response.text
+
+
+async def test_a_client_connection_s_checks_go_when_it_closes(proxy):
+    """Issue 20: no per-request (or per-connection) state outlives what it was for. A check
+    kept for a connection mitmproxy never made, and an early one no request took, are
+    dropped (and stopped) when the client connection closes."""
+    r = proxy.connect
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    addr = ("127.0.0.1", listening.getsockname()[1])
+    r.moved_to(addr, "glm")
+    try:
+        clients = [tflow.tclient_conn() for _ in range(50)]
+        for c in clients:
+            assert await r.reachable(c.id, addr) is None     # kept for the connection that follows
+        early = tflow.tclient_conn()
+        r._start(early.id)                                    # started, never taken
+        assert len(r._checks) == 51
+        task = r._checks[(early.id, addr)][1]
+        for c in clients + [early]:
+            r.client_disconnected(c)
+        assert r._checks == {}
+        await asyncio.sleep(0)
+        assert task.done()
+    finally:
+        listening.close()

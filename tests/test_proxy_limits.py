@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Optional
 
 import pytest
-from mitmproxy import exceptions
+from mitmproxy import exceptions, http
+from mitmproxy.test import tflow, tutils
 
-from sessionpin.proxy.limits import BodyLimit
+from sessionpin.proxy.limits import TOKEN_HEADER, BodyLimit
 from shellkit import start
 
 
@@ -40,3 +42,80 @@ def test_another_stream_large_bodies_is_refused(proxy):
     with pytest.raises(exceptions.OptionsError, match="stream_large_bodies"):
         proxy.tctx.configure(b, stream_large_bodies="1m")
     assert proxy.tctx.options.stream_large_bodies == "64m"
+
+
+# --------------------------------------------------------------------------- nothing outlives its flow (issue 20)
+
+def _over(length=b"999999999", path=b"/v1/messages"):
+    req = tutils.treq(method=b"POST", scheme=b"https", host="api.anthropic.com", port=443, path=path,
+                      headers=http.Headers([(b"host", b"api.anthropic.com"), (b"content-type", b"application/json"),
+                                            (b"x-api-key", b"agent-key"), *([(b"content-length", length)]
+                                                                            if length else [])]),
+                      content=b"")
+    return tflow.tflow(req=req)
+
+
+def _running(proxy) -> BodyLimit:
+    b = _limit(proxy)
+    proxy.tctx.options.add_option("stream_large_bodies", Optional[str], None, "proxyserver's")
+    proxy.tctx.configure(b, sessionpin_max_body_mb=1)
+    b._port = 9          # as if its sink listened
+    return b
+
+
+@pytest.mark.parametrize("end", ["error", "response"])
+def test_a_prepared_413_goes_when_its_flow_ends(proxy, end):
+    """5,000 requests with an over-limit Content-Length whose client went away kept 5,000
+    prepared 413s: each goes when its flow ends, however it ends."""
+    b = _running(proxy)
+    flows = [_over() for _ in range(200)]
+    for f in flows:
+        b.requestheaders(f)
+    assert len(b._answers) == 200 and all(f.request.stream for f in flows)
+    for f in flows:
+        getattr(b, end)(f)
+    assert b._answers == {}
+    assert b._tokens == {}
+
+
+@pytest.mark.parametrize("end", ["error", "response"])
+def test_a_held_request_goes_when_its_flow_ends(proxy, end):
+    b = _running(proxy)
+    flows = [_over(length=None) for _ in range(100)]
+    for f in flows:
+        b.requestheaders(f)
+    assert len(b._held) == len(b._answers) == 100
+    for f in flows:
+        getattr(b, end)(f)
+    assert b._held == {} and b._answers == {}
+    assert b._tokens == {}
+
+
+def test_a_held_request_within_the_limit_leaves_nothing_behind(proxy):
+    b = _running(proxy)
+    f = _over(length=None)
+    b.requestheaders(f)
+    b.request(f)            # its body ended within the limit: back to its destination
+    assert f.request.host == "api.anthropic.com" and b._held == {} and b._answers == {}
+    assert b._tokens == {}
+
+
+async def test_the_sink_drops_the_answer_of_a_request_that_breaks_off(proxy):
+    b = _running(proxy)
+    await b._start()
+    try:
+        f = _over()
+        b.requestheaders(f)
+        [token] = b._answers
+        reader, writer = await asyncio.open_connection("127.0.0.1", b._port)
+        writer.write(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n"
+                     + f"{TOKEN_HEADER}: {token}\r\n\r\n".encode() + b"x" * 1000)
+        await writer.drain()
+        writer.close()      # the client (mitmproxy, for a client that went away) breaks off
+        for _ in range(200):
+            if not b._answers:
+                break
+            await asyncio.sleep(0.01)
+        assert b._answers == {}
+    finally:
+        b.done()

@@ -71,3 +71,62 @@ def test_codec_and_ttl():
     assert quota.decode(quota.encode(q)) == q
     assert quota.decode("{bad") is None and quota.decode(None) is None
     assert quota.ttl(q, NOW) == pytest.approx(30 + quota.STALE)
+
+
+# --------------------------------------------------------------------------- claims are clamped (issue 20)
+
+FAR = [
+    ("retry-after: 99999999 (3.2 years)", 429, [("retry-after", "99999999")]),
+    ("retry-after: 1e300", 429, [("retry-after", "1e300")]),
+    ("retry-after: a thousand digits", 429, [("retry-after", "9" * 1000)]),
+    ("retry-after: inf", 429, [("retry-after", "inf")]),
+    ("retry-after-ms: 1e308", 429, [("retry-after-ms", "1e308")]),
+    ("retry-after: an HTTP date in 9999", 429, [("retry-after", "Fri, 31 Dec 9999 23:59:59 GMT")]),
+    ("529 with retry-after: 1e300", 529, [("retry-after", "1e300")]),
+    ("200, a dimension at 0 until 9999", 200, anthropic("tokens", 10, 0, "9999-12-31T23:59:59Z")),
+    ("200, a dimension at 0 for 1e999 seconds", 200, [("x-ratelimit-remaining-tokens", "0"),
+                                                      ("x-ratelimit-reset-tokens", "1e999")]),
+    ("429, a reset duration of a million hours", 429, [("x-ratelimit-remaining-tokens", "0"),
+                                                       ("x-ratelimit-reset-tokens", "1000000h")]),
+]
+
+
+@pytest.mark.parametrize("status, headers", [c[1:] for c in FAR], ids=[c[0] for c in FAR])
+def test_a_reset_beyond_the_bound_is_taken_as_the_bound(status, headers):
+    q = quota.observe(status, headers, NOW)
+    assert q.exhausted_until == NOW + quota.MAX_RESET
+    assert "taken as 3600s" in q.why
+    assert quota.decode(quota.encode(q)) == q and quota.ttl(q, NOW) == quota.MAX_RESET + quota.STALE
+    q = quota.observe(status, headers, NOW, max_reset=120.0)
+    assert q.exhausted_until == NOW + 120.0
+
+
+@pytest.mark.parametrize("value", ["-5", "-1e300", "-inf", "NaN", "nan", "", "1e", "0x10", "\x00"])
+def test_a_retry_after_that_is_no_time_ahead_exhausts_for_no_more_than_the_default(value):
+    q = quota.observe(429, [("retry-after", value)], NOW)
+    assert NOW <= q.exhausted_until <= NOW + quota.DEFAULT_429
+
+
+def test_a_claimed_headroom_is_never_above_its_limit():
+    for remaining, limit in (("1000000", "1"), ("inf", "1"), ("1e308", "1e-308"), ("5", "5")):
+        q = quota.observe(200, anthropic("requests", limit, remaining, ISO_30), NOW)
+        assert q.headroom == 1.0, (remaining, limit)
+    for remaining, limit in (("inf", "inf"), ("1", "nan"), ("1", "-1"), ("1", "0")):
+        assert quota.observe(200, anthropic("requests", limit, remaining, ISO_30), NOW).headroom is None
+
+
+def test_a_stored_state_is_clamped_when_read_and_never_unreadable_numbers():
+    far = quota.Quota(observed=NOW, status=429, headroom=0.0, exhausted_until=NOW + 99999999, why="429")
+    got = quota.clamped(far, NOW + 10)
+    assert got.exhausted_until == NOW + quota.MAX_RESET and "taken as" in got.why
+    assert quota.clamped(far, NOW, max_reset=60.0).exhausted_until == NOW + 60
+    # an observation stamped in the future (another clock) is bounded from now
+    ahead = quota.Quota(observed=NOW + 1e9, exhausted_until=NOW + 2e9)
+    assert quota.clamped(ahead, NOW).exhausted_until == NOW + quota.MAX_RESET
+    near = quota.Quota(observed=NOW, exhausted_until=NOW + 30)
+    assert quota.clamped(near, NOW) is near and quota.clamped(None, NOW) is None
+    # what no observe writes is not read: non-finite times, a headroom outside 0..1
+    assert quota.decode('{"observed": 1e999, "exhausted_until": 0}') is None
+    assert quota.decode('{"observed": 1.0, "exhausted_until": 1e999}') is None
+    assert quota.decode('{"observed": 1.0, "headroom": 7.5}').headroom == 1.0
+    assert quota.decode('{"observed": 1.0, "headroom": -2}').headroom == 0.0

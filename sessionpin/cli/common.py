@@ -68,7 +68,10 @@ def why(pin: pins.Pin) -> str:
 def iso(t: float | None) -> str | None:
     if not t:
         return None
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):    # a time from a store no clock can show (1e300)
+        return "beyond 9999" if t > 0 else "before 1970"
 
 
 def where(server: str | None) -> str:

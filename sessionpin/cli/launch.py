@@ -191,6 +191,15 @@ def run_command(ctx: Ctx, web: bool, extra: Sequence[str], verbose: bool = False
     return cmd + list(extra)
 
 
+def private_umask() -> int:
+    """Make what mitmdump creates private whatever the caller's umask (its confdir 0700 and the
+    CA files in it 0600, the store's directories): the umask, with every bit for group and
+    others set, is inherited across ``exec``. Returns the umask it had."""
+    old = os.umask(0o077)
+    os.umask(old | 0o077)
+    return old
+
+
 def store_env(ctx: Ctx) -> dict[str, str]:
     """The environment that hands mitmdump a store URL holding a password (else none)."""
     return {} if safe_url(ctx.store_url) == ctx.store_url else {"SESSIONPIN_STORE": ctx.store_url}
@@ -210,6 +219,7 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace, extra: Sequence[str]) -> int:
     err(f"sessionpin: {shown}")
     sys.stdout.flush()
     sys.stderr.flush()
+    private_umask()
     try:
         os.execve(cmd[0], cmd, {**os.environ, **env})
     except OSError as e:

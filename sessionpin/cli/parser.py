@@ -101,8 +101,11 @@ def parser() -> Parser:
     r.add_argument("--force", action="store_true",
                    help="remove it even if pinned conversations go to it or came from it")
 
-    c = cmd("pools", "server pools: members, cursor, active conversations, exhaustion, drains (--history: records)")
-    c.add_argument("pool", metavar="POOL", nargs="?", help="only this pool")
+    c = cmd("pools", "server pools: members, cursor, active conversations, exhaustion, drains (--history: records); "
+                     "`pools reset MEMBER` forgets a member's quota state")
+    c.add_argument("pool", metavar="POOL", nargs="?", help="only this pool (or `reset`, followed by a MEMBER)")
+    c.add_argument("member", metavar="MEMBER", nargs="?",
+                   help="with `reset`: the member whose quota state (exhaustion, headroom) every proxy forgets")
     c.add_argument("--history", action="store_true", help="the recorded allocations, moves, drains and "
                                                           "definition changes, oldest first")
     c.add_argument("--limit", type=int, default=50, metavar="N", help="with --history: the last N (0: all)")

@@ -1,4 +1,5 @@
-"""``pools``, ``drain``, ``undrain``: server pools as the operator sees and steers them (docs/pools.md).
+"""``pools``, ``pools reset``, ``drain``, ``undrain``: server pools as the operator sees and steers them
+(docs/pools.md).
 
 Rules it keeps:
 - Everything comes from the config and the shared store, so it works with or without a
@@ -7,6 +8,10 @@ Rules it keeps:
   never a walk; ``--history`` walks the activity records (ids, names, times, rules).
 - A drain is durable and only stops new allocations: running conversations stay (a soft
   pool's move its pinned conversations at their next request — said so when draining).
+- ``pools reset MEMBER`` deletes the member's quota state (durable, recorded): a member that
+  claimed a far reset is trusted again by every proxy, which read that state from the store.
+- The state is shown as stored (each proxy bounded it when it wrote it); a time no clock
+  can show is shown as such, never an exception.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ def _member_of(ctx: Ctx, name: str):
 
 
 def cmd_pools(ctx: Ctx, args: argparse.Namespace) -> int:
+    if args.member is not None:
+        if args.pool != "reset":
+            raise Fail(f"unexpected {args.member!r}: `sessionpin pools [POOL]`, or `sessionpin pools reset MEMBER`")
+        return cmd_reset(ctx, args.member)
     cfg = ctx.config()
     store = ctx.store()
     now = time.time()
@@ -127,6 +136,28 @@ def cmd_drain(ctx: Ctx, args: argparse.Namespace) -> int:
     if soft:
         out(f"In soft pool{'s' if len(soft) > 1 else ''} {', '.join(soft)} its conversations move to a fresh member "
             f"at their next request. Undo: `sessionpin undrain {args.member}`.")
+    return 0
+
+
+def cmd_reset(ctx: Ctx, member: str) -> int:
+    """Forget a member's quota state in the store: every proxy on it allocates to the member
+    and sends its pinned turns again from its next look (they read the state there)."""
+    _, pools = _member_of(ctx, member)
+    store = ctx.store(create=True)
+    assert store is not None
+    now = time.time()
+    had = ctx.run(members.quotas(store, [member])).get(member)
+    if not ctx.run(members.reset(store, member, now)):
+        out(f"{member} has no quota state; nothing written.")
+        return 0
+    was = ""
+    if had is not None and had.exhausted_until > now:
+        was = f" (it was out of quota until {iso(had.exhausted_until)}: {had.why})"
+    elif had is not None and had.headroom is not None:
+        was = f" (headroom {had.headroom:.0%})"
+    out(f"Forgot {member}'s quota state{was}: every proxy on this store takes it as fresh for new "
+        f"conversations of pool {', '.join(p.name for p in pools)} and sends its pinned turns again, until "
+        f"its next answer says otherwise.")
     return 0
 
 

@@ -11,10 +11,12 @@ mitmproxy runs their hooks:
 | ``ConnectCheck`` | connect.py | name an unreachable server before mitmproxy's HTML 502 would |
 | ``StatusEndpoints`` | status.py | ``/__sessionpin/status`` and ``/metrics``, loopback only |
 | ``BodyLimit`` | limits.py | a 413 for an inference body over the limit, before it is buffered |
+| ``PageGuard`` | browsers.py | a 403 for a web page's request (browser fetch metadata) to a server or listener of ours |
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
 | ``LineageWatch`` | lineagewatch.py | records, from responses, what a fork of a conversation will name it by |
 | ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
 | ``LedgerWatch`` | ledgerwatch.py | every answered turn's tokens, cache read and miss reason, into the ledger |
+| ``SocketBounds`` | wsbounds.py | a WebSocket message (inflated) over the limit closes its socket; few messages kept |
 | ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
 
@@ -28,6 +30,7 @@ from typing import Any
 from mitmproxy import exceptions
 
 from .allocations import Allocations
+from .browsers import PageGuard
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .defaults import Defaults
@@ -35,6 +38,7 @@ from .limits import BodyLimit
 from .ledgerwatch import LedgerMetrics, LedgerWatch
 from .lineagewatch import LineageWatch
 from .websocket import WebSocketModels
+from .wsbounds import SocketBounds
 from .router import Metrics, Router
 from .status import StatusEndpoints
 from .storeruntime import StoreRuntime
@@ -69,8 +73,8 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
         if hasattr(p, "configure_store"):
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
-    return [Defaults(), config, runtime, connect, BodyLimit(metrics), status, router, watch, WebSocketModels(), ledger,
-            *lifecycle, *extra, _Options(allocations)]
+    return [Defaults(), config, runtime, connect, BodyLimit(metrics), PageGuard(config, metrics), status, router,
+            watch, WebSocketModels(), SocketBounds(), ledger, *lifecycle, *extra, _Options(allocations)]
 
 
 class _Options:

@@ -13,7 +13,9 @@ It performs the stepper's pool effects for the router and watches members' answe
   connect, none when a connection to it is open).
 - ``responseheaders``: a pool member's answer (status and rate-limit headers, never the
   body) becomes its quota state in the store, shared by every proxy; written in the
-  background, at most every ``WRITE_EVERY`` seconds per member unless it changed.
+  background, at most every ``WRITE_EVERY`` seconds per member unless it changed. A reset
+  claimed further than ``sessionpin_pools_max_reset_ms`` (default 1 h) is taken as that,
+  when observed and when read back (``quota.clamped``).
 - ``metrics``: allocations (this process), active conversations, exhausted, drained, per
   member; one log line per allocation and per soft move.
 """
@@ -42,6 +44,8 @@ decisions = logging.getLogger("sessionpin.decisions")
 
 WAIT_OPTION = "sessionpin_pools_wait_ms"
 WAIT_DEFAULT_MS = 10_000
+MAX_RESET_OPTION = "sessionpin_pools_max_reset_ms"
+MAX_RESET_DEFAULT_MS = int(quota.MAX_RESET * 1000)
 UNREACHABLE_FOR = 10.0      # seconds a failed connection keeps a soft member out of new allocations
 WRITE_EVERY = 5.0           # seconds between unchanged quota writes of one member
 
@@ -66,6 +70,17 @@ class Allocations:
             "sessionpin server pools: how long (ms) a new conversation waits when every member of its pool is "
             "out of quota, before it is answered 429 'pool exhausted' with retry-after.",
         )
+        loader.add_option(
+            MAX_RESET_OPTION, int, MAX_RESET_DEFAULT_MS,
+            "sessionpin server pools: the furthest (ms) a member's claimed reset (retry-after, rate-limit "
+            "resets) is believed; a later one is taken as this. Default: 1 h, the providers' longest window.",
+        )
+
+    def _max_reset_s(self) -> float:
+        try:
+            return max(1, int(getattr(ctx.options, MAX_RESET_OPTION))) / 1000.0
+        except AttributeError:       # driven without mitmproxy's options (tests)
+            return quota.MAX_RESET
 
     def _wait_s(self) -> float:
         try:
@@ -93,7 +108,7 @@ class Allocations:
             async with lock:
                 got = await members.allocate(store, r.config, pool, effect.session, effect.pin, effect.seen,
                                              exclude=exclude, commit=effect.commit, deadline=deadline,
-                                             move_reason=effect.reason)
+                                             move_reason=effect.reason, max_reset=self._max_reset_s())
         except StoreError as e:
             msg = f"{store.url}: {e}" if store.url not in str(e) else str(e)
             return route.NotSaved(msg)
@@ -114,7 +129,7 @@ class Allocations:
         drained: dict[str, float] = {}
         try:
             if store is not None:
-                q = quota.decode(await store.get(members.quota_key(effect.member)))
+                q = await members.read_quota(store, effect.member, time.time(), self._max_reset_s())
                 if effect.soft:
                     drained = await members.drained(store, [effect.member])
         except StoreError as e:    # unknown state: the pin decides, as without pools
@@ -145,7 +160,7 @@ class Allocations:
         if not member or resp is None or meta.get("refused") or not self.config.config.pools_of(member):
             return
         now = time.time()
-        q = quota.observe(resp.status_code, resp.headers.items(multi=True), now)
+        q = quota.observe(resp.status_code, resp.headers.items(multi=True), now, self._max_reset_s())
         if q is None:
             return
         last = self._written.get(member)
@@ -191,7 +206,7 @@ class Allocations:
         if store is not None:
             try:
                 active = await members.active_counts(store, everyone, time.time())
-                q = await members.quotas(store, everyone)
+                q = await members.quotas(store, everyone, time.time(), self._max_reset_s())
                 drained = await members.drained(store, everyone)
             except StoreError as e:
                 log.warning("sessionpin: pool metrics: %s", e)

@@ -15,6 +15,7 @@ Rules it keeps:
   a model request's headers to one, so it runs while the client finishes sending —
   not between the request and the upstream connect. A check of the same client
   connection, started less than ``FRESH`` seconds before and successful, stands once.
+- A client connection's checks are dropped when it closes.
 - ``server_connect`` is the fallback for connections the router did not check (another
   path to the same address): it sets mitmproxy's error message to name the server.
 - Not for a client of an ``upstream:`` listener, nor a connection made through an
@@ -73,6 +74,10 @@ class ConnectCheck:
 
     def client_disconnected(self, client) -> None:
         self.via_proxy.discard(client.id)
+        # its checks go with it (an early check no request took, one kept for a connection
+        # mitmproxy never made): nothing of a connection outlives it
+        for key in [k for k in self._checks if k[0] == client.id]:
+            self._checks.pop(key)[1].cancel()
 
     def moved_to(self, address: Address, server: str) -> None:
         self.moved[(address[0].lower(), address[1])] = server

@@ -13,6 +13,9 @@ Rules it keeps:
 - Nothing of the request reaches any server: its credentials are removed before it is
   sent to the sink, and the sink keeps nothing.
 - Each 413 is counted in the router's metrics (``sessionpin_refusals_total{reason="too-large"}``).
+- Nothing of a request outlives it: its prepared answer and what was held for it are
+  dropped when its flow ends, however it ends (answered, the client gone, an error), and by
+  the sink when the request it reads breaks off.
 - A body with no length (chunked, HTTP/2 without ``content-length``) cannot be judged at
   its headers. Such a request is pointed at the sink while its body arrives, and mitmproxy's
   ``stream_large_bodies`` is set to the same limit: a body that grows past it is streamed,
@@ -46,7 +49,11 @@ class BodyLimit:
         self.metrics = metrics          # the router's Metrics: a 413 is a refusal like the others
         self._server: asyncio.AbstractServer | None = None
         self._port = 0
+        # the answers prepared for the sink: token -> (status, body, headers); and the token
+        # of each flow that has one (flow id -> token), so that the answer goes when the flow
+        # ends whatever ends it (the sink answered, the client went away, an error)
         self._answers: dict[str, tuple[int, bytes, dict[str, str]]] = {}
+        self._tokens: dict[str, str] = {}
         # requests of unknown length pointed at the sink until their body ends: flow id ->
         # (token, scheme, host, port, headers) to put back if it ends within the limit
         self._held: dict[str, tuple[str, str, str, int, http.Headers]] = {}
@@ -109,7 +116,7 @@ class BodyLimit:
         if not self._port:      # not running yet: drop it rather than buffer it
             flow.kill()
             return
-        self._to_sink(flow, self._prepare(api, message))
+        self._to_sink(flow, self._prepare(flow, api, message))
         req.stream = True
 
     def request(self, flow: http.HTTPFlow) -> None:
@@ -120,28 +127,38 @@ class BodyLimit:
         if flow.request.stream:     # it grew past the limit: mitmproxy streamed it to the sink
             self._refuse(flow, _message(flow, max(1, ctx.options.sessionpin_max_body_mb) * MIB))
             return
-        self._answers.pop(token, None)   # it ended within the limit: as it came, for the router
+        self._forget(flow)              # it ended within the limit: as it came, for the router
         req = flow.request
         req.scheme, req.host, req.port = scheme, host, port
         req.headers = original
 
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._forget(flow)
+
     def error(self, flow: http.HTTPFlow) -> None:
-        held = self._held.pop(flow.id, None)
-        if held is not None:
-            self._answers.pop(held[0], None)
+        self._forget(flow)      # the client went away, the sink could not be reached, …
+
+    def _forget(self, flow: http.HTTPFlow) -> None:
+        """Nothing of a flow's stays once it has ended (issue 20: 5,000 abandoned requests
+        over the limit kept 5,000 prepared 413s)."""
+        self._held.pop(flow.id, None)
+        token = self._tokens.pop(flow.id, None)
+        if token is not None:
+            self._answers.pop(token, None)
 
     def _hold(self, flow: http.HTTPFlow, api: str, limit: int) -> None:
         """Point a request of unknown length at the sink until its body ends (see the module)."""
         if not self._port or "stream_large_bodies" not in ctx.options or not ctx.options.stream_large_bodies:
             return
         req = flow.request
-        held = (self._prepare(api, _message(flow, limit)), req.scheme, req.host, req.port, req.headers.copy())
+        held = (self._prepare(flow, api, _message(flow, limit)), req.scheme, req.host, req.port, req.headers.copy())
         self._held[flow.id] = held
         self._to_sink(flow, held[0])
 
-    def _prepare(self, api: str, message: str) -> str:
+    def _prepare(self, flow: http.HTTPFlow, api: str, message: str) -> str:
         token = secrets.token_hex(8)
         self._answers[token] = (413, *answers.refusal(api, 413, "too-large", message))
+        self._tokens[flow.id] = token
         return token
 
     def _to_sink(self, flow: http.HTTPFlow, token: str) -> None:
@@ -179,6 +196,7 @@ class BodyLimit:
                 elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                     break
             status, body, headers = self._answers.pop(token or "", (404, b"", {}))
+            token = None
             hs = [(k, v) for k, v in headers.items()] + [("content-length", str(len(body))), ("connection", "close")]
             writer.write(conn.send(h11.Response(status_code=status, headers=hs)))
             writer.write(conn.send(h11.Data(data=body)))
@@ -187,6 +205,8 @@ class BodyLimit:
         except (h11.RemoteProtocolError, h11.LocalProtocolError, ConnectionError, OSError):
             pass
         finally:
+            if token:       # the request never ended (its client went away): its answer goes
+                self._answers.pop(token, None)
             writer.close()
 
 

@@ -8,6 +8,7 @@ Rules it keeps:
   it may take it again (a repair reopens the store, which takes it too).
 - If the file is replaced or deleted while we wait (its directory deleted, say), we lock
   the one the path names now, so two processes never hold "the" lock on two files.
+- The file is opened without following a link, and must be ours (``safefile``).
 - Waiting is bounded: past ``timeout`` it raises ``TimeoutError`` (a fault: the write
   that wanted it raises NotDurable, as for SQLite's own ``busy_timeout``).
 """
@@ -20,6 +21,8 @@ import os
 import threading
 import time
 from pathlib import Path
+
+from . import safefile
 
 
 class FileLock:
@@ -49,7 +52,7 @@ class FileLock:
         pause = 0.0005
         while True:
             if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._fd = safefile.open_file(self.path, os.O_RDWR | os.O_CREAT)   # no link, ours, 0600
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -81,8 +84,9 @@ class FileLock:
 
 
 def same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` itself (a link there is not followed) names the file ``fd`` is open on."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         return False
     fst = os.fstat(fd)

@@ -51,6 +51,7 @@ from typing import Any, Iterable
 
 from .base import StoreVersionError
 from .memory import HASH, STRING, ZSET
+from . import safefile
 from .filelock import same_file
 from .sqlitefile import fsync_dir
 
@@ -238,7 +239,7 @@ class Journal:
     def check_version(path: Path) -> None:
         """Refuse a journal of a newer format before anything is written."""
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(safefile.open_file(path, os.O_RDONLY), "rb") as f:
                 first = f.readline(4096)
         except (FileNotFoundError, NotADirectoryError):
             return
@@ -255,7 +256,7 @@ class Journal:
         if self._fd is not None and same_file(self.path, self._fd):
             return True
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+            fd = safefile.open_file(self.path, os.O_RDWR | os.O_APPEND)    # never a link's target
         except (FileNotFoundError, NotADirectoryError):
             return False                 # our descriptor is kept: a deleted journal is restored from it
         had = self._fd is not None
@@ -429,7 +430,7 @@ class Journal:
         """Append ``tail`` (lines made since the snapshot) to ``tmp``, fsync it and rename it
         over the journal, then fsync the directory."""
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            fd = safefile.open_file(tmp, os.O_WRONLY | os.O_APPEND)
             try:
                 if tail:
                     _write_all(fd, tail)
@@ -514,7 +515,7 @@ class Verifier:
     def _check(self) -> str | None:
         self.seen = None
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = safefile.open_file(self.path, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             self.reset()
             return None                  # a missing journal is the keeper's watch's to rebuild

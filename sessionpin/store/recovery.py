@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import guard
+from . import guard, safefile
 from . import sqlitefile as sf
 from .journal import Journal, parse, touched
 
@@ -40,6 +40,8 @@ def open_full(k: Keeper, read_header: bool = False) -> None:
     is taken only to change something: make a missing database, set a file aside,
     replay, rebuild."""
     sf.prepare_dir(k.path.parent)
+    for p in (k.journal.path, k.lock.path):    # a link, another user's: refused at open, with its line
+        safefile.check_existing(p)
     if read_header:
         try:
             sf.check_header(k.path)             # a newer or foreign file: refused before we write

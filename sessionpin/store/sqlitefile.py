@@ -9,6 +9,9 @@ deletes its fields and members (a trigger).
 Rules it keeps:
 - Created 0600 (O_CREAT|O_EXCL) in a directory created 0700; SQLite gives -wal/-shm the
   database file's mode. We only chmod a directory we created or our own default one.
+- No link is followed and no other user's file or directory is used (``safefile``): the
+  database and its -wal/-shm are looked at (``lstat``) before each connection, since SQLite
+  follows links.
 - We never close a descriptor of the database file while SQLite may hold it open in this
   process (POSIX would drop SQLite's locks with it): the header is read by us only before
   the first connection of the first store of this process on that file (``_open_here``).
@@ -36,6 +39,7 @@ from typing import Callable
 
 import platformdirs
 
+from . import safefile
 from .base import StoreError, StoreVersionError
 
 log = logging.getLogger("sessionpin.store.file")
@@ -137,18 +141,15 @@ def fsync_dir(path: Path) -> None:
 
 
 def prepare_dir(d: Path) -> None:
-    """Make the store's directory 0700 if we create it (or it is our default one)."""
+    """Make the store's directory 0700 (missing parents too) if we create it, or it is our
+    default one; refuse one another user controls (``safefile.check_dir``)."""
     if d.is_dir():
+        safefile.check_dir(d)
         if d == default_dir() and stat.S_IMODE(d.stat().st_mode) != 0o700:
             os.chmod(d, 0o700)
         return
-    d.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(d, 0o700)  # the umask can only take bits away: never wider than 0700
-    except FileExistsError:
-        return
-    os.chmod(d, 0o700)
-    fsync_dir(d.parent)
+    for made in safefile.make_dirs(d):
+        fsync_dir(made.parent)
 
 
 def check_ids(path: Path, application_id: int, user_version: int) -> None:
@@ -168,7 +169,7 @@ def check_header(path: Path) -> None:
     """Refuse or set aside from the header alone, before SQLite touches the file.
     Call only when no connection of this process has the file open."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(safefile.open_file(path, os.O_RDONLY), "rb") as f:
             head = f.read(100)
     except (FileNotFoundError, NotADirectoryError):
         return
@@ -182,13 +183,10 @@ def check_header(path: Path) -> None:
 
 def create_file(path: Path) -> bool:
     """Create the empty database file 0600 (True), or fix an existing one's mode (False)."""
-    try:
+    try:   # (O_EXCL: a link at the name is not followed, it is "there")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
     except FileExistsError:
-        st = path.stat()
-        if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
-            log.warning("store file %s was mode %o; made it 0600", path, stat.S_IMODE(st.st_mode))
-            os.chmod(path, 0o600)
+        safefile.check_existing(path)       # a link, another user's: refused; ours and wider: 0600
         return False
     try:
         os.fchmod(fd, 0o600)
@@ -202,6 +200,8 @@ def create_file(path: Path) -> bool:
 def connect(path: Path, *, busy_timeout: float, read_only: bool = False) -> sqlite3.Connection:
     """A connection that never creates the file. ``read_only`` on a read-only filesystem
     reads it as immutable (nobody can change it there, and no -shm can be made)."""
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        safefile.check_existing(p, fix=not read_only)   # SQLite follows links: we look first
     uri = "file:" + urllib.parse.quote(str(path)) + ("?mode=ro" if read_only else "?mode=rw")
     if read_only:
         try:

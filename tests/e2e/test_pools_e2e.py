@@ -8,6 +8,11 @@ one config file, fake TLS members that answer 429 and rate-limit headers, real k
   own 429, then by the proxies themselves (which learned it from that answer, through the
   store) — and never moved; new conversations avoid the member, wait for a reset within
   ``sessionpin_pools_wait_ms``, and get 429 "pool exhausted" past it.
+- A member's claims are clamped (issue 20): a 429 with ``retry-after: 99999999`` or ``1e300``
+  defers its pinned turns for at most an hour (``retry-after`` at most 3600), ``sessionpin
+  pools`` shows it, and ``sessionpin pools reset MEMBER`` makes every proxy send them again;
+  under ``policy = "quota"`` a member claiming ``remaining 1000000`` of a limit of 1 gets no
+  more than a full member's share.
 - A soft pool's member killed and restarted: its conversations move to a fresh member
   when they next ask while it is down; one still pinned to it goes back to it once it
   is up.
@@ -16,6 +21,9 @@ one config file, fake TLS members that answer 429 and rate-limit headers, real k
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +62,8 @@ class Pools:
             servers[name] = {"url": self.fakes[name].url, "key_env": f"SP_E2E_{name.upper().replace('-', '_')}_KEY"}
         text = toml_config(servers, {"claude-code": current})
         return text + (f'[pools.glm]\nmembers = {list(MEMBERS)!r}\n\n'
-                       f'[pools.local]\nmembers = {list(REPLICAS)!r}\naffinity = "soft"\n').replace("'", '"')
+                       f'[pools.local]\nmembers = {list(REPLICAS)!r}\naffinity = "soft"\n\n'
+                       f'[pools.quota]\nmembers = {list(MEMBERS)!r}\npolicy = "quota"\n').replace("'", '"')
 
     def use(self, current: str) -> None:
         """Point claude-code at a pool and wait until all three proxies show it."""
@@ -274,3 +283,76 @@ def test_a_soft_member_killed_and_restarted(rig: Pools) -> None:
     assert rig.where(moving) == {"vllm-1": 1, "vllm-2": 2}
     moves = [r for r in rig.store(lambda s: members.history(s, "local", 0)) if r.kind == "move"]
     assert [(r.session, r.previous, r.member) for r in moves] == [(moving, "vllm-1", "vllm-2")]
+
+
+def _cli(rig: Pools, *argv: str) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).parent / "sessionpin"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "sessionpin.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_")}
+    return subprocess.run([*cmd, "--config", str(rig.config_path), "--store", rig.store_url, *argv],
+                          capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
+
+
+def _until(what, deadline: float = 5.0):
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.05)
+    return what()
+
+
+@pytest.mark.parametrize("claim", ["99999999", "1e300"])
+def test_a_far_retry_after_defers_for_an_hour_at_most_and_pools_reset_clears_it(rig: Pools, claim: str) -> None:
+    rig.use("glm")
+    s = new_session()
+    assert rig.send(cc("opening", s), proxy=0).status == 200
+    [member] = rig.where(s)
+    fake = rig.fakes[member]
+    fake.status, fake.headers = 429, [("retry-after", claim)]
+    try:
+        assert rig.send(cc("continuation", s), proxy=1).status == 429
+    finally:
+        fake.status, fake.headers = None, []
+    # another proxy learns it through the store, clamped: deferred for an hour at most
+    stored = _until(lambda: rig.store(lambda st: members.quotas(st, [member])).get(member))
+    assert stored is not None and stored.exhausted_until <= time.time() + 3600, stored
+    r = rig.send(cc("continuation", s), proxy=2)
+    assert r.status == 429 and r.header("x-sessionpin-refused") == "member-exhausted"
+    assert 3500 <= int(r.header("retry-after")) <= 3600, r.header("retry-after")
+    # the operator's view never dies, and says what was claimed
+    p = _cli(rig, "pools")
+    assert p.returncode == 0, p.stderr
+    assert member in p.stdout and "taken as 3600s" in p.stdout
+    p = _cli(rig, "pools", "reset", member)
+    assert p.returncode == 0 and p.stdout.startswith(f"Forgot {member}'s quota state"), p.stdout + p.stderr
+    # every proxy sends its pinned turns again
+    for proxy in (0, 1, 2):
+        assert rig.send(cc("continuation", s), proxy=proxy).status == 200
+    assert rig.where(s) == {member: 5}
+
+
+def test_a_lying_member_gets_no_more_than_a_full_member_s_share_under_quota(rig: Pools) -> None:
+    rig.use("quota")
+    liar, *honest = MEMBERS
+    rig.fakes[liar].headers = [("anthropic-ratelimit-requests-limit", "1"),
+                               ("anthropic-ratelimit-requests-remaining", "1000000")]
+    for m in honest:
+        rig.fakes[m].headers = [("anthropic-ratelimit-requests-limit", "10"),
+                                ("anthropic-ratelimit-requests-remaining", "8")]
+    # openings until every member has answered and the proxies have written what they read
+    for _ in range(30):
+        if len(rig.store(lambda st: members.quotas(st, list(MEMBERS)))) == 3:
+            break
+        assert rig.send(cc("opening", new_session()), proxy=0).status == 200
+        time.sleep(0.05)
+    heads = {m: q.headroom for m, q in rig.store(lambda st: members.quotas(st, list(MEMBERS))).items()}
+    assert heads == {liar: 1.0, honest[0]: 0.8, honest[1]: 0.8}, heads
+    got = Counter()
+    for i in range(30):
+        s = new_session()
+        assert rig.send(cc("opening", s), proxy=i % 3).status == 200
+        got[next(iter(rig.where(s)))] += 1
+    # its share is a full member's: 1 / (1 + 0.8 + 0.8) of 30 = 11.5
+    assert got[liar] <= 14 and all(got[m] >= 7 for m in honest), got

@@ -40,7 +40,7 @@ from sessionpin.store import open_store
 from .harness import LOOPBACK, Client, Mitmdump, TestCA, free_port, toml_config
 from .replay import FIXTURES, Prepared, Recorded, Replay, load
 from .test_replay_e2e import is_credential
-from .wsfake import HANDSHAKE, WsClient, WsFake, WsSocket
+from .wsfake import HANDSHAKE, WsClient, WsFake, WsSocket, deflate_frame
 
 RUN = uuid.uuid4().hex[:8]
 KEYS = {"alt": ("SESSIONPIN_WS_ALT_KEY", f"ALT-WS-KEY-SENTINEL-{RUN}"),
@@ -356,3 +356,73 @@ def test_a_message_whose_model_cannot_be_renamed_is_not_sent(rig: WsRig):
         sent = converse(ws, r, client_messages(1)[:1])
     assert landed == "alt" and sock is not None
     assert sock.received == [renamed(t, "alt") for t in sent]
+
+
+# --------------------------------------------------------------------------- bounds (issue 20)
+
+BOMB = 256 * 1024 * 1024         # what a 261 KB permessage-deflate frame inflates to
+
+
+def rss_mb(rig: WsRig) -> float:
+    """The proxy's resident memory now (MiB)."""
+    for line in Path(f"/proc/{rig.mitm.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def peak_mb(rig: WsRig) -> float:
+    for line in Path(f"/proc/{rig.mitm.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.parametrize("side", ["client", "server"])
+def test_a_deflate_bomb_on_a_routed_socket_closes_it_1009_and_reaches_no_one(rig: WsRig, side: str):
+    """A 256 MiB message in one compressed frame, from Codex's side or the server's: the proxy
+    inflates no more than the message limit (16 MiB by default), closes both sides
+    with 1009, logs it, and nothing of the message reaches the other side."""
+    r = Replay(RUN)
+    p = r.prepare(upgrade(1))
+    ws, landed, sock = rig.open(p)
+    lines = rig.mitm.line_count
+    with ws:
+        sent = converse(ws, r, client_messages(1)[:1])       # compressed messages before it, both ways
+        before = len(ws.received)
+        if side == "client":
+            ws.send_raw(deflate_frame(BOMB, masked=True))
+        else:
+            ws.send(json.dumps({"type": "test.bomb", "size": BOMB}))
+        assert ws.wait_closed(20), "the proxy closed the socket"
+    assert ws.close_code == 1009 and len(ws.received) == before
+    assert landed == "alt" and sock is not None
+    deadline = time.monotonic() + 5
+    while sock.close_code is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sock.close_code == 1009, "the server's side was closed with 1009 too"
+    assert len(sock.received) == len(sent) + (side == "server")   # the bomb never reached the server
+    assert rig.mitm.wait_output(rf"a WebSocket message from the {side} \(127\.0\.0\.1:\d+\) grew past 16 MiB "
+                                r"\(sessionpin_ws_max_message_mb\); the socket was closed \(1009\)", since=lines)
+    assert peak_mb(rig) < 600, f"the proxy's peak RSS reached {peak_mb(rig):.0f} MiB"
+    # the proxy goes on
+    ws, landed, sock = rig.open(r.prepare(upgrade(2)))
+    with ws:
+        converse(ws, r, client_messages(2)[:1])
+    assert landed == "alt"
+
+
+def test_a_long_socket_keeps_the_proxy_s_memory_flat(rig: WsRig):
+    """80 MB of the server's messages over one routed socket: the proxy keeps only the newest
+    (``sessionpin_ws_keep_kb``), during the session and after it."""
+    rig.mitm.restart()            # a fresh process: memory an earlier test freed would hide the growth
+    r = Replay(RUN)
+    ws, landed, _ = rig.open(r.prepare(upgrade(1)))
+    with ws:
+        converse(ws, r, client_messages(1)[:1])
+        start = rss_mb(rig)
+        ws.send(json.dumps({"type": "test.stream", "count": 800, "size": 100_000}))
+        ws.read_until(lambda e: e.get("type") == "response.completed", timeout=120)
+        during = rss_mb(rig)
+    assert landed == "alt" and sum(len(m) for m in ws.received) > 80_000_000
+    assert during - start < 40, f"RSS {start:.0f} -> {during:.0f} MiB over the session"

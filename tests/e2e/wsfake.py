@@ -15,6 +15,10 @@ is mocked, so a test built on these sees what Codex would.
     A ``previous_response_id`` that this socket did not issue is answered with an ``error`` event
     (``previous_response_not_found``), as a server that never made that response would.
     Other messages (``response.processed``) get no answer; ping → pong; close → close.
+    Test messages (never sent by Codex): ``{"type": "test.bomb", "size": N}`` is answered with
+    one permessage-deflate frame that inflates to N spaces (``deflate_frame``: a few hundred KB
+    on the wire for 256 MiB), ``{"type": "test.stream", "count": C, "size": S}`` with C text
+    messages of about S bytes each, then a ``response.completed``.
     ``permessage-deflate`` is accepted when offered (``deflate=False``: declined), so messages
     cross the proxy compressed. ``sockets`` is every upgrade received (``WsSocket``: path, host,
     headers as a list of pairs, offered extensions, ``received`` and ``sent`` message texts in
@@ -29,17 +33,27 @@ is mocked, so a test built on these sees what Codex would.
     handshake: ``accepted``, ``status``, ``response_headers``, ``reject_body``, ``extensions``
     (negotiated). ``turn(text)`` sends one message and returns the messages received until a
     terminal event (``response.completed`` / ``failed`` / ``incomplete``, ``error``);
-    ``received`` is every message text in order; ``wait_closed()``; ``close()``.
+    ``received`` is every message text in order; ``wait_closed()``; ``close()``; ``close_code``
+    (the code of the peer's close frame, once it came). ``send_raw(frame)`` writes bytes as they are
+    (``deflate_frame(n, masked=True)``: a client's compressed frame of n spaces).
+
+``deflate_frame(size, masked)``
+    One final permessage-deflate text frame (RSV1) whose payload inflates to ``size`` spaces,
+    compressed 1 MiB at a time (the test never holds the inflated message), masked as a client's
+    must be. Valid as a socket's first compressed message in that direction.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import os
 import socket
 import ssl
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +98,34 @@ def responses_events(server: str, model: str, n: int, generate: bool = True, del
     return events
 
 
+@functools.lru_cache(maxsize=4)
+def _deflated(size: int) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    chunk = b" " * (1 << 20)
+    parts = [c.compress(chunk) for _ in range(size >> 20)]
+    parts.append(c.compress(b" " * (size & ((1 << 20) - 1))))
+    return (b"".join(parts) + c.flush(zlib.Z_SYNC_FLUSH))[:-4]     # without 00 00 ff ff (RFC 7692)
+
+
+def deflate_frame(size: int, masked: bool) -> bytes:
+    """A final compressed text frame inflating to ``size`` spaces (see the module)."""
+    payload = _deflated(size)
+    n = len(payload)
+    head = bytes([0x80 | 0x40 | 0x1])
+    mask_bit = 0x80 if masked else 0
+    if n < 126:
+        head += bytes([mask_bit | n])
+    elif n < 1 << 16:
+        head += bytes([mask_bit | 126]) + n.to_bytes(2, "big")
+    else:
+        head += bytes([mask_bit | 127]) + n.to_bytes(8, "big")
+    if not masked:
+        return head + payload
+    key = os.urandom(4)
+    stream = (key * (n // 4 + 1))[:n]
+    return head + key + (int.from_bytes(payload, "big") ^ int.from_bytes(stream, "big")).to_bytes(n, "big")
+
+
 def _text(value: bytes | str) -> str:
     return value.decode("latin-1") if isinstance(value, bytes) else value
 
@@ -99,6 +141,7 @@ class WsSocket:
     received: list[str] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)   # the response ids it issued
+    close_code: int | None = None                          # the code of the close frame it received
 
     def raw(self) -> bytes:
         """Everything that reached the server, for "does this secret appear anywhere" checks."""
@@ -224,17 +267,35 @@ class WsFake:
                     if ev.message_finished:
                         text, parts = "".join(parts), []
                         sock.received.append(text)
+                        if self._test(tls, ws, text):
+                            continue
                         for out in self._answer(sock, text):
                             sock.sent.append(out)
                             tls.sendall(ws.send(Message(data=out)))
                 elif isinstance(ev, Ping):
                     tls.sendall(ws.send(ev.response()))
                 elif isinstance(ev, CloseConnection):
+                    if sock is not None:
+                        sock.close_code = ev.code
                     with contextlib.suppress(Exception):
                         tls.sendall(ws.send(ev.response()))
                     return
             if not data:
                 return
+
+    def _test(self, tls: ssl.SSLSocket, ws: WSConnection, text: str) -> bool:
+        """The test messages of the module docstring (True: it was one, answered)."""
+        if not text.startswith('{"type": "test.') and not text.startswith('{"type":"test.'):
+            return False
+        body = json.loads(text)
+        if body["type"] == "test.bomb":
+            tls.sendall(deflate_frame(int(body["size"]), masked=False))
+        elif body["type"] == "test.stream":
+            filler = "x" * int(body["size"])
+            for i in range(int(body["count"])):
+                tls.sendall(ws.send(Message(data=f'{{"type":"response.output_text.delta","n":{i},"delta":"{filler}"}}')))
+            tls.sendall(ws.send(Message(data=json.dumps({"type": "response.completed", "response": {}}))))
+        return True
 
     def _answer(self, sock: WsSocket, text: str) -> list[str]:
         try:
@@ -274,6 +335,7 @@ class WsClient:
         self.reject_body = b""
         self.extensions: list[str] = []
         self.closed = False
+        self.close_code: int | None = None
         self._parts: list[str] = []
         self._ws = WSConnection(ConnectionType.CLIENT)
         extra = [(k, v) for k, v in headers if k.lower() not in HANDSHAKE]
@@ -370,7 +432,7 @@ class WsClient:
                 elif isinstance(ev, Ping):
                     self.sock.sendall(self._ws.send(ev.response()))
                 elif isinstance(ev, CloseConnection):
-                    self.closed = True
+                    self.closed, self.close_code = True, ev.code
         raise TimeoutError(f"no terminal event (closed: {self.closed}); got {self.received[start:]}")
 
     def turn(self, text: str, timeout: float | None = None) -> list[str]:
@@ -383,12 +445,17 @@ class WsClient:
         self.sock.settimeout(0.2)
         while not self.closed and time.monotonic() < deadline:
             try:
-                self._pump()
+                for ev in self._pump():
+                    if isinstance(ev, CloseConnection):
+                        self.closed, self.close_code = True, ev.code
             except RemoteProtocolError:
                 self.closed = True
             except TimeoutError:
                 continue
         return self.closed
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.sendall(frame)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -1,0 +1,99 @@
+"""PageGuard: a web page's request never drives the proxy (issue 20)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mitmproxy import exceptions
+from mitmproxy.proxy import mode_specs
+
+from sessionpin import pins
+from sessionpin.proxy.browsers import PageGuard
+from shellkit import CONFIG, SESSION, flow, internal, start
+
+CROSS_SITE = [(b"sec-fetch-site", b"cross-site"), (b"sec-fetch-mode", b"no-cors")]
+PI_METADATA = [(b"sec-fetch-mode", b"cors"), (b"anthropic-dangerous-direct-browser-access", b"true")]
+
+
+@pytest.fixture
+def cfg_path(tmp_path):
+    p = tmp_path / "config.toml"
+    p.write_text(CONFIG)
+    return p
+
+
+@pytest.fixture
+async def proxy(cfg_path):
+    p = start(cfg_path)
+    yield p
+    p.close()
+
+
+def _guard(proxy) -> PageGuard:
+    return next(a for a in proxy.addons if isinstance(a, PageGuard))
+
+
+def _reverse(f, to="https://api.anthropic.com"):
+    f.client_conn.proxy_mode = mode_specs.ProxyMode.parse(f"reverse:{to}")
+    return f
+
+
+@pytest.mark.parametrize("extra", [CROSS_SITE, [(b"origin", b"https://evil.example")],
+                                   [(b"sec-fetch-site", b"same-site")], [(b"origin", b"null")]])
+async def test_a_page_s_request_to_a_configured_server_is_refused_and_never_routed(proxy, extra):
+    f = flow(headers=extra)
+    await proxy.send(f)
+    assert f.response is not None and f.response.status_code == 403
+    err = json.loads(f.response.content)
+    assert err["error"]["type"] == "permission_error" and "sessionpin_allow_origins" in err["error"]["message"]
+    assert f.response.headers["x-sessionpin-refused"] == "web-page"
+    # nothing was decided: the request still addresses its own origin with its own headers, no pin
+    assert (f.request.host, f.request.headers["x-api-key"]) == ("api.anthropic.com", "agent-sentinel")
+    assert (await pins.load(proxy.store, SESSION)).pin is None
+    assert proxy.router.metrics.refusals["web-page"] == 1
+
+
+async def test_pi_s_fetch_metadata_is_routed_as_ever(proxy):
+    f = flow(headers=PI_METADATA)
+    await proxy.send(f)
+    assert f.response is None and f.request.host == "api.z.ai"
+
+
+async def test_every_request_of_a_page_on_a_reverse_mode_listener_is_refused(proxy):
+    for path in ("/v1/messages", "/v1/models", "/"):
+        f = _reverse(flow(path=path, headers=CROSS_SITE))
+        await proxy.send(f)
+        assert f.response is not None and f.response.status_code == 403, path
+    f = _reverse(flow(headers=PI_METADATA))
+    await proxy.send(f)
+    assert f.response is None and f.request.host == "api.z.ai"
+
+
+async def test_a_page_browsing_other_sites_through_the_proxy_passes_untouched(proxy):
+    f = flow(host="example.org", path="/v1/messages", headers=[(b"origin", b"https://example.org"),
+                                                               (b"sec-fetch-site", b"same-origin")])
+    await proxy.send(f)
+    assert f.response is None and f.request.host == "example.org"
+
+
+async def test_the_status_endpoints_refuse_a_page_with_an_origin(proxy):
+    f = internal("/__sessionpin/status", headers=[(b"origin", b"http://127.0.0.1:8080")])
+    await proxy.send(f)
+    assert f.response.status_code == 403
+
+
+async def test_an_allowed_origin_is_routed(proxy):
+    proxy.tctx.configure(_guard(proxy), sessionpin_allow_origins=["https://app.example"])
+    f = flow(headers=[(b"origin", b"https://app.example"), (b"sec-fetch-site", b"cross-site")])
+    await proxy.send(f)
+    assert f.response is None and f.request.host == "api.z.ai"
+    f = flow(headers=[(b"origin", b"https://other.example")])
+    await proxy.send(f)
+    assert f.response.status_code == 403
+
+
+@pytest.mark.parametrize("bad", ["app.example", "ftp://app.example", "https://app.example/path", "https://"])
+async def test_an_allowed_origin_must_be_an_origin(proxy, bad):
+    with pytest.raises(exceptions.OptionsError, match="sessionpin_allow_origins"):
+        proxy.tctx.configure(_guard(proxy), sessionpin_allow_origins=[bad])

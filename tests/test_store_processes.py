@@ -28,6 +28,19 @@ def spawn(code: str, *args: str) -> subprocess.Popen:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def first_line(p: subprocess.Popen) -> str:
+    """What the child printed up to its first newline, read from the pipe's descriptor:
+    ``p.stdout.readline()`` would buffer lines after it that ``communicate()`` (which reads
+    the descriptor) then never sees, and acknowledged writes would look missing."""
+    got, fd = b"", p.stdout.fileno()
+    while b"\n" not in got:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        got += chunk
+    return got.decode()
+
+
 DURABLE_CHILD = r"""
 import sys
 from sessionpin.store.file import FileStore
@@ -52,7 +65,7 @@ def test_sigkill_loses_no_acknowledged_durable_write(tmp_path):
         p = spawn(DURABLE_CHILD, str(path), str(r))
         first = ""
         if r % 2:
-            first = p.stdout.readline()   # odd rounds: die while writing, whatever the load
+            first = first_line(p)         # odd rounds: die while writing, whatever the load
         # even rounds: some kills land while the child is still opening (or creating) the file
         time.sleep(rng.uniform(0.0, 0.3))
         p.send_signal(signal.SIGKILL)

@@ -8,9 +8,11 @@ Rules it keeps (docs/facts.md "Lineage", docs/router.md):
   or forks a conversation in a new process); ``lin:<agent>:opening:<fingerprint>`` → the
   latest conversation that began with that opening (pi, which sends no id): a turn whose
   root is not known (its opening's answer was not seen whole) goes there.
-- Written after a response completes, never on the request's path; not durable (a lost
+- Written after a request left (the root of the history it carries) or after a response
+  completes (an opening's root, an anchor), never on the request's path; not durable (a lost
   entry costs a fork its parent link: the fork is then left alone, as before lineage).
-- Bounded: one root per conversation (30 days, like its pin) and one anchor per Claude
+- Bounded: one root per conversation (30 days, like its pin; a compaction that rewrites
+  the first exchange makes a second) and one anchor per Claude
   Code response (7 days: a fork or resume names the last response of its parent, and a
   conversation continued later is found by its root). The newest writer of a key wins.
 - Looking up a parent tries the client's explicit links first (parent session ids, then

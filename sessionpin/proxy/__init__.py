@@ -12,7 +12,7 @@ mitmproxy runs their hooks:
 | ``StatusEndpoints`` | status.py | ``/__sessionpin/status`` and ``/metrics``, loopback only |
 | ``BodyLimit`` | limits.py | a 413 for an inference body over the limit, before it is buffered |
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
-| ``LineageWatch`` | lineagewatch.py | records, from responses, what a fork of a conversation will name it by |
+| ``LineageWatch`` | lineagewatch.py | records, from requests and responses, what a fork of a conversation will name it by |
 | ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
 | ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |

@@ -22,6 +22,8 @@ from typing import Iterator
 
 import pytest
 
+from sessionpin import facts as F
+from sessionpin import lineage, lineindex
 from sessionpin.store import open_store
 
 from .harness import FakeServer, TestCA
@@ -127,3 +129,66 @@ def test_forks_and_resumes_reach_their_conversations_server(rig: Rig, agent, sce
     assert not wrong, f"off their conversation's server: {wrong}\nall: {landed}"
     if "B" in home:   # pi: two conversations that begin alike are two conversations
         assert home["B"] == OTHER[first], landed
+
+
+def root_recorded(rig: Rig, agent: str, root: str) -> str | None:
+    async def read() -> str | None:
+        store = open_store(f"file:{rig.store_path}")
+        try:
+            return await store.get(lineindex.root_key(agent, root))
+        finally:
+            await store.close()
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("how", ["answers-differ", "killed-after-answer"])
+@pytest.mark.parametrize("agent, scenario", [(a, s) for a, s, _ in SCENARIOS], ids=[f"{a}/{s}" for a, s, _ in SCENARIOS])
+def test_a_fork_reaches_its_parent_whose_answers_were_not_seen_whole(rig: Rig, agent, scenario, how):
+    """Issue 18: a parent whose answers the proxy did not see whole is found from its requests.
+
+    ``answers-differ``: the parent's answers come from a server whose answers are not the recorded
+    ones (the fakes' own), so the root the proxy could learn from the opening's answer is not the
+    one the recorded history carries — only A's later requests carry it. ``killed-after-answer``:
+    the recorded answers are served, and the proxy is killed (SIGKILL) right after the parent's
+    opening's answer, inside the batching window of its records (for Claude Code also right after
+    A's last answer, whose request-id the fork names in ``cc_prev_req``). After A, the agent is
+    switched to the other server: B opens there, and a fork left alone would go to the origin it
+    addresses (pi's without an id: to B, the latest conversation begun with that opening).
+    Each fork must reach A's server. Before issue 18 the forks of Claude Code, opencode and pi
+    went elsewhere (Codex names its parent thread: it was found before)."""
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    first = CURRENT[agent]
+    recs = load(agent, scenario)
+    replay = Replay(RUN)
+    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    a_recs = [r for r in recs if conversation(r) == "A"]
+    opening = next(r for r in a_recs if r.turn == "opening")
+    kill_after = {opening.nn} | ({a_recs[-1].nn} if agent == "claude-code" else set())
+    fork_post = next(r for r in recs if conversation(r) == "A-fork" and r.method == "POST")
+    fork_root = lineage.chain(replay.prepare(fork_post).body, F.api_of("POST", fork_post.path), turns=1).keys[0]
+    home = {"A": first, "A-fork": first, "B": OTHER[first]}
+    landed: list[tuple[str, str, str | None]] = []
+    switched = False
+    for rec in recs:
+        conv = conversation(rec)
+        if conv != "A" and not switched:
+            deadline = time.monotonic() + 5      # A's records are written a moment after its requests
+            while root_recorded(rig, agent, fork_root) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            rig.set_current(**{agent.replace("-", "_"): OTHER[first]})
+            switched = True
+        p = replay.prepare(rec)
+        canned = recorded_response(files[rec.nn], replay) if how == "killed-after-answer" else None
+        for f in rig.fakes.values():
+            f.canned = (lambda _r, c=canned: c) if canned else None
+        try:
+            sent = rig.send(p)
+        finally:
+            for f in rig.fakes.values():
+                f.canned = None
+        landed.append((rec.name, conv, sent.landed))
+        if how == "killed-after-answer" and rec.nn in kill_after:
+            rig.mitm.restart(sig=signal.SIGKILL)   # right after its answer: its records are lost
+    wrong = [(name, conv, where) for name, conv, where in landed if where != home[conv]]
+    assert any(conv == "A-fork" for _, conv, _ in landed)
+    assert not wrong, f"off their conversation's server: {wrong}\nall: {landed}"

@@ -329,3 +329,13 @@ async def test_reads_over_the_bound_are_skipped_and_counted(proxy):
     await proxy.send(flow("continuation"))
     await watch.settled()
     assert watch.reads.skipped == 1 and await proxy.store.keys("lin:") == []
+
+
+async def test_the_metrics_count_records_and_what_is_pending(proxy):
+    await proxy.send(flow())
+    await proxy.send(flow("continuation"))
+    await watch_of(proxy).settled()
+    text = await proxy.status.render_metrics()
+    assert 'sessionpin_lineage_records_total{outcome="written"} 1' in text
+    assert 'sessionpin_lineage_records_total{outcome="skipped"} 0' in text
+    assert "sessionpin_lineage_pending 0" in text

@@ -60,6 +60,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
     router = Router(config, runtime, connect, metrics, participants, env, allocations)
     router.lineage = watch = LineageWatch(runtime)
+    metrics.lineage = watch.counts
     runtime.config_path = lambda: str(config.path) if config.path else None
     runtime.token = status.token
     for p in participants:

@@ -97,6 +97,12 @@ class LineageWatch:
     def done(self) -> None:
         self.reads.close()
 
+    def counts(self) -> dict[str, int]:
+        """For the metrics: records written, dropped, skipped; reads and records still pending."""
+        flushing = self._flusher is not None and not self._flusher.done()
+        return {"written": self.recorded, "dropped": self.dropped, "skipped": self.reads.skipped,
+                "pending": self.reads.jobs + len(self._pending) + int(flushing)}
+
     def watch(self, flow: http.HTTPFlow, state: State) -> None:
         """Called by the router once a request is decided and on its way."""
         f = state.request.facts

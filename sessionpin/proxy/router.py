@@ -66,6 +66,7 @@ class Metrics:
         self.refusals: Counter[str] = Counter()
         self.store_errors = 0
         self.pin_writes = 0          # pins this proxy wrote or tried to: the status's counts are stale
+        self.lineage = None          # () -> the lineage watch's counts (LineageWatch.counts), set by make_addons
 
 
 class Router:

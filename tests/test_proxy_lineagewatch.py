@@ -77,7 +77,8 @@ async def test_an_openings_root_is_read_after_its_answer_never_before_it_leaves(
         reader(c)
     root = lineage.extend(real(f.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).head, reader.result().digest)
     assert await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
-    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123")) == SESSION
+    # the anchor: a claim of the server that answered (glm), with the conversation's root
+    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123", "glm")) == f"{root} {SESSION}"
 
 
 async def test_an_answer_cut_short_records_no_root_but_the_next_request_carrying_it_does(proxy, monkeypatch):
@@ -97,7 +98,9 @@ async def test_an_answer_cut_short_records_no_root_but_the_next_request_carrying
     root = real(g.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
     assert calls == [1] and await proxy.store.keys("lin:claude-code:root:") == [lineindex.root_key("claude-code", root)]
     assert await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
-    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123")) == SESSION
+    # the opening's anchor had no root to be corroborated by: not recorded; the continuation's has
+    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123", "glm")) == f"{root} {SESSION}"
+    assert await proxy.store.keys("lin:claude-code:req:") == [lineindex.anchor_key("claude-code", "req:req_abc123", "glm")]
 
 
 async def test_an_error_answer_records_nothing(proxy):
@@ -121,26 +124,29 @@ async def flushed(watch: lineagewatch.LineageWatch) -> None:
 
 
 async def test_a_claude_code_response_names_its_session_by_its_request_id(proxy):
-    f = flow("opening")
+    await proxy.send(flow("opening"))
+    f = flow("continuation")
     await proxy.send(f)
     watch = proxy.router.lineage
     answered(f, "req_011abc")
     watch.responseheaders(f)
     watch.response(f)
     await watch.settled()
-    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_011abc")) == SESSION
-    assert (watch.recorded, watch.dropped) == (1, 0)
+    root = lineage.chain(f.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
+    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_011abc", "glm")) == f"{root} {SESSION}"
+    assert (watch.recorded, watch.dropped) == (2, 0)          # the root, then the anchor
 
 
 async def test_a_failed_response_names_nothing(proxy):
-    f = flow("opening")
+    await proxy.send(flow("opening"))
+    f = flow("continuation")
     await proxy.send(f)
     watch = proxy.router.lineage
     answered(f, "req_011bad", status=529)
     watch.responseheaders(f)
     watch.response(f)
     await watch.settled()
-    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_011bad")) is None
+    assert await proxy.store.keys("lin:claude-code:req:") == []
 
 
 class Held(MemoryStore):
@@ -163,8 +169,11 @@ class Runtime:
         self.errors = 0
 
 
+ROOT = "ab" * 16
+
+
 def writes(w: lineagewatch._Watched):
-    return lineindex.record_writes(w.agent, w.session, None, w.anchors)
+    return lineindex.record_writes(w.agent, w.session, ROOT, w.anchors, "glm", owns_root=False)
 
 
 def watched(n: int) -> list[lineagewatch._Watched]:
@@ -195,7 +204,7 @@ async def test_records_that_come_while_a_write_waits_go_in_one_write():
         await flushed(watch)
         assert backend.applies == 2          # the 199 that came meanwhile: one write
         assert (watch.recorded, watch.dropped) == (200, 0)
-        assert await store.get(lineindex.anchor_key("claude-code", "req:r199")) == "s199"
+        assert await store.get(lineindex.anchor_key("claude-code", "req:r199", "glm")) == f"{ROOT} s199"
     finally:
         backend.hold.set()
         await store.close()
@@ -228,7 +237,7 @@ async def test_the_records_waiting_are_bounded(monkeypatch):
         backend.hold.set()
         await flushed(watch)
         assert watch.recorded + watch.dropped == 50 and watch.dropped >= 39
-        assert await store.get(lineindex.anchor_key("claude-code", "req:r49")) == "s49"   # the newest kept
+        assert await store.get(lineindex.anchor_key("claude-code", "req:r49", "glm")) == f"{ROOT} s49"   # the newest kept
     finally:
         backend.hold.set()
         await store.close()
@@ -336,6 +345,6 @@ async def test_the_metrics_count_records_and_what_is_pending(proxy):
     await proxy.send(flow("continuation"))
     await watch_of(proxy).settled()
     text = await proxy.status.render_metrics()
-    assert 'sessionpin_lineage_records_total{outcome="written"} 1' in text
+    assert 'sessionpin_lineage_records_total{outcome="written"} 1' in text      # its root
     assert 'sessionpin_lineage_records_total{outcome="skipped"} 0' in text
     assert "sessionpin_lineage_pending 0" in text

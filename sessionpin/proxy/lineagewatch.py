@@ -20,7 +20,12 @@ Rules it keeps:
   read from the request (on the thread, after the answer) and the conversation's root key
   (``lineage.extend(head, answer.digest)``) is recorded for it.
 - Every successful Claude Code response records its ``request-id`` header as an anchor
-  (Claude Code names it in ``cc_prev_req`` when another process resumes or forks).
+  (Claude Code names it in ``cc_prev_req`` when another process resumes or forks): a claim of
+  the server that answered (the request's target, or the server it addressed when left alone),
+  with the root of the conversation's history — the request's own root, or an opening's from
+  its answer. Without a root (an opening whose answer was not seen whole) no anchor is
+  recorded: it could never be corroborated (``lineindex``). A fork's requests do record
+  their anchors (a fork of the fork names them), not their root.
 - Only ids and hashes; records are not durable and never delay a request or a response.
 - Bounded: at most ``MAX_WATCHED`` responses are watched at once (the oldest dropped); the
   reads waiting for the thread are bounded in number and bytes (``OffLoop.submit``: over it
@@ -73,10 +78,13 @@ def _root(body: bytes, api: str, encoding: str) -> str | None:
 
 
 class _Watched:
-    __slots__ = ("agent", "session", "api", "opening", "reader", "anchors")
+    __slots__ = ("agent", "session", "api", "opening", "reader", "anchors", "server", "root")
 
-    def __init__(self, agent: str, session: str, api: str, opening: bool) -> None:
+    def __init__(self, agent: str, session: str, api: str, opening: bool, server: str | None = None,
+                 root: str | asyncio.Future | None = None) -> None:
         self.agent, self.session, self.api, self.opening = agent, session, api, opening
+        self.server = server         # who answers it: the anchors' issuer
+        self.root = root             # the request's root: known, being read, or None
         self.reader: StreamReader | None = None
         self.anchors: list[str] = []
 
@@ -112,30 +120,32 @@ class LineageWatch:
         pin = state.loaded.pin
         if pin is None and d.pin_action != "create":
             return
-        if f.has_history and not (pin.parent if pin is not None else state.parent):
-            self._root_from_request(flow, state)
+        agent, session = f.agent, state.session
+        fork = bool(pin.parent if pin is not None else state.parent)
+        root: str | asyncio.Future | None = None
+        if f.has_history and (not fork or agent == F.CLAUDE_CODE):
+            root = self._request_root(flow, state)
+            if not fork:
+                _when(root, lambda r: self._learn_root(agent, session, r))
         opening = not f.has_history and f.turn in (F.OPENING, F.UNKNOWN_TURN) and d.pin_action == "create"
-        if not opening and f.agent != F.CLAUDE_CODE:
+        if not opening and agent != F.CLAUDE_CODE:
             return          # nothing to read from its answer: no root to learn, no anchor to keep
-        self._watched[flow.id] = _Watched(f.agent, state.session, f.api, opening)
+        source = state.request.source
+        self._watched[flow.id] = _Watched(agent, session, f.api, opening, d.target or (source.name if source else None),
+                                          root)
         while len(self._watched) > MAX_WATCHED:
             self._watched.popitem(last=False)
 
-    def _root_from_request(self, flow: http.HTTPFlow, state: State) -> None:
-        """Record the root of the history this request carries for its conversation."""
-        agent, session = state.request.facts.agent, state.session or ""
+    def _request_root(self, flow: http.HTTPFlow, state: State) -> str | asyncio.Future | None:
+        """The root of the history this request carries: read already, or being read on the thread."""
         if state.lineage is not None:          # the request path read it already
-            if state.lineage.root:
-                self._learn_root(agent, session, state.lineage.root)
-            return
+            return state.lineage.root
         req = flow.request
         body = req.raw_content
         if not body:
-            return
-        fut = self.reads.submit(len(body), _root, body, state.request.facts.api,
-                                req.headers.get("content-encoding", ""))
-        if fut is not None:
-            fut.add_done_callback(lambda done: self._learn_root(agent, session, _result(done)))
+            return None
+        return self.reads.submit(len(body), _root, body, state.request.facts.api,
+                                 req.headers.get("content-encoding", ""))
 
     def _learn_root(self, agent: str, session: str, root: str | None) -> None:
         if not root:
@@ -177,18 +187,17 @@ class LineageWatch:
             body = req.raw_content
             if answer.complete and not answer.overflow and body:
                 fut = self.reads.submit(len(body), _head, body, w.api, req.headers.get("content-encoding", ""))
-                if fut is not None:
-                    def answered(done: asyncio.Future) -> None:
-                        head = _result(done)
-                        root = lineage.extend(head, answer.digest) if head is not None else None
-                        if root:
-                            self._roots[(w.agent, root)] = (w.session, time.monotonic())
-                        if root or w.anchors:
-                            self._record(lineindex.record_writes(w.agent, w.session, root, w.anchors))
-                    fut.add_done_callback(answered)
-                    return
+
+                def answered(head: str | None) -> None:
+                    root = lineage.extend(head, answer.digest) if head is not None else None
+                    if root:
+                        self._roots[(w.agent, root)] = (w.session, time.monotonic())
+                        self._record(lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server))
+                _when(fut, answered)
+            return
         if w.anchors:
-            self._record(lineindex.record_writes(w.agent, w.session, None, w.anchors))
+            _when(w.root, lambda root: self._record(
+                lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server, owns_root=False)))
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._watched.pop(flow.id, None)
@@ -232,6 +241,17 @@ class LineageWatch:
                     log.warning("sessionpin: lineage records not written (%s); dropped until the store takes "
                                 "writes again (forks of these conversations are then left alone)", e)
                 self._failing = True
+
+
+def _when(value: str | asyncio.Future | None, then) -> None:
+    """``then(value)``, at once or once the read it stands for is done (a read skipped: None)."""
+    if isinstance(value, asyncio.Future):
+        if value.done():
+            then(_result(value))
+        else:
+            value.add_done_callback(lambda done: then(_result(done)))
+    else:
+        then(value)
 
 
 def _result(fut: asyncio.Future) -> str | None:

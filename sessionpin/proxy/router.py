@@ -160,8 +160,12 @@ class Router:
                                                                                  effect.fingerprint))
             if isinstance(effect, route.FindParent):
                 found = await lineindex.find_parent(store, effect.agent, effect.session, effect.sessions,
-                                                    effect.anchors, effect.root)
-                return route.ParentFound(*found) if found else route.ParentFound(None)
+                                                    effect.anchors, effect.root, state.request.config.servers)
+                for anchor, issuers in found.voided:
+                    log.warning("sessionpin: %s %s: the anchor %s was issued by %d servers (%s); it names no "
+                                "conversation (an anchor belongs to the one server that issued it)", effect.agent,
+                                short(effect.session), anchor, len(issuers), ", ".join(issuers))
+                return route.ParentFound(found.session, found.loaded) if found.session else route.ParentFound(None)
             if isinstance(effect, route.CreatePin):
                 got = await pins.create(store, effect.session, effect.pin, effect.seen)
                 return route.PinCreated() if got.pin == effect.pin else route.PinLost(got)

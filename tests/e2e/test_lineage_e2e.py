@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from sessionpin import facts as F
 from sessionpin import lineage, lineindex
 from sessionpin.store import open_store
 
-from .harness import FakeServer, TestCA
+from .harness import FakeServer, TestCA, anthropic_sse_events
 from .replay import FIXTURES, Replay, load
 from .test_replay_e2e import CURRENT, RUN, Rig
 
@@ -192,3 +193,91 @@ def test_a_fork_reaches_its_parent_whose_answers_were_not_seen_whole(rig: Rig, a
     wrong = [(name, conv, where) for name, conv, where in landed if where != home[conv]]
     assert any(conv == "A-fork" for _, conv, _ in landed)
     assert not wrong, f"off their conversation's server: {wrong}\nall: {landed}"
+
+
+# ---- issue 20: a server's claims are corroborated before they route anything ---------------
+
+
+def claims(rig: Rig, anchor: str) -> dict[str, str]:
+    """Every index entry for ``anchor`` (any issuer), key -> value."""
+    async def read() -> dict[str, str]:
+        store = open_store(f"file:{rig.store_path}")
+        try:
+            keys = [k for k in await store.keys(f"lin:claude-code:{anchor}") if k[len(f"lin:claude-code:{anchor}"):][:1] in ("", "@")]
+            return dict(zip(keys, await store.mget(keys)))
+        finally:
+            await store.close()
+    return asyncio.run(read())
+
+
+def wait_for_claim(rig: Rig, anchor: str, session: str) -> None:
+    deadline = time.monotonic() + 5
+    while not any(v == session or v.endswith(" " + session) for v in claims(rig, anchor).values()):
+        if time.monotonic() > deadline:
+            return   # (the code before issue 20 may record it under another key: the test decides)
+        time.sleep(0.05)
+
+
+def echo(server: str):
+    """A server that answers with the ``cc_prev_req`` it was sent as its own ``request-id``."""
+    def canned(r) -> tuple[int, list[tuple[str, str]], bytes]:
+        m = re.search(r"cc_prev_req=([^;\s\"]+)", r.body.decode("utf-8", "replace"))
+        body = b"".join(anthropic_sse_events(server, "glm-4.6", 1))
+        return 200, [("content-type", "text/event-stream"), ("request-id", m.group(1) if m else "req_none")], body
+    return canned
+
+
+@pytest.mark.parametrize("first_claim", ["kept", "lost"])
+def test_a_server_echoing_the_id_it_was_sent_takes_no_fork_of_another_servers_conversation(rig: Rig, first_claim):
+    """Issue 20, first row. Claude Code conversation A runs on glm (its recorded answers, their
+    request-ids). The agent is switched to alt, where a new conversation Q opens naming A's last
+    response in ``cc_prev_req`` (as after ``/clear`` in the same process); alt answers with that id
+    as its own ``request-id``. Then ``claude --resume A --fork-session`` names the same id.
+    ``kept``: glm's claim on the id is in the index too — two issuers: the anchor is void (a log
+    line says so). ``lost``: the proxy was killed right after A's last answer, so alt's is the only
+    claim — but it names Q, whose history is not the fork's. Either way the fork reaches glm, A's
+    server; before issue 20 the newest claim won and the fork went to alt with A's history."""
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    recs = load("claude-code", "lineage")
+    files = {r.nn: next((FIXTURES / "claude-code").glob(f"lineage-{r.nn:02d}-*.json")) for r in recs}
+    replay = Replay(RUN)
+    a_recs = [r for r in recs if conversation(r) == "A"]
+    landed = []
+    for rec in a_recs:
+        canned = recorded_response(files[rec.nn], replay)
+        rig.fakes["glm"].canned = lambda _r, c=canned: c
+        try:
+            landed.append(rig.send(replay.prepare(rec)).landed)
+        finally:
+            rig.fakes["glm"].canned = None
+    assert landed == ["glm"] * len(a_recs)
+    last_id = dict((k.lower(), v) for k, v in recorded_response(files[a_recs[-1].nn], replay)[1])["request-id"]
+    anchor = f"req:{last_id}"
+    a_session = replay.fresh(a_recs[0].header("x-claude-code-session-id"))
+    if first_claim == "lost":
+        rig.mitm.restart(sig=signal.SIGKILL)       # right after A's last answer: glm's claim is lost
+    else:
+        wait_for_claim(rig, anchor, a_session)
+
+    rig.set_current(claude_code="alt")
+    q = Replay(RUN)                                # another conversation: its own session id
+    opening = q.prepare(a_recs[0])
+    q_session = q.fresh(a_recs[0].header("x-claude-code-session-id"))
+    text = opening.body.decode()
+    assert "cc_prev_req" not in text and "cc_entrypoint=sdk-cli;" in text
+    opening = opening.with_body(text.replace("cc_entrypoint=sdk-cli;", f"cc_entrypoint=sdk-cli; cc_prev_req={last_id};", 1).encode())
+    rig.fakes["alt"].canned = echo("alt")
+    try:
+        sent = rig.send(opening)
+    finally:
+        rig.fakes["alt"].canned = None
+    assert sent.landed == "alt" and sent.reply.header("request-id") == last_id
+    wait_for_claim(rig, anchor, q_session)
+
+    since = len(rig.mitm._lines)
+    fork = next(r for r in recs if conversation(r) == "A-fork")
+    sent = rig.send(replay.prepare(fork))
+    assert sent.landed == "glm", f"the fork of A reached {sent.landed}, claims: {claims(rig, anchor)}"
+    if first_claim == "kept":
+        assert rig.mitm.wait_output(rf"the anchor {re.escape(anchor)} was issued by 2 servers \(alt, glm\)",
+                                    since=since), rig.mitm.tail(20)

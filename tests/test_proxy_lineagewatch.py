@@ -348,3 +348,18 @@ async def test_the_metrics_count_records_and_what_is_pending(proxy):
     assert 'sessionpin_lineage_records_total{outcome="written"} 1' in text      # its root
     assert 'sessionpin_lineage_records_total{outcome="skipped"} 0' in text
     assert "sessionpin_lineage_pending 0" in text
+
+
+async def test_the_roots_recorded_lately_are_bounded(monkeypatch):
+    monkeypatch.setattr(lineagewatch, "MAX_ROOTS", 3)
+    store = Threaded(MemoryStore())
+    watch = lineagewatch.LineageWatch(Runtime(store))
+    try:
+        for i in range(5):
+            watch._learn_root("claude-code", f"s{i}", f"{i:032x}")
+        watch._learn_root("claude-code", "s4", f"{4:032x}")       # recorded lately: not again
+        await watch.settled()
+        assert len(watch._roots) == 3 and watch.recorded == 5
+        assert await store.get(lineindex.root_key("claude-code", f"{0:032x}")) == "s0"
+    finally:
+        await store.close()

@@ -150,15 +150,17 @@ class LineageWatch:
     def _learn_root(self, agent: str, session: str, root: str | None) -> None:
         if not root:
             return
-        now = time.monotonic()
         seen = self._roots.get((agent, root))
-        if seen is not None and seen[0] == session and now - seen[1] < REFRESH:
+        if seen is not None and seen[0] == session and time.monotonic() - seen[1] < REFRESH:
             return
-        self._roots[(agent, root)] = (session, now)
+        self._recorded_lately(agent, root, session)
+        self._record(lineindex.record_writes(agent, session, root))
+
+    def _recorded_lately(self, agent: str, root: str, session: str) -> None:
+        self._roots[(agent, root)] = (session, time.monotonic())
         self._roots.move_to_end((agent, root))
         while len(self._roots) > MAX_ROOTS:
             self._roots.popitem(last=False)
-        self._record(lineindex.record_writes(agent, session, root))
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         w = self._watched.get(flow.id)
@@ -191,7 +193,7 @@ class LineageWatch:
                 def answered(head: str | None) -> None:
                     root = lineage.extend(head, answer.digest) if head is not None else None
                     if root:
-                        self._roots[(w.agent, root)] = (w.session, time.monotonic())
+                        self._recorded_lately(w.agent, root, w.session)
                         self._record(lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server))
                 _when(fut, answered)
             return

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one pathological body costs every other client: the worst stall of a probe while it passes.
 
-    .venv/bin/python scripts/bench_lineage_stall.py [--old REV] [--mb 60] [--shapes tiny,huge,deep]
+    .venv/bin/python scripts/bench_lineage_stall.py [--old REV] [--mb 60] [--shapes tiny,huge,deep] [--repeat 1]
 
 Issue 20 ("no body costs other clients more than ~100 ms"). Through a real mitmdump with the
 router (file store, local TLS servers), for this checkout and (``--old``) an earlier commit:
@@ -20,6 +20,8 @@ router (file store, local TLS servers), for this checkout and (``--old``) an ear
   median latency over 3 s before (``quiet``).
 
 The machine is shared and noisy: compare the stalls with the quiet worst of the same run.
+With ``--repeat N`` each case is sent N times (a new session each) and the row shows the
+median of the N worst stalls, and their range.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class Probe:
         return (max(xs), statistics.median(xs), len(xs)) if xs else (float("nan"), float("nan"), 0)
 
 
-def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: list[str]) -> list[dict]:
+def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: list[str], repeat: int) -> list[dict]:
     origin = FakeServer("origin", ca).start()
     up = FakeServer("up", ca, prefix="/api/anthropic").start()
     origin.keep_bodies = up.keep_bodies = False
@@ -139,24 +141,31 @@ def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: li
             time.sleep(3)
             quiet = probe.worst(t0, time.perf_counter())
             rows.append({"code": name, "case": "quiet", "shape": "-", "mb": 0, "request_s": 0.0,
-                         "worst_ms": quiet[0] * 1000, "median_ms": quiet[1] * 1000, "n": quiet[2]})
+                         "worst_ms": quiet[0] * 1000, "min_ms": quiet[0] * 1000, "max_ms": quiet[0] * 1000, "n": 1,
+                         "median_probe_ms": quiet[1] * 1000})
             for shape in shapes:
                 body = pathological(shape, size)
                 for case in ("pinless", "pinned"):
-                    session = str(uuid.uuid4())
-                    if case == "pinned":
-                        r = client.request("POST", url, headers(session), opening(session))
-                        assert r.status == 200, r.status
-                    t0 = time.perf_counter()
-                    r = client.request("POST", url, headers(session), body)
-                    t1 = time.perf_counter()
-                    time.sleep(AFTER)
-                    worst = probe.worst(t0, t1 + AFTER)
+                    worsts, took, statuses = [], [], set()
+                    for _ in range(repeat):
+                        session = str(uuid.uuid4())
+                        if case == "pinned":
+                            r = client.request("POST", url, headers(session), opening(session))
+                            assert r.status == 200, r.status
+                        t0 = time.perf_counter()
+                        r = client.request("POST", url, headers(session), body)
+                        t1 = time.perf_counter()
+                        time.sleep(AFTER)
+                        worsts.append(probe.worst(t0, t1 + AFTER)[0] * 1000)
+                        took.append(t1 - t0)
+                        statuses.add(r.status)
                     rows.append({"code": name, "case": case, "shape": shape, "mb": len(body) / 2**20,
-                                 "request_s": t1 - t0, "status": r.status, "worst_ms": worst[0] * 1000,
-                                 "median_ms": worst[1] * 1000, "n": worst[2]})
-                    print(f"{name} {case} {shape}: {rows[-1]['worst_ms']:.0f} ms worst probe "
-                          f"(request {t1 - t0:.1f} s, {r.status})", flush=True)
+                                 "request_s": statistics.median(took), "status": sorted(statuses),
+                                 "worst_ms": statistics.median(worsts), "min_ms": min(worsts), "max_ms": max(worsts),
+                                 "n": repeat})
+                    print(f"{name} {case} {shape}: {rows[-1]['worst_ms']:.0f} ms worst probe (median of {repeat}: "
+                          f"{min(worsts):.0f}-{max(worsts):.0f}; request {statistics.median(took):.1f} s, "
+                          f"{sorted(statuses)})", flush=True)
     except BaseException:
         print(mitm.output[-4000:], file=sys.stderr)
         raise
@@ -172,6 +181,7 @@ def main() -> None:
     ap.add_argument("--old", help="also measure this git revision (e.g. the commit before issue 20's fix)")
     ap.add_argument("--mb", type=float, default=60.0, help="the body's size in MiB (the limit is 64)")
     ap.add_argument("--shapes", default="tiny,huge,deep")
+    ap.add_argument("--repeat", type=int, default=1, help="sends per case (the median worst stall is shown)")
     args = ap.parse_args()
     size = int(args.mb * 2**20)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -187,12 +197,13 @@ def main() -> None:
         ca = TestCA(tmp / "ca")
         rows = []
         for name, tree in trees:
-            rows += run_tree(name, tree, tmp, ca, size, shapes)
-        print("\n| code | case | history | body MiB | request s | worst probe ms | median probe ms (n) |")
-        print("|---|---|---|---|---|---|---|")
+            rows += run_tree(name, tree, tmp, ca, size, shapes, args.repeat)
+        print("\n| code | case | history | body MiB | request s | worst probe ms (median of n) | range | n |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['code']} | {r['case']} | {r['shape']} | {r['mb']:.0f} | {r['request_s']:.1f} | "
-                  f"{r['worst_ms']:.0f} | {r['median_ms']:.1f} ({r['n']}) |")
+            extra = f" (probe median {r['median_probe_ms']:.1f} ms)" if "median_probe_ms" in r else ""
+            print(f"| {r['code']} | {r['case']}{extra} | {r['shape']} | {r['mb']:.0f} | {r['request_s']:.1f} | "
+                  f"{r['worst_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | {r['n']} |")
 
 
 if __name__ == "__main__":

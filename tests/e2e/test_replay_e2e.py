@@ -238,6 +238,14 @@ class Rig:
                 await store.close()
         asyncio.run(forget())
 
+    def pin_written(self, session: str, timeout: float = 5.0) -> pins.Pin | None:
+        """A "not routed" pin, which the router writes after the request left (docs/router.md):
+        waited for, with a deadline."""
+        deadline = time.monotonic() + timeout
+        while (pin := self.pin(session)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return pin
+
     def pin(self, session: str) -> pins.Pin | None:
         """The pin in the store file, read as another process would."""
         async def read() -> pins.Pin | None:
@@ -467,7 +475,7 @@ def test_claude_code_resume_never_seen_begin_stays_on_anthropic(rig):
     recs = load("claude-code", "resume")
     check_each(replay(rig, recs, r), assert_untouched)
     session = session_of(r, recs[0])
-    pin = rig.pin(session)
+    pin = rig.pin_written(session)
     assert pin is not None and (pin.agent, pin.server) == ("claude-code", None), pin
     # the interactive recording is the same session (same recorded id, same fresh id here)
     later = [rec for rec in load("claude-code", "interactive") if rec.kind in ("title", "opening")]
@@ -482,7 +490,7 @@ def test_claude_code_fork_is_left_alone(rig):
     r = Replay(RUN)
     recs = load("claude-code", "fork")
     check_each(replay(rig, recs, r), assert_untouched)
-    pin = rig.pin(session_of(r, recs[0]))
+    pin = rig.pin_written(session_of(r, recs[0]))
     assert pin is not None and (pin.agent, pin.server, pin.rule) == ("claude-code", None, "continuation-unseen"), pin
 
 
@@ -543,7 +551,7 @@ def test_opencode_session_continued_or_forked_alone_is_left_alone(rig, scenario)
     r = Replay(RUN)
     recs = load("opencode", scenario)
     check_each(replay(rig, recs, r), assert_untouched)
-    pin = rig.pin(session_of(r, recs[0]))
+    pin = rig.pin_written(session_of(r, recs[0]))
     assert pin is not None and (pin.agent, pin.server) == ("opencode", None), pin
 
 
@@ -591,7 +599,7 @@ def test_codex_resume_or_fork_alone_is_left_alone(rig, scenario):
     r = Replay(RUN)
     recs = load("codex", scenario)
     check_each(replay(rig, recs, r), assert_untouched)
-    pin = rig.pin(session_of(r, recs[0]))
+    pin = rig.pin_written(session_of(r, recs[0]))
     assert pin is not None and (pin.agent, pin.server) == ("codex", None), pin
 
 

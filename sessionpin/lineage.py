@@ -29,6 +29,12 @@ docs/facts.md "Lineage" lists each rule and its limits):
 - ``turns`` bounds the read to the first N model runs: the cost is that of the items read (a
   large body is walked item by item), so the root key (``turns=1``) costs about what the facts
   reader already pays; the whole chain costs one msgspec pass over the history.
+- A read bounded by ``turns`` also has a budget (``TURNS_BUDGET``: 8 MiB of the history and
+  10,000 items): a history whose first N model runs do not fit in it has no keys
+  (``parsed=False``, "over the read's budget") — its root is not known, on either side of a
+  fork, as for a history never seen. Real first exchanges are a few items and well under a
+  MiB; a pathological body (a million tiny messages, or one huge message, before the first
+  answer) then costs a bounded read, never the whole body (issue 20).
 """
 
 from __future__ import annotations
@@ -218,6 +224,9 @@ class Chain(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
 
 
+TURNS_BUDGET = lw.Budget(size=8 * 1024 * 1024, items=10_000)
+OVER_BUDGET = "the history before the turns asked for is over the read's budget"
+
 _FLAVOUR = {facts.ANTHROPIC_MESSAGES: "anthropic", facts.ANTHROPIC_COUNT_TOKENS: "anthropic",
             facts.OPENAI_CHAT: "chat", facts.OPENAI_RESPONSES: "responses"}
 
@@ -238,7 +247,14 @@ def _chain(body, api, turns, content_encoding) -> Chain:
     data, problem = facts.decode_body(body, content_encoding or "")
     if problem:
         return Chain(parsed=False, reason=problem)
-    items, previous = lw.history(data, flavour, whole=turns is None)
+    try:
+        return _chain_of(data, flavour, turns)
+    except lw.OverBudget:
+        return Chain(parsed=False, reason=OVER_BUDGET)
+
+
+def _chain_of(data: bytes, flavour: str, turns: int | None) -> Chain:
+    items, previous = lw.history(data, flavour, whole=turns is None, budget=None if turns is None else TURNS_BUDGET)
     if items is None:
         return Chain(parsed=False, reason="no history")
     if isinstance(items, str):  # Responses: the whole input is one user text

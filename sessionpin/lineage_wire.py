@@ -16,6 +16,10 @@ Rules this module keeps:
   members before the key walked one at a time from the opening brace), each item's end is where
   msgspec reports trailing characters. Work per byte is bounded (``wire.STEPS`` counts it):
   look-alike keys nested before or after the history cost no second scan.
+- A walk may be given a budget (``Budget``: bytes of the array and items): an item that does
+  not end within it is not scanned past it, and the walk raises ``OverBudget`` — the reader
+  that needs only the first turns of a history (its root) never pays for a pathological one
+  (a million tiny messages, or one of 60 MB, before the first answer), on any thread.
 """
 
 from __future__ import annotations
@@ -146,32 +150,53 @@ def _array_start(data: bytes, key: bytes) -> int:
     return -1 if found is None else found[1] + 1
 
 
-def walk(data: bytes, key: bytes) -> Iterator[Item] | None:
+class OverBudget(Exception):
+    """The items asked for do not fit in the walk's budget."""
+
+
+class Budget(Struct, frozen=True):
+    size: int            # bytes of the array walked, from its opening bracket
+    items: int           # items read
+
+
+def walk(data: bytes, key: bytes, budget: Budget | None = None) -> Iterator[Item] | None:
     """The items of the top-level array ``key`` one by one, reading only as far as the caller
     iterates; None when the body does not look like ``{..., "key": [...], ...}``. A body that
-    turns out malformed further on ends the iteration early (the caller sees fewer items)."""
+    turns out malformed further on ends the iteration early (the caller sees fewer items).
+    With a ``budget``, iterating past it raises ``OverBudget``."""
     s = _array_start(data, key)
     if s == -1:
         return None
+    stop = len(data) if budget is None else min(len(data), s + budget.size)
+    most = None if budget is None else budget.items
 
     def items() -> Iterator[Item]:
         view = memoryview(data)
         i = _skip_ws(data, s)
         if i < len(data) and data[i] == ord("]"):
             return
+        n = 0
         while i < len(data):
+            if most is not None and n >= most:
+                raise OverBudget
             try:
-                _skip.decode(view[i:])
-                return  # an item running to the end of the body: not inside an array
+                _skip.decode(view[i:stop])
+                if stop < len(data):
+                    end = stop           # the item ends exactly at the budget's edge
+                else:
+                    return  # an item running to the end of the body: not inside an array
             except (msgspec.ValidationError, RecursionError):
                 return  # not an object, or nested deeper than msgspec reads
             except msgspec.DecodeError as err:
                 m = _TRAILING.search(str(err))
                 if m is None:
+                    if stop < len(data):
+                        raise OverBudget from None   # it does not end within the budget
                     return
                 end = i + int(m.group(1)) - 1
             count(2 * (end - i))   # the skip, then the item's decode
             one = item(view[i:end])
+            n += 1
             if one is not None:
                 yield one
             j = _skip_ws(data, end)
@@ -182,15 +207,20 @@ def walk(data: bytes, key: bytes) -> Iterator[Item] | None:
     return items()
 
 
-def history(data: bytes, flavour: str, whole: bool) -> tuple[Iterator[Item] | str | None, str | None]:
+def history(data: bytes, flavour: str, whole: bool,
+            budget: Budget | None = None) -> tuple[Iterator[Item] | str | None, str | None]:
     """(the items, or a Responses string input; the body's previous_response_id). ``whole``:
     decode the body at once (contents skipped); else a large body is walked item by item (its
-    previous_response_id is then not looked for: the facts reader has it)."""
+    previous_response_id is then not looked for: the facts reader has it). With a ``budget``
+    (not whole), a body larger than it that cannot be walked raises ``OverBudget`` rather than
+    be decoded at once."""
     key = b"input" if flavour == "responses" else b"messages"
     if not whole and len(data) >= FAST_MIN:
-        items = walk(data, key)
+        items = walk(data, key, budget)
         if items is not None:
             return items, None
+        if budget is not None and len(data) > budget.size:
+            raise OverBudget
     try:
         h = _history.decode(data)
     except msgspec.ValidationError:

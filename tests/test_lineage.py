@@ -406,3 +406,48 @@ def test_the_text_digest_fed_in_pieces_is_the_digest_of_the_stripped_whole(piece
     for piece in pieces:
         d.feed(piece)
     assert d.digest() == lineage.text_digest("".join(pieces)) == lineage._blake("".join(pieces).strip().encode())
+
+
+# ---------------------------------------------------------------- the root read's budget (issue 20)
+
+
+def _pathological(first: list[bytes]) -> bytes:
+    """A history whose first answer comes after ``first`` (encoded items)."""
+    return (b'{"model":"m","max_tokens":5,"messages":[' + b",".join(first) +
+            b',{"role":"assistant","content":"ok"},{"role":"user","content":"more"}]}')
+
+
+def _steps(fn) -> int:
+    from sessionpin import wire
+    wire.STEPS.n = 0
+    fn()
+    return wire.STEPS.n
+
+
+@pytest.mark.parametrize("shape", ["a million tiny messages", "one huge message", "an unwalkable head"])
+def test_the_root_read_of_a_pathological_history_stops_at_its_budget(shape):
+    """Before the first answer: 200,000 tiny messages (over the item budget), or one message larger
+    than the byte budget, or a body that cannot be walked item by item and is larger than the
+    budget. The root read gives up (no keys) after reading at most about its budget, never the
+    whole body; the whole chain is still read whole when asked for."""
+    budget = lineage.TURNS_BUDGET
+    if shape == "a million tiny messages":
+        body = _pathological([b'{"role":"user","content":"x"}'] * 200_000)
+    elif shape == "one huge message":
+        body = _pathological([json.dumps({"role": "user", "content": "y" * (budget.size + 1024)}).encode()])
+    else:
+        body = b'{' + b"".join(b'"k%d":0,' % i for i in range(100)) + _pathological(
+            [json.dumps({"role": "user", "content": "z" * (budget.size + 1024)}).encode()])[1:]
+    n = _steps(lambda: lineage.chain(body, facts.ANTHROPIC_MESSAGES, turns=1))
+    root = lineage.chain(body, facts.ANTHROPIC_MESSAGES, turns=1)
+    assert (root.keys, root.parsed, root.reason) == ((), False, lineage.OVER_BUDGET)
+    assert n <= 3 * budget.size, f"{n} bytes scanned for a {len(body)} byte body"
+    assert lineage.chain(body, facts.ANTHROPIC_MESSAGES).turns == 1        # the whole read is not bounded
+
+
+def test_a_history_within_the_budget_has_the_root_it_had():
+    first = [b'{"role":"user","content":"x"}'] * 5_000 + [json.dumps({"role": "user", "content": "y" * 300_000}).encode()]
+    body = _pathological(first)
+    assert len(body) > lw.FAST_MIN
+    walked = lineage.chain(body, facts.ANTHROPIC_MESSAGES, turns=1)
+    assert walked.keys and walked.keys[0] == lineage.chain(body, facts.ANTHROPIC_MESSAGES).keys[0]

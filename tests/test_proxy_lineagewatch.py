@@ -1,6 +1,6 @@
-"""LineageWatch in the shell: what it records from responses for later forks, when it reads
-the request (after the answer, never on the request's path), and how it writes: in batches
-that never queue a write each in front of a new conversation's pin."""
+"""LineageWatch in the shell: what it records from requests and responses for later forks, when
+it reads the request (after it left, on a thread of its own, never on the request's path), and
+how it writes: in batches that never queue a write each in front of a new conversation's pin."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ async def answer(proxy, f, chunks=SSE, status=200) -> None:
         for c in chunks:
             assert stream(c) == c                 # every chunk forwarded unchanged, at once
     watch.response(f)
-    await flushed(watch)
+    await watch.settled()
 
 
 async def test_an_openings_root_is_read_after_its_answer_never_before_it_leaves(proxy, monkeypatch):
@@ -77,10 +77,13 @@ async def test_an_openings_root_is_read_after_its_answer_never_before_it_leaves(
         reader(c)
     root = lineage.extend(real(f.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).head, reader.result().digest)
     assert await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
-    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123")) == SESSION
+    # the anchor: a claim of the server that answered (glm), with the conversation's root
+    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123", "glm")) == f"{root} {SESSION}"
 
 
-async def test_an_answer_cut_short_records_no_root_and_a_continuation_only_its_anchor(proxy, monkeypatch):
+async def test_an_answer_cut_short_records_no_root_but_the_next_request_carrying_it_does(proxy, monkeypatch):
+    """Issue 18: the opening's answer was interrupted; the continuation that carries the
+    history as the client kept it names the conversation by its root all the same."""
     calls = []
     real = lineage.chain
     monkeypatch.setattr(lineagewatch.lineage, "chain", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -92,8 +95,12 @@ async def test_an_answer_cut_short_records_no_root_and_a_continuation_only_its_a
     await proxy.send(g)
     assert g.metadata["sessionpin"]["rule"] == "pinned"
     await answer(proxy, g)
-    assert calls == [] and await proxy.store.keys("lin:claude-code:root:") == []
-    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123")) == SESSION
+    root = real(g.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
+    assert calls == [1] and await proxy.store.keys("lin:claude-code:root:") == [lineindex.root_key("claude-code", root)]
+    assert await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
+    # the opening's anchor had no root to be corroborated by: not recorded; the continuation's has
+    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123", "glm")) == f"{root} {SESSION}"
+    assert await proxy.store.keys("lin:claude-code:req:") == [lineindex.anchor_key("claude-code", "req:req_abc123", "glm")]
 
 
 async def test_an_error_answer_records_nothing(proxy):
@@ -117,26 +124,29 @@ async def flushed(watch: lineagewatch.LineageWatch) -> None:
 
 
 async def test_a_claude_code_response_names_its_session_by_its_request_id(proxy):
-    f = flow("opening")
+    await proxy.send(flow("opening"))
+    f = flow("continuation")
     await proxy.send(f)
     watch = proxy.router.lineage
     answered(f, "req_011abc")
     watch.responseheaders(f)
     watch.response(f)
-    await flushed(watch)
-    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_011abc")) == SESSION
-    assert (watch.recorded, watch.dropped) == (1, 0)
+    await watch.settled()
+    root = lineage.chain(f.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
+    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_011abc", "glm")) == f"{root} {SESSION}"
+    assert (watch.recorded, watch.dropped) == (2, 0)          # the root, then the anchor
 
 
 async def test_a_failed_response_names_nothing(proxy):
-    f = flow("opening")
+    await proxy.send(flow("opening"))
+    f = flow("continuation")
     await proxy.send(f)
     watch = proxy.router.lineage
     answered(f, "req_011bad", status=529)
     watch.responseheaders(f)
     watch.response(f)
-    await flushed(watch)
-    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_011bad")) is None
+    await watch.settled()
+    assert await proxy.store.keys("lin:claude-code:req:") == []
 
 
 class Held(MemoryStore):
@@ -159,6 +169,13 @@ class Runtime:
         self.errors = 0
 
 
+ROOT = "ab" * 16
+
+
+def writes(w: lineagewatch._Watched):
+    return lineindex.record_writes(w.agent, w.session, ROOT, w.anchors, "glm", owns_root=False)
+
+
 def watched(n: int) -> list[lineagewatch._Watched]:
     out = []
     for i in range(n):
@@ -174,20 +191,20 @@ async def test_records_that_come_while_a_write_waits_go_in_one_write():
     watch = lineagewatch.LineageWatch(Runtime(store))
     try:
         first, *rest = watched(200)
-        watch._record(first, None)
+        watch._record(writes(first))
         for _ in range(300):
             if backend.applies:
                 break
             await asyncio.sleep(0.01)
         assert backend.applies == 1          # the first write waits for the store
         for w in rest:
-            watch._record(w, None)
+            watch._record(writes(w))
             await asyncio.sleep(0)
         backend.hold.set()
         await flushed(watch)
         assert backend.applies == 2          # the 199 that came meanwhile: one write
         assert (watch.recorded, watch.dropped) == (200, 0)
-        assert await store.get(lineindex.anchor_key("claude-code", "req:r199")) == "s199"
+        assert await store.get(lineindex.anchor_key("claude-code", "req:r199", "glm")) == f"{ROOT} s199"
     finally:
         backend.hold.set()
         await store.close()
@@ -200,7 +217,7 @@ async def test_records_close_together_go_in_one_write():
     watch = lineagewatch.LineageWatch(Runtime(store))
     try:
         for w in watched(20):
-            watch._record(w, None)
+            watch._record(writes(w))
         await flushed(watch)
         assert backend.applies == 1 and watch.recorded == 20
     finally:
@@ -214,13 +231,13 @@ async def test_the_records_waiting_are_bounded(monkeypatch):
     watch = lineagewatch.LineageWatch(Runtime(store))
     try:
         for w in watched(50):
-            watch._record(w, None)
+            watch._record(writes(w))
             await asyncio.sleep(0)
         assert watch._writes <= 10
         backend.hold.set()
         await flushed(watch)
         assert watch.recorded + watch.dropped == 50 and watch.dropped >= 39
-        assert await store.get(lineindex.anchor_key("claude-code", "req:r49")) == "s49"   # the newest kept
+        assert await store.get(lineindex.anchor_key("claude-code", "req:r49", "glm")) == f"{ROOT} s49"   # the newest kept
     finally:
         backend.hold.set()
         await store.close()
@@ -238,7 +255,7 @@ async def test_a_failing_store_drops_records_with_one_warning(caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="sessionpin"):
             for w in watched(5):
-                watch._record(w, None)
+                watch._record(writes(w))
                 await flushed(watch)
         assert watch.dropped == 5 and watch.recorded == 0
         assert sum("lineage records not written" in r.getMessage() for r in caplog.records) == 1
@@ -250,5 +267,99 @@ async def test_a_failing_store_drops_records_with_one_warning(caplog):
 async def test_nothing_is_recorded_without_a_store():
     watch = lineagewatch.LineageWatch(Runtime(None))
     for w in watched(3):
-        watch._record(w, None)
+        watch._record(writes(w))
     assert watch._flusher is None and not watch._pending
+
+
+# ---- issue 18: a parent is found from any request of it -------------------------------------
+
+FORK = "abcd1234-0000-4000-8000-0000000000f0"
+
+
+async def test_a_parent_whose_answers_were_never_seen_is_found_by_a_request_carrying_its_history(proxy):
+    """The opening's answer never reached the watch (interrupted, or the proxy died before its
+    records were written); a later request of the conversation carried the history: a fork of it
+    reaches its server. Before issue 18 the fork was "a continuation never seen begin"."""
+    f = flow()
+    await proxy.send(f)
+    assert f.request.host == "api.z.ai"
+    watch = watch_of(proxy)
+    watch.error(f)                                   # no answer seen
+    g = flow("continuation")
+    await proxy.send(g)
+    await watch.settled()
+    fork = flow("continuation", session=FORK)
+    await proxy.send(fork)
+    meta = fork.metadata["sessionpin"]
+    assert (meta["rule"], meta.get("parent"), fork.request.host) == ("fork", SESSION, "api.z.ai")
+
+
+async def test_the_requests_root_is_read_on_a_thread_after_it_left(proxy, monkeypatch):
+    threads = []
+    real = lineage.chain
+    monkeypatch.setattr(lineagewatch.lineage, "chain",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    await proxy.send(flow())
+    g = flow("continuation")
+    await proxy.send(g)
+    assert g.request.host == "api.z.ai"
+    await watch_of(proxy).settled()
+    assert threads and all(t.startswith("sessionpin-lineage") for t in threads), threads
+
+
+async def test_a_forks_requests_leave_the_root_to_its_parent(proxy):
+    await proxy.send(flow())
+    await proxy.send(flow("continuation"))
+    watch = watch_of(proxy)
+    await watch.settled()
+    [key] = await proxy.store.keys("lin:claude-code:root:")
+    recorded = watch.recorded
+    for _ in range(2):
+        fork = flow("continuation", session=FORK)
+        await proxy.send(fork)
+        await watch.settled()
+    assert fork.metadata["sessionpin"]["rule"] == "pinned"       # the fork's own pin, naming its parent
+    assert await proxy.store.get(key) == SESSION and watch.recorded == recorded
+
+
+async def test_a_conversations_turns_write_its_root_once(proxy):
+    await proxy.send(flow())
+    watch = watch_of(proxy)
+    for _ in range(5):
+        await proxy.send(flow("continuation"))
+        await watch.settled()
+    assert watch.recorded == 1 and len(await proxy.store.keys("lin:claude-code:root:")) == 1
+
+
+async def test_reads_over_the_bound_are_skipped_and_counted(proxy):
+    await proxy.send(flow())
+    watch = watch_of(proxy)
+    watch.reads.max_jobs = 0
+    await proxy.send(flow("continuation"))
+    await watch.settled()
+    assert watch.reads.skipped == 1 and await proxy.store.keys("lin:") == []
+
+
+async def test_the_metrics_count_records_and_what_is_pending(proxy):
+    await proxy.send(flow())
+    await proxy.send(flow("continuation"))
+    await watch_of(proxy).settled()
+    text = await proxy.status.render_metrics()
+    assert 'sessionpin_lineage_records_total{outcome="written"} 1' in text      # its root
+    assert 'sessionpin_lineage_records_total{outcome="skipped"} 0' in text
+    assert "sessionpin_lineage_pending 0" in text
+
+
+async def test_the_roots_recorded_lately_are_bounded(monkeypatch):
+    monkeypatch.setattr(lineagewatch, "MAX_ROOTS", 3)
+    store = Threaded(MemoryStore())
+    watch = lineagewatch.LineageWatch(Runtime(store))
+    try:
+        for i in range(5):
+            watch._learn_root("claude-code", f"s{i}", f"{i:032x}")
+        watch._learn_root("claude-code", "s4", f"{4:032x}")       # recorded lately: not again
+        await watch.settled()
+        assert len(watch._roots) == 3 and watch.recorded == 5
+        assert await store.get(lineindex.root_key("claude-code", f"{0:032x}")) == "s0"
+    finally:
+        await store.close()

@@ -437,3 +437,26 @@ async def test_an_ambiguous_path_is_refused_400_in_the_format_of_the_api_it_name
     err = json.loads(f.response.content)
     assert ("type" in err) == (shape == "anthropic") and "ambiguous" in err["error"]["message"]
     assert await pin_of(proxy) is None
+
+
+async def test_a_large_bodys_lineage_is_read_off_the_event_loop(proxy, monkeypatch):
+    """Issue 20: a pin-less continuation's lineage (links and root) is read on a thread of the
+    router's own when the body is large, so the event loop serves every other client meanwhile;
+    the request itself waits for it and is decided as before."""
+    import threading
+
+    from sessionpin.proxy import router as router_module
+    threads = []
+    real = router_module.lineage.chain
+    monkeypatch.setattr(router_module.lineage, "chain",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    big = json.loads(body("continuation"))
+    big["messages"][0]["content"] = "x" * (300 * 1024)
+    f = flow("continuation", session="abcd1234-0000-4000-8000-00000000b16b", content=json.dumps(big).encode())
+    await proxy.send(f)
+    assert f.metadata["sessionpin"]["rule"] == "continuation-unseen"
+    assert threads and all(t.startswith("sessionpin-lineage-request") for t in threads), threads
+    small = flow("continuation", session="abcd1234-0000-4000-8000-00000000511a")
+    threads.clear()
+    await proxy.send(small)
+    assert threads == [threading.current_thread().name]       # a small body: no hop

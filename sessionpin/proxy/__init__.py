@@ -13,7 +13,7 @@ mitmproxy runs their hooks:
 | ``BodyLimit`` | limits.py | a 413 for an inference body over the limit, before it is buffered |
 | ``PageGuard`` | browsers.py | a 403 for a web page's request (browser fetch metadata) to a server or listener of ours |
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
-| ``LineageWatch`` | lineagewatch.py | records, from responses, what a fork of a conversation will name it by |
+| ``LineageWatch`` | lineagewatch.py | records, from requests and responses, what a fork of a conversation will name it by |
 | ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
 | ``LedgerWatch`` | ledgerwatch.py | every answered turn's tokens, cache read and miss reason, into the ledger |
 | ``SocketBounds`` | wsbounds.py | a WebSocket message (inflated) over the limit closes its socket; few messages kept |
@@ -67,6 +67,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
     router = Router(config, runtime, connect, metrics, participants, env, allocations)
     router.lineage = watch = LineageWatch(runtime)
+    metrics.lineage = watch.counts
     runtime.config_path = lambda: str(config.path) if config.path else None
     runtime.token = status.token
     for p in participants:

@@ -3,19 +3,33 @@
 A fork or resume under a new id (``claude --fork-session``, ``opencode --fork``, ``pi
 --fork``, …) carries its parent's history; to find the parent, the router needs to have
 remembered, from the parent's own traffic, the ids and hashes that history will hold
-(``sessionpin.lineindex``). This addon does that after a response, never on the
-request's path. Rules it keeps:
+(``sessionpin.lineindex``). This addon does that after a request left, never on its path.
+Rules it keeps:
 
+- **A conversation's root is learnt from any of its requests that carries history**: the
+  history's root key (``lineage.chain(turns=1)``: the first exchange, read on a thread of its
+  own, ``offloop.OffLoop``, after the request left) is recorded for the request's session —
+  whether or not any answer of the conversation was seen whole (interrupted, a proxy killed
+  before its records were written, a conversation begun before sessionpin). A fork (a pin
+  that names a parent) records nothing from its requests: its root is its parent's, and
+  stays its parent's. A root this proxy recorded for the same session within ``REFRESH`` is
+  not written again (bounded memory, ``MAX_ROOTS``).
 - An opening (and any request that pinned a conversation without history) has its
   streamed answer read as it passes (``lineage_stream.StreamReader``, every chunk
   forwarded unchanged and undelayed); once the answer completes, its history's head is
-  read from the request (``lineage.chain(turns=1)``: after the answer, never before the
-  request leaves — a 1 MB opening message costs ~10 ms to hash) and the conversation's
-  root key (``lineage.extend(head, answer.digest)``) is recorded for it.
+  read from the request (on the thread, after the answer) and the conversation's root key
+  (``lineage.extend(head, answer.digest)``) is recorded for it.
 - Every successful Claude Code response records its ``request-id`` header as an anchor
-  (Claude Code names it in ``cc_prev_req`` when another process resumes or forks).
+  (Claude Code names it in ``cc_prev_req`` when another process resumes or forks): a claim of
+  the server that answered (the request's target, or the server it addressed when left alone),
+  with the root of the conversation's history — the request's own root, or an opening's from
+  its answer. Without a root (an opening whose answer was not seen whole) no anchor is
+  recorded: it could never be corroborated (``lineindex``). A fork's requests do record
+  their anchors (a fork of the fork names them), not their root.
 - Only ids and hashes; records are not durable and never delay a request or a response.
-- Bounded: at most ``MAX_WATCHED`` responses are watched at once (the oldest dropped).
+- Bounded: at most ``MAX_WATCHED`` responses are watched at once (the oldest dropped); the
+  reads waiting for the thread are bounded in number and bytes (``OffLoop.submit``: over it
+  the record is skipped and counted).
 - Records are written in batches, a tenth of a second after the first of them (a hop to
   the store's writer thread per response cost more than the rest of this addon), one
   store write at a time: while a write waits (a
@@ -29,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict, deque
 
 from mitmproxy import http
@@ -38,21 +53,38 @@ from .. import lineage, lineindex
 from ..lineage_stream import StreamReader
 from ..route import State
 from ..store.base import Write
+from .offloop import OffLoop
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
 
 MAX_WATCHED = 10_000
 MAX_PENDING = 10_000
+MAX_ROOTS = 10_000       # roots recorded lately, remembered so a conversation's turns do not rewrite them
+REFRESH = 24 * 3600.0    # seconds: a root recorded this long ago is written again (its entry lives 30 days)
 FLUSH_DELAY = 0.1        # seconds records gather before a write: one thread wakeup for many responses
 _CHAINED = (F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES)
 
 
-class _Watched:
-    __slots__ = ("agent", "session", "api", "opening", "reader", "anchors")
+def _head(body: bytes, api: str, encoding: str) -> str | None:
+    """The head of a short history (an opening's): the state its answer extends."""
+    return lineage.chain(body, api, turns=1, content_encoding=encoding).head
 
-    def __init__(self, agent: str, session: str, api: str, opening: bool) -> None:
+
+def _root(body: bytes, api: str, encoding: str) -> str | None:
+    """The root key of a history: the state after its first model run."""
+    keys = lineage.chain(body, api, turns=1, content_encoding=encoding).keys
+    return keys[0] if keys else None
+
+
+class _Watched:
+    __slots__ = ("agent", "session", "api", "opening", "reader", "anchors", "server", "root")
+
+    def __init__(self, agent: str, session: str, api: str, opening: bool, server: str | None = None,
+                 root: str | asyncio.Future | None = None) -> None:
         self.agent, self.session, self.api, self.opening = agent, session, api, opening
+        self.server = server         # who answers it: the anchors' issuer
+        self.root = root             # the request's root: known, being read, or None
         self.reader: StreamReader | None = None
         self.anchors: list[str] = []
 
@@ -62,11 +94,22 @@ class LineageWatch:
         self.runtime = runtime
         self.recorded = 0            # records written
         self.dropped = 0             # records dropped: the store could not keep up, or failed
+        self.reads = OffLoop("lineage-records")
         self._watched: OrderedDict[str, _Watched] = OrderedDict()
+        self._roots: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # (agent, root) -> (session, when)
         self._pending: deque[list[Write]] = deque()
         self._writes = 0             # writes in _pending
         self._flusher: asyncio.Task | None = None
         self._failing = False        # the last batch failed (logged once per streak)
+
+    def done(self) -> None:
+        self.reads.close()
+
+    def counts(self) -> dict[str, int]:
+        """For the metrics: records written, dropped, skipped; reads and records still pending."""
+        flushing = self._flusher is not None and not self._flusher.done()
+        return {"written": self.recorded, "dropped": self.dropped, "skipped": self.reads.skipped,
+                "pending": self.reads.jobs + len(self._pending) + int(flushing)}
 
     def watch(self, flow: http.HTTPFlow, state: State) -> None:
         """Called by the router once a request is decided and on its way."""
@@ -74,15 +117,50 @@ class LineageWatch:
         d = state.decision
         if not state.session or f.agent not in F.AGENTS or f.api not in _CHAINED or d is None or d.refuse:
             return
-        pinned = state.loaded.pin is not None or d.pin_action == "create"
-        if not pinned:
+        pin = state.loaded.pin
+        if pin is None and d.pin_action != "create":
             return
+        agent, session = f.agent, state.session
+        fork = bool(pin.parent if pin is not None else state.parent)
+        root: str | asyncio.Future | None = None
+        if f.has_history and (not fork or agent == F.CLAUDE_CODE):
+            root = self._request_root(flow, state)
+            if not fork:
+                _when(root, lambda r: self._learn_root(agent, session, r))
         opening = not f.has_history and f.turn in (F.OPENING, F.UNKNOWN_TURN) and d.pin_action == "create"
-        if not opening and f.agent != F.CLAUDE_CODE:
-            return          # nothing to record: no root to learn, no anchor to keep
-        self._watched[flow.id] = _Watched(f.agent, state.session, f.api, opening)
+        if not opening and agent != F.CLAUDE_CODE:
+            return          # nothing to read from its answer: no root to learn, no anchor to keep
+        source = state.request.source
+        self._watched[flow.id] = _Watched(agent, session, f.api, opening, d.target or (source.name if source else None),
+                                          root)
         while len(self._watched) > MAX_WATCHED:
             self._watched.popitem(last=False)
+
+    def _request_root(self, flow: http.HTTPFlow, state: State) -> str | asyncio.Future | None:
+        """The root of the history this request carries: read already, or being read on the thread."""
+        if state.lineage is not None:          # the request path read it already
+            return state.lineage.root
+        req = flow.request
+        body = req.raw_content
+        if not body:
+            return None
+        return self.reads.submit(len(body), _root, body, state.request.facts.api,
+                                 req.headers.get("content-encoding", ""))
+
+    def _learn_root(self, agent: str, session: str, root: str | None) -> None:
+        if not root:
+            return
+        seen = self._roots.get((agent, root))
+        if seen is not None and seen[0] == session and time.monotonic() - seen[1] < REFRESH:
+            return
+        self._recorded_lately(agent, root, session)
+        self._record(lineindex.record_writes(agent, session, root))
+
+    def _recorded_lately(self, agent: str, root: str, session: str) -> None:
+        self._roots[(agent, root)] = (session, time.monotonic())
+        self._roots.move_to_end((agent, root))
+        while len(self._roots) > MAX_ROOTS:
+            self._roots.popitem(last=False)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         w = self._watched.get(flow.id)
@@ -105,24 +183,38 @@ class LineageWatch:
         w = self._watched.pop(flow.id, None)
         if w is None:
             return
-        root = None
         if w.reader is not None:
             answer = w.reader.result()
-            if answer.complete and not answer.overflow:
-                req = flow.request
-                head = lineage.chain(req.raw_content, w.api, turns=1,
-                                     content_encoding=req.headers.get("content-encoding", "")).head
-                root = lineage.extend(head, answer.digest) if head is not None else None
-        if root or w.anchors:
-            self._record(w, root)
+            req = flow.request
+            body = req.raw_content
+            if answer.complete and not answer.overflow and body:
+                fut = self.reads.submit(len(body), _head, body, w.api, req.headers.get("content-encoding", ""))
+
+                def answered(head: str | None) -> None:
+                    root = lineage.extend(head, answer.digest) if head is not None else None
+                    if root:
+                        self._recorded_lately(w.agent, root, w.session)
+                        self._record(lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server))
+                _when(fut, answered)
+            return
+        if w.anchors:
+            _when(w.root, lambda root: self._record(
+                lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server, owns_root=False)))
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._watched.pop(flow.id, None)
 
-    def _record(self, w: _Watched, root: str | None) -> None:
-        if self.runtime.store is None:
+    async def settled(self, timeout: float = 10.0) -> None:
+        """Wait until every read is done and every record written or dropped (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self.reads.jobs or self._pending or (self._flusher is not None and not self._flusher.done()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("lineage records still pending")
+            await asyncio.sleep(0.01)
+
+    def _record(self, writes: list[Write]) -> None:
+        if self.runtime.store is None or not writes:
             return
-        writes = lineindex.record_writes(w.agent, w.session, root, w.anchors)
         self._pending.append(writes)
         self._writes += len(writes)
         while self._writes > MAX_PENDING and len(self._pending) > 1:
@@ -146,7 +238,26 @@ class LineageWatch:
             except Exception as e:
                 self.runtime.errors += 1
                 self.dropped += len(batch)
+                self._roots.clear()      # what was not written is not "recorded lately"
                 if not self._failing:
                     log.warning("sessionpin: lineage records not written (%s); dropped until the store takes "
                                 "writes again (forks of these conversations are then left alone)", e)
                 self._failing = True
+
+
+def _when(value: str | asyncio.Future | None, then) -> None:
+    """``then(value)``, at once or once the read it stands for is done (a read skipped: None)."""
+    if isinstance(value, asyncio.Future):
+        if value.done():
+            then(_result(value))
+        else:
+            value.add_done_callback(lambda done: then(_result(done)))
+    else:
+        then(value)
+
+
+def _result(fut: asyncio.Future) -> str | None:
+    """A read's answer; a read that failed (or was cancelled at shutdown) records nothing."""
+    if fut.cancelled() or fut.exception() is not None:
+        return None
+    return fut.result()

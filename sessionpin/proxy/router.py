@@ -9,6 +9,9 @@ metadata, one log line. Rules this module keeps:
   or is answered here in its API's error format (``sessionpin.answers``): an exception
   never drops a flow and never lets such a request leave half-done. Anything else
   passes untouched.
+- A large body's lineage (its links and its history's root, when a rule needs them) is read
+  on a thread of the router's own (``offloop.OffLoop``), bounded per request by the reader's
+  budget: the request waits for it, every other client's bytes do not.
 - Store calls go through the store's async facade; the pin's renewal, a title's memory
   and a "not routed" pin are written after the request left (never waited for).
 - Before a request is sent to a server the router moved requests to, with no open
@@ -44,6 +47,7 @@ from . import websocket
 from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DECISIONS
+from .offloop import OffLoop
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
 
@@ -55,6 +59,7 @@ STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson
                 "application/stream+json")
 UNREACHABLE_RETRY = 5      # seconds: a server that is down may be back by then
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+OFF_LOOP_MIN = 256 * 1024  # bytes: a body's lineage is read on a thread from here (a hop costs ~0.1 ms)
 
 
 class Metrics:
@@ -66,6 +71,7 @@ class Metrics:
         self.refusals: Counter[str] = Counter()
         self.store_errors = 0
         self.pin_writes = 0          # pins this proxy wrote or tried to: the status's counts are stale
+        self.lineage = None          # () -> the lineage watch's counts (LineageWatch.counts), set by make_addons
 
 
 class Router:
@@ -80,7 +86,11 @@ class Router:
         self.participants = list(participants or [])
         self.env = env if env is not None else os.environ
         self.lineage = None          # a LineageWatch, set by make_addons: it records what forks name
+        self.reads = OffLoop("lineage-request", workers=2)    # a large body's lineage, off the event loop
         self._background: set[asyncio.Task] = set()
+
+    def done(self) -> None:
+        self.reads.close()
 
     # ---- the request hook -------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -144,7 +154,11 @@ class Router:
         if isinstance(effect, (route.CreatePin, route.Allocate)):
             self.metrics.pin_writes += 1
         if isinstance(effect, route.ReadLineage):
-            return _lineage_of(flow.request, state.request.facts.api)
+            req = flow.request
+            raw, encoding = req.raw_content, req.headers.get("content-encoding", "")
+            if raw is not None and len(raw) >= OFF_LOOP_MIN:      # never on the event loop
+                return await self.reads.run(_lineage_of, req.headers.fields, raw, encoding, state.request.facts.api)
+            return _lineage_of(req.headers.fields, raw, encoding, state.request.facts.api)
         if isinstance(effect, (route.Allocate, route.CheckMember)):
             return await self.allocations.perform(flow, state, effect)
         if store is None:
@@ -159,8 +173,12 @@ class Router:
                                                                                  effect.fingerprint))
             if isinstance(effect, route.FindParent):
                 found = await lineindex.find_parent(store, effect.agent, effect.session, effect.sessions,
-                                                    effect.anchors, effect.root)
-                return route.ParentFound(*found) if found else route.ParentFound(None)
+                                                    effect.anchors, effect.root, state.request.config.servers)
+                for anchor, issuers in found.voided:
+                    log.warning("sessionpin: %s %s: the anchor %s was issued by %d servers (%s); it names no "
+                                "conversation (an anchor belongs to the one server that issued it)", effect.agent,
+                                short(effect.session), anchor, len(issuers), ", ".join(issuers))
+                return route.ParentFound(found.session, found.loaded) if found.session else route.ParentFound(None)
             if isinstance(effect, route.CreatePin):
                 got = await pins.create(store, effect.session, effect.pin, effect.seen)
                 return route.PinCreated() if got.pin == effect.pin else route.PinLost(got)
@@ -365,11 +383,11 @@ class Router:
         return await self._route(flow, *read) if read else None
 
 
-def _lineage_of(req: http.Request, api: str) -> route.LineageRead:
-    """The links the request states and its history's root key (pure work on the body)."""
-    encoding = req.headers.get("content-encoding", "")
-    signals = lineage.signals(req.headers.fields, req.raw_content, encoding, api)
-    chain = lineage.chain(req.raw_content, api, turns=1, content_encoding=encoding)
+def _lineage_of(headers: Any, raw: bytes | None, encoding: str, api: str) -> route.LineageRead:
+    """The links the request states and its history's root key (pure work on the body: run on a
+    thread for a large one)."""
+    signals = lineage.signals(headers, raw, encoding, api)
+    chain = lineage.chain(raw, api, turns=1, content_encoding=encoding)
     return route.LineageRead(signals, chain.keys[0] if chain.keys else None)
 
 

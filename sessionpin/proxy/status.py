@@ -181,6 +181,13 @@ def metrics_text(counts: Mapping[str, PinCount] | None, m: Metrics, store_errors
            [((), reloads)])
     family(out, "sessionpin_config_rejected_total", "counter", "Config texts refused by validation while running.",
            (), [((), rejected)])
+    if m.lineage is not None:
+        c = m.lineage()
+        family(out, "sessionpin_lineage_records_total", "counter",
+               "Lineage records (what a fork will name its parent by): written, dropped (store), skipped (reads over "
+               "their bound).", ("outcome",), [(k, c[k]) for k in ("written", "dropped", "skipped")])
+        family(out, "sessionpin_lineage_pending", "gauge", "Lineage reads and records not yet written.", (),
+               [((), c["pending"])])
     return joined(out)
 
 

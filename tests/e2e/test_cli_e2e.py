@@ -43,7 +43,9 @@ def claude_code(kind: str, session: str) -> tuple[list[tuple[str, str]], bytes]:
                (SESSION_HEADER, session), ("x-api-key", CLIENT_KEY)]
     messages = [{"role": "user", "content": "Fix the failing test."}]
     if kind == "continuation":
-        messages += [{"role": "assistant", "content": [{"type": "text", "text": "Looking."}]},
+        # each conversation's first answer is its own (as a server's is): two conversations
+        # never share a first exchange, so one is never taken for a fork of another
+        messages += [{"role": "assistant", "content": [{"type": "text", "text": f"Looking ({session})."}]},
                      {"role": "user", "content": "Go on."}]
     meta = {"user_id": json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": session})}
     body = {"model": "claude-opus-4-5-20251101", "messages": messages, "tools": TOOLS, "metadata": meta,

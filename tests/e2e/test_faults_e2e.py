@@ -88,7 +88,9 @@ def body_of(kind: str, session: str, head: bytes = b"", model: str = OPUS) -> by
     placed before ``"model"`` (the body's first members)."""
     messages: list[Any] = [{"role": "user", "content": "Fix the failing test."}]
     if kind == "continuation":
-        messages += [{"role": "assistant", "content": [{"type": "text", "text": "Looking."}]},
+        # each conversation's first answer is its own (as a server's is): two conversations
+        # never share a first exchange, so one is never taken for a fork of another
+        messages += [{"role": "assistant", "content": [{"type": "text", "text": f"Looking ({session})."}]},
                      {"role": "user", "content": "Go on."}]
     meta = {"user_id": json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": session})}
     rest = json.dumps({"model": model, "messages": messages, "tools": TOOLS, "metadata": meta,

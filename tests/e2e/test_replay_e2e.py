@@ -215,6 +215,37 @@ class Rig:
             out.append(Sent(p, replies[i], name, got, self.fakes[name].port if name else 0))
         return out
 
+    def forget_lineage(self) -> None:
+        """Empty the lineage index (once the proxy wrote what it had pending): the recordings are
+        replayed under fresh ids in many tests, but with the same histories, which the index knows
+        from any request that carried them. A test about a conversation the proxy never saw
+        starts from an index that holds none of them."""
+        deadline = time.monotonic() + 10
+        while True:
+            r = self.client(10).request("GET", self.fakes["anthropic"].origin + "/__sessionpin/metrics")
+            m = re.search(r"^sessionpin_lineage_pending (\d+)$", r.text, re.M) if r.status == 200 else None
+            if m and m.group(1) == "0":
+                break
+            assert time.monotonic() < deadline, f"lineage records still pending: {r.status} {m and m.group(0)}"
+            time.sleep(0.05)
+
+        async def forget() -> None:
+            store = open_store(f"file:{self.store_path}")
+            try:
+                for key in await store.keys("lin:"):
+                    await store.delete(key)
+            finally:
+                await store.close()
+        asyncio.run(forget())
+
+    def pin_written(self, session: str, timeout: float = 5.0) -> pins.Pin | None:
+        """A "not routed" pin, which the router writes after the request left (docs/router.md):
+        waited for, with a deadline."""
+        deadline = time.monotonic() + timeout
+        while (pin := self.pin(session)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return pin
+
     def pin(self, session: str) -> pins.Pin | None:
         """The pin in the store file, read as another process would."""
         async def read() -> pins.Pin | None:
@@ -439,11 +470,12 @@ def test_claude_code_resume_never_seen_begin_stays_on_anthropic(rig):
     """``claude -p --resume``: the router never saw the session begin, so every request is left
     alone and the session is pinned "not routed"; the session's own opening turn and title, sent
     later, follow that pin."""
+    rig.forget_lineage()
     r = Replay(RUN)
     recs = load("claude-code", "resume")
     check_each(replay(rig, recs, r), assert_untouched)
     session = session_of(r, recs[0])
-    pin = rig.pin(session)
+    pin = rig.pin_written(session)
     assert pin is not None and (pin.agent, pin.server) == ("claude-code", None), pin
     # the interactive recording is the same session (same recorded id, same fresh id here)
     later = [rec for rec in load("claude-code", "interactive") if rec.kind in ("title", "opening")]
@@ -454,10 +486,11 @@ def test_claude_code_resume_never_seen_begin_stays_on_anthropic(rig):
 def test_claude_code_fork_is_left_alone(rig):
     """``--fork-session``: a new session id whose first request carries the parent's history.
     docs/router.md: a continuation never seen begin is left alone and pinned "not routed"."""
+    rig.forget_lineage()
     r = Replay(RUN)
     recs = load("claude-code", "fork")
     check_each(replay(rig, recs, r), assert_untouched)
-    pin = rig.pin(session_of(r, recs[0]))
+    pin = rig.pin_written(session_of(r, recs[0]))
     assert pin is not None and (pin.agent, pin.server, pin.rule) == ("claude-code", None, "continuation-unseen"), pin
 
 
@@ -514,10 +547,11 @@ def test_traffic_through_reverse_mode_is_routed_alike(rig, agent, scenario, serv
 @pytest.mark.parametrize("scenario", ["zen-continue", "zen-fork"])
 def test_opencode_session_continued_or_forked_alone_is_left_alone(rig, scenario):
     """``opencode run --session <id> [--fork]`` replayed without the session's beginning."""
+    rig.forget_lineage()
     r = Replay(RUN)
     recs = load("opencode", scenario)
     check_each(replay(rig, recs, r), assert_untouched)
-    pin = rig.pin(session_of(r, recs[0]))
+    pin = rig.pin_written(session_of(r, recs[0]))
     assert pin is not None and (pin.agent, pin.server) == ("opencode", None), pin
 
 
@@ -561,10 +595,11 @@ def test_codex_conversation_goes_to_alt_whole(rig, scenario):
 
 @pytest.mark.parametrize("scenario", ["exec-resume", "exec-fork"])
 def test_codex_resume_or_fork_alone_is_left_alone(rig, scenario):
+    rig.forget_lineage()
     r = Replay(RUN)
     recs = load("codex", scenario)
     check_each(replay(rig, recs, r), assert_untouched)
-    pin = rig.pin(session_of(r, recs[0]))
+    pin = rig.pin_written(session_of(r, recs[0]))
     assert pin is not None and (pin.agent, pin.server) == ("codex", None), pin
 
 
@@ -610,6 +645,7 @@ def test_pi_conversations_stay_on_their_server_across_a_sigkill(rig):
     fingerprint. Four recorded conversations, the proxy killed with SIGKILL between their turns:
     every turn of each reaches the server its opening reached. In go-chat the current server is
     switched to the gateway between conversation A's turns: A stays on alt, B opens on the gateway."""
+    rig.forget_lineage()      # the same recordings went through earlier tests (reverse mode) to alt
     rs = {name: Replay(RUN) for name in ("zen-chat", "zen-messages", "zen-responses", "go-chat")}
     recs = {name: load("pi", name) for name in rs}
     sent: dict[str, list[Sent]] = {name: [] for name in rs}

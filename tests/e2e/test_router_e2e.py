@@ -92,14 +92,19 @@ SYSTEM = [billing(), {"type": "text", "text": "You are Claude Code, Anthropic's 
 USER_PROMPT = {"role": "user", "content": [
     {"type": "text", "text": "<system-reminder>Résumé of context ✓</system-reminder>"},
     {"type": "text", "text": f"Fix the failing test. {PROMPT}", "cache_control": {"type": "ephemeral"}}]}
-HISTORY = [
-    USER_PROMPT,
-    {"role": "assistant", "content": [
-        {"type": "thinking", "thinking": "Look at the test first.",
-         "signature": "EqQBCkYIBxgCKkB0c2lnbmF0dXJlLWJ5dGVzLXRoYXQtbXVzdC1zdGF5LWV4YWN0"},
-        {"type": "tool_use", "id": "toolu_01A", "name": "Bash", "input": {"command": "pytest -x"}}]},
-    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A", "content": "1 failed"}]},
-]
+def history(session: str | None) -> list[dict]:
+    """A conversation under way: its first answer made by a server, with a tool-call id of its own
+    (a real server's ids and signatures are unique: two conversations never share a first exchange,
+    so one is never taken for a fork of another)."""
+    tool_id = "toolu_01A" + (session or "none").replace("-", "")[:12]
+    return [
+        USER_PROMPT,
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Look at the test first.",
+             "signature": "EqQBCkYIBxgCKkB0c2lnbmF0dXJlLWJ5dGVzLXRoYXQtbXVzdC1zdGF5LWV4YWN0"},
+            {"type": "tool_use", "id": tool_id, "name": "Bash", "input": {"command": "pytest -x"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": "1 failed"}]},
+    ]
 
 
 @dataclass
@@ -155,12 +160,12 @@ def cc(kind: str, session: str | None, *, model: str | None = None, stream: bool
                 "stream": stream}
     elif kind == "continuation":
         model = model or OPUS
-        body = {"model": model, "messages": HISTORY, "system": SYSTEM, "tools": TOOLS,
+        body = {"model": model, "messages": history(session), "system": SYSTEM, "tools": TOOLS,
                 "metadata": meta, "max_tokens": 32000, "thinking": {"type": "enabled", "budget_tokens": 31999},
                 "stream": stream}
     elif kind == "suggestion":
         model = model or OPUS
-        body = {"model": model, "messages": HISTORY + [{"role": "user", "content": "[SUGGESTION MODE: suggest]"}],
+        body = {"model": model, "messages": history(session) + [{"role": "user", "content": "[SUGGESTION MODE: suggest]"}],
                 "system": SYSTEM, "tools": TOOLS, "metadata": meta, "max_tokens": 32000, "stream": stream}
     elif kind == "title":
         model = model or HAIKU

@@ -351,6 +351,19 @@ def test_servers_add_and_list(env, capsys):
     assert code == 1 and "servers.bad.url: must start with https://" in e and "nothing written" in e
 
 
+@pytest.mark.parametrize("url, base", [("https://gw.example", "/v1"), ("https://gw.example/zen/v1", "/zen/v1"),
+                                       ("https://gw.example/api/anthropic", "/api/anthropic/v1")])
+def test_servers_add_says_which_endpoints_of_which_agents_it_takes(env, capsys, url, base):
+    code, o, _ = run(capsys, "servers", "add", "gw", url, "--key-env", "GW_KEY")
+    assert code == 0
+    assert f"It takes the inference requests addressed to https://gw.example (at {base}/<endpoint>, " in o
+    assert "  claude-code  messages, messages/count_tokens\n" in o
+    assert "  opencode     messages, chat/completions, responses\n" in o
+    assert "  pi           messages, chat/completions, responses\n" in o
+    assert "  codex        responses (HTTPS and its WebSocket)\n" in o
+    assert f"Requests moved here from another server arrive at https://gw.example{base}/<endpoint>" in o
+
+
 def test_servers_remove_warns_and_needs_force(env, capsys):
     put_pins(env.url, RUNNING)
     code, _, e = run(capsys, "servers", "remove", "glm")

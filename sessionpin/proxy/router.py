@@ -104,7 +104,7 @@ class Router:
                 return
             if scope.inference:
                 facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
-                               req.headers.get("content-encoding"))
+                               req.headers.get("content-encoding"), api=scope.api)
                 decision = await self._route(flow, facts, source)
             elif websocket.is_upgrade(req):
                 decision = await self._websocket(flow)

@@ -46,6 +46,7 @@ from .configwatch import ConfigWatch
 from .defaults import DECISIONS
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
+from .unrouted import Unrouted
 
 log = logging.getLogger("sessionpin")
 
@@ -66,6 +67,7 @@ class Metrics:
         self.refusals: Counter[str] = Counter()
         self.store_errors = 0
         self.pin_writes = 0          # pins this proxy wrote or tried to: the status's counts are stale
+        self.unrouted = Unrouted()   # looked like inference at a configured origin, left alone
 
 
 class Router:
@@ -102,6 +104,8 @@ class Router:
                     "Inference requests must use a plain path such as /v1/messages.")),
                     api=_api_looked_like(req.path))
                 return
+            if not scope.inference and source is not None and req.method == "POST":
+                self.metrics.unrouted.note(source, req.method, req.path)   # said once, never silent
             if scope.inference:
                 facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
                                req.headers.get("content-encoding"), api=scope.api)

@@ -15,6 +15,7 @@ pi's a bare-origin target as ``/chat/completions``).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Iterator
@@ -135,3 +136,30 @@ def test_each_clients_opening_is_routed_to_the_targets_own_path(rig, client, tar
         if not creds or not all(KEY in v for v in creds):
             problems.append(f"{client} from {source!r}: b-{target} did not get its own key")
     assert not problems, "\n".join(problems)
+
+
+def test_a_request_that_looks_like_inference_and_is_not_routed_is_said_once_and_listed(rig):
+    """Nothing in scope is left alone silently: a chat completion under an API version other
+    than /v1 at a configured origin passes untouched, and the log says so once per origin and
+    path prefix with the server URL that would route it; the status lists it with its count."""
+    rig.use("zen")
+    fake = rig.sources["bare"]
+    prefix = f"/api/paas{uuid.uuid4().hex[:6]}/v4"
+    since = rig.mitm.line_count
+    body = b'{"model":"glm-4.6","messages":[{"role":"user","content":"hi"}],"stream":false}'
+    headers = [("content-type", "application/json"), ("user-agent", "opencode/1.18.33"),
+               ("x-opencode-session", "ses_" + uuid.uuid4().hex[:26])]
+    client = Client.via_proxy(rig.mitm.port, rig.mitm.mitm_ca)
+    for _ in range(2):
+        before = len(fake.received())
+        assert client.request("POST", fake.origin + prefix + "/chat/completions", headers, body).status == 200
+        assert [r.path for r in fake.received()[before:]] == [prefix + "/chat/completions"]   # untouched
+    url = fake.origin + prefix
+    line = rig.mitm.wait_output(re.escape(f"left alone: POST {url}/chat/completions looks like inference"), 10, since)
+    assert line is not None, rig.mitm.tail(20)
+    assert f'a server with url = "{url}" would route it' in line.string
+    status = Client.via_proxy(rig.mitm.port, rig.mitm.mitm_ca).request("GET", fake.origin + "/__sessionpin/status").json()
+    [entry] = [u for u in status["unrouted"] if u["prefix"] == prefix]
+    assert (entry["origin"], entry["endpoint"], entry["count"], entry["server"], entry["url"]) == (
+        fake.origin, "/chat/completions", 2, "a-bare", url)
+    assert rig.mitm.output.count(f"left alone: POST {url}/chat/completions") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -188,14 +189,42 @@ class Faulty:
         return getattr(self._s, name)
 
 
-async def test_a_pin_that_cannot_be_read_is_a_503_never_no_pin(proxy):
-    await put(proxy, "glm")
-    proxy.runtime.store = Faulty(proxy.store, {"get": StoreUnavailable("file:x: disk I/O error")})
-    f = flow("continuation")
-    await proxy.send(f)
-    assert f.response.status_code == 503 and f.response.headers["retry-after"] == "1"
-    assert "disk I/O error" in f.response.text and f.request.host == "api.anthropic.com"
-    assert proxy.router.metrics.store_errors == 1
+async def test_a_pin_that_cannot_be_read_is_refused_never_no_pin(cfg_path):
+    """Refused so that no agent keeps retrying (issue 19: 503 with retry-after kept them at it for
+    minutes): 424, x-should-retry false, no retry-after, after the budget to ride out a blip."""
+    proxy = start(cfg_path, sessionpin_store_retry_ms=400)
+    try:
+        await put(proxy, "glm")
+        good = proxy.store
+        proxy.runtime.store = Faulty(good, {"get": StoreUnavailable("file:x: disk I/O error")})
+        f = flow("continuation")
+        t0 = time.monotonic()
+        await proxy.send(f)
+        assert 0.35 < time.monotonic() - t0 < 1.5                   # the budget, ridden out, then told
+        assert f.response.status_code == 424 and f.response.headers["x-should-retry"] == "false"
+        assert "retry-after" not in f.response.headers
+        assert "disk I/O error" in f.response.text and f.request.host == "api.anthropic.com"
+        assert proxy.router.metrics.store_errors >= 2
+        t0 = time.monotonic()
+        g = flow("continuation")
+        await proxy.send(g)                                           # known down: said at once
+        assert g.response.status_code == 424 and time.monotonic() - t0 < 0.3
+    finally:
+        proxy.close()
+
+
+async def test_a_store_blip_within_the_budget_is_ridden_out(cfg_path):
+    proxy = start(cfg_path, sessionpin_store_retry_ms=2000)
+    try:
+        await put(proxy, "glm")
+        good = proxy.store
+        proxy.runtime.store = Faulty(good, {"get": StoreUnavailable("file:x: disk I/O error")})
+        asyncio.get_running_loop().call_later(0.3, setattr, proxy.runtime, "store", good)   # back
+        f = flow("continuation")
+        await proxy.send(f)
+        assert f.response is None and f.request.host == "api.z.ai"   # followed its pin
+    finally:
+        proxy.close()
 
 
 async def test_a_pin_that_cannot_be_saved_never_sends_the_conversation_away(proxy):

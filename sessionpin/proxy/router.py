@@ -33,7 +33,7 @@ from collections import Counter
 from typing import Any, Mapping
 from urllib.parse import unquote
 
-from mitmproxy import http
+from mitmproxy import ctx, http
 from mitmproxy.net.http import url
 
 from .. import allocate, answers, ladder, lineage, lineindex, paths, pins, rewrite, route
@@ -54,8 +54,10 @@ INTERNAL_PREFIX = "/__sessionpin/"
 TITLE_PREFIX = "title:"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson", "application/jsonl",
                 "application/stream+json")
-UNREACHABLE_RETRY = 5      # seconds: a server that is down may be back by then
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+STORE_READS = (route.ReadPin, route.ReadTitle, route.FindConversation, route.FindParent)
+STORE_RETRY_STEP = 0.2     # seconds between reads while riding out a store's blip
+STORE_DOWN_FOR = 10.0      # seconds a store that failed a whole budget is said at once
 
 
 class Metrics:
@@ -83,6 +85,14 @@ class Router:
         self.env = env if env is not None else os.environ
         self.lineage = None          # a LineageWatch, set by make_addons: it records what forks name
         self._background: set[asyncio.Task] = set()
+        self._store_down: float | None = None   # when a store read last failed a whole budget (monotonic)
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "sessionpin_store_retry_ms", int, 2000,
+            "sessionpin: how long a pin read may fail (a store restarting, a blip) before the agent is told "
+            "the store cannot be read; 0: tell at once.",
+        )
 
     # ---- the request hook -------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -153,6 +163,33 @@ class Router:
             return await self.allocations.perform(flow, state, effect)
         if store is None:
             return route.StoreFailed("no store is open")
+        if isinstance(effect, STORE_READS):
+            return await self._read(store, effect)
+        return await self._store_call(store, effect)
+
+    async def _read(self, store, effect: route.Effect) -> route.Event:
+        """A store read that fails is tried again every ``STORE_RETRY_STEP`` within
+        ``sessionpin_store_retry_ms`` (a store restarting, a blip), unless the store failed a
+        whole budget in the last ``STORE_DOWN_FOR`` seconds: then it is said at once."""
+        got = await self._store_call(store, effect)
+        if not isinstance(got, route.StoreFailed):
+            self._store_down = None
+            return got
+        now = time.monotonic()
+        if self._store_down is not None and now - self._store_down < STORE_DOWN_FOR:
+            return got
+        deadline = now + max(0, _option("sessionpin_store_retry_ms", 2000)) / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(STORE_RETRY_STEP, left))
+            again = await self._store_call(self.runtime.store or store, effect)
+            if not isinstance(again, route.StoreFailed):
+                self._store_down = None
+                return again
+            got = again
+        self._store_down = time.monotonic()
+        return got
+
+    async def _store_call(self, store, effect: route.Effect) -> route.Event:
         try:
             if isinstance(effect, route.ReadPin):
                 return route.PinRead(await pins.load(store, effect.session))
@@ -208,11 +245,15 @@ class Router:
                 err = await self.connect.reachable(flow.client_conn.id, (changes.host, changes.port))
                 if err is not None:
                     server = state.request.config.servers.get(decision.target)
-                    refusal = route.Refuse(502, "unreachable", (
+                    session = state.session or facts.session
+                    # The budget to ride out a blip is spent: answered so no agent retries for
+                    # minutes (answers.NO_RETRY_STATUS; docs/traffic.md has each client's rules).
+                    refusal = route.Refuse(answers.NO_RETRY_STATUS, "unreachable", (
                         f"sessionpin: server {decision.target} ({server.origin if server else '?'}, "
                         f"{changes.host}:{changes.port}) cannot be reached: {err}. {facts.agent} session "
-                        f"{state.session or facts.session} stays on {decision.target}; try again when it is back."),
-                        UNREACHABLE_RETRY)
+                        f"{session} is pinned to {decision.target} and stays there: send it again once "
+                        f"{decision.target} is back (`sessionpin status` shows it), or move the conversation "
+                        f"(`sessionpin move {short(session)} SERVER`)."))
                     self._decided(flow, state, changes, refused=refusal)
                     self._refuse(flow, facts, refusal)
                     return
@@ -367,6 +408,13 @@ class Router:
         ``response.create`` the client sends, with the map recorded here."""
         read = websocket.upgrade_facts(self.config.config, flow.request)
         return await self._route(flow, *read) if read else None
+
+
+def _option(name: str, default: int) -> int:
+    try:
+        return int(getattr(ctx.options, name))
+    except (AttributeError, KeyError, ValueError, TypeError):   # not loaded (a test's bare Router)
+        return default
 
 
 def _lineage_of(req: http.Request, api: str) -> route.LineageRead:

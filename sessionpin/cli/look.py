@@ -11,7 +11,7 @@ import json
 import time
 
 from ..facts import AGENTS
-from ..ids import short
+from ..ids import short, shorts
 from .common import Fail, ago, dump_json, out, table, where, why
 from .context import Ctx
 from .proxies import config_mismatch, find_proxies, find_proxy, key_state, proxy_keys
@@ -115,9 +115,10 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
         return 0
     forks = any(r.pin.parent for r in selected)     # the PARENT column, when a listed one is a fork
     grid = [["SESSION", "AGENT", "SERVER", "WHY", *(["PARENT"] if forks else []), "PINNED", "LAST SEEN", "REQUESTS"]]
+    shown = shorts([r.session for r in selected] + [r.pin.parent for r in selected if r.pin.parent])
     for r in selected:
-        parent = [short(r.pin.parent) if r.pin.parent else "-"] if forks else []
-        grid.append([short(r.session), r.pin.agent, where(r.pin.server), why(r.pin), *parent, ago(r.pin.since, now),
+        parent = [shown.get(r.pin.parent, short(r.pin.parent)) if r.pin.parent else "-"] if forks else []
+        grid.append([shown.get(r.session, short(r.session)), r.pin.agent, where(r.pin.server), why(r.pin), *parent, ago(r.pin.since, now),
                      ago(r.seen.last, now), str(r.seen.requests)])
     for line in table(grid):
         out(line)

@@ -301,8 +301,11 @@ class Router:
         meta.update({"refused": r.status, "refusal": r.kind, "message": r.message})
         if not flow.comment:
             flow.comment = f"refused {r.status}: {r.kind}"
-        log.warning("sessionpin: refused %d (%s) %s %s: %s", r.status, r.kind, facts.agent if facts else "-",
-                    short(facts.session if facts else None), r.message)
+        rule = meta.get("rule")
+        log.warning("sessionpin: refused %d (%s) %s %s%s%s: %s", r.status, r.kind, facts.agent if facts else "-",
+                    f"{facts.turn} " if facts and facts.turn else "", short(meta.get("session") or
+                                                                           (facts.session if facts else None)),
+                    f" [{rule}]" if rule else "", r.message)
 
     def _decided(self, flow: http.HTTPFlow, state: route.State, changes: rewrite.Changes | None,
                  refused: route.Refuse | None = None) -> None:
@@ -341,7 +344,7 @@ class Router:
             self.runtime.seen(session, facts.agent, d.target if d.pin_action == ladder.CREATE else pin.server,
                               r.now)
 
-        if DECISIONS.on:
+        if DECISIONS.on and refused is None:      # a refusal's one line is its warning (``_refuse``)
             model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""
             source = r.source.name if r.source else flow.request.pretty_host
             DECISIONS.write(f"sessionpin: {facts.agent} {turn} {sid} {source} → {where} [{d.rule}: {why}]{model}")

@@ -120,13 +120,14 @@ class ConnectCheck:
             self._checks[(client, addr)] = (now, asyncio.get_running_loop().create_task(_connect(addr)))
 
     # ---- the check ------------------------------------------------------------------------
-    async def reachable(self, client: str, address: Address) -> str | None:
-        """None when ``address`` is up (or need not be checked), else why it is not."""
+    async def reachable(self, client: str, address: Address, ride_out: bool = True) -> str | None:
+        """None when ``address`` is up (or need not be checked), else why it is not.
+        ``ride_out=False``: no budget for a blip (a soft pool's member: another one takes it)."""
         addr = (address[0].lower(), address[1])
         if not ctx.options.sessionpin_connect_check or self.open[addr] > 0 or client in self.via_proxy:
             return None
         err = await self._check(client, addr, keep=True)
-        if err is not None:
+        if err is not None and ride_out:
             err = await self._ride_out(addr, err)
         name = self.moved.get(addr)
         if err is None:

@@ -466,3 +466,24 @@ async def test_an_ambiguous_path_is_refused_400_in_the_format_of_the_api_it_name
     err = json.loads(f.response.content)
     assert ("type" in err) == (shape == "anthropic") and "ambiguous" in err["error"]["message"]
     assert await pin_of(proxy) is None
+
+
+async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back_at_once(cfg_path):
+    """Codex reconnects a refused upgrade five times before its HTTPS fallback, unless the answer
+    is 426 (measured with Codex 0.171: docs/traffic.md); its POST then gets the 424 no client retries."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = s.getsockname()[1]
+    s.close()
+    cfg_path.write_text(CODEX_CONFIG.replace("https://alt.example", f"https://127.0.0.1:{dead}"))
+    proxy = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=0)
+    try:
+        proxy.router.env["ALT_KEY"] = "alt-sentinel"
+        f = upgrade()
+        await proxy.send(f)
+        assert f.response.status_code == 426 and f.response.headers["x-should-retry"] == "false"
+        assert "retry-after" not in f.response.headers and "cannot be reached" in f.response.text
+        assert f.request.host == "api.openai.com"                 # sent nowhere
+    finally:
+        proxy.close()

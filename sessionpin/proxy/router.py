@@ -295,7 +295,10 @@ class Router:
         if api is None:
             api = facts.api if facts and facts.api in F.INFERENCE_APIS else F.api_of("POST", flow.request.path)
         body, headers = answers.refusal(api, r.status, r.kind, r.message, r.retry_after)
-        flow.response = http.Response.make(r.status, body, headers)
+        status = r.status
+        if status == answers.NO_RETRY_STATUS and websocket.is_upgrade(flow.request):
+            status = answers.NO_RETRY_UPGRADE_STATUS     # Codex: to HTTPS now, not five reconnects
+        flow.response = http.Response.make(status, body, headers)
         self.metrics.refusals[r.kind] += 1
         meta = flow.metadata.setdefault("sessionpin", {})
         meta.update({"refused": r.status, "refusal": r.kind, "message": r.message})

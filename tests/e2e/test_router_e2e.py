@@ -644,6 +644,7 @@ def test_pinned_server_unreachable_is_an_error_naming_it_and_the_pin_holds(rig):
         assert reply.header("x-sessionpin-refused") == "unreachable"
         msg = reply.json()["error"]["message"]
         assert "server alt" in msg and s in msg and "refuses connections" in msg, msg
+    print(f"dead pinned server: refused after {took:.2f} s, the agent's next try after {took_again:.2f} s")
     assert CONNECT_BUDGET - 0.3 <= took < CONNECT_BUDGET + 3.0, took       # the budget, ridden out, then told
     assert took_again < 1.5, took_again                                      # known down: no second budget
     assert rig.send(cc("continuation", s)).status == 200

@@ -59,10 +59,20 @@ for c in "${clients[@]}"; do
               cmd=("$rec/codex/node_modules/.bin/codex" exec --skip-git-repo-check 'Say hi.') ;;
     *) echo "unknown client $c"; continue ;;
   esac
-  start=$(date +%s.%N)
+  mark=$(wc -l < "$work/mitmdump.log"); start=$(date +%s.%N)
   timeout 300 "${cmd[@]}" < /dev/null > "$work/$c.out" 2>&1; rc=$?
-  took=$(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')")
-  last=$(grep -v '^\s*$' "$work/$c.out" | tail -n 1 | cut -c1-160)
-  echo "$c: ${took} s (exit $rc) — $last"
+  end=$(date +%s.%N)
+  # the router's first refusal of this client (its log's local time) to the client's exit
+  first=$(tail -n +"$((mark + 1))" "$work/mitmdump.log" | grep -m1 -o '^\[[0-9:.]*\] sessionpin: refused' | cut -c2-13)
+  since=$(python3 -c "
+import datetime as d; t='$first'
+if not t: print('-')
+else:
+    now = d.datetime.fromtimestamp($end); h, m, s = t.split(':')
+    at = now.replace(hour=int(h), minute=int(m), second=int(float(s)), microsecond=int(float(s) % 1 * 1e6))
+    print(f'{$end - at.timestamp():.1f}')")
+  refusals=$(tail -n +"$((mark + 1))" "$work/mitmdump.log" | grep -c 'sessionpin: refused')
+  last=$(grep -v '^\s*$' "$work/$c.out" | tail -n 1 | cut -c1-120)
+  echo "$c: $(python3 -c "print(f'{$end - $start:.1f}')") s in all, ${since} s from the router's first refusal, $refusals refusals (exit $rc) — $last"
 done
-echo "requests the router answered: $(grep -c 'refused' "$work/mitmdump.log") refusals (log: $work/mitmdump.log)"
+echo "router log: $work/mitmdump.log"

@@ -9,6 +9,7 @@ import pytest
 from mitmproxy.proxy import server_hooks
 from mitmproxy.test import tflow
 
+from sessionpin.ids import short
 from shellkit import CONFIG, SESSION, flow, start
 
 
@@ -46,7 +47,7 @@ async def test_a_moved_request_to_a_server_that_is_down_gets_an_error_naming_it(
     err = json.loads(f.response.content)
     assert err["type"] == "error"
     msg = err["error"]["message"]
-    assert "server glm" in msg and f"127.0.0.1:{down}" in msg and SESSION in msg
+    assert "server glm" in msg and f"127.0.0.1:{down}" in msg and short(SESSION) in msg
     assert f.request.host == "api.anthropic.com", "nothing was sent anywhere"
     assert proxy.connect.unreachable["glm"]
     # the pin stays: the conversation stays on glm

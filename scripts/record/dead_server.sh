@@ -12,6 +12,8 @@
 #   CLIENTS: any of claude opencode pi codex (default: all four)
 # No request leaves the machine: inference is moved to the dead port; anything else is
 # addressed to hosts that do not resolve here. Each client gets at most 300 s.
+# STORE=redis://127.0.0.1:PORT/0 (a port where no Redis runs): the same with a store that
+# cannot be read instead of a dead server.
 set -uo pipefail
 rec="$(cd "$1" && pwd)"; here="$(cd "$(dirname "$0")/../.." && pwd)"
 repo="$(cd "${2:-$here}" && pwd)"; port="${3:-8897}"; shift $(( $# < 3 ? $# : 3 ))
@@ -38,7 +40,7 @@ server = "dead"
 EOF
 DEAD_SERVER_KEY=FAKE-dead-key PYTHONPATH="$repo" "$here/.venv/bin/mitmdump" --listen-host 127.0.0.1 -p "$port" \
   --set confdir="$work/mitm" -s "$repo/addons/route.py" --set sessionpin_config="$work/config.toml" \
-  --set sessionpin_store="file:$work/state.db" > "$work/mitmdump.log" 2>&1 &
+  --set sessionpin_store="${STORE:-file:$work/state.db}" > "$work/mitmdump.log" 2>&1 &
 proxy=$!
 trap 'kill $proxy 2>/dev/null; wait $proxy 2>/dev/null' EXIT
 for _ in $(seq 100); do grep -q "listening at" "$work/mitmdump.log" && break; sleep 0.1; done

@@ -294,13 +294,20 @@ class Router:
     def _refuse(self, flow: http.HTTPFlow, facts: F.Facts | None, r: route.Refuse, api: str | None = None) -> None:
         if api is None:
             api = facts.api if facts and facts.api in F.INFERENCE_APIS else F.api_of("POST", flow.request.path)
-        body, headers = answers.refusal(api, r.status, r.kind, r.message, r.retry_after)
+        meta = flow.metadata.setdefault("sessionpin", {})
+        message = r.message
+        if r.status == answers.NO_RETRY_STATUS:
+            # On the agent's screen the session is its short id (what `sessionpin sessions` shows
+            # and `move` takes): pi retries an error whose text holds "429", "500"…"504", which a
+            # long hex id often does. The log line keeps the whole id.
+            for sid in sorted({meta.get("session"), facts.session if facts else None} - {None}, key=len, reverse=True):
+                message = message.replace(sid, short(sid))
+        body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
         status = r.status
         if status == answers.NO_RETRY_STATUS and websocket.is_upgrade(flow.request):
             status = answers.NO_RETRY_UPGRADE_STATUS     # Codex: to HTTPS now, not five reconnects
         flow.response = http.Response.make(status, body, headers)
         self.metrics.refusals[r.kind] += 1
-        meta = flow.metadata.setdefault("sessionpin", {})
         meta.update({"refused": r.status, "refusal": r.kind, "message": r.message})
         if not flow.comment:
             flow.comment = f"refused {r.status}: {r.kind}"

@@ -38,6 +38,7 @@ from typing import Iterator
 
 import pytest
 
+from sessionpin.ids import short
 from redis_servers import RedisServer, redis_cli_binary, shared_cluster, unique_prefix, wait_for
 from stores import raw_client
 
@@ -206,7 +207,7 @@ def test_a_stopped_redis_gets_503_naming_it_then_the_same_routers_route_again(wo
             assert r.status == 424 and r.header("retry-after") is None, (i, kind, r.status, r.text[:300])
             assert r.header("x-should-retry") == "false"
             message = r.json()["error"]["message"]
-            assert shown in message and s in message and SECRET not in r.text, message
+            assert shown in message and short(s) in message and SECRET not in r.text, message
     status = world.status(0).json()
     assert status["pins"] is None and status["store_info"]["health"].startswith("unavailable")
     assert {name: len(f.received()) for name, f in world.fakes.items()} == before, "forwarded by a guess"

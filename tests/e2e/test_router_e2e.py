@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import pytest
 
 from sessionpin.headers import allowed as allowed_header
+from sessionpin.ids import short
 
 from .harness import Client, FakeServer, Mitmdump, MitmdumpError, Received, Reply, TestCA, free_port, toml_config
 
@@ -643,7 +644,8 @@ def test_pinned_server_unreachable_is_an_error_naming_it_and_the_pin_holds(rig):
         assert reply.header("x-should-retry") == "false" and reply.header("retry-after") is None
         assert reply.header("x-sessionpin-refused") == "unreachable"
         msg = reply.json()["error"]["message"]
-        assert "server alt" in msg and s in msg and "refuses connections" in msg, msg
+        # the session by its short id on the agent's screen (a long hex id can read as "502" to pi)
+        assert "server alt" in msg and short(s) in msg and s not in msg and "refuses connections" in msg, msg
     print(f"dead pinned server: refused after {took:.2f} s, the agent's next try after {took_again:.2f} s")
     assert CONNECT_BUDGET - 0.3 <= took < CONNECT_BUDGET + 3.0, took       # the budget, ridden out, then told
     assert took_again < 1.5, took_again                                      # known down: no second budget

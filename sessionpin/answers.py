@@ -27,7 +27,7 @@ from . import facts as F
 # 424 Failed Dependency: the request depended on a server (or the pin store) that failed.
 NO_RETRY_STATUS = 424
 # Codex's WebSocket upgrade refused so: 426 makes Codex fall back to HTTPS at once (where the
-# POST gets the 424); any other status costs five reconnects first (measured, docs/traffic.md).
+# POST gets the 424); any other status cost seven upgrades first (measured, docs/traffic.md).
 NO_RETRY_UPGRADE_STATUS = 426
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -305,7 +305,7 @@ class Router:
         body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
         status = r.status
         if status == answers.NO_RETRY_STATUS and websocket.is_upgrade(flow.request):
-            status = answers.NO_RETRY_UPGRADE_STATUS     # Codex: to HTTPS now, not five reconnects
+            status = answers.NO_RETRY_UPGRADE_STATUS     # Codex: to HTTPS now, not seven upgrades first
         flow.response = http.Response.make(status, body, headers)
         self.metrics.refusals[r.kind] += 1
         meta.update({"refused": r.status, "refusal": r.kind, "message": r.message})

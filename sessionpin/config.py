@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlsplit
 
+from . import paths
 from .facts import AGENTS
 from .prices import KINDS as PRICE_KINDS
 from .prices import Price
@@ -86,6 +87,12 @@ class Server:
         port = "" if self.port == default else f":{self.port}"
         return f"{self.scheme}://{self.host}{port}"
 
+    @property
+    def base(self) -> str:
+        """Where this API's endpoints are (``paths.api_base``): ``/v1`` for a bare origin,
+        ``/zen/v1`` for ``…/zen/v1``, ``/api/anthropic/v1`` for ``…/api/anthropic``."""
+        return paths.api_base(self.prefix)
+
     def at(self, host: str, port: int, scheme: str | None = None) -> bool:
         """Whether host:port (and scheme, when given) is this server's address — the one
         test of "does this address belong to that server" (names compare case-blind,
@@ -136,13 +143,20 @@ class Config:
     pools: dict[str, Pool] = field(default_factory=dict)
 
     def server_for(self, scheme: str, host: str, port: int, path: str) -> Server | None:
-        """The configured server a request addresses (the longest matching prefix wins)."""
+        """The configured server a request addresses: at its origin, the longest prefix the
+        path is under wins; a path under none of them (``/zen/v1/…`` at a server written as
+        ``…/api/anthropic``) is the first written server's at that origin — a server is an
+        API at its origin, and the origin is sessionpin's to route (``paths.scope`` says
+        which of its paths are inference)."""
         best: Server | None = None
+        first: Server | None = None
         for server in self.servers.values():
-            if server.addresses(scheme, host, port, path):
-                if best is None or len(server.prefix) > len(best.prefix):
-                    best = server
-        return best
+            if not server.at(host, port, scheme):
+                continue
+            first = first or server
+            if _under(path, server.prefix) and (best is None or len(server.prefix) > len(best.prefix)):
+                best = server
+        return best or first
 
     def addresses_origin(self, scheme: str, host: str, port: int) -> bool:
         """Whether scheme://host:port is the origin of any configured server."""

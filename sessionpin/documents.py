@@ -62,6 +62,19 @@ class PinCount(msgspec.Struct, frozen=True, kw_only=True):
     active: int = 0                            # of which seen in the last hour
 
 
+class Unrouted(msgspec.Struct, frozen=True, kw_only=True):
+    """Requests to a configured server's origin that looked like inference and were left
+    alone (``paths.unrouted``), by origin and the path before the endpoint."""
+    origin: str
+    prefix: str                                # the path before the endpoint ("/api/paas/v4")
+    endpoint: str                              # the endpoint it named ("/chat/completions")
+    server: str                                # the configured server at that origin
+    count: int
+    first: float
+    last: float
+    url: str | None = None                     # a server URL that would route them; None: none would
+
+
 class Status(msgspec.Struct, frozen=True, kw_only=True):
     version: str
     pid: int
@@ -77,6 +90,7 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     pins_error: str | None = None
     unreachable: dict[str, str] = {}           # server -> the last connect error
     participants: dict[str, Any] = {}
+    unrouted: list[Unrouted] = []              # looked like inference, left alone (issue 19)
 
 
 heartbeat_encoder = msgspec.json.Encoder()

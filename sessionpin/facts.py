@@ -8,9 +8,9 @@ Rules it keeps (sources: ../shared/reference/agent-traffic.md, the recordings in
 tests/fixtures/traffic, seeds/000's turn rule; docs/facts.md lists each one):
 - api from method and path only (reverse mode rewrites the host): a POST whose path ends
   with /v1/messages, /v1/messages/count_tokens, /v1/chat/completions or /v1/responses,
-  exactly, and is not ambiguous (``paths.api_of_path``; the router, which knows the
-  server's prefix, asks ``paths.scope``); anything else is "other", which has no session
-  and no turn.
+  exactly, after a plain prefix, and is not ambiguous (``paths.api_of_path``; the router,
+  which knows the server's base, asks ``paths.scope`` and passes its api in); anything
+  else is "other", which has no session and no turn.
 - agent from the User-Agent and the agents' own headers.
 - session from the agent's own id (headers first, then the body), then a list of common
   session headers, then a fingerprint ``fp:<hash>`` of the conversation's opening (system
@@ -70,10 +70,14 @@ def read(
     headers: Iterable[tuple[str | bytes, str | bytes]] | Any,
     body: bytes | None,
     content_encoding: str | bytes | None = None,
+    *,
+    api: str | None = None,
 ) -> Facts:
-    """The facts of one request. Never raises."""
+    """The facts of one request. Never raises. ``api``: what the router's ``paths.scope``
+    said, which knows the server's base (``/api/paas/v4/chat/completions`` is chat at a
+    server written ``…/api/paas/v4``); by default the api of the path alone."""
     try:
-        return _read(method, url, headers, body, content_encoding)
+        return _read(method, url, headers, body, content_encoding, api)
     except Exception as e:  # pragma: no cover - a last resort; the property tests look for it
         try:
             api, agent = api_of(_text(method), _text(url)), agent_of(header_map(headers))
@@ -110,9 +114,10 @@ def read_upgrade(url: str | bytes, headers: object) -> Facts:
                      reason=f"internal error: {type(e).__name__}")
 
 
-def _read(method, url, headers, body, content_encoding) -> Facts:
+def _read(method, url, headers, body, content_encoding, api=None) -> Facts:
     h = header_map(headers)
-    api = api_of(_text(method), _text(url))
+    if api is None:
+        api = api_of(_text(method), _text(url))
     agent = agent_of(h)
     if api not in INFERENCE_APIS:
         return Facts(api=api, agent=agent, reason="not an inference request")

@@ -8,7 +8,11 @@ Rules it keeps:
 - A kind prefix stays visible (``ses_``, ``fp:`` for a fingerprint), so the short form
   says what sort of id it is; ``user_`` (an old Claude Code form) is dropped.
 - ``matches(id, given)`` is how the CLI finds a session from what a person typed: a
-  prefix of the id, or a prefix of its short form, or the end of the id.
+  prefix of the id, or a prefix of its short form, or the end of the id, or a shown
+  ``head…tail`` (both).
+- ``shorts(ids)``: the short forms of the ids shown together, unique among them: where two
+  share one (two pi conversations that opened alike: one fingerprint, two nonces), each
+  gets ``…`` and as much of its end as tells it apart; the whole id if nothing does.
 """
 
 from __future__ import annotations
@@ -35,5 +39,32 @@ def short(session: str | None) -> str:
     return session[:WIDTH]
 
 
+ELLIPSIS = "…"
+
+
+def shorts(sessions) -> dict[str, str]:
+    """Each id's short form, unique among ``sessions`` (longer where needed)."""
+    ids = list(dict.fromkeys(s for s in sessions if s))
+    groups: dict[str, list[str]] = {}
+    for s in ids:
+        groups.setdefault(short(s), []).append(s)
+    out: dict[str, str] = {}
+    for head, same in groups.items():
+        if len(same) == 1:
+            out[same[0]] = head
+            continue
+        for k in range(4, max(len(x) for x in same) + 1):
+            tails = [x[-k:] for x in same]
+            if len(set(tails)) == len(same):
+                break
+        for x in same:
+            tail = x[-k:] if len({y[-k:] for y in same}) == len(same) else None
+            out[x] = f"{head}{ELLIPSIS}{tail}" if tail is not None and len(head) + k < len(x) else x
+    return out
+
+
 def matches(session: str, given: str) -> bool:
+    if ELLIPSIS in given:
+        head, _, tail = given.partition(ELLIPSIS)
+        return (session.startswith(head) or short(session).startswith(head)) and session.endswith(tail)
     return session.startswith(given) or short(session).startswith(given) or session.endswith(given)

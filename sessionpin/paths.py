@@ -1,29 +1,45 @@
-"""Which requests are inference: exact paths under a server's prefix, and the paths never routed.
+"""Which requests are inference: a server is the base URL of an API, and the paths never routed.
 
 A request the router takes as inference may be sent to another server with that server's
-key, so "inference" is read narrowly: the method is POST and the path is exactly one of
-the inference endpoints under the server's prefix. ``/v1/threads/x/messages`` or
+key, so "inference" is read narrowly: the method is POST and the path names one inference
+endpoint exactly, after an API version segment. ``/v1/threads/x/messages`` or
 ``/v1/organizations/x/messages`` end like an endpoint and are not one; a path with dot
 segments or encoded separators may mean something else to the server than it says to us.
 
+A server's URL is the base URL of its API, as the clients take one: ``https://api.anthropic.com``,
+``https://api.openai.com/v1``, ``https://opencode.ai/zen/v1``, ``https://api.z.ai/api/anthropic``.
+Its endpoints are at ``api_base(prefix)`` + the endpoint: the prefix itself when its last
+segment is an API version (``/zen/v1``, ``/v1``, ``/api/paas/v4``), else the prefix + ``/v1``
+(``""`` -> ``/v1``, ``/api/anthropic`` -> ``/api/anthropic/v1``). A move maps the endpoint:
+the request arrives at the target's base + the same endpoint (``rewrite.plan``).
+
 Rules this module keeps:
-- ``scope(method, path, prefix)`` -> ``Scope(api, refuse, rest)``:
+- ``scope(method, path, prefix)`` -> ``Scope(api, refuse, endpoint)``:
   * ``refuse`` is set (and ``api`` is "other") for a POST whose path is ambiguous, so it is
     never routed: not starting with ``/``; a control character (0x00-0x1F, 0x7F) or ``#``
     anywhere; in the path part, a backslash, an empty segment (``//``), a dot segment
     (``.``, ``..``), an escape of ``/ . \\ %`` or of a control character (``%2f %2e %5c
     %25 %00``…, any case), or a ``%`` not followed by two hex digits;
-  * ``api`` is an inference api when the path part is the prefix followed by ``/v1`` and an
-    endpoint (``/messages``, ``/messages/count_tokens``, ``/chat/completions``,
-    ``/responses``), or, when the prefix itself ends with ``/v1`` (``…/zen/v1``), the
-    prefix followed by the endpoint. Exactly: case, trailing slash and extra segments
-    make it "other". The query is not part of the match. ``rest`` is what follows the
-    prefix (query included): the part a moved request keeps.
+  * ``api`` is an inference api when the path part is
+    - the server's base + an endpoint (``/messages``, ``/messages/count_tokens``,
+      ``/chat/completions``, ``/responses``), or
+    - any prefix the client chose + ``/v1`` + an endpoint (``/zen/v1/messages``,
+      ``/zen/go/v1/chat/completions``, ``/api/anthropic/v1/messages`` at a server written as
+      a bare origin), as long as that prefix holds no version segment of its own (``v1``,
+      ``v2``, ``v1beta``…: ``/v1/threads/x/v1/messages`` is a look-alike) — or is exactly
+      the server's own prefix.
+    Exactly: case, trailing slash and extra segments make it "other". The query is not part
+    of the match. ``endpoint`` is the endpoint and the query (``/messages?beta=true``): what
+    a moved request keeps.
   * anything else, and every method but POST, is "other" (never routed, no refusal: a
     request that is not routed goes where it was addressed, as if the router were not there).
-- With the prefix unknown (``prefix=None``: the reader's ``facts.api_of``, or a request to
-  an origin no longer configured), the path part must end with ``/v1`` + an endpoint, and
-  ``rest`` is ``/v1`` + the endpoint. ``api_of_path(method, path)`` is that api.
+- With no server at the request's origin (``prefix=None``: the reader's ``facts.api_of``, or
+  a request to an origin no longer configured), only the second form counts.
+  ``api_of_path(method, path)`` is that api.
+- ``unrouted(method, path)``: a plain POST whose path ends with an endpoint but that
+  ``scope`` does not take (``/api/paas/v4/chat/completions`` at a bare origin), minus the
+  look-alikes (a version segment before the last one): the path before the endpoint, so
+  the router can say once which server URL would route it.
 - ``/v1/responses/compact`` is not an endpoint here: the recorded Codex (0.171) compacts
   through ``/v1/responses`` (``request_kind: compaction``).
 Pure: strings in, a value out.
@@ -54,15 +70,51 @@ _BAD_ESCAPE = re.compile(r"%(?:2[eEfF5]|5[cC]|[01][0-9a-fA-F]|7[fF])")
 _LONE_PERCENT = re.compile(r"%(?![0-9a-fA-F]{2})")
 
 
+# An API version segment: ``v1``, ``v4``, ``v1beta`` (a client's own prefix holds none).
+_VERSION_SEGMENT = re.compile(r"^v[0-9]+[a-z0-9]*$", re.IGNORECASE)
+# A segment of a client's prefix: a plain name (no ``;`` parameters, escapes, ``:`` or ``@``).
+_NAME_SEGMENT = re.compile(r"^[A-Za-z0-9_~-][A-Za-z0-9_.~-]*$")
+# The endpoints, longest first: ``/messages/count_tokens`` before ``/messages``.
+_BY_LENGTH = sorted(ENDPOINTS.items(), key=lambda kv: -len(kv[0]))
+
+
 @dataclass(frozen=True)
 class Scope:
     api: str                     # an inference api, or "other"
     refuse: str | None = None    # why this path must never be routed (then api is "other")
-    rest: str = ""               # inference: the path after the prefix, query included
+    endpoint: str = ""           # inference: the endpoint and the query ("/messages?beta=true")
 
     @property
     def inference(self) -> bool:
         return self.api != OTHER
+
+
+def is_version(segment: str) -> bool:
+    return bool(_VERSION_SEGMENT.match(segment))
+
+
+def api_base(prefix: str) -> str:
+    """Where a server written with this path prefix (no trailing slash) has its endpoints:
+    the prefix when its last segment is a version (``/zen/v1``), else the prefix + ``/v1``."""
+    return prefix if is_version(prefix.rpartition("/")[2]) else prefix + VERSION
+
+
+def _plain(prefix: str) -> bool:
+    """A client's prefix before ``/v1`` ("" or "/zen/go"): plain names, no version segment."""
+    if not prefix:
+        return True
+    if not prefix.startswith("/"):
+        return False
+    return all(_NAME_SEGMENT.match(s) and not is_version(s) for s in prefix[1:].split("/"))
+
+
+def _split_endpoint(p: str) -> tuple[str, str, str] | None:
+    """(what comes before the endpoint, the endpoint, its api) of a path part that ends
+    with one, else None."""
+    for endpoint, api in _BY_LENGTH:
+        if p.endswith(endpoint):
+            return p[: len(p) - len(endpoint)], endpoint, api
+    return None
 
 
 def unsafe(path: str) -> str | None:
@@ -91,34 +143,42 @@ def unsafe(path: str) -> str | None:
 def scope(method: str, path: str, prefix: str | None = "") -> Scope:
     """What a request to a server with this path prefix ("" or "/api/anthropic", no
     trailing slash) is: an inference api, "other", or refused (see the module's rules).
-    ``prefix=None``: the prefix is unknown (an origin no longer configured), and is
-    whatever comes before ``/v1`` + the endpoint."""
+    ``prefix=None``: no server is known at the request's origin."""
     if method.strip().upper() != "POST":
         return Scope(OTHER)
     why = unsafe(path)
     if why:
         return Scope(OTHER, why)
     p, sep, query = path.partition("?")
-    if prefix is None:
-        for endpoint, api in ENDPOINTS.items():
-            if p.endswith(VERSION + endpoint):
-                return Scope(api, rest=VERSION + endpoint + sep + query)
+    found = _split_endpoint(p)
+    if found is None:
         return Scope(OTHER)
-    if not p.startswith(prefix):
-        return Scope(OTHER)
-    rest = p[len(prefix):]
-    if rest.startswith(VERSION + "/"):
-        api = ENDPOINTS.get(rest[len(VERSION):])
-        if api:
-            return Scope(api, rest=rest + sep + query)
-    if prefix.endswith(VERSION):
-        api = ENDPOINTS.get(rest)
-        if api:
-            return Scope(api, rest=rest + sep + query)
+    before, endpoint, api = found
+    # The server's own base, whatever it holds; or a client's plain prefix + /v1; or the
+    # server's own prefix + /v1 (a base that ends with a version, taken as a prefix).
+    if (prefix is not None and before == api_base(prefix)) or (
+            before.endswith(VERSION) and (_plain(before[: -len(VERSION)])
+                                          or (prefix is not None and before[: -len(VERSION)] == prefix))):
+        return Scope(api, endpoint=endpoint + sep + query)
     return Scope(OTHER)
 
 
 def api_of_path(method: str, path: str) -> str:
-    """The inference api of a POST whose path (prefix unknown) ends with ``/v1`` + an
-    endpoint, else "other"; an ambiguous path is "other"."""
+    """The inference api of a POST whose path (no server known) is a plain prefix + ``/v1``
+    + an endpoint, else "other"; an ambiguous path is "other"."""
     return scope(method, path, None).api
+
+
+def unrouted(method: str, path: str, prefix: str | None = None) -> str | None:
+    """The part before the endpoint of a plain POST that ends with an inference endpoint and
+    that ``scope`` does not take (and is no look-alike: no version segment before its last
+    segment), else None."""
+    if method.strip().upper() != "POST" or unsafe(path):
+        return None
+    p = path.partition("?")[0]
+    found = _split_endpoint(p)
+    if found is None or scope(method, path, prefix).inference:
+        return None
+    before = found[0]
+    head, _, last = before.rpartition("/")
+    return before if _plain(head) and (last == "" or _NAME_SEGMENT.match(last)) else None

@@ -2,11 +2,15 @@
 
 ``plan(decision, request, source, config, env)`` is pure (the environment is passed in)
 and returns ``Changes``; the addon applies them all or none. Rules it keeps:
-- Origin and prefix move together: scheme, host, port and the path prefix are the
-  target server's; the path after the source server's prefix is kept. Only an exact
-  inference path under the source's prefix moves (``paths.scope``): any other path, or
-  an ambiguous one (dot segments, encoded separators…), is refused, never sent under
-  another server's key.
+- A move maps the endpoint, not the string: scheme, host and port are the target's, and
+  the path is the target's API base (``Server.base``: ``/v1``, ``/zen/v1``,
+  ``/api/anthropic/v1``…) + the endpoint the request named (``/messages``…), whatever
+  prefix the client put before it — Claude Code's ``/v1/messages`` reaches a server written
+  ``…/zen/v1`` at ``/zen/v1/messages``, pi's ``/zen/v1/chat/completions`` a bare origin at
+  ``/v1/chat/completions``. A target with the source's own URL (pool members sharing one)
+  keeps the path as sent. Only an exact inference path moves (``paths.scope``): any other
+  path, or an ambiguous one (dot segments, encoded separators…), is refused, never sent
+  under another server's key.
 - **An agent's credentials never reach a server other than the one it addressed.**
   A request going to another server keeps only the headers and query parameters
   ``headers.py`` allows (what the target's API needs and the agent's own ids, never a
@@ -103,16 +107,19 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
 
     changes = Changes(request.scheme, request.host, request.port, request.path)
     if source is None or target.name != source.name:
-        # Only an exact inference path moves; a request to an origin no longer configured
-        # (its session pinned elsewhere) keeps its API path from ``/v1/`` on.
+        # Only an exact inference path moves (a request to an origin no longer configured,
+        # its session pinned elsewhere, too), to the target's own path for that endpoint.
         where = paths.scope("POST", request.path, source.prefix if source else None)
         if where.refuse:
             return _refused(request, f"not sent to server {target.name}: {where.refuse}")
         if not where.inference:
             return _refused(request, f"not sent to server {target.name}: not an inference endpoint"
-                                     + (f" under {source.name}'s prefix" if source else ""))
+                                     + (f" of {source.name}'s API" if source else ""))
         # Only the allowed query parameters go (``?key=…``, as some APIs take, is a credential).
-        path = target.prefix + H.query_for_move(where.rest)   # rest starts with "/": scope said so
+        if source is not None and (source.origin, source.prefix) == (target.origin, target.prefix):
+            path = H.query_for_move(request.path)     # the same API: the client's path is its own
+        else:
+            path = target.base + H.query_for_move(where.endpoint)   # endpoint starts with "/"
         add: tuple[tuple[str, str], ...] = ()
         if target.key_env:
             key = env.get(target.key_env, "")

@@ -27,7 +27,8 @@ does once the request is on its way and never waits for: renew a pin, remember a
 write a "not routed" pin.
 
 Rules this module keeps beyond the ladder's:
-- A pin that could not be read is a refusal (503 naming the store), never "no pin".
+- A pin that could not be read is a refusal (424 naming the store, no retry signals: the shell
+  rode out a short blip first), never "no pin".
 - A conversation is sent away from the server it addressed only once its pin is durable
   in the store: a pin that could not be saved is a refusal (503 with ``retry-after``),
   on the first try and on every retry — nothing of it is remembered anywhere.
@@ -65,6 +66,7 @@ import msgspec
 
 from . import facts as F
 from . import ladder
+from .answers import NO_RETRY_STATUS
 from .ladder import Decision
 from .pins import Loaded, Pin, renew_due
 from .rewrite import Changes
@@ -151,10 +153,12 @@ def step(state: State, event: Event) -> Step:
     r = state.request
     f = r.facts
     if isinstance(event, StoreFailed):
-        return Step(state, Refuse(503, "store", f"sessionpin cannot read its pin store ({event.error}), so "
-                                  f"{f.agent} session {state.session or f.session} was not sent anywhere: its pin decides where it "
-                                  f"goes. Retry in a moment; if this persists, run 'sessionpin doctor'.",
-                                  RETRY_AFTER))
+        # The shell rode out a short blip before saying so: answered so that no agent keeps
+        # retrying for minutes (answers.NO_RETRY_STATUS, docs/traffic.md).
+        return Step(state, Refuse(NO_RETRY_STATUS, "store", f"sessionpin cannot read its pin store ({event.error}), "
+                                  f"so {f.agent} session {state.session or f.session} was not sent anywhere: its pin "
+                                  f"decides where it goes. Send it again once the store is back; 'sessionpin doctor' "
+                                  f"says what is wrong."))
     if isinstance(event, PinRead):
         return _after_read(_replace(state, loaded=event.loaded))
     if isinstance(event, LineageRead):

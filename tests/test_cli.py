@@ -216,7 +216,11 @@ def test_sessions_table_and_filters(env, capsys):
     assert lines[2].split()[:3] == ["77e1d3c4", "claude-code", "not"]
     assert len(lines) == 5
     code, o, _ = run(capsys, "sessions", "--agent", "claude-code", "--server", "anthropic")
-    assert [line.split()[0] for line in o.splitlines()[1:]] == ["1f0c9a2b", "1f0c9a2b"]
+    # two ids that share their first eight characters read apart (issue 19): longer where needed
+    assert [line.split()[0] for line in o.splitlines()[1:]] == ["1f0c9a2b…0001", "1f0c9a2b…0002"]
+    code, o, _ = run(capsys, "move", "1f0c9a2b…0002", "glm", "--yes")      # as shown, it names one
+    assert code == 0 and o.startswith("Moved 1f0c9a2b (claude-code) from anthropic to glm.")
+    assert read_pin(env.url, RUNNING[1][0]).server == "glm" and read_pin(env.url, RUNNING[0][0]).server == "anthropic"
     code, o, _ = run(capsys, "sessions", "--not-routed", "--json")
     data = json.loads(o)
     assert [d["session"] for d in data] == ["77e1d3c4-cccc-4000-8000-000000000003"]
@@ -242,7 +246,7 @@ def test_sessions_name_a_forks_parent(env, capsys):
     lines = [line.split() for line in o.splitlines()]
     assert lines[0] == ["SESSION", "AGENT", "SERVER", "WHY", "PARENT", "PINNED", "LAST", "SEEN", "REQUESTS"]
     row = next(line for line in lines if line[0] == "9c2e41d0")
-    assert row[3:7] == ["fork", "of", "1f0c9a2b", "1f0c9a2b"]
+    assert row[3:7] == ["fork", "of", "1f0c9a2b", "1f0c9a2b…0001"]
     assert all(line[5] == "-" for line in lines[1:] if line[0] != "9c2e41d0" and line[3] == "began")
     data = json.loads(run(capsys, "sessions", "--json")[1])
     assert {d["session"]: d["parent"] for d in data}[fork] == parent
@@ -349,6 +353,19 @@ def test_servers_add_and_list(env, capsys):
     assert code == 1 and "a server named 'ete' exists" in e
     code, _, e = run(capsys, "servers", "add", "bad", "ftp://x.example")
     assert code == 1 and "servers.bad.url: must start with https://" in e and "nothing written" in e
+
+
+@pytest.mark.parametrize("url, base", [("https://gw.example", "/v1"), ("https://gw.example/zen/v1", "/zen/v1"),
+                                       ("https://gw.example/api/anthropic", "/api/anthropic/v1")])
+def test_servers_add_says_which_endpoints_of_which_agents_it_takes(env, capsys, url, base):
+    code, o, _ = run(capsys, "servers", "add", "gw", url, "--key-env", "GW_KEY")
+    assert code == 0
+    assert f"It takes the inference requests addressed to https://gw.example (at {base}/<endpoint>, " in o
+    assert "  claude-code  messages, messages/count_tokens\n" in o
+    assert "  opencode     messages, chat/completions, responses\n" in o
+    assert "  pi           messages, chat/completions, responses\n" in o
+    assert "  codex        responses (HTTPS and its WebSocket)\n" in o
+    assert f"Requests moved here from another server arrive at https://gw.example{base}/<endpoint>" in o
 
 
 def test_servers_remove_warns_and_needs_force(env, capsys):

@@ -42,6 +42,30 @@ def test_map_model(model, mapped):
     assert config.parse(EXAMPLE).servers["glm"].map_model(model) == mapped
 
 
+@pytest.mark.parametrize("path, server", [
+    ("/zen/go/v1/chat/completions", "go"),      # the longest prefix the path is under
+    ("/zen/v1/messages", "zen"),
+    ("/zen/gox/v1/messages", "zen"),            # a prefix is whole segments
+    ("/v1/messages", "zen"),                    # under none: the first written at the origin
+    ("/api/anthropic/v1/messages", "zen"),
+])
+def test_server_for_at_an_origin_with_several_servers(path, server):
+    c = config.parse('[servers.zen]\nurl = "https://opencode.ai/zen/v1"\n[servers.go]\nurl = "https://opencode.ai/zen/go/v1"\n'
+                     '[servers.x]\nurl = "https://other.example/zen/v1"\n')
+    got = c.server_for("https", "opencode.ai", 443, path)
+    assert got is not None and got.name == server
+    assert c.server_for("https", "opencode.ai", 8443, path) is None
+
+
+@pytest.mark.parametrize("url, base", [
+    ("https://api.anthropic.com", "/v1"), ("https://api.openai.com/v1", "/v1"), ("https://opencode.ai/zen/v1", "/zen/v1"),
+    ("https://opencode.ai/zen/v1/", "/zen/v1"), ("https://opencode.ai/zen", "/zen/v1"),
+    ("https://api.z.ai/api/anthropic", "/api/anthropic/v1"), ("https://api.z.ai/api/paas/v4", "/api/paas/v4"),
+])
+def test_a_servers_url_is_the_base_url_of_its_api(url, base):
+    assert config.parse(f'[servers.s]\nurl = "{url}"\n').servers["s"].base == base
+
+
 def test_first_matching_glob_wins_in_written_order():
     c = config.parse('[servers.s]\nurl = "https://s"\nmodels = { "claude-opus-4*" = "a", "claude-*" = "b", "*" = "c" }\n')
     s = c.servers["s"]
@@ -53,8 +77,10 @@ def test_first_matching_glob_wins_in_written_order():
     ("https", "API.Anthropic.com", 443, "/v1/messages?beta=true", "anthropic"),
     ("https", "api.z.ai", 443, "/api/anthropic/v1/messages", "glm"),
     ("https", "api.z.ai", 443, "/api/anthropic", "glm"),
-    ("https", "api.z.ai", 443, "/api/anthropicx/v1/messages", None),   # prefix is a path segment
-    ("https", "api.z.ai", 443, "/v1/messages", None),                  # the origin alone is not enough
+    # a server is an API at its origin: a path under no server's prefix is still its origin's
+    # (paths.scope says which of them are inference)
+    ("https", "api.z.ai", 443, "/api/anthropicx/v1/messages", "glm"),
+    ("https", "api.z.ai", 443, "/v1/messages", "glm"),
     ("http", "api.anthropic.com", 80, "/v1/messages", None),           # scheme is part of the origin
     ("https", "api.anthropic.com", 8443, "/v1/messages", None),
     ("https", "example.com", 443, "/v1/messages", None),

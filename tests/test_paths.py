@@ -104,11 +104,29 @@ def test_the_recordings_cover_every_api_and_both_prefixes():
     ("POST", "/v1/responses/compact", "", paths.OTHER),
     ("POST", "/v1/messages;x=1", "", paths.OTHER),
     ("POST", "/v1/mess%61ges", "", paths.OTHER),
-    ("POST", "/zen/v1/messages", "/zen/go", paths.OTHER),                  # not under this prefix
-    ("POST", "/zenx/v1/messages", "/zen", paths.OTHER),
-    ("POST", "/v1/messages", "/api/anthropic", paths.OTHER),
-    ("POST", "/api/anthropic/x/v1/messages", "/api/anthropic", paths.OTHER),
     ("POST", "/api/claude_code/settings", "", paths.OTHER),
+    # a server is an API at its origin: whatever plain prefix the client puts before /v1
+    ("POST", "/zen/v1/messages", "/zen/go", paths.ANTHROPIC_MESSAGES),
+    ("POST", "/zenx/v1/messages", "/zen", paths.ANTHROPIC_MESSAGES),
+    ("POST", "/v1/messages", "/api/anthropic", paths.ANTHROPIC_MESSAGES),
+    ("POST", "/api/anthropic/x/v1/messages", "/api/anthropic", paths.ANTHROPIC_MESSAGES),
+    ("POST", "/zen/v1/chat/completions", "", paths.OPENAI_CHAT),           # opencode/pi at a bare origin
+    ("POST", "/zen/go/v1/responses", "", paths.OPENAI_RESPONSES),
+    ("POST", "/zen/v1/messages/count_tokens", "/v1", paths.ANTHROPIC_COUNT_TOKENS),
+    ("POST", "/v1/messages", "/zen/v1", paths.ANTHROPIC_MESSAGES),         # Claude Code at a …/zen/v1 server
+    ("POST", "/zen/v1/v1/messages", "/zen/v1", paths.ANTHROPIC_MESSAGES),  # the server's own prefix + /v1
+    ("POST", "/api/paas/v4/chat/completions", "/api/paas/v4", paths.OPENAI_CHAT),  # a base with another version
+    ("POST", "/v2/x/v1/messages", "/v2/x", paths.ANTHROPIC_MESSAGES),      # the server's own prefix, as written
+    # look-alikes: a version segment in the client's prefix, or not a plain name
+    ("POST", "/v1/threads/x/v1/messages", "", paths.OTHER),
+    ("POST", "/v1/organizations/x/v1/chat/completions", "/zen", paths.OTHER),
+    ("POST", "/v1beta/openai/v1/chat/completions", "", paths.OTHER),
+    ("POST", "/V1/threads/v1/messages", "", paths.OTHER),
+    ("POST", "/v1;x/v1/messages", "", paths.OTHER),
+    ("POST", "/a:b/v1/messages", "", paths.OTHER),
+    ("POST", "/api/paas/v4/chat/completions", "", paths.OTHER),            # no /v1, not this server's base
+    ("POST", "/zen/v2/messages", "/zen/v1", paths.OTHER),
+    ("POST", "/api/anthropic/messages", "/api/anthropic", paths.OTHER),    # its base is /api/anthropic/v1
 ])
 def test_scope(method, path, prefix, api):
     s = paths.scope(method, path, prefix)
@@ -136,25 +154,53 @@ def test_other_methods_are_never_refused_only_left_alone():
 
 @settings(max_examples=500, deadline=None)
 @given(st.text(alphabet="/.%2eEfF5cC\\v1messagzoun_tpr?#x\x00", max_size=30), st.sampled_from(["", "/zen", "/zen/v1"]))
-def test_inference_is_always_prefix_plus_an_exact_endpoint(path, prefix):
+def test_inference_is_always_an_exact_endpoint_after_the_base_or_a_plain_prefix_and_v1(path, prefix):
     s = paths.scope("POST", path, prefix)
     if s.inference:
         p = path.partition("?")[0]
-        assert any(p in (prefix + "/v1" + e, prefix + e if prefix.endswith("/v1") else None)
-                   for e in paths.ENDPOINTS)
-        assert paths.api_of_path("POST", path) == s.api
+        endpoint = s.endpoint.partition("?")[0]
+        assert paths.ENDPOINTS[endpoint] == s.api and p.endswith(endpoint)
+        before = p[: -len(endpoint)]
+        if before != paths.api_base(prefix) and before != prefix + "/v1":
+            assert before.endswith("/v1")
+            assert not any(paths.is_version(seg) for seg in before[:-3].split("/")), path
         assert ".." not in p and "%" not in p and "//" not in p and "\\" not in p
 
 
-@pytest.mark.parametrize("path, prefix, rest", [
-    ("/v1/messages?beta=true", "", "/v1/messages?beta=true"),
-    ("/zen/go/v1/chat/completions", "/zen/go", "/v1/chat/completions"),
+@pytest.mark.parametrize("path, prefix, endpoint", [
+    ("/v1/messages?beta=true", "", "/messages?beta=true"),
+    ("/zen/go/v1/chat/completions", "/zen/go", "/chat/completions"),
     ("/zen/v1/responses?x=1", "/zen/v1", "/responses?x=1"),
-    ("/api/anthropic/v1/messages/count_tokens", None, "/v1/messages/count_tokens"),
-    ("/a/b/v1/responses?q", None, "/v1/responses?q"),
+    ("/api/anthropic/v1/messages/count_tokens", None, "/messages/count_tokens"),
+    ("/a/b/v1/responses?q", None, "/responses?q"),
 ])
-def test_rest_is_what_follows_the_prefix(path, prefix, rest):
-    assert paths.scope("POST", path, prefix).rest == rest
+def test_endpoint_is_what_follows_the_base(path, prefix, endpoint):
+    assert paths.scope("POST", path, prefix).endpoint == endpoint
+
+
+@pytest.mark.parametrize("prefix, base", [
+    ("", "/v1"), ("/v1", "/v1"), ("/zen", "/zen/v1"), ("/zen/v1", "/zen/v1"), ("/zen/go/v1", "/zen/go/v1"),
+    ("/api/anthropic", "/api/anthropic/v1"), ("/api/paas/v4", "/api/paas/v4"), ("/v1beta", "/v1beta"),
+])
+def test_a_servers_api_base(prefix, base):
+    assert paths.api_base(prefix) == base
+
+
+@pytest.mark.parametrize("path, prefix, before", [
+    ("/api/paas/v4/chat/completions", "", "/api/paas/v4"),      # would be routed by a server at that base
+    ("/v2/messages", None, "/v2"),
+    ("/openai/chat/completions", "/zen", "/openai"),
+    ("/messages", "", ""),
+    ("/api/anthropic/messages", "/api/anthropic", "/api/anthropic"),
+    # routed, look-alikes, not POST, ambiguous, not an endpoint: None
+    ("/v1/messages", "", None), ("/zen/v1/chat/completions", "", None),
+    ("/v1/threads/x/messages", "", None), ("/v1/organizations/x/messages", "", None),
+    ("/v1beta/openai/chat/completions", "", None), ("/v1/messages/batches", "", None),
+    ("/x/../messages", "", None), ("/v1/models", "", None),
+])
+def test_unrouted_names_the_part_before_an_endpoint_scope_does_not_take(path, prefix, before):
+    assert paths.unrouted("POST", path, prefix) == before
+    assert paths.unrouted("GET", path, prefix) is None
 
 
 @pytest.mark.parametrize("path", ["/v1/threads/x/messages", "/v1/messages/", "/x/v1/models", "/v1/../v1/messages"])

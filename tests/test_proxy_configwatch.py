@@ -86,3 +86,23 @@ async def test_the_watch_loop_applies_an_edit(proxy, cfg_path):
         if proxy.config.config.current("claude-code") == "anthropic":
             break
     assert proxy.config.config.current("claude-code") == "anthropic"
+
+
+def test_the_reload_line_shows_pools(tmp_path):
+    from sessionpin.config import parse
+    from sessionpin.proxy.configwatch import ConfigWatch
+    w = ConfigWatch()
+    w.config = parse('''
+[servers.a]
+url = "https://a.example"
+key_env = "A"
+[servers.b]
+url = "https://b.example"
+key_env = "B"
+[pools.glm]
+members = ["a", "b"]
+affinity = "soft"
+[agents.claude-code]
+server = "glm"
+''')
+    assert w.describe() == "servers: a, b; pool glm: a, b (round-robin, soft); claude-code → glm"

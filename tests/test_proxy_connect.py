@@ -10,6 +10,7 @@ import pytest
 from mitmproxy.proxy import server_hooks
 from mitmproxy.test import tflow
 
+from sessionpin.ids import short
 from shellkit import CONFIG, SESSION, flow, start
 
 
@@ -30,7 +31,7 @@ def cfg_path(tmp_path):
 
 @pytest.fixture
 def proxy(cfg_path):
-    p = start(cfg_path, sessionpin_connect_check=True)
+    p = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=0)
     yield p
     p.close()
 
@@ -41,12 +42,13 @@ async def test_a_moved_request_to_a_server_that_is_down_gets_an_error_naming_it(
     proxy.reload()
     f = flow()
     await proxy.send(f)
-    assert f.response.status_code == 502
-    assert f.response.headers["content-type"] == "application/json" and f.response.headers["retry-after"] == "5"
+    # no client retries it (docs/traffic.md): 424, x-should-retry false, no retry-after
+    assert f.response.status_code == 424 and f.response.headers["x-should-retry"] == "false"
+    assert f.response.headers["content-type"] == "application/json" and "retry-after" not in f.response.headers
     err = json.loads(f.response.content)
     assert err["type"] == "error"
     msg = err["error"]["message"]
-    assert "server glm" in msg and f"127.0.0.1:{down}" in msg and SESSION in msg
+    assert "server glm" in msg and f"127.0.0.1:{down}" in msg and short(SESSION) in msg
     assert f.request.host == "api.anthropic.com", "nothing was sent anywhere"
     assert proxy.connect.unreachable["glm"]
     # the pin stays: the conversation stays on glm
@@ -141,7 +143,7 @@ async def test_behind_an_upstream_proxy_nothing_is_tried_directly(proxy, cfg_pat
     assert not proxy.connect.via_proxy
     g = flow(session="abcd1234-0000-4000-8000-000000000002")           # a regular client: checked as before
     await proxy.send(g)
-    assert g.response.status_code == 502 and "cannot be reached" in g.response.text
+    assert g.response.status_code == 424 and "cannot be reached" in g.response.text
 
 
 async def test_a_client_connection_s_checks_go_when_it_closes(proxy):
@@ -169,3 +171,44 @@ async def test_a_client_connection_s_checks_go_when_it_closes(proxy):
         assert task.done()
     finally:
         listening.close()
+
+
+async def test_a_blip_is_ridden_out_within_the_budget_then_the_address_is_known_down(cfg_path):
+    import asyncio
+    import time
+
+    from sessionpin.proxy import connect as C
+
+    p = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=600)
+    try:
+        r = p.connect
+        port = free_port()
+        addr = ("127.0.0.1", port)
+        r.moved_to(addr, "glm")
+        client = tflow.tclient_conn()
+        server = None
+
+        async def listen_later():
+            nonlocal server
+            await asyncio.sleep(0.3)
+            server = await asyncio.start_server(lambda rd, wr: wr.close(), *addr)
+
+        later = asyncio.ensure_future(listen_later())
+        t0 = time.monotonic()
+        assert await r.reachable(client.id, addr) is None          # back within the budget: no error
+        assert 0.25 < time.monotonic() - t0 < 0.6 + 0.5
+        await later
+        server.close()
+        await server.wait_closed()
+        t0 = time.monotonic()
+        err = await r.reachable(client.id, addr)                   # down for the whole budget
+        assert err == "it refuses connections: nothing listens there"
+        assert 0.55 < time.monotonic() - t0 < 0.6 + 0.5 and addr in r.down
+        t0 = time.monotonic()
+        assert await r.reachable(client.id, addr) == err            # known down: one attempt, no budget
+        assert time.monotonic() - t0 < 0.3
+        assert r.unreachable["glm"] == err
+        assert C.why(TimeoutError(), 2.0) == "no answer within 2 s"
+        assert C.why(OSError(113, "No route to host"), 2.0) == "no route to host"
+    finally:
+        p.close()

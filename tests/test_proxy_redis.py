@@ -132,9 +132,9 @@ async def test_down_at_start_serves_503_naming_the_store_then_recovers(cfg_path,
         for kind in ("opening", "continuation"):
             f = flow(kind, session=s)
             await p.send(f)
-            assert f.response is not None and f.response.status_code == 503, kind
+            assert f.response is not None and f.response.status_code == 424, kind   # no client retries it
             assert f.request.host == "api.anthropic.com"             # not sent anywhere
-            assert f.response.headers["retry-after"] == "1"
+            assert "retry-after" not in f.response.headers and f.response.headers["x-should-retry"] == "false"
             refused.append(f.response.text)
         assert all(f"redis://:***@127.0.0.1:{late.port}/0" in t for t in refused), refused[0]
         f = internal("/__sessionpin/status")
@@ -192,7 +192,7 @@ async def test_a_server_the_store_will_not_use_is_named_and_refused(cfg_path, ca
         assert any("refuses this server" in m and "add ?cluster=1" in m for m in said), said
         f = flow("opening", session=session())
         await p.send(f)
-        assert f.response.status_code == 503 and "cluster=1" in f.response.text
+        assert f.response.status_code == 424 and "cluster=1" in f.response.text
         assert f.request.host == "api.anthropic.com"
     finally:
         await p.runtime.done()

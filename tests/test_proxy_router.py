@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -188,14 +189,42 @@ class Faulty:
         return getattr(self._s, name)
 
 
-async def test_a_pin_that_cannot_be_read_is_a_503_never_no_pin(proxy):
-    await put(proxy, "glm")
-    proxy.runtime.store = Faulty(proxy.store, {"get": StoreUnavailable("file:x: disk I/O error")})
-    f = flow("continuation")
-    await proxy.send(f)
-    assert f.response.status_code == 503 and f.response.headers["retry-after"] == "1"
-    assert "disk I/O error" in f.response.text and f.request.host == "api.anthropic.com"
-    assert proxy.router.metrics.store_errors == 1
+async def test_a_pin_that_cannot_be_read_is_refused_never_no_pin(cfg_path):
+    """Refused so that no agent keeps retrying (issue 19: 503 with retry-after kept them at it for
+    minutes): 424, x-should-retry false, no retry-after, after the budget to ride out a blip."""
+    proxy = start(cfg_path, sessionpin_store_retry_ms=400)
+    try:
+        await put(proxy, "glm")
+        good = proxy.store
+        proxy.runtime.store = Faulty(good, {"get": StoreUnavailable("file:x: disk I/O error")})
+        f = flow("continuation")
+        t0 = time.monotonic()
+        await proxy.send(f)
+        assert 0.35 < time.monotonic() - t0 < 1.5                   # the budget, ridden out, then told
+        assert f.response.status_code == 424 and f.response.headers["x-should-retry"] == "false"
+        assert "retry-after" not in f.response.headers
+        assert "disk I/O error" in f.response.text and f.request.host == "api.anthropic.com"
+        assert proxy.router.metrics.store_errors >= 2
+        t0 = time.monotonic()
+        g = flow("continuation")
+        await proxy.send(g)                                           # known down: said at once
+        assert g.response.status_code == 424 and time.monotonic() - t0 < 0.3
+    finally:
+        proxy.close()
+
+
+async def test_a_store_blip_within_the_budget_is_ridden_out(cfg_path):
+    proxy = start(cfg_path, sessionpin_store_retry_ms=2000)
+    try:
+        await put(proxy, "glm")
+        good = proxy.store
+        proxy.runtime.store = Faulty(good, {"get": StoreUnavailable("file:x: disk I/O error")})
+        asyncio.get_running_loop().call_later(0.3, setattr, proxy.runtime, "store", good)   # back
+        f = flow("continuation")
+        await proxy.send(f)
+        assert f.response is None and f.request.host == "api.z.ai"   # followed its pin
+    finally:
+        proxy.close()
 
 
 async def test_a_pin_that_cannot_be_saved_never_sends_the_conversation_away(proxy):
@@ -460,3 +489,24 @@ async def test_a_large_bodys_lineage_is_read_off_the_event_loop(proxy, monkeypat
     threads.clear()
     await proxy.send(small)
     assert threads == [threading.current_thread().name]       # a small body: no hop
+
+
+async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back_at_once(cfg_path):
+    """Codex reconnects a refused upgrade five times before its HTTPS fallback, unless the answer
+    is 426 (measured with Codex 0.171: docs/traffic.md); its POST then gets the 424 no client retries."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = s.getsockname()[1]
+    s.close()
+    cfg_path.write_text(CODEX_CONFIG.replace("https://alt.example", f"https://127.0.0.1:{dead}"))
+    proxy = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=0)
+    try:
+        proxy.router.env["ALT_KEY"] = "alt-sentinel"
+        f = upgrade()
+        await proxy.send(f)
+        assert f.response.status_code == 426 and f.response.headers["x-should-retry"] == "false"
+        assert "retry-after" not in f.response.headers and "cannot be reached" in f.response.text
+        assert f.request.host == "api.openai.com"                 # sent nowhere
+    finally:
+        proxy.close()

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sessionpin import facts as F
-from sessionpin import rewrite
+from sessionpin import paths, rewrite
 from sessionpin.config import parse
 from sessionpin.ladder import Decision
 from sessionpin.rewrite import ModelNotFound, RequestView
@@ -75,7 +75,80 @@ def test_keeps_the_path_after_the_source_prefix():
     assert c.refuse and "anthropic has no key_env" in c.refuse and "https://api.z.ai" in c.refuse
     c = rewrite.plan(go("bearer"), view(path="/api/anthropic/v1/messages/count_tokens", host="api.z.ai",
                                         model=None), GLM, CONFIG, ENV)
-    assert (c.scheme, c.host, c.port, c.path) == ("http", "127.0.0.1", 9000, "/v1/v1/messages/count_tokens")
+    # the endpoint at bearer's own base (written …/v1/), not the string after glm's prefix
+    assert (c.scheme, c.host, c.port, c.path) == ("http", "127.0.0.1", 9000, "/v1/messages/count_tokens")
+
+
+# Every client convention of the recordings, and every way a server's URL is written.
+CLIENT_PATHS = [
+    ("claude-code", "/v1/messages?beta=true", "/messages?beta=true", F.ANTHROPIC_MESSAGES),
+    ("claude-code", "/v1/messages/count_tokens?beta=true", "/messages/count_tokens?beta=true", F.ANTHROPIC_COUNT_TOKENS),
+    ("opencode zen", "/zen/v1/messages", "/messages", F.ANTHROPIC_MESSAGES),
+    ("opencode zen", "/zen/v1/responses", "/responses", F.OPENAI_RESPONSES),
+    ("opencode/pi zen", "/zen/v1/chat/completions", "/chat/completions", F.OPENAI_CHAT),
+    ("opencode/pi go", "/zen/go/v1/chat/completions", "/chat/completions", F.OPENAI_CHAT),
+    ("codex", "/v1/responses", "/responses", F.OPENAI_RESPONSES),
+    ("glm-style client", "/api/anthropic/v1/messages", "/messages", F.ANTHROPIC_MESSAGES),
+]
+# how a server's URL is written -> where its API's endpoints are
+CONVENTIONS = {"": "/v1", "/v1": "/v1", "/zen/v1": "/zen/v1", "/zen": "/zen/v1", "/api/anthropic": "/api/anthropic/v1"}
+
+
+@pytest.mark.parametrize("src", list(CONVENTIONS))
+@pytest.mark.parametrize("dst", list(CONVENTIONS))
+@pytest.mark.parametrize("client, path, endpoint, api", CLIENT_PATHS, ids=[c[1] for c in CLIENT_PATHS])
+def test_a_move_maps_the_endpoint_for_every_pair_of_conventions(src, dst, client, path, endpoint, api):
+    """A request addressed under a configured server's origin, in any client's convention, is
+    in scope whatever the server's URL says after the origin, and arrives at the target's own
+    path for the same endpoint, whatever the target's URL says after its origin."""
+    cfg = parse(f'''
+[servers.a]
+url = "https://a.example:8443{src}"
+[servers.b]
+url = "https://b.example{dst}"
+key_env = "B_KEY"
+''')
+    source = cfg.server_for("https", "a.example", 8443, path)
+    assert source is not None and source.name == "a", (src, path)
+    where = paths.scope("POST", path, source.prefix)
+    assert (where.api, where.refuse) == (api, None)
+    c = rewrite.plan(go("b"), view(path=path, host="a.example", port=8443, model=None, api=api), source, cfg,
+                     {"B_KEY": "b-key"})
+    assert c.refuse is None
+    assert (c.host, c.port, c.path) == ("b.example", 443, CONVENTIONS[dst] + endpoint)
+
+
+@pytest.mark.parametrize("path", ["/v1/threads/x/v1/messages", "/v1/threads/x/messages", "/zen/v1/x/../messages",
+                                  "/v1%2fmessages", "/v1/organizations/o/v1/chat/completions"])
+@pytest.mark.parametrize("src", list(CONVENTIONS))
+def test_look_alikes_never_move_whatever_the_convention(src, path):
+    cfg = parse(f'''
+[servers.a]
+url = "https://a.example{src}"
+[servers.b]
+url = "https://b.example/zen/v1"
+key_env = "B_KEY"
+''')
+    source = cfg.server_for("https", "a.example", 443, path)
+    assert not paths.scope("POST", path, source.prefix).inference
+    c = rewrite.plan(go("b"), view(path=path, host="a.example", model=None), source, cfg, {"B_KEY": "k"})
+    assert c.refuse and (c.host, c.path) == ("a.example", path)
+
+
+def test_pool_members_sharing_one_url_keep_the_clients_path():
+    cfg = parse('''
+[servers.a]
+url = "https://gw.example"
+key_env = "A_KEY"
+[servers.b]
+url = "https://gw.example"
+key_env = "B_KEY"
+[pools.p]
+members = ["a", "b"]
+''')
+    c = rewrite.plan(go("b"), view(path="/zen/v1/messages", host="gw.example", model=None), cfg.servers["a"], cfg,
+                     {"A_KEY": "a", "B_KEY": "b"})
+    assert c.refuse is None and c.path == "/zen/v1/messages" and c.set_headers == (("x-api-key", "b"),)
 
 
 @pytest.mark.parametrize("path, why", [

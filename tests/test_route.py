@@ -110,8 +110,8 @@ server = "anthropic"
      {"create": route.PinLost(loaded(None))}, ["ReadPin", "Plan", "CreatePin"], ("Leave", None, "pinned-not-routed", ())),
     ("opening: rewrite refused -> 502, no pin", request(), {"plan": Changes("https", "h", 443, "/", refuse="no key")},
      ["ReadPin", "Plan"], ("Refuse", 502, "opening", ())),
-    ("pin read fails -> 503, never 'no pin'", request(facts(F.CONTINUATION, has_history=True)), {"read_fails": True},
-     ["ReadPin"], ("Refuse", 503, None, ())),
+    ("pin read fails -> 424 (no client retries it), never 'no pin'", request(facts(F.CONTINUATION, has_history=True)),
+     {"read_fails": True}, ["ReadPin"], ("Refuse", 424, None, ())),
     ("pinned: forward, no renewal due", request(facts(F.CONTINUATION, has_history=True)), {"pin": loaded("glm")},
      ["ReadPin", "Plan"], ("Forward", None, "pinned", ())),
     ("pinned: renewal due runs after", request(facts(F.CONTINUATION, has_history=True)),
@@ -216,7 +216,9 @@ def test_refusals_say_what_to_do():
     assert s.effect.retry_after == route.RETRY_AFTER
     assert "s-1" in s.effect.message and "glm" in s.effect.message and "database is locked" in s.effect.message
     _, s = drive(request(facts(F.CONTINUATION)), read_fails=True)
-    assert s.effect.kind == "store" and s.effect.retry_after and "disk I/O error" in s.effect.message
+    # a store that cannot be read: no retry signal (the shell rode out a blip first), what to do
+    assert s.effect.kind == "store" and s.effect.retry_after is None and "disk I/O error" in s.effect.message
+    assert s.effect.status == 424 and "once the store is back" in s.effect.message
     _, s = drive(request(facts(F.CONTINUATION)), pin=loaded("ete"))
     assert s.effect.retry_after is None and "'ete'" in s.effect.message
 

@@ -222,6 +222,8 @@ def cmd_servers_add(ctx: Ctx, args: argparse.Namespace) -> int:
     write_config(ctx, new_text)
     server = new_cfg.servers[name]
     out(f"Added server {name}: {server.url}.")
+    for line in takes(server):
+        out(line)
     if server.key_env:
         where_set = "set" if os.environ.get(server.key_env) else "not set"
         out(f"Its key comes from ${server.key_env} ({where_set} in this shell; the proxy reads its own environment).")
@@ -229,6 +231,28 @@ def cmd_servers_add(ctx: Ctx, args: argparse.Namespace) -> int:
         out(f"It has no key_env: only requests addressed to {server.origin} can go there, with the agent's own key.")
     out(f"No agent sends new conversations there yet: `sessionpin use AGENT {name}`.")
     return 0
+
+
+# The endpoints each agent sends (docs/traffic.md); gemini-cli speaks none of them.
+AGENT_ENDPOINTS = {
+    "claude-code": ("/messages", "/messages/count_tokens"),
+    "opencode": ("/messages", "/chat/completions", "/responses"),
+    "pi": ("/messages", "/chat/completions", "/responses"),
+    "codex": ("/responses",),
+}
+
+
+def takes(server: configmod.Server) -> list[str]:
+    """What a server takes (docs/router.md, Scope): which endpoints of which agents, where
+    requests addressed to it are matched, and where requests moved to it arrive."""
+    lines = [f"It takes the inference requests addressed to {server.origin} (at {server.base}/<endpoint>, "
+             "or any other plain prefix + /v1/<endpoint>) of:"]
+    for agent, endpoints in AGENT_ENDPOINTS.items():
+        extra = " (HTTPS and its WebSocket)" if agent == "codex" else ""
+        lines.append(f"  {agent:<12} {', '.join(e.lstrip('/') for e in endpoints)}{extra}")
+    lines.append(f"Requests moved here from another server arrive at {server.origin}{server.base}/<endpoint> "
+                 f"(e.g. {server.base}/messages, {server.base}/chat/completions).")
+    return lines
 
 
 def cmd_servers_remove(ctx: Ctx, args: argparse.Namespace) -> int:

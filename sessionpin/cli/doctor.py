@@ -71,6 +71,8 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
 
     if cfg is not None:
         _keys(ctx, cfg, proxy, add)
+    for p in live:
+        _unrouted(p, add)
 
     failed = [c for c in checks if c.state == "FAIL"]
     if args.json:
@@ -202,9 +204,16 @@ def _keys(ctx: Ctx, cfg: configmod.Config, proxy, add) -> None:
             counts[server] = counts.get(server, 0) + n
     except (Fail, StoreError):
         pass
-    # Servers requests go to: each agent's current one, and each one conversations are pinned to.
+    # Servers requests go to: each agent's current one (every member of a pool), and each one
+    # conversations are pinned to.
     pinned_to = {s for s, n in counts.items() if s in cfg.servers and n}
-    for name in sorted({x.server for x in cfg.agents.values() if x.server} | pinned_to):
+    current: set[str] = set()
+    for x in cfg.agents.values():
+        if x.server in cfg.pools:
+            current.update(cfg.pools[x.server].members)
+        elif x.server in cfg.servers:
+            current.add(x.server)
+    for name in sorted(current | pinned_to):
         s = cfg.servers[name]
         is_set, checked = key_state(s, penv)
         if is_set is None:
@@ -218,6 +227,17 @@ def _keys(ctx: Ctx, cfg: configmod.Config, proxy, add) -> None:
     for name, n in sorted((s, n) for s, n in counts.items() if s is not None and s not in cfg.servers and n):
         add(f"pins {name}", "warn", f"{plural(n, 'conversation')} pinned to {name}, which is not configured: "
             f"their requests get 503; move or forget them (`sessionpin sessions --server {name}`)")
+
+
+def _unrouted(proxy, add) -> None:
+    """What a running proxy left alone at a configured origin though it looked like inference
+    (its status's ``unrouted``: issue 19, nothing in scope is left alone silently)."""
+    for u in (proxy.status.unrouted if proxy.status is not None else []):
+        seen = time.strftime("%H:%M:%S", time.localtime(u.last))
+        fix = (f'add a server with url = "{u.url}" to route them (`sessionpin servers add NAME {u.url} --key-env VAR`)'
+               if u.url else "no server URL routes a path without an API version (/v1) before its endpoint")
+        add("not routed", "warn", f"{plural(u.count, 'request')} to {u.origin}{u.prefix}{u.endpoint} (server "
+            f"{u.server}'s origin, last {seen}) looked like inference and passed untouched: {fix}")
 
 
 SLOW_DURABLE_WRITE = 0.05    # seconds: a new routed conversation's first request waits this long

@@ -11,7 +11,7 @@ import json
 import time
 
 from ..facts import AGENTS
-from ..ids import short
+from ..ids import short, shorts
 from .common import Fail, ago, dump_json, out, table, where, why
 from .context import Ctx
 from .ledgercmd import LEDGER_COLUMNS, ledger_cells, ledger_json
@@ -119,10 +119,11 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
     spent = ledger_cells(ctx, [r.session for r in selected])      # {} when none has a ledger: no columns
     grid = [["SESSION", "AGENT", "SERVER", "WHY", *(["PARENT"] if forks else []), "PINNED", "LAST SEEN", "REQUESTS",
              *(LEDGER_COLUMNS if spent else ())]]
+    shown = shorts([r.session for r in selected] + [r.pin.parent for r in selected if r.pin.parent])
     for r in selected:
-        parent = [short(r.pin.parent) if r.pin.parent else "-"] if forks else []
-        grid.append([short(r.session), r.pin.agent, where(r.pin.server), why(r.pin), *parent, ago(r.pin.since, now),
-                     ago(r.seen.last, now), str(r.seen.requests),
+        parent = [shown.get(r.pin.parent, short(r.pin.parent)) if r.pin.parent else "-"] if forks else []
+        grid.append([shown.get(r.session, short(r.session)), r.pin.agent, where(r.pin.server), why(r.pin), *parent,
+                     ago(r.pin.since, now), ago(r.seen.last, now), str(r.seen.requests),
                      *(spent.get(r.session, ["-"] * len(LEDGER_COLUMNS)) if spent else ())])
     for line in table(grid):
         out(line)

@@ -144,7 +144,7 @@ class Allocations:
             else:
                 addr = (server.host, server.port)
                 self.connect.moved_to(addr, server.name)
-                err = await self.connect.reachable(flow.client_conn.id, addr)
+                err = await self.connect.reachable(flow.client_conn.id, addr, ride_out=False)   # another member takes it
                 if err is not None:
                     self.unreachable[server.name] = time.monotonic()
                     missing = "unreachable"

@@ -136,7 +136,9 @@ class ConfigWatch:
     def describe(self) -> str:
         c = self.config
         agents = ", ".join(f"{a.name} → {a.server or 'not routed'}" for a in c.agents.values()) or "no agent routed"
-        return f"servers: {', '.join(c.servers) or 'none'}; {agents}"
+        pools = "".join(f"; pool {p.name}: {', '.join(p.members)} ({p.policy}"
+                        f"{', soft' if p.affinity == 'soft' else ''})" for p in c.pools.values())
+        return f"servers: {', '.join(c.servers) or 'none'}{pools}; {agents}"
 
 
 def _read(path: Path) -> bytes | None:

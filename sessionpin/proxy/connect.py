@@ -18,6 +18,14 @@ Rules it keeps:
 - A client connection's checks are dropped when it closes.
 - ``server_connect`` is the fallback for connections the router did not check (another
   path to the same address): it sets mitmproxy's error message to name the server.
+- A server that refuses is tried again every ``RETRY_STEP`` for ``sessionpin_connect_retry_ms``
+  (default 2000 ms): a server restarting, a blip, is ridden out here and the request goes
+  through. Past that budget the agent is answered at once (the router's refusal is one no
+  client retries: docs/traffic.md), and for ``DOWN_FOR`` seconds the address is known down:
+  a request then makes one attempt of at most ``DOWN_TIMEOUT``, not the whole budget again
+  (an agent's own retries must not each wait it).
+- The cause is said in words, without errno numbers or the address (``why``): it reaches
+  the agent's screen, where pi's own retry reads the text (docs/traffic.md).
 - Not for a client of an ``upstream:`` listener, nor a connection made through an
   upstream proxy: mitmproxy reaches the server through that proxy, so a direct TCP connect
   tells nothing (behind a corporate firewall it always fails). There the proxy's own answer
@@ -41,6 +49,9 @@ log = logging.getLogger("sessionpin")
 
 TIMEOUT = 10.0      # a server that does not accept TCP within this is unreachable
 FRESH = 1.0         # an early check of the same client connection this recent stands
+RETRY_STEP = 0.2    # seconds between connects while riding out a blip
+DOWN_FOR = 10.0     # seconds an address that failed a whole budget is known down
+DOWN_TIMEOUT = 2.0  # a known-down address's one attempt waits at most this
 
 Address = tuple[str, int]
 
@@ -55,12 +66,18 @@ class ConnectCheck:
         # (client connection id, address) -> (started, check task)
         self._checks: dict[tuple[str, Address], tuple[float, asyncio.Task]] = {}
         self.via_proxy: set[str] = set()             # clients of an upstream: listener
+        self.down: dict[Address, float] = {}         # address -> when it failed a whole budget (monotonic)
 
     def load(self, loader) -> None:
         loader.add_option(
             "sessionpin_connect_check", bool, True,
             "sessionpin: before a new connection to a server requests were moved to (and none to it is open), "
             "try a TCP connect, so that an unreachable server is named in the agent's error.",
+        )
+        loader.add_option(
+            "sessionpin_connect_retry_ms", int, 2000,
+            "sessionpin: how long a server requests were moved to may refuse connections (a restart, a blip) "
+            "before the agent is told it cannot be reached; 0: tell at once.",
         )
 
     def done(self) -> None:
@@ -108,20 +125,41 @@ class ConnectCheck:
             self._checks[(client, addr)] = (now, asyncio.get_running_loop().create_task(_connect(addr)))
 
     # ---- the check ------------------------------------------------------------------------
-    async def reachable(self, client: str, address: Address) -> str | None:
-        """None when ``address`` is up (or need not be checked), else why it is not."""
+    async def reachable(self, client: str, address: Address, ride_out: bool = True) -> str | None:
+        """None when ``address`` is up (or need not be checked), else why it is not.
+        ``ride_out=False``: no budget for a blip (a soft pool's member: another one takes it)."""
         addr = (address[0].lower(), address[1])
         if not ctx.options.sessionpin_connect_check or self.open[addr] > 0 or client in self.via_proxy:
             return None
         err = await self._check(client, addr, keep=True)
+        if err is not None and ride_out:
+            err = await self._ride_out(addr, err)
         name = self.moved.get(addr)
         if err is None:
+            self.down.pop(addr, None)
             if name:
                 self.unreachable.pop(name, None)
         else:
             self.failures += 1
             if name:
                 self.unreachable[name] = err
+        return err
+
+    async def _ride_out(self, addr: Address, err: str) -> str | None:
+        """Connect again every ``RETRY_STEP`` until the budget is spent (None: it is back),
+        unless the address is known down: then one short attempt."""
+        now = time.monotonic()
+        if now - self.down.get(addr, -DOWN_FOR) < DOWN_FOR:
+            return await _connect(addr, DOWN_TIMEOUT)
+        budget = max(0, ctx.options.sessionpin_connect_retry_ms) / 1000
+        deadline = now + budget
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(RETRY_STEP, left))
+            again = await _connect(addr, max(0.05, min(TIMEOUT, deadline - time.monotonic())))
+            if again is None:
+                return None
+            err = again
+        self.down[addr] = time.monotonic()
         return err
 
     async def _check(self, client: str, addr: Address, keep: bool) -> str | None:
@@ -183,11 +221,23 @@ class ConnectCheck:
             log.warning("sessionpin: server %s (%s) cannot be reached: %s", s.name, s.origin, data.server.error)
 
 
-async def _connect(address: Address) -> str | None:
+async def _connect(address: Address, timeout: float = TIMEOUT) -> str | None:
     """None when ``address`` accepts a TCP connection (closed at once), else why not."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*address), TIMEOUT)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*address), timeout)
         writer.close()
         return None
     except (OSError, asyncio.TimeoutError) as e:
-        return str(e) or type(e).__name__
+        return why(e, timeout)
+
+
+def why(e: BaseException, timeout: float) -> str:
+    """A failed connect's cause in words: no errno number, no address (the message naming
+    the server says where), nothing an agent's retry rule reads as passing."""
+    if isinstance(e, ConnectionRefusedError):
+        return "it refuses connections: nothing listens there"
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+        return f"no answer within {timeout:g} s"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror[0].lower() + e.strerror[1:]
+    return type(e).__name__

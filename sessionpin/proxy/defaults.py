@@ -7,12 +7,14 @@ Rules it keeps:
   the body limit, and refuses another value (it would send request bodies upstream before
   the router can read and route them).
 - One line per decision: mitmproxy's connection chatter ("client connect", "server
-  disconnect …") is dropped unless ``sessionpin_connection_log`` is on; decision lines
-  (``DECISIONS``) go to the terminal directly (``sessionpin_decision_log=terminal``, the
+  disconnect …", and "Streaming response from …" for each streamed answer) is dropped
+  unless ``sessionpin_connection_log`` is on; decision lines, timestamped as mitmproxy's own
+  (``[15:37:40.960] sessionpin: …``, local time; ``DECISIONS``), go to the terminal directly (``sessionpin_decision_log=terminal``, the
   default) — gathered and written once per turn of the event loop, not through Python's
   logging and mitmproxy's log event, which every addon receives: a cost paid per request
   (docs/benchmarks.md) — or into mitmweb's event log (``eventlog``), or nowhere (``off``).
-  Refusals and faults are always logged through mitmproxy (warnings).
+  Refusals and faults are always logged through mitmproxy (warnings): a refusal is one
+  warning line, in place of its decision line.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 
 from mitmproxy import ctx
 
 log = logging.getLogger("sessionpin")
 decisions = logging.getLogger("sessionpin.decisions")
 
-CHATTER = ("client connect", "client disconnect", "server connect ", "server disconnect ")
+CHATTER = ("client connect", "client disconnect", "server connect ", "server disconnect ", "Streaming response from ")
 DECISION_LOGS = ("terminal", "eventlog", "off")
 
 
@@ -52,7 +55,7 @@ class DecisionLog:
         if self.mode == "eventlog":
             decisions.info(line)
         elif self.mode == "terminal":
-            self._lines.append(line)
+            self._lines.append(stamp(time.time()) + line)
             if not self._flushing:
                 self._flushing = True
                 try:
@@ -69,6 +72,12 @@ class DecisionLog:
                 sys.stdout.flush()
             except (OSError, ValueError):
                 pass
+
+
+def stamp(t: float) -> str:
+    """``[15:37:40.960] ``: mitmproxy's own log time (local, milliseconds), so a decision line
+    reads in line with the refusals and faults logged around it."""
+    return f"[{time.strftime('%H:%M:%S', time.localtime(t))}.{int(t * 1000) % 1000:03d}] "
 
 
 DECISIONS = DecisionLog()

@@ -36,7 +36,7 @@ from collections import Counter
 from typing import Any, Mapping
 from urllib.parse import unquote
 
-from mitmproxy import http
+from mitmproxy import ctx, http
 from mitmproxy.net.http import url
 
 from .. import allocate, answers, ladder, lineage, lineindex, paths, pins, rewrite, route
@@ -50,6 +50,7 @@ from .defaults import DECISIONS
 from .offloop import OffLoop
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
+from .unrouted import Unrouted
 
 log = logging.getLogger("sessionpin")
 
@@ -57,9 +58,11 @@ INTERNAL_PREFIX = "/__sessionpin/"
 TITLE_PREFIX = "title:"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson", "application/jsonl",
                 "application/stream+json")
-UNREACHABLE_RETRY = 5      # seconds: a server that is down may be back by then
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 OFF_LOOP_MIN = 256 * 1024  # bytes: a body's lineage is read on a thread from here (a hop costs ~0.1 ms)
+STORE_READS = (route.ReadPin, route.ReadTitle, route.FindConversation, route.FindParent)
+STORE_RETRY_STEP = 0.2     # seconds between reads while riding out a store's blip
+STORE_DOWN_FOR = 10.0      # seconds a store that failed a whole budget is said at once
 
 
 class Metrics:
@@ -72,6 +75,7 @@ class Metrics:
         self.store_errors = 0
         self.pin_writes = 0          # pins this proxy wrote or tried to: the status's counts are stale
         self.lineage = None          # () -> the lineage watch's counts (LineageWatch.counts), set by make_addons
+        self.unrouted = Unrouted()   # looked like inference at a configured origin, left alone
 
 
 class Router:
@@ -88,6 +92,14 @@ class Router:
         self.lineage = None          # a LineageWatch, set by make_addons: it records what forks name
         self.reads = OffLoop("lineage-request", workers=2)    # a large body's lineage, off the event loop
         self._background: set[asyncio.Task] = set()
+        self._store_down: float | None = None   # when a store read last failed a whole budget (monotonic)
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "sessionpin_store_retry_ms", int, 2000,
+            "sessionpin: how long a pin read may fail (a store restarting, a blip) before the agent is told "
+            "the store cannot be read; 0: tell at once.",
+        )
 
     def done(self) -> None:
         self.reads.close()
@@ -112,9 +124,11 @@ class Router:
                     "Inference requests must use a plain path such as /v1/messages.")),
                     api=_api_looked_like(req.path))
                 return
+            if not scope.inference and source is not None and req.method == "POST":
+                self.metrics.unrouted.note(source, req.method, req.path)   # said once, never silent
             if scope.inference:
                 facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
-                               req.headers.get("content-encoding"))
+                               req.headers.get("content-encoding"), api=scope.api)
                 decision = await self._route(flow, facts, source)
             elif websocket.is_upgrade(req):
                 decision = await self._websocket(flow)
@@ -163,6 +177,33 @@ class Router:
             return await self.allocations.perform(flow, state, effect)
         if store is None:
             return route.StoreFailed("no store is open")
+        if isinstance(effect, STORE_READS):
+            return await self._read(store, effect)
+        return await self._store_call(store, effect)
+
+    async def _read(self, store, effect: route.Effect) -> route.Event:
+        """A store read that fails is tried again every ``STORE_RETRY_STEP`` within
+        ``sessionpin_store_retry_ms`` (a store restarting, a blip), unless the store failed a
+        whole budget in the last ``STORE_DOWN_FOR`` seconds: then it is said at once."""
+        got = await self._store_call(store, effect)
+        if not isinstance(got, route.StoreFailed):
+            self._store_down = None
+            return got
+        now = time.monotonic()
+        if self._store_down is not None and now - self._store_down < STORE_DOWN_FOR:
+            return got
+        deadline = now + max(0, _option("sessionpin_store_retry_ms", 2000)) / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(STORE_RETRY_STEP, left))
+            again = await self._store_call(self.runtime.store or store, effect)
+            if not isinstance(again, route.StoreFailed):
+                self._store_down = None
+                return again
+            got = again
+        self._store_down = time.monotonic()
+        return got
+
+    async def _store_call(self, store, effect: route.Effect) -> route.Event:
         try:
             if isinstance(effect, route.ReadPin):
                 return route.PinRead(await pins.load(store, effect.session))
@@ -222,11 +263,15 @@ class Router:
                 err = await self.connect.reachable(flow.client_conn.id, (changes.host, changes.port))
                 if err is not None:
                     server = state.request.config.servers.get(decision.target)
-                    refusal = route.Refuse(502, "unreachable", (
+                    session = state.session or facts.session
+                    # The budget to ride out a blip is spent: answered so no agent retries for
+                    # minutes (answers.NO_RETRY_STATUS; docs/traffic.md has each client's rules).
+                    refusal = route.Refuse(answers.NO_RETRY_STATUS, "unreachable", (
                         f"sessionpin: server {decision.target} ({server.origin if server else '?'}, "
                         f"{changes.host}:{changes.port}) cannot be reached: {err}. {facts.agent} session "
-                        f"{state.session or facts.session} stays on {decision.target}; try again when it is back."),
-                        UNREACHABLE_RETRY)
+                        f"{session} is pinned to {decision.target} and stays there: send it again once "
+                        f"{decision.target} is back (`sessionpin status` shows it), or move the conversation "
+                        f"(`sessionpin move {short(session)} SERVER`)."))
                     self._decided(flow, state, changes, refused=refusal)
                     self._refuse(flow, facts, refusal)
                     return
@@ -267,15 +312,28 @@ class Router:
     def _refuse(self, flow: http.HTTPFlow, facts: F.Facts | None, r: route.Refuse, api: str | None = None) -> None:
         if api is None:
             api = facts.api if facts and facts.api in F.INFERENCE_APIS else F.api_of("POST", flow.request.path)
-        body, headers = answers.refusal(api, r.status, r.kind, r.message, r.retry_after)
-        flow.response = http.Response.make(r.status, body, headers)
-        self.metrics.refusals[r.kind] += 1
         meta = flow.metadata.setdefault("sessionpin", {})
+        message = r.message
+        if r.status == answers.NO_RETRY_STATUS:
+            # On the agent's screen the session is its short id (what `sessionpin sessions` shows
+            # and `move` takes): pi retries an error whose text holds "429", "500"…"504", which a
+            # long hex id often does. The log line keeps the whole id.
+            for sid in sorted({meta.get("session"), facts.session if facts else None} - {None}, key=len, reverse=True):
+                message = message.replace(sid, short(sid))
+        body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
+        status = r.status
+        if status == answers.NO_RETRY_STATUS and websocket.is_upgrade(flow.request):
+            status = answers.NO_RETRY_UPGRADE_STATUS     # Codex: to HTTPS now, not seven upgrades first
+        flow.response = http.Response.make(status, body, headers)
+        self.metrics.refusals[r.kind] += 1
         meta.update({"refused": r.status, "refusal": r.kind, "message": r.message})
         if not flow.comment:
             flow.comment = f"refused {r.status}: {r.kind}"
-        log.warning("sessionpin: refused %d (%s) %s %s: %s", r.status, r.kind, facts.agent if facts else "-",
-                    short(facts.session if facts else None), r.message)
+        rule = meta.get("rule")
+        log.warning("sessionpin: refused %d (%s) %s %s%s%s: %s", r.status, r.kind, facts.agent if facts else "-",
+                    f"{facts.turn} " if facts and facts.turn else "", short(meta.get("session") or
+                                                                           (facts.session if facts else None)),
+                    f" [{rule}]" if rule else "", r.message)
 
     def _decided(self, flow: http.HTTPFlow, state: route.State, changes: rewrite.Changes | None,
                  refused: route.Refuse | None = None) -> None:
@@ -314,7 +372,7 @@ class Router:
             self.runtime.seen(session, facts.agent, d.target if d.pin_action == ladder.CREATE else pin.server,
                               r.now)
 
-        if DECISIONS.on:
+        if DECISIONS.on and refused is None:      # a refusal's one line is its warning (``_refuse``)
             model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""
             source = r.source.name if r.source else flow.request.pretty_host
             DECISIONS.write(f"sessionpin: {facts.agent} {turn} {sid} {source} → {where} [{d.rule}: {why}]{model}")
@@ -381,6 +439,13 @@ class Router:
         ``response.create`` the client sends, with the map recorded here."""
         read = websocket.upgrade_facts(self.config.config, flow.request)
         return await self._route(flow, *read) if read else None
+
+
+def _option(name: str, default: int) -> int:
+    try:
+        return int(getattr(ctx.options, name))
+    except (AttributeError, KeyError, ValueError, TypeError):   # not loaded (a test's bare Router)
+        return default
 
 
 def _lineage_of(headers: Any, raw: bytes | None, encoding: str, api: str) -> route.LineageRead:

@@ -140,7 +140,7 @@ class StatusEndpoints:
                      for s in c.servers.values()},
             agents={a: c.current(a) for a in F.AGENTS},
             pins=counts, pins_error=problem, unreachable=dict(self.connect.unreachable),
-            participants=participants,
+            participants=participants, unrouted=self.metrics.unrouted.listed(c),
         )
 
     async def render_metrics(self) -> str:

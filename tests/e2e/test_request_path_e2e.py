@@ -19,6 +19,8 @@ from typing import Iterator
 
 import pytest
 
+from sessionpin.ids import short
+
 from .harness import FakeServer, StoreLock, TestCA
 from .test_router_e2e import Rig, cc, new_session
 
@@ -130,12 +132,12 @@ def test_an_unreachable_pinned_server_is_an_error_in_the_agents_format(rig: Rig)
         r = rig.send(cc("continuation", s))
     finally:
         glm.start()
-    assert r.status == 502 and r.header("content-type") == "application/json"
+    assert r.status == 424 and r.header("content-type") == "application/json"
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == "api_error"
     msg = err["error"]["message"]
-    assert "server glm" in msg and s in msg and f"127.0.0.1:{glm.port}" in msg
-    assert r.header("retry-after") and r.header("x-should-retry") == "true"
+    assert "server glm" in msg and short(s) in msg and f"127.0.0.1:{glm.port}" in msg
+    assert r.header("retry-after") is None and r.header("x-should-retry") == "false"   # no client retries
     assert rig.send(cc("continuation", s)).status == 200 and rig.where(s) == {"glm": 2}
 
 

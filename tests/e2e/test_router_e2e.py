@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import pytest
 
 from sessionpin.headers import allowed as allowed_header
+from sessionpin.ids import short
 
 from .harness import Client, FakeServer, Mitmdump, MitmdumpError, Received, Reply, TestCA, free_port, toml_config
 
@@ -618,7 +619,15 @@ def test_pinned_server_removed_gets_503_naming_session_and_server(rig):
     assert rig.where(s) == {"alt": 2}
 
 
+CONNECT_BUDGET = 2.0     # sessionpin_connect_retry_ms's default, in seconds
+
+
 def test_pinned_server_unreachable_is_an_error_naming_it_and_the_pin_holds(rig):
+    """A dead pinned server reaches the user in seconds (issue 19): the proxy rides out a
+    blip for its connect budget, then answers with signals none of the four clients retries
+    (424, x-should-retry: false, no retry-after; before: 502 with retry-after: 5 and
+    x-should-retry: true, which kept Claude Code retrying for 196 s); the agent's own next
+    try is answered at once (the address is known down), and the pin holds."""
     rig.set_config(current="alt")
     s = new_session()
     assert rig.send(cc("opening", s)).status == 200
@@ -626,13 +635,46 @@ def test_pinned_server_unreachable_is_an_error_naming_it_and_the_pin_holds(rig):
     alt.stop()
     try:
         before = rig.total()
+        t0 = time.monotonic()
         r = rig.send(cc("continuation", s))
-        assert r.status >= 500
-        assert "alt" in r.text, r.text
+        took = time.monotonic() - t0
+        t0 = time.monotonic()
+        again = rig.send(cc("continuation", s))
+        took_again = time.monotonic() - t0
         assert rig.total() == before, "not moved to another server"
     finally:
         alt.start()
+    for reply in (r, again):
+        assert reply.status == 424, (reply.status, reply.text[:300])
+        assert reply.header("x-should-retry") == "false" and reply.header("retry-after") is None
+        assert reply.header("x-sessionpin-refused") == "unreachable"
+        msg = reply.json()["error"]["message"]
+        # the session by its short id on the agent's screen (a long hex id can read as "502" to pi)
+        assert "server alt" in msg and short(s) in msg and s not in msg and "refuses connections" in msg, msg
+    print(f"dead pinned server: refused after {took:.2f} s, the agent's next try after {took_again:.2f} s")
+    assert CONNECT_BUDGET - 0.3 <= took < CONNECT_BUDGET + 3.0, took       # the budget, ridden out, then told
+    assert took_again < 1.5, took_again                                      # known down: no second budget
     assert rig.send(cc("continuation", s)).status == 200
+    assert rig.where(s) == {"alt": 2}
+
+
+def test_a_pinned_server_back_within_the_connect_budget_gets_the_request(rig):
+    """A blip (the server restarting) is ridden out by the proxy: the request waits and goes
+    through, the agent sees no error (before issue 19: 502 at once)."""
+    rig.set_config(current="alt")
+    s = new_session()
+    assert rig.send(cc("opening", s)).status == 200
+    alt = rig.fakes["alt"]
+    alt.stop()
+    back = threading.Timer(0.6, alt.start)
+    back.start()
+    try:
+        r = rig.send(cc("continuation", s))
+    finally:
+        back.join(5)
+        if not alt.running:
+            alt.start()
+    assert r.status == 200, (r.status, r.text[:300])
     assert rig.where(s) == {"alt": 2}
 
 

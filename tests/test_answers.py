@@ -1,0 +1,39 @@
+"""answers: the proxy's own answers in the agent's format, and which ones no agent retries."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from sessionpin import answers
+from sessionpin import facts as F
+
+# pi 0.73's auto-retry reads the error text (pi-coding-agent agent-session.ts, _isRetryableError):
+PI_RETRY = re.compile(r"overloaded|rate.?limit|too many requests|429|500|502|503|504|service.?unavailable|"
+                      r"server.?error|internal.?error|connection.?error|connection.?refused|other side closed|"
+                      r"fetch failed|upstream.?connect|reset before headers|terminated|retry delay|timed? out|"
+                      r"timeout|socket hang up|network.?error", re.IGNORECASE)
+# what opencode's AI SDK, Codex, and the Anthropic/OpenAI SDKs retry by status alone
+RETRIED_STATUSES = {401, 408, 409, 429} | set(range(500, 600))
+
+
+@pytest.mark.parametrize("api", [F.ANTHROPIC_MESSAGES, F.ANTHROPIC_COUNT_TOKENS, F.OPENAI_CHAT, F.OPENAI_RESPONSES])
+def test_the_no_retry_answer_has_no_signal_any_client_retries(api):
+    store_error = ("redis://:***@127.0.0.1:6390/0: Error 111 connecting to 127.0.0.1:6390. Connection refused. "
+                   "Timeout reading; internal error, service unavailable, overloaded, rate limit")
+    body, headers = answers.refusal(api, answers.NO_RETRY_STATUS, "store", f"sessionpin cannot read ({store_error})")
+    assert answers.NO_RETRY_STATUS not in RETRIED_STATUSES
+    assert headers["x-should-retry"] == "false" and "retry-after" not in headers
+    text = body.decode()
+    assert not PI_RETRY.search(text.replace("6390", "PORT")), text     # (a port is the operator's)
+    assert "overloaded_error" not in text and "server_error" not in text and "rate_limit" not in text
+    err = json.loads(body)["error"]
+    assert "refused to connect" in err["message"] and "took too long" in err["message"]
+
+
+def test_other_answers_keep_their_words_and_hints():
+    body, headers = answers.refusal(F.OPENAI_CHAT, 503, "store", "Connection refused", retry_after=1)
+    assert headers["retry-after"] == "1" and headers["x-should-retry"] == "true"
+    assert json.loads(body)["error"]["message"] == "Connection refused"

@@ -178,14 +178,14 @@ class Router:
         if store is None:
             return route.StoreFailed("no store is open")
         if isinstance(effect, STORE_READS):
-            return await self._read(store, effect)
-        return await self._store_call(store, effect)
+            return await self._read(store, effect, state)
+        return await self._store_call(store, effect, state)
 
-    async def _read(self, store, effect: route.Effect) -> route.Event:
+    async def _read(self, store, effect: route.Effect, state: route.State) -> route.Event:
         """A store read that fails is tried again every ``STORE_RETRY_STEP`` within
         ``sessionpin_store_retry_ms`` (a store restarting, a blip), unless the store failed a
         whole budget in the last ``STORE_DOWN_FOR`` seconds: then it is said at once."""
-        got = await self._store_call(store, effect)
+        got = await self._store_call(store, effect, state)
         if not isinstance(got, route.StoreFailed):
             self._store_down = None
             return got
@@ -195,7 +195,7 @@ class Router:
         deadline = now + max(0, _option("sessionpin_store_retry_ms", 2000)) / 1000
         while (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(STORE_RETRY_STEP, left))
-            again = await self._store_call(self.runtime.store or store, effect)
+            again = await self._store_call(self.runtime.store or store, effect, state)
             if not isinstance(again, route.StoreFailed):
                 self._store_down = None
                 return again
@@ -203,7 +203,7 @@ class Router:
         self._store_down = time.monotonic()
         return got
 
-    async def _store_call(self, store, effect: route.Effect) -> route.Event:
+    async def _store_call(self, store, effect: route.Effect, state: route.State) -> route.Event:
         try:
             if isinstance(effect, route.ReadPin):
                 return route.PinRead(await pins.load(store, effect.session))

@@ -3,16 +3,19 @@
 the router at 1k, 100k and 1M pins, file store and Redis, in one run.
 
     .venv/bin/python scripts/bench_scale.py [--sizes 1000,100000,1000000] [--kinds file,redis]
-                                            [--turns 40] [--warmup 5] [--dir DIR] [--redis-url redis://HOST:PORT/0]
+                                            [--turns 40] [--warmup 5] [--dir DIR] [--redis-url redis://HOST:PORT]
 
 One router (mitmdump -s addons/route.py) per kind and size, each on its own store filled by
 ``scripts/fill_pins.py`` (file stores in DIR, kept there for the next run, so only the first run
-pays the fill; Redis stores under a prefix ``{scale-N}:`` on the server ``--redis-url`` names,
-else on a redis-server of its own started here with a bounded memory and no persistence).
+pays the fill; Redis stores under a prefix ``{scale-N}:``, each size in a database of its own
+(1, 2, 3: a walk of the keyspace, SCAN, then costs what it would on a server holding that store
+alone), on the server ``--redis-url redis://HOST:PORT`` names, else on a redis-server of its own
+started here with a bounded memory and no persistence).
 All routers route to one local TLS upstream. Each step sends, through every router in turn,
 the opening of a new conversation (a durable pin write) and a turn of a conversation pinned
-before the timing began (a pin read); the routers take turns request by request, so load from
-other processes on this shared machine falls on every size alike. Reported per kind: the
+before the timing began (a pin read); the routers take turns request by request, in a new
+random order each step, so load from other processes on this shared machine falls on every size
+alike. Reported per kind: the
 median of each, and its ratio to the smallest size's (the goal: within 10 %).
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -49,9 +53,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def redis_url(base: str, n: int) -> str:
-    sep = "&" if "?" in base else "?"
-    return f"{base}{sep}prefix={urllib.parse.quote('{scale-%d}:' % n)}&durability=accept-weaker"
+def redis_url(base: str, n: int, db: int) -> str:
+    """Each size in a database of its own (1, 2, 3…): what walks a keyspace (SCAN) then walks
+    that store's keys only, as on a server holding one store."""
+    return (f"{base.rstrip('/')}/{db}?prefix={urllib.parse.quote('{scale-%d}:' % n)}"
+            "&durability=accept-weaker")
 
 
 def filled(url: str, n: int) -> bool:
@@ -116,7 +122,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=40, help="timed openings and pinned turns per router")
     ap.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
     ap.add_argument("--dir", type=Path, help="where the file stores are kept between runs (default: a temp dir)")
-    ap.add_argument("--redis-url", help="a running Redis to fill and use (default: a redis-server of our own)")
+    ap.add_argument("--redis-url", help="a running Redis (no database number) to fill and use (default: a redis-server of our own)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     kinds = args.kinds.split(",")
@@ -133,7 +139,7 @@ def main() -> None:
                 [shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(port), "--bind", "127.0.0.1",
                  "--save", "", "--appendonly", "no", "--maxmemory", "3gb", "--maxmemory-policy", "noeviction",
                  "--dir", str(tmp / "redis")], stdout=subprocess.DEVNULL)
-            base = f"redis://127.0.0.1:{port}/0"
+            base = f"redis://127.0.0.1:{port}"
             deadline = time.monotonic() + 10
             while True:
                 try:
@@ -149,8 +155,8 @@ def main() -> None:
         routers: list[Router] = []
         try:
             for kind in kinds:
-                for n in sizes:
-                    url = f"file:{stores / f'scale-{n}.db'}" if kind == "file" else redis_url(base, n)
+                for i, n in enumerate(sizes):
+                    url = f"file:{stores / f'scale-{n}.db'}" if kind == "file" else redis_url(base, n, i + 1)
                     if not filled(url, n):
                         fill(url, n)
                     routers.append(Router(f"{kind}-{n}", tmp, ca, upstream, origin, url))
@@ -163,7 +169,9 @@ def main() -> None:
                     r.send("opening", str(uuid.uuid4()))
                     r.send("continuation", r.pinned)
             times: dict[tuple[str, str], list[float]] = {}
+            order = random.Random(22)
             for _ in range(args.turns):
+                order.shuffle(routers)       # no size always first in a step (disk flushes, the upstream)
                 for r in routers:
                     times.setdefault((r.name, "opening"), []).append(r.send("opening", str(uuid.uuid4())))
                     times.setdefault((r.name, "pinned"), []).append(r.send("continuation", r.pinned))

@@ -206,6 +206,12 @@ async def groups(store: Store, agent: str | None = None, server: str | None = No
     return out
 
 
+async def indexed(store: Store, now: float, names: Sequence[str]) -> int:
+    """How many live pins the index groups ``names`` hold (one ``zcount`` each): what
+    ``listing`` of them walks, counted before walking."""
+    return sum([await store.zcount(INDEX_PREFIX + n, now, float("inf")) for n in names])
+
+
 class _Walk:
     """One index group walked newest expiry first, a page at a time."""
 

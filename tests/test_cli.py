@@ -259,8 +259,9 @@ def test_sessions_json_is_one_array_as_before(env, capsys):
 
 
 def test_sessions_stream_rows_past_the_sorted_limit(env, capsys, monkeypatch):
-    """Past SORTED_UP_TO rows ``sessions`` prints each batch as the store walk yields it,
-    most recently renewed first (not sorted by last seen: that needs every row first)."""
+    """Past SORTED_UP_TO rows (as the index counts them) ``sessions`` prints each batch as the
+    store walk yields it, the first as soon as it is read, most recently renewed first (not
+    sorted by last seen: that needs every row first)."""
     put_pins(env.url, RUNNING)
     monkeypatch.setattr(look, "SORTED_UP_TO", 2)
     monkeypatch.setattr(look, "LISTING_BATCH", 1)
@@ -279,7 +280,7 @@ def test_sessions_stream_rows_past_the_sorted_limit(env, capsys, monkeypatch):
                                      "REQUESTS"]
     assert [t.split()[0] for _, t in printed[1:]] == ["ses_2c3d4e5f", "77e1d3c4", "1f0c9a2b", "1f0c9a2b"]
     assert [t.split()[-1] for _, t in printed[1:]] == ["12", "5", "41", "3"]
-    assert printed[1][0] == 3 and read[0] == 4          # the first row before the last batch was read
+    assert printed[1][0] == 1 and read[0] == 4          # the first row once the first batch was read
     assert "4 conversations, more than 2: listed as the store walks its index" in e
     monkeypatch.setattr(look, "out", common.out)
     code, o, e = run(capsys, "sessions", "--json")

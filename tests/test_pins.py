@@ -197,3 +197,5 @@ async def test_listing_filters_by_group_and_skips_what_the_index_no_longer_holds
     assert [s for b in await walked(store, now + pins.PIN_TTL - 4.5, ["claude-code:glm"], 2) for s, _, _ in b] == \
         ["g0", "g4"]
     assert await walked(store, now, [], 2) == []
+    assert await pins.indexed(store, now, ["claude-code:glm"]) == 4        # g0 g4 g5, and g3's entry (a count)
+    assert await pins.indexed(store, now, await pins.groups(store)) == 7

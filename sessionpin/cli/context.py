@@ -119,6 +119,11 @@ class Ctx:
         store = self.store()
         return [] if store is None else self.run(pins.groups(store, agent, server, any_server=any_server))
 
+    def indexed(self, names: list[str]) -> int:
+        """How many live pins those index groups hold (``pins.indexed``: no walk)."""
+        store = self.store()
+        return 0 if store is None or not names else self.run(pins.indexed(store, time.time(), names))
+
     def listing(self, names: list[str], batch: int = 1000) -> Iterator[list["Row"]]:
         """The pins of those index groups as rows, a batch at a time, most recently renewed
         first (``pins.listing``): memory for one batch, whatever the store holds."""

@@ -93,10 +93,10 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     return 0
 
 
-# Up to this many rows, ``sessions`` reads them all and sorts them (most recently seen
-# first, the table's widths fitted to every row); past it, it prints rows as the store walks
-# its index (most recently renewed first), so the first row comes at once and memory stays
-# flat at a million pins.
+# Up to this many rows (as the pin index counts them), ``sessions`` reads them all and sorts
+# them (most recently seen first, the table's widths fitted to every row); past it, it prints
+# rows as the store walks its index (most recently renewed first, the widths of the first
+# batch), so the first row comes after one batch and memory stays flat at a million pins.
 SORTED_UP_TO = 5_000
 LISTING_BATCH = 1_000       # pins per store round trip (three calls: index page, pins, activity)
 
@@ -120,23 +120,27 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
         names = ctx.groups(args.agent or None, args.server, any_server=False)
     else:
         names = ctx.groups(args.agent or None)
+    # The index says how many there are (one zcount per group): past SORTED_UP_TO the first
+    # batch is printed as soon as it is read.
+    many = ctx.indexed(names) > SORTED_UP_TO
     walk = ctx.listing(names, LISTING_BATCH)
     try:
-        return _print_sessions(ctx, args, walk, store is not None, now)
+        return _print_sessions(ctx, args, walk, store is not None, now, many)
     finally:
         walk.close()            # a walk left early (a closed pipe) ends its store reads here
 
 
 def _print_sessions(ctx: Ctx, args: argparse.Namespace, batches: Iterator[list[Row]], have_store: bool,
-                    now: float) -> int:
+                    now: float, many: bool) -> int:
     head: list[Row] = []
     for batch in batches:
         head.extend(batch)
-        if len(head) > SORTED_UP_TO:
+        if many or len(head) > SORTED_UP_TO:    # (more than the index said: pins made meanwhile)
             break
     else:
         head.sort(key=lambda r: (-(r.seen.last or r.pin.since), r.session))
-    streamed = len(head) > SORTED_UP_TO
+        many = False
+    streamed = many or len(head) > SORTED_UP_TO
     if args.json:
         array = JsonArray()
         for rows in itertools.chain([head], _flushed(batches)):

@@ -437,3 +437,36 @@ async def test_an_ambiguous_path_is_refused_400_in_the_format_of_the_api_it_name
     err = json.loads(f.response.content)
     assert ("type" in err) == (shape == "anthropic") and "ambiguous" in err["error"]["message"]
     assert await pin_of(proxy) is None
+
+
+@pytest.mark.parametrize("fields", [
+    [(b"Host", b"a.example"), (b"Content-Type", b"application/json"), (b"Content-Length", b"17"),
+     (b"x-api-key", b"sk-ant-client"), (b"User-Agent", b"claude-cli/2")],
+    [(b"Host", b"a.example"), (b"User-Agent", b"claude-cli/2")],                       # no length
+    [(b"content-length", b"17"), (b"Host", b"a.example"), (b"Content-Length", b"17")],   # twice
+    [(b"Host", b"a.example"), (b"Content-Encoding", b"gzip"), (b"Content-Length", b"40")],
+    [(b"Host", b"a.example"), (b"Transfer-Encoding", b"chunked")],
+    [(b"Host", b"a.example"), (b"Content-Encoding", b"identity"), (b"Content-Length", b"17")],
+])
+@pytest.mark.parametrize("moved", [True, False])
+def test_apply_stores_a_new_body_as_req_content_does(fields, moved):
+    """_apply sets a renamed body's Content-Length in its one pass over the headers: the same
+    headers, in the same order, and the same bytes as ``req.content = body`` gives."""
+    from sessionpin.proxy.router import _apply
+    from sessionpin.rewrite import Changes
+
+    def request() -> http.Request:
+        r = http.Request.make("POST", "https://a.example/v1/messages", b"", {})
+        r.headers.fields = tuple(fields)
+        r.raw_content = b'{"model":"a"}'
+        return r
+    body = b'{"model":"glm-4.6","x":1}'
+    where = ("https", "b.example", 8443, "/p/v1/messages") if moved else ("https", "a.example", 443, "/v1/messages")
+    drop = ("x-api-key",) if moved else ()
+    add = (("x-api-key", "sk-target"),) if moved else ()
+    ours, theirs = request(), request()
+    _apply(ours, Changes(*where, drop, add, body, ("a", "glm-4.6")))
+    _apply(theirs, Changes(*where, drop, add, None, None))
+    theirs.content = body
+    assert ours.headers.fields == theirs.headers.fields
+    assert ours.raw_content == theirs.raw_content and ours.content == body

@@ -355,6 +355,8 @@ async def test_zpage_and_hgetall_many_keep_types_and_ttls(store, clock):
     with pytest.raises(WrongType):
         await store.zpage("s", -INF, INF, None, 0)
     with pytest.raises(WrongType):
+        await store.zpage("s", -1, 0, ("m", 5.0), 2)       # a mark past the range: still the type first
+    with pytest.raises(WrongType):
         await store.hgetall_many(["s"])
     assert await store.zpage("z", -INF, INF) == [("m", 1.0)]
     clock.advance(1)

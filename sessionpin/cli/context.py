@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Iterator, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from .. import config as configmod
 from .. import pins
@@ -185,9 +185,13 @@ class Row:
         }
 
 
-async def _rows(store: Store) -> list[Row]:
+async def _rows(store: Store, keep: Callable[[str], bool] | None = None) -> list[Row]:
+    """Every pin as a row, most recently seen first; ``keep``: only the sessions it keeps
+    (chosen by id before anything else is read)."""
     out = []
     names = await store.keys(pins.PIN_PREFIX)
+    if keep is not None:
+        names = [k for k in names if keep(k[len(pins.PIN_PREFIX):])]
     for i in range(0, len(names), 500):
         chunk = names[i:i + 500]
         sessions = [k[len(pins.PIN_PREFIX):] for k in chunk]
@@ -212,7 +216,9 @@ def resolve(ctx: Ctx, given: str) -> Row:
         loaded = ctx.run(pins.load(store, given))
         if loaded.pin is not None:
             return Row(given, loaded, ctx.run(pins.seen(store, given)))
-    rows = ctx.rows()
+    # a prefix: the ids are matched first, and only the matching pins read (at a million
+    # pins, reading every pin and its activity took minutes)
+    rows = [] if store is None else ctx.run(_rows(store, lambda session: matches(session, given)))
     exact = [r for r in rows if r.session == given]
     if exact:
         return exact[0]

@@ -336,6 +336,7 @@ class RedisStore:
         if after is not None:
             score = float(after[1])
             if (score < lo) if reverse else (score > hi):
+                await self._read(key, self._reads.execute_command, "ZCARD", self._k(key))   # WRONGTYPE, as the others
                 return []
             if lo <= score <= hi:
                 start, mark = score, (score, after[0])

@@ -33,6 +33,7 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Iterable
 from urllib.parse import unquote_plus
@@ -71,6 +72,7 @@ DROPPED = {
 QUERY = frozenset({"beta"})
 
 
+@functools.lru_cache(maxsize=1024)     # the same few names on every request (names only: no values)
 def allowed(name: str) -> bool:
     """Whether a header of this name may go with a request moved to another server."""
     n = name.strip().lower()

@@ -25,6 +25,7 @@ Rules this module keeps (seeds/000, made stronger):
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -193,6 +194,84 @@ async def sessions(store: Store, batch: int = 500) -> AsyncIterator[tuple[str, P
                 yield k[len(PIN_PREFIX):], pin
 
 
+async def groups(store: Store, agent: str | None = None, server: str | None = None, *,
+                 any_server: bool = True) -> list[str]:
+    """The index groups (``<agent>:<server>``) that hold the pins of ``agent`` (None: any)
+    and ``server`` (``any_server`` True: any; else that one, None meaning not routed)."""
+    out = []
+    for name in sorted(await store.hgetall(INDEX_NAMES)):
+        a, srv = split_group(name)
+        if (agent is None or a == agent) and (any_server or srv == server):
+            out.append(name)
+    return out
+
+
+async def indexed(store: Store, now: float, names: Sequence[str]) -> int:
+    """How many live pins the index groups ``names`` hold (one ``zcount`` each): what
+    ``listing`` of them walks, counted before walking."""
+    return sum([await store.zcount(INDEX_PREFIX + n, now, float("inf")) for n in names])
+
+
+class _Walk:
+    """One index group walked newest expiry first, a page at a time."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.page: list[tuple[str, float]] = []
+        self.at = 0
+        self.after: tuple[str, float] | None = None
+        self.done = False
+
+    async def head(self, store: Store, now: float, batch: int) -> tuple[str, float] | None:
+        if self.at == len(self.page) and not self.done:
+            self.page = await store.zpage(INDEX_PREFIX + self.name, now, float("inf"), self.after, batch,
+                                          reverse=True)
+            self.at = 0
+            self.done = len(self.page) < batch
+            if self.page:
+                self.after = self.page[-1]
+        return self.page[self.at] if self.at < len(self.page) else None
+
+
+async def listing(store: Store, now: float, names: Sequence[str], batch: int = 1000
+                  ) -> AsyncIterator[list[tuple[str, Loaded, "Seen"]]]:
+    """The live pins of the index groups ``names`` with their activity, a batch at a time,
+    the most recently renewed first across the groups: (session, pin as read, seen).
+
+    A walk for the CLI, never the proxy: three store calls per batch (a page of each group's
+    index as it empties, the pins, the activity records), memory for one batch per group
+    whatever the store holds. Only what the index names is listed — what ``counts`` counts;
+    an index member whose pin is gone, garbage, or now in another group is skipped (a pin
+    moved while the walk runs may be listed in neither group or in both)."""
+    walks = [_Walk(n) for n in names]
+    heap: list[tuple[float, str, int]] = []
+    for i, w in enumerate(walks):
+        h = await w.head(store, now, batch)
+        if h is not None:
+            heap.append((-h[1], h[0], i))
+    heapq.heapify(heap)
+    while heap:
+        picked: list[tuple[str, str]] = []
+        while heap and len(picked) < batch:
+            _, member, i = heap[0]
+            w = walks[i]
+            picked.append((w.name, member))
+            w.at += 1
+            h = await w.head(store, now, batch)
+            if h is None:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (-h[1], h[0], i))
+        raws = await store.mget([key(m) for _, m in picked])
+        seens = await store.hgetall_many([SEEN_PREFIX + m for _, m in picked])
+        rows = []
+        for (name, session), raw, h in zip(picked, raws, seens):
+            pin = decode(raw)
+            if pin is not None and group(pin.agent, pin.server) == name:
+                rows.append((session, Loaded(pin, raw), seen_of(h)))
+        yield rows
+
+
 async def counts(store: Store, now: float, active_since: float | None = None
                  ) -> dict[tuple[str, str | None], tuple[int, int]]:
     """Live pins per (agent, server) (server None: not routed) and how many of them were
@@ -232,7 +311,11 @@ class Seen(msgspec.Struct, frozen=True):
 
 
 async def seen(store: Store, session: str) -> Seen:
-    h = await store.hgetall(SEEN_PREFIX + session)
+    return seen_of(await store.hgetall(SEEN_PREFIX + session))
+
+
+def seen_of(h: dict[str, str]) -> Seen:
+    """A session's activity from its record (``seen:<session>`` as read)."""
     try:
         return Seen(float(h.get("last", 0) or 0), int(h.get("requests", 0) or 0))
     except ValueError:

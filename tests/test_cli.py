@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sessionpin import cli, config, pins
-from sessionpin.cli import context, launch, proxies
+from sessionpin.cli import common, context, launch, look, proxies
 from sessionpin.store import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -252,6 +252,44 @@ def test_sessions_name_a_forks_parent(env, capsys):
     assert {d["session"]: d["parent"] for d in data}[fork] == parent
     assert {d["session"]: d["why"] for d in data}[fork] == "fork of 1f0c9a2b"
     assert "PARENT" not in run(capsys, "sessions", "--agent", "opencode")[1]     # no fork listed: no column
+
+
+def test_sessions_json_is_one_array_as_before(env, capsys):
+    put_pins(env.url, RUNNING)
+    code, o, _ = run(capsys, "sessions", "--json")
+    assert code == 0 and o == json.dumps(json.loads(o), indent=2) + "\n"       # printed row by row, same text
+    assert [d["session"] for d in json.loads(o)][:2] == ["ses_5a1b2c3d4e5f", "77e1d3c4-cccc-4000-8000-000000000003"]
+    assert run(capsys, "sessions", "--json", "--agent", "pi")[1] == "[]\n"
+
+
+def test_sessions_stream_rows_past_the_sorted_limit(env, capsys, monkeypatch):
+    """Past SORTED_UP_TO rows (as the index counts them) ``sessions`` prints each batch as the
+    store walk yields it, the first as soon as it is read, most recently renewed first (not
+    sorted by last seen: that needs every row first)."""
+    put_pins(env.url, RUNNING)
+    monkeypatch.setattr(look, "SORTED_UP_TO", 2)
+    monkeypatch.setattr(look, "LISTING_BATCH", 1)
+    read, printed = [0], []
+    listing = context.Ctx.listing
+
+    def counted(self, names, batch=1000):
+        for rows in listing(self, names, batch):
+            read[0] += 1
+            yield rows
+    monkeypatch.setattr(context.Ctx, "listing", counted)
+    monkeypatch.setattr(look, "out", lambda text="": printed.append((read[0], text)))
+    code, _, e = run(capsys, "sessions")
+    assert code == 0
+    assert printed[0][1].split() == ["SESSION", "AGENT", "SERVER", "WHY", "PARENT", "PINNED", "LAST", "SEEN",
+                                     "REQUESTS"]
+    assert [t.split()[0] for _, t in printed[1:]] == ["ses_2c3d4e5f", "77e1d3c4", "1f0c9a2b", "1f0c9a2b"]
+    assert [t.split()[-1] for _, t in printed[1:]] == ["12", "5", "41", "3"]
+    assert printed[1][0] == 1 and read[0] == 4          # the first row once the first batch was read
+    assert "4 conversations, more than 2: listed as the store walks its index" in e
+    monkeypatch.setattr(look, "out", common.out)
+    code, o, e = run(capsys, "sessions", "--json")
+    assert [d["session"][:4] for d in json.loads(o)] == ["ses_", "77e1", "1f0c", "1f0c"]
+    assert json.loads(o)[2]["requests"] == 41 and "4 conversations" in e
 
 
 def test_sessions_unknown_filter(env, capsys):

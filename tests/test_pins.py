@@ -130,3 +130,72 @@ def test_pin_codec_is_compact_and_strict():
     assert pins.decode(text) == make()
     assert pins.decode("[]") is None
     assert Loaded(None, None).pin is None
+
+
+class Counting:
+    """A real store whose calls are counted by name (how many reads a walk makes)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.store, name)
+
+        async def counted(*args, **kw):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return await fn(*args, **kw)
+        return counted
+
+
+async def walked(store, now, names, batch):
+    return [b async for b in pins.listing(store, now, names, batch)]
+
+
+async def test_listing_walks_the_index_newest_renewal_first_in_batches(store, clock):
+    now = clock.t
+    made = {}
+    for i in range(12):
+        agent, server = ("claude-code", "opencode")[i % 2], ("glm", "anthropic", None)[i % 3]
+        made[f"s{i:02d}"] = pin = make(server, agent, now - 100 * i)
+        await pins.create(store, f"s{i:02d}", pin)
+    await pins.record_seen(store, [("s03", "opencode", None, now - 5, 7)])
+    counting = Counting(store)
+    names = await pins.groups(store)
+    assert len(names) == 6
+    batches = await walked(counting, now, names, 5)
+    assert [len(b) for b in batches] == [5, 5, 2]
+    rows = [r for b in batches for r in b]
+    assert [s for s, _, _ in rows] == sorted(made)                 # s00 renewed last: first
+    assert all(loaded.pin == made[s] for s, loaded, _ in rows)
+    assert dict((s, seen) for s, _, seen in rows)["s03"] == pins.Seen(now - 5, 7)
+    assert dict((s, seen) for s, _, seen in rows)["s04"] == pins.Seen()
+    # per batch one pin read and one activity read, whatever the number of rows
+    assert counting.calls["mget"] == counting.calls["hgetall_many"] == 3
+    assert "hgetall" not in counting.calls and "get" not in counting.calls
+    assert counting.calls["zpage"] <= len(names) * 2 + 3
+
+
+async def test_listing_filters_by_group_and_skips_what_the_index_no_longer_holds(store, clock):
+    now = clock.t
+    for i in range(6):
+        await pins.create(store, f"g{i}", make("glm", t=now - i))
+    await pins.create(store, "n0", make(None, t=now))
+    await pins.create(store, "o0", make("glm", "opencode", t=now))
+    assert await pins.groups(store, "claude-code", "glm", any_server=False) == ["claude-code:glm"]
+    assert await pins.groups(store, None, None, any_server=False) == ["claude-code:-"]
+    assert await pins.groups(store, "opencode") == ["opencode:glm"]
+    assert await pins.groups(store, "pi") == []
+    # a pin moved away from the group, one forgotten, one replaced by garbage behind the index
+    moved = await pins.load(store, "g1")
+    await pins.move(store, "g1", moved, make("anthropic", t=now))
+    await pins.forget(store, "g2", await pins.load(store, "g2"))
+    await store.set(pins.key("g3"), "not a pin")
+    rows = [r for b in await walked(store, now, ["claude-code:glm"], 2) for r in b]
+    assert [s for s, _, _ in rows] == ["g0", "g4", "g5"]
+    assert [s for b in await walked(store, now, ["claude-code:anthropic"], 2) for s, _, _ in b] == ["g1"]
+    # an expired index entry is not listed (counts does not count it either)
+    assert [s for b in await walked(store, now + pins.PIN_TTL - 4.5, ["claude-code:glm"], 2) for s, _, _ in b] == \
+        ["g0", "g4"]
+    assert await walked(store, now, [], 2) == []
+    assert await pins.indexed(store, now, ["claude-code:glm"]) == 4        # g0 g4 g5, and g3's entry (a count)
+    assert await pins.indexed(store, now, await pins.groups(store)) == 7

@@ -510,3 +510,36 @@ async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back
         assert f.request.host == "api.openai.com"                 # sent nowhere
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("fields", [
+    [(b"Host", b"a.example"), (b"Content-Type", b"application/json"), (b"Content-Length", b"17"),
+     (b"x-api-key", b"sk-ant-client"), (b"User-Agent", b"claude-cli/2")],
+    [(b"Host", b"a.example"), (b"User-Agent", b"claude-cli/2")],                       # no length
+    [(b"content-length", b"17"), (b"Host", b"a.example"), (b"Content-Length", b"17")],   # twice
+    [(b"Host", b"a.example"), (b"Content-Encoding", b"gzip"), (b"Content-Length", b"40")],
+    [(b"Host", b"a.example"), (b"Transfer-Encoding", b"chunked")],
+    [(b"Host", b"a.example"), (b"Content-Encoding", b"identity"), (b"Content-Length", b"17")],
+])
+@pytest.mark.parametrize("moved", [True, False])
+def test_apply_stores_a_new_body_as_req_content_does(fields, moved):
+    """_apply sets a renamed body's Content-Length in its one pass over the headers: the same
+    headers, in the same order, and the same bytes as ``req.content = body`` gives."""
+    from sessionpin.proxy.router import _apply
+    from sessionpin.rewrite import Changes
+
+    def request() -> http.Request:
+        r = http.Request.make("POST", "https://a.example/v1/messages", b"", {})
+        r.headers.fields = tuple(fields)
+        r.raw_content = b'{"model":"a"}'
+        return r
+    body = b'{"model":"glm-4.6","x":1}'
+    where = ("https", "b.example", 8443, "/p/v1/messages") if moved else ("https", "a.example", 443, "/v1/messages")
+    drop = ("x-api-key",) if moved else ()
+    add = (("x-api-key", "sk-target"),) if moved else ()
+    ours, theirs = request(), request()
+    _apply(ours, Changes(*where, drop, add, body, ("a", "glm-4.6")))
+    _apply(theirs, Changes(*where, drop, add, None, None))
+    theirs.content = body
+    assert ours.headers.fields == theirs.headers.fields
+    assert ours.raw_content == theirs.raw_content and ours.content == body

@@ -297,6 +297,89 @@ async def test_zset_basics(store):
     assert await store.keys() == []                              # an empty sorted set is no key
 
 
+async def walk(store, key, lo=-INF, hi=INF, limit=2, reverse=False):
+    """Every page of a zpage walk, until a short page."""
+    pages, after = [], None
+    while True:
+        page = await store.zpage(key, lo, hi, after, limit, reverse=reverse)
+        pages.append(page)
+        if len(page) < limit:
+            return pages
+        after = page[-1]
+
+
+async def test_zpage_walks_a_sorted_set_in_pages(store):
+    assert await store.zpage("z", -INF, INF) == []
+    members = {"a": 2.0, "b": 2.0, "c": 2.0, "é": 2.0, "d": 1.5, "low": -INF, "high": INF, "x": 7.0, "y": -3.0}
+    for m, score in members.items():
+        await store.zadd("z", m, score)
+    everything = await store.zrange("z", -INF, INF)
+    pages = await walk(store, "z", limit=2)
+    assert [len(p) for p in pages] == [2, 2, 2, 2, 1]
+    assert [x for p in pages for x in p] == everything          # ties in byte order: a b c é
+    assert [x for p in await walk(store, "z", limit=2, reverse=True) for x in p] == everything[::-1]
+    assert [x for p in await walk(store, "z", limit=4) for x in p] == everything
+    assert [x for p in await walk(store, "z", 1.5, 2, limit=1) for x in p] == await store.zrange("z", 1.5, 2)
+    assert [x for p in await walk(store, "z", 1.5, 2, limit=3, reverse=True) for x in p] == \
+        (await store.zrange("z", 1.5, 2))[::-1]
+    # a page starts strictly after its mark, which may sit outside the range or be gone
+    assert await store.zpage("z", -INF, INF, ("b", 2.0), 3) == [("c", 2.0), ("é", 2.0), ("x", 7.0)]
+    assert await store.zpage("z", -INF, INF, ("b", 2.0), 3, reverse=True) == [("a", 2.0), ("d", 1.5), ("y", -3.0)]
+    assert await store.zpage("z", 0, 10, ("y", -3.0), 2) == [("d", 1.5), ("a", 2.0)]
+    assert await store.zpage("z", 0, 10, ("x", 7.0), 2) == []
+    assert await store.zpage("z", 0, 2, ("x", 7.0), 2, reverse=True) == [("é", 2.0), ("c", 2.0)]
+    await store.zrem("z", "b")
+    assert await store.zpage("z", -INF, INF, ("b", 2.0), 1) == [("c", 2.0)]
+    assert await store.zpage("z", -INF, INF, ("bb", 2.0), 1, reverse=True) == [("a", 2.0)]
+    assert await store.zpage("z", -INF, INF, None, 0) == []
+    assert await store.zpage("z", 5, 1) == []
+    assert await store.zpage("z", -INF, INF, ("high", INF), 5) == []
+
+
+async def test_zpage_skips_many_members_tied_with_the_mark(store):
+    for i in range(7):
+        await store.zadd("z", f"m{i}", 1.0)
+    await store.zadd("z", "n", 2.0)
+    assert await store.zpage("z", -INF, INF, ("m4", 1.0), 2) == [("m5", 1.0), ("m6", 1.0)]
+    assert await store.zpage("z", -INF, INF, ("m6", 1.0), 2) == [("n", 2.0)]
+    assert await store.zpage("z", -INF, INF, ("m2", 1.0), 3, reverse=True) == [("m1", 1.0), ("m0", 1.0)]
+    assert [x for p in await walk(store, "z", limit=1) for x in p] == await store.zrange("z", -INF, INF)
+
+
+async def test_zpage_and_hgetall_many_keep_types_and_ttls(store, clock):
+    await store.set("s", "1")
+    await store.zadd("z", "m", 1)
+    await store.expire("z", 1)
+    with pytest.raises(WrongType):
+        await store.zpage("s", -INF, INF)
+    with pytest.raises(WrongType):
+        await store.zpage("s", -INF, INF, None, 0)
+    with pytest.raises(WrongType):
+        await store.zpage("s", -1, 0, ("m", 5.0), 2)       # a mark past the range: still the type first
+    with pytest.raises(WrongType):
+        await store.hgetall_many(["s"])
+    assert await store.zpage("z", -INF, INF) == [("m", 1.0)]
+    clock.advance(1)
+    assert await store.zpage("z", -INF, INF) == []
+
+
+async def test_hgetall_many(store, clock):
+    assert await store.hgetall_many([]) == []
+    await store.hset("h1", "f", "1")
+    await store.hset("h1", "g", "2")
+    await store.hset("h2", "f", "3")
+    await store.hset("brief", "f", "4")
+    await store.expire("brief", 1)
+    keys = ["h1", "missing", "h2", "brief", "h1"]
+    assert await store.hgetall_many(keys) == [{"f": "1", "g": "2"}, {}, {"f": "3"}, {"f": "4"}, {"f": "1", "g": "2"}]
+    clock.advance(1)
+    assert await store.hgetall_many(keys) == [await store.hgetall(k) for k in keys]
+    assert await store.hgetall_many(keys) == [{"f": "1", "g": "2"}, {}, {"f": "3"}, {}, {"f": "1", "g": "2"}]
+    many = [f"h{i}" for i in range(1200)]                          # more than one query's parameters
+    await store.apply([], [HSet(k, "n", str(i)) for i, k in enumerate(many)])
+    assert [h.get("n") for h in await store.hgetall_many(many)] == [str(i) for i in range(1200)]
+
+
 async def test_zset_keeps_ttl_and_expires(store, clock, about):
     await store.zadd("z", "a", 1)
     await store.expire("z", 10)
@@ -537,6 +620,9 @@ OPS = st.one_of(
     st.tuples(st.just("zcount"), KEYS, SCORES, SCORES),
     st.tuples(st.just("zrange"), KEYS, SCORES, SCORES, st.one_of(st.none(), st.integers(-1, 3))),
     st.tuples(st.just("zremrange"), KEYS, SCORES, SCORES),
+    st.tuples(st.just("zpage"), KEYS, SCORES, SCORES, st.one_of(st.none(), st.tuples(FIELDS, SCORES)),
+              st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("hgetall_many"), st.lists(KEYS, max_size=3)),
     st.tuples(st.just("apply"), st.lists(st.builds(Check, KEYS, MAYBE), max_size=2), st.lists(WRITES, max_size=4)),
     st.tuples(st.just("keys"), st.sampled_from(["", "a", "h"])),
     st.tuples(st.just("tick"), st.sampled_from([0.5, 1.0, 2.0])),
@@ -551,6 +637,9 @@ def run(store, clock, op):
     if name == "set":
         key, value, ttl, nx = args
         return store.set(key, value, ttl, nx=nx)
+    if name == "zpage":
+        *args, reverse = args
+        return store.zpage(*args, reverse=reverse)
     return getattr(store, name)(*args)
 
 
@@ -604,6 +693,9 @@ async def _outcome(store, op):
         if name == "set":
             key, value, ttl, nx = args
             result = await store.set(key, value, ttl, nx=nx)
+        elif name == "zpage":
+            *args, reverse = args
+            result = await store.zpage(*args, reverse=reverse)
         else:
             result = await getattr(store, name)(*args)
     except WrongType:

@@ -46,6 +46,22 @@ def dump_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=False))
 
 
+class JsonArray:
+    """A JSON array printed item by item as the items come: the same text as ``dump_json``
+    of the whole list, without holding it."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self, value: Any) -> None:
+        text = json.dumps(value, indent=2).replace("\n", "\n  ")    # one level deeper
+        sys.stdout.write(("[\n  " if self.n == 0 else ",\n  ") + text)
+        self.n += 1
+
+    def close(self) -> None:
+        sys.stdout.write("[]\n" if self.n == 0 else "\n]\n")
+
+
 def ago(then: float | None, now: float) -> str:
     if not then:
         return "-"
@@ -85,5 +101,14 @@ def plural(n: int, word: str) -> str:
 def table(rows: list[list[str]], indent: str = "") -> list[str]:
     if not rows:
         return []
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    widths = widths_of(rows)
+    return [indent + line(r, widths) for r in rows]
+
+
+def widths_of(rows: list[list[str]]) -> list[int]:
+    return [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+
+def line(row: list[str], widths: list[int]) -> str:
+    """One row of a table whose column widths are known (a longer cell pushes its line only)."""
+    return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()

@@ -7,13 +7,16 @@ server); ``sessions`` lists pins one row each (a walk, which is what it is for).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import sys
 import time
+from typing import Iterator
 
 from ..facts import AGENTS
 from ..ids import short, shorts
-from .common import Fail, ago, dump_json, out, table, where, why
-from .context import Ctx
+from .common import Fail, JsonArray, ago, dump_json, err, line, out, table, where, why, widths_of
+from .context import Ctx, Row
 from .ledgercmd import LEDGER_COLUMNS, ledger_cells, ledger_json
 from .proxies import config_mismatch, find_proxies, find_proxy, key_state, proxy_keys
 
@@ -77,8 +80,8 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
         grid.append([m["name"], "(not configured: its requests get 503)", "-", str(m["pinned"]),
                      str(m["active_last_hour"])])
     grid.append(["(not routed)", "-", "-", str(nr_pinned), str(nr_active)])
-    for line in table(grid):
-        out(line)
+    for row in table(grid):
+        out(row)
     checked_in = sorted({s["key_checked_in"] for s in servers if s["key_checked_in"]})
     if checked_in:
         out(f"(keys checked in {' and '.join(checked_in)})")
@@ -91,43 +94,105 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     return 0
 
 
+# Up to this many rows (as the pin index counts them), ``sessions`` reads them all and sorts
+# them (most recently seen first, the table's widths fitted to every row); past it, it prints
+# rows as the store walks its index (most recently renewed first, the widths of the first
+# batch), so the first row comes after one batch and memory stays flat at a million pins.
+SORTED_UP_TO = 5_000
+LISTING_BATCH = 1_000       # pins per store round trip (three calls: index page, pins, activity)
+
+
 def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
     if args.agent and args.agent not in AGENTS:
         raise Fail(f"unknown agent {args.agent!r} (known: {', '.join(AGENTS)})")
     store = ctx.store()
     now = time.time()
-    selected = ctx.rows()
-    if args.agent:
-        selected = [r for r in selected if r.pin.agent == args.agent]
     if args.server is not None:
         cfg = ctx.config()
-        if args.server not in cfg.servers and not any(r.pin.server == args.server for r in selected):
+        pinned = any(n for (a, server), (n, _) in ctx.counts().items()
+                     if server == args.server and (not args.agent or a == args.agent))
+        if args.server not in cfg.servers and not pinned:
             known = ", ".join(cfg.servers) or "none configured"
             raise Fail(f"no server named {args.server!r} and no conversation pinned to it (servers: {known})")
-        selected = [r for r in selected if r.pin.server == args.server]
-    if args.not_routed:
-        selected = [r for r in selected if r.pin.server is None]
+    # The filters pick index groups (<agent>:<server>): the store walks only those.
+    if args.server is not None and args.not_routed:
+        names: list[str] = []
+    elif args.server is not None or args.not_routed:
+        names = ctx.groups(args.agent or None, args.server, any_server=False)
+    else:
+        names = ctx.groups(args.agent or None)
+    # The index says how many there are (one zcount per group): past SORTED_UP_TO the first
+    # batch is printed as soon as it is read.
+    many = ctx.indexed(names) > SORTED_UP_TO
+    walk = ctx.listing(names, LISTING_BATCH)
+    try:
+        return _print_sessions(ctx, args, walk, store is not None, now, many)
+    finally:
+        walk.close()            # a walk left early (a closed pipe) ends its store reads here
+
+
+def _print_sessions(ctx: Ctx, args: argparse.Namespace, batches: Iterator[list[Row]], have_store: bool,
+                    now: float, many: bool) -> int:
+    head: list[Row] = []
+    for batch in batches:
+        head.extend(batch)
+        if many or len(head) > SORTED_UP_TO:    # (more than the index said: pins made meanwhile)
+            break
+    else:
+        head.sort(key=lambda r: (-(r.seen.last or r.pin.since), r.session))
+        many = False
+    streamed = many or len(head) > SORTED_UP_TO
     if args.json:
-        spent = ledger_json(ctx, [r.session for r in selected])
-        dump_json([r.as_json() | ({"ledger": spent[r.session]} if spent.get(r.session) else {}) for r in selected])
+        array = JsonArray()
+        for rows in itertools.chain([head], _flushed(batches)):
+            # the ledger's summary of each row: one read each, so only while the rows are few
+            spent = {} if streamed else ledger_json(ctx, [r.session for r in rows])
+            for r in rows:
+                array.add(r.as_json() | ({"ledger": spent[r.session]} if spent.get(r.session) else {}))
+        array.close()
+        if streamed:
+            _say_streamed(array.n)
         return 0
-    if not selected:
-        what = "no pinned conversations" + ("" if store is not None else f" (no store file yet at {ctx.store_file()})")
-        out(what + (" match" if (args.agent or args.server or args.not_routed) and store is not None else ""))
+    if not head:
+        what = "no pinned conversations" + ("" if have_store else f" (no store file yet at {ctx.store_file()})")
+        out(what + (" match" if (args.agent or args.server or args.not_routed) and have_store else ""))
         return 0
-    forks = any(r.pin.parent for r in selected)     # the PARENT column, when a listed one is a fork
-    spent = ledger_cells(ctx, [r.session for r in selected])      # {} when none has a ledger: no columns
+    # the PARENT column, when a listed one is a fork (always, when rows stream: a fork may come later)
+    forks = streamed or any(r.pin.parent for r in head)
+    # the ledger's columns (one read a row): when the rows are few and one of them has a ledger
+    spent = {} if streamed else ledger_cells(ctx, [r.session for r in head])
     grid = [["SESSION", "AGENT", "SERVER", "WHY", *(["PARENT"] if forks else []), "PINNED", "LAST SEEN", "REQUESTS",
              *(LEDGER_COLUMNS if spent else ())]]
-    shown = shorts([r.session for r in selected] + [r.pin.parent for r in selected if r.pin.parent])
-    for r in selected:
+    # short ids unique among the rows shown (those of the first batch, when rows stream)
+    shown = shorts([r.session for r in head] + [r.pin.parent for r in head if r.pin.parent])
+
+    def cells(r: Row) -> list[str]:
         parent = [shown.get(r.pin.parent, short(r.pin.parent)) if r.pin.parent else "-"] if forks else []
-        grid.append([shown.get(r.session, short(r.session)), r.pin.agent, where(r.pin.server), why(r.pin), *parent,
-                     ago(r.pin.since, now), ago(r.seen.last, now), str(r.seen.requests),
-                     *(spent.get(r.session, ["-"] * len(LEDGER_COLUMNS)) if spent else ())])
-    for line in table(grid):
-        out(line)
+        return [shown.get(r.session, short(r.session)), r.pin.agent, where(r.pin.server), why(r.pin), *parent,
+                ago(r.pin.since, now), ago(r.seen.last, now), str(r.seen.requests),
+                *(spent.get(r.session, ["-"] * len(LEDGER_COLUMNS)) if spent else ())]
+    grid += [cells(r) for r in head]
+    widths = widths_of(grid)
+    n = 0
+    for rows in itertools.chain([grid], _flushed(batches)):
+        for cell in (rows if rows is grid else map(cells, rows)):
+            out(line(cell, widths))
+            n += 1
+    if streamed:
+        _say_streamed(n - 1)
     return 0
+
+
+def _flushed(batches: Iterator[list[Row]]) -> Iterator[list[Row]]:
+    """The batches, standard output flushed before each is read (a reader sees rows as they come)."""
+    for batch in batches:
+        sys.stdout.flush()
+        yield batch
+
+
+def _say_streamed(n: int) -> None:
+    err(f"({n} conversations, more than {SORTED_UP_TO}: listed as the store walks its index, most recently "
+        "renewed first, not sorted by last seen)")
 
 
 def _described(store) -> dict:

@@ -488,7 +488,10 @@ def _wants(participant: Any, req: http.Request) -> bool:
 def _apply(req: http.Request, c: rewrite.Changes) -> None:
     """Apply a plan in one pass over the headers (the header API costs a lookup per call):
     the new origin (Host, or HTTP/2's :authority, follows it), the path, the headers
-    dropped and set, the body with the model renamed."""
+    dropped and set, the body with the model renamed. A new body sent as is (no
+    content-encoding, no transfer-encoding: what ``req.content = body`` would store
+    unchanged) gets its Content-Length in that same pass, as ``req.content`` would set it
+    (the first one's place, or last); any other goes through ``req.content``."""
     hostport = None
     if (c.scheme, c.host, c.port) != (req.scheme, req.host, req.port):
         req.scheme = c.scheme
@@ -499,7 +502,11 @@ def _apply(req: http.Request, c: rewrite.Changes) -> None:
             req.authority = hostport
     if c.path != req.path:
         req.path = c.path
-    if hostport is not None or c.drop_headers or c.set_headers:
+    length = None
+    if c.body is not None and not any(n.lower() in (b"content-encoding", b"transfer-encoding")
+                                      for n, _ in req.headers.fields):
+        length = str(len(c.body)).encode()
+    if hostport is not None or c.drop_headers or c.set_headers or length is not None:
         drop = {n.lower().encode("latin-1") for n in c.drop_headers}
         drop.update(n.lower().encode("latin-1") for n, _ in c.set_headers)
         fields = []
@@ -507,11 +514,18 @@ def _apply(req: http.Request, c: rewrite.Changes) -> None:
             low = name.lower()
             if low == b"host" and hostport is not None:
                 fields.append((name, hostport.encode("idna")))
+            elif low == b"content-length" and length is not None and low not in drop:
+                if length:
+                    fields.append((name, length))
+                    length = b""                # set once: later duplicates go
             elif low not in drop:
                 fields.append((name, value))
         fields.extend((n.encode("latin-1"), v.encode("latin-1")) for n, v in c.set_headers)
+        if length:
+            fields.append((b"content-length", length))
         req.headers.fields = tuple(fields)
     if c.body is not None:
-        req.content = c.body
-
-
+        if length is None:
+            req.content = c.body
+        else:
+            req.data.content = c.body           # the bytes as they go (req.raw_content)

@@ -212,7 +212,7 @@ class FileStore:
                     exc = Unsure(f"{why} while it was open; repairing")
             cause = k.rfaults.failed(exc)
             raise StoreUnavailable(f"store {self.url}: cannot read {self.path} ({cause})") from exc
-        if (not result or (isinstance(result, list) and None in result)) and k.ident is not None:
+        if (not result or (isinstance(result, list) and (None in result or {} in result))) and k.ident is not None:
             # A miss is an answer only from the file the path names: one deleted or replaced
             # (not yet noticed by the watch) may lack what the current one holds.
             why = k.ident.differs(guard.identity(self.path))
@@ -243,6 +243,13 @@ class FileStore:
 
     def zrange(self, key: str, lo: float, hi: float, limit: int | None = None) -> list[tuple[str, float]]:
         return self._read(ops.q_zrange, key, lo, hi, limit, snapshot=True)
+
+    def zpage(self, key: str, lo: float, hi: float, after: tuple[str, float] | None = None,
+              limit: int = 1000, *, reverse: bool = False) -> list[tuple[str, float]]:
+        return self._read(ops.q_zpage, key, lo, hi, after, limit, reverse, snapshot=True)
+
+    def hgetall_many(self, keys: Sequence[str]) -> list[dict[str, str]]:
+        return self._read(ops.q_hgetall_many, list(keys), snapshot=True)
 
     def keys(self, prefix: str = "") -> list[str]:
         return self._read(ops.q_keys, prefix)

@@ -20,6 +20,7 @@ Rules it keeps (beyond those of ``base``):
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from typing import Callable
@@ -307,6 +308,27 @@ class MemoryStore:
                 return []
             found = sorted(((m, s) for m, s in entry.value.items() if lo <= s <= hi), key=lambda p: (p[1], p[0]))
             return found if limit is None else found[:max(limit, 0)]
+
+    def zpage(self, key: str, lo: float, hi: float, after: tuple[str, float] | None = None,
+              limit: int = 1000, *, reverse: bool = False) -> list[tuple[str, float]]:
+        with self._lock:
+            entry = self._typed(key, ZSET)
+            if entry is None or limit <= 0:
+                return []
+            found = ((m, s) for m, s in entry.value.items() if lo <= s <= hi)
+            if after is not None:
+                mark = (float(after[1]), after[0])
+                found = (p for p in found if ((p[1], p[0]) < mark if reverse else (p[1], p[0]) > mark))
+            pick = heapq.nlargest if reverse else heapq.nsmallest
+            return pick(limit, found, key=lambda p: (p[1], p[0]))
+
+    def hgetall_many(self, keys: Sequence[str]) -> list[dict[str, str]]:
+        with self._lock:
+            out = []
+            for key in keys:
+                entry = self._typed(key, HASH)
+                out.append({} if entry is None else dict(entry.value))
+            return out
 
     def zremrange(self, key: str, lo: float, hi: float) -> int:
         with self._lock:

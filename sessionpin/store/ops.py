@@ -325,6 +325,43 @@ def q_zrange(c: Conn, now: float, key: str, lo: float, hi: float, limit: int | N
     return [(m, float(s)) for m, s in c.execute(sql, params)]
 
 
+def q_zpage(c: Conn, now: float, key: str, lo: float, hi: float, after: tuple[str, float] | None, limit: int,
+            reverse: bool) -> list[tuple[str, float]]:
+    # Keyset paging on the (key, score, member) index: each page is a seek and ``limit``
+    # rows, whatever the page's depth (an OFFSET would walk every row before it).
+    if _row(c, now, key, ZSET) is None or limit <= 0:
+        return []
+    sql = "SELECT member, score FROM zsets WHERE key = ? AND score BETWEEN ? AND ?"
+    params: tuple = (key, lo, hi)
+    if after is not None:
+        cmp = "<" if reverse else ">"
+        sql += f" AND (score {cmp} ? OR (score = ? AND member {cmp} ?))"
+        params += (float(after[1]), float(after[1]), after[0])
+    sql += " ORDER BY score DESC, member DESC LIMIT ?" if reverse else " ORDER BY score, member LIMIT ?"
+    return [(m, float(s)) for m, s in c.execute(sql, params + (limit,))]
+
+
+def q_hgetall_many(c: Conn, now: float, keys: Sequence[str]) -> list[dict[str, str]]:
+    found: dict[str, dict[str, str]] = {}
+    wanted = list(dict.fromkeys(keys))
+    for i in range(0, len(wanted), 500):       # SQLite's bound-parameter limit, with room
+        chunk = wanted[i:i + 500]
+        marks = ",".join("?" * len(chunk))
+        for key, kind, x, field, value in c.execute(
+                "SELECT e.key, e.kind, e.expires_at, f.field, f.value FROM entries e "
+                f"LEFT JOIN fields f ON f.key = e.key WHERE e.key IN ({marks})", chunk):
+            if expired(x, now):
+                continue
+            if kind != HASH:
+                raise wrong(key, kind)
+            h = found.get(key)
+            if h is None:
+                h = found[key] = {}
+            if field is not None:
+                h[field] = value
+    return [dict(found.get(k, ())) for k in keys]
+
+
 def q_keys(c: Conn, now: float, prefix: str) -> list[str]:
     end = prefix_end(prefix)
     sql = "SELECT key FROM entries WHERE key >= ? AND (expires_at IS NULL OR expires_at > ?)"

@@ -48,6 +48,16 @@ end
 return 1
 """
 
+# KEYS: hashes; answers each one's HGETALL (a flat field, value list), in order. One command for
+# a batch: a pipeline of HGETALLs costs the client a command object and a reply parse each.
+HGETALL_MANY = """#!lua flags=no-writes
+local out = {}
+for i, k in ipairs(KEYS) do
+  out[i] = redis.call('HGETALL', k)
+end
+return out
+"""
+
 # KEYS: the checks' keys, then one key per write.
 # ARGV[1]: how many checks; then per check: has_value ("1"/"0"), value;
 # then per write three values: op, a, b —

@@ -37,7 +37,7 @@ from redis.exceptions import NoScriptError, RedisError
 from .base import Check, NotDurable, StoreError, StoreUnavailable, Write
 from .redisconn import make_clients, reason, translate
 from .redisinfo import glob_escape, is_refusal, replication
-from .redislua import APPLY, CAS, apply_args, cas_args, ttl_ms
+from .redislua import APPLY, CAS, HGETALL_MANY, apply_args, cas_args, ttl_ms
 from .redislua import score as score_arg
 from .redisurl import ACCEPT_WEAKER, FSYNC_ALWAYS, parse
 
@@ -69,6 +69,7 @@ class RedisStore:
         self._reads, self._writes = make_clients(self._cfg)
         self._cas = self._writes.register_script(CAS)
         self._apply = self._writes.register_script(APPLY)
+        self._hgetall_many = self._reads.register_script(HGETALL_MANY)
         self._recheck_interval = recheck_interval
         self._checked = False                     # version and mode
         self._lock = asyncio.Lock()
@@ -323,6 +324,43 @@ class RedisStore:
         found = await self._read(key, self._reads.zrange, self._k(key), score_arg(lo), score_arg(hi), byscore=True,
                                  withscores=True, **paged)
         return [(member, float(s)) for member, s in found]
+
+    async def zpage(self, key: str, lo: float, hi: float, after: tuple[str, float] | None = None,
+                    limit: int = 1000, *, reverse: bool = False) -> list[tuple[str, float]]:
+        # Keyset paging: from the mark's score (inclusive), the members tied with the mark at
+        # or before it skipped here (ZRANGE cannot start "after a member"); usually only the
+        # mark itself, hence one more than a page is asked for.
+        limit = max(int(limit), 0)
+        start, end = (hi, lo) if reverse else (lo, hi)
+        mark: tuple[float, str] | None = None
+        if after is not None:
+            score = float(after[1])
+            if (score < lo) if reverse else (score > hi):
+                await self._read(key, self._reads.execute_command, "ZCARD", self._k(key))   # WRONGTYPE, as the others
+                return []
+            if lo <= score <= hi:
+                start, mark = score, (score, after[0])
+        k, out, offset = self._k(key), [], 0
+        while True:
+            want = limit + (1 if mark is not None else 0)
+            page = await self._read(key, self._reads.zrange, k, score_arg(start), score_arg(end), desc=reverse,
+                                    byscore=True, withscores=True, offset=offset, num=want)
+            for member, s in page:
+                p = (float(s), member)
+                if mark is None or ((p < mark) if reverse else (p > mark)):
+                    out.append((member, p[0]))
+            if len(out) >= limit or len(page) < want:
+                return out[:limit]
+            offset += len(page)
+
+    async def hgetall_many(self, keys: Sequence[str]) -> list[dict[str, str]]:
+        if not keys:
+            return []
+
+        # one read-only script, one round trip: every key is under the store's one hash tag
+        found = await self._read(keys[0], self._hgetall_many, keys=[self._k(k) for k in keys], args=[],
+                                 client=self._reads)
+        return [dict(zip(flat[::2], flat[1::2])) for flat in found]
 
     async def zremrange(self, key: str, lo: float, hi: float) -> int:
         return int(await self._write(key, False, "ZREMRANGEBYSCORE", self._k(key), score_arg(lo), score_arg(hi)))

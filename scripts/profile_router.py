@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Where the router's CPU goes: py-spy on the router and on plain mitmdump under bench_proxy's
+10 KB 8-client load, summarised by sessionpin function.
+
+    .venv/bin/pip install py-spy        # a tool of this script's, not a dependency of sessionpin
+    .venv/bin/python scripts/profile_router.py [--seconds 40] [--rate 250] [--out DIR]
+    .venv/bin/python scripts/profile_router.py --summarise ROUTER.raw [PLAIN.raw]
+
+Runs ``scripts/bench_proxy.py --only throughput`` (plain mitmdump and the router taking turns
+under 4 and 8 keep-alive clients), attaches ``py-spy record --format raw`` to the router's and to
+plain mitmdump's process for ``--seconds`` once both are up, and prints the bench's figures and
+the summary. The summary counts the samples of each process (py-spy leaves idle threads out, so
+a sample is CPU being spent), and for the router the share of them spent inside sessionpin's own
+code: by hook (the outermost sessionpin frame: ``Router.request``, ``LineageWatch.response``…)
+and by function (the innermost sessionpin frame: where the time is spent, callees outside
+sessionpin such as msgspec or mitmproxy's header API counted to the sessionpin function that
+called them). Shares are of all the router's samples; multiply by the router's CPU per request
+(bench_proxy's latency table prints it) for milliseconds per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
+
+
+def ours(path: str) -> bool:
+    # py-spy names a file by its path under sys.path ("sessionpin/rewrite.py")
+    return path.startswith("sessionpin/") or "/sessionpin/" in path or path.endswith("addons/route.py")
+
+
+def short_name(func: str, path: str) -> str:
+    mod = ("sessionpin/" + path.split("sessionpin/", 1)[-1]).removesuffix(".py").replace("/", ".")
+    return f"{mod}.{func}"
+
+
+def load(raw: Path) -> list[tuple[list[tuple[str, str]], int]]:
+    stacks = []
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = []
+        for f in stack.split(";"):
+            m = FRAME.match(f)
+            frames.append((m["func"], m["file"]) if m else (f, ""))
+        stacks.append((frames, int(count)))
+    return stacks
+
+
+def summarise(router: Path, plain: Path | None = None, top: int = 25) -> str:
+    stacks = load(router)
+    total = sum(n for _, n in stacks)
+    lines = [f"router: {total} samples"]
+    if plain is not None and plain.exists():
+        p = sum(n for _, n in load(plain))
+        lines.append(f"plain mitmdump: {p} samples over the same seconds (router / plain = {total / max(p, 1):.2f})")
+    mine = 0
+    by_hook: collections.Counter[str] = collections.Counter()
+    by_func: collections.Counter[str] = collections.Counter()
+    for frames, n in stacks:
+        ours_frames = [(f, p) for f, p in frames if ours(p)]
+        if not ours_frames:
+            continue
+        mine += n
+        # py-spy's raw stacks run from the outermost frame to the innermost
+        by_hook[short_name(*ours_frames[0])] += n
+        by_func[short_name(*ours_frames[-1])] += n
+    lines.append(f"in sessionpin's own code: {mine} samples = {100 * mine / max(total, 1):.1f} % of the router's")
+    lines.append("")
+    lines.append("| hook (outermost sessionpin frame) | % of router CPU | % of sessionpin's |")
+    lines.append("|---|---|---|")
+    for name, n in by_hook.most_common(12):
+        lines.append(f"| `{name}` | {100 * n / total:.1f} | {100 * n / max(mine, 1):.1f} |")
+    inside: collections.Counter[str] = collections.Counter()
+    request = 0
+    for frames, n in stacks:
+        names = [short_name(f, p) for f, p in frames if ours(p)]
+        if names and names[0] == "sessionpin.proxy.router.Router.request":
+            request += n
+            for name in set(names):
+                inside[name] += n
+    lines.append("")
+    lines.append(f"Inside `Router.request` ({request} samples = {100 * request / max(total, 1):.1f} % of the "
+                 "router's), each sessionpin function with everything it calls:")
+    lines.append("")
+    lines.append("| function | % of `Router.request` | % of router CPU |")
+    lines.append("|---|---|---|")
+    for name, n in inside.most_common(top):
+        lines.append(f"| `{name}` | {100 * n / max(request, 1):.1f} | {100 * n / total:.1f} |")
+    lines.append("")
+    lines.append("| function (innermost sessionpin frame, its callees included) | % of router CPU | % of sessionpin's |")
+    lines.append("|---|---|---|")
+    for name, n in by_func.most_common(top):
+        lines.append(f"| `{name}` | {100 * n / total:.1f} | {100 * n / max(mine, 1):.1f} |")
+    return "\n".join(lines)
+
+
+def find(pattern: str, deadline: float) -> int:
+    while time.monotonic() < deadline:
+        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        if out:
+            return int(out[0])
+        time.sleep(0.3)
+    raise SystemExit(f"no process matching {pattern!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=int, default=40)
+    ap.add_argument("--rate", type=int, default=250, help="samples per second")
+    ap.add_argument("--out", type=Path, help="keep the raw profiles here (default: a temp dir, removed)")
+    ap.add_argument("--summarise", nargs="+", type=Path, metavar="RAW", help="only summarise these raw profiles")
+    args = ap.parse_args()
+    if args.summarise:
+        print(summarise(args.summarise[0], args.summarise[1] if len(args.summarise) > 1 else None))
+        return
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
+    with tempfile.TemporaryDirectory(prefix="sessionpin-profile-") as tmp:
+        out = args.out or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        bench = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_proxy.py"), "--only", "throughput"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        deadline = time.monotonic() + 120
+        # this venv's mitmdump (other checkouts on this machine may run the same bench)
+        mitmdump = re.escape(str(Path(sys.executable).parent / "mitmdump"))
+        router = find(mitmdump + r" .*sessionpin-bench-[^/]*/router/confdir", deadline)
+        plain = find(mitmdump + r" .*sessionpin-bench-[^/]*/plain/confdir", deadline)
+        time.sleep(6)                     # past start-up and the routing check
+        spies = [subprocess.Popen([spy, "record", "-p", str(pid), "-r", str(args.rate), "-d", str(args.seconds),
+                                   "--format", "raw", "--nonblocking", "-o", str(out / f"{name}.raw")],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for name, pid in (("router", router), ("plain", plain))]
+        for s in spies:
+            s.wait()
+        text, _ = bench.communicate()
+        print(text)
+        print(summarise(out / "router.raw", out / "plain.raw"))
+        if args.out is None:
+            os.sync()
+
+
+if __name__ == "__main__":
+    main()

@@ -89,8 +89,8 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     grid = [["AGENT", "NEW CONVERSATIONS GO TO"]]
     for a, s in agents.items():
         grid.append([a, where(s)])
-    for line in table(grid):
-        out(line)
+    for row in table(grid):
+        out(row)
     return 0
 
 

@@ -16,6 +16,8 @@ Rules this module keeps (seeds/000, made stronger):
   for not routed) scored by the pin's expiry, written in the same ``apply``; ``pinidx``
   (a hash) names every index. Counting live pins per agent and server is one ``zcount``
   each — status, metrics and the CLI's "N stay where they are" never walk the pins.
+- ``forget`` leaves a tombstone (``forgot:<session>``: when, as long as a pin lives), so a
+  proxy that served the pin tells the operator's decision from a loss (``served``).
 - A stored value that is not a valid pin (bad JSON, wrong shape, no agent) reads as no pin.
 - A pool's allocation adds ``pool``, ``models`` and ``why`` (defaults omitted, so other pins
   read and write as before; unknown fields are ignored by older readers).
@@ -25,6 +27,7 @@ Rules this module keeps (seeds/000, made stronger):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -37,6 +40,7 @@ SEEN_PREFIX = "seen:"
 INDEX_PREFIX = "pinidx:"
 INDEX_NAMES = "pinidx"          # hash: "<agent>:<server or ->" -> "1"
 ACTIVE_PREFIX = "active:"       # sorted set per agent and server: session -> last seen
+FORGOT_PREFIX = "forgot:"       # the operator forgot this session's pin (when): not a loss
 NOT_ROUTED = "-"
 DAY = 86_400.0
 PIN_TTL = 30 * DAY
@@ -172,11 +176,14 @@ async def move(store: Store, session: str, seen: Loaded, new: Pin) -> bool:
     return await store.apply([Check(key(session), seen.raw)], writes, durable=True)
 
 
-async def forget(store: Store, session: str, seen: Loaded) -> bool:
-    """Delete the pin that was read (durable), with its index entry and its activity."""
+async def forget(store: Store, session: str, seen: Loaded, now: float | None = None) -> bool:
+    """Delete the pin that was read (durable), with its index entry and its activity; a
+    tombstone says when (a proxy that served the pin does not take it for a loss)."""
     if seen.raw is None:
         return False
-    writes: list[Write] = [Delete(key(session)), *_unindexed(session, seen.pin), Delete(SEEN_PREFIX + session)]
+    when = time.time() if now is None else now
+    writes: list[Write] = [Delete(key(session)), *_unindexed(session, seen.pin), Delete(SEEN_PREFIX + session),
+                           Set(FORGOT_PREFIX + session, repr(when), PIN_TTL)]
     if seen.pin is not None:
         writes.append(ZRem(active_key(seen.pin.agent, seen.pin.server), session))
     return await store.apply([Check(key(session), seen.raw)], writes, durable=True)

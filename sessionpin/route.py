@@ -28,6 +28,9 @@ write a "not routed" pin.
 
 Rules this module keeps beyond the ladder's:
 - A pin that could not be read is a refusal (503 naming the store), never "no pin".
+- A store that lost what it held (``StoreLost``: emptied, replaced, a served pin gone) is
+  a refusal (503 ``store-lost`` naming the store, the loss and the command that decides),
+  never "a conversation never seen begin".
 - A conversation is sent away from the server it addressed only once its pin is durable
   in the store: a pin that could not be saved is a refusal (503 with ``retry-after``),
   on the first try and on every retry — nothing of it is remembered anywhere.
@@ -73,7 +76,7 @@ from .steps import (TERMINAL, TITLE_TTL, After, Allocate, Allocated, CheckMember
                     CreatePin, Effect, Event, FindConversation, FindParent, Forward, Leave, LineageRead,
                     MemberChecked, NotAllocated, NotSaved, ParentFound, PinCreated, PinLost, PinRead, Plan, Planned,
                     ReadLineage, ReadPin, ReadTitle, Refuse, RememberOpening, RememberTitle, RenewPin, Request,
-                    StoreFailed, TitleRead, WritePin)
+                    StoreFailed, StoreLost, TitleRead, WritePin)
 
 RETRY_AFTER = 1         # seconds: a store that cannot save may well be back by then
 
@@ -155,6 +158,9 @@ def step(state: State, event: Event) -> Step:
                                   f"{f.agent} session {state.session or f.session} was not sent anywhere: its pin decides where it "
                                   f"goes. Retry in a moment; if this persists, run 'sessionpin doctor'.",
                                   RETRY_AFTER))
+    if isinstance(event, StoreLost):
+        return Step(state, Refuse(503, "store-lost", f"sessionpin: {event.error}. {f.agent} session "
+                                  f"{state.session or f.session} was not sent anywhere.", RETRY_AFTER))
     if isinstance(event, PinRead):
         return _after_read(_replace(state, loaded=event.loaded))
     if isinstance(event, LineageRead):

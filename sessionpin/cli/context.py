@@ -8,6 +8,10 @@ Rules it keeps:
   and every error a command prints.
 - The store is the async ``Store`` every part uses; the CLI runs it on one event loop
   it owns for the command's life (``run``), and closes both at the end.
+- A store the command opens is judged by its identity against what this machine remembers
+  of it (``store.identity``): a new one is remembered, one that lost what it held fails
+  the command with what was lost and what to run — except for the commands that show it
+  or decide about it (``lost_ok``: status, doctor, store).
 - Every store change a command makes is compare-and-set against the pin it showed the
   operator (``pins.move``/``pins.forget`` with what ``resolve`` read): a pin that changed
   meanwhile is not overwritten — the command says so.
@@ -26,6 +30,7 @@ from .. import config as configmod
 from .. import pins
 from ..ids import matches, short
 from ..store import Store, StoreError, default_store_url, open_store, safe_url
+from ..store import identity
 from .common import HOUR, NOT_SEEN_BEGIN, Fail, iso, plural, where, why
 
 T = TypeVar("T")
@@ -36,6 +41,8 @@ class Ctx:
     config_path: Path
     store_url: str
     _store: Store | None = None
+    lost_ok: bool = False                        # the command shows or decides a loss: do not fail on one
+    settled: identity.Settled | None = None      # the store's identity, judged when it was opened
     _runner: asyncio.Runner | None = field(default=None, repr=False)
 
     # config
@@ -90,7 +97,35 @@ class Ctx:
         except OSError as e:
             raise Fail(f"cannot open the store {self.store_shown}: {e.strerror or e}; "
                        "check --store or SESSIONPIN_STORE") from None
+        self._judge(self._store)
         return self._store
+
+    def _judge(self, store: Store) -> None:
+        memory = identity.Memory(self.store_url)
+        try:
+            remembered = memory.load()
+        except StoreError as e:
+            raise Fail(str(e)) from None
+        now = time.time()
+        try:
+            s = self.settled = self.run(identity.settle(store, store.url, remembered, now))
+        except StoreError:
+            if self.lost_ok:
+                return                  # status and doctor show the fault themselves
+            raise
+        if s.kind in identity.LOSSES:
+            try:
+                self.run(identity.record_loss(store, remembered, f"the CLI (pid {os.getpid()})", now))
+            except StoreError:
+                pass
+            if not self.lost_ok:
+                raise Fail(s.message)
+            return
+        try:
+            n = sum(c[0] for c in self.run(pins.counts(store, now)).values())
+            memory.save(identity.Remembered(store.url, s.identity.id, n, now))
+        except (StoreError, OSError):
+            pass                        # remembering is best effort here; the proxy remembers too
 
     def need_store(self) -> Store:
         s = self.store()

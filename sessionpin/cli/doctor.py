@@ -111,6 +111,8 @@ def _store(ctx: Ctx, add) -> bool:
     except Fail as e:
         add("store", "FAIL", str(e))
         return False
+    if ctx.settled is not None and ctx.settled.message:     # it lost what it held (store.identity)
+        add("store identity", "FAIL", ctx.settled.message)
     if store is not None and hasattr(store, "check"):
         return _redis(ctx, store, add)
     if store is None:

@@ -9,6 +9,9 @@ metadata, one log line. Rules this module keeps:
   or is answered here in its API's error format (``sessionpin.answers``): an exception
   never drops a flow and never lets such a request leave half-done. Anything else
   passes untouched.
+- A store that lost what it held (``StoreGuard``) routes nothing: every request that would
+  read or write a pin is refused (503 naming the store and the loss), and nothing is
+  written over the loss.
 - Store calls go through the store's async facade; the pin's renewal, a title's memory
   and a "not routed" pin are written after the request left (never waited for).
 - Before a request is sent to a server the router moved requests to, with no open
@@ -65,6 +68,7 @@ class Metrics:
         self.rules: Counter[str] = Counter()
         self.refusals: Counter[str] = Counter()
         self.store_errors = 0
+        self.store_lost = 0          # requests refused because the store lost what it held
         self.pin_writes = 0          # pins this proxy wrote or tried to: the status's counts are stale
 
 
@@ -145,13 +149,24 @@ class Router:
             self.metrics.pin_writes += 1
         if isinstance(effect, route.ReadLineage):
             return _lineage_of(flow.request, state.request.facts.api)
-        if isinstance(effect, (route.Allocate, route.CheckMember)):
-            return await self.allocations.perform(flow, state, effect)
         if store is None:
             return route.StoreFailed("no store is open")
+        guard = self.runtime.guard
         try:
-            if isinstance(effect, route.ReadPin):
-                return route.PinRead(await pins.load(store, effect.session))
+            lost = await guard.gate(store)      # a store that lost what it held decides nothing
+            if lost is None and isinstance(effect, (route.Allocate, route.CheckMember)):
+                return await self.allocations.perform(flow, state, effect)
+            if lost is None and isinstance(effect, route.ReadPin):
+                loaded = await pins.load(store, effect.session)
+                if loaded.pin is not None:
+                    guard.saw(effect.session, loaded.pin, time.time())
+                    return route.PinRead(loaded)
+                lost = await guard.missed(store, effect.session, state.request.facts.has_history, time.time())
+                if lost is None:
+                    return route.PinRead(loaded)
+            if lost is not None:
+                self.metrics.store_lost += 1
+                return route.StoreLost(lost)
             if isinstance(effect, route.ReadTitle):
                 return route.TitleRead(await store.get(TITLE_PREFIX + effect.session))
             if isinstance(effect, route.FindConversation):
@@ -163,6 +178,7 @@ class Router:
                 return route.ParentFound(*found) if found else route.ParentFound(None)
             if isinstance(effect, route.CreatePin):
                 got = await pins.create(store, effect.session, effect.pin, effect.seen)
+                guard.saw(effect.session, got.pin, time.time(), made=got.pin == effect.pin)
                 return route.PinCreated() if got.pin == effect.pin else route.PinLost(got)
         except StoreError as e:
             self.metrics.store_errors += 1
@@ -224,8 +240,8 @@ class Router:
     # ---- effects that run after the request left --------------------------------------------
     def _later(self, after: route.After) -> None:
         store = self.runtime.store
-        if store is None:
-            return
+        if store is None or self.runtime.guard.lost is not None:
+            return          # nothing is written over a loss
 
         async def run() -> None:
             try:

@@ -1,0 +1,186 @@
+"""StoreGuard: the proxy refuses to take a store that lost what it held for a new one (issue 18).
+
+Rules it keeps:
+- Before the first request it routes with a store, the guard settles the store's identity
+  (``store.identity``) against what this machine remembers of the URL; a store that came
+  back empty or with another identity is *lost*: every routed request is refused with 503
+  naming the store, what was lost and the command that decides (``gate``). The store is
+  looked at again every ``CHECK_EVERY`` (1 s, one read of one key) and on a continuation
+  whose pin is missing, so a FLUSHALL while running is seen at once by the request that
+  would have met it, and within a second otherwise.
+- A store this machine never saw is taken as it is (a new one gets its identity), and the
+  log says so; it is remembered from then on, with its live pin count (every
+  ``COUNT_EVERY``) so a later loss can say how much was lost.
+- Partial loss: a pin this proxy served (``served.Served``, bounded) that the store no
+  longer has, not forgotten by the operator (tombstone) and not expired, is a refusal and
+  one ERROR line per session. When the operator accepts the losses (the identity's text
+  changes), the served pins are forgotten and routing resumes.
+- The memory file is read and written off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Any, Mapping
+
+from .. import pins
+from ..served import Served
+from ..store import Store, StoreError, StoreUnavailable
+from ..store import identity as ident
+
+log = logging.getLogger("sessionpin")
+
+CHECK_EVERY = 1.0
+COUNT_EVERY = 30.0
+
+
+class StoreGuard:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.env = env if env is not None else os.environ
+        self.served = Served()
+        self.lost: str | None = None          # why every routed request is refused
+        self.kind: str | None = None          # the last verdict (identity.OK, LOST…)
+        self.partial = 0                      # sessions whose served pin the store lost
+        self._store: Store | None = None
+        self._url = ""                        # as given (the memory is keyed by its location)
+        self._memory: ident.Memory | None = None
+        self._remembered: ident.Remembered | None = None
+        self._raw: str | None = None          # the identity's text last read
+        self._settled = False
+        self._lock = asyncio.Lock()
+        self._checked = 0.0
+        self._counted = 0.0
+        self._made = 0
+        self.who = f"{socket.gethostname()}:{os.getpid()}"
+
+    def use(self, store: Store, url: str) -> None:
+        """A store was opened (or replaced): nothing of the old one applies to it."""
+        self._store, self._url = store, url
+        self._memory = ident.Memory(url, self.env)
+        self._remembered, self._raw, self._settled, self._made = None, None, False, 0
+        self.lost, self.kind = None, None
+        self.served.clear()
+
+    # ---- what the router asks ---------------------------------------------------------------
+    async def gate(self, store: Store) -> str | None:
+        """None: route. Else the refusal's message (the store is lost). Raises
+        ``StoreUnavailable`` when it cannot tell (the caller refuses as for any read fault)."""
+        if store is not self._store:
+            return None                         # (a store the runtime does not know: tests)
+        if not self._settled:
+            await self.check(store)
+        return self.lost
+
+    def saw(self, session: str, pin: pins.Pin | None, now: float, made: bool = False) -> None:
+        if pin is not None:
+            self.served.saw(session, pin.server, pins.expiry(pin), now)
+            self._made += made              # pins made since the last count (what a loss says it held)
+
+    async def missed(self, store: Store, session: str, continuation: bool, now: float) -> str | None:
+        """A pin read as absent: a loss (the message) or truly none (None)."""
+        expected = self.served.expected(session, now)
+        if expected is None:
+            if continuation and store is self._store:
+                await self.check(store)     # a flushed store is seen by the request that meets it
+                return self.lost
+            return None
+        tomb = await store.get(pins.FORGOT_PREFIX + session)
+        if self.served.forgotten(session, tomb):
+            return None
+        await self.check(store)
+        if self.lost:
+            return self.lost
+        if self.served.expected(session, now) is None:
+            return None                     # the operator accepted the losses meanwhile
+        server = expected[0] or "not routed"
+        message = (f"store {store.url} no longer has the pin of session {session} (pinned to {server}), which this "
+                   f"proxy served; no `sessionpin forget` of it is recorded and it had not expired. It is not taken "
+                   f"for a new conversation: restore the store (`sessionpin store copy BACKUP {store.url}`) or "
+                   f"accept the loss (`sessionpin store accept-loss --store {store.url}`)")
+        if self.served.report(session):
+            self.partial += 1
+            log.error("sessionpin: %s", message)
+            try:
+                await ident.record_partial(store, session, f"{server} (by {self.who} at {time.time():.0f})")
+            except StoreError as e:
+                log.warning("sessionpin: could not record the lost pin in %s: %s", store.url, e)
+        return message
+
+    # ---- looking at the store ---------------------------------------------------------------
+    async def tick(self, store: Store) -> None:
+        """The background loop's look (every round; it checks every CHECK_EVERY)."""
+        now = time.monotonic()
+        if store is self._store and now - self._checked >= CHECK_EVERY:
+            await self.check(store)
+        if store is self._store and self.kind not in ident.LOSSES and self._remembered is not None \
+                and now - self._counted >= COUNT_EVERY:
+            self._counted = now
+            made, self._made = self._made, 0
+            try:
+                n = sum(c[0] for c in (await pins.counts(store, time.time())).values())
+            except BaseException:
+                self._made += made
+                raise
+            if n != self._remembered.pins or time.time() - self._remembered.seen >= 3600:
+                await self._remember(ident.Remembered(self._remembered.store, self._remembered.id, n, time.time()))
+
+    async def check(self, store: Store) -> None:
+        async with self._lock:
+            if store is not self._store:
+                return
+            self._checked = time.monotonic()
+            if not self._settled:
+                self._remembered = await asyncio.to_thread(self._memory.load)
+            r = self._remembered
+            if r is not None and self._made:
+                r = ident.Remembered(r.store, r.id, r.pins + self._made, r.seen)
+            s = await ident.settle(store, store.url, r, time.time())
+            if self._settled and s.raw != self._raw:
+                self.served.clear()         # the operator decided (accept-loss, a restore)
+            self._raw, self.kind = s.raw, s.kind
+            self._settled = True
+            if s.kind in ident.LOSSES:
+                if self.lost != s.message:
+                    log.error("sessionpin: %s", s.message)
+                    try:
+                        await ident.record_loss(store, r, self.who, time.time())
+                    except StoreError as e:
+                        log.warning("sessionpin: could not record the loss in %s: %s", store.url, e)
+                self.lost = s.message
+                return
+            if self.lost is not None:
+                log.warning("sessionpin: store %s: %s; routing resumes", store.url,
+                            "the operator accepted its loss" if s.kind == ident.ACCEPTED else "it is whole again")
+            self.lost = None
+            if s.kind == ident.NEW:
+                log.info("sessionpin: store %s is new: its identity %s was made now", store.url, s.identity.id)
+            elif s.kind == ident.FIRST:
+                log.warning("sessionpin: this machine has not used store %s before: it is taken as it is "
+                            "(identity %s)", store.url, s.identity.id)
+            if s.kind != ident.OK:
+                r = self._remembered
+                keep = r.pins if r is not None and s.kind == ident.OK else 0
+                await self._remember(ident.Remembered(store.url, s.identity.id, keep, time.time()))
+                self._counted = 0.0         # count its pins at the next tick
+
+    async def _remember(self, r: ident.Remembered) -> None:
+        self._remembered = r
+        try:
+            await asyncio.to_thread(self._memory.save, r)
+        except OSError as e:
+            log.warning("sessionpin: cannot write what this machine remembers of store %s (%s): %s",
+                        r.store, self._memory.path, e.strerror or e)
+
+    def describe(self) -> dict[str, Any]:
+        r = self._remembered
+        return {"identity": r.id if r else None, "verdict": self.kind, "lost": self.lost,
+                "remembered_pins": r.pins if r else None, "served_pins": len(self.served),
+                "served_bound": self.served.bound, "partial_losses": self.partial,
+                "memory": str(self._memory.path) if self._memory and self._memory.path else None}
+
+
+__all__ = ["StoreGuard", "StoreUnavailable"]

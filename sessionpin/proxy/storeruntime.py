@@ -50,6 +50,7 @@ FLUSH_EVERY = 5.0
 HEARTBEAT_EVERY = 10.0
 SWEEP_EVERY = 600.0
 EXIT_TIMEOUT = 5.0
+WATCH_EVERY = 2.0       # a Redis store's durability and run_id are looked at again
 
 
 class StoreRuntime:
@@ -208,7 +209,7 @@ class StoreRuntime:
 
     # ---- background -----------------------------------------------------------------------
     async def _background(self) -> None:
-        last_flush = last_beat = 0.0
+        last_flush = last_beat = last_watch = 0.0
         last_sweep = time.monotonic()
         begun = time.monotonic()
         first = True
@@ -220,6 +221,9 @@ class StoreRuntime:
                     continue
                 try:
                     await self.guard.tick(store)    # a flushed or replaced store is seen within a second
+                    if hasattr(store, "watch") and time.monotonic() - last_watch >= WATCH_EVERY:
+                        last_watch = time.monotonic()
+                        await store.watch()         # a CONFIG SET or a restarted Redis, within seconds
                 except StoreError as e:             # requests meet the fault themselves
                     log.debug("sessionpin: store %s: identity check: %s", self.url, e)
                 now = time.monotonic()

@@ -8,13 +8,17 @@ errors' in ``redisconn``, the scripts' in ``redislua``):
 - One command per call where Redis has it (SET PX NX, INCRBY, HSETNX, HDEL…): each is
   atomic on the server. ``cas`` and ``apply`` are Lua scripts (``register_script``).
 - **Durable or raise.** The first call checks the server (``INFO``: Redis >= 7.0, cluster
-  mode as the URL says) and its durability (``CONFIG GET append*`` on every primary). A
-  durable write goes ahead only when every primary has ``appendonly yes`` and ``appendfsync
-  always`` — Redis then writes and fsyncs the AOF before it replies, so the reply means
-  "on disk" — or the URL says ``durability=accept-weaker``. Otherwise (weaker settings,
-  or CONFIG refused so nobody can tell) it raises ``NotDurable`` before sending anything.
-  The check is repeated before a durable write once it is ``recheck_interval`` (60 s) old,
-  and after any failure (a failover may have put another node in charge).
+  mode as the URL says) and its durability (``CONFIG GET append* maxmemory-policy`` on
+  every primary). A durable write goes ahead only when every primary has ``appendonly
+  yes``, ``appendfsync always`` — Redis then writes and fsyncs the AOF before it replies,
+  so the reply means "on disk" — and ``maxmemory-policy noeviction`` (any other policy
+  lets Redis drop an acknowledged pin under memory pressure), or the URL says
+  ``durability=accept-weaker``. Otherwise (weaker settings, or CONFIG refused so nobody
+  can tell) it raises ``NotDurable`` before sending anything. The check is repeated
+  before a durable write once it is ``recheck_interval`` (2 s) old, after any failure (a
+  failover may have put another node in charge), and by ``watch`` (the proxy calls it
+  every couple of seconds), which also sees a restarted server (a new ``run_id``): a
+  ``CONFIG SET`` that weakens it is seen within seconds, not a minute.
 - With ``wait=n`` a durable write also waits (``WAIT n wait_timeout_ms``, on the same
   connection, pipelined) for n replicas. Fewer in time → ``NotReplicated``, a
   ``NotDurable`` that says the write *was* made: it is on the primary's disk and may be
@@ -43,7 +47,7 @@ from .redisurl import ACCEPT_WEAKER, FSYNC_ALWAYS, parse
 
 log = logging.getLogger("sessionpin.store.redis")
 
-RECHECK_INTERVAL = 60.0
+RECHECK_INTERVAL = 2.0
 SCAN_COUNT = 1000
 MIN_VERSION = (7, 0)
 
@@ -80,6 +84,7 @@ class RedisStore:
         self._closed = False
         self._version = "?"                       # the server's, once checked
         self._replication: dict[str, Any] | None = None   # the primary's role and replicas, by check()
+        self._run_id: str | None = None           # the server's (a restart makes a new one)
 
     # -- checking the server -----------------------------------------------------------
     async def _ready(self, key: str | None, *, write: bool, durable: bool) -> None:
@@ -105,6 +110,7 @@ class RedisStore:
         if major_minor < MIN_VERSION:
             raise StoreError(f"{self.url}: Redis {version} is too old: the store needs Redis >= 7.0")
         self._version = version
+        self._run_id = str(info.get("run_id") or "") or None
         mode = info.get("redis_mode", "standalone")
         if mode == "cluster" and not self._cfg.cluster:
             raise StoreError(f"{self.url}: this server is a node of a Redis Cluster; add ?cluster=1 to the URL")
@@ -116,19 +122,26 @@ class RedisStore:
         # a cluster the primaries it knows are the ones it writes to
         try:
             if self._cfg.cluster:
-                per_node = await self._writes.config_get("append*", target_nodes=RedisCluster.ALL_NODES)
+                per_node = await self._writes.config_get("append*", "maxmemory-policy",
+                                                         target_nodes=RedisCluster.ALL_NODES)
                 configs = list(per_node.values()) if isinstance(per_node, dict) and all(
                     isinstance(v, dict) for v in per_node.values()) else [per_node]
             else:
-                configs = [await self._writes.config_get("append*")]
+                configs = [await self._writes.config_get("append*", "maxmemory-policy")]
         except RedisError as e:
             if not is_refusal(e):
                 raise
             self._durability, self._server = None, f"unknown: CONFIG GET refused ({reason(e, self._cfg.password)})"
         else:
-            said = sorted({f"appendonly {c.get('appendonly', '?')}, appendfsync {c.get('appendfsync', '?')}"
-                           for c in configs})
-            self._durability = all(c.get("appendonly") == "yes" and c.get("appendfsync") == "always" for c in configs)
+            said = sorted({f"appendonly {c.get('appendonly', '?')}, appendfsync {c.get('appendfsync', '?')}, "
+                           f"maxmemory-policy {c.get('maxmemory-policy', '?')}" for c in configs})
+            was = self._durability
+            self._durability = all(c.get("appendonly") == "yes" and c.get("appendfsync") == "always"
+                                   and c.get("maxmemory-policy") == "noeviction" for c in configs)
+            if was and not self._durability:
+                log.warning("%s: the server is no longer durable (%s): durable writes are %s", self.url,
+                            " / ".join(said), "accepted weaker (durability=accept-weaker)"
+                            if self._cfg.durability == ACCEPT_WEAKER else "refused until it is")
             self._server = " / ".join(said) + (f" (on all {len(configs)} primaries)" if len(configs) > 1 else "")
         self._checked_at = time.monotonic()
         self._recheck = False
@@ -364,6 +377,24 @@ class RedisStore:
         self._ok()
         return self.describe()
 
+    async def watch(self) -> None:
+        """The server's durability again, and whether it is the server it was (its
+        ``run_id``): cheap (INFO server, one CONFIG GET), for a caller that looks every few
+        seconds. A restarted server is said once (its data may be gone: the caller's
+        identity check tells)."""
+        await self._ready(None, write=False, durable=False)
+        try:
+            info = await self._reads.info("server")
+            run_id = str(info.get("run_id") or "") or None
+            if run_id and self._run_id and run_id != self._run_id:
+                log.warning("%s: the Redis server restarted (a new run_id): its durability is checked again",
+                            self.url)
+            self._run_id = run_id or self._run_id
+            await self._check_durability()
+        except Exception as e:   # translate re-raises what is not the server's
+            raise self._fail(e, write=False, durable=False) from None
+        self._ok()
+
     def describe(self) -> dict[str, Any]:
         cfg = self._cfg
         # durable: True only once the servers said they fsync every write
@@ -386,7 +417,7 @@ class RedisStore:
             "prefix": self._prefix,
             "durable": durable,
             "durability": {"required": cfg.durability, "server": self._server, "wait": cfg.wait,
-                           "wait_timeout_ms": cfg.wait_timeout_ms},
+                           "wait_timeout_ms": cfg.wait_timeout_ms, "run_id": self._run_id},
             "replication": self._replication,        # None until check() asked
             "health": "ok" if self._down is None and self._checked else (
                 f"unavailable: {self._down}" if self._down else "not connected yet"),

@@ -216,3 +216,18 @@ def test_file_store_directory_deleted_while_stopped_is_refused_until_accepted(ri
     done = rig.cli("store", "accept-loss")
     assert done.returncode == 0, done.stderr
     routes_again(rig, sessions, "anthropic")
+
+
+def test_a_redis_that_can_forget_is_not_durable_within_seconds_of_a_config_set(redis, rig_on):
+    rig = rig_on(redis.url(unique_prefix()))
+    rig.open(1)
+    assert rig.status()["store_info"]["durable"] is True
+    redis.client().config_set("maxmemory-policy", "allkeys-lru")     # evictions may drop acknowledged pins
+    started = time.monotonic()
+    wait_for(lambda: rig.status()["store_info"]["durable"] is False, 6, "status to say not durable")
+    assert time.monotonic() - started < 6
+    assert "maxmemory-policy allkeys-lru" in rig.status()["store_info"]["durability"]["server"]
+    r = rig.send("opening", str(uuid.uuid4()))                        # a pin it cannot keep: not moved
+    assert r.status == 503 and "durable" in r.json()["error"]["message"], r.text[:300]
+    redis.client().config_set("maxmemory-policy", "noeviction")
+    wait_for(lambda: rig.send("opening", str(uuid.uuid4())).status == 200, 10, "durable pins again")

@@ -251,8 +251,8 @@ def _redis(ctx: Ctx, store, add) -> bool:
     elif durability["required"] == "accept-weaker":
         add("store durability", "warn", f"durable writes are NOT fsynced before they return: the server says "
             f"{server}, and the URL accepts that (durability=accept-weaker). A pin Redis acknowledged can be lost "
-            f"if Redis or its host crashes, or evicted under memory pressure; for pins it keeps, {REDIS_CONF} "
-            "and drop durability=accept-weaker")
+            f"if Redis or its host crashes, or evicted under memory pressure; for pins it keeps, {REDIS_CONF}"
+            "; then drop durability=accept-weaker")
     else:
         add("store durability", "FAIL", f"durable writes are refused: the server says {server}, and a pin must "
             "be on disk, and stay there, before a request leaves. New conversations the proxy moves get 503 "

@@ -149,24 +149,29 @@ class Router:
             self.metrics.pin_writes += 1
         if isinstance(effect, route.ReadLineage):
             return _lineage_of(flow.request, state.request.facts.api)
-        if store is None:
-            return route.StoreFailed("no store is open")
         guard = self.runtime.guard
-        try:
-            lost = await guard.gate(store)      # a store that lost what it held decides nothing
-            if lost is None and isinstance(effect, (route.Allocate, route.CheckMember)):
-                return await self.allocations.perform(flow, state, effect)
-            if lost is None and isinstance(effect, route.ReadPin):
-                loaded = await pins.load(store, effect.session)
-                if loaded.pin is not None:
-                    guard.saw(effect.session, loaded.pin, time.time())
-                    return route.PinRead(loaded)
-                lost = await guard.missed(store, effect.session, state.request.facts.has_history, time.time())
-                if lost is None:
-                    return route.PinRead(loaded)
+        if store is not None:
+            try:
+                lost = await guard.gate(store)      # a store that lost what it held decides nothing
+            except StoreError as e:
+                return self._store_failed(store, effect, e)
             if lost is not None:
                 self.metrics.store_lost += 1
                 return route.StoreLost(lost)
+        if isinstance(effect, (route.Allocate, route.CheckMember)):
+            return await self.allocations.perform(flow, state, effect)
+        if store is None:
+            return route.StoreFailed("no store is open")
+        try:
+            if isinstance(effect, route.ReadPin):
+                loaded = await pins.load(store, effect.session)
+                now = time.time()
+                if loaded.pin is not None:
+                    guard.saw(effect.session, loaded.pin, now)
+                elif lost := await guard.missed(store, effect.session, state.request.facts.has_history, now):
+                    self.metrics.store_lost += 1
+                    return route.StoreLost(lost)    # a pin it had (or the whole store) is gone: not "no pin"
+                return route.PinRead(loaded)
             if isinstance(effect, route.ReadTitle):
                 return route.TitleRead(await store.get(TITLE_PREFIX + effect.session))
             if isinstance(effect, route.FindConversation):
@@ -181,10 +186,13 @@ class Router:
                 guard.saw(effect.session, got.pin, time.time(), made=got.pin == effect.pin)
                 return route.PinCreated() if got.pin == effect.pin else route.PinLost(got)
         except StoreError as e:
-            self.metrics.store_errors += 1
-            msg = f"{store.url}: {e}" if store.url not in str(e) else str(e)
-            return route.NotSaved(msg) if isinstance(effect, route.CreatePin) else route.StoreFailed(msg)
+            return self._store_failed(store, effect, e)
         raise TypeError(f"unexpected effect {effect!r}")
+
+    def _store_failed(self, store, effect: route.Effect, e: StoreError) -> route.Event:
+        self.metrics.store_errors += 1
+        msg = f"{store.url}: {e}" if store.url not in str(e) else str(e)
+        return route.NotSaved(msg) if isinstance(effect, route.CreatePin) else route.StoreFailed(msg)
 
     def _plan(self, flow: http.HTTPFlow, state: route.State, target_name: str) -> rewrite.Changes:
         req = flow.request

@@ -112,21 +112,30 @@ class StoreGuard:
 
     # ---- looking at the store ---------------------------------------------------------------
     async def tick(self, store: Store) -> None:
-        """The background loop's look (every round; it checks every CHECK_EVERY)."""
+        """The background loop's look (every round; it checks every CHECK_EVERY, and counts
+        the pins every COUNT_EVERY right after a check found the store whole)."""
         now = time.monotonic()
-        if store is self._store and now - self._checked >= CHECK_EVERY:
-            await self.check(store)
-        if store is self._store and self.kind not in ident.LOSSES and self._remembered is not None \
-                and now - self._counted >= COUNT_EVERY:
-            self._counted = now
-            made, self._made = self._made, 0
-            try:
-                n = sum(c[0] for c in (await pins.counts(store, time.time())).values())
-            except BaseException:
-                self._made += made
-                raise
-            if n != self._remembered.pins or time.time() - self._remembered.seen >= 3600:
-                await self._remember(ident.Remembered(self._remembered.store, self._remembered.id, n, time.time()))
+        if store is not self._store or now - self._checked < CHECK_EVERY:
+            return
+        await self.check(store)
+        if self.kind in ident.LOSSES or self._remembered is None or now - self._counted < COUNT_EVERY:
+            return
+        self._counted = now
+        made, self._made = self._made, 0
+        try:
+            n = sum(c[0] for c in (await pins.counts(store, time.time())).values())
+            # a count of a store emptied meanwhile is not what it held: only one whose
+            # identity is still the one just checked is remembered
+            still = (await ident.read(store))[1] == self._raw
+        except BaseException:
+            self._made += made
+            raise
+        if not still:
+            self._made += made
+            return
+        r = self._remembered
+        if n != r.pins or time.time() - r.seen >= 3600:
+            await self._remember(ident.Remembered(r.store, r.id, n, time.time()))
 
     async def check(self, store: Store) -> None:
         async with self._lock:

@@ -231,3 +231,33 @@ def test_a_redis_that_can_forget_is_not_durable_within_seconds_of_a_config_set(r
     assert r.status == 503 and "durable" in r.json()["error"]["message"], r.text[:300]
     redis.client().config_set("maxmemory-policy", "noeviction")
     wait_for(lambda: rig.send("opening", str(uuid.uuid4())).status == 200, 10, "durable pins again")
+
+
+def test_two_routers_on_one_redis_the_one_that_remembers_refuses(redis, rig_on, tmp_path):
+    """Router A has used the store; after a FLUSHALL, router B — another machine, which never
+    saw it — starts and takes the empty store for new (and says so). A, which remembers,
+    finds another identity and refuses; `accept-loss` brings A back."""
+    rig = rig_on(redis.url(unique_prefix()))
+    sessions = rig.open(3)
+    redis.client().flushall()
+    b = Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
+                        env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": str(tmp_path / "machine-b")},
+                        options={"sessionpin_store": rig.url, "sessionpin_pool": False})
+    b.start()
+    try:
+        opened = str(uuid.uuid4())
+        req = cc("opening", opened, stream=False)
+        r = Client.via_proxy(b.port, b.mitm_ca, timeout=15).request(
+            req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
+        assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+        assert f"store {rig.url} is new" in b.output
+        wait_for(lambda: "answers with another identity" in rig.router.output, 5, "A to see B's identity")
+        refused_as_lost(rig, sessions, "lost what it held: it answers with another identity")
+        assert "holding 3 pins" in rig.status()["store_info"]["identity"]["lost"]
+        done = rig.cli("store", "accept-loss")
+        assert done.returncode == 0, done.stderr
+        routes_again(rig, sessions, "anthropic")
+        r = rig.send("continuation", opened)                  # B's conversation, through A: on glm
+        assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    finally:
+        b.stop(signal.SIGKILL)

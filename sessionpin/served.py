@@ -10,8 +10,8 @@ Rules it keeps:
   by the expiry this proxy knows (another proxy may have renewed it since: then a loss
   after that expiry is missed, never invented).
 - The operator's decisions are not losses: a forgotten pin leaves a tombstone the caller
-  checks (``pins.FORGOT_PREFIX``); ``clear`` forgets everything (the operator accepted the
-  store's losses); a tombstone older than the serving is not this pin's (``forgotten``).
+  checks (``pins.FORGOT_PREFIX``); when the operator accepts the store's losses, the caller
+  drops the sessions whose pins are missing then (``drop``), and keeps watching the rest; a tombstone older than the serving is not this pin's (``forgotten``).
   Each lost session is reported once (``report``).
 """
 
@@ -73,6 +73,9 @@ class Served:
             return False
         self._reported.add(session)
         return True
+
+    def sessions(self) -> list[str]:
+        return list(self._pins)
 
     def clear(self) -> None:
         self._pins.clear()

@@ -99,3 +99,21 @@ async def test_a_continuation_miss_checks_the_store_at_once(rig):
     await flush(store)
     assert guard.lost is None                                                   # not looked yet
     assert "lost what it held" in await guard.missed(store, "never-served", True, time.time())
+
+
+async def test_accepting_forgets_only_the_pins_missing_then_and_a_restore_accepts_nothing(rig, tmp_path):
+    store, guard, url, env = rig
+    await guard.gate(store)
+    for s in ("kept", "gone"):
+        got = await pins.create(store, s, pin())
+        guard.saw(s, got.pin, time.time())
+    src, _ = await ident.read(store)
+    await store.delete(pins.key("gone"))
+    await ident.carry(store, src)                       # a restore (of a backup without "gone")
+    await guard.check(store)
+    assert "no longer has the pin of session gone" in await guard.missed(store, "gone", True, time.time())
+    await ident.accept_loss(store, None, time.time())
+    await guard.check(store)
+    assert await guard.missed(store, "gone", True, time.time()) is None      # accepted: decided afresh
+    await store.delete(pins.key("kept"))                                    # lost after the acceptance
+    assert "no longer has the pin of session kept" in await guard.missed(store, "kept", True, time.time())

@@ -123,7 +123,7 @@ async def _copy(src: Store, dst: Store, force: bool):
     src_identity, _ = await identity.read(src)
     # the store's own keys (its identity, its losses) are not data: the identity is carried below
     counts = await copy(src, dst, exclude=[HEARTBEAT_PREFIX, "store:"])
-    await identity.carry(dst, src_identity, time.time())
+    await identity.carry(dst, src_identity)
     return counts, src_proxies, dst_proxies
 
 

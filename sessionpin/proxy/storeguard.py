@@ -13,8 +13,9 @@ Rules it keeps:
   ``COUNT_EVERY``) so a later loss can say how much was lost.
 - Partial loss: a pin this proxy served (``served.Served``, bounded) that the store no
   longer has, not forgotten by the operator (tombstone) and not expired, is a refusal and
-  one ERROR line per session. When the operator accepts the losses (the identity's text
-  changes), the served pins are forgotten and routing resumes.
+  one ERROR line per session. When the operator accepts the losses (the identity's
+  ``accepted`` time moves on; a restore does not move it), the served pins missing then are forgotten (their conversations are decided
+  afresh) and the others are still watched.
 - The memory file is read and written off the event loop.
 """
 
@@ -55,6 +56,7 @@ class StoreGuard:
         self._checked = 0.0
         self._counted = 0.0
         self._made = 0
+        self._accepted_at: float | None = None   # the identity's ``accepted`` when last read
         self.who = f"{socket.gethostname()}:{os.getpid()}"
 
     def use(self, store: Store, url: str) -> None:
@@ -62,6 +64,7 @@ class StoreGuard:
         self._store, self._url = store, url
         self._memory = ident.Memory(url, self.env)
         self._remembered, self._raw, self._settled, self._made = None, None, False, 0
+        self._accepted_at: float | None = None
         self.lost, self.kind = None, None
         self.served.clear()
 
@@ -148,8 +151,12 @@ class StoreGuard:
             if r is not None and self._made:
                 r = ident.Remembered(r.store, r.id, r.pins + self._made, r.seen)
             s = await ident.settle(store, store.url, r, time.time())
-            if self._settled and s.raw != self._raw:
-                self.served.clear()         # the operator decided (accept-loss, a restore)
+            accepted = s.identity.accepted if s.identity is not None and s.kind not in ident.LOSSES else None
+            if self._settled and accepted is not None and self._accepted_at is not None \
+                    and accepted > self._accepted_at:
+                await self._accepted(store)  # the operator accepted the losses (accept-loss)
+            if accepted is not None:
+                self._accepted_at = accepted
             self._raw, self.kind = s.raw, s.kind
             self._settled = True
             if s.kind in ident.LOSSES:
@@ -175,6 +182,16 @@ class StoreGuard:
                 keep = r.pins if r is not None and s.kind == ident.OK else 0
                 await self._remember(ident.Remembered(store.url, s.identity.id, keep, time.time()))
                 self._counted = 0.0         # count its pins at the next tick
+
+    async def _accepted(self, store: Store) -> None:
+        """The store's identity changed by the operator's hand: the pins missing now are the
+        losses accepted (forgotten here); the others are still watched."""
+        sessions = self.served.sessions()
+        for n in range(0, len(sessions), 500):
+            batch = sessions[n:n + 500]
+            for session, raw in zip(batch, await store.mget([pins.key(x) for x in batch])):
+                if raw is None:
+                    self.served.drop(session)
 
     async def _remember(self, r: ident.Remembered) -> None:
         self._remembered = r

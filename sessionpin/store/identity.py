@@ -53,7 +53,8 @@ class Identity(msgspec.Struct, frozen=True, omit_defaults=True):
     id: str
     created: float
     accepts: tuple[str, ...] = ()   # identities the operator took this one in place of
-    accepted: float = 0.0           # when the operator last accepted a loss (or restored)
+    accepted: float = 0.0           # when the operator last accepted a loss (proxies then forget
+                                    # the served pins missing at that moment)
 
 
 class Remembered(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -249,7 +250,7 @@ async def accept_loss(store: Store, remembered: Remembered | None, now: float
     raise StoreError(f"{store.url}: its identity changed three times while it was being accepted; run it again")
 
 
-async def carry(dst: Store, src_identity: Identity | None, now: float) -> Identity | None:
+async def carry(dst: Store, src_identity: Identity | None) -> Identity | None:
     """After a ``store copy``: the destination takes the source's identity (a restore brings
     back the store the proxies remember), accepting the one it had (its keys are still
     there: nothing of it was lost). Returns the destination's identity."""
@@ -262,8 +263,9 @@ async def carry(dst: Store, src_identity: Identity | None, now: float) -> Identi
         accepts = list(src_identity.accepts)
         if found is not None:
             accepts += [a for a in (found.id, *found.accepts) if a not in accepts and a != src_identity.id]
-        new = msgspec.structs.replace(src_identity, accepts=tuple(accepts[-KEEP_ACCEPTED:]),
-                                      accepted=now if found is not None else src_identity.accepted)
+        # ``accepted`` stays the source's: a restore accepts no loss (pins made after the
+        # backup are still refused by the proxies that served them, until accept-loss)
+        new = msgspec.structs.replace(src_identity, accepts=tuple(accepts[-KEEP_ACCEPTED:]))
         if await _write(dst, [Check(IDENTITY_KEY, raw)], [Set(IDENTITY_KEY, encode(new))]):
             await dst.hdel(LOSSES_KEY, src_identity.id)    # it is back
             return new

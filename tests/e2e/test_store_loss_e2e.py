@@ -12,9 +12,11 @@ routing back without restarting the router.
 
 from __future__ import annotations
 
+import http.client
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -261,3 +263,53 @@ def test_two_routers_on_one_redis_the_one_that_remembers_refuses(redis, rig_on, 
         assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
     finally:
         b.stop(signal.SIGKILL)
+
+
+def test_store_copy_under_load_in_the_documented_order_loses_nothing(rig_on, tmp_path):
+    """docs/cli.md's way to move a running proxy to another store: copy while it serves (the
+    bulk), stop it, copy again (only what changed since: short), start it on the new store.
+    Openings keep coming the whole time; every acknowledged conversation continues on its
+    server afterwards."""
+    old, new = f"file:{tmp_path}/old/state.db", f"file:{tmp_path}/new/state.db"
+    rig = rig_on(old)
+    acked: list[str] = []
+    stop = threading.Event()
+
+    def openings() -> None:
+        while not stop.is_set():
+            s = str(uuid.uuid4())
+            try:
+                r = rig.send("opening", s)
+            except (OSError, http.client.HTTPException):
+                time.sleep(0.05)            # the proxy is being restarted: the agent retries later
+                continue
+            if r.status == 200:
+                assert r.header("x-fake-server") == "glm"
+                acked.append(s)
+    threads = [threading.Thread(target=openings) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(acked) >= 20, 30, "openings before the copy")
+        first = subprocess.run([*sessionpin_argv(), "store", "copy", old, new], capture_output=True, text=True,
+                               timeout=60)
+        assert first.returncode == 0, first.stderr
+        n = len(acked)
+        wait_for(lambda: len(acked) >= n + 10, 30, "openings after the first copy")     # not in the copy
+        rig.router.stop()
+        second = subprocess.run([*sessionpin_argv(), "store", "copy", old, new], capture_output=True, text=True,
+                                timeout=60)
+        assert second.returncode == 0, second.stderr
+        rig.router.options["sessionpin_store"] = new
+        rig.router.start()
+        n = len(acked)
+        wait_for(lambda: len(acked) >= n + 5, 30, "openings on the new store")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert len(acked) >= 35
+    for s in acked:
+        r = rig.send("continuation", s)
+        assert (r.status, r.header("x-fake-server")) == (200, "glm"), (s, r.status, r.text[:200])
+    assert all(rig.received("anthropic", s) == 0 for s in acked)

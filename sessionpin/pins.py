@@ -16,6 +16,9 @@ Rules this module keeps (seeds/000, made stronger):
   for not routed) scored by the pin's expiry, written in the same ``apply``; ``pinidx``
   (a hash) names every index. Counting live pins per agent and server is one ``zcount``
   each — status, metrics and the CLI's "N stay where they are" never walk the pins.
+- A pin whose index entry is live but whose key is gone was lost (``indexed``): the proxy
+  refuses it rather than take it for a conversation never seen begin; ``drop_lost`` is the
+  operator's acceptance of such losses.
 - ``forget`` leaves a tombstone (``forgot:<session>``: when, as long as a pin lives), so a
   proxy that served the pin tells the operator's decision from a loss (``served``).
 - A stored value that is not a valid pin (bad JSON, wrong shape, no agent) reads as no pin.
@@ -187,6 +190,52 @@ async def forget(store: Store, session: str, seen: Loaded, now: float | None = N
     if seen.pin is not None:
         writes.append(ZRem(active_key(seen.pin.agent, seen.pin.server), session))
     return await store.apply([Check(key(session), seen.raw)], writes, durable=True)
+
+
+async def indexed(store: Store, agent: str, session: str, now: float) -> tuple[str | None, float] | None:
+    """(server, expiry) of the live pin the index says ``session`` of ``agent`` has — the
+    index entry is written with the pin and removed by ``forget``, so an entry whose pin is
+    missing is a pin lost (issue 18). None: the index knows no live pin of it."""
+    for name in sorted(await store.hgetall(INDEX_NAMES)):
+        a, server = split_group(name)
+        if a != agent:
+            continue
+        score = await store.zscore(INDEX_PREFIX + name, session)
+        if score is not None and score > now:
+            return server, score
+    return None
+
+
+async def drop_lost(store: Store, now: float, batch: int = 500) -> int:
+    """Remove the index entries whose pins are gone (the operator accepted their loss: their
+    conversations are decided afresh). A walk of the index: for the CLI, never the proxy."""
+    dropped = 0
+    for name in sorted(await store.hgetall(INDEX_NAMES)):
+        members = [m for m, _ in await store.zrange(INDEX_PREFIX + name, now, float("inf"))]
+        for i in range(0, len(members), batch):
+            chunk = members[i:i + batch]
+            for session, raw in zip(chunk, await store.mget([key(s) for s in chunk])):
+                if raw is None and await store.zrem(INDEX_PREFIX + name, session):
+                    dropped += 1
+    return dropped
+
+
+async def reindex(store: Store, batch: int = 500) -> int:
+    """Put every live pin's index entry back (after a ``store copy``, whose sorted sets
+    arrive whole: the destination's index would lose the entries of its own pins, and
+    with them a lost pin's only trace). A walk: for the CLI, never the proxy. Returns the
+    pins indexed."""
+    writes: list[Write] = []
+    n = 0
+    async for session, pin in sessions(store, batch):
+        writes += _indexed(session, pin)
+        n += 1
+        if len(writes) >= 2 * batch:
+            await store.apply([], writes)
+            writes = []
+    if writes:
+        await store.apply([], writes)
+    return n
 
 
 async def sessions(store: Store, batch: int = 500) -> AsyncIterator[tuple[str, Pin]]:

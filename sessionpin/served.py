@@ -71,6 +71,8 @@ class Served:
         """True the first time a session's loss is reported (one ERROR line per loss)."""
         if session in self._reported:
             return False
+        if len(self._reported) >= self.bound:
+            self._reported.clear()          # bounded too: a loss reported long ago may be said again
         self._reported.add(session)
         return True
 

@@ -130,3 +130,18 @@ def test_pin_codec_is_compact_and_strict():
     assert pins.decode(text) == make()
     assert pins.decode("[]") is None
     assert Loaded(None, None).pin is None
+
+
+async def test_the_index_says_which_missing_pins_were_lost(store, clock):
+    await pins.create(store, "a", make("glm"))
+    await pins.create(store, "b", make("alt"))
+    now = clock.t
+    await store.delete(pins.key("a"))                                           # lost
+    assert await pins.indexed(store, "claude-code", "a", now) == ("glm", pins.expiry(make("glm")))
+    assert await pins.indexed(store, "codex", "a", now) is None                 # another agent's index
+    assert await pins.indexed(store, "claude-code", "a", pins.expiry(make("glm")) + 1) is None   # expired
+    assert await pins.forget(store, "b", await pins.load(store, "b"))
+    assert await pins.indexed(store, "claude-code", "b", now) is None           # forgotten: unindexed
+    assert await pins.drop_lost(store, now) == 1                                # the operator accepts "a"
+    assert await pins.indexed(store, "claude-code", "a", now) is None
+    assert await pins.drop_lost(store, now) == 0

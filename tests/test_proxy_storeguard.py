@@ -74,23 +74,24 @@ async def test_a_served_pin_gone_is_a_loss_but_a_forgotten_or_expired_one_is_not
     guard.saw("s1", got.pin, time.time())
     await store.delete(pins.key("s1"))                                          # a cleanup script's DEL
     with caplog.at_level(logging.ERROR, "sessionpin"):
-        msg = await guard.missed(store, "s1", True, time.time())
+        msg = await guard.missed(store, "s1", "claude-code", True, time.time())
         assert "no longer has the pin of session s1 (pinned to glm)" in msg
-        assert await guard.missed(store, "s1", True, time.time()) == msg
+        assert await guard.missed(store, "s1", "claude-code", True, time.time()) == msg
     assert sum("no longer has the pin" in r.message for r in caplog.records) == 1   # one ERROR line
     assert guard.partial == 1
 
     got = await pins.create(store, "s2", p)
     guard.saw("s2", got.pin, time.time())
     assert await pins.forget(store, "s2", got)                                  # the operator's decision
-    assert await guard.missed(store, "s2", True, time.time()) is None
+    assert await guard.missed(store, "s2", "claude-code", True, time.time()) is None
 
     guard.saw("s3", p, time.time())
-    assert await guard.missed(store, "s3", True, pins.expiry(p) + 1) is None    # expired
+    assert await guard.missed(store, "s3", "claude-code", True, pins.expiry(p) + 1) is None    # expired
 
-    await ident.accept_loss(store, None, time.time())                          # the operator starts over
+    await pins.drop_lost(store, time.time())                                   # the operator starts over
+    await ident.accept_loss(store, None, time.time())                          # (as `store accept-loss` does)
     await guard.check(store)
-    assert await guard.missed(store, "s1", True, time.time()) is None
+    assert await guard.missed(store, "s1", "claude-code", True, time.time()) is None
 
 
 async def test_a_continuation_miss_checks_the_store_at_once(rig):
@@ -98,7 +99,7 @@ async def test_a_continuation_miss_checks_the_store_at_once(rig):
     await guard.gate(store)
     await flush(store)
     assert guard.lost is None                                                   # not looked yet
-    assert "lost what it held" in await guard.missed(store, "never-served", True, time.time())
+    assert "lost what it held" in await guard.missed(store, "never-served", "claude-code", True, time.time())
 
 
 async def test_accepting_forgets_only_the_pins_missing_then_and_a_restore_accepts_nothing(rig, tmp_path):
@@ -111,9 +112,26 @@ async def test_accepting_forgets_only_the_pins_missing_then_and_a_restore_accept
     await store.delete(pins.key("gone"))
     await ident.carry(store, src)                       # a restore (of a backup without "gone")
     await guard.check(store)
-    assert "no longer has the pin of session gone" in await guard.missed(store, "gone", True, time.time())
+    assert "no longer has the pin of session gone" in await guard.missed(store, "gone", "claude-code", True, time.time())
+    await pins.drop_lost(store, time.time())
     await ident.accept_loss(store, None, time.time())
     await guard.check(store)
-    assert await guard.missed(store, "gone", True, time.time()) is None      # accepted: decided afresh
+    assert await guard.missed(store, "gone", "claude-code", True, time.time()) is None      # accepted: decided afresh
     await store.delete(pins.key("kept"))                                    # lost after the acceptance
-    assert "no longer has the pin of session kept" in await guard.missed(store, "kept", True, time.time())
+    assert "no longer has the pin of session kept" in await guard.missed(store, "kept", "claude-code", True, time.time())
+
+
+async def test_a_pin_another_proxy_made_is_found_lost_by_its_index(rig):
+    store, guard, url, env = rig
+    await guard.gate(store)
+    got = await pins.create(store, "theirs", pin("alt"))          # made by another proxy: never served here
+    await store.delete(pins.key("theirs"))
+    msg = await guard.missed(store, "theirs", "claude-code", True, time.time())
+    assert "no longer has the pin of session theirs (pinned to alt), which its pin index still holds" in msg
+    assert await guard.missed(store, "theirs", "claude-code", False, time.time()) is None   # an opening: new
+    assert await guard.missed(store, "theirs", "codex", True, time.time()) is None          # another agent's id
+    assert await guard.missed(store, "never", "claude-code", True, time.time()) is None     # never pinned
+    again = await pins.create(store, "forgotten", pin())
+    assert await pins.forget(store, "forgotten", again)
+    assert await guard.missed(store, "forgotten", "claude-code", True, time.time()) is None
+    assert got.pin is not None

@@ -46,7 +46,9 @@ def cmd_store_accept_loss(ctx: Ctx, args: argparse.Namespace) -> int:
     store = ctx.need_store()
     memory = identity.Memory(ctx.store_url)
     now = time.time()
+    dropped = ctx.run(pins.drop_lost(store, now))     # index entries of lost pins: decided afresh
     new, accepted, partial = ctx.run(identity.accept_loss(store, memory.load(), now))
+    partial = max(partial, dropped)
     n = sum(c[0] for c in ctx.run(pins.counts(store, now)).values())
     try:
         memory.save(identity.Remembered(store.url, new.id, n, now))
@@ -123,6 +125,7 @@ async def _copy(src: Store, dst: Store, force: bool):
     src_identity, _ = await identity.read(src)
     # the store's own keys (its identity, its losses) are not data: the identity is carried below
     counts = await copy(src, dst, exclude=[HEARTBEAT_PREFIX, "store:"])
+    await pins.reindex(dst)         # TO's own pins keep their index entries (a lost pin's trace)
     await identity.carry(dst, src_identity)
     return counts, src_proxies, dst_proxies
 

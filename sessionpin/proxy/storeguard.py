@@ -11,9 +11,11 @@ Rules it keeps:
 - A store this machine never saw is taken as it is (a new one gets its identity), and the
   log says so; it is remembered from then on, with its live pin count (every
   ``COUNT_EVERY``) so a later loss can say how much was lost.
-- Partial loss: a pin this proxy served (``served.Served``, bounded) that the store no
-  longer has, not forgotten by the operator (tombstone) and not expired, is a refusal and
-  one ERROR line per session. When the operator accepts the losses (the identity's
+- Partial loss: a pin this proxy served (``served.Served``, bounded), or — for a
+  continuation — one the pin index still holds (made by any proxy: the index entry is
+  written with the pin and removed by ``forget``), that the store no longer has, not
+  forgotten by the operator (tombstone) and not expired, is a refusal and one ERROR line
+  per session. When the operator accepts the losses (the identity's
   ``accepted`` time moves on; a restore does not move it), the served pins missing then are forgotten (their conversations are decided
   afresh) and the others are still watched.
 - The memory file is read and written off the event loop.
@@ -83,27 +85,32 @@ class StoreGuard:
             self.served.saw(session, pin.server, pins.expiry(pin), now)
             self._made += made              # pins made since the last count (what a loss says it held)
 
-    async def missed(self, store: Store, session: str, continuation: bool, now: float) -> str | None:
-        """A pin read as absent: a loss (the message) or truly none (None)."""
+    async def missed(self, store: Store, session: str, agent: str, continuation: bool, now: float) -> str | None:
+        """A pin read as absent: a loss (the message) or truly none (None). A loss is a pin
+        this proxy served, or — for a continuation — one the pin index still holds (any
+        proxy made it); neither forgotten by the operator nor expired."""
         expected = self.served.expected(session, now)
-        if expected is None:
-            if continuation and store is self._store:
-                await self.check(store)     # a flushed store is seen by the request that meets it
-                return self.lost
-            return None
-        tomb = await store.get(pins.FORGOT_PREFIX + session)
-        if self.served.forgotten(session, tomb):
-            return None
-        await self.check(store)
+        if expected is not None and self.served.forgotten(session, await store.get(pins.FORGOT_PREFIX + session)):
+            expected = None
+        if expected is None and not continuation:
+            return None                     # an opening: a new conversation whatever the store says
+        if store is self._store:
+            await self.check(store)         # a flushed store is seen by the request that meets it
         if self.lost:
             return self.lost
-        if self.served.expected(session, now) is None:
-            return None                     # the operator accepted the losses meanwhile
+        if expected is not None and self.served.expected(session, now) is None:
+            expected = None                 # the operator accepted the losses meanwhile
+        how = "which this proxy served"
+        if expected is None:
+            found = await pins.indexed(store, agent, session, now)
+            if found is None:
+                return None                 # truly never pinned (or forgotten, or expired)
+            expected, how = (found[0], found[1], 0.0), "which its pin index still holds"
         server = expected[0] or "not routed"
-        message = (f"store {store.url} no longer has the pin of session {session} (pinned to {server}), which this "
-                   f"proxy served; no `sessionpin forget` of it is recorded and it had not expired. It is not taken "
-                   f"for a new conversation: restore the store (`sessionpin store copy BACKUP {store.url}`) or "
-                   f"accept the loss (`sessionpin store accept-loss --store {store.url}`)")
+        message = (f"store {store.url} no longer has the pin of session {session} (pinned to {server}), {how}; "
+                   f"no `sessionpin forget` of it is recorded and it had not expired. It is not taken for a new "
+                   f"conversation: restore the store (`sessionpin store copy BACKUP {store.url}`) or accept the "
+                   f"loss (`sessionpin store accept-loss --store {store.url}`)")
         if self.served.report(session):
             self.partial += 1
             log.error("sessionpin: %s", message)

@@ -331,6 +331,10 @@ class RedisStore:
         return int(await self._read(key, self._reads.execute_command, "ZCOUNT", self._k(key), score_arg(lo),
                                     score_arg(hi)))
 
+    async def zscore(self, key: str, member: str) -> float | None:
+        got = await self._read(key, self._reads.zscore, self._k(key), member)
+        return None if got is None else float(got)
+
     async def zrange(self, key: str, lo: float, hi: float, limit: int | None = None) -> list[tuple[str, float]]:
         paged = {} if limit is None else {"offset": 0, "num": max(int(limit), 0)}   # LIMIT 0 0: none
         found = await self._read(key, self._reads.zrange, self._k(key), score_arg(lo), score_arg(hi), byscore=True,

@@ -154,8 +154,21 @@ def test_pin_keys_deleted_by_another_client_are_refused_until_restored(redis, ri
                             text=True, timeout=60)
     assert copied.returncode == 0, copied.stderr
     gone, kept = sessions[:2], sessions[2:]
+    # a second router (another machine) that never served these conversations
+    other = Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
+                            env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": str(tmp_path / "machine-b")},
+                            options={"sessionpin_store": rig.url, "sessionpin_pool": False})
+    other.start()
     raw = redis.client()
     assert raw.delete(*(prefix + pins.key(s) for s in gone)) == 2     # a key-pattern mistake
+    try:
+        req = cc("continuation", gone[1], stream=False)
+        r = Client.via_proxy(other.port, other.mitm_ca, timeout=15).request(
+            req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
+        assert r.status == 503, (r.status, r.header("x-fake-server"), r.text[:300])
+        assert "which its pin index still holds" in r.json()["error"]["message"]
+    finally:
+        other.stop(signal.SIGKILL)
     for s in gone:
         r = rig.send("continuation", s)
         assert r.status == 503, (r.status, r.header("x-fake-server"), r.text[:300])

@@ -11,7 +11,8 @@ Rules it keeps:
 - A store the command opens is judged by its identity against what this machine remembers
   of it (``store.identity``): a new one is remembered, one that lost what it held fails
   the command with what was lost and what to run — except for the commands that show it
-  or decide about it (``lost_ok``: status, doctor, store).
+  or decide about it (``lost_ok``: status, doctor, store; and use, which changes only the
+  config and then says the loss).
 - Every store change a command makes is compare-and-set against the pin it showed the
   operator (``pins.move``/``pins.forget`` with what ``resolve`` read): a pin that changed
   meanwhile is not overwritten — the command says so.
@@ -89,6 +90,7 @@ class Ctx:
         if self._store is not None:
             return self._store
         if not create and not self.store_exists():
+            self._gone()
             return None
         try:
             self._store = open_store(self.store_url)
@@ -99,6 +101,20 @@ class Ctx:
                        "check --store or SESSIONPIN_STORE") from None
         self._judge(self._store)
         return self._store
+
+    def _gone(self) -> None:
+        """A file store with no file: new — unless this machine remembers it (its files were
+        deleted: a loss, not a store that was never made)."""
+        try:
+            remembered = identity.Memory(self.store_url).load()
+        except StoreError as e:
+            raise Fail(str(e)) from None
+        if remembered is None:
+            return
+        message = identity.describe_loss(self.store_shown, identity.LOST, remembered, None)
+        self.settled = identity.Settled(identity.LOST, None, None, message)
+        if not self.lost_ok:
+            raise Fail(message)
 
     def _judge(self, store: Store) -> None:
         memory = identity.Memory(self.store_url)
@@ -228,6 +244,8 @@ def resolve(ctx: Ctx, given: str) -> Row:
 
 def describe_running(ctx: Ctx, agent: str) -> str:
     counts = {server: n for (a, server), n in ctx.counts().items() if a == agent and n[0]}
+    if ctx.settled is not None and ctx.settled.message:     # (`use` changes the config all the same)
+        return f"But: {ctx.settled.message}."
     if not counts:
         return (f"No running {agent} conversation is pinned. One the proxy has not seen yet stays where "
                 f"it is: {NOT_SEEN_BEGIN}.")

@@ -66,7 +66,7 @@ class StoreGuard:
         self._store, self._url = store, url
         self._memory = ident.Memory(url, self.env)
         self._remembered, self._raw, self._settled, self._made = None, None, False, 0
-        self._accepted_at: float | None = None
+        self._accepted_at = None
         self.lost, self.kind = None, None
         self.served.clear()
 

@@ -1078,7 +1078,8 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
         "origin_unpinned": origin_unpinned, "leaked": len(leaked) + len(in_output),
         "refusals_by_reason": dict(reasons), "per_fault": {k: dict(v) for k, v in per_fault.items()},
         "losses": faults.losses, "abandoned": len(given_up),
-        "odd_cuts": odd_cuts[:50], "lost_rows": lost[:50], "misrouted_rows": [(o.session, o.server, o.proxy, o.kind, o.t) for o in misrouted][:50],
+        "odd_cuts": odd_cuts[:50], "lost_rows": lost[:50], "misrouted_rows": [(o.session, o.server, o.proxy, o.kind, o.t, fault_at(log, o.t + o.took))
+                           for o in misrouted][:50],
         "failed": failed,
     }
 

@@ -605,6 +605,8 @@ def test_a_store_emptied_after_use_fails_commands_until_accept_loss(env, capsys)
     assert "sessionpin store accept-loss" in e and "sessionpin store copy BACKUP" in e
     code, o, e = run(capsys, "status")
     assert "LOST: store" in o
+    code, o, e = run(capsys, "status", "--json")
+    assert "lost what it held" in json.loads(o)["store_lost"]
     code, o, e = run(capsys, "use", "claude-code", "glm")   # the config changes all the same
     assert code == 0 and "But: store" in o, (o, e)
     code, o, e = run(capsys, "store", "accept-loss", "--json")

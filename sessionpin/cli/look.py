@@ -43,6 +43,7 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
             "config": str(ctx.config_path), "config_exists": ctx.config_path.exists(),
             "store": ctx.store_shown, "store_exists": store is not None,
             "store_info": _described(store, ctx),
+            "store_lost": ctx.settled.message if ctx.settled is not None and ctx.settled.message else None,
             "proxy": proxy.as_json(), "proxies": [p.as_json() for p in proxies], "servers": servers,
             "not_routed": {"pinned": nr_pinned, "active_last_hour": nr_active},
             "unconfigured_servers_with_pins": missing, "agents": agents,

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 from .. import pins
 from ..served import Served
-from ..store import Store, StoreError, StoreUnavailable
+from ..store import Store, StoreError
 from ..store import identity as ident
 
 log = logging.getLogger("sessionpin")
@@ -215,5 +215,3 @@ class StoreGuard:
                 "served_bound": self.served.bound, "partial_losses": self.partial,
                 "memory": str(self._memory.path) if self._memory and self._memory.path else None}
 
-
-__all__ = ["StoreGuard", "StoreUnavailable"]

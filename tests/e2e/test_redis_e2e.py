@@ -220,7 +220,7 @@ def test_a_stopped_redis_gets_503_naming_it_then_the_same_routers_route_again(wo
 
 def cli(world: World, *argv: str, router: int = 0) -> subprocess.CompletedProcess[str]:
     """The command as an operator runs it, with the store URL in its environment."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_") or k == "SESSIONPIN_STORE_MEMORY"}
     env["SESSIONPIN_STORE"] = world.redis.url(world.prefix)
     return subprocess.run([*sessionpin_argv(), "--config", str(world.proxies[router].config_path), *argv],
                           capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)

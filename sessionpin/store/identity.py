@@ -110,8 +110,7 @@ def describe_loss(url: str, kind: str, remembered: Remembered, found: Identity |
 # ---- what a machine remembers ------------------------------------------------------------
 
 def memory_dir(env: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    given = env.get(MEMORY_ENV)
+    given = (env or {}).get(MEMORY_ENV) or os.environ.get(MEMORY_ENV)    # the caller's, else the process's
     return Path(given).expanduser() if given else Path(platformdirs.user_config_dir("sessionpin")) / "stores"
 
 

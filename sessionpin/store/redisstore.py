@@ -15,10 +15,10 @@ errors' in ``redisconn``, the scripts' in ``redislua``):
   lets Redis drop an acknowledged pin under memory pressure), or the URL says
   ``durability=accept-weaker``. Otherwise (weaker settings, or CONFIG refused so nobody
   can tell) it raises ``NotDurable`` before sending anything. The check is repeated
-  before a durable write once it is ``recheck_interval`` (2 s) old, after any failure (a
-  failover may have put another node in charge), and by ``watch`` (the proxy calls it
-  every couple of seconds), which also sees a restarted server (a new ``run_id``): a
-  ``CONFIG SET`` that weakens it is seen within seconds, not a minute.
+  before a durable write once it is ``recheck_interval`` (60 s) old, after any failure (a
+  failover may have put another node in charge), and by ``watch``, which the proxy calls
+  every 2 s and which also sees a restarted server (a new ``run_id``): in a proxy, a
+  ``CONFIG SET`` that weakens the server is seen within seconds, not a minute.
 - With ``wait=n`` a durable write also waits (``WAIT n wait_timeout_ms``, on the same
   connection, pipelined) for n replicas. Fewer in time → ``NotReplicated``, a
   ``NotDurable`` that says the write *was* made: it is on the primary's disk and may be
@@ -47,7 +47,7 @@ from .redisurl import ACCEPT_WEAKER, FSYNC_ALWAYS, parse
 
 log = logging.getLogger("sessionpin.store.redis")
 
-RECHECK_INTERVAL = 2.0
+RECHECK_INTERVAL = 60.0
 SCAN_COUNT = 1000
 MIN_VERSION = (7, 0)
 

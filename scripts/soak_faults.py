@@ -65,6 +65,21 @@ came (or the connection was cut); the latest fault begun wins.
     empty-config      one proxy's config file emptied, restored 1.5-4 s later
     redis-kill9       (--store redis) kill -9 of redis-server, restarted on its AOF 0.5-1.5 s later
 
+Loss faults (issue 18: data that is simply not there any more). Before each, the soak backs
+the store up under load (``sessionpin store copy URL BACKUP``, the documented way); after it,
+it lets the clients meet the loss for 2-4 s (refusals are counted and expected, a misroute
+is a failure), then plays the operator with the load paused: it restores the backup
+(``sessionpin store copy BACKUP URL``) and accepts what is still missing (``sessionpin store
+accept-loss``). Conversations whose pins are still missing then (opened after the backup)
+were given up by the operator: they are counted as **abandoned**, and not continued.
+
+    redis-flushdb              (--store redis) FLUSHDB while the proxies run
+    redis-del                  (--store redis) DEL of a third of the pin keys
+    redis-evict                (--store redis) maxmemory lowered under allkeys-random until Redis evicted
+                               keys, then set back (noeviction)
+    redis-restart-empty        (--store redis) kill -9 of redis-server, its AOF deleted, restarted empty
+    file-emptied-while-stopped (--store file) every proxy stopped, the store's directory deleted, restarted
+
 ``--keep`` keeps the temp directory (each proxy's output is written there as ``router<i>.log``;
 it is also kept when the soak fails). ``--json FILE`` writes the summary as JSON.
 """
@@ -117,9 +132,11 @@ AGENT = {"cc": "claude-code", "codex": "codex"}
 CHOICES = {"cc": ("glm", "alt", "anthropic", "kimi"), "codex": ("kimi", "openai", "glm", "alt")}
 OPUS = "claude-opus-4-5-20251101"
 FILE_FAULTS = ("kill9", "delete-db", "delete-wal", "delete-shm", "delete-dir", "damage-pages", "damage-journal",
-               "delete-journal", "damage-at-start", "delete-wal+kill9", "delete-db+kill9")
+               "delete-journal", "damage-at-start", "delete-wal+kill9", "delete-db+kill9",
+               "file-emptied-while-stopped")
 CONFIG_FAULTS = ("use", "remove-server", "empty-config")
-REDIS_FAULTS = ("kill9", "redis-kill9")
+REDIS_FAULTS = ("kill9", "redis-kill9", "redis-flushdb", "redis-del", "redis-evict", "redis-restart-empty")
+LOSS_FAULTS = ("redis-flushdb", "redis-del", "redis-evict", "redis-restart-empty", "file-emptied-while-stopped")
 SEND_ERRORS = (OSError, http.client.HTTPException, ssl.SSLError)
 GRACE = 2.0          # a fault's window lasts until this long after it settled
 
@@ -266,6 +283,11 @@ class RedisProc:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
+
 
 @dataclass
 class Conv:
@@ -300,6 +322,8 @@ class World:
         self.db = self.store_dir / "state.db"
         self.redis: RedisProc | None = None
         env = {KEY_ENV[n]: KEYS[n] for n in KEY_ENV}
+        # what the proxies and the CLI remember of the store (issue 18): the soak's own, never the user's
+        os.environ["SESSIONPIN_STORE_MEMORY"] = str(tmp / "memory")
         if store == "redis":
             self.redis = RedisProc(tmp / "redis")
             self.redis.start()
@@ -433,6 +457,11 @@ class Load:
         self.stop = threading.Event()
         self.new_share = new_share
         self.pause = pause
+        self.running = threading.Event()            # cleared while the operator decides (loss faults)
+        self.running.set()
+        self.inflight = 0
+        # session -> when the operator gave it up (wall clock, monotonic: the fakes' clock)
+        self.abandoned: dict[str, tuple[float, float]] = {}
         self.threads = [threading.Thread(target=self.run, args=(random.Random(seed * 1000 + n),), daemon=True)
                         for n in range(clients)]
 
@@ -452,6 +481,14 @@ class Load:
             time.sleep(0.05)
             return None
         req = BUILD[shape](session, kind != "opening", rng.random() < 0.5)
+        while not self.running.wait(0.1):
+            if self.stop.is_set():
+                return None
+        with self.lock:
+            self.inflight += 1
+            if session in self.abandoned:
+                self.inflight -= 1
+                return None
         t = time.time()
         try:
             r = self.world.send(i, req, ORIGIN[shape])
@@ -461,9 +498,23 @@ class Load:
         except SEND_ERRORS as e:
             o = Outcome(t, kind, session, i, None, None, None, took=time.time() - t,
                         error=f"{type(e).__name__}: {e}"[:120])
+        finally:
+            with self.lock:
+                self.inflight -= 1
         with self.lock:
             self.outcomes.append(o)
         return o
+
+    def paused(self, timeout: float = 60.0) -> bool:
+        """Stop sending, and wait until no request is in flight (the operator decides)."""
+        self.running.clear()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.inflight == 0:
+                    return True
+            time.sleep(0.02)
+        return False
 
     def run(self, rng: random.Random) -> None:
         mine: list[str] = []
@@ -485,6 +536,9 @@ class Load:
                     time.sleep(0.1)
             else:
                 s = rng.choice(mine)
+                if s in self.abandoned:             # its loss was accepted: the agent gave it up
+                    mine.remove(s)
+                    continue
                 self.one(rng, "continuation", s, self.convs[s].shape)
 
 
@@ -507,8 +561,10 @@ def overwrite_pages(path: Path, rng: random.Random, pages: int = 3, page_size: i
 
 
 class Faults:
-    def __init__(self, world: World, kinds: list[str], rng: random.Random) -> None:
+    def __init__(self, world: World, kinds: list[str], rng: random.Random, load: "Load | None" = None) -> None:
         self.world = world
+        self.load = load
+        self.losses: list[dict[str, Any]] = []     # per loss fault: what was restored, accepted, abandoned
         self.kinds = kinds
         self.rng = rng
         self.log: list[Fault] = []
@@ -615,6 +671,8 @@ class Faults:
             w.redis.kill()
             time.sleep(rng.uniform(0.5, 1.5))
             w.redis.start()
+        elif kind in LOSS_FAULTS:
+            self.loss(fault)
         elif kind == "use":
             i = rng.randrange(len(w.proxies))
             shape = rng.choice(("cc", "codex"))
@@ -640,6 +698,84 @@ class Faults:
         else:
             raise ValueError(kind)
         return True
+
+    # ---- loss faults (issue 18) ------------------------------------------------------------
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "sessionpin.cli", *args], capture_output=True, text=True,
+                              timeout=120, cwd=str(self.world.tmp),
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def loss(self, fault: Fault) -> None:
+        """Back up under load, make the loss, let clients meet it, then decide as an operator."""
+        w, rng, kind = self.world, self.rng, fault.kind
+        backup = f"file:{w.tmp / f'backup-{len(self.log)}' / 'state.db'}"
+        copied = self.cli("store", "copy", w.store_url, backup)
+        if copied.returncode != 0:
+            raise RuntimeError(f"backup failed: {copied.stderr.strip()[:300]}")
+        if kind == "redis-flushdb":
+            w.redis.client().flushdb()
+        elif kind == "redis-del":
+            r = w.redis.client()
+            keys = list(r.scan_iter(match=f"*{pins.PIN_PREFIX}*", count=1000))
+            gone = rng.sample(keys, max(1, len(keys) // 3)) if keys else []
+            if gone:
+                r.delete(*gone)
+            fault.detail = f"{len(gone)} of {len(keys)} pins"
+        elif kind == "redis-evict":
+            r = w.redis.client()
+            before = r.dbsize()
+            evicted = int(r.info("stats")["evicted_keys"])
+            r.config_set("maxmemory-policy", "allkeys-random")
+            r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) + 64 * 1024))
+            deadline = time.monotonic() + 5
+            # memory pressure until Redis evicted about a fifth of the store's keys (fillers count too)
+            while int(r.info("stats")["evicted_keys"]) - evicted < max(2, before // 5) \
+                    and time.monotonic() < deadline:
+                r.set("soak:filler:" + uuid.uuid4().hex, "x" * 4096)
+            r.config_set("maxmemory", "0")
+            r.config_set("maxmemory-policy", "noeviction")
+            fillers = list(r.scan_iter(match="soak:filler:*"))
+            if fillers:
+                r.delete(*fillers)
+            fault.detail = f"{before} -> {r.dbsize()} keys"
+        elif kind == "redis-restart-empty":
+            w.redis.kill()
+            for p in w.redis.dir.iterdir():
+                if p.name != "redis.log":
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+            w.redis.start()
+        elif kind == "file-emptied-while-stopped":
+            w.kill_all(signal.SIGTERM)
+            if w.store_dir.exists():
+                shutil.rmtree(w.store_dir)
+            w.start_all()
+        self.stop.wait(rng.uniform(2.0, 4.0))              # clients meet the loss: refusals, not misroutes
+        load = self.load
+        if load is not None and not load.paused():
+            raise RuntimeError("requests still in flight after 60 s")
+        try:
+            restored = self.cli("store", "copy", backup, w.store_url)
+            accepted = self.cli("store", "accept-loss", "--json", "--store", w.store_url)
+            if restored.returncode != 0 or accepted.returncode != 0:
+                raise RuntimeError(f"recovery failed: {restored.stderr.strip()[:200]} {accepted.stderr.strip()[:200]}")
+            said = json.loads(accepted.stdout)
+            abandoned = 0
+            if load is not None:
+                with load.lock:
+                    convs = dict(load.convs)
+                present = asyncio.run(read_pins(w.store_url, sorted(convs)))
+                now = (time.time(), time.monotonic())
+                for session, conv in convs.items():
+                    if present.get(session) is None and conv.server != ORIGIN[conv.shape] \
+                            and session not in load.abandoned:
+                        load.abandoned[session] = now
+                        abandoned += 1
+            self.losses.append({"kind": kind, "accepted": len(said.get("accepted") or []),
+                                "lost_pins_reported": said.get("lost_pins"), "abandoned": abandoned})
+            fault.detail = (fault.detail + "; " if fault.detail else "") + f"abandoned {abandoned}"
+        finally:
+            if load is not None:
+                load.running.set()
 
     def write_config(self, i: int, text: str, why: str, want_servers: set[str] | None = None,
                      want_agents: dict[str, str] | None = None) -> None:
@@ -732,7 +868,7 @@ def main() -> int:
     try:
         world.start_all()
         load = Load(world, args.clients, seed, args.new_share, args.pause)
-        faults = Faults(world, kinds, random.Random(seed + 1))
+        faults = Faults(world, kinds, random.Random(seed + 1), load)
         t0 = time.time()
         load.start()
         faults.start()
@@ -762,7 +898,7 @@ def main() -> int:
             time.sleep(0.2)
         time.sleep(1.5)                      # the restored configs are taken within 1 s
 
-        convs = dict(load.convs)
+        convs = {s: c for s, c in load.convs.items() if s not in load.abandoned}
         stored = asyncio.run(read_pins(world.store_url, sorted(convs)))
 
         # the sweep: one more continuation of every conversation, through the restarted proxies
@@ -813,8 +949,14 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
     openings = [o for o in outs if o.kind == "opening"]
     conts = [o for o in outs if o.kind == "continuation"]
 
+    given_up = dict(load.abandoned)
+    kept = convs                                         # what the final checks are about
+    convs = {**convs, **{s: load.convs[s] for s in given_up}}
+
     def classify(o: Outcome) -> str:
         conv = convs.get(o.session)
+        if o.session in given_up and o.kind != "opening" and o.t >= given_up[o.session][0]:
+            return "abandoned"          # sent after the operator gave it up (the load was paused then)
         if o.status is None:
             return "cut"
         if o.status == 200:
@@ -852,12 +994,14 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
                     leaked.append((name, owner, rec.path))
             s = session_of(rec)
             conv = convs.get(s) if s else None
+            if s in given_up and rec.at >= given_up[s][1]:
+                continue                # after the operator gave it up: decided afresh
             if conv is not None and conv.server != name and has_history(rec):
                 server_side.append((s, conv.server, name))
     in_output = [(i, owner) for i, m in enumerate(world.proxies) for key, owner in OWNER.items() if key in m.output]
 
     lost, origin_unpinned = [], 0
-    for s, conv in convs.items():
+    for s, conv in kept.items():
         pin = stored.get(s)
         if pin is not None and pin.server == conv.server:
             continue
@@ -894,6 +1038,11 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
     print("sweep after the final kill -9 and restart: "
           + ", ".join(f"{k} {sweep_class.get(k, 0)}" for k in ("ok", "refused", "misrouted", "cut", "other")))
     print(f"pins lost: {len(lost)}   (origin conversations without a routed pin, not lost: {origin_unpinned})")
+    if faults.losses:
+        print(f"loss faults: {len(faults.losses)}; refused meanwhile: "
+              f"{sum(n for k, c in per_fault.items() if k in LOSS_FAULTS for x, n in c.items() if 'refused' in x)}; "
+              f"conversations the operator gave up (opened after the backup): "
+              f"{sum(x['abandoned'] for x in faults.losses)}; continuations sent after: {cont_class.get('abandoned', 0)}")
     print(f"misrouted (client saw another server): {len(misrouted)}; at the servers (continuations "
           f"received by another server): {len(server_side)}")
     print(f"keys leaked: {len(leaked)} to fake servers, {len(in_output)} in proxy output")
@@ -901,7 +1050,7 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
     print("refused / cut / other per fault kind (answered during its window):")
     for k in sorted(per_fault, key=lambda k: (k == "none", k)):
         print(f"  {k:18s} " + ", ".join(f"{x} {n}" for x, n in sorted(per_fault[k].items())))
-    killing = ("kill9", "damage-at-start", "delete-wal+kill9", "delete-db+kill9")
+    killing = ("kill9", "damage-at-start", "delete-wal+kill9", "delete-db+kill9", "file-emptied-while-stopped")
     odd_cuts = [(o.session, o.kind, o.proxy, fault_at(log, o.t + o.took), utc(o.t), f"took {o.took:.1f} s", o.error)
                 for o in outs if o.status is None and fault_at(log, o.t + o.took) not in killing]
     print(f"cut requests outside a kill's window: {len(odd_cuts)}")
@@ -928,7 +1077,9 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
         "misrouted": len(misrouted), "misrouted_at_servers": len(server_side), "lost": len(lost),
         "origin_unpinned": origin_unpinned, "leaked": len(leaked) + len(in_output),
         "refusals_by_reason": dict(reasons), "per_fault": {k: dict(v) for k, v in per_fault.items()},
-        "odd_cuts": odd_cuts[:50], "lost_rows": lost[:50], "misrouted_rows": [(o.session, o.server, o.proxy, o.kind, o.t) for o in misrouted][:50],
+        "losses": faults.losses, "abandoned": len(given_up),
+        "odd_cuts": odd_cuts[:50], "lost_rows": lost[:50], "misrouted_rows": [(o.session, o.server, o.proxy, o.kind, o.t, fault_at(log, o.t + o.took))
+                           for o in misrouted][:50],
         "failed": failed,
     }
 

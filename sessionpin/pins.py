@@ -16,6 +16,11 @@ Rules this module keeps (seeds/000, made stronger):
   for not routed) scored by the pin's expiry, written in the same ``apply``; ``pinidx``
   (a hash) names every index. Counting live pins per agent and server is one ``zcount``
   each — status, metrics and the CLI's "N stay where they are" never walk the pins.
+- A pin whose index entry is live but whose key is gone was lost (``indexed``): the proxy
+  refuses it rather than take it for a conversation never seen begin; ``drop_lost`` is the
+  operator's acceptance of such losses.
+- ``forget`` leaves a tombstone (``forgot:<session>``: when, as long as a pin lives), so a
+  proxy that served the pin tells the operator's decision from a loss (``served``).
 - A stored value that is not a valid pin (bad JSON, wrong shape, no agent) reads as no pin.
 - A pool's allocation adds ``pool``, ``models`` and ``why`` (defaults omitted, so other pins
   read and write as before; unknown fields are ignored by older readers).
@@ -26,6 +31,7 @@ Rules this module keeps (seeds/000, made stronger):
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -38,6 +44,7 @@ SEEN_PREFIX = "seen:"
 INDEX_PREFIX = "pinidx:"
 INDEX_NAMES = "pinidx"          # hash: "<agent>:<server or ->" -> "1"
 ACTIVE_PREFIX = "active:"       # sorted set per agent and server: session -> last seen
+FORGOT_PREFIX = "forgot:"       # the operator forgot this session's pin (when): not a loss
 NOT_ROUTED = "-"
 DAY = 86_400.0
 PIN_TTL = 30 * DAY
@@ -173,14 +180,63 @@ async def move(store: Store, session: str, seen: Loaded, new: Pin) -> bool:
     return await store.apply([Check(key(session), seen.raw)], writes, durable=True)
 
 
-async def forget(store: Store, session: str, seen: Loaded) -> bool:
-    """Delete the pin that was read (durable), with its index entry and its activity."""
+async def forget(store: Store, session: str, seen: Loaded, now: float | None = None) -> bool:
+    """Delete the pin that was read (durable), with its index entry and its activity; a
+    tombstone says when (a proxy that served the pin does not take it for a loss)."""
     if seen.raw is None:
         return False
-    writes: list[Write] = [Delete(key(session)), *_unindexed(session, seen.pin), Delete(SEEN_PREFIX + session)]
+    when = time.time() if now is None else now
+    writes: list[Write] = [Delete(key(session)), *_unindexed(session, seen.pin), Delete(SEEN_PREFIX + session),
+                           Set(FORGOT_PREFIX + session, repr(when), PIN_TTL)]
     if seen.pin is not None:
         writes.append(ZRem(active_key(seen.pin.agent, seen.pin.server), session))
     return await store.apply([Check(key(session), seen.raw)], writes, durable=True)
+
+
+async def index_entry(store: Store, agent: str, session: str, now: float) -> tuple[str | None, float] | None:
+    """(server, expiry) of the live pin the index says ``session`` of ``agent`` has — the
+    index entry is written with the pin and removed by ``forget``, so an entry whose pin is
+    missing is a pin lost (issue 18). None: the index knows no live pin of it."""
+    for name in sorted(await store.hgetall(INDEX_NAMES)):
+        a, server = split_group(name)
+        if a != agent:
+            continue
+        score = await store.zscore(INDEX_PREFIX + name, session)
+        if score is not None and score > now:
+            return server, score
+    return None
+
+
+async def drop_lost(store: Store, now: float, batch: int = 500) -> int:
+    """Remove the index entries whose pins are gone (the operator accepted their loss: their
+    conversations are decided afresh). A walk of the index: for the CLI, never the proxy."""
+    dropped = 0
+    for name in sorted(await store.hgetall(INDEX_NAMES)):
+        members = [m for m, _ in await store.zrange(INDEX_PREFIX + name, now, float("inf"))]
+        for i in range(0, len(members), batch):
+            chunk = members[i:i + batch]
+            for session, raw in zip(chunk, await store.mget([key(s) for s in chunk])):
+                if raw is None and await store.zrem(INDEX_PREFIX + name, session):
+                    dropped += 1
+    return dropped
+
+
+async def reindex(store: Store, batch: int = 500) -> int:
+    """Put every live pin's index entry back (after a ``store copy``, whose sorted sets
+    arrive whole: the destination's index would lose the entries of its own pins, and
+    with them a lost pin's only trace). A walk: for the CLI, never the proxy. Returns the
+    pins indexed."""
+    writes: list[Write] = []
+    n = 0
+    async for session, pin in sessions(store, batch):
+        writes += _indexed(session, pin)
+        n += 1
+        if len(writes) >= 2 * batch:
+            await store.apply([], writes)
+            writes = []
+    if writes:
+        await store.apply([], writes)
+    return n
 
 
 async def sessions(store: Store, batch: int = 500) -> AsyncIterator[tuple[str, Pin]]:

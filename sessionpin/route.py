@@ -29,6 +29,9 @@ write a "not routed" pin.
 Rules this module keeps beyond the ladder's:
 - A pin that could not be read is a refusal (424 naming the store, no retry signals: the shell
   rode out a short blip first), never "no pin".
+- A store that lost what it held (``StoreLost``: emptied, replaced, a served pin gone) is
+  a refusal (424 ``store-lost``, no retry signals: only the operator can decide) naming the
+  store, the loss and the command that decides, never "a conversation never seen begin".
 - A conversation is sent away from the server it addressed only once its pin is durable
   in the store: a pin that could not be saved is a refusal (503 with ``retry-after``),
   on the first try and on every retry — nothing of it is remembered anywhere.
@@ -75,7 +78,7 @@ from .steps import (TERMINAL, TITLE_TTL, After, Allocate, Allocated, CheckMember
                     CreatePin, Effect, Event, FindConversation, FindParent, Forward, Leave, LineageRead,
                     MemberChecked, NotAllocated, NotSaved, ParentFound, PinCreated, PinLost, PinRead, Plan, Planned,
                     ReadLineage, ReadPin, ReadTitle, Refuse, RememberOpening, RememberTitle, RenewPin, Request,
-                    StoreFailed, TitleRead, WritePin)
+                    StoreFailed, StoreLost, TitleRead, WritePin)
 
 RETRY_AFTER = 1         # seconds: a store that cannot save may well be back by then
 
@@ -159,6 +162,10 @@ def step(state: State, event: Event) -> Step:
                                   f"so {f.agent} session {state.session or f.session} was not sent anywhere: its pin "
                                   f"decides where it goes. Send it again once the store is back; 'sessionpin doctor' "
                                   f"says what is wrong."))
+    if isinstance(event, StoreLost):
+        # the operator decides (accept-loss or a restore): no agent's retry can help
+        return Step(state, Refuse(NO_RETRY_STATUS, "store-lost", f"sessionpin: {event.error}. {f.agent} session "
+                                  f"{state.session or f.session} was not sent anywhere."))
     if isinstance(event, PinRead):
         return _after_read(_replace(state, loaded=event.loaded))
     if isinstance(event, LineageRead):

@@ -182,6 +182,11 @@ class StoreFailed:
 
 
 @dataclass(frozen=True)
+class StoreLost:
+    error: str                   # names the store, what it lost and the command that decides
+
+
+@dataclass(frozen=True)
 class Planned:
     changes: Changes
 
@@ -223,5 +228,6 @@ class MemberChecked:
     missing: str | None = None       # soft pools: why it cannot take requests ("drained", "unreachable")
 
 
-Event = (PinRead | TitleRead | LineageRead | ConversationFound | ParentFound | StoreFailed | Planned | PinCreated
+Event = (PinRead | TitleRead | LineageRead | ConversationFound | ParentFound | StoreFailed | StoreLost | Planned
+         | PinCreated
          | PinLost | NotSaved | Allocated | NotAllocated | MemberChecked)

@@ -667,3 +667,48 @@ def test_console_script_errors_without_traceback(env):
     assert p.stderr.startswith("sessionpin: config.toml:1: TOML syntax:") and p.stderr.count("\n") == 1
     p = subprocess.run(argv + ["use"], capture_output=True, text=True, env=os.environ, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1
+
+
+# --- a store that lost what it held (issue 18) -----------------------------------------------
+
+
+def test_a_store_emptied_after_use_fails_commands_until_accept_loss(env, capsys):
+    put_pins(env.url, RUNNING)
+    code, o, e = run(capsys, "sessions")                 # the CLI uses it: remembered (4 pins)
+    assert code == 0, e
+    import shutil
+    shutil.rmtree(env.dir / "state")                      # the store's directory deleted
+    code, o, e = run(capsys, "sessions")                  # not "no store yet": a loss
+    assert code == 1 and f"store {env.url} lost what it held" in e, e
+    put_pins(env.url, [])                                 # ... and made again, empty, by someone
+    code, o, e = run(capsys, "sessions")
+    assert code == 1 and f"store {env.url} lost what it held" in e and "holding 4 pins" in e
+    assert "sessionpin store accept-loss" in e and "sessionpin store copy BACKUP" in e
+    code, o, e = run(capsys, "status")
+    assert "LOST: store" in o
+    code, o, e = run(capsys, "status", "--json")
+    assert "lost what it held" in json.loads(o)["store_lost"]
+    code, o, e = run(capsys, "use", "claude-code", "glm")   # the config changes all the same
+    assert code == 0 and "But: store" in o, (o, e)
+    code, o, e = run(capsys, "store", "accept-loss", "--json")
+    assert code == 0, e
+    said = json.loads(o)
+    assert len(said["accepted"]) == 1 and said["pins"] == 0
+    code, o, e = run(capsys, "sessions")
+    assert code == 0, e
+
+
+def test_store_copy_is_a_restore_carrying_the_identity(env, capsys, tmp_path):
+    put_pins(env.url, RUNNING)
+    assert run(capsys, "sessions")[0] == 0
+    backup = f"file:{tmp_path / 'backup' / 'state.db'}"
+    assert run(capsys, "store", "copy", env.url, backup)[0] == 0
+    import shutil
+    shutil.rmtree(env.dir / "state")
+    put_pins(env.url, [])
+    assert run(capsys, "sessions")[0] == 1                # lost
+    code, o, e = run(capsys, "store", "copy", backup, env.url)
+    assert code == 0, e
+    code, o, e = run(capsys, "sessions", "--json")        # the store it was: whole again
+    assert code == 0, e
+    assert {r["session"] for r in json.loads(o)} == {r[0] for r in RUNNING}

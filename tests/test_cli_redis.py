@@ -102,7 +102,8 @@ def test_doctor_checks_reachability_persistence_replicas_and_latency(env, capsys
         assert got["store"][0] == "ok" and got["store"][1].startswith(f"{base.replace(SECRET, '***')}: reachable "
                                                                    "(Redis 7.")
         assert got["store durability"] == ("ok", "durable writes are fsynced by Redis before they return "
-                                                 "(appendonly yes, appendfsync always)")
+                                                 "(appendonly yes, appendfsync always, "
+                                                 "maxmemory-policy noeviction)")
         assert got["store latency"][0] == "ok" and re.search(r"round trip: \d+\.\d ms", got["store latency"][1])
         assert "store replicas" not in got                     # no wait=: nothing to say
         assert redis.client().keys("*doctor*") == []           # the probe is removed
@@ -119,6 +120,10 @@ def test_doctor_checks_reachability_persistence_replicas_and_latency(env, capsys
         assert code == 1 and got["store durability"][0] == "FAIL"
         assert "durable writes are refused: the server says appendonly yes, appendfsync everysec" in \
             got["store durability"][1]
+        # the fix that lasts: the server's configuration file, not a CONFIG SET the next restart forgets
+        assert "in the server's configuration file (redis.conf" in got["store durability"][1]
+        assert "maxmemory-policy noeviction" in got["store durability"][1]
+        assert "not CONFIG SET" in got["store durability"][1]
         monkeypatch.setenv("SESSIONPIN_STORE", base + "&durability=accept-weaker")
         got = lines(run(capsys, "doctor")[1])
         assert got["store durability"][0] == "warn" and "NOT fsynced before they return" in got["store durability"][1]

@@ -199,3 +199,18 @@ async def test_listing_filters_by_group_and_skips_what_the_index_no_longer_holds
     assert await walked(store, now, [], 2) == []
     assert await pins.indexed(store, now, ["claude-code:glm"]) == 4        # g0 g4 g5, and g3's entry (a count)
     assert await pins.indexed(store, now, await pins.groups(store)) == 7
+
+
+async def test_the_index_says_which_missing_pins_were_lost(store, clock):
+    await pins.create(store, "a", make("glm"))
+    await pins.create(store, "b", make("alt"))
+    now = clock.t
+    await store.delete(pins.key("a"))                                           # lost
+    assert await pins.index_entry(store, "claude-code", "a", now) == ("glm", pins.expiry(make("glm")))
+    assert await pins.index_entry(store, "codex", "a", now) is None                 # another agent's index
+    assert await pins.index_entry(store, "claude-code", "a", pins.expiry(make("glm")) + 1) is None   # expired
+    assert await pins.forget(store, "b", await pins.load(store, "b"))
+    assert await pins.index_entry(store, "claude-code", "b", now) is None           # forgotten: unindexed
+    assert await pins.drop_lost(store, now) == 1                                # the operator accepts "a"
+    assert await pins.index_entry(store, "claude-code", "a", now) is None
+    assert await pins.drop_lost(store, now) == 0

@@ -208,6 +208,19 @@ def test_label_values_are_escaped_and_read_back_as_they_were():
     assert got["sessionpin_store_errors"].samples[0].value == 2
 
 
+def test_a_lost_store_shows_in_the_metrics():
+    from sessionpin.proxy.router import Metrics
+    from sessionpin.proxy.status import metrics_text
+    from sessionpin.proxy.storeguard import StoreGuard
+    guard = StoreGuard({})
+    got = families(metrics_text(None, Metrics(), 0, 0, 0, guard))
+    assert got["sessionpin_store_lost"].samples[0].value == 0
+    guard.lost, guard.partial = "store file:x lost what it held", 3
+    got = families(metrics_text(None, Metrics(), 0, 0, 0, guard))
+    assert got["sessionpin_store_lost"].samples[0].value == 1
+    assert got["sessionpin_store_partial_losses"].samples[0].value == 3
+
+
 def test_help_text_is_escaped():
     from sessionpin.proxy.exposition import family, joined
     out = []

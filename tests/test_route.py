@@ -223,6 +223,15 @@ def test_refusals_say_what_to_do():
     assert s.effect.retry_after is None and "'ete'" in s.effect.message
 
 
+def test_a_store_that_lost_what_it_held_is_a_refusal_never_no_pin():
+    s = route.begin(request(facts(F.CONTINUATION, has_history=True)))
+    s = route.step(s.state, route.StoreLost("store file:x lost what it held: run `sessionpin store accept-loss`"))
+    assert s.done and isinstance(s.effect, route.Refuse) and s.effect.status == route.NO_RETRY_STATUS
+    assert s.effect.retry_after is None   # no agent's retry can help: the operator decides
+    assert s.effect.kind == "store-lost" and "accept-loss" in s.effect.message and "s-1" in s.effect.message
+    assert s.after == ()                # no "not routed" pin written over the loss
+
+
 def test_create_compares_against_what_was_read():
     garbage = Loaded(None, "{not a pin")
     s = route.begin(request())

@@ -281,6 +281,8 @@ async def test_zset_basics(store):
     assert await store.zrange("z", -INF, INF) == [("low", -INF), ("c", 1.5), ("a", 2.0), ("b", 2.0), ("high", INF)]
     assert await store.zcount("z", 1.5, 2) == 3                 # inclusive both ends
     assert await store.zcount("z", 2, 1) == 0
+    assert await store.zscore("z", "c") == 1.5 and await store.zscore("z", "high") == INF
+    assert await store.zscore("z", "nope") is None and await store.zscore("nope", "c") is None
     assert await store.zrange("z", 1.5, 2, limit=2) == [("c", 1.5), ("a", 2.0)]
     assert await store.zrange("z", 1.5, 2, limit=0) == []
     await store.zadd("z", "c", 3)                                # update the score
@@ -388,6 +390,7 @@ async def test_zset_keeps_ttl_and_expires(store, clock, about):
     assert await store.ttl("z") == about(10)
     clock.advance(10)
     assert await store.zcount("z", -INF, INF) == 0
+    assert await store.zscore("z", "b") is None                  # expired: absent everywhere
     assert await store.zremrange("z", -INF, INF) == 0
     await store.zadd("z", "c", 3)
     assert await store.zrange("z", -INF, INF) == [("c", 3.0)]    # "b" went with the expired key
@@ -472,7 +475,7 @@ async def test_wrong_type(store):
         lambda: store.hdel("s", "f"), lambda: store.hincr("z", "f"),
         lambda: store.zadd("s", "m", 1), lambda: store.zadd("h", "m", 1),
         lambda: store.zrem("h", "m"), lambda: store.zcount("s", 0, 1),
-        lambda: store.zrange("h", 0, 1), lambda: store.zremrange("s", 0, 1),
+        lambda: store.zrange("h", 0, 1), lambda: store.zremrange("s", 0, 1), lambda: store.zscore("s", "m"),
     ):
         with pytest.raises(WrongType):
             await call()

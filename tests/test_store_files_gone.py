@@ -201,6 +201,7 @@ def test_sessions_when_only_the_journal_is_left(tmp_path):
     for suffix in ("", "-wal", "-shm"):
         Path(f"{path}{suffix}").unlink(missing_ok=True)
     env = {k: v for k, v in ENV.items() if not k.startswith("SESSIONPIN_")}
+    env["SESSIONPIN_STORE_MEMORY"] = os.environ["SESSIONPIN_STORE_MEMORY"]    # the run's (tests/conftest.py)
     out = subprocess.run([sys.executable, "-m", "sessionpin.cli", "--config", str(tmp_path / "config.toml"),
                           "--store", f"file:{path}", "sessions", "--json"],
                          env=env, capture_output=True, text=True, timeout=60)

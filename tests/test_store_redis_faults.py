@@ -52,6 +52,9 @@ def logged(caplog, level: int) -> list[str]:
 @pytest.mark.parametrize("args, said", [
     (("--appendonly", "no", "--save", ""), "appendonly no"),
     (("--appendonly", "yes", "--appendfsync", "everysec", "--save", ""), "appendfsync everysec"),
+    # a server that may evict keys under memory pressure forgets acknowledged pins (issue 18)
+    (DURABLE_ARGS + ("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"), "maxmemory-policy allkeys-lru"),
+    (DURABLE_ARGS + ("--maxmemory-policy", "volatile-lru"), "maxmemory-policy volatile-lru"),
 ])
 async def test_durable_writes_need_aof_fsync_always(servers, args, said):
     server = servers(args)
@@ -88,6 +91,38 @@ async def test_durability_is_checked_again(servers):
         assert await s.get("b") is None
         server.client().config_set("appendfsync", "always")
         assert await s.set("b", "1", durable=True) is True
+    finally:
+        await s.close()
+
+
+async def test_a_config_set_is_seen_by_watch_and_a_restart_by_its_run_id(servers, caplog):
+    # what the proxy calls every 2 s: a CONFIG SET is seen at once, not a minute later (issue 18)
+    server = servers()
+    s = open_store(server.url())
+    try:
+        assert await s.set("a", "1", durable=True) is True
+        server.client().config_set("appendonly", "no")
+        await s.watch()
+        with pytest.raises(NotDurable, match="appendonly no"):
+            await s.set("b", "1", durable=True)
+        assert await s.get("b") is None
+        server.client().config_set("appendonly", "yes")
+        server.client().config_set("maxmemory-policy", "allkeys-lru")
+        await s.watch()                       # what the proxy calls every 2 s: status is not stale
+        assert s.describe()["durable"] is False and "allkeys-lru" in s.describe()["durability"]["server"]
+        server.client().config_set("maxmemory-policy", "noeviction")
+        before = s.describe()["durability"]["run_id"]
+        assert before
+        server.restart()
+        with caplog.at_level(logging.WARNING, "sessionpin.store.redis"):
+            for _ in range(50):               # the first call after the restart may meet the old connection
+                try:
+                    await s.watch()
+                    break
+                except StoreUnavailable:
+                    await asyncio.sleep(0.1)
+        assert s.describe()["durability"]["run_id"] != before
+        assert any("restarted" in r.getMessage() for r in caplog.records)
     finally:
         await s.close()
 

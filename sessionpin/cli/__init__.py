@@ -84,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.print_help(sys.stderr)
         return 2
     ctx = make_ctx(getattr(args, "config", None), getattr(args, "store", None))
+    # they show a loss, decide about it, or (use) change only the config and say the loss
+    ctx.lost_ok = command in ("status", "doctor", "store", "use")
     try:
         if command == "run":
             return cmd_run(ctx, args, extra)

@@ -8,6 +8,11 @@ Rules it keeps:
   and every error a command prints.
 - The store is the async ``Store`` every part uses; the CLI runs it on one event loop
   it owns for the command's life (``run``), and closes both at the end.
+- A store the command opens is judged by its identity against what this machine remembers
+  of it (``store.identity``): a new one is remembered, one that lost what it held fails
+  the command with what was lost and what to run — except for the commands that show it
+  or decide about it (``lost_ok``: status, doctor, store; and use, which changes only the
+  config and then says the loss).
 - Every store change a command makes is compare-and-set against the pin it showed the
   operator (``pins.move``/``pins.forget`` with what ``resolve`` read): a pin that changed
   meanwhile is not overwritten — the command says so.
@@ -26,6 +31,7 @@ from .. import config as configmod
 from .. import pins
 from ..ids import matches, short
 from ..store import Store, StoreError, default_store_url, open_store, safe_url
+from ..store import identity
 from .common import HOUR, NOT_SEEN_BEGIN, Fail, iso, plural, where, why
 
 T = TypeVar("T")
@@ -36,6 +42,8 @@ class Ctx:
     config_path: Path
     store_url: str
     _store: Store | None = None
+    lost_ok: bool = False                        # the command shows or decides a loss: do not fail on one
+    settled: identity.Settled | None = None      # the store's identity, judged when it was opened
     _runner: asyncio.Runner | None = field(default=None, repr=False)
 
     # config
@@ -82,6 +90,7 @@ class Ctx:
         if self._store is not None:
             return self._store
         if not create and not self.store_exists():
+            self._gone()
             return None
         try:
             self._store = open_store(self.store_url)
@@ -90,7 +99,49 @@ class Ctx:
         except OSError as e:
             raise Fail(f"cannot open the store {self.store_shown}: {e.strerror or e}; "
                        "check --store or SESSIONPIN_STORE") from None
+        self._judge(self._store)
         return self._store
+
+    def _gone(self) -> None:
+        """A file store with no file: new — unless this machine remembers it (its files were
+        deleted: a loss, not a store that was never made)."""
+        try:
+            remembered = identity.Memory(self.store_url).load()
+        except StoreError as e:
+            raise Fail(str(e)) from None
+        if remembered is None:
+            return
+        message = identity.describe_loss(self.store_shown, identity.LOST, remembered, None)
+        self.settled = identity.Settled(identity.LOST, None, None, message)
+        if not self.lost_ok:
+            raise Fail(message)
+
+    def _judge(self, store: Store) -> None:
+        memory = identity.Memory(self.store_url)
+        try:
+            remembered = memory.load()
+        except StoreError as e:
+            raise Fail(str(e)) from None
+        now = time.time()
+        try:
+            s = self.settled = self.run(identity.settle(store, store.url, remembered, now))
+        except StoreError:
+            if self.lost_ok:
+                return                  # status and doctor show the fault themselves
+            raise
+        if s.kind in identity.LOSSES:
+            try:
+                self.run(identity.record_loss(store, remembered, f"the CLI (pid {os.getpid()})", now))
+            except StoreError:
+                pass
+            if not self.lost_ok:
+                raise Fail(s.message)
+            return
+        try:
+            n = sum(c[0] for c in self.run(pins.counts(store, now)).values())
+            memory.save(identity.Remembered(store.url, s.identity.id, n, now))
+        except (StoreError, OSError):
+            pass                        # remembering is best effort here; the proxy remembers too
 
     def need_store(self) -> Store:
         s = self.store()
@@ -234,6 +285,8 @@ def resolve(ctx: Ctx, given: str) -> Row:
 
 def describe_running(ctx: Ctx, agent: str) -> str:
     counts = {server: n for (a, server), n in ctx.counts().items() if a == agent and n[0]}
+    if ctx.settled is not None and ctx.settled.message:     # (`use` changes the config all the same)
+        return f"But: {ctx.settled.message}."
     if not counts:
         return (f"No running {agent} conversation is pinned. One the proxy has not seen yet stays where "
                 f"it is: {NOT_SEEN_BEGIN}.")

@@ -102,6 +102,13 @@ def _config(ctx: Ctx, add) -> configmod.Config | None:
     return cfg
 
 
+# A CONFIG SET is forgotten at the server's next restart (unless someone runs CONFIG
+# REWRITE): the fix that lasts is the server's configuration file.
+REDIS_CONF = ("set `appendonly yes`, `appendfsync always` and `maxmemory-policy noeviction` in the server's "
+              "configuration file (redis.conf, or your managed Redis' parameter group) and restart it — "
+              "not CONFIG SET, which the next restart forgets")
+
+
 def _store(ctx: Ctx, add) -> bool:
     f = ctx.store_file()
     # Modes before opening: opening a file store tightens a loose file mode by itself.
@@ -113,6 +120,8 @@ def _store(ctx: Ctx, add) -> bool:
     except Fail as e:
         add("store", "FAIL", str(e))
         return False
+    if ctx.settled is not None and ctx.settled.message:     # it lost what it held (store.identity)
+        add("store identity", "FAIL", ctx.settled.message)
     if store is not None and hasattr(store, "check"):
         return _redis(ctx, store, add)
     if store is None:
@@ -262,13 +271,13 @@ def _redis(ctx: Ctx, store, add) -> bool:
     elif durability["required"] == "accept-weaker":
         add("store durability", "warn", f"durable writes are NOT fsynced before they return: the server says "
             f"{server}, and the URL accepts that (durability=accept-weaker). A pin Redis acknowledged can be lost "
-            "if Redis or its host crashes; for fsynced pins set appendonly yes and appendfsync always "
-            "(redis.conf, or CONFIG SET) and drop durability=accept-weaker")
+            f"if Redis or its host crashes, or evicted under memory pressure; for pins it keeps, {REDIS_CONF}"
+            "; then drop durability=accept-weaker")
     else:
         add("store durability", "FAIL", f"durable writes are refused: the server says {server}, and a pin must "
-            "be on disk before a request leaves. New conversations the proxy moves get 503 until you set "
-            "appendonly yes and appendfsync always on every primary (redis.conf, or CONFIG SET), or accept "
-            "weaker durability with ?durability=accept-weaker in the store URL")
+            "be on disk, and stay there, before a request leaves. New conversations the proxy moves get 503 "
+            f"until you fix every primary: {REDIS_CONF}; or accept weaker durability with "
+            "?durability=accept-weaker in the store URL")
     if rep.get("role") not in (None, "master"):
         add("store replicas", "FAIL", f"the URL reaches a {rep.get('role')}, not the primary: writes are refused "
             "(READONLY); point it at the primary")

@@ -46,7 +46,8 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
         dump_json({
             "config": str(ctx.config_path), "config_exists": ctx.config_path.exists(),
             "store": ctx.store_shown, "store_exists": store is not None,
-            "store_info": _described(store),
+            "store_info": _described(store, ctx),
+            "store_lost": ctx.settled.message if ctx.settled is not None and ctx.settled.message else None,
             "proxy": proxy.as_json(), "proxies": [p.as_json() for p in proxies], "servers": servers,
             "not_routed": {"pinned": nr_pinned, "active_last_hour": nr_active},
             "unconfigured_servers_with_pins": missing, "agents": agents,
@@ -59,6 +60,8 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     if info.get("kind") == "redis":
         note = f"  ({info.get('health')}; {info.get('note')})"
     out(f"store   {ctx.store_shown}{note}")
+    if ctx.settled is not None and ctx.settled.message:
+        out(f"        LOST: {ctx.settled.message}")
     live = [p for p in proxies if p.answering]
     for p in live:
         up = f", up {ago(p.started, now).removesuffix(' ago')}" if p.started else ""
@@ -195,11 +198,16 @@ def _say_streamed(n: int) -> None:
         "renewed first, not sorted by last seen)")
 
 
-def _described(store) -> dict:
+def _described(store, ctx: Ctx | None = None) -> dict:
     """What the store says of itself (its safe URL, durability, health), as JSON."""
     if store is None:
         return {}
     try:
-        return json.loads(json.dumps(store.describe(), default=str))
+        info = json.loads(json.dumps(store.describe(), default=str))
     except Exception as e:   # a description is best effort
         return {"error": str(e)}
+    if ctx is not None and ctx.settled is not None:
+        s = ctx.settled
+        info["identity"] = {"id": s.identity.id if s.identity else None, "verdict": s.kind,
+                            "lost": s.message or None}
+    return info

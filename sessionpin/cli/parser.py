@@ -122,8 +122,16 @@ def parser() -> Parser:
     c.add_argument("--confdir", metavar="DIR")
     c.add_argument("--json", action="store_true")
 
-    c = cmd("store", "copy every pin and record from one store into another (file ↔ Redis)")
-    st = c.add_subparsers(dest="store_command", metavar="copy", parser_class=Parser)
+    c = cmd("store", "copy every pin and record from one store into another (file ↔ Redis); accept a loss")
+    st = c.add_subparsers(dest="store_command", metavar="copy|accept-loss", parser_class=Parser)
+    a = st.add_parser("accept-loss", parents=[common], allow_abbrev=False,
+                      help="start over on a store that lost what it held (proxies refuse until then)",
+                      description="A store that came back empty, with another identity, or without pins a proxy "
+                                  "served is refused by every proxy that remembers it. This accepts the loss: "
+                                  "the store keeps what it holds now, and proxies route again within a second "
+                                  "(a conversation whose pin was lost is decided afresh). To restore instead, "
+                                  "copy a backup in: `sessionpin store copy BACKUP URL`.")
+    a.add_argument("--json", action="store_true")
     a = st.add_parser("copy", parents=[common], allow_abbrev=False,
                       help="copy every live key, with its remaining TTL, from FROM to TO (idempotent)",
                       description="Copy every live key (pins, activity, the pool's records), with the TTL it "

@@ -14,23 +14,64 @@ Rules it keeps:
   of a store a proxy uses is allowed (reads only); pins made after the copy are not in TO,
   and the command says so (a second run after stopping the proxy copies just those).
 - Both URLs are shown masked; FROM and TO must be different stores.
+- The store's identity (``store.identity``) is not copied as a key: TO takes FROM's, and
+  accepts the one it had (a restore brings back the store the proxies remember; TO's own
+  keys are still there). A TO its proxies found lost is a restore: no ``--force`` needed.
+- ``store accept-loss``: start over on a store that lost what it held (docs/store.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
+from .. import pins
 from ..documents import HEARTBEAT_PREFIX, read_heartbeat
-from ..store import Store, StoreError, open_store, safe_url
+from ..store import Store, StoreError, identity, open_store, safe_url
 from ..store.copy import copy
 from .common import Fail, dump_json, out, plural
 from .context import Ctx, store_file
 
 
 def cmd_store(ctx: Ctx, args: argparse.Namespace) -> int:
+    if args.store_command == "accept-loss":
+        return cmd_store_accept_loss(ctx, args)
     if args.store_command != "copy":
-        raise Fail("give a store command: `sessionpin store copy FROM TO`", 2)
+        raise Fail("give a store command: `sessionpin store copy FROM TO` or `sessionpin store accept-loss`", 2)
     return cmd_store_copy(ctx, args)
+
+
+def cmd_store_accept_loss(ctx: Ctx, args: argparse.Namespace) -> int:
+    """The operator starts over on a store that lost what it held (docs/store.md)."""
+    store = ctx.need_store()
+    memory = identity.Memory(ctx.store_url)
+    now = time.time()
+    dropped = ctx.run(pins.drop_lost(store, now))     # index entries of lost pins: decided afresh
+    new, accepted, partial = ctx.run(identity.accept_loss(store, memory.load(), now))
+    partial = max(partial, dropped)
+    n = sum(c[0] for c in ctx.run(pins.counts(store, now)).values())
+    try:
+        memory.save(identity.Remembered(store.url, new.id, n, now))
+    except OSError as e:
+        raise Fail(f"accepted, but cannot write what this machine remembers of {store.url} ({memory.path}): "
+                   f"{e.strerror or e}") from None
+    if args.json:
+        dump_json({"store": store.url, "identity": new.id, "accepted": accepted, "lost_pins": partial, "pins": n})
+        return 0
+    if accepted or partial:
+        what = []
+        if accepted:
+            what.append(f"the store{'s' if len(accepted) > 1 else ''} it was before ({', '.join(accepted)})")
+        if partial:
+            what.append(f"{plural(partial, 'lost pin')} reported by proxies")
+        out(f"Accepted the loss of {' and '.join(what)} in {store.url}: it is store {new.id} now, holding "
+            f"{plural(n, 'pin')}.")
+    else:
+        out(f"{store.url} is store {new.id}, holding {plural(n, 'pin')}; no loss was recorded. Proxies that "
+            "remembered pins it no longer has stop refusing them.")
+    out("Proxies route again within a second; a conversation whose pin was lost is decided afresh at its next "
+        "request.")
+    return 0
 
 
 def cmd_store_copy(ctx: Ctx, args: argparse.Namespace) -> int:
@@ -54,12 +95,11 @@ def cmd_store_copy(ctx: Ctx, args: argparse.Namespace) -> int:
                     ctx.run(s.close())     # a file store's ordinary writes reach disk here
                 except StoreError:
                     pass
-    if dst_proxies and not args.force:
+    if counts is None:              # a proxy uses TO (and TO is not a restore of a lost store)
         who = ", ".join(f"pid {b.pid} on {b.host}" for b in dst_proxies)
         raise Fail(f"a proxy uses {dst_shown} ({who}; its heartbeat is at most 30 s old): it makes pins while "
                    "a copy runs, and the copy would replace a newer pin of the same conversation (moving it); "
                    "stop that proxy first (its heartbeat lapses 30 s later), or give --force to copy anyway")
-    assert counts is not None
     if args.json:
         dump_json({"from": src_shown, "to": dst_shown, "copied": counts.copied, "equal": counts.equal,
                    "skipped": counts.skipped, "heartbeats_left_out": len(src_proxies)})
@@ -74,12 +114,19 @@ def cmd_store_copy(ctx: Ctx, args: argparse.Namespace) -> int:
 
 
 async def _copy(src: Store, dst: Store, force: bool):
-    """(counts, heartbeats in FROM, heartbeats in TO); counts None when TO is in use and not forced."""
+    """(counts, heartbeats in FROM, heartbeats in TO); counts None when TO is in use and not forced.
+
+    A TO whose proxies said it lost what it held is a restore: they refuse every routed
+    request meanwhile, so none of them makes a pin the copy could replace."""
     src_proxies = await _heartbeats(src)
     dst_proxies = await _heartbeats(dst)
-    if dst_proxies and not force:
+    if dst_proxies and not force and not await identity.losses(dst):
         return None, src_proxies, dst_proxies
-    counts = await copy(src, dst, exclude=[HEARTBEAT_PREFIX])
+    src_identity, _ = await identity.read(src)
+    # the store's own keys (its identity, its losses) are not data: the identity is carried below
+    counts = await copy(src, dst, exclude=[HEARTBEAT_PREFIX, "store:"])
+    await pins.reindex(dst)         # TO's own pins keep their index entries (a lost pin's trace)
+    await identity.carry(dst, src_identity)
     return counts, src_proxies, dst_proxies
 
 

@@ -12,6 +12,9 @@ metadata, one log line. Rules this module keeps:
 - A large body's lineage (its links and its history's root, when a rule needs them) is read
   on a thread of the router's own (``offloop.OffLoop``), bounded per request by the reader's
   budget: the request waits for it, every other client's bytes do not.
+- A store that lost what it held (``StoreGuard``) routes nothing: every request that would
+  read or write a pin is refused (503 naming the store and the loss), and nothing is
+  written over the loss.
 - Store calls go through the store's async facade; the pin's renewal, a title's memory
   and a "not routed" pin are written after the request left (never waited for).
 - Before a request is sent to a server the router moved requests to, with no open
@@ -73,6 +76,7 @@ class Metrics:
         self.rules: Counter[str] = Counter()
         self.refusals: Counter[str] = Counter()
         self.store_errors = 0
+        self.store_lost = 0          # requests refused because the store lost what it held
         self.pin_writes = 0          # pins this proxy wrote or tried to: the status's counts are stale
         self.lineage = None          # () -> the lineage watch's counts (LineageWatch.counts), set by make_addons
         self.unrouted = Unrouted()   # looked like inference at a configured origin, left alone
@@ -173,6 +177,15 @@ class Router:
             if raw is not None and len(raw) >= OFF_LOOP_MIN:      # never on the event loop
                 return await self.reads.run(_lineage_of, req.headers.fields, raw, encoding, state.request.facts.api)
             return _lineage_of(req.headers.fields, raw, encoding, state.request.facts.api)
+        guard = self.runtime.guard
+        if store is not None:
+            try:
+                lost = await guard.gate(store)      # a store that lost what it held decides nothing
+            except StoreError as e:
+                return self._store_failed(store, effect, e)
+            if lost is not None:
+                self.metrics.store_lost += 1
+                return route.StoreLost(lost)
         if isinstance(effect, (route.Allocate, route.CheckMember)):
             return await self.allocations.perform(flow, state, effect)
         if store is None:
@@ -204,9 +217,18 @@ class Router:
         return got
 
     async def _store_call(self, store, effect: route.Effect, state: route.State) -> route.Event:
+        guard = self.runtime.guard
         try:
             if isinstance(effect, route.ReadPin):
-                return route.PinRead(await pins.load(store, effect.session))
+                loaded = await pins.load(store, effect.session)
+                now = time.time()
+                if loaded.pin is not None:
+                    guard.saw(effect.session, loaded.pin, now)
+                elif lost := await guard.missed(store, effect.session, state.request.facts.agent,
+                                                state.request.facts.has_history, now):
+                    self.metrics.store_lost += 1
+                    return route.StoreLost(lost)    # a pin it had (or the whole store) is gone: not "no pin"
+                return route.PinRead(loaded)
             if isinstance(effect, route.ReadTitle):
                 return route.TitleRead(await store.get(TITLE_PREFIX + effect.session))
             if isinstance(effect, route.FindConversation):
@@ -222,12 +244,16 @@ class Router:
                 return route.ParentFound(found.session, found.loaded) if found.session else route.ParentFound(None)
             if isinstance(effect, route.CreatePin):
                 got = await pins.create(store, effect.session, effect.pin, effect.seen)
+                guard.saw(effect.session, got.pin, time.time(), made=got.pin == effect.pin)
                 return route.PinCreated() if got.pin == effect.pin else route.PinLost(got)
         except StoreError as e:
-            self.metrics.store_errors += 1
-            msg = f"{store.url}: {e}" if store.url not in str(e) else str(e)
-            return route.NotSaved(msg) if isinstance(effect, route.CreatePin) else route.StoreFailed(msg)
+            return self._store_failed(store, effect, e)
         raise TypeError(f"unexpected effect {effect!r}")
+
+    def _store_failed(self, store, effect: route.Effect, e: StoreError) -> route.Event:
+        self.metrics.store_errors += 1
+        msg = f"{store.url}: {e}" if store.url not in str(e) else str(e)
+        return route.NotSaved(msg) if isinstance(effect, route.CreatePin) else route.StoreFailed(msg)
 
     def _plan(self, flow: http.HTTPFlow, state: route.State, target_name: str) -> rewrite.Changes:
         req = flow.request
@@ -287,8 +313,8 @@ class Router:
     # ---- effects that run after the request left --------------------------------------------
     def _later(self, after: route.After) -> None:
         store = self.runtime.store
-        if store is None:
-            return
+        if store is None or self.runtime.guard.lost is not None:
+            return          # nothing is written over a loss
 
         async def run() -> None:
             try:

@@ -133,7 +133,7 @@ class StatusEndpoints:
         return Status(
             version=__version__, pid=os.getpid(), host=self.runtime.host, started=self.runtime.started,
             config=str(self.config.path) if self.config.path else None, config_error=self.config.problem,
-            store=self.runtime.url, store_info=_safe(store.describe()) if store is not None else {},
+            store=self.runtime.url, store_info=_safe({**store.describe(), "identity": self.runtime.guard.describe()}) if store is not None else {},
             servers={s.name: ServerStatus(url=s.url, origin=s.origin, prefix=s.prefix, key_env=s.key_env,
                                           key_set=bool(s.key_env and self.env.get(s.key_env, "").strip()),
                                           auth=s.auth, models=dict(s.models))
@@ -146,7 +146,7 @@ class StatusEndpoints:
     async def render_metrics(self) -> str:
         counts, _ = await self.counts()
         text = metrics_text(counts, self.metrics, self.metrics.store_errors + self.runtime.errors,
-                            self.config.reloads, self.config.rejected)
+                            self.config.reloads, self.config.rejected, self.runtime.guard)
         for p in self.participants:
             if hasattr(p, "metrics"):
                 try:
@@ -160,7 +160,7 @@ class StatusEndpoints:
 
 
 def metrics_text(counts: Mapping[str, PinCount] | None, m: Metrics, store_errors: int, reloads: int,
-                 rejected: int) -> str:
+                 rejected: int, guard: Any = None) -> str:
     """The router's families, from what was counted (no store read here)."""
     out: list[str] = []
     by_server = sorted((counts or {}).items())
@@ -177,6 +177,11 @@ def metrics_text(counts: Mapping[str, PinCount] | None, m: Metrics, store_errors
     family(out, "sessionpin_refusals_total", "counter", "Requests answered by the router with an error, by reason.",
            ("reason",), sorted(m.refusals.items()))
     family(out, "sessionpin_store_errors_total", "counter", "Store calls that failed.", (), [((), store_errors)])
+    if guard is not None:
+        family(out, "sessionpin_store_lost", "gauge", "1 while the store lost what it held (every routed request "
+               "is refused until the operator decides).", (), [((), int(guard.lost is not None))])
+        family(out, "sessionpin_store_partial_losses_total", "counter", "Sessions whose served pin the store lost.",
+               (), [((), guard.partial)])
     family(out, "sessionpin_config_reloads_total", "counter", "Config files reloaded while running.", (),
            [((), reloads)])
     family(out, "sessionpin_config_rejected_total", "counter", "Config texts refused by validation while running.",

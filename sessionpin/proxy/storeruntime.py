@@ -15,6 +15,8 @@ Rules it keeps:
 - Activity (last seen, requests per session) is counted in memory by the router and
   flushed every few seconds; a heartbeat (``documents.Heartbeat``) lets the CLI find
   this proxy and tell it from a killed one; the pin index is swept every few minutes.
+- The store's identity is checked before the first request is routed and every second
+  (``StoreGuard``): a store that lost what it held is refused, never taken for new.
 - Background failures are logged and retried next round: the loop never dies.
 - At exit the last activity is flushed and the heartbeat removed (a few seconds at
   most), then the store is closed: a local one after its queued writes, from a thread of
@@ -40,6 +42,7 @@ from mitmproxy import ctx, exceptions
 from .. import __version__, pins
 from ..documents import HEARTBEAT_TTL, Heartbeat, heartbeat_encoder, heartbeat_key
 from ..store import Store, StoreError, StoreUnavailable, default_store_url, open_store, safe_url
+from .storeguard import StoreGuard
 
 log = logging.getLogger("sessionpin")
 
@@ -47,6 +50,7 @@ FLUSH_EVERY = 5.0
 HEARTBEAT_EVERY = 10.0
 SWEEP_EVERY = 600.0
 EXIT_TIMEOUT = 5.0
+WATCH_EVERY = 2.0       # a Redis store's durability and run_id are looked at again
 
 
 class StoreRuntime:
@@ -66,6 +70,7 @@ class StoreRuntime:
         self._closing: set[asyncio.Task] = set()       # stores closed on the loop (kept referenced)
         self._failing = False                            # the background loop's store calls fail
         self._on_store: list[Callable[[Store], None]] = []
+        self.guard = StoreGuard(self.env)                # a store that lost what it held routes nothing
 
     # ---- what other addons call --------------------------------------------------------
     def seen(self, session: str, agent: str, server: str | None, now: float) -> None:
@@ -104,6 +109,7 @@ class StoreRuntime:
                 sys.exit(2)
             raise exceptions.OptionsError(message) from None
         old, self.store, self.url, self._opened = self.store, store, store.url, url
+        self.guard.use(store, url)
         if old is not None:
             self._close(old)
         log.info("sessionpin: pins in %s", store.url)
@@ -203,7 +209,7 @@ class StoreRuntime:
 
     # ---- background -----------------------------------------------------------------------
     async def _background(self) -> None:
-        last_flush = last_beat = 0.0
+        last_flush = last_beat = last_watch = 0.0
         last_sweep = time.monotonic()
         begun = time.monotonic()
         first = True
@@ -213,6 +219,13 @@ class StoreRuntime:
                 store = self.store
                 if store is None:
                     continue
+                try:
+                    await self.guard.tick(store)    # a flushed or replaced store is seen within a second
+                    if hasattr(store, "watch") and time.monotonic() - last_watch >= WATCH_EVERY:
+                        last_watch = time.monotonic()
+                        await store.watch()         # a CONFIG SET or a restarted Redis, within seconds
+                except StoreError as e:             # requests meet the fault themselves
+                    log.debug("sessionpin: store %s: identity check: %s", self.url, e)
                 now = time.monotonic()
                 wrote = False
                 if now - last_flush >= FLUSH_EVERY:

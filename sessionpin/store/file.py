@@ -241,6 +241,9 @@ class FileStore:
     def zcount(self, key: str, lo: float, hi: float) -> int:
         return self._read(ops.q_zcount, key, lo, hi, snapshot=True)
 
+    def zscore(self, key: str, member: str) -> float | None:
+        return self._read(ops.q_zscore, key, member, snapshot=True)
+
     def zrange(self, key: str, lo: float, hi: float, limit: int | None = None) -> list[tuple[str, float]]:
         return self._read(ops.q_zrange, key, lo, hi, limit, snapshot=True)
 

@@ -301,6 +301,11 @@ class MemoryStore:
             entry = self._typed(key, ZSET)
             return 0 if entry is None else sum(1 for s in entry.value.values() if lo <= s <= hi)
 
+    def zscore(self, key: str, member: str) -> float | None:
+        with self._lock:
+            entry = self._typed(key, ZSET)
+            return None if entry is None else entry.value.get(member)
+
     def zrange(self, key: str, lo: float, hi: float, limit: int | None = None) -> list[tuple[str, float]]:
         with self._lock:
             entry = self._typed(key, ZSET)

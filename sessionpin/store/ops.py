@@ -314,6 +314,13 @@ def q_zcount(c: Conn, now: float, key: str, lo: float, hi: float) -> int:
                      (key, lo, hi)).fetchone()[0]
 
 
+def q_zscore(c: Conn, now: float, key: str, member: str) -> float | None:
+    if _row(c, now, key, ZSET) is None:
+        return None
+    row = c.execute("SELECT score FROM zsets WHERE key = ? AND member = ?", (key, member)).fetchone()
+    return None if row is None else float(row[0])
+
+
 def q_zrange(c: Conn, now: float, key: str, lo: float, hi: float, limit: int | None) -> list[tuple[str, float]]:
     if _row(c, now, key, ZSET) is None or (limit is not None and limit <= 0):
         return []               # (the type is checked first: redis answers WRONGTYPE)

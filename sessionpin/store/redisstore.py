@@ -8,13 +8,17 @@ errors' in ``redisconn``, the scripts' in ``redislua``):
 - One command per call where Redis has it (SET PX NX, INCRBY, HSETNX, HDEL…): each is
   atomic on the server. ``cas`` and ``apply`` are Lua scripts (``register_script``).
 - **Durable or raise.** The first call checks the server (``INFO``: Redis >= 7.0, cluster
-  mode as the URL says) and its durability (``CONFIG GET append*`` on every primary). A
-  durable write goes ahead only when every primary has ``appendonly yes`` and ``appendfsync
-  always`` — Redis then writes and fsyncs the AOF before it replies, so the reply means
-  "on disk" — or the URL says ``durability=accept-weaker``. Otherwise (weaker settings,
-  or CONFIG refused so nobody can tell) it raises ``NotDurable`` before sending anything.
-  The check is repeated before a durable write once it is ``recheck_interval`` (60 s) old,
-  and after any failure (a failover may have put another node in charge).
+  mode as the URL says) and its durability (``CONFIG GET append* maxmemory-policy`` on
+  every primary). A durable write goes ahead only when every primary has ``appendonly
+  yes``, ``appendfsync always`` — Redis then writes and fsyncs the AOF before it replies,
+  so the reply means "on disk" — and ``maxmemory-policy noeviction`` (any other policy
+  lets Redis drop an acknowledged pin under memory pressure), or the URL says
+  ``durability=accept-weaker``. Otherwise (weaker settings, or CONFIG refused so nobody
+  can tell) it raises ``NotDurable`` before sending anything. The check is repeated
+  before a durable write once it is ``recheck_interval`` (60 s) old, after any failure (a
+  failover may have put another node in charge), and by ``watch``, which the proxy calls
+  every 2 s and which also sees a restarted server (a new ``run_id``): in a proxy, a
+  ``CONFIG SET`` that weakens the server is seen within seconds, not a minute.
 - With ``wait=n`` a durable write also waits (``WAIT n wait_timeout_ms``, on the same
   connection, pipelined) for n replicas. Fewer in time → ``NotReplicated``, a
   ``NotDurable`` that says the write *was* made: it is on the primary's disk and may be
@@ -81,6 +85,7 @@ class RedisStore:
         self._closed = False
         self._version = "?"                       # the server's, once checked
         self._replication: dict[str, Any] | None = None   # the primary's role and replicas, by check()
+        self._run_id: str | None = None           # the server's (a restart makes a new one)
 
     # -- checking the server -----------------------------------------------------------
     async def _ready(self, key: str | None, *, write: bool, durable: bool) -> None:
@@ -106,6 +111,7 @@ class RedisStore:
         if major_minor < MIN_VERSION:
             raise StoreError(f"{self.url}: Redis {version} is too old: the store needs Redis >= 7.0")
         self._version = version
+        self._run_id = str(info.get("run_id") or "") or None
         mode = info.get("redis_mode", "standalone")
         if mode == "cluster" and not self._cfg.cluster:
             raise StoreError(f"{self.url}: this server is a node of a Redis Cluster; add ?cluster=1 to the URL")
@@ -117,19 +123,26 @@ class RedisStore:
         # a cluster the primaries it knows are the ones it writes to
         try:
             if self._cfg.cluster:
-                per_node = await self._writes.config_get("append*", target_nodes=RedisCluster.ALL_NODES)
+                per_node = await self._writes.config_get("append*", "maxmemory-policy",
+                                                         target_nodes=RedisCluster.ALL_NODES)
                 configs = list(per_node.values()) if isinstance(per_node, dict) and all(
                     isinstance(v, dict) for v in per_node.values()) else [per_node]
             else:
-                configs = [await self._writes.config_get("append*")]
+                configs = [await self._writes.config_get("append*", "maxmemory-policy")]
         except RedisError as e:
             if not is_refusal(e):
                 raise
             self._durability, self._server = None, f"unknown: CONFIG GET refused ({reason(e, self._cfg.password)})"
         else:
-            said = sorted({f"appendonly {c.get('appendonly', '?')}, appendfsync {c.get('appendfsync', '?')}"
-                           for c in configs})
-            self._durability = all(c.get("appendonly") == "yes" and c.get("appendfsync") == "always" for c in configs)
+            said = sorted({f"appendonly {c.get('appendonly', '?')}, appendfsync {c.get('appendfsync', '?')}, "
+                           f"maxmemory-policy {c.get('maxmemory-policy', '?')}" for c in configs})
+            was = self._durability
+            self._durability = all(c.get("appendonly") == "yes" and c.get("appendfsync") == "always"
+                                   and c.get("maxmemory-policy") == "noeviction" for c in configs)
+            if was and not self._durability:
+                log.warning("%s: the server is no longer durable (%s): durable writes are %s", self.url,
+                            " / ".join(said), "accepted weaker (durability=accept-weaker)"
+                            if self._cfg.durability == ACCEPT_WEAKER else "refused until it is")
             self._server = " / ".join(said) + (f" (on all {len(configs)} primaries)" if len(configs) > 1 else "")
         self._checked_at = time.monotonic()
         self._recheck = False
@@ -319,6 +332,10 @@ class RedisStore:
         return int(await self._read(key, self._reads.execute_command, "ZCOUNT", self._k(key), score_arg(lo),
                                     score_arg(hi)))
 
+    async def zscore(self, key: str, member: str) -> float | None:
+        got = await self._read(key, self._reads.zscore, self._k(key), member)
+        return None if got is None else float(got)
+
     async def zrange(self, key: str, lo: float, hi: float, limit: int | None = None) -> list[tuple[str, float]]:
         paged = {} if limit is None else {"offset": 0, "num": max(int(limit), 0)}   # LIMIT 0 0: none
         found = await self._read(key, self._reads.zrange, self._k(key), score_arg(lo), score_arg(hi), byscore=True,
@@ -402,6 +419,24 @@ class RedisStore:
         self._ok()
         return self.describe()
 
+    async def watch(self) -> None:
+        """The server's durability again, and whether it is the server it was (its
+        ``run_id``): cheap (INFO server, one CONFIG GET), for a caller that looks every few
+        seconds. A restarted server is said once (its data may be gone: the caller's
+        identity check tells)."""
+        await self._ready(None, write=False, durable=False)
+        try:
+            info = await self._reads.info("server")
+            run_id = str(info.get("run_id") or "") or None
+            if run_id and self._run_id and run_id != self._run_id:
+                log.warning("%s: the Redis server restarted (a new run_id): its durability is checked again",
+                            self.url)
+            self._run_id = run_id or self._run_id
+            await self._check_durability()
+        except Exception as e:   # translate re-raises what is not the server's
+            raise self._fail(e, write=False, durable=False) from None
+        self._ok()
+
     def describe(self) -> dict[str, Any]:
         cfg = self._cfg
         # durable: True only once the servers said they fsync every write
@@ -424,7 +459,7 @@ class RedisStore:
             "prefix": self._prefix,
             "durable": durable,
             "durability": {"required": cfg.durability, "server": self._server, "wait": cfg.wait,
-                           "wait_timeout_ms": cfg.wait_timeout_ms},
+                           "wait_timeout_ms": cfg.wait_timeout_ms, "run_id": self._run_id},
             "replication": self._replication,        # None until check() asked
             "health": "ok" if self._down is None and self._checked else (
                 f"unavailable: {self._down}" if self._down else "not connected yet"),

@@ -673,6 +673,9 @@ class Mitmdump:
         if self.alive:
             raise MitmdumpError("already running")
         env = {**os.environ, **self.env}
+        # what the proxy remembers of its store (issue 18): the test run's (tests/conftest.py),
+        # else this rig's own — never the user's config dir (scripts and benches use the harness)
+        env.setdefault("SESSIONPIN_STORE_MEMORY", str(self.workdir / "store-memory"))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
         env["PYTHONUNBUFFERED"] = "1"
         for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):

@@ -65,7 +65,7 @@ class Rig:
         self.mitm = Mitmdump.router(tmp / "router", self.ca, text, env={GLM_ENV: GLM_KEY})
         self.config = self.mitm.config_path
         self.store = self.mitm.options["sessionpin_store"]
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_")}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_") or k == "SESSIONPIN_STORE_MEMORY"}
         self.env.pop(GLM_ENV, None)
 
     def cli(self, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -302,7 +302,7 @@ def test_sessionpin_run_starts_the_router_from_the_installed_package(tmp_path):
         got = fakes["glm"].received()
         assert len(got) == 1 and got[0].header("x-api-key") == GLM_KEY
         assert fakes["anthropic"].received() == []
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_") or k == "SESSIONPIN_STORE_MEMORY"}
         deadline = time.monotonic() + 10
         while True:
             p = subprocess.run([*sessionpin_argv(), "--config", str(config), "--store", store, "status", "--json"],

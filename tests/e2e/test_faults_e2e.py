@@ -114,7 +114,7 @@ class Rig:
         self.mitm = Mitmdump.router(tmp / "router", self.ca, self.base, env={GLM_ENV: GLM_KEY},
                                     options={"sessionpin_max_body_mb": LIMIT_MB})
         self.store = self.mitm.options["sessionpin_store"]
-        self.cli_env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_")}
+        self.cli_env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_") or k == "SESSIONPIN_STORE_MEMORY"}
 
     def config(self, *names: str) -> str:
         table = {"anthropic": {"url": self.fakes["anthropic"].url},

@@ -123,10 +123,11 @@ def test_a_pinned_turn_costs_one_get(world: World) -> None:
     lines = monitor.stdout.read().splitlines()
     commands = [re.findall(r'"((?:[^"\\]|\\.)*)"', line) for line in lines if "] " in line]
     p = world.prefix
-    # heartbeats, the activity flush (every 5 s, batched), and the lineage index written once a
-    # response has completed (its request-id, so a resumed Claude Code names its parent): none
-    # is on a turn's path
-    background = tuple(p + b for b in ("proxy:", "seen:", "active:", "lin:"))
+    # heartbeats, the activity flush (every 5 s, batched), the lineage index written once a
+    # response has completed (its request-id, so a resumed Claude Code names its parent), and
+    # the store guard's look at the store's identity (every second) and pin count (every 30 s,
+    # from the index): none is on a turn's path
+    background = tuple(p + b for b in ("proxy:", "seen:", "active:", "lin:", "store:", "pinidx"))
     turn = [c for c in commands if c and c[0].upper() not in ("PING", "INFO", "CONFIG", "HELLO", "CLIENT")
             and not any(a.startswith(background) for a in c[1:4])]
     pin_gets = [c for c in turn if c == ["GET", p + "pin:" + s]]
@@ -224,7 +225,7 @@ def test_a_stopped_redis_gets_503_naming_it_then_the_same_routers_route_again(wo
 
 def cli(world: World, *argv: str, router: int = 0) -> subprocess.CompletedProcess[str]:
     """The command as an operator runs it, with the store URL in its environment."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_") or k == "SESSIONPIN_STORE_MEMORY"}
     env["SESSIONPIN_STORE"] = world.redis.url(world.prefix)
     return subprocess.run([*sessionpin_argv(), "--config", str(world.proxies[router].config_path), *argv],
                           capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)

@@ -153,7 +153,7 @@ class Proxy:
 def cli(db: Path, config: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).parent / "sessionpin"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "sessionpin.cli"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONPIN_") or k == "SESSIONPIN_STORE_MEMORY"}
     return subprocess.run([*cmd, "--config", str(config), "--store", f"file:{db}", *argv],
                           capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
 

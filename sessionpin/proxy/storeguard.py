@@ -1,0 +1,217 @@
+"""StoreGuard: the proxy refuses to take a store that lost what it held for a new one (issue 18).
+
+Rules it keeps:
+- Before the first request it routes with a store, the guard settles the store's identity
+  (``store.identity``) against what this machine remembers of the URL; a store that came
+  back empty or with another identity is *lost*: every routed request is refused with 503
+  naming the store, what was lost and the command that decides (``gate``). The store is
+  looked at again every ``CHECK_EVERY`` (1 s, one read of one key) and on a continuation
+  whose pin is missing, so a FLUSHALL while running is seen at once by the request that
+  would have met it, and within a second otherwise.
+- A store this machine never saw is taken as it is (a new one gets its identity), and the
+  log says so; it is remembered from then on, with its live pin count (every
+  ``COUNT_EVERY``) so a later loss can say how much was lost.
+- Partial loss: a pin this proxy served (``served.Served``, bounded), or — for a
+  continuation — one the pin index still holds (made by any proxy: the index entry is
+  written with the pin and removed by ``forget``), that the store no longer has, not
+  forgotten by the operator (tombstone) and not expired, is a refusal and one ERROR line
+  per session. When the operator accepts the losses (the identity's
+  ``accepted`` time moves on; a restore does not move it), the served pins missing then are forgotten (their conversations are decided
+  afresh) and the others are still watched.
+- The memory file is read and written off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Any, Mapping
+
+from .. import pins
+from ..served import Served
+from ..store import Store, StoreError
+from ..store import identity as ident
+
+log = logging.getLogger("sessionpin")
+
+CHECK_EVERY = 1.0
+COUNT_EVERY = 30.0
+
+
+class StoreGuard:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.env = env if env is not None else os.environ
+        self.served = Served()
+        self.lost: str | None = None          # why every routed request is refused
+        self.kind: str | None = None          # the last verdict (identity.OK, LOST…)
+        self.partial = 0                      # sessions whose served pin the store lost
+        self._store: Store | None = None
+        self._url = ""                        # as given (the memory is keyed by its location)
+        self._memory: ident.Memory | None = None
+        self._remembered: ident.Remembered | None = None
+        self._raw: str | None = None          # the identity's text last read
+        self._settled = False
+        self._lock = asyncio.Lock()
+        self._checked = 0.0
+        self._counted = 0.0
+        self._made = 0
+        self._accepted_at: float | None = None   # the identity's ``accepted`` when last read
+        self.who = f"{socket.gethostname()}:{os.getpid()}"
+
+    def use(self, store: Store, url: str) -> None:
+        """A store was opened (or replaced): nothing of the old one applies to it."""
+        self._store, self._url = store, url
+        self._memory = ident.Memory(url, self.env)
+        self._remembered, self._raw, self._settled, self._made = None, None, False, 0
+        self._accepted_at = None
+        self.lost, self.kind = None, None
+        self.served.clear()
+
+    # ---- what the router asks ---------------------------------------------------------------
+    async def gate(self, store: Store) -> str | None:
+        """None: route. Else the refusal's message (the store is lost). Raises
+        ``StoreUnavailable`` when it cannot tell (the caller refuses as for any read fault)."""
+        if store is not self._store:
+            return None                         # (a store the runtime does not know: tests)
+        if not self._settled:
+            await self.check(store)
+        return self.lost
+
+    def saw(self, session: str, pin: pins.Pin | None, now: float, made: bool = False) -> None:
+        if pin is not None:
+            self.served.saw(session, pin.server, pins.expiry(pin), now)
+            self._made += made              # pins made since the last count (what a loss says it held)
+
+    async def missed(self, store: Store, session: str, agent: str, continuation: bool, now: float) -> str | None:
+        """A pin read as absent: a loss (the message) or truly none (None). A loss is a pin
+        this proxy served, or — for a continuation — one the pin index still holds (any
+        proxy made it); neither forgotten by the operator nor expired."""
+        expected = self.served.expected(session, now)
+        if expected is not None and self.served.forgotten(session, await store.get(pins.FORGOT_PREFIX + session)):
+            expected = None
+        if expected is None and not continuation:
+            return None                     # an opening: a new conversation whatever the store says
+        if store is self._store:
+            await self.check(store)         # a flushed store is seen by the request that meets it
+        if self.lost:
+            return self.lost
+        if expected is not None and self.served.expected(session, now) is None:
+            expected = None                 # the operator accepted the losses meanwhile
+        how = "which this proxy served"
+        if expected is None:
+            found = await pins.index_entry(store, agent, session, now)
+            if found is None:
+                return None                 # truly never pinned (or forgotten, or expired)
+            expected, how = (found[0], found[1], 0.0), "which its pin index still holds"
+        server = expected[0] or "not routed"
+        message = (f"store {store.url} no longer has the pin of session {session} (pinned to {server}), {how}; "
+                   f"no `sessionpin forget` of it is recorded and it had not expired. It is not taken for a new "
+                   f"conversation: restore the store (`sessionpin store copy BACKUP {store.url}`) or accept the "
+                   f"loss (`sessionpin store accept-loss --store {store.url}`)")
+        if self.served.report(session):
+            self.partial += 1
+            log.error("sessionpin: %s", message)
+            try:
+                await ident.record_partial(store, session, f"{server} (by {self.who} at {time.time():.0f})")
+            except StoreError as e:
+                log.warning("sessionpin: could not record the lost pin in %s: %s", store.url, e)
+        return message
+
+    # ---- looking at the store ---------------------------------------------------------------
+    async def tick(self, store: Store) -> None:
+        """The background loop's look (every round; it checks every CHECK_EVERY, and counts
+        the pins every COUNT_EVERY right after a check found the store whole)."""
+        now = time.monotonic()
+        if store is not self._store or now - self._checked < CHECK_EVERY:
+            return
+        await self.check(store)
+        if self.kind in ident.LOSSES or self._remembered is None or now - self._counted < COUNT_EVERY:
+            return
+        self._counted = now
+        made, self._made = self._made, 0
+        try:
+            n = sum(c[0] for c in (await pins.counts(store, time.time())).values())
+            # a count of a store emptied meanwhile is not what it held: only one whose
+            # identity is still the one just checked is remembered
+            still = (await ident.read(store))[1] == self._raw
+        except BaseException:
+            self._made += made
+            raise
+        if not still:
+            self._made += made
+            return
+        r = self._remembered
+        if n != r.pins or time.time() - r.seen >= 3600:
+            await self._remember(ident.Remembered(r.store, r.id, n, time.time()))
+
+    async def check(self, store: Store) -> None:
+        async with self._lock:
+            if store is not self._store:
+                return
+            self._checked = time.monotonic()
+            if not self._settled:
+                self._remembered = await asyncio.to_thread(self._memory.load)
+            r = self._remembered
+            if r is not None and self._made:
+                r = ident.Remembered(r.store, r.id, r.pins + self._made, r.seen)
+            s = await ident.settle(store, store.url, r, time.time())
+            accepted = s.identity.accepted if s.identity is not None and s.kind not in ident.LOSSES else None
+            if self._settled and accepted is not None and self._accepted_at is not None \
+                    and accepted > self._accepted_at:
+                await self._accepted(store)  # the operator accepted the losses (accept-loss)
+            if accepted is not None:
+                self._accepted_at = accepted
+            self._raw, self.kind = s.raw, s.kind
+            self._settled = True
+            if s.kind in ident.LOSSES:
+                if self.lost != s.message:
+                    log.error("sessionpin: %s", s.message)
+                    try:
+                        await ident.record_loss(store, r, self.who, time.time())
+                    except StoreError as e:
+                        log.warning("sessionpin: could not record the loss in %s: %s", store.url, e)
+                self.lost = s.message
+                return
+            if self.lost is not None:
+                log.warning("sessionpin: store %s: %s; routing resumes", store.url,
+                            "the operator accepted its loss" if s.kind == ident.ACCEPTED else "it is whole again")
+            self.lost = None
+            if s.kind == ident.NEW:
+                log.info("sessionpin: store %s is new: its identity %s was made now", store.url, s.identity.id)
+            elif s.kind == ident.FIRST:
+                log.warning("sessionpin: this machine has not used store %s before: it is taken as it is "
+                            "(identity %s)", store.url, s.identity.id)
+            if s.kind != ident.OK:
+                r = self._remembered
+                keep = r.pins if r is not None and s.kind == ident.OK else 0
+                await self._remember(ident.Remembered(store.url, s.identity.id, keep, time.time()))
+                self._counted = 0.0         # count its pins at the next tick
+
+    async def _accepted(self, store: Store) -> None:
+        """The store's identity changed by the operator's hand: the pins missing now are the
+        losses accepted (forgotten here); the others are still watched."""
+        sessions = self.served.sessions()
+        for n in range(0, len(sessions), 500):
+            batch = sessions[n:n + 500]
+            for session, raw in zip(batch, await store.mget([pins.key(x) for x in batch])):
+                if raw is None:
+                    self.served.drop(session)
+
+    async def _remember(self, r: ident.Remembered) -> None:
+        self._remembered = r
+        try:
+            await asyncio.to_thread(self._memory.save, r)
+        except OSError as e:
+            log.warning("sessionpin: cannot write what this machine remembers of store %s (%s): %s",
+                        r.store, self._memory.path, e.strerror or e)
+
+    def describe(self) -> dict[str, Any]:
+        r = self._remembered
+        return {"identity": r.id if r else None, "verdict": self.kind, "lost": self.lost,
+                "remembered_pins": r.pins if r else None, "served_pins": len(self.served),
+                "served_bound": self.served.bound, "partial_losses": self.partial,
+                "memory": str(self._memory.path) if self._memory and self._memory.path else None}
+

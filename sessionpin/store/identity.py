@@ -1,0 +1,271 @@
+"""A store's identity, and what this machine remembers of it: a store that lost what it
+held is not a new store (issue 18).
+
+Rules it keeps:
+- A store has an identity (``store:identity``: a random id, when it was made, and the
+  identities the operator accepted it in place of), made the first time a proxy or the
+  CLI uses the store and kept with the data — in a file store's database and journal, in
+  Redis as one more key — so a backup or a ``store copy`` carries it.
+- Outside the store, each machine remembers which identity a store URL last had and how
+  many pins it held (``Memory``: one small 0600 JSON file per store under
+  ``$SESSIONPIN_STORE_MEMORY``, else the user's config dir's ``sessionpin/stores/``: not
+  the state dir, where the default file store lives, so deleting the store's directory
+  does not delete what was remembered of it). The file is named by a hash of the store's
+  location (a file's absolute path; a Redis server, db, prefix), never its password.
+- ``judge``: nothing remembered and no identity → new (made now); nothing remembered and
+  an identity → first sight (taken as it is); the same identity → ok; an identity that
+  accepts the remembered one (the operator ran ``store accept-loss``, or a ``store copy``
+  put another in place) → taken; no identity (empty, flushed, deleted, restarted without
+  its AOF) → **lost**; another identity → **replaced**. A lost or replaced store is never
+  taken for new: the caller refuses until the operator decides.
+- A proxy that finds its store lost says so in the store too (``store:losses``: the
+  identity it expected and how much it held), so ``accept-loss`` run from any machine
+  accepts what every proxy remembers.
+- A remembered file that cannot be read is an error, never "nothing remembered".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import msgspec
+import platformdirs
+
+from .base import Check, Delete, NotDurable, Set, Store, StoreError
+
+IDENTITY_KEY = "store:identity"
+LOSSES_KEY = "store:losses"   # hash: a lost identity -> what it held; PARTIAL + session -> a lost pin
+PARTIAL = "pin:"
+MEMORY_ENV = "SESSIONPIN_STORE_MEMORY"
+KEEP_ACCEPTED = 50          # identities an identity remembers accepting (older ones fall off)
+
+OK, NEW, FIRST, ACCEPTED, LOST, REPLACED = "ok", "new", "first-sight", "accepted", "lost", "replaced"
+LOSSES = frozenset({LOST, REPLACED})
+
+
+class Identity(msgspec.Struct, frozen=True, omit_defaults=True):
+    id: str
+    created: float
+    accepts: tuple[str, ...] = ()   # identities the operator took this one in place of
+    accepted: float = 0.0           # when the operator last accepted a loss (proxies then forget
+                                    # the served pins missing at that moment)
+
+
+class Remembered(msgspec.Struct, frozen=True, omit_defaults=True):
+    store: str                      # the store's safe URL, for the operator reading the file
+    id: str
+    pins: int = 0                   # live pins when last counted
+    seen: float = 0.0               # when this machine last saw the store whole
+
+
+_id_decoder = msgspec.json.Decoder(Identity)
+_mem_decoder = msgspec.json.Decoder(Remembered)
+
+
+def encode(obj: msgspec.Struct) -> str:
+    return msgspec.json.encode(obj).decode()
+
+
+def decode_identity(raw: str | None) -> Identity | None:
+    """The identity a store holds; a value that is not one reads as an identity nobody
+    made (``unreadable``): never as "no identity", which would make the store new."""
+    if raw is None:
+        return None
+    try:
+        return _id_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return Identity(id="unreadable", created=0.0)
+
+
+def judge(remembered: Remembered | None, found: Identity | None) -> str:
+    if remembered is None:
+        return NEW if found is None else FIRST
+    if found is None:
+        return LOST
+    if found.id == remembered.id:
+        return OK
+    if remembered.id in found.accepts:
+        return ACCEPTED
+    return REPLACED
+
+
+def describe_loss(url: str, kind: str, remembered: Remembered, found: Identity | None) -> str:
+    """What was lost, for the refusal, the log and the CLI (ids and counts only)."""
+    held = f"{remembered.pins} pin{'s' if remembered.pins != 1 else ''}"
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(remembered.seen)) if remembered.seen else "?"
+    now = ("answers empty, without its identity" if kind == LOST
+           else f"answers with another identity ({found.id if found else '?'})")
+    return (f"store {url} lost what it held: it {now}, but when last seen whole ({when}) it was store "
+            f"{remembered.id} holding {held}. sessionpin does not take it for a new store: every routed request "
+            f"is refused until you restore it (`sessionpin store copy BACKUP {url}`) or start over "
+            f"(`sessionpin store accept-loss --store {url}`)")
+
+
+# ---- what a machine remembers ------------------------------------------------------------
+
+def memory_dir(env: Mapping[str, str] | None = None) -> Path:
+    given = (env or {}).get(MEMORY_ENV) or os.environ.get(MEMORY_ENV)    # the caller's, else the process's
+    return Path(given).expanduser() if given else Path(platformdirs.user_config_dir("sessionpin")) / "stores"
+
+
+def location(url: str) -> str | None:
+    """Where a store URL's data is, without its password or options that do not change it
+    (None: ``memory:``, which nobody can lose across processes)."""
+    scheme, _, rest = url.partition(":")
+    scheme = scheme.lower()
+    if scheme == "memory":
+        return None
+    if scheme == "file":
+        path = rest[2:] if rest.startswith("//") else rest
+        return "file:" + str(Path(path).expanduser().absolute())
+    from .redisurl import parse
+
+    c = parse(url)
+    where = c.path if c.path else f"{c.host}:{c.port}"
+    return f"redis:{where}/{c.db}/{c.prefix}{'/cluster' if c.cluster else ''}"
+
+
+class Memory:
+    """The remembered identity of one store URL (a small file, written whole by rename)."""
+
+    def __init__(self, url: str, env: Mapping[str, str] | None = None) -> None:
+        where = location(url)
+        self.path = None if where is None else memory_dir(env) / (
+            hashlib.sha256(where.encode()).hexdigest()[:32] + ".json")
+
+    def load(self) -> Remembered | None:
+        if self.path is None:
+            return None
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read what this machine remembers of the store ({self.path}): "
+                             f"{e.strerror or e}") from None
+        try:
+            return _mem_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise StoreError(f"what this machine remembers of the store ({self.path}) is unreadable ({e}); "
+                             "move it away only if you know the store is whole") from None
+
+    def save(self, r: Remembered) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, msgspec.json.encode(r) + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+
+
+# ---- what a store holds ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Settled:
+    kind: str                       # OK, NEW, FIRST, ACCEPTED, LOST, REPLACED
+    identity: Identity | None       # what the store holds now
+    raw: str | None                 # its text (a change of it is the operator's decision)
+    message: str = ""               # for LOST and REPLACED
+
+
+async def read(store: Store) -> tuple[Identity | None, str | None]:
+    raw = await store.get(IDENTITY_KEY)
+    return decode_identity(raw), raw
+
+
+async def _write(store: Store, checks: list, writes: list) -> bool:
+    """Durable where the store can be; a store that cannot (a Redis without fsync) gets the
+    identity anyway: it is what lets a later loss be seen."""
+    try:
+        return await store.apply(checks, writes, durable=True)
+    except NotDurable as e:
+        if getattr(e, "applied", False):
+            return True
+        return await store.apply(checks, writes)
+
+
+async def settle(store: Store, url: str, remembered: Remembered | None, now: float) -> Settled:
+    """Read the store's identity and judge it against what was remembered; a new store gets
+    its identity now (the first of two racing makers wins; the other takes it)."""
+    found, raw = await read(store)
+    kind = judge(remembered, found)
+    if kind == NEW:
+        made = Identity(id=uuid.uuid4().hex, created=now)
+        text = encode(made)
+        if await _write(store, [Check(IDENTITY_KEY, None)], [Set(IDENTITY_KEY, text)]):
+            found, raw = made, text
+        else:
+            found, raw = await read(store)
+            kind = judge(None, found)
+    message = describe_loss(url, kind, remembered, found) if kind in LOSSES and remembered else ""
+    return Settled(kind, found, raw, message)
+
+
+async def record_loss(store: Store, remembered: Remembered, who: str, now: float) -> None:
+    """Say in the store which identity was expected (``accept-loss`` accepts it)."""
+    said = {"store": remembered.store, "pins": remembered.pins, "seen": remembered.seen, "by": who, "at": now}
+    await store.hsetnx(LOSSES_KEY, remembered.id, msgspec.json.encode(said).decode())
+
+
+async def losses(store: Store) -> dict[str, str]:
+    return await store.hgetall(LOSSES_KEY)
+
+
+async def record_partial(store: Store, session: str, said: str) -> None:
+    """A proxy says the store lost a pin it served (``accept-loss`` counts them)."""
+    await store.hsetnx(LOSSES_KEY, PARTIAL + session, said)
+
+
+async def accept_loss(store: Store, remembered: Remembered | None, now: float
+                      ) -> tuple[Identity, list[str], int]:
+    """The operator starts over: the store keeps (or gets) an identity that accepts every
+    identity a proxy said it lost and the one this machine remembers, and a new
+    ``accepted`` time (its text changes: proxies forget the pins they served). Returns it,
+    the identities accepted now, and how many lost pins proxies had reported."""
+    for _ in range(3):
+        found, raw = await read(store)
+        said = await losses(store)
+        partial = sum(1 for k in said if k.startswith(PARTIAL))
+        lost = {k for k in said if not k.startswith(PARTIAL)}
+        if remembered is not None:
+            lost.add(remembered.id)
+        base = found or Identity(id=uuid.uuid4().hex, created=now)
+        lost.discard(base.id)
+        accepts = [a for a in base.accepts if a not in lost] + sorted(lost)
+        new = msgspec.structs.replace(base, accepts=tuple(accepts[-KEEP_ACCEPTED:]), accepted=now)
+        if await _write(store, [Check(IDENTITY_KEY, raw)], [Set(IDENTITY_KEY, encode(new)), Delete(LOSSES_KEY)]):
+            return new, sorted(lost), partial
+    raise StoreError(f"{store.url}: its identity changed three times while it was being accepted; run it again")
+
+
+async def carry(dst: Store, src_identity: Identity | None) -> Identity | None:
+    """After a ``store copy``: the destination takes the source's identity (a restore brings
+    back the store the proxies remember), accepting the one it had (its keys are still
+    there: nothing of it was lost). Returns the destination's identity."""
+    if src_identity is None:
+        return (await read(dst))[0]
+    for _ in range(3):
+        found, raw = await read(dst)
+        if found is not None and found.id == src_identity.id:
+            return found
+        accepts = list(src_identity.accepts)
+        if found is not None:
+            accepts += [a for a in (found.id, *found.accepts) if a not in accepts and a != src_identity.id]
+        # ``accepted`` stays the source's: a restore accepts no loss (pins made after the
+        # backup are still refused by the proxies that served them, until accept-loss)
+        new = msgspec.structs.replace(src_identity, accepts=tuple(accepts[-KEEP_ACCEPTED:]))
+        if await _write(dst, [Check(IDENTITY_KEY, raw)], [Set(IDENTITY_KEY, encode(new))]):
+            await dst.hdel(LOSSES_KEY, src_identity.id)    # it is back
+            return new
+    raise StoreError(f"{dst.url}: its identity changed three times during the copy; run it again")

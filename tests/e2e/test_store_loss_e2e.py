@@ -1,0 +1,329 @@
+"""A store that lost what it acknowledged fails closed (issue 18): real mitmdump routers, real
+redis-servers started here, a real file store, the real CLI.
+
+Each fault is one an operator meets: FLUSHALL while the router runs, a cleanup script that
+DELs pin keys, Redis restarted with its AOF gone (the same URL answers empty), the file
+store's directory deleted while the router is stopped. Each time: no continuation reaches
+another server (the fakes count every request), the refusal is a 424 (no retry signals) in Anthropic's format
+naming the store and what was lost and the command that decides, status shows it, and the
+command (``store accept-loss`` to start over, ``store copy BACKUP URL`` to restore) brings
+routing back without restarting the router.
+"""
+
+from __future__ import annotations
+
+import http.client
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from redis_servers import RedisServer, unique_prefix, wait_for
+from sessionpin import pins
+from sessionpin.answers import NO_RETRY_STATUS as LOST      # a lost store: only the operator can decide
+
+from .harness import Client, FakeServer, Mitmdump, Reply, TestCA, toml_config
+from .test_cli_e2e import sessionpin_argv
+from .test_router_e2e import GLM_ENV, GLM_KEY, SESSION_HEADER, cc
+
+
+class Rig:
+    """Fakes ``anthropic`` (what the client addresses) and ``glm`` (where new Claude Code
+    conversations go); one router on ``store_url``."""
+
+    def __init__(self, tmp: Path, store_url: str) -> None:
+        self.tmp = tmp
+        self.ca = TestCA(tmp / "ca")
+        self.fakes = {n: FakeServer(n, self.ca) for n in ("anthropic", "glm")}
+        for f in self.fakes.values():
+            f.start()
+        servers = {"anthropic": {"url": self.fakes["anthropic"].url},
+                   "glm": {"url": self.fakes["glm"].url, "key_env": GLM_ENV}}
+        self.url = store_url
+        self.router = Mitmdump.router(tmp / "router", self.ca, toml_config(servers, {"claude-code": "glm"}),
+                                      env={GLM_ENV: GLM_KEY},
+                                      options={"sessionpin_store": store_url, "sessionpin_pool": False})
+
+    def send(self, kind: str, session: str) -> Reply:
+        req = cc(kind, session, stream=False)
+        client = Client.via_proxy(self.router.port, self.router.mitm_ca, timeout=15)
+        return client.request(req.method, self.fakes["anthropic"].origin + req.path, req.headers, req.body)
+
+    def status(self) -> dict:
+        client = Client.via_proxy(self.router.port, self.router.mitm_ca, timeout=10)
+        return client.request("GET", self.fakes["anthropic"].origin + "/__sessionpin/status").json()
+
+    def received(self, name: str, session: str) -> int:
+        return sum(1 for r in self.fakes[name].received() if r.header(SESSION_HEADER) == session)
+
+    def open(self, n: int) -> list[str]:
+        """n conversations opened (each pinned to glm) and continued once."""
+        sessions = [str(uuid.uuid4()) for _ in range(n)]
+        for s in sessions:
+            for kind in ("opening", "continuation"):
+                r = self.send(kind, s)
+                assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+        return sessions
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*sessionpin_argv(), *args, "--store", self.url], capture_output=True, text=True,
+                              timeout=60, cwd=self.tmp)
+
+    def stop(self) -> None:
+        self.router.stop(signal.SIGKILL)
+        for f in self.fakes.values():
+            f.stop()
+
+
+def refused_as_lost(rig: Rig, sessions: list[str], loss: str) -> None:
+    """Every continuation is a 424 naming the store and the loss; nothing reached a server."""
+    before = {s: (rig.received("glm", s), rig.received("anthropic", s)) for s in sessions}
+    for s in sessions:
+        r = rig.send("continuation", s)
+        assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
+        body = r.json()
+        assert body["type"] == "error", body                  # Anthropic's error format
+        message = body["error"]["message"]
+        assert f"store {rig.url}" in message and loss in message, message
+        assert "sessionpin store accept-loss" in message and "sessionpin store copy BACKUP" in message, message
+    after = {s: (rig.received("glm", s), rig.received("anthropic", s)) for s in sessions}
+    assert after == before, "a continuation reached a server while the store was lost"
+
+
+def routes_again(rig: Rig, sessions: list[str], where: str) -> None:
+    """Within a few seconds of the operator's command, without restarting the router."""
+    wait_for(lambda: rig.send("continuation", sessions[0]).status == 200, 10, "routing to resume")
+    for s in sessions:
+        r = rig.send("continuation", s)
+        assert (r.status, r.header("x-fake-server")) == (200, where), r.text[:300]
+    fresh = str(uuid.uuid4())
+    r = rig.send("opening", fresh)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    assert rig.status()["store_info"]["identity"]["lost"] is None
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def rig_on(tmp_path: Path):
+    made: list[Rig] = []
+
+    def make(url: str) -> Rig:
+        rig = Rig(tmp_path, url)
+        rig.router.start()
+        made.append(rig)
+        return rig
+    yield make
+    for rig in made:
+        rig.stop()
+
+
+def test_flushall_while_running_is_refused_until_the_operator_accepts_the_loss(redis, rig_on):
+    rig = rig_on(redis.url(unique_prefix()))
+    sessions = rig.open(5)
+    redis.client().flushall()
+    # the very next request meets it (no window where a pin reads as "never pinned")
+    refused_as_lost(rig, sessions, "lost what it held: it answers empty")
+    lost = rig.status()["store_info"]["identity"]
+    assert lost["verdict"] == "lost" and "5 pins" in lost["lost"]
+    assert "lost what it held" in rig.router.output
+    done = rig.cli("store", "accept-loss")
+    assert done.returncode == 0, done.stderr
+    assert "Accepted the loss" in done.stdout
+    # starting over: the lost conversations are decided afresh (left alone, to the server they address)
+    routes_again(rig, sessions, "anthropic")
+
+
+def test_pin_keys_deleted_by_another_client_are_refused_until_restored(redis, rig_on, tmp_path):
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    sessions = rig.open(4)
+    backup = f"file:{tmp_path}/backup/state.db"
+    copied = subprocess.run([*sessionpin_argv(), "store", "copy", rig.url, backup], capture_output=True,
+                            text=True, timeout=60)
+    assert copied.returncode == 0, copied.stderr
+    gone, kept = sessions[:2], sessions[2:]
+    # a second router (another machine) that never served these conversations
+    other = Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
+                            env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": str(tmp_path / "machine-b")},
+                            options={"sessionpin_store": rig.url, "sessionpin_pool": False})
+    other.start()
+    raw = redis.client()
+    assert raw.delete(*(prefix + pins.key(s) for s in gone)) == 2     # a key-pattern mistake
+    try:
+        req = cc("continuation", gone[1], stream=False)
+        r = Client.via_proxy(other.port, other.mitm_ca, timeout=15).request(
+            req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
+        assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
+        assert "which its pin index still holds" in r.json()["error"]["message"]
+    finally:
+        other.stop(signal.SIGKILL)
+    for s in gone:
+        r = rig.send("continuation", s)
+        assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
+        message = r.json()["error"]["message"]
+        assert f"store {rig.url} no longer has the pin of session {s} (pinned to glm)" in message, message
+        assert "sessionpin store accept-loss" in message and "sessionpin store copy BACKUP" in message
+        assert rig.received("anthropic", s) == 0
+    for s in kept:
+        r = rig.send("continuation", s)
+        assert (r.status, r.header("x-fake-server")) == (200, "glm")
+    assert rig.send("continuation", gone[0]).status == LOST                 # refused again, said once:
+    said = [ln for ln in rig.router.output.splitlines() if "no longer has the pin" in ln and f"refused {LOST}" not in ln]
+    assert len(said) == 2, said                                             # one ERROR line per lost pin
+    assert rig.status()["store_info"]["identity"]["partial_losses"] == 2
+    # the operator restores: the proxy is running and refusing, so the copy needs no --force
+    restored = subprocess.run([*sessionpin_argv(), "store", "copy", backup, rig.url], capture_output=True,
+                              text=True, timeout=60)
+    assert restored.returncode == 0, restored.stderr
+    routes_again(rig, sessions, "glm")
+    assert all(rig.received("anthropic", s) == 0 for s in sessions)
+
+
+def test_redis_restarted_with_its_aof_gone_is_refused_until_restored(redis, rig_on, tmp_path):
+    rig = rig_on(redis.url(unique_prefix()))
+    sessions = rig.open(4)
+    backup = f"file:{tmp_path}/backup/state.db"
+    copied = subprocess.run([*sessionpin_argv(), "store", "copy", rig.url, backup], capture_output=True,
+                            text=True, timeout=60)
+    assert copied.returncode == 0, copied.stderr
+    redis.kill()
+    for p in (tmp_path / "redis").iterdir():              # its AOF lost: the same URL answers empty
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    redis.start()
+    assert redis.client().dbsize() == 0
+    refused_as_lost(rig, sessions, "lost what it held: it answers empty")
+    # a router restarted meanwhile remembers the store too: still refused, not a new store
+    rig.router.restart(signal.SIGKILL)
+    refused_as_lost(rig, sessions[:1], "lost what it held")
+    restored = subprocess.run([*sessionpin_argv(), "store", "copy", backup, rig.url], capture_output=True,
+                              text=True, timeout=60)
+    assert restored.returncode == 0, restored.stderr
+    routes_again(rig, sessions, "glm")
+
+
+def test_file_store_directory_deleted_while_stopped_is_refused_until_accepted(rig_on, tmp_path):
+    where = tmp_path / "state"
+    rig = rig_on(f"file:{where}/state.db")
+    sessions = rig.open(4)
+    rig.router.stop()
+    shutil.rmtree(where)                                   # the store, its journal, its directory
+    rig.router.start()
+    refused_as_lost(rig, sessions, "lost what it held: it answers empty")
+    assert "lost what it held" in rig.router.output
+    listed = rig.cli("sessions")                           # the CLI remembers it too
+    assert listed.returncode != 0 and "lost what it held" in listed.stderr
+    shown = rig.cli("status", "--config", str(rig.router.config_path))
+    assert "LOST: store" in shown.stdout, shown.stdout + shown.stderr
+    doctor = rig.cli("doctor", "--config", str(rig.router.config_path))
+    assert doctor.returncode != 0 and "lost what it held" in doctor.stdout, doctor.stdout + doctor.stderr
+    done = rig.cli("store", "accept-loss")
+    assert done.returncode == 0, done.stderr
+    routes_again(rig, sessions, "anthropic")
+
+
+def test_a_redis_that_can_forget_is_not_durable_within_seconds_of_a_config_set(redis, rig_on):
+    rig = rig_on(redis.url(unique_prefix()))
+    rig.open(1)
+    assert rig.status()["store_info"]["durable"] is True
+    redis.client().config_set("maxmemory-policy", "allkeys-lru")     # evictions may drop acknowledged pins
+    started = time.monotonic()
+    wait_for(lambda: rig.status()["store_info"]["durable"] is False, 6, "status to say not durable")
+    assert time.monotonic() - started < 6
+    assert "maxmemory-policy allkeys-lru" in rig.status()["store_info"]["durability"]["server"]
+    r = rig.send("opening", str(uuid.uuid4()))                        # a pin it cannot keep: not moved
+    assert r.status == 503 and "durable" in r.json()["error"]["message"], r.text[:300]
+    redis.client().config_set("maxmemory-policy", "noeviction")
+    wait_for(lambda: rig.send("opening", str(uuid.uuid4())).status == 200, 10, "durable pins again")
+
+
+def test_two_routers_on_one_redis_the_one_that_remembers_refuses(redis, rig_on, tmp_path):
+    """Router A has used the store; after a FLUSHALL, router B — another machine, which never
+    saw it — starts and takes the empty store for new (and says so). A, which remembers,
+    finds another identity and refuses; `accept-loss` brings A back."""
+    rig = rig_on(redis.url(unique_prefix()))
+    sessions = rig.open(3)
+    redis.client().flushall()
+    b = Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
+                        env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": str(tmp_path / "machine-b")},
+                        options={"sessionpin_store": rig.url, "sessionpin_pool": False})
+    b.start()
+    try:
+        opened = str(uuid.uuid4())
+        req = cc("opening", opened, stream=False)
+        r = Client.via_proxy(b.port, b.mitm_ca, timeout=15).request(
+            req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
+        assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+        assert f"store {rig.url} is new" in b.output
+        wait_for(lambda: "answers with another identity" in rig.router.output, 5, "A to see B's identity")
+        refused_as_lost(rig, sessions, "lost what it held: it answers with another identity")
+        assert "holding 3 pins" in rig.status()["store_info"]["identity"]["lost"]
+        done = rig.cli("store", "accept-loss")
+        assert done.returncode == 0, done.stderr
+        routes_again(rig, sessions, "anthropic")
+        r = rig.send("continuation", opened)                  # B's conversation, through A: on glm
+        assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    finally:
+        b.stop(signal.SIGKILL)
+
+
+def test_store_copy_under_load_in_the_documented_order_loses_nothing(rig_on, tmp_path):
+    """docs/cli.md's way to move a running proxy to another store: copy while it serves (the
+    bulk), stop it, copy again (only what changed since: short), start it on the new store.
+    Openings keep coming the whole time; every acknowledged conversation continues on its
+    server afterwards."""
+    old, new = f"file:{tmp_path}/old/state.db", f"file:{tmp_path}/new/state.db"
+    rig = rig_on(old)
+    acked: list[str] = []
+    stop = threading.Event()
+
+    def openings() -> None:
+        while not stop.is_set():
+            s = str(uuid.uuid4())
+            try:
+                r = rig.send("opening", s)
+            except (OSError, http.client.HTTPException):
+                time.sleep(0.05)            # the proxy is being restarted: the agent retries later
+                continue
+            if r.status == 200:
+                assert r.header("x-fake-server") == "glm"
+                acked.append(s)
+    threads = [threading.Thread(target=openings) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(acked) >= 20, 30, "openings before the copy")
+        first = subprocess.run([*sessionpin_argv(), "store", "copy", old, new], capture_output=True, text=True,
+                               timeout=60)
+        assert first.returncode == 0, first.stderr
+        n = len(acked)
+        wait_for(lambda: len(acked) >= n + 10, 30, "openings after the first copy")     # not in the copy
+        rig.router.stop()
+        second = subprocess.run([*sessionpin_argv(), "store", "copy", old, new], capture_output=True, text=True,
+                                timeout=60)
+        assert second.returncode == 0, second.stderr
+        rig.router.options["sessionpin_store"] = new
+        rig.router.start()
+        n = len(acked)
+        wait_for(lambda: len(acked) >= n + 5, 30, "openings on the new store")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert len(acked) >= 35
+    for s in acked:
+        r = rig.send("continuation", s)
+        assert (r.status, r.header("x-fake-server")) == (200, "glm"), (s, r.status, r.text[:200])
+    assert all(rig.received("anthropic", s) == 0 for s in acked)

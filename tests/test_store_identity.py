@@ -1,0 +1,108 @@
+"""store.identity: a store knows it is the store it was; a machine remembers it (issue 18)."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from sessionpin.store import StoreError, open_store
+from sessionpin.store import identity as ident
+from sessionpin.store.identity import (ACCEPTED, FIRST, LOST, NEW, OK, REPLACED, Identity, Memory, Remembered,
+                                       judge)
+
+
+def test_judge():
+    r = Remembered("file:x", "a", pins=3, seen=1.0)
+    assert judge(None, None) == NEW
+    assert judge(None, Identity("b", 1.0)) == FIRST
+    assert judge(r, Identity("a", 1.0)) == OK
+    assert judge(r, None) == LOST                              # empty, flushed, restarted without AOF
+    assert judge(r, Identity("b", 1.0)) == REPLACED
+    assert judge(r, Identity("b", 1.0, accepts=("z", "a"))) == ACCEPTED
+
+
+def test_an_unreadable_identity_is_another_identity_not_none():
+    assert ident.decode_identity("not json") == Identity("unreadable", 0.0)
+    assert judge(Remembered("u", "a"), ident.decode_identity("{}")) == REPLACED
+
+
+def test_the_loss_message_names_the_store_what_it_held_and_the_commands():
+    msg = ident.describe_loss("redis://h:1", LOST, Remembered("redis://h:1", "abc", pins=20, seen=0.0), None)
+    assert "store redis://h:1 lost what it held" in msg and "abc holding 20 pins" in msg
+    assert "sessionpin store accept-loss --store redis://h:1" in msg and "sessionpin store copy BACKUP" in msg
+
+
+def test_location_ignores_password_and_options_but_not_where_the_data_is(tmp_path):
+    a = ident.location("redis://:secret@h:6380/2?durability=accept-weaker")
+    assert a == ident.location("redis://h:6380/2") and "secret" not in a
+    assert a != ident.location("redis://h:6380/3")
+    assert a != ident.location("redis://h:6380/2?prefix={other}:")
+    assert ident.location("memory:") is None
+    assert ident.location(f"file:{tmp_path}/s.db") == ident.location(f"file://{tmp_path}/s.db")
+
+
+def test_memory_is_a_0600_file_outside_the_store_and_survives_the_store_dir(tmp_path):
+    env = {ident.MEMORY_ENV: str(tmp_path / "mem")}
+    m = Memory(f"file:{tmp_path}/store/s.db", env)
+    assert m.load() is None
+    m.save(Remembered("file:x", "abc", pins=2, seen=5.0))
+    assert stat.S_IMODE(m.path.stat().st_mode) == 0o600
+    assert Memory(f"file:{tmp_path}/store/s.db", env).load() == Remembered("file:x", "abc", pins=2, seen=5.0)
+    assert Memory(f"file:{tmp_path}/other.db", env).load() is None
+    m.path.write_text("garbage")
+    with pytest.raises(StoreError, match="unreadable"):          # never "nothing remembered"
+        m.load()
+
+
+def test_the_default_memory_is_not_under_the_state_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv(ident.MEMORY_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert ident.memory_dir() == tmp_path / "config" / "sessionpin" / "stores"
+
+
+@pytest.fixture
+async def store():
+    s = open_store("memory:")
+    yield s
+    await s.close()
+
+
+async def test_settle_makes_a_new_store_once_then_knows_it(store):
+    s = await ident.settle(store, store.url, None, 1.0)
+    assert s.kind == NEW and s.identity is not None
+    r = Remembered(store.url, s.identity.id)
+    assert (await ident.settle(store, store.url, r, 2.0)).kind == OK
+    assert (await ident.settle(store, store.url, None, 2.0)).kind == FIRST      # another machine
+
+
+async def test_a_flushed_store_is_lost_and_accept_loss_starts_over(store):
+    s = await ident.settle(store, store.url, None, 1.0)
+    r = Remembered(store.url, s.identity.id, pins=7, seen=1.0)
+    for k in await store.keys():
+        await store.delete(k)                                              # FLUSHALL
+    lost = await ident.settle(store, store.url, r, 2.0)
+    assert lost.kind == LOST and "holding 7 pins" in lost.message
+    assert await store.get(ident.IDENTITY_KEY) is None                      # nothing made over a loss
+    await ident.record_loss(store, r, "proxy-1", 2.0)
+    await ident.record_partial(store, "sess", "glm")
+    new, accepted, partial = await ident.accept_loss(store, None, 3.0)     # from a machine that never saw it
+    assert accepted == [r.id] and partial == 1 and new.id != r.id
+    assert await ident.losses(store) == {}
+    assert (await ident.settle(store, store.url, r, 4.0)).kind == ACCEPTED
+
+
+async def test_a_copy_carries_the_identity_and_accepts_the_one_it_replaced():
+    src, dst = open_store("memory:"), open_store("memory:")
+    try:
+        a = (await ident.settle(src, src.url, None, 1.0)).identity
+        b = (await ident.settle(dst, dst.url, None, 1.0)).identity
+        await dst.hset(ident.LOSSES_KEY, a.id, "{}")
+        got = await ident.carry(dst, a)
+        assert got.id == a.id and b.id in got.accepts and got.accepted == a.accepted   # a restore accepts no loss
+        assert await ident.losses(dst) == {}                               # the lost store is back
+        assert judge(Remembered("", a.id), got) == OK and judge(Remembered("", b.id), got) == ACCEPTED
+    finally:
+        await src.close()
+        await dst.close()

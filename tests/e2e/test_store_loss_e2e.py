@@ -26,6 +26,7 @@ import pytest
 
 from redis_servers import RedisServer, unique_prefix, wait_for
 from sessionpin import pins
+from sessionpin.ids import short
 from sessionpin.answers import NO_RETRY_STATUS as LOST      # a lost store: only the operator can decide
 
 from .harness import Client, FakeServer, Mitmdump, Reply, TestCA, toml_config
@@ -174,7 +175,9 @@ def test_pin_keys_deleted_by_another_client_are_refused_until_restored(redis, ri
         r = rig.send("continuation", s)
         assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
         message = r.json()["error"]["message"]
-        assert f"store {rig.url} no longer has the pin of session {s} (pinned to glm)" in message, message
+        # the agent's message names the session by its short id (docs/router.md: a long hex id
+        # can read as a status code to pi's retry); the log line keeps the whole id
+        assert f"store {rig.url} no longer has the pin of session {short(s)} (pinned to glm)" in message, message
         assert "sessionpin store accept-loss" in message and "sessionpin store copy BACKUP" in message
         assert rig.received("anthropic", s) == 0
     for s in kept:

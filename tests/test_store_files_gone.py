@@ -196,8 +196,12 @@ def test_sessions_when_only_the_journal_is_left(tmp_path):
     path = tmp_path / "state.db"
     now = time.time()
     pin = pins.encode(pins.Pin(agent="claude-code", server="glm", since=now, renewed=now, rule="opening"))
-    run("import sys\nfrom sessionpin.store.file import FileStore\ns = FileStore(sys.argv[1])\n"
-        "s.set('pin:s-1', sys.argv[2], 86400, durable=True)\ns.close()", str(path), pin)
+    # the pin and its index entries in one durable write, as pins.create writes them (sessions
+    # walks the pin index)
+    run("import sys\nfrom sessionpin import pins\nfrom sessionpin.store.base import Set\n"
+        "from sessionpin.store.file import FileStore\ns = FileStore(sys.argv[1])\n"
+        "s.apply([], [Set('pin:s-1', sys.argv[2], 86400), *pins.index_writes('s-1', pins.decode(sys.argv[2]))], "
+        "durable=True)\ns.close()", str(path), pin)
     for suffix in ("", "-wal", "-shm"):
         Path(f"{path}{suffix}").unlink(missing_ok=True)
     env = {k: v for k, v in ENV.items() if not k.startswith("SESSIONPIN_")}

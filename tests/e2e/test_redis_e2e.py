@@ -108,19 +108,26 @@ def test_a_pinned_turn_costs_one_get(world: World) -> None:
     r = world.send(0, "opening", s)
     assert (r.status, served_by(r)) == (200, "glm")
     redis = world.redis
-    monitor = subprocess.Popen([redis_cli_binary(), "-p", str(redis.port), "monitor"], stdout=subprocess.PIPE,
-                               text=True, env={**os.environ, "REDISCLI_AUTH": SECRET})
+    # redis-cli's stdout is a pipe: line-buffered (stdbuf), or a SIGTERM would lose what its
+    # stdio still held (seen: 7 of the 10 GETs)
+    monitor = subprocess.Popen(["stdbuf", "-oL", redis_cli_binary(), "-p", str(redis.port), "monitor"],
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "REDISCLI_AUTH": SECRET})
+    lines: list[str] = []
     try:
         assert monitor.stdout.readline().strip() == "OK"
         n = 10
         for _ in range(n):
             r = world.send(0, "continuation", s)
             assert (r.status, served_by(r)) == (200, "glm")
-        world.send(0, "opening", str(uuid.uuid4()))     # a last command, so every earlier one is printed
-        time.sleep(0.3)
+        last = str(uuid.uuid4())
+        world.send(0, "opening", last)                   # a last command: its pin's SET ends the watch
+        reader = threading.Thread(target=lambda: lines.extend(iter(monitor.stdout.readline, "")), daemon=True)
+        reader.start()
+        wait_for(lambda: any('"SET"' in ln and f"pin:{last}" in ln for ln in list(lines)), 10,
+                 "the last opening's pin in the monitor's output")
     finally:
         monitor.terminate()
-    lines = monitor.stdout.read().splitlines()
+    lines = list(lines)
     commands = [re.findall(r'"((?:[^"\\]|\\.)*)"', line) for line in lines if "] " in line]
     p = world.prefix
     # heartbeats, the activity flush (every 5 s, batched), the lineage index written once a

@@ -25,7 +25,8 @@ Rules it keeps:
 - A soft pool's move is the same transaction over the old pin (its index entry is
   removed in the same ``apply``); the record says from where and why.
 - "Active conversations" per member are the pin index's live members (one ``zcount``
-  per agent that has pinned there), never a walk.
+  per agent that has pinned there), never a walk; only ``by_pool`` (a drain's count of a
+  pool's own conversations on a member, for the CLI) walks the member's pins.
 - Quota state and drains are shared by every proxy through the store; quota writes are
   ordinary (an observation lost costs one stale reading), drains durable. A member's
   exhaustion is read clamped to ``max_reset`` after it was observed, whoever wrote it;
@@ -126,6 +127,21 @@ async def active_counts(store: Store, members: tuple[str, ...] | list[str], now:
         _, server = pins.split_group(name)
         if server in out:
             out[server] += await store.zcount(pins.INDEX_PREFIX + name, now, float("inf"))
+    return out
+
+
+async def by_pool(store: Store, member: str, now: float) -> dict[str, int]:
+    """The live pins on ``member`` per pool that allocated them (``""``: pinned there by no
+    pool — ``use AGENT MEMBER``, a move): what a drain of the member concerns, per pool.
+
+    A walk of the member's index groups (``pins.listing``: paged, one batch in memory), for
+    the CLI's ``drain``, never the proxy: a pin records its pool, the index does not."""
+    out: dict[str, int] = {}
+    names = await pins.groups(store, server=member, any_server=False)
+    async for rows in pins.listing(store, now, names):
+        for _, loaded, _ in rows:
+            pool = loaded.pin.pool if loaded.pin is not None else ""
+            out[pool] = out.get(pool, 0) + 1
     return out
 
 

@@ -712,3 +712,34 @@ def test_store_copy_is_a_restore_carrying_the_identity(env, capsys, tmp_path):
     code, o, e = run(capsys, "sessions", "--json")        # the store it was: whole again
     assert code == 0, e
     assert {r["session"] for r in json.loads(o)} == {r[0] for r in RUNNING}
+
+
+def _two_live_proxies(monkeypatch, cfg: Path, ports=(18081, 18082)) -> list[int]:
+    """Two proxies answering on the store (their heartbeats and status, as ``check`` finds them)."""
+    from sessionpin.documents import Heartbeat
+    beats = [Heartbeat(pid=40000 + i, host=socket.gethostname(), started=time.time() - 60 * i, beat=time.time(),
+                       listen=[("127.0.0.1", port)], modes=["regular"], confdir=None, config=str(cfg),
+                       store=None, version="x", token="") for i, port in enumerate(ports)]
+    monkeypatch.setattr(proxies, "heartbeats", lambda ctx: beats)
+    monkeypatch.setattr(proxies, "check", lambda b: proxies.Proxy(True, b, proxies.addresses(b)[0]))
+    return [b.pid for b in beats]
+
+
+def test_use_names_every_live_proxy_on_the_store(env, capsys, monkeypatch):
+    pids = _two_live_proxies(monkeypatch, env.cfg)
+    code, o, _ = run(capsys, "use", "claude-code", "glm")
+    assert code == 0
+    assert f"The proxy at http://127.0.0.1:18081 (pid {pids[0]}) applies this within 1 s." in o
+    assert f"The proxy at http://127.0.0.1:18082 (pid {pids[1]}) applies this within 1 s." in o
+
+
+def test_env_lists_every_live_proxy_and_points_at_the_first(env, capsys, monkeypatch):
+    pids = _two_live_proxies(monkeypatch, env.cfg)
+    code, o, _ = run(capsys, "env", "claude-code")
+    assert code == 0
+    assert "export HTTPS_PROXY=http://127.0.0.1:18081" in o
+    assert (f"# 2 proxies answer on this store: http://127.0.0.1:18081 (pid {pids[0]}), "
+            f"http://127.0.0.1:18082 (pid {pids[1]}); these lines point at the first (the newest); "
+            f"another: sessionpin env claude-code --proxy URL") in o
+    code, o, _ = run(capsys, "env", "claude-code", "--json")
+    assert [p["address"] for p in json.loads(o)["proxies"]] == ["http://127.0.0.1:18081", "http://127.0.0.1:18082"]

@@ -99,7 +99,7 @@ def test_pools_shows_members_cursor_active_exhausted_and_drained(env, capsys):
     code, o, e = run(capsys, "drain", "glm-a")
     assert code == 0, e
     assert "Drained glm-a: no new conversations of pool glm go to it" in o
-    assert "2 running conversations pinned to it stay there (hard affinity: glm)." in o
+    assert "2 running conversations of pool glm on it stay there (hard affinity)." in o
     code, o, e = run(capsys, "pools", "--json")
     assert code == 0, e
     [p] = json.loads(o)
@@ -174,3 +174,24 @@ def test_pools_reset_needs_a_pool_member(env, capsys):
     assert code == 1 and "no server named 'nope'" in e
     code, o, e = run(capsys, "pools", "glm", "glm-a")
     assert code == 1 and "sessionpin pools reset MEMBER" in e
+
+
+def test_drain_counts_the_pool_s_own_conversations_on_the_member(env, capsys):
+    for s in ("s-1", "s-2", "s-3"):
+        assert isinstance(allocate(env.url, s), members.Allocated)      # glm-a, glm-b, glm-a
+    t = time.time()
+    # pinned to glm-a by no pool (`use claude-code glm-a`, or a move): not the pool's
+    for s in ("by-hand-1", "by-hand-2", "by-hand-3"):
+        in_store(env.url, lambda st, s=s: pins.create(st, s, pins.Pin(agent="claude-code", server="glm-a", since=t,
+                                                                      renewed=t, rule="opening", turn="opening")))
+    code, o, e = run(capsys, "drain", "glm-a")
+    assert code == 0, e
+    assert "2 running conversations of pool glm on it stay there (hard affinity)." in o
+    assert "3 other conversations pinned to it (by no pool of it) stay there" in o
+    soft = env.cfg.read_text().replace('policy = "round-robin"', 'policy = "round-robin"\naffinity = "soft"')
+    env.cfg.write_text(soft)
+    run(capsys, "undrain", "glm-b")
+    code, o, e = run(capsys, "drain", "glm-b")
+    assert code == 0, e
+    assert "1 running conversation of pool glm on it moves to a fresh member at its next request (soft affinity)." in o
+    assert "other conversation" not in o

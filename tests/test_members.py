@@ -275,3 +275,14 @@ async def test_reset_forgets_a_member_s_state_and_records_it(store, clock):
     assert [(r.kind, r.member) for r in await members.history(store)] == [("reset", "glm-a")]
     got = [(await alloc(store, f"s{i}", clock)).member for i in range(3)]
     assert sorted(got) == ["glm-a", "glm-b", "glm-c"]
+
+
+async def test_by_pool_counts_a_member_s_pins_per_pool_that_allocated_them(store, clock):
+    for s in ("s1", "s2", "s3", "s4"):
+        await alloc(store, s, clock)                           # glm-a, glm-b, glm-c, glm-a
+    t = clock()
+    await pins.create(store, "hand", Pin(agent="opencode", server="glm-a", since=t, renewed=t, rule="operator",
+                                         turn="opening"))      # no pool's, another agent's group
+    assert await members.by_pool(store, "glm-a", clock()) == {"glm": 2, "": 1}
+    assert await members.by_pool(store, "glm-b", clock()) == {"glm": 1}
+    assert await members.by_pool(store, "nobody", clock()) == {}

@@ -106,3 +106,28 @@ async def test_a_socket_left_alone_is_not_renamed(proxy):
     await proxy.send(g)                                                 # not routed
     assert g.request.host == "api.openai.com"
     assert message(proxy, g, encoded(CREATE)) == encoded(CREATE)
+
+
+def on_socket(proxy, f, content: bytes, from_client: bool = True) -> None:
+    """``content`` sent on ``f``'s socket, through every addon's message hook (as mitmproxy runs them)."""
+    if f.websocket is None:
+        f.websocket = websocket.WebSocketData()
+    f.websocket.messages.append(websocket.WebSocketMessage(Opcode.TEXT, from_client, content, time.time()))
+    for a in proxy.addons:
+        if hasattr(a, "websocket_message"):
+            a.websocket_message(f)
+
+
+async def test_a_socket_counts_its_turns_not_its_upgrade(proxy):
+    f = upgrade()
+    await proxy.send(f)
+    assert f.request.host == "alt.example"
+    for _ in range(3):
+        on_socket(proxy, f, encoded(CREATE))
+        on_socket(proxy, f, encoded({"type": "response.completed", "response": {"id": "r"}}), from_client=False)
+    on_socket(proxy, f, encoded({"type": "response.processed", "response_id": "resp_1"}))   # not a turn
+    # a turn's text naming the type is content, not a turn
+    on_socket(proxy, f, encoded({"type": "session.update", "input": '{"type":"response.create"}'}))
+    on_socket(proxy, f, b'{"type":"response.create",')                                         # not JSON
+    activity = proxy.runtime._take()
+    assert [(s, agent, server, n) for s, agent, server, _, n in activity] == [(SESSION, "codex", "alt", 3)]

@@ -25,7 +25,8 @@ from ..ids import short
 from ..store import StoreError
 from .common import HOUR, NOT_SEEN_BEGIN, Fail, ago, dump_json, err, out, plural, table, where
 from .context import Ctx, describe_running, resolve
-from .proxies import Proxy, config_mismatch, find_proxy, key_state, proxy_keys, proxy_line
+from .proxies import (Proxy, config_mismatch, find_proxies, find_proxy, key_state, live, proxy_keys,
+                      proxy_lines)
 
 MOVE_RISKS = """\
 Its next request carries the whole conversation so far to {to}, which may refuse it:
@@ -56,9 +57,10 @@ def cmd_use(ctx: Ctx, args: argparse.Namespace) -> int:
     if current == target:
         state = f"already go to {target}" if target else "are already not routed"
         out(f"New {agent} conversations {state}; nothing written.")
-        mismatch = config_mismatch(find_proxy(ctx), ctx.config_path)
-        if mismatch:
-            err(mismatch)
+        for p in live(find_proxies(ctx)):
+            mismatch = config_mismatch(p, ctx.config_path)
+            if mismatch:
+                err(mismatch)
         return 0
     new_text = configedit.set_agent_server(ctx.config_text(), agent, target)
     check(ctx, new_text, f"agents.{agent}.server",
@@ -79,9 +81,10 @@ def cmd_use(ctx: Ctx, args: argparse.Namespace) -> int:
     except (Fail, StoreError) as e:  # the change is made; only the report of what stays is missing
         err(f"sessionpin: warning: could not count the running conversations: {e}")
         return 0
-    proxy = find_proxy(ctx)
-    out(proxy_line(proxy, ctx.config_path))
-    warn_key(cfg, target, proxy)
+    proxies = find_proxies(ctx)
+    for line in proxy_lines(ctx, ctx.config_path, proxies):
+        out(line)
+    warn_key(cfg, target, find_proxy(ctx, proxies))
     return 0
 
 

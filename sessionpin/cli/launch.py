@@ -22,7 +22,7 @@ from ..facts import AGENTS
 from ..store import safe_url
 from .common import Fail, dump_json, err, out
 from .context import Ctx
-from .proxies import DEFAULT_LISTEN, Proxy, confdir_of, find_proxy
+from .proxies import DEFAULT_LISTEN, Proxy, confdir_of, find_proxies, find_proxy, live
 
 CA_FILE = "mitmproxy-ca-cert.pem"
 WEB_COLUMNS = ["icon", "method", "path", "status", "size", "time", "comment"]
@@ -50,8 +50,8 @@ def agent_env(agent: str | None, proxy_url: str, ca: Path) -> dict[str, str]:
     return env
 
 
-def proxy_target(ctx: Ctx, args: argparse.Namespace) -> tuple[str, Path, Proxy]:
-    proxy = find_proxy(ctx)
+def proxy_target(ctx: Ctx, args: argparse.Namespace, proxies: list[Proxy] | None = None) -> tuple[str, Path, Proxy]:
+    proxy = find_proxy(ctx, proxies)
     if args.proxy:
         url = args.proxy if "://" in args.proxy else f"http://{args.proxy}"
     elif proxy.answering and proxy.url:
@@ -67,15 +67,23 @@ def cmd_env(ctx: Ctx, args: argparse.Namespace) -> int:
         raise Fail(f"unknown agent {agent!r} (known: {', '.join(AGENTS)})")
     if args.reverse is not None:
         return _reverse_env(agent, args)
-    url, ca, proxy = proxy_target(ctx, args)
+    proxies = find_proxies(ctx)
+    url, ca, proxy = proxy_target(ctx, args, proxies)
     env = agent_env(agent, url, ca)
+    running = live(proxies)
     if args.json:
         dump_json({"agent": agent, "mode": "proxy", "env": env, "ca_exists": ca.exists(),
-                   "proxy_answering": proxy.answering})
+                   "proxy_answering": proxy.answering, "proxies": [p.as_json() for p in running]})
         return 0
     out(f"# {agent} through the sessionpin proxy at {url}: eval \"$(sessionpin env {agent})\"")
     if not proxy.answering:
         out(f"# no proxy is answering yet ({proxy.why}); start one: sessionpin run")
+    if len(running) > 1:
+        # every live proxy on the store, so the operator sees which one this points at
+        out(f"# {len(running)} proxies answer on this store: "
+            + ", ".join(f"{p.url} (pid {p.pid})" for p in running)
+            + ("" if args.proxy else "; these lines point at the first (the newest)")
+            + f"; another: sessionpin env {agent} --proxy URL")
     if not ca.exists():
         out(f"# {ca} does not exist yet: the proxy creates it when it first starts")
     for k, v in env.items():

@@ -7,8 +7,9 @@ Rules it keeps:
   port, the killed proxy's heartbeat (alive for up to 30 s) is answered by the new
   process: it is shown as gone, never as the proxy that runs.
 - On this host, a heartbeat whose pid no longer exists is gone at once.
-- Several proxies on one store are all shown; the first live one is "the" proxy for
-  commands that need one address (``env``, ``exec``).
+- Several proxies on one store are all shown (``status``, ``doctor``, ``use``, ``env``);
+  the first live one (the newest) is "the" proxy for commands that need one address
+  (``env``, ``exec``), and ``env`` names the others with how to pick one.
 - The status is asked with the heartbeat's token (any listener, reverse mode included)
   and a loopback Host; its answer is decoded strictly (``documents.Status``).
 """
@@ -205,6 +206,20 @@ def config_mismatch(proxy: Proxy, config_path: Path) -> str | None:
         return (f"Warning: the proxy at {proxy.url} (pid {proxy.pid}) reads {theirs}, not {config_path}: "
                 f"this change does not reach it; use --config {theirs}")
     return None
+
+
+def live(proxies: list[Proxy]) -> list[Proxy]:
+    return [p for p in proxies if p.answering]
+
+
+def proxy_lines(ctx: Ctx, config_path: Path, proxies: list[Proxy] | None = None) -> list[str]:
+    """What a config change does on each live proxy of the store (one line each), or why none
+    applies it yet: every proxy reading this store reads its own config file."""
+    proxies = find_proxies(ctx) if proxies is None else proxies
+    running = live(proxies)
+    if not running:
+        return [proxy_line(find_proxy(ctx, proxies), config_path)]
+    return [proxy_line(p, config_path) for p in running]
 
 
 def proxy_line(proxy: Proxy, config_path: Path) -> str:

@@ -5,7 +5,8 @@ Rules it keeps:
 - Everything comes from the config and the shared store, so it works with or without a
   proxy, and every proxy on the store sees a drain at its next allocation.
 - Active conversations per member are the pin index's counts (``members.active_counts``),
-  never a walk; ``--history`` walks the activity records (ids, names, times, rules).
+  never a walk; ``drain`` counts the pool's own conversations on the member (a pin records
+  its pool: ``members.by_pool`` walks the member's pins, paged); ``--history`` walks the activity records (ids, names, times, rules).
 - A drain is durable and only stops new allocations: running conversations stay (a soft
   pool's move its pinned conversations at their next request — said so when draining).
 - ``pools reset MEMBER`` deletes the member's quota state (durable, recorded): a member that
@@ -118,7 +119,6 @@ def cmd_drain(ctx: Ctx, args: argparse.Namespace) -> int:
     now = time.time()
     done = ctx.run(members.drain(store, args.member, now) if not args.undo else members.undrain(store, args.member, now))
     names = ", ".join(p.name for p in pools)
-    n = ctx.run(members.active_counts(store, [args.member], now))[args.member]
     if args.undo:
         out(f"{args.member} takes new conversations of pool {names} again." if done
             else f"{args.member} was not drained; nothing written.")
@@ -128,14 +128,21 @@ def cmd_drain(ctx: Ctx, args: argparse.Namespace) -> int:
         return 0
     out(f"Drained {args.member}: no new conversations of pool {names} go to it (every proxy on this store, "
         f"from its next allocation).")
-    soft = [p.name for p in pools if p.affinity == "soft"]
-    hard = [p.name for p in pools if p.affinity == "hard"]
-    if hard:
-        out(f"{n} running conversation{'s' if n != 1 else ''} pinned to it stay{'s' if n == 1 else ''} there "
-            f"(hard affinity: {', '.join(hard)}).")
-    if soft:
-        out(f"In soft pool{'s' if len(soft) > 1 else ''} {', '.join(soft)} its conversations move to a fresh member "
-            f"at their next request. Undo: `sessionpin undrain {args.member}`.")
+    # each pool's own conversations: a drain concerns only what that pool allocated
+    # (a pin made by `use AGENT MEMBER` or a move is no pool's, and stays)
+    own = ctx.run(members.by_pool(store, args.member, now))
+    for p in pools:
+        n = own.get(p.name, 0)
+        convs = f"{n} running conversation{'s' if n != 1 else ''} of pool {p.name}"
+        if p.affinity == "hard":
+            out(f"{convs} on it stay{'s' if n == 1 else ''} there (hard affinity).")
+        else:
+            out(f"{convs} on it move{'s' if n == 1 else ''} to a fresh member at {'its' if n == 1 else 'their'} "
+                f"next request (soft affinity). Undo: `sessionpin undrain {args.member}`.")
+    others = sum(n for pool, n in own.items() if pool not in {p.name for p in pools})
+    if others:
+        out(f"{others} other conversation{'s' if others != 1 else ''} pinned to it (by no pool of it) "
+            f"stay{'s' if others == 1 else ''} there: a drain only stops the pool's allocations.")
     return 0
 
 

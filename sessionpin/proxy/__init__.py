@@ -15,6 +15,7 @@ mitmproxy runs their hooks:
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
 | ``LineageWatch`` | lineagewatch.py | records, from requests and responses, what a fork of a conversation will name it by |
 | ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
+| ``SocketTurns`` | websocket.py | counts each turn (``response.create``) of a decided socket as a request |
 | ``LedgerWatch`` | ledgerwatch.py | every answered turn's tokens, cache read and miss reason, into the ledger |
 | ``SocketBounds`` | wsbounds.py | a WebSocket message (inflated) over the limit closes its socket; few messages kept |
 | ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
@@ -37,7 +38,7 @@ from .defaults import Defaults
 from .limits import BodyLimit
 from .ledgerwatch import LedgerMetrics, LedgerWatch
 from .lineagewatch import LineageWatch
-from .websocket import WebSocketModels
+from .websocket import SocketTurns, WebSocketModels
 from .wsbounds import SocketBounds
 from .router import Metrics, Router
 from .status import StatusEndpoints
@@ -75,7 +76,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
     return [Defaults(), config, runtime, connect, BodyLimit(metrics), PageGuard(config, metrics), status, router,
-            watch, WebSocketModels(), SocketBounds(), ledger, *lifecycle, *extra, _Options(allocations)]
+            watch, WebSocketModels(), SocketTurns(runtime), SocketBounds(), ledger, *lifecycle, *extra, _Options(allocations)]
 
 
 class _Options:

@@ -395,8 +395,14 @@ class Router:
         self.metrics.decisions[(facts.agent, facts.turn or "none", outcome)] += 1
         self.metrics.rules[d.rule] += 1
         if session and facts.agent in F.AGENTS and (pin is not None or d.pin_action == ladder.CREATE):
-            self.runtime.seen(session, facts.agent, d.target if d.pin_action == ladder.CREATE else pin.server,
-                              r.now)
+            counted = d.target if d.pin_action == ladder.CREATE else pin.server
+            if websocket.is_upgrade(flow.request):
+                # a socket's requests are its turns (``websocket.SocketTurns``), not its upgrade
+                self.runtime.seen(session, facts.agent, counted, r.now, requests=0)
+                if refused is None:
+                    flow.metadata["sessionpin"][websocket.COUNTED] = counted
+            else:
+                self.runtime.seen(session, facts.agent, counted, r.now)
 
         if DECISIONS.on and refused is None:      # a refusal's one line is its warning (``_refuse``)
             model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""

@@ -13,7 +13,8 @@ Rules it keeps:
 - The store URL is shown only in its safe form (a password as ``***``): in log lines,
   errors and the heartbeat.
 - Activity (last seen, requests per session) is counted in memory by the router and
-  flushed every few seconds; a heartbeat (``documents.Heartbeat``) lets the CLI find
+  flushed every half second (so a ``kill -9`` loses at most a second of counts: the
+  flush is one batched write off the request path); a heartbeat (``documents.Heartbeat``) lets the CLI find
   this proxy and tell it from a killed one; the pin index is swept every few minutes.
 - The store's identity is checked before the first request is routed and every second
   (``StoreGuard``): a store that lost what it held is refused, never taken for new.
@@ -46,7 +47,8 @@ from .storeguard import StoreGuard
 
 log = logging.getLogger("sessionpin")
 
-FLUSH_EVERY = 5.0
+FLUSH_EVERY = 0.5      # activity: what a kill -9 can lose (issue 19: at most a second)
+ROUND = 0.5            # the background loop's tick: the flush cannot come sooner than it
 HEARTBEAT_EVERY = 10.0
 SWEEP_EVERY = 600.0
 EXIT_TIMEOUT = 5.0
@@ -73,12 +75,14 @@ class StoreRuntime:
         self.guard = StoreGuard(self.env)                # a store that lost what it held routes nothing
 
     # ---- what other addons call --------------------------------------------------------
-    def seen(self, session: str, agent: str, server: str | None, now: float) -> None:
+    def seen(self, session: str, agent: str, server: str | None, now: float, requests: int = 1) -> None:
+        """Count activity: ``requests`` is 0 for a Codex socket's upgrade (its turns, each
+        ``response.create``, are the requests counted)."""
         a = self._activity.get(session)
         if a is None:
-            self._activity[session] = [agent, server, now, 1]
+            self._activity[session] = [agent, server, now, requests]
         else:
-            a[1], a[2], a[3] = server, now, a[3] + 1
+            a[1], a[2], a[3] = server, now, a[3] + requests
 
     def on_store(self, fn: Callable[[Store], None]) -> None:
         """Call ``fn(store)`` now and whenever the store changes (the pool keeps a handle)."""
@@ -215,7 +219,7 @@ class StoreRuntime:
         first = True
         while True:
             try:
-                await asyncio.sleep(0.25 if first else 1.0)
+                await asyncio.sleep(0.25 if first else ROUND)
                 store = self.store
                 if store is None:
                     continue

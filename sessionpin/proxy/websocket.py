@@ -14,13 +14,20 @@ opens it to the chosen server with that server's key. Rules kept here:
   message whose model cannot be located exactly is not sent on unmapped: it is dropped,
   and the client gets an ``error`` event saying why (the same rule as the HTTPS body's
   502). The server's messages pass as sent.
+- A socket's requests in the activity count (``sessions``' REQUESTS) are its turns: each
+  ``response.create`` the client sends is one (``SocketTurns``); the upgrade counts none
+  (it updates "last seen" only). A message is a turn when its top-level ``type`` says so
+  (decoded in C, the rest skipped), never by a search in its content.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from typing import Any
 
+import msgspec
 from mitmproxy import ctx, http
 
 from .. import allocate, paths, rewrite
@@ -31,6 +38,8 @@ from ..route import State
 
 log = logging.getLogger("sessionpin")
 MODELS = "socket_models"     # the flow metadata's key for a socket's model map
+COUNTED = "socket_counted"   # ... for the server a socket's turns are counted on (set when counted)
+TURN = "response.create"     # the client message that opens a turn
 
 
 def is_upgrade(req: http.Request) -> bool:
@@ -93,3 +102,33 @@ class WebSocketModels:
                                                                             "message": text}}).encode(), True)
         except Exception as e:   # the client still sees no reply to that message
             log.warning("sessionpin: could not tell the client: %s", e)
+
+
+class _Type(msgspec.Struct):
+    type: Any = None
+
+
+_decode_type = msgspec.json.Decoder(_Type)
+
+
+def is_turn(data: bytes) -> bool:
+    """Whether a client message opens a turn: its top-level ``type`` is ``response.create``."""
+    try:
+        return _decode_type.decode(data).type == TURN
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return False
+
+
+class SocketTurns:
+    """Counts each turn of a decided socket as a request of its session (``StoreRuntime.seen``)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        meta = flow.metadata.get("sessionpin")
+        if not meta or COUNTED not in meta or flow.websocket is None:
+            return
+        msg = flow.websocket.messages[-1]
+        if msg.from_client and msg.is_text and is_turn(msg.content):
+            self.runtime.seen(meta["session"], meta["agent"], meta[COUNTED], time.time())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -185,14 +186,16 @@ def test_activity_reaches_sessions_and_status(rig):
     s = str(uuid.uuid4())
     assert rig.send("opening", s) == 200
     assert rig.send("continuation", s) == 200
-    deadline = time.monotonic() + 10            # the router flushes activity every few seconds
+    deadline = time.monotonic() + 10            # the router flushes activity every 0.5 s
     while (row := rig.pins()[s])["requests"] < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert row["requests"] == 2 and row["last_seen"] is not None and row["server"] == "glm"
     p = rig.cli("sessions", "--server", "glm")
     assert p.returncode == 0
+    header = p.stdout.splitlines()[0]
     line = next(x for x in p.stdout.splitlines() if x.startswith(s[:8]))
-    assert line.split()[1:3] == ["claude-code", "glm"] and line.split()[-1] == "2"
+    # REQUESTS by its column (the ledger's columns may follow it)
+    assert line.split()[1:3] == ["claude-code", "glm"] and line[header.index("REQUESTS"):].split()[0] == "2"
     status = json.loads(rig.cli("status", "--json").stdout)
     glm = next(x for x in status["servers"] if x["name"] == "glm")
     assert glm["key_set"] is True and glm["key_checked_in"] == "the running proxy's environment"
@@ -316,3 +319,48 @@ def test_sessionpin_run_starts_the_router_from_the_installed_package(tmp_path):
         proxy.stop()
         for f in fakes.values():
             f.stop()
+
+
+@pytest.fixture
+def second(rig: Rig, tmp_path: Path) -> Iterator[Mitmdump]:
+    """A second proxy on the rig's store and config (two proxies sharing one store)."""
+    m = Mitmdump(tmp_path / "second", options={"sessionpin_config": str(rig.config), "sessionpin_store": rig.store,
+                                                "ssl_verify_upstream_trusted_ca": str(rig.ca.pem)},
+                 env={GLM_ENV: GLM_KEY})
+    try:
+        m.start()
+        deadline = time.monotonic() + 15
+        while True:
+            status = json.loads(rig.cli("status", "--json").stdout)
+            if len([p for p in status["proxies"] if p["answering"]]) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        yield m
+    finally:
+        m.stop(signal.SIGKILL)
+
+
+def test_use_and_env_name_both_proxies_of_a_store(rig, second):
+    first = f"http://127.0.0.1:{rig.mitm.port} (pid {rig.mitm.proc.pid})"
+    other = f"http://127.0.0.1:{second.port} (pid {second.proc.pid})"
+    p = rig.cli("use", "pi", "anthropic")
+    assert p.returncode == 0, p.stderr
+    assert f"The proxy at {first} applies this within 1 s." in p.stdout
+    assert f"The proxy at {other} applies this within 1 s." in p.stdout
+    p = rig.cli("env", "claude-code")
+    assert p.returncode == 0, p.stderr
+    # the newest first: the second proxy started last
+    assert f"export HTTPS_PROXY=http://127.0.0.1:{second.port}" in p.stdout
+    assert f"# 2 proxies answer on this store: {other}, {first};" in p.stdout
+
+
+def test_request_counts_survive_a_kill_9_a_second_later(rig, second):
+    s = str(uuid.uuid4())
+    client = Client.via_proxy(second.port, second.mitm_ca)
+    for kind in ("opening", "continuation", "continuation"):
+        headers, body = claude_code(kind, s)
+        assert client.request("POST", rig.fakes["anthropic"].origin + "/v1/messages?beta=true",
+                              headers, body).status == 200
+    time.sleep(1.0)      # the promise under test: what is a second old is in the store
+    second.stop(signal.SIGKILL)
+    assert rig.pins()[s]["requests"] == 3

@@ -426,3 +426,27 @@ def test_a_long_socket_keeps_the_proxy_s_memory_flat(rig: WsRig):
         during = rss_mb(rig)
     assert landed == "alt" and sum(len(m) for m in ws.received) > 80_000_000
     assert during - start < 40, f"RSS {start:.0f} -> {during:.0f} MiB over the session"
+
+
+def test_a_socket_counts_its_turns_in_the_activity(rig: WsRig):
+    """Each ``response.create`` on the socket is a request of its session (``sessions``' REQUESTS);
+    the upgrade is none: websocket-01's three messages count 3, in the store within seconds."""
+    r = Replay(RUN)
+    p = r.prepare(upgrade(1))
+    ws, landed, sock = rig.open(p)
+    with ws:
+        sent = converse(ws, r, client_messages(1))
+    assert_socket(p, ws, landed, sock, "alt", sent)
+    session = session_of(r, upgrade(1))
+
+    async def requests() -> int:
+        store = open_store(f"file:{rig.store_path}")
+        try:
+            return (await pins.seen(store, session)).requests
+        finally:
+            await store.close()
+    deadline = time.monotonic() + 5
+    while asyncio.run(requests()) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)              # a count over (the upgrade's) would be flushed by now too
+    assert len(sent) == 3 and asyncio.run(requests()) == 3

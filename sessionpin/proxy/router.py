@@ -16,6 +16,8 @@ metadata, one log line. Rules this module keeps:
   to the agent (session, server, address) instead of mitmproxy's HTML 502.
 - Streamed responses (SSE, NDJSON, and any routed response without a length) pass
   through as they arrive: ``responseheaders`` turns streaming on.
+- A participant (the OpenCode id pool) that returns a ``Refuse`` from its ``request`` gets
+  it answered like the router's own refusals; the request is not sent.
 - A redirect answered by a server the request was moved to is not passed on: the agent
   would follow it with its own key (to another host, or to that server's origin, where
   requests keep the agent's headers). It gets a 502 naming the server and the host the
@@ -124,9 +126,13 @@ class Router:
             for p in self.participants:
                 if hasattr(p, "request"):
                     try:
-                        await p.request(flow, facts, decision)
+                        refusal = await p.request(flow, facts, decision)
                     except Exception:
                         log.exception("sessionpin: participant %s failed", type(p).__name__)
+                        continue
+                    if isinstance(refusal, route.Refuse):   # e.g. the OpenCode id pool's store failed
+                        self._refuse(flow, facts, refusal)
+                        return
 
     async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:
         cfg = self.config.config

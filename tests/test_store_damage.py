@@ -21,6 +21,7 @@ appears that nobody wrote (at most a killed writer's in-flight one).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +38,7 @@ import pytest
 from sessionpin.store import NotDurable, StoreError, StoreUnavailable, StoreVersionError, open_store
 from sessionpin.store.file import FileStore
 from sessionpin.store.journal import decode, encode
+from sessionpin.store.sqlitefile import prepare_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -85,8 +88,22 @@ s.close()
 """
 
 
+_FILLED: dict[int, Path] = {}   # n -> a directory holding a store filled by FILL in this process
+
+
 def fill(path: Path, n: int) -> dict[str, str]:
-    run(FILL, str(path), str(n))
+    """``path`` becomes a closed store of ``n`` durable pins and ``n`` ordinary keys, written by
+    FILL one durable write at a time. That is done once per process and ``n``; later calls copy
+    its files (the database and its journal, byte for byte: closed, they are all the store
+    is), so the tests that damage a copy do not each wait for thousands of fsyncs."""
+    if n not in _FILLED:
+        d = Path(tempfile.mkdtemp(prefix=f"sessionpin-fill-{n}-"))
+        atexit.register(shutil.rmtree, d, True)
+        run(FILL, str(d / "state.db"), str(n))
+        _FILLED[n] = d
+    prepare_dir(path.parent)                     # as the store makes its directory (0700)
+    for f in sorted(_FILLED[n].iterdir()):       # state.db, state.db.journal, state.db.lock
+        shutil.copy2(f, path.with_name(path.name + f.name.removeprefix("state.db")))
     return {f"pin:{i:05d}": f"server-{i % 7}" for i in range(n)}
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from children import communicate
 from sessionpin.store import NotDurable, StoreError, StoreUnavailable, StoreVersionError, open_store
 from sessionpin.store.file import FileStore
 from sessionpin.store.journal import decode, encode
@@ -271,7 +272,7 @@ def test_files_deleted_while_running_are_noticed_and_restored(tmp_path, caplog, 
             assert {k: v for k, v in ours.items() if v} and list(ours.values())[-1] is not None
         finally:
             writer.send_signal(signal.SIGKILL)
-            out, _ = writer.communicate(timeout=30)
+            out, _ = communicate(writer)
             s.close()
     assert os.stat(d).st_mode & 0o777 == 0o700
     for name in ("state.db", "state.db.journal", "state.db.lock"):
@@ -314,7 +315,7 @@ def test_wal_deleted_then_kill_9_loses_no_acknowledged_write(tmp_path, caplog):
     assert lines[-1] == "paused\n"
     os.unlink(f"{path}-wal")                               # its 300 commits since the last checkpoint
     p.send_signal(signal.SIGKILL)                          # before it writes (and looks) again
-    out, _ = p.communicate(timeout=30)
+    out, _ = communicate(p)
     acks = acked("".join(lines) + out)
     assert len(acks) == 300
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -372,7 +373,7 @@ def test_shm_deleted_while_two_processes_share_the_store_is_no_split_brain(tmp_p
         assert procs[2].stdout.readline() == "ready\n"
         procs[2].stdin.write("go\n")
         procs[2].stdin.flush()
-        outs = [p.communicate(timeout=60) for p in procs]
+        outs = [communicate(p, timeout=60) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -614,7 +615,7 @@ def test_acknowledged_durable_writes_survive_sigkill_and_the_loss_of_either_file
         p.stdin.flush()
         lines = [p.stdout.readline() for _ in range(150)]
         p.send_signal(signal.SIGKILL)
-        out, _ = p.communicate(timeout=30)
+        out, _ = communicate(p)
         acks = {f"k:{i}": i for i in acked("".join(lines) + out)}
         assert len(acks) >= 150
         lost = ["", "-wal", "-shm"] if lose == "database" else [".journal"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from children import communicate
 from sessionpin.store.file import FileStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ def test_sigkill_loses_no_acknowledged_durable_write(tmp_path):
         # even rounds: some kills land while the child is still opening (or creating) the file
         time.sleep(rng.uniform(0.0, 0.3))
         p.send_signal(signal.SIGKILL)
-        out, err = p.communicate(timeout=30)
+        out, err = communicate(p)
         out = first + out
         assert p.returncode == -signal.SIGKILL, err
         acked = [tuple(map(int, line.split())) for line in out.split("\n")[:-1]]  # only whole lines

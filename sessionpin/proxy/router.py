@@ -1,9 +1,17 @@
-"""Router: runs the request stepper (``sessionpin.route``) on each flow. Glue, no rules.
+"""Router: runs the request stepper (``sessionpin.route``) on each flow.
 
 One request: ``facts.read`` → ``route.begin`` → perform each effect (a pin read, the
 rewrite plan, a durable pin write) and feed its answer back with ``route.step`` → answer
 the flow as the last step says (forward rewritten, leave alone, refuse) → comment, 📌,
-metadata, one log line. Rules this module keeps:
+metadata, one log line. The stepper decides where a request goes; a few rules are still
+kept here, in the shell (issue 21 moves them into the stepper), and are listed below with
+the rest: the ambiguous-path 400, the unreachable 502, the redirect 502, the lineage read
+(``_lineage_of``), the rewrite plan (``_plan``) and the participants' turn after the
+decision (the OpenCode id pool). Rules this module keeps:
+
+- A request addressed to a configured server (or whose path looks like inference) whose
+  path is ambiguous (dot segments, encoded slashes…) is refused 400 in the format of the
+  API its path names, and sent nowhere.
 
 - An inference request of a known agent either leaves decided and rewritten as a whole,
   or is answered here in its API's error format (``sessionpin.answers``): an exception

@@ -85,7 +85,9 @@ def test_fake_pauses_between_events_and_returns_a_given_status(ca, fake):
     with fake.behave(pause_ms=150, deltas=1):
         r = c.request("POST", fake.url + "/v1/messages", body=json.dumps({**MESSAGE, "stream": True}).encode())
     gaps = [b.at - a.at for a, b in zip(r.events, r.events[1:])]
-    assert len(gaps) == 6 and min(gaps) > 0.1
+    # an event read late shortens the next gap as seen here (on a loaded machine, by tens of
+    # ms); the span from the first event to the last is shortened only by the first's delay
+    assert len(gaps) == 6 and min(gaps) > 0.05 and r.events[-1].at - r.events[0].at > 0.8
     with fake.behave(pause_after_first_ms=300):
         r = c.request("POST", fake.url + "/v1/messages", body=json.dumps({**MESSAGE, "stream": True}).encode())
     assert r.events[1].at - r.events[0].at > 0.25

@@ -64,8 +64,10 @@ async def test_failover_keeps_every_acknowledged_durable_write():
         heir = cluster.replica_of(victim)
         cluster.wait_healthy()
         writing = asyncio.create_task(write_until(s, acked, "killed:", 100))
-        await asyncio.sleep(0.05)
-        victim.kill()
+        while sum(k.startswith("killed:") for k in acked) < 5:   # writes going on (not a fixed sleep:
+            assert not writing.done()                            # on an idle machine 100 writes took
+            await asyncio.sleep(0.001)                           # less than one), then the kill, which
+        victim.kill()                                            # blocks the loop: no write slips past it
         await asyncio.to_thread(wait_for, lambda: heir.client().info("replication")["role"] == "master", 20,
                                 "the heir's election")
         assert await all_there(s, acked) == []             # WAIT 1: every acked write was on the heir

@@ -243,8 +243,15 @@ def shared_server() -> RedisServer:
     return _shared["server"]  # type: ignore[return-value]
 
 
+# Set by tests/conftest.py for each test: only a test of the slow tier may start a cluster.
+CLUSTER_ALLOWED = True
+
+
 def shared_cluster() -> LocalCluster:
     if "cluster" not in _shared:
+        if not CLUSTER_ALLOWED:
+            raise RuntimeError("this test starts a Redis Cluster: name it in tests/conftest.py SLOW "
+                               "(the default tier starts none)")
         cluster = LocalCluster()
         atexit.register(cluster.cleanup)
         _shared["cluster"] = cluster.start()

@@ -37,3 +37,29 @@ def test_every_core_module_is_under_the_contracts():
     modules = {p.stem for p in (ROOT / "sessionpin").glob("*.py")} - NOT_CORE
     assert modules - {m.removeprefix("sessionpin.") for m in core["source_modules"]} == set()
     assert modules - {m.removeprefix("sessionpin.") for m in store["forbidden_modules"]} == set()
+
+
+# Module-level objects of the shell and the pool that hold state, with why (proxy/__init__.py).
+PROCESS_STATE = {
+    "sessionpin.proxy.defaults.DECISIONS": "the decision lines, gathered per turn of the loop for stdout",
+    "sessionpin.pool.MANAGER": "the OpenCode id pool, which outlives a script reload",
+    "sessionpin.proxy.defaults._no_chatter": "a logging filter without state (added and removed by identity)",
+    "sessionpin.pool.options.BY_NAME": "a constant table: option name -> option",
+}
+
+
+def test_the_shell_and_the_pool_keep_no_other_module_level_state():
+    import importlib
+    import pkgutil
+    import sessionpin.pool
+    import sessionpin.proxy
+
+    found: dict[int, str] = {}
+    for pkg in (sessionpin.proxy, sessionpin.pool):
+        for name in [pkg.__name__] + [f"{pkg.__name__}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)]:
+            for attr, value in vars(importlib.import_module(name)).items():
+                mutable = isinstance(value, (dict, list, set, bytearray))
+                ours = type(value).__module__.startswith("sessionpin.") and not isinstance(value, type)
+                if (mutable or ours) and not attr.startswith("__"):
+                    found.setdefault(id(value), f"{name}.{attr}")     # first binding: where it is made
+    assert sorted(found.values()) == sorted(PROCESS_STATE)

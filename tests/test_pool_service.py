@@ -1,17 +1,20 @@
 """The service the addon calls: scope, routing decisions, observation, fallbacks, the loop."""
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 import sessionpin.pool as pool
 from fakegateway import FakeClock, ScriptedProbe
 from sessionpin.pool import state
-from sessionpin.pool.options import PoolConfig
+from sessionpin.pool.options import OPTIONS, PoolConfig
+from sessionpin.pool.participant import PoolParticipant
 from sessionpin.pool.service import PoolService, conversation_of, scope_of
 from sessionpin.pool.signals import ProbeResult
 from sessionpin.store import open_store
 from sessionpin.store.aio import Inline
-from sessionpin.store.base import NotDurable
+from sessionpin.steps import Refuse
+from sessionpin.store.base import READS, WRITES, NotDurable, StoreUnavailable
 from sessionpin.store.memory import MemoryStore
 
 GW = "https://opencode.ai"
@@ -165,14 +168,81 @@ class UnwritableStore(MemoryStore):
     apply = cas = set = hset = hsetnx = hdel = _fail
 
 
-async def test_unwritable_store_routing_continues_from_memory():
+class FailingStore(MemoryStore):
+    """The real memory store, every call of which fails while ``failures`` > 0 (one used per call)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.failures = 0
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if name in READS | WRITES and super().__getattribute__("failures") > 0:
+            def fail(*a, **k):
+                self.failures -= 1
+                raise StoreUnavailable("file:/shared: database is locked")
+            return fail
+        return attr
+
+
+async def test_unwritable_store_refuses_what_it_cannot_bind_and_keeps_no_private_store():
     svc, clock, _ = make()
     svc.configure(svc.cfg, Inline(UnwritableStore("memory:")))
     r = await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
-    assert r.how == "fresh" and svc.counters["store_errors"] == 1
+    assert isinstance(r, Refuse) and r.status == 503 and r.retry_after and r.kind == "pool-store"
+    assert "file:/broken: disk is gone" in r.message and "was not sent" in r.message
+    assert svc.counters["store_errors"] == 2 and svc.counters["refused_store"] == 1   # tried twice
     again = await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
-    assert again.routed_id == r.routed_id
-    assert await svc.observe(again, 200, {"server-timing": "upstream;dur=10"}) == "healthy"
+    assert isinstance(again, Refuse)                   # no id made up in memory, not even the second time
+    # a client that sent its own id and needs no write keeps it: the store's reads answer
+    own = await svc.route("POST", CHAT, {"x-opencode-session": "ses_own", **AUTH}, session=None, model=M)
+    assert own.how == "client" and own.routed_id == "ses_own"
+
+
+async def test_a_store_error_never_splits_bindings_between_proxies():
+    """Two proxies share one store; one meets a store error. Was: it switched to a private
+    memory store for the rest of the process, so it bound the conversation to an id the other
+    proxy never saw (and that a restart forgot)."""
+    shared = FailingStore("memory:")
+    a, clock, _ = make()
+    b = PoolService(a.cfg, Inline(shared), clock=clock, probe=lambda *x: None)
+    a.configure(a.cfg, Inline(shared))
+    shared.failures = 2                          # the call and its retry
+    refused = await a.route("POST", CHAT, AUTH, session="fp:1", model=M)
+    assert isinstance(refused, Refuse)
+    assert shared.failures == 0                  # the store answers again
+    first = await a.route("POST", CHAT, AUTH, session="fp:1", model=M)
+    assert first.how == "fresh"
+    other = await b.route("POST", CHAT, AUTH, session="fp:1", model=M)
+    assert other.routed_id == first.routed_id and other.how == "binding"
+    assert a.store.backend is b.store.backend is shared     # the shared store, not a private one
+
+
+async def test_one_store_error_is_retried_on_the_same_store():
+    shared = FailingStore("memory:")
+    svc, clock, _ = make()
+    svc.configure(svc.cfg, Inline(shared))
+    await add_spare(svc, clock, "s1")
+    shared.failures = 1
+    r = await svc.route("POST", CHAT, {"x-opencode-session": "ses_1", **AUTH}, session="ses_1", model=M)
+    assert r.how == "spare" and r.routed_id == "s1" and svc.counters["store_errors"] == 1
+    assert (await state.binding(svc.store, r.key)).routed_id == "s1"     # in the shared store
+    shared.failures = 1                          # a failed observation is dropped, never moved elsewhere
+    assert await svc.observe(r, 200, {"server-timing": "upstream;dur=10"}) == "error"
+    assert svc.store.backend is shared
+
+
+async def test_a_refused_pool_request_is_answered_by_the_router_in_the_agents_format():
+    part = PoolParticipant(pool.Manager())
+    part.configure({o.name: o.default for o in OPTIONS})
+    part.configure_store(Inline(UnwritableStore("memory:")))
+    flow = SimpleNamespace(response=None, metadata={}, comment="",
+                           request=SimpleNamespace(method="POST", url=CHAT, headers={"authorization": "Bearer k1"},
+                                                   raw_content=b""))
+    facts = SimpleNamespace(session="fp:9", model=M, has_history=True)   # no budget: no probe
+    got = await part.request(flow, facts)
+    assert isinstance(got, Refuse) and got.status == 503
+    assert flow.request.headers == {"authorization": "Bearer k1"} and flow.metadata == {}   # nothing changed
 
 
 async def test_probe_credentials_stay_in_memory_and_are_replaced():

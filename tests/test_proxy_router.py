@@ -323,6 +323,23 @@ async def test_participants_see_routed_requests_and_response_headers(cfg_path):
                     ("responseheaders", True), ("request", "example.com", "opening", "out-of-scope")]
 
 
+async def test_a_participants_refusal_is_answered_in_the_agents_format_and_nothing_is_sent(cfg_path):
+    class Refusing:   # as the OpenCode id pool does when its store failed twice
+        async def request(self, flow, facts, decision):
+            return route.Refuse(503, "pool-store", "sessionpin cannot reach its pool store", 1)
+
+    p = start(cfg_path, participants=[Refusing()])
+    try:
+        f = flow()
+        await p.send(f)
+    finally:
+        p.close()
+    assert f.response is not None and f.response.status_code == 503
+    assert f.response.headers["x-sessionpin-refused"] == "pool-store" and f.response.headers["retry-after"] == "1"
+    assert json.loads(f.response.content)["error"]["message"] == "sessionpin cannot reach its pool store"
+    assert f.metadata["sessionpin"]["refused"] == 503
+
+
 @pytest.mark.parametrize("ctype, length, in_scope, streamed", [
     ("text/event-stream; charset=utf-8", True, False, True),
     ("application/x-ndjson", True, False, True),

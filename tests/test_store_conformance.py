@@ -51,8 +51,9 @@ async def store(store_url, clock):
 
 @pytest.fixture
 def about(store_url):
-    """A TTL as the kind keeps it: exact, or to 50 ms on Redis (whole ms; its time runs)."""
-    tolerance = 0.05 if is_redis(store_url) else None
+    """A TTL as the kind keeps it: exact, or to 300 ms on Redis (whole ms; its time runs, and
+    on a loaded machine running tests in parallel ~100 ms can pass between two calls)."""
+    tolerance = 0.3 if is_redis(store_url) else None
     return lambda seconds: pytest.approx(seconds, abs=tolerance)
 
 

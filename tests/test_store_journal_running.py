@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from children import communicate
 from sessionpin.store.file import FileStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +111,7 @@ def test_any_process_sharing_the_store_may_notice_and_the_others_follow(tmp_path
         wait_for(lambda: journal.exists() and journal.stat().st_ino != inode)   # set aside, then rebuilt
         s.set("pin:late", "b", durable=True)                     # this process follows the new file
     finally:
-        out, err = other.communicate("\n", timeout=60)
+        out, err = communicate(other, "\n", timeout=60)
         s.close()
     assert other.returncode == 0 and "was damaged (bad line at byte" in err
     lose_the_database(path)

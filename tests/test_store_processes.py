@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from children import communicate
 from sessionpin.store.file import FileStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,19 +27,6 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 def spawn(code: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, *args], env=ENV, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def first_line(p: subprocess.Popen) -> str:
-    """What the child printed up to its first newline, read from the pipe's descriptor:
-    ``p.stdout.readline()`` would buffer lines after it that ``communicate()`` (which reads
-    the descriptor) then never sees, and acknowledged writes would look missing."""
-    got, fd = b"", p.stdout.fileno()
-    while b"\n" not in got:
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        got += chunk
-    return got.decode()
 
 
 DURABLE_CHILD = r"""
@@ -65,11 +53,11 @@ def test_sigkill_loses_no_acknowledged_durable_write(tmp_path):
         p = spawn(DURABLE_CHILD, str(path), str(r))
         first = ""
         if r % 2:
-            first = first_line(p)         # odd rounds: die while writing, whatever the load
+            first = p.stdout.readline()   # odd rounds: die while writing, whatever the load
         # even rounds: some kills land while the child is still opening (or creating) the file
         time.sleep(rng.uniform(0.0, 0.3))
         p.send_signal(signal.SIGKILL)
-        out, err = p.communicate(timeout=30)
+        out, err = communicate(p)
         out = first + out
         assert p.returncode == -signal.SIGKILL, err
         acked = [tuple(map(int, line.split())) for line in out.split("\n")[:-1]]  # only whole lines

@@ -19,7 +19,9 @@ Hooks, in the order mitmproxy drives them:
   config and a store, attach to ``pool.MANAGER`` (the same service after a reload).
 - ``running()``: start the refresh loop (sync). ``done()``: detach (sync).
 - ``request(flow, facts, decision)``: after the router decided; the request's *current*
-  URL decides the scope, so a request the router sent elsewhere is left alone.
+  URL decides the scope, so a request the router sent elsewhere is left alone. When the
+  pool's store failed twice it returns the service's ``Refuse`` (and changes nothing): the
+  router answers the flow with it, as it answers its own refusals.
 - ``responseheaders(flow)``: starts the observation as a task of its own (on the running
   loop; the async store keeps SQLite off it) and returns at once, so the stream is never
   held up (seeds/002 §7: observe is not awaited). ``done()`` lets running observations
@@ -37,6 +39,7 @@ from . import MANAGER, report
 from .options import OPTIONS, PoolConfig, parse
 from .service import HEADER, PoolService, Route, scope_of
 from .upstream import UPSTREAM_OPTIONS
+from ..steps import Refuse
 
 log = logging.getLogger(__name__)
 META = "sessionpin_pool"
@@ -86,10 +89,10 @@ class PoolParticipant:
         svc = self.service
         return svc is not None and scope_of(svc.cfg, method, url) is not None
 
-    async def request(self, flow, facts=None, decision=None) -> None:
+    async def request(self, flow, facts=None, decision=None) -> Refuse | None:
         svc = self.service
         if svc is None or not svc.cfg.enabled or flow.response is not None:
-            return
+            return None
         req = flow.request
         if facts is None:
             from .. import facts as F
@@ -98,7 +101,9 @@ class PoolParticipant:
         route = await svc.route(req.method, req.url, req.headers, session=facts.session, model=facts.model,
                                 opening=not facts.has_history)
         if route is None:
-            return
+            return None
+        if isinstance(route, Refuse):
+            return route
         if req.headers.get(HEADER) != route.routed_id:
             req.headers[HEADER] = route.routed_id
         flow.metadata[META] = {"key": route.key, "id": route.routed_id, "how": route.how,
@@ -107,6 +112,7 @@ class PoolParticipant:
         note = f"pool: {route.how} {route.routed_id[:8]}"   # shown in mitmweb next to the router's note
         flow.comment = f"{flow.comment}\n{note}" if flow.comment else note
         log.info("sessionpin pool: %s %s -> %s (%s)", route.provider, route.model, route.routed_id[:8], route.how)
+        return None
 
     def responseheaders(self, flow) -> asyncio.Task | None:
         """Start observing a pooled response; returns the task (None when nothing is observed)."""

@@ -17,13 +17,18 @@ Rules this module keeps:
 - Per-key de-duplication: concurrent requests of one key share one acquisition.
 - A failed *budgeted* acquisition puts the key in cooldown (no budget) for
   ``probe_cooldown_ms``.
-- The store is the async ``Store``: nothing here touches a file on the event loop. A store
-  that fails (``StoreError``: ``StoreUnavailable``, ``NotDurable``…) is replaced by an
-  in-memory store: routing goes on, only durability and sharing with other processes are
-  lost (logged once).
+- The store is the async ``Store``: nothing here touches a file on the event loop. The
+  store is the only place bindings live, as the router's pins do: a store call that fails
+  (``StoreError``: ``StoreUnavailable``, ``NotDurable``…) is tried once more, and if it
+  fails again the request is refused (``route`` returns a ``Refuse``: 503 naming the store,
+  ``retry-after``), never routed from a private store — that would hand the conversation
+  an id other proxies do not know and a restart forgets. A failed observation or refresh
+  cycle is counted and dropped (the binding stays as it was; the next cycle tries again).
+  The first failure of a streak is logged as a warning, the store answering again as info.
 - Probes go out the way mitmproxy's upstream connections go (``cfg.upstream``); how is
   logged in one line when the service starts and whenever it changes.
-- Nothing here raises into the request path: ``route``/``observe`` log and return.
+- Nothing here raises into the request path: ``route``/``observe`` log and return (an
+  error that is not the store's leaves the request alone).
 - The refresh loop runs in the caller's event loop; ``start``/``stop`` are synchronous
   (mitmproxy's running/done), and its schedule lives on the service, so stopping and
   starting again (a script reload) neither resets the first-run delay nor runs twice.
@@ -48,6 +53,8 @@ from .prober import COPIED_HEADERS, CREDENTIAL_HEADERS, ProbeTarget, probe as se
 from .refresh import Plan, cycle
 from .signals import ProbeResult
 from .upstream import describe as describe_upstream, ssl_context
+from ..ids import short
+from ..steps import Refuse
 from ..store.base import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,7 @@ HEADER = "x-opencode-session"
 PROVIDERS = (("/zen/go/v1/", "opencode-go"), ("/zen/v1/", "opencode"))
 KINDS = ("chat/completions", "messages", "responses")
 MAX_CONVERSATION = 256
+STORE_RETRY_AFTER = 1      # seconds: a store that failed twice in a row may well be back by then
 
 
 class RealClock:
@@ -134,7 +142,7 @@ class PoolService:
                  probe: Callable[[ProbeTarget, str, int], Any] | None = None) -> None:
         self.cfg = cfg
         self._store = store
-        self._fallback: Store | None = None
+        self._store_down = False      # in a streak of store failures (logged once per streak)
         self.clock: Clock = clock or RealClock()
         self._probe_impl = probe
         self._ssl = None
@@ -160,7 +168,6 @@ class PoolService:
         self._say_upstream()
         if store is not None and store is not self._store:
             self._store = store
-            self._fallback = None
 
     def _say_upstream(self) -> None:
         if self.cfg.enabled and self.cfg.upstream != self._said_upstream:
@@ -169,15 +176,29 @@ class PoolService:
 
     @property
     def store(self) -> Store:
-        return self._fallback or self._store
+        return self._store
 
     def _store_failed(self, exc: BaseException) -> None:
-        if self._fallback is None:
-            from ..store import open_store
-            log.warning("sessionpin pool: store %s failed (%s); routing continues from memory",
-                        getattr(self._store, "url", "?"), type(exc).__name__)
-            self._fallback = open_store("memory:")
+        if not self._store_down:
+            self._store_down = True
+            log.warning("sessionpin pool: store %s failed (%s: %s); pooled requests are refused until it answers",
+                        getattr(self._store, "url", "?"), type(exc).__name__, exc)
         self.counters["store_errors"] += 1
+
+    def _store_answered(self) -> None:
+        if self._store_down:
+            self._store_down = False
+            log.info("sessionpin pool: store %s answers again", getattr(self._store, "url", "?"))
+
+    def _refusal(self, exc: BaseException, provider: str, conversation: str) -> Refuse:
+        self.counters["refused_store"] += 1
+        url = getattr(self._store, "url", "?")
+        error = f"{url}: {exc}" if url not in str(exc) else str(exc)
+        return Refuse(503, "pool-store", (
+            f"sessionpin cannot reach its pool store ({error}), so the {provider} session id of conversation "
+            f"{short(conversation)} is unknown and the request was not sent: a guessed id would split the "
+            "conversation between ids. Retry in a moment; if this persists, run 'sessionpin doctor'."),
+            STORE_RETRY_AFTER)
 
     # ---- probes -------------------------------------------------------------------------
 
@@ -218,18 +239,19 @@ class PoolService:
     # ---- the request path ---------------------------------------------------------------
 
     async def route(self, method: str, url: str, headers: Mapping[str, str], *, session: str | None,
-                    model: str | None, opening: bool = False) -> Route | None:
-        """The pool's decision for one request, or None to leave it alone. Never raises."""
+                    model: str | None, opening: bool = False) -> Route | Refuse | None:
+        """The pool's decision for one request: a route, a refusal (the store failed twice), or
+        None to leave it alone. Never raises."""
         try:
             return await self._route(method, url, headers, session, model, opening)
         except asyncio.CancelledError:
             raise
-        except Exception:  # the request must go on whatever the pool's trouble
+        except Exception:  # a bug of ours: the request goes on, untouched
             log.exception("sessionpin pool: routing failed; request left alone")
             self.counters["errors"] += 1
             return None
 
-    async def _route(self, method, url, headers, session, model, opening) -> Route | None:
+    async def _route(self, method, url, headers, session, model, opening) -> Route | Refuse | None:
         sc = scope_of(self.cfg, method, url)
         if sc is None or not model:
             return None
@@ -248,14 +270,24 @@ class PoolService:
             pending.add_done_callback(lambda _f, k=key: self._inflight.pop(k, None))
         else:
             self.counters["deduped"] += 1
-        got: Acquired | None = await asyncio.shield(pending)
+        try:
+            got: Acquired | None = await asyncio.shield(pending)
+        except Exception as e:
+            if not _is_store_fault(e):
+                raise
+            return self._refusal(e, sc.provider, conversation)
         if got is not None:
             self.counters[f"routed_{got.how}"] += 1
             return Route(key, got.routed_id, got.how, sc.provider, model, sc.origin, client_id)
         if client_id:
             self.counters["routed_client"] += 1
             return Route(key, client_id, "client", sc.provider, model, sc.origin, client_id)
-        fresh = await self._bind_fresh(key, sc.provider, model)
+        try:
+            fresh = await self._bind_fresh(key, sc.provider, model)
+        except Exception as e:
+            if not _is_store_fault(e):
+                raise
+            return self._refusal(e, sc.provider, conversation)
         self.counters[f"routed_{fresh.how}"] += 1
         return Route(key, fresh.routed_id, fresh.how, sc.provider, model, sc.origin, None)
 
@@ -264,7 +296,7 @@ class PoolService:
         budget = self.cfg.startup_budget_ms if opening else self.cfg.request_budget_ms
         if self._cooldown.get(key, 0) > now:
             budget = 0
-        for attempt in (1, 2):
+        for attempt in (1, 2):     # a store fault: once more on the same store, then the caller refuses
             try:
                 got = await acquire(self.store, key, sc.provider, model, budget_ms=budget, cfg=self.cfg,
                                     clock=self.clock, probe=self._probe_fn(target), target=target.state,
@@ -273,9 +305,12 @@ class PoolService:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                if attempt == 2 or not _is_store_fault(e):
+                if not _is_store_fault(e):
                     raise
                 self._store_failed(e)
+                if attempt == 2:
+                    raise
+        self._store_answered()
         if got is None and budget > 0:
             self._cooldown[key] = self.clock.now_ms() + self.cfg.probe_cooldown_ms
             self.counters["cooldowns"] += 1
@@ -294,7 +329,13 @@ class PoolService:
             if not _is_store_fault(e):
                 raise
             self._store_failed(e)
-            won = await state.bind(self.store, key, b)
+            try:
+                won = await state.bind(self.store, key, b)   # once more on the same store; else the caller refuses
+            except Exception as again:
+                if _is_store_fault(again):
+                    self._store_failed(again)
+                raise
+        self._store_answered()
         if won is None:     # cannot happen for a new random id; route the id anyway
             won = b
         return Acquired(won.routed_id, "fresh" if won.routed_id == b.routed_id else "binding", won)
@@ -305,13 +346,15 @@ class PoolService:
             return "client"
         try:
             h = {str(k).lower(): str(v) for k, v in headers.items()}
-            return await observe_binding(self.store, route.key, route.routed_id, status, h.get("server-timing"),
-                                         self.cfg, self.clock.now_ms(), self.counters)
+            verdict = await observe_binding(self.store, route.key, route.routed_id, status, h.get("server-timing"),
+                                            self.cfg, self.clock.now_ms(), self.counters)
+            self._store_answered()
+            return verdict
         except asyncio.CancelledError:
             raise
         except Exception as e:
             if _is_store_fault(e):
-                self._store_failed(e)
+                self._store_failed(e)     # the observation is lost; the binding stays as it was
             else:
                 log.exception("sessionpin pool: observing a response failed")
             self.counters["errors"] += 1
@@ -392,8 +435,9 @@ class PoolService:
         except Exception as e:
             if not _is_store_fault(e):
                 raise
-            self._store_failed(e)
+            self._store_failed(e)        # the next cycle tries again
             return 0
+        self._store_answered()
         log.debug("sessionpin pool: refresh cycle over %d target(s): %d probe(s)", len(plan.items), sent)
         if sent:
             log.info("sessionpin pool: refresh: %d probe(s), %d fast, over %d target(s)", sent,

@@ -1,4 +1,5 @@
-"""The mitmproxy shell: the only package that imports mitmproxy. Glue, no rules.
+"""The mitmproxy shell: the only package that imports mitmproxy. Each module's docstring
+lists the rules it keeps (router.py still keeps a few the stepper should: issue 21).
 
 ``make_addons()`` lists its addons, each a file to read in one sitting, in the order
 mitmproxy runs their hooks:
@@ -21,7 +22,11 @@ mitmproxy runs their hooks:
 | ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
 
-They share state by reference, handed over here — no process-global dict.
+They share state by reference, handed over here. Two objects are the process's, not an
+addon's: ``defaults.DECISIONS``, the decision lines gathered per turn of the event loop
+for the process's stdout, and ``sessionpin.pool.MANAGER``, the OpenCode id pool, which
+outlives a script reload (its docstring says why). ``tests/test_package.py`` checks that
+the shell and the pool keep no other module-level state.
 """
 
 from __future__ import annotations

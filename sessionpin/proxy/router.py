@@ -1,9 +1,17 @@
-"""Router: runs the request stepper (``sessionpin.route``) on each flow. Glue, no rules.
+"""Router: runs the request stepper (``sessionpin.route``) on each flow.
 
 One request: ``facts.read`` → ``route.begin`` → perform each effect (a pin read, the
 rewrite plan, a durable pin write) and feed its answer back with ``route.step`` → answer
 the flow as the last step says (forward rewritten, leave alone, refuse) → comment, 📌,
-metadata, one log line. Rules this module keeps:
+metadata, one log line. The stepper decides where a request goes; a few rules are still
+kept here, in the shell (issue 21 moves them into the stepper), and are listed below with
+the rest: the ambiguous-path 400, the unreachable 502, the redirect 502, the lineage read
+(``_lineage_of``), the rewrite plan (``_plan``) and the participants' turn after the
+decision (the OpenCode id pool). Rules this module keeps:
+
+- A request addressed to a configured server (or whose path looks like inference) whose
+  path is ambiguous (dot segments, encoded slashes…) is refused 400 in the format of the
+  API its path names, and sent nowhere.
 
 - An inference request of a known agent either leaves decided and rewritten as a whole,
   or is answered here in its API's error format (``sessionpin.answers``): an exception
@@ -22,6 +30,8 @@ metadata, one log line. Rules this module keeps:
   to the agent (session, server, address) instead of mitmproxy's HTML 502.
 - Streamed responses (SSE, NDJSON, and any routed response without a length) pass
   through as they arrive: ``responseheaders`` turns streaming on.
+- A participant (the OpenCode id pool) that returns a ``Refuse`` from its ``request`` gets
+  it answered like the router's own refusals; the request is not sent.
 - A redirect answered by a server the request was moved to is not passed on: the agent
   would follow it with its own key (to another host, or to that server's origin, where
   requests keep the agent's headers). It gets a 502 naming the server and the host the
@@ -152,9 +162,13 @@ class Router:
             for p in self.participants:
                 if hasattr(p, "request"):
                     try:
-                        await p.request(flow, facts, decision)
+                        refusal = await p.request(flow, facts, decision)
                     except Exception:
                         log.exception("sessionpin: participant %s failed", type(p).__name__)
+                        continue
+                    if isinstance(refusal, route.Refuse):   # e.g. the OpenCode id pool's store failed
+                        self._refuse(flow, facts, refusal)
+                        return
 
     async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:
         cfg = self.config.config

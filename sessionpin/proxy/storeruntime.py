@@ -5,7 +5,11 @@ Rules it keeps:
   user state dir's file store. At start, a store that cannot be opened stops mitmdump
   with one line and exit status 2 (a store of a newer format is left untouched); a
   change while running that cannot be opened is refused and the old store stays.
-- Every store call is the async facade's: nothing here touches a file on the event loop.
+- Every store call is the async facade's: nothing here touches a file on the event loop,
+  but one: ``configure`` opens the store (mitmproxy applies options synchronously, and a
+  store that cannot be opened must stop mitmdump at start or refuse the option while
+  running). Opening a file store reads its files and, after a crash, replays its journal,
+  on the loop's thread — once at start, and when ``sessionpin_store`` changes.
 - A store that says how it is (Redis: ``check()``) is checked as soon as the loop runs,
   so status and doctor show its durability at once. One that cannot be reached then
   does not stop the proxy: it serves, the router refuses the requests whose pin it

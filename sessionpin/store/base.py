@@ -19,8 +19,12 @@ every implementation keeps:
 - ``set`` without a TTL clears any TTL (redis SET); ``incr``/``hset``/``hincr``/``zadd``
   keep it. ``expire(key, ttl)`` with ``ttl <= 0`` deletes the key.
 - **Durable or raise.** ``durable=True`` on a write means: on stable storage when the
-  call returns; if that cannot be done the call raises ``NotDurable`` and the write has
-  no effect anywhere — no memory copy that a later read would see. Other writes reach
+  call returns; if that cannot be done the call raises ``NotDurable``: not acknowledged.
+  A local store's (memory, file) has no effect anywhere — no memory copy that a later
+  read would see. A Redis store's may have been applied when its reply was lost (a
+  timeout, a dropped connection: writes are never sent twice), and ``NotReplicated``
+  (``applied`` True) was: it is on the primary's disk, too few replicas said so in time.
+  A caller never reports such a write as saved, nor counts on it being absent. Other writes reach
   stable storage within a couple of seconds and on ``close``; when the backend fails
   they raise ``StoreUnavailable`` (also without effect).
 - **A read fault is an error, never "absent".** A read that cannot reach the data
@@ -74,7 +78,9 @@ class StoreUnavailable(StoreError):
 
 
 class NotDurable(StoreUnavailable):
-    """A durable write could not be made durable; it has no effect anywhere."""
+    """A durable write that is not acknowledged as durable. A local store's has no effect
+    anywhere; a Redis store's may have been applied (its reply lost), and its subclass
+    ``NotReplicated`` was (``applied``): see "Durable or raise" above."""
 
 
 # ---- the vocabulary of ``apply`` ---------------------------------------------------------

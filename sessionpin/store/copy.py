@@ -4,7 +4,8 @@ Rules it keeps:
 - Only the ``Store`` contract is used, so any two stores work. A key's type is found by
   reading it as a string, then a hash, then a sorted set (``WrongType`` says "not this").
 - Each key arrives whole, with the TTL it has left in the source (read after the value,
-  so the copy never outlives the original): a string in one ``set``; a hash or sorted set
+  less the time spent between that read and the write, so the copy never outlives the
+  original): a string in one ``set``; a hash or sorted set
   as one ``apply`` (delete, then every field or member), then ``expire``. A key of another
   type in the destination is deleted first (``apply``'s writes cannot change a key's
   type in place).
@@ -22,6 +23,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -66,8 +68,12 @@ async def copy_key(src: Store, dst: Store, key: str) -> str:
     if found is None:
         return "skipped"
     ttl = await src.ttl(key)
+    read_at = time.monotonic()
     if ttl is None and await read_key(src, key) is None:     # expired between the two reads
         return "skipped"
+
+    def left() -> float | None:                              # the TTL as it stands at the write
+        return None if ttl is None else ttl - (time.monotonic() - read_at)
     kind, value = found
     try:
         there = await read_key(dst, key)
@@ -76,7 +82,7 @@ async def copy_key(src: Store, dst: Store, key: str) -> str:
     if there == found and _same_ttl(await dst.ttl(key), ttl):
         return "equal"
     if kind == "string":
-        await dst.set(key, value, ttl)                        # SET replaces any type, sets or clears the TTL
+        await dst.set(key, value, left())                     # SET replaces any type, sets or clears the TTL
         return "copied"
     if there is not None and there[0] != kind:
         await dst.delete(key)
@@ -87,7 +93,7 @@ async def copy_key(src: Store, dst: Store, key: str) -> str:
         writes += [ZAdd(key, m, s) for m, s in value]
     await dst.apply([], writes)
     if ttl is not None:
-        await dst.expire(key, ttl)
+        await dst.expire(key, left())
     return "copied"
 
 

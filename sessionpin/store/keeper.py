@@ -106,6 +106,7 @@ class Keeper:
         self.lock_wait = max(busy_timeout, 5.0)         # opening and repairing may wait longer
         self.wlock = threading.RLock()
         self.w: sqlite3.Connection | None = None
+        self.parked: sqlite3.Connection | None = None  # the writer a fault dropped, closed once a new one is open
         self.lock = FileLock(path.with_name(path.name + ".lock"))
         self.journal = Journal(path.with_name(path.name + ".journal"))
         self.ident: guard.Identity | None = None       # what the paths named when we opened
@@ -152,12 +153,13 @@ class Keeper:
         return conn
 
     def drop_writer(self) -> None:
-        if self.w is not None:
-            try:
-                self.w.close()
-            except sqlite3.Error:
-                pass
-            self.w = None
+        for conn in (self.w, self.parked):
+            if conn is not None:
+                try:
+                    conn.close()
+                except sqlite3.Error:
+                    pass
+        self.w = self.parked = None
 
     # == writes =======================================================================
     def write(self, op: Callable, args: tuple, now: float, durable: bool):
@@ -188,12 +190,20 @@ class Keeper:
 
     def _after_fault(self) -> None:
         """Drop the writer connection (the next write opens a fresh one) — unless the paths
-        no longer name its files: then it holds what the repair restores from."""
+        no longer name its files: then it holds what the repair restores from. Dropped, it
+        stays open (parked) until the fresh one is: closing the process's last connection
+        makes SQLite checkpoint and delete the -wal and -shm, and the fresh connection's new
+        ones would be taken for files replaced under us (a repair for nothing)."""
         why = self.ident.differs(guard.identity(self.path)) if self.ident is not None else None
         if why:
             self.notice(why)
-        else:
-            self.drop_writer()
+        elif self.w is not None:
+            parked, self.parked, self.w = self.parked, self.w, None
+            if parked is not None:
+                try:
+                    parked.close()
+                except sqlite3.Error:
+                    pass
 
     def _reconnect(self) -> None:
         conn = self.connect()
@@ -205,6 +215,12 @@ class Keeper:
             raise
         self.w = conn
         self.gen += 1
+        if self.parked is not None:             # the fresh one is open: the -wal stays
+            parked, self.parked = self.parked, None
+            try:
+                parked.close()
+            except sqlite3.Error:
+                pass
         self.check_identity()
 
     def _durable(self, op: Callable, args: tuple, now: float):

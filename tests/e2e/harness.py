@@ -51,6 +51,13 @@ API (import with ``from e2e.harness import ...`` from tests/, or ``from .harness
     path to the proxy port over plain HTTP. ``connect(url)`` returns a keep-alive ``Connection``
     with the same ``request(method, path, ...)`` (the benchmark uses it).
 
+``running_rig(tmp, make_fakes, make_rig)`` (a context manager) is the one way a module builds its
+rig: a ``TestCA`` in ``tmp/ca``, the fake servers ``make_fakes(ca)`` returns (a dict), started, then
+``make_rig(tmp, ca, fakes)`` and its ``mitm`` started; on exit the mitmdump stops, then the fakes.
+
+Every ``Mitmdump`` confdir starts with one mitmproxy CA made once per test process (mitmdump
+would make an RSA-2048 CA in each new confdir; the tests only need it trusted by their client).
+
 ``free_port()`` for a second mode (``--mode reverse:URL@PORT``: two modes cannot both take -p 0).
 ``toml_config(servers, agents)`` writes the config format of issue 4; ``anthropic_sse_events()``
 and friends give the exact bytes the fake servers stream.
@@ -591,6 +598,29 @@ def _stop_leftovers() -> None:
             m.stop(signal.SIGKILL, timeout=5)
 
 
+_MITM_CA: Path | None = None   # a confdir holding the mitmproxy CA every Mitmdump of this process starts with
+
+
+def _seed_confdir(confdir: Path) -> None:
+    """Give a new confdir this process's mitmproxy CA (made once, as mitmdump makes it)."""
+    global _MITM_CA
+    if any(confdir.glob("mitmproxy-ca*")):
+        return
+    if _MITM_CA is None:
+        import shutil
+        import tempfile
+
+        from mitmproxy import certs
+
+        template = Path(tempfile.mkdtemp(prefix="sessionpin-mitm-ca-"))
+        atexit.register(shutil.rmtree, template, True)
+        certs.CertStore.from_store(template, "mitmproxy", 2048)
+        _MITM_CA = template
+    for f in _MITM_CA.iterdir():
+        (confdir / f.name).write_bytes(f.read_bytes())
+        os.chmod(confdir / f.name, 0o600)
+
+
 class Mitmdump:
     """A mitmdump subprocess with a private confdir, restartable with the same state."""
 
@@ -607,6 +637,7 @@ class Mitmdump:
         self.workdir = Path(workdir)
         self.confdir = self.workdir / "confdir"
         self.confdir.mkdir(parents=True, exist_ok=True)
+        _seed_confdir(self.confdir)
         self.script = Path(script) if script else None
         self.options = dict(options or {})
         self.env = dict(env or {})
@@ -786,6 +817,29 @@ class Mitmdump:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running_rig(tmp: Path, make_fakes: Callable[[TestCA], dict[str, Any]],
+                make_rig: Callable[[Path, TestCA, dict[str, Any]], Any]) -> Iterator[Any]:
+    """A module's rig, running: a test CA, its fake servers started, the rig made and its
+    mitmdump started; the mitmdump stops first on exit, then the fakes."""
+    ca = TestCA(tmp / "ca")
+    fakes = make_fakes(ca)
+    started: list[Any] = []
+    rig = None
+    try:
+        for f in fakes.values():
+            f.start()
+            started.append(f)
+        rig = make_rig(tmp, ca, fakes)
+        rig.mitm.start()
+        yield rig
+    finally:
+        if rig is not None:
+            rig.mitm.stop()
+        for f in started:
+            f.stop()
 
 
 # --------------------------------------------------------------------------- client

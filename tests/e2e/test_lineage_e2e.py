@@ -27,7 +27,7 @@ from sessionpin import facts as F
 from sessionpin import lineage, lineindex
 from sessionpin.store import open_store
 
-from .harness import FakeServer, TestCA, anthropic_sse_events
+from .harness import FakeServer, TestCA, anthropic_sse_events, running_rig
 from .replay import FIXTURES, Replay, load
 from .test_replay_e2e import CURRENT, RUN, Rig
 
@@ -46,20 +46,11 @@ OTHER = {"glm": "alt", "alt": "glm"}
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    tmp = tmp_path_factory.mktemp("e2e-lineage")
-    ca = TestCA(tmp / "ca")
-    fakes = {n: FakeServer(n, ca, prefix="/api/anthropic" if n == "glm" else "")
-             for n in ("anthropic", "opencode", "openai", "glm", "alt", "elsewhere")}
-    for f in fakes.values():
-        f.start()
-    r = Rig(tmp, ca, fakes)
-    try:
-        r.mitm.start()
+    def fakes(ca: TestCA) -> dict[str, FakeServer]:
+        return {n: FakeServer(n, ca, prefix="/api/anthropic" if n == "glm" else "")
+                for n in ("anthropic", "opencode", "openai", "glm", "alt", "elsewhere")}
+    with running_rig(tmp_path_factory.mktemp("e2e-lineage"), fakes, Rig) as r:
         yield r
-    finally:
-        r.mitm.stop()
-        for f in fakes.values():
-            f.stop()
 
 
 def recorded_response(path: Path, replay: Replay) -> tuple[int, list[tuple[str, str]], bytes] | None:

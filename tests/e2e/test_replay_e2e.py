@@ -47,7 +47,8 @@ from sessionpin import pins
 from sessionpin.headers import allowed as allowed_header
 from sessionpin.store import open_store
 
-from .harness import LOOPBACK, Client, FakeServer, Mitmdump, Received, Reply, TestCA, free_port, toml_config
+from .harness import (LOOPBACK, Client, FakeServer, Mitmdump, Received, Reply, TestCA, free_port, running_rig,
+                      toml_config)
 from .replay import ELSEWHERE, FIXTURES, H2Reply, Prepared, Recorded, Replay, h2_request, load
 
 RUN = uuid.uuid4().hex[:8]
@@ -278,26 +279,17 @@ def same_request(p: Prepared, r: Received) -> bool:
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    tmp = tmp_path_factory.mktemp("e2e-replay")
-    ca = TestCA(tmp / "ca")
-    fakes = {
-        "anthropic": FakeServer("anthropic", ca),
-        "opencode": FakeServer("opencode", ca, prefix="/zen"),
-        "openai": FakeServer("openai", ca),
-        "glm": FakeServer("glm", ca, prefix="/api/anthropic"),
-        "alt": FakeServer("alt", ca),
-        ELSEWHERE: FakeServer(ELSEWHERE, ca),
-    }
-    for f in fakes.values():
-        f.start()
-    r = Rig(tmp, ca, fakes)
-    try:
-        r.mitm.start()
+    def fakes(ca: TestCA) -> dict[str, FakeServer]:
+        return {
+            "anthropic": FakeServer("anthropic", ca),
+            "opencode": FakeServer("opencode", ca, prefix="/zen"),
+            "openai": FakeServer("openai", ca),
+            "glm": FakeServer("glm", ca, prefix="/api/anthropic"),
+            "alt": FakeServer("alt", ca),
+            ELSEWHERE: FakeServer(ELSEWHERE, ca),
+        }
+    with running_rig(tmp_path_factory.mktemp("e2e-replay"), fakes, Rig) as r:
         yield r
-    finally:
-        r.mitm.stop()
-        for f in fakes.values():
-            f.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -21,30 +21,21 @@ import pytest
 
 from sessionpin.ids import short
 
-from .harness import FakeServer, StoreLock, TestCA
+from .harness import FakeServer, StoreLock, TestCA, running_rig
 from .test_router_e2e import Rig, cc, new_session
 
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    tmp = tmp_path_factory.mktemp("e2e-request-path")
-    ca = TestCA(tmp / "ca")
-    fakes = {
-        "anthropic": FakeServer("anthropic", ca),
-        "glm": FakeServer("glm", ca, prefix="/api/anthropic"),
-        "alt": FakeServer("alt", ca),
-        "nokey": FakeServer("nokey", ca),
-    }
-    for f in fakes.values():
-        f.start()
-    r = Rig(tmp, ca, fakes)
-    try:
-        r.mitm.start()
+    def fakes(ca: TestCA) -> dict[str, FakeServer]:
+        return {
+            "anthropic": FakeServer("anthropic", ca),
+            "glm": FakeServer("glm", ca, prefix="/api/anthropic"),
+            "alt": FakeServer("alt", ca),
+            "nokey": FakeServer("nokey", ca),
+        }
+    with running_rig(tmp_path_factory.mktemp("e2e-request-path"), fakes, Rig) as r:
         yield r
-    finally:
-        r.mitm.stop()
-        for f in fakes.values():
-            f.stop()
 
 
 def store_path(rig: Rig) -> Path:

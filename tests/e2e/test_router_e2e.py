@@ -31,7 +31,8 @@ import pytest
 from sessionpin.headers import allowed as allowed_header
 from sessionpin.ids import short
 
-from .harness import Client, FakeServer, Mitmdump, MitmdumpError, Received, Reply, TestCA, free_port, toml_config
+from .harness import (Client, FakeServer, Mitmdump, MitmdumpError, Received, Reply, TestCA, free_port, running_rig,
+                      toml_config)
 
 RUN = uuid.uuid4().hex[:8]
 CLIENT_KEY = f"sk-ant-api03-CLIENT-SENTINEL-{RUN}"
@@ -292,25 +293,16 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    tmp = tmp_path_factory.mktemp("e2e-router")
-    ca = TestCA(tmp / "ca")
-    fakes = {
-        "anthropic": FakeServer("anthropic", ca),
-        "glm": FakeServer("glm", ca, prefix="/api/anthropic"),
-        "alt": FakeServer("alt", ca),
-        "nokey": FakeServer("nokey", ca),
-        "elsewhere": FakeServer("elsewhere", ca),
-    }
-    for f in fakes.values():
-        f.start()
-    r = Rig(tmp, ca, fakes)
-    try:
-        r.mitm.start()
+    def fakes(ca: TestCA) -> dict[str, FakeServer]:
+        return {
+            "anthropic": FakeServer("anthropic", ca),
+            "glm": FakeServer("glm", ca, prefix="/api/anthropic"),
+            "alt": FakeServer("alt", ca),
+            "nokey": FakeServer("nokey", ca),
+            "elsewhere": FakeServer("elsewhere", ca),
+        }
+    with running_rig(tmp_path_factory.mktemp("e2e-router"), fakes, Rig) as r:
         yield r
-    finally:
-        r.mitm.stop()
-        for f in fakes.values():
-            f.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -37,7 +37,7 @@ from sessionpin import pins
 from sessionpin.headers import allowed as allowed_header
 from sessionpin.store import open_store
 
-from .harness import LOOPBACK, Client, Mitmdump, TestCA, free_port, toml_config
+from .harness import LOOPBACK, Client, Mitmdump, TestCA, free_port, running_rig, toml_config
 from .replay import FIXTURES, Prepared, Recorded, Replay, load
 from .test_replay_e2e import is_credential
 from .wsfake import HANDSHAKE, WsClient, WsFake, WsSocket, deflate_frame
@@ -125,19 +125,9 @@ class WsRig:
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WsRig]:
-    tmp = tmp_path_factory.mktemp("e2e-websocket")
-    ca = TestCA(tmp / "ca")
-    fakes = {name: WsFake(name, ca) for name in ("openai", "alt", "beta")}
-    for f in fakes.values():
-        f.start()
-    r = WsRig(tmp, ca, fakes)
-    try:
-        r.mitm.start()
+    with running_rig(tmp_path_factory.mktemp("e2e-websocket"),
+                     lambda ca: {name: WsFake(name, ca) for name in ("openai", "alt", "beta")}, WsRig) as r:
         yield r
-    finally:
-        r.mitm.stop()
-        for f in fakes.values():
-            f.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -33,6 +33,7 @@ SLOW: dict[str, str] = {
     "tests/test_store_conformance.py::*[[]redis_cluster*]": "the contract on a cluster",
     "tests/test_store_conformance.py::test_memory_and_redis_cluster_agree": "random operations on a cluster",
     "tests/test_store_redis.py::*[[]cluster]": "the Redis store on a cluster",
+    "tests/test_ledger.py::*[[]redis_cluster]": "the ledger's sums on a cluster",
     "tests/test_store_redis.py::test_redis_cluster_and_memory_agree": "random operations on a cluster",
     "tests/test_store_redis.py::test_a_standalone_url_to_a_cluster_node_is_refused": "a cluster node",
     "tests/test_store_redis_cluster.py::*": "a master failed over",

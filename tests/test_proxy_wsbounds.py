@@ -65,7 +65,7 @@ def test_mitmproxy_s_websocket_connection_is_ours_while_loaded(proxy):
     assert ws_layer.WebsocketConnection is wsbounds._BoundedConnection
     assert _bounds(proxy).max_message == 16 * MIB
     proxy.tctx.configure(_bounds(proxy), sessionpin_ws_max_message_mb=2)
-    assert wsbounds.LIMIT.max_message == 2 * MIB
+    assert wsbounds.max_message() == 2 * MIB
 
 
 def test_a_deflate_bomb_is_inflated_no_further_than_the_limit_then_closed_1009(proxy):

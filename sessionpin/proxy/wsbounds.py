@@ -44,12 +44,14 @@ OVERHEAD = 200            # bytes a kept message costs beyond its content (the o
 _SYNC = b"\x00\x00\xff\xff"
 
 
-class _Limit:
-    """The current limit, shared by every socket's extensions (read when a message starts)."""
-    max_message = MAX_MESSAGE_MB * MIB
-
-
-LIMIT = _Limit()
+def max_message() -> int:
+    """The current limit in bytes, read from mitmproxy's options when a message starts (the
+    option is the one place it lives: no module state of ours); the default where the option
+    is not loaded (a connection made outside a running proxy)."""
+    try:
+        return max(1, int(ctx.options.sessionpin_ws_max_message_mb)) * MIB
+    except (AttributeError, KeyError, ValueError, TypeError):
+        return MAX_MESSAGE_MB * MIB
 
 
 def _too_big(side: str, conn, limit: int) -> CloseReason:
@@ -68,7 +70,7 @@ class _MessageLimit(wsproto.extensions.Extension):
     def __init__(self, side: str, conn) -> None:
         self.side, self.conn = side, conn
         self.size = 0
-        self.limit = LIMIT.max_message
+        self.limit = max_message()
         self.compressed = False         # the current message's first frame had RSV1 (deflated)
 
     def enabled(self) -> bool:
@@ -80,7 +82,7 @@ class _MessageLimit(wsproto.extensions.Extension):
     def frame_inbound_header(self, proto, opcode: Opcode, rsv: RsvBits, payload_length: int) -> CloseReason | RsvBits:
         if opcode in (Opcode.TEXT, Opcode.BINARY):
             # (only a message's first frame carries RSV1: its continuations are compressed alike)
-            self.size, self.limit, self.compressed = 0, LIMIT.max_message, rsv.rsv1
+            self.size, self.limit, self.compressed = 0, max_message(), rsv.rsv1
         if not opcode.iscontrol() and not self.compressed and self.size + payload_length > self.limit:
             return _too_big(self.side, self.conn, self.limit)     # said at its header: not waited for
         return RsvBits(False, False, False)
@@ -102,7 +104,7 @@ class _BoundedDeflate(wsproto.extensions.PerMessageDeflate):
 
     def frame_inbound_header(self, proto, opcode, rsv, payload_length):
         if opcode in (Opcode.TEXT, Opcode.BINARY):
-            self.inflated, self.limit = 0, LIMIT.max_message
+            self.inflated, self.limit = 0, max_message()
         return super().frame_inbound_header(proto, opcode, rsv, payload_length)
 
     def _inflate(self, data: bytes) -> bytes | CloseReason:
@@ -196,7 +198,7 @@ class SocketBounds:
 
     def configure(self, updated: set[str]) -> None:
         if "sessionpin_ws_max_message_mb" in updated:
-            self.max_message = LIMIT.max_message = max(1, ctx.options.sessionpin_ws_max_message_mb) * MIB
+            self.max_message = max_message()
         if "sessionpin_ws_keep_kb" in updated:
             self.keep = max(0, ctx.options.sessionpin_ws_keep_kb) * 1024
 

@@ -279,3 +279,28 @@ async def test_a_request_that_gave_no_turn_has_a_span_with_its_decision(proxy):
     assert a["gen_ai.conversation.id"] == SESSION and a["gen_ai.request.model"] == "claude-opus-4-1"
     assert spans[0].status.status_code == StatusCode.ERROR
     assert spans[1].status.description == "Client disconnected." and "gen_ai.usage.input_tokens" not in a
+
+
+async def test_a_conversations_ttl_is_renewed_at_most_once_a_day(proxy, monkeypatch):
+    """Two store calls per conversation per batch were most of the store threads' work under
+    load: a ledger's keys are renewed with its first batch, then at most daily (as pins are)."""
+    renewed = []
+    real = proxy.store.expire
+
+    async def counted(key, ttl):
+        renewed.append(key)
+        return await real(key, ttl)
+    monkeypatch.setattr(proxy.store, "expire", counted)
+    for i, kind in enumerate(("opening", "continuation", "continuation")):
+        f = flow(kind)
+        await proxy.send(f)
+        await answer(proxy, f, sse_with_usage(read=9000 * i, write=200, msg=f"msg_{i}"))
+    assert sorted(renewed) == sorted([ledger.key(SESSION), ledger.turns_key(SESSION)])   # the first batch only
+    assert await proxy.store.ttl(ledger.key(SESSION)) > ledger.TTL - 60
+    assert await proxy.store.ttl(ledger.turns_key(SESSION)) > ledger.TTL - 60
+    assert (await ledger.load(proxy.store, SESSION)).turns == 3
+    watch_of(proxy)._renewed[SESSION] -= ledgerwatch.RENEW_EVERY          # a day later
+    f = flow("continuation")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=9000, write=200, msg="msg_9"))
+    assert len(renewed) == 4

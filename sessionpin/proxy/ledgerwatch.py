@@ -48,6 +48,10 @@ MAX_LANES = 2_000
 MAX_PENDING = 10_000
 FLUSH_DELAY = 0.2
 TRIM_EVERY = 500         # batches written for one conversation between looks at its number of turns
+# A ledger's keys live ``ledger.TTL`` (the pin's lifetime) from their last renewal, renewed at
+# most once a day, as pins are: two store calls per conversation per batch were most of the
+# store threads' work under load (docs/benchmarks.md, "After issues 18-23 were merged").
+RENEW_EVERY = 86_400.0
 
 
 class _Tee:
@@ -101,6 +105,7 @@ class LedgerWatch:
         self._flusher: asyncio.Task | None = None
         self._failing = False
         self._written: dict[str, int] = {}   # batches written per conversation (when to trim its turns)
+        self._renewed: dict[str, float] = {}  # when this proxy last renewed a conversation's TTL
         self.spans: Spans | None = None      # OpenTelemetry, when sessionpin_otel names an exporter
         self._otel = ""
 
@@ -324,14 +329,19 @@ class LedgerWatch:
                     writes += ledger.writes(p.session, p.agent, turn, prior)
                     sessions.add(p.session)
                 await store.apply([], writes)
+                now = time.time()
                 for s in sessions:
-                    await store.expire(ledger.key(s), ledger.TTL)
-                    await store.expire(ledger.turns_key(s), ledger.TTL)
+                    if now - self._renewed.get(s, float("-inf")) >= RENEW_EVERY:
+                        await store.expire(ledger.key(s), ledger.TTL)
+                        await store.expire(ledger.turns_key(s), ledger.TTL)
+                        self._renewed[s] = now
                     self._written[s] = self._written.get(s, 0) + 1
                     if self._written[s] % TRIM_EVERY == 0:     # a long conversation keeps its last turns
                         await ledger.trim(store, s)
                 while len(self._written) > MAX_LANES:
                     del self._written[next(iter(self._written))]
+                while len(self._renewed) > MAX_LANES:     # forgotten: renewed again at its next batch
+                    del self._renewed[next(iter(self._renewed))]
                 self.recorded += len(batch)
                 if self._failing:
                     log.info("sessionpin: ledger records are written again")

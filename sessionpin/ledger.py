@@ -245,6 +245,25 @@ def writes(session: str, agent: str, turn: Turn, prior: Prior) -> list[Write]:
     return out
 
 
+def folded(writes: list[Write]) -> list[Write]:
+    """A batch's ledger writes with each (key, field)'s increments summed into one and each
+    hash field set once (its last value): the same sums and records in a fraction of the
+    store's operations (a busy conversation's turns share their fields). The ledger never
+    sets and increments one field, and every ``ZAdd`` (a turn's record) is kept, in order."""
+    sets: dict[tuple[str, str], HSet] = {}
+    incrs: dict[tuple[str, str], int] = {}
+    rest: list[Write] = []
+    for w in writes:
+        if isinstance(w, HIncr):
+            incrs[(w.key, w.field)] = incrs.get((w.key, w.field), 0) + w.by
+        elif isinstance(w, HSet):
+            sets.pop((w.key, w.field), None)       # the last value, in the place of the last set
+            sets[(w.key, w.field)] = w
+        else:
+            rest.append(w)
+    return [*sets.values(), *(HIncr(k, f, by) for (k, f), by in incrs.items()), *rest]
+
+
 async def trim(store: Store, session: str, keep: int = MAX_TURNS) -> int:
     """Drop a conversation's oldest turns beyond ``keep`` (its sums stay whole); how many went."""
     k = turns_key(session)

@@ -162,3 +162,36 @@ async def test_a_long_conversation_keeps_its_last_turns_and_whole_sums(store):
     assert [t.id for t in await ledger.turns(store, "long")] == [f"msg_{i}" for i in range(7, 12)]
     assert (await ledger.load(store, "long")).usage == Usage(input=120)
     assert await ledger.trim(store, "long", keep=5) == 0
+
+
+def test_a_batchs_writes_are_folded_to_the_same_sums_in_fewer_operations():
+    """Three turns of one conversation and one of another, in one batch: each (key, field) is
+    incremented once by the sum, each hash field set once to its last value, every turn's
+    record kept; applied to a store, the same ledger as the unfolded writes."""
+    import asyncio
+
+    def turn(i: int, server: str = "glm", model: str = "glm-4.6", read: int = 0) -> ledger.Turn:
+        return ledger.Turn(id=f"m{i}", t=1000.0 + i, api="anthropic-messages", lane="main", server=server,
+                           model=model, usage=Usage(input=100 + read, output=10, cache_read=read),
+                           limit=read or None, miss=False)
+    prior = ledger.Prior(t=0.0, model="glm-4.6", server="glm")
+    raw = [*ledger.writes("s1", "claude-code", turn(1), prior),
+           *ledger.writes("s1", "claude-code", turn(2, read=90), prior),
+           *ledger.writes("s2", "pi", turn(3, server="alt"), prior),
+           *ledger.writes("s1", "claude-code", turn(4, read=95), prior)]
+    folded = ledger.folded(raw)
+    assert len(folded) < len(raw)
+    assert len([w for w in folded if type(w).__name__ == "ZAdd"]) == 4
+
+    async def applied(writes):
+        store = open_store("memory:")
+        try:
+            await store.apply([], writes)
+            return ([await ledger.load(store, s) for s in ("s1", "s2")],
+                    [await ledger.turns(store, s) for s in ("s1", "s2")])
+        finally:
+            await store.close()
+    got = asyncio.run(applied(folded))
+    assert got == asyncio.run(applied(raw))
+    summaries, turns = got
+    assert summaries[0].turns == 3 and summaries[1].turns == 1 and [len(t) for t in turns] == [3, 1]

@@ -328,7 +328,7 @@ class LedgerWatch:
                         prior = ledger.prior_of(turn, p.shape, stored)
                     writes += ledger.writes(p.session, p.agent, turn, prior)
                     sessions.add(p.session)
-                await store.apply([], writes)
+                await store.apply([], ledger.folded(writes))
                 now = time.time()
                 for s in sessions:
                     if now - self._renewed.get(s, float("-inf")) >= RENEW_EVERY:

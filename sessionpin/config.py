@@ -186,7 +186,9 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     """Read and validate ``path`` (default: ``default_path()``); a missing file is an empty Config."""
     p = Path(path) if path else default_path()
     try:
-        text = p.read_bytes().decode("utf-8")
+        with open(p, "rb") as f:
+            _trusted(p, os.fstat(f.fileno()))
+            text = f.read().decode("utf-8")
     except FileNotFoundError:
         return Config(path=str(p))
     except UnicodeDecodeError as e:
@@ -194,6 +196,20 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     except OSError as e:
         raise ConfigError(str(p), None, None, f"cannot read: {e.strerror or e}") from None
     return parse(text, str(p))
+
+
+def _trusted(p: Path, st: os.stat_result) -> None:
+    """The config names where requests go and with which keys: a file another user owns, or
+    that others may write, could point a server's URL (and its key) anywhere, and the proxy
+    reloads it within a second. Refused, saying how to fix it (root's files are trusted: root
+    can change anything anyway). A link is followed: it is the file it names that is judged."""
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ConfigError(str(p), None, None, f"owned by another user (uid {st.st_uid}; sessionpin runs as uid "
+                          f"{os.geteuid()}), who could send your keys elsewhere: refusing it; take it over "
+                          f"(chown) or copy it to a file of your own")
+    if st.st_mode & 0o022:
+        raise ConfigError(str(p), None, None, f"writable by other users (mode {st.st_mode & 0o777:o}), who could "
+                          f"send your keys elsewhere: refusing it; run 'chmod go-w {p}'")
 
 
 def parse(text: str, path: str | None = None) -> Config:

@@ -241,3 +241,24 @@ def test_error_line_is_the_key_not_a_lookalike_inside_a_multiline_string():
 def test_error_line_of_a_dotted_key_and_a_key_after_a_line_separator():
     text = '[servers.a]\nurl = "https://a"\nkey_env = "A"  # one\u2028two\n[agents]\npi.server = "b"\n'
     assert err(text) == "config.toml:5: agents.pi.server: no server named 'b' (servers: a)"
+
+
+def test_a_config_others_may_write_or_another_user_owns_is_refused(tmp_path):
+    """Issue 20: the config names where requests go and with which keys, and the proxy reloads
+    it within a second: one that others may write, or another user owns, is refused with the
+    fix in the message (never read as if it were the operator's)."""
+    import os
+
+    p = tmp_path / "config.toml"
+    p.write_text('[servers.glm]\nurl = "https://glm.example"\n')
+    os.chmod(p, 0o600)
+    assert "glm" in config.load(p).servers
+    os.chmod(p, 0o666)
+    with pytest.raises(ConfigError, match=r"writable by other users \(mode 666\).*chmod go-w"):
+        config.load(p)
+    os.chmod(p, 0o644)
+    assert "glm" in config.load(p).servers
+    if os.geteuid() == 0:                       # only root can give a file away
+        os.chown(p, 65534, 65534)
+        with pytest.raises(ConfigError, match=r"owned by another user \(uid 65534"):
+            config.load(p)

@@ -186,16 +186,26 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     """Read and validate ``path`` (default: ``default_path()``); a missing file is an empty Config."""
     p = Path(path) if path else default_path()
     try:
-        with open(p, "rb") as f:
-            _trusted(p, os.fstat(f.fileno()))
-            text = f.read().decode("utf-8")
-    except FileNotFoundError:
-        return Config(path=str(p))
+        raw = read_trusted(p)
+        if raw is None:
+            return Config(path=str(p))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(str(p), None, None, f"not UTF-8 text ({e.reason})") from None
     except OSError as e:
         raise ConfigError(str(p), None, None, f"cannot read: {e.strerror or e}") from None
     return parse(text, str(p))
+
+
+def read_trusted(p: Path) -> bytes | None:
+    """The config file's bytes (None: there is none), read only if it is trusted (``_trusted``:
+    else ``ConfigError``); what the proxy's watcher and every command read."""
+    try:
+        with open(p, "rb") as f:
+            _trusted(p, os.fstat(f.fileno()))
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def _trusted(p: Path, st: os.stat_result) -> None:

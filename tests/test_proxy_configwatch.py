@@ -106,3 +106,20 @@ affinity = "soft"
 server = "glm"
 ''')
     assert w.describe() == "servers: a, b; pool glm: a, b (round-robin, soft); claude-code → glm"
+
+
+def test_a_config_others_may_write_is_kept_out_at_reload_and_said_once(proxy, cfg_path, caplog):
+    """Issue 20: a config that others may write could send a server's key anywhere; the watcher
+    keeps the config in force, says so once, and takes the file back once it is trusted again."""
+    import os
+
+    cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))
+    os.chmod(cfg_path, 0o666)
+    for _ in range(3):
+        proxy.config.check()
+    assert proxy.config.config.current("claude-code") == "glm"
+    assert "writable by other users" in proxy.config.problem and proxy.config.rejected == 1
+    assert caplog.text.count("config rejected, keeping the previous one") == 1
+    os.chmod(cfg_path, 0o600)
+    proxy.reload()
+    assert proxy.config.config.current("claude-code") == "anthropic" and proxy.config.problem is None

@@ -112,9 +112,19 @@ class ConfigWatch:
             return
         try:
             text = _read(path)
+        except ConfigError as e:                # untrusted now (chmod, chown): said once, kept out
+            if self.problem != str(e):
+                self.problem = str(e)
+                self.rejected += 1
+                log.error("sessionpin: config rejected, keeping the previous one: %s", self.problem)
+            self._pending = None
+            return
         except OSError as e:
             log.debug("sessionpin: config %s unreadable: %s", path, e)
             text = None
+        if text is not None and text == self.text and self.problem is not None:
+            self.problem = None                 # trusted again, and what is in force is what it says
+            log.info("sessionpin: config %s accepted again", path)
         if text is None or text == self.text:
             self._pending = None
             return
@@ -142,10 +152,7 @@ class ConfigWatch:
 
 
 def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
+    return configmod.read_trusted(path)      # a file others may write or own: ConfigError
 
 
 def _proxy_running() -> bool:

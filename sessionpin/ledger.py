@@ -95,6 +95,7 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     miss: bool = False
     reason: str = ""           # one of REASONS ("" a hit)
     detail: str = ""           # e.g. "at message 12", "idle 7 min", "provider: messages_changed"
+    cut: bool = False          # the answer was cut short: its figures are what the server had reported
 
     @property
     def efficiency(self) -> float | None:

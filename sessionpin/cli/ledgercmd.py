@@ -129,7 +129,7 @@ def cmd_show(ctx: Ctx, args: argparse.Namespace) -> int:
                    "turns": [{"t": t.t, "lane": t.lane, "kind": t.kind, "server": t.server, "model": t.model,
                               "id": t.id, "tokens": _usage_json(t.usage), "limit": t.limit,
                               "cache_efficiency": t.efficiency, "miss": t.miss, "reason": t.reason or None,
-                              "detail": t.detail or None} for t in turns]})
+                              "detail": t.detail or None, "cut": t.cut} for t in turns]})
         return 0
     u = s.usage
     cost, missing = _cost(cfg, s.by)
@@ -152,6 +152,8 @@ def cmd_show(ctx: Ctx, args: argparse.Namespace) -> int:
             verdict = "first turn"
         else:
             verdict = "hit"
+        if t.cut:
+            verdict += ", cut short"
         grid.append([ago(t.t, now), t.lane, t.server, t.model, tokens(t.usage.input), tokens(t.usage.cache_read),
                      tokens(t.usage.cache_write), tokens(t.usage.output),
                      f"{100 * t.efficiency:.0f}%" if t.efficiency is not None else "-", verdict])

@@ -176,7 +176,19 @@ class LedgerWatch:
         self._request_span(flow, None)          # (nothing when it gave a turn: that has its span)
 
     def error(self, flow: http.HTTPFlow) -> None:
-        self._watched.pop(flow.id, None)
+        # An answer cut short (the client went away, the connection broke) was still billed for
+        # what the server had reported by then (Anthropic states a turn's input and cache use
+        # in its first event): recorded as such, marked cut. Nothing reported: no turn.
+        w = self._watched.pop(flow.id, None)
+        if w is not None and w.reader is not None:
+            try:
+                read = w.reader.result()
+                if read.usage is not None:
+                    req = flow.request
+                    shape = promptshape.shape(req.raw_content, w.api, req.headers.get("content-encoding", ""))
+                    self._turn(flow, w, read, shape, time.time(), cut=True)
+            except Exception:
+                log.exception("sessionpin: ledger: cannot read a cut answer's usage")
         self._request_span(flow, flow.error.msg if flow.error else "error")
 
     def _request_span(self, flow: http.HTTPFlow, error: str | None) -> None:
@@ -244,14 +256,15 @@ class LedgerWatch:
             self._watched.popitem(last=False)
         return w
 
-    def _turn(self, flow: http.HTTPFlow, w: _Watched, read: Read, shape, ended: float | None) -> None:
+    def _turn(self, flow: http.HTTPFlow, w: _Watched, read: Read, shape, ended: float | None,
+              cut: bool = False) -> None:
         if read.usage is None:
             self.unread += 1
             return
         model = read.model or (shape.model if shape is not None else "") or ""
         lane = f"side:{model}"[:ledger.MAX_LANE] if w.lane == "side" else w.lane
         turn = ledger.Turn(t=ended or time.time(), api=w.api, lane=lane, kind=w.kind, server=w.server, model=model,
-                           id=(read.id or "")[:200], usage=read.usage)
+                           id=(read.id or "")[:200], usage=read.usage, cut=cut)
         held = self._lanes.get((w.session, lane))
         if held is not None:
             turn = ledger.assess(turn, w.started, shape, held[0], held[1], read.diagnostic)
@@ -261,12 +274,14 @@ class LedgerWatch:
         note = f"{_k(u.input)} out {_k(u.output)} cache {u.cache_read * 100 // u.input if u.input else 0}%"
         if turn.miss:
             note += f" miss: {turn.reason}" + (f" ({turn.detail})" if turn.detail else "")
+        if cut:
+            note += " (cut short)"
         # a socket carries many turns: its comment shows the latest one's figures
         base = flow.comment.split(_NOTE, 1)[0] if flow.comment else ""
         flow.comment = f"{base}{_NOTE}{note}" if base else f"in {note}"
         meta = flow.metadata.setdefault("sessionpin", {})
         meta["ledger"] = {"lane": lane, "model": model, **{f: getattr(u, f) for f in FIELDS},
-                          "limit": turn.limit, "miss": turn.miss, "reason": turn.reason}
+                          "limit": turn.limit, "miss": turn.miss, "reason": turn.reason, "cut": cut}
         if self.spans is not None:
             try:
                 renamed = meta.get("model")       # [as the client asked, as the server was sent]

@@ -343,6 +343,16 @@ async def load(store: Store, session: str) -> Summary | None:
     return summary(h) if h else None
 
 
+async def load_many(store: Store, sessions: list[str], batch: int = 500) -> dict[str, Summary | None]:
+    """``load`` of many conversations, a store call per ``batch`` (the CLI's listings)."""
+    out: dict[str, Summary | None] = {}
+    for i in range(0, len(sessions), batch):
+        chunk = sessions[i:i + batch]
+        for session, h in zip(chunk, await store.hgetall_many([key(s) for s in chunk])):
+            out[session] = summary(h) if h else None
+    return out
+
+
 async def turns(store: Store, session: str, limit: int | None = None) -> list[Turn]:
     """The conversation's turns, oldest first (bad members skipped)."""
     out = []

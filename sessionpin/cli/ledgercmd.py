@@ -57,7 +57,7 @@ LEDGER_COLUMNS = ("TOKENS", "CACHE READ", "COST")
 
 def ledger_cells(ctx: Ctx, sessions: list[str]) -> dict[str, list[str]]:
     """The ledger's columns of ``sessions`` (TOKENS, CACHE READ, COST) of the sessions that have a
-    ledger: one read each."""
+    ledger: one store call per 500."""
     store = ctx.store()
     if store is None:
         return {}
@@ -82,7 +82,7 @@ def ledger_json(ctx: Ctx, sessions: list[str]) -> dict[str, dict | None]:
 
 
 async def _summaries(store, sessions: list[str]) -> dict[str, ledger.Summary | None]:
-    return {s: await ledger.load(store, s) for s in sessions}
+    return await ledger.load_many(store, sessions)
 
 
 def _summary_json(cfg: Config, s: ledger.Summary) -> dict:

@@ -106,6 +106,7 @@ class LedgerWatch:
         self._failing = False
         self._written: dict[str, int] = {}   # batches written per conversation (when to trim its turns)
         self._renewed: dict[str, float] = {}  # when this proxy last renewed a conversation's TTL
+        self._digests: promptshape.Seen = {}   # message digests already worked out (bounded)
         self.spans: Spans | None = None      # OpenTelemetry, when sessionpin_otel names an exporter
         self._otel = ""
 
@@ -168,7 +169,8 @@ class LedgerWatch:
                 w.reader.body(resp.raw_content)
             read = w.reader.result()
             req = flow.request
-            shape = promptshape.shape(req.raw_content, w.api, req.headers.get("content-encoding", "")) \
+            shape = promptshape.shape(req.raw_content, w.api, req.headers.get("content-encoding", ""),
+                                      self._digests) \
                 if read.usage is not None else None
             self._turn(flow, w, read, shape, time.time())        # the answer just ended
         except Exception:
@@ -185,7 +187,8 @@ class LedgerWatch:
                 read = w.reader.result()
                 if read.usage is not None:
                     req = flow.request
-                    shape = promptshape.shape(req.raw_content, w.api, req.headers.get("content-encoding", ""))
+                    shape = promptshape.shape(req.raw_content, w.api, req.headers.get("content-encoding", ""),
+                                              self._digests)
                     self._turn(flow, w, read, shape, time.time(), cut=True)
             except Exception:
                 log.exception("sessionpin: ledger: cannot read a cut answer's usage")
@@ -221,7 +224,7 @@ class LedgerWatch:
             msg = flow.websocket.messages[-1]
             if msg.from_client:
                 if msg.is_text and b'"response.create"' in msg.content[:200]:
-                    w.shape = promptshape.shape(msg.content, w.api)
+                    w.shape = promptshape.shape(msg.content, w.api, seen=self._digests)
                     w.started = msg.timestamp
                 return
             read = w.reader.message(msg.content)

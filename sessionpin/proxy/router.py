@@ -52,7 +52,7 @@ from urllib.parse import unquote
 from mitmproxy import ctx, http
 from mitmproxy.net.http import url
 
-from .. import allocate, answers, ladder, lineage, lineindex, paths, pins, rewrite, route
+from .. import allocate, answers, ladder, lineage, lineindex, pins, rewrite, route
 from .. import facts as F
 from ..ids import short
 from ..store import StoreError
@@ -128,8 +128,8 @@ class Router:
         facts: F.Facts | None = None
         decision: ladder.Decision | None = None
         try:
-            source = self.config.config.server_for(req.scheme, req.host, req.port, req.path)
-            scope = paths.scope(req.method, req.path, source.prefix if source else None)
+            # the one scope rule (BodyLimit and ConnectCheck ask the same: config.Config.scope)
+            source, scope = self.config.config.scope(req.method, req.scheme, req.host, req.port, req.path)
             if scope.refuse and (source is not None or _looks_inference(req.path)):
                 # ambiguous (dot segments, encoded slashes…): never routed, never sent under
                 # another server's key — and not sent where it might mean something else

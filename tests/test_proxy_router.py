@@ -11,6 +11,7 @@ from mitmproxy import http
 from mitmproxy.test import tflow, tutils
 
 from sessionpin import pins, route
+from sessionpin.ids import short
 from sessionpin.store import NotDurable, StoreUnavailable
 from shellkit import CONFIG, SESSION, body, flow, start
 
@@ -76,7 +77,7 @@ async def test_a_pin_is_followed_when_its_origin_left_the_config(proxy, cfg_path
     proxy.reload()
     f = flow("continuation")
     await proxy.send(f)
-    assert f.response.status_code == 503 and "'glm'" in f.response.text   # its server is gone: refused, not moved
+    assert f.response.status_code == 424 and "'glm'" in f.response.text   # its server is gone: refused, not moved
     cfg_path.write_text(CONFIG.replace("[servers.anthropic]\nurl = \"https://api.anthropic.com\"\n", ""))
     proxy.reload()
     f = flow("continuation")
@@ -111,13 +112,19 @@ async def test_count_tokens_before_an_unseen_continuation_does_not_adopt_it(prox
     assert main.metadata["sessionpin"]["rule"] == "continuation-unseen"
 
 
-async def test_pinned_server_gone_is_refused_503_in_anthropic_format(proxy):
+async def test_pinned_server_gone_is_refused_so_no_client_retries_it(proxy):
+    """Only the operator can bring the server back or move the conversation: the answer is
+    the no-retry 424 (a 503 was retried for minutes: docs/traffic.md), with no retry signal,
+    the session by its short id (pi reads "503" in a long hex id as a reason to retry)."""
     await put(proxy, "ete")
     f = flow("continuation")
     await proxy.send(f)
-    assert f.response.status_code == 503 and f.response.headers["x-should-retry"] == "false"
+    assert f.response.status_code == 424 and f.response.headers["x-should-retry"] == "false"
+    assert "retry-after" not in f.response.headers
+    assert f.response.headers["x-sessionpin-refused"] == "pinned-server-gone"
     err = json.loads(f.response.content)
-    assert err["type"] == "error" and SESSION in err["error"]["message"] and "'ete'" in err["error"]["message"]
+    assert err["type"] == "error" and err["error"]["type"] == "api_error"
+    assert short(SESSION) in err["error"]["message"] and "'ete'" in err["error"]["message"]
     assert f.request.host == "api.anthropic.com"
     assert proxy.router.metrics.refusals["pinned-server-gone"] == 1
 

@@ -358,7 +358,8 @@ class Router:
             # On the agent's screen the session is its short id (what `sessionpin sessions` shows
             # and `move` takes): pi retries an error whose text holds "429", "500"…"504", which a
             # long hex id often does. The log line keeps the whole id.
-            for sid in sorted({meta.get("session"), facts.session if facts else None} - {None}, key=len, reverse=True):
+            ids = {meta.get("session"), meta.get("parent"), facts.session if facts else None} - {None, ""}
+            for sid in sorted(ids, key=len, reverse=True):
                 message = message.replace(sid, short(sid))
         body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
         status = r.status

@@ -517,7 +517,7 @@ async def test_a_large_bodys_lineage_is_read_off_the_event_loop(proxy, monkeypat
 
 async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back_at_once(cfg_path):
     """Codex reconnects a refused upgrade five times before its HTTPS fallback, unless the answer
-    is 426 (measured with Codex 0.171: docs/traffic.md); its POST then gets the 424 no client retries."""
+    is 426 (measured with Codex 0.171: docs/traffic.md); its POST then gets the 400 Codex does not retry."""
     import socket
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -532,6 +532,37 @@ async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back
         assert f.response.status_code == 426 and f.response.headers["x-should-retry"] == "false"
         assert "retry-after" not in f.response.headers and "cannot be reached" in f.response.text
         assert f.request.host == "api.openai.com"                 # sent nowhere
+    finally:
+        proxy.close()
+
+
+async def test_codex_s_https_refusal_is_the_400_it_shows_at_once(cfg_path):
+    """Codex's turn loop retries a 424 five times (~7 s more before the error shows: measured
+    with Codex 0.171, docs/traffic.md) and stops at a 400, showing its body as it came: its
+    no-retry answer is a 400 whose body is the message in plain text."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = s.getsockname()[1]
+    s.close()
+    cfg_path.write_text(CODEX_CONFIG.replace("https://alt.example", f"https://127.0.0.1:{dead}"))
+    proxy = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=0)
+    try:
+        proxy.router.env["ALT_KEY"] = "alt-sentinel"
+        opening = {"model": "gpt-6.2-sol", "stream": True, "tools": [{"type": "function", "name": "shell"}],
+                   "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+        f = flow(path="/v1/responses", agent=b"codex_exec/0.171.0", host="api.openai.com", session=None,
+                 content=json.dumps(opening).encode(),
+                 headers=[(b"session-id", b"01a22bef-e03d-7c53-8141-6c5fbf6ba8c0"), (b"authorization", b"Bearer sk-agent"),
+                          (b"x-codex-turn-metadata", (CODEX_META % ("new", "")).encode())])
+        await proxy.send(f)
+        r = f.response
+        assert r.status_code == 400, (r.status_code, r.text)
+        assert r.headers["content-type"].startswith("text/plain") and r.headers["x-should-retry"] == "false"
+        assert "retry-after" not in r.headers and r.headers["x-sessionpin-refused"] == "unreachable"
+        assert r.text.startswith("sessionpin: server alt") and f"127.0.0.1:{dead}" in r.text, r.text
+        assert f.request.host == "api.openai.com"                 # sent nowhere
+        assert f.metadata["sessionpin"]["refused"] == 424         # the refusal it is (424 to every other agent)
     finally:
         proxy.close()
 

@@ -361,10 +361,14 @@ class Router:
             ids = {meta.get("session"), meta.get("parent"), facts.session if facts else None} - {None, ""}
             for sid in sorted(ids, key=len, reverse=True):
                 message = message.replace(sid, short(sid))
-        body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
-        status = r.status
-        if status == answers.NO_RETRY_STATUS and websocket.is_upgrade(flow.request):
-            status = answers.NO_RETRY_UPGRADE_STATUS     # Codex: to HTTPS now, not seven upgrades first
+        if r.status == answers.NO_RETRY_STATUS:
+            # as each agent shows it at once: Codex's 400 in plain text, an upgrade's 426 (Codex:
+            # to HTTPS now, not seven upgrades first), everyone else's 424
+            status, body, headers = answers.no_retry(facts.agent if facts else F.UNKNOWN_AGENT, api, r.kind,
+                                                     message, upgrade=websocket.is_upgrade(flow.request))
+        else:
+            status = r.status
+            body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
         flow.response = http.Response.make(status, body, headers)
         self.metrics.refusals[r.kind] += 1
         meta.update({"refused": r.status, "refusal": r.kind, "message": r.message})

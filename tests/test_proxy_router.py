@@ -11,6 +11,7 @@ from mitmproxy import http
 from mitmproxy.test import tflow, tutils
 
 from sessionpin import pins, route
+from sessionpin.ids import short
 from sessionpin.store import NotDurable, StoreUnavailable
 from shellkit import CONFIG, SESSION, body, flow, start
 
@@ -76,7 +77,7 @@ async def test_a_pin_is_followed_when_its_origin_left_the_config(proxy, cfg_path
     proxy.reload()
     f = flow("continuation")
     await proxy.send(f)
-    assert f.response.status_code == 503 and "'glm'" in f.response.text   # its server is gone: refused, not moved
+    assert f.response.status_code == 424 and "'glm'" in f.response.text   # its server is gone: refused, not moved
     cfg_path.write_text(CONFIG.replace("[servers.anthropic]\nurl = \"https://api.anthropic.com\"\n", ""))
     proxy.reload()
     f = flow("continuation")
@@ -111,13 +112,19 @@ async def test_count_tokens_before_an_unseen_continuation_does_not_adopt_it(prox
     assert main.metadata["sessionpin"]["rule"] == "continuation-unseen"
 
 
-async def test_pinned_server_gone_is_refused_503_in_anthropic_format(proxy):
+async def test_pinned_server_gone_is_refused_so_no_client_retries_it(proxy):
+    """Only the operator can bring the server back or move the conversation: the answer is
+    the no-retry 424 (a 503 was retried for minutes: docs/traffic.md), with no retry signal,
+    the session by its short id (pi reads "503" in a long hex id as a reason to retry)."""
     await put(proxy, "ete")
     f = flow("continuation")
     await proxy.send(f)
-    assert f.response.status_code == 503 and f.response.headers["x-should-retry"] == "false"
+    assert f.response.status_code == 424 and f.response.headers["x-should-retry"] == "false"
+    assert "retry-after" not in f.response.headers
+    assert f.response.headers["x-sessionpin-refused"] == "pinned-server-gone"
     err = json.loads(f.response.content)
-    assert err["type"] == "error" and SESSION in err["error"]["message"] and "'ete'" in err["error"]["message"]
+    assert err["type"] == "error" and err["error"]["type"] == "api_error"
+    assert short(SESSION) in err["error"]["message"] and "'ete'" in err["error"]["message"]
     assert f.request.host == "api.anthropic.com"
     assert proxy.router.metrics.refusals["pinned-server-gone"] == 1
 
@@ -510,7 +517,7 @@ async def test_a_large_bodys_lineage_is_read_off_the_event_loop(proxy, monkeypat
 
 async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back_at_once(cfg_path):
     """Codex reconnects a refused upgrade five times before its HTTPS fallback, unless the answer
-    is 426 (measured with Codex 0.171: docs/traffic.md); its POST then gets the 424 no client retries."""
+    is 426 (measured with Codex 0.171: docs/traffic.md); its POST then gets the 400 Codex does not retry."""
     import socket
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -525,6 +532,37 @@ async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back
         assert f.response.status_code == 426 and f.response.headers["x-should-retry"] == "false"
         assert "retry-after" not in f.response.headers and "cannot be reached" in f.response.text
         assert f.request.host == "api.openai.com"                 # sent nowhere
+    finally:
+        proxy.close()
+
+
+async def test_codex_s_https_refusal_is_the_400_it_shows_at_once(cfg_path):
+    """Codex's turn loop retries a 424 five times (~7 s more before the error shows: measured
+    with Codex 0.171, docs/traffic.md) and stops at a 400, showing its body as it came: its
+    no-retry answer is a 400 whose body is the message in plain text."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = s.getsockname()[1]
+    s.close()
+    cfg_path.write_text(CODEX_CONFIG.replace("https://alt.example", f"https://127.0.0.1:{dead}"))
+    proxy = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=0)
+    try:
+        proxy.router.env["ALT_KEY"] = "alt-sentinel"
+        opening = {"model": "gpt-6.2-sol", "stream": True, "tools": [{"type": "function", "name": "shell"}],
+                   "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+        f = flow(path="/v1/responses", agent=b"codex_exec/0.171.0", host="api.openai.com", session=None,
+                 content=json.dumps(opening).encode(),
+                 headers=[(b"session-id", b"01a22bef-e03d-7c53-8141-6c5fbf6ba8c0"), (b"authorization", b"Bearer sk-agent"),
+                          (b"x-codex-turn-metadata", (CODEX_META % ("new", "")).encode())])
+        await proxy.send(f)
+        r = f.response
+        assert r.status_code == 400, (r.status_code, r.text)
+        assert r.headers["content-type"].startswith("text/plain") and r.headers["x-should-retry"] == "false"
+        assert "retry-after" not in r.headers and r.headers["x-sessionpin-refused"] == "unreachable"
+        assert r.text.startswith("sessionpin: server alt") and f"127.0.0.1:{dead}" in r.text, r.text
+        assert f.request.host == "api.openai.com"                 # sent nowhere
+        assert f.metadata["sessionpin"]["refused"] == 424         # the refusal it is (424 to every other agent)
     finally:
         proxy.close()
 

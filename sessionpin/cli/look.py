@@ -80,7 +80,7 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
         key = (f"${s['key_env']} " + ("set" if s["key_set"] else "NOT SET")) if s["key_env"] else "the agent's own"
         grid.append([s["name"], s["url"], key, str(s["pinned"]), str(s["active_last_hour"])])
     for m in missing:
-        grid.append([m["name"], "(not configured: its requests get 503)", "-", str(m["pinned"]),
+        grid.append([m["name"], "(not configured: its requests get 424)", "-", str(m["pinned"]),
                      str(m["active_last_hour"])])
     grid.append(["(not routed)", "-", "-", str(nr_pinned), str(nr_active)])
     for row in table(grid):

@@ -80,7 +80,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
         if hasattr(p, "configure_store"):
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
-    return [Defaults(), config, runtime, connect, BodyLimit(metrics), PageGuard(config, metrics), status, router,
+    return [Defaults(), config, runtime, connect, BodyLimit(config, metrics), PageGuard(config, metrics), status, router,
             watch, WebSocketModels(), SocketTurns(runtime), SocketBounds(), ledger, *lifecycle, *extra, _Options(allocations)]
 
 

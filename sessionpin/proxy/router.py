@@ -52,7 +52,7 @@ from urllib.parse import unquote
 from mitmproxy import ctx, http
 from mitmproxy.net.http import url
 
-from .. import allocate, answers, ladder, lineage, lineindex, paths, pins, rewrite, route
+from .. import allocate, answers, ladder, lineage, lineindex, pins, rewrite, route
 from .. import facts as F
 from ..ids import short
 from ..store import StoreError
@@ -128,8 +128,8 @@ class Router:
         facts: F.Facts | None = None
         decision: ladder.Decision | None = None
         try:
-            source = self.config.config.server_for(req.scheme, req.host, req.port, req.path)
-            scope = paths.scope(req.method, req.path, source.prefix if source else None)
+            # the one scope rule (BodyLimit and ConnectCheck ask the same: config.Config.scope)
+            source, scope = self.config.config.scope(req.method, req.scheme, req.host, req.port, req.path)
             if scope.refuse and (source is not None or _looks_inference(req.path)):
                 # ambiguous (dot segments, encoded slashes…): never routed, never sent under
                 # another server's key — and not sent where it might mean something else
@@ -358,12 +358,17 @@ class Router:
             # On the agent's screen the session is its short id (what `sessionpin sessions` shows
             # and `move` takes): pi retries an error whose text holds "429", "500"…"504", which a
             # long hex id often does. The log line keeps the whole id.
-            for sid in sorted({meta.get("session"), facts.session if facts else None} - {None}, key=len, reverse=True):
+            ids = {meta.get("session"), meta.get("parent"), facts.session if facts else None} - {None, ""}
+            for sid in sorted(ids, key=len, reverse=True):
                 message = message.replace(sid, short(sid))
-        body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
-        status = r.status
-        if status == answers.NO_RETRY_STATUS and websocket.is_upgrade(flow.request):
-            status = answers.NO_RETRY_UPGRADE_STATUS     # Codex: to HTTPS now, not seven upgrades first
+        if r.status == answers.NO_RETRY_STATUS:
+            # as each agent shows it at once: Codex's 400 in plain text, an upgrade's 426 (Codex:
+            # to HTTPS now, not seven upgrades first), everyone else's 424
+            status, body, headers = answers.no_retry(facts.agent if facts else F.UNKNOWN_AGENT, api, r.kind,
+                                                     message, upgrade=websocket.is_upgrade(flow.request))
+        else:
+            status = r.status
+            body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
         flow.response = http.Response.make(status, body, headers)
         self.metrics.refusals[r.kind] += 1
         meta.update({"refused": r.status, "refusal": r.kind, "message": r.message})

@@ -1,5 +1,6 @@
 """The mitmproxy shell: the only package that imports mitmproxy. Each module's docstring
-lists the rules it keeps (router.py still keeps a few the stepper should: issue 21).
+lists the rules it keeps (the request path's rules are the stepper's, ``sessionpin.route``;
+router.py performs its effects).
 
 ``make_addons()`` lists its addons, each a file to read in one sitting, in the order
 mitmproxy runs their hooks:

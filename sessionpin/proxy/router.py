@@ -51,7 +51,7 @@ from ..store import StoreError
 from . import websocket
 from .allocations import Allocations
 from .configwatch import ConfigWatch
-from .defaults import DECISIONS
+from .defaults import DecisionLog
 from .offloop import OffLoop
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
@@ -86,8 +86,9 @@ class Metrics:
 class Router:
     def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
                  participants: list[Any] | None = None, env: Mapping[str, str] | None = None,
-                 allocations: Allocations | None = None) -> None:
+                 allocations: Allocations | None = None, decisions: DecisionLog | None = None) -> None:
         self.config = config
+        self.decisions = decisions if decisions is not None else DecisionLog()   # Defaults sets where lines go
         self.allocations = allocations or Allocations(config, runtime, connect)   # server pools' effects
         self.runtime = runtime
         self.connect = connect
@@ -378,10 +379,10 @@ class Router:
             else:
                 self.runtime.seen(session, facts.agent, counted, r.now)
 
-        if DECISIONS.on and refused is None:      # a refusal's one line is its warning (``_refuse``)
+        if self.decisions.on and refused is None:      # a refusal's one line is its warning (``_refuse``)
             model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""
             source = r.source.name if r.source else flow.request.pretty_host
-            DECISIONS.write(f"sessionpin: {facts.agent} {turn} {sid} {source} → {where} [{d.rule}: {why}]{model}")
+            self.decisions.write(f"sessionpin: {facts.agent} {turn} {sid} {source} → {where} [{d.rule}: {why}]{model}")
 
     # ---- responses ---------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:

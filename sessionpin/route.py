@@ -116,7 +116,7 @@ REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 # ---- the phases and the table -----------------------------------------------------------
 
-class Phase(enum.Enum):
+class Phase(enum.StrEnum):
     """Where one request is: waiting for the answer to one effect, or done."""
     START = "start"
     READING_PIN = "reading-pin"
@@ -215,20 +215,16 @@ def _go(state: State, effect: Effect, after: tuple[After, ...] = ()) -> Step:
 
 
 def begin(request: Request) -> Step:
-    return _checked(State(request, session=request.facts.session), request, _begin)
+    return step(State(request, session=request.facts.session), request)
 
 
 def step(state: State, event: Event) -> Step:
-    on = _ON.get(type(event))
-    if on is None:
-        raise TypeError(f"unexpected event {event!r}")
-    return _checked(state, event, on)
-
-
-def _checked(state: State, event: Any, on) -> Step:
-    allowed = TRANSITIONS.get(state.phase, {}).get(type(event))
-    if allowed is None:
+    row = _ROWS.get((state.phase, type(event)))
+    if row is None:
+        if type(event) not in _ON:
+            raise TypeError(f"unexpected event {event!r}")
         raise BadTransition(f"{type(event).__name__} while {state.phase.name}")
+    on, allowed = row
     s = on(state, event)
     if s.state.phase not in allowed:
         raise BadTransition(f"{state.phase.name} --{type(event).__name__}--> {s.state.phase.name}")
@@ -495,8 +491,10 @@ _ON = {
     ParentFound: _on_parent_found, TitleRead: _on_title_read, Planned: _on_planned, PinCreated: _on_pin_created,
     PinLost: _on_pin_lost, NotSaved: _on_not_saved, Allocated: _on_allocated, NotAllocated: _on_not_allocated,
     MemberChecked: _on_member_checked, Reachable: _on_reachable, StoreFailed: _on_store_failed,
-    StoreLost: _on_store_lost,
+    StoreLost: _on_store_lost, Request: _begin,
 }
+# (phase, event type) -> (its rule, the phases it may lead to): one lookup a step
+_ROWS = {(phase, event): (_ON[event], allowed) for phase, row in TRANSITIONS.items() for event, allowed in row.items()}
 
 
 # ---- the work an effect asks for on the request's bytes (pure; the shell reads them) -------

@@ -91,3 +91,20 @@ async def test_a_refusal_is_one_line_its_warning(tmp_path, capsys, caplog):
                                                       "[store-unreadable]: "), said
     finally:
         p.close()
+
+
+def test_each_proxy_has_its_own_decision_lines_shared_by_its_defaults_and_router():
+    """Issue 21: no process global. The decision log is the addon tree's: Defaults points it
+    (``sessionpin_decision_log``), the Router writes to it, another tree has its own."""
+    from sessionpin.proxy import Router, make_addons
+
+    trees = [make_addons([]), make_addons([])]
+    logs = []
+    for tree in trees:
+        defaults = next(a for a in tree if isinstance(a, Defaults))
+        router = next(a for a in tree if isinstance(a, Router))
+        assert defaults.decisions is router.decisions
+        logs.append(router.decisions)
+    assert logs[0] is not logs[1]
+    logs[0].mode = "off"
+    assert not logs[0].on and logs[1].on

@@ -498,10 +498,10 @@ async def test_a_large_bodys_lineage_is_read_off_the_event_loop(proxy, monkeypat
     the request itself waits for it and is decided as before."""
     import threading
 
-    from sessionpin.proxy import router as router_module
+    from sessionpin import lineage
     threads = []
-    real = router_module.lineage.chain
-    monkeypatch.setattr(router_module.lineage, "chain",
+    real = lineage.chain
+    monkeypatch.setattr(lineage, "chain",
                         lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
     big = json.loads(body("continuation"))
     big["messages"][0]["content"] = "x" * (300 * 1024)

@@ -9,7 +9,7 @@ Rules it keeps:
 - One line per decision: mitmproxy's connection chatter ("client connect", "server
   disconnect …", and "Streaming response from …" for each streamed answer) is dropped
   unless ``sessionpin_connection_log`` is on; decision lines, timestamped as mitmproxy's own
-  (``[15:37:40.960] sessionpin: …``, local time; ``DECISIONS``), go to the terminal directly (``sessionpin_decision_log=terminal``, the
+  (``[15:37:40.960] sessionpin: …``, local time; a ``DecisionLog`` the addon tree shares), go to the terminal directly (``sessionpin_decision_log=terminal``, the
   default) — gathered and written once per turn of the event loop, not through Python's
   logging and mitmproxy's log event, which every addon receives: a cost paid per request
   (docs/benchmarks.md) — or into mitmweb's event log (``eventlog``), or nowhere (``off``).
@@ -80,11 +80,13 @@ def stamp(t: float) -> str:
     return f"[{time.strftime('%H:%M:%S', time.localtime(t))}.{int(t * 1000) % 1000:03d}] "
 
 
-DECISIONS = DecisionLog()
 _no_chatter = _NoChatter()
 
 
 class Defaults:
+    def __init__(self, decisions: DecisionLog | None = None) -> None:
+        self.decisions = decisions if decisions is not None else DecisionLog()   # the router writes to it
+
     def load(self, loader) -> None:
         loader.add_option(
             "sessionpin_connection_log", bool, False,
@@ -108,9 +110,9 @@ class Defaults:
             else:
                 server_log.addFilter(_no_chatter)
         if "sessionpin_decision_log" in updated:
-            DECISIONS.flush()
-            DECISIONS.mode = ctx.options.sessionpin_decision_log
+            self.decisions.flush()
+            self.decisions.mode = ctx.options.sessionpin_decision_log
 
     def done(self) -> None:
-        DECISIONS.flush()
+        self.decisions.flush()
         logging.getLogger("mitmproxy.proxy.server").removeFilter(_no_chatter)

@@ -83,6 +83,12 @@ class NotDurable(StoreUnavailable):
     ``NotReplicated`` was (``applied``): see "Durable or raise" above."""
 
 
+class WouldBlock(Exception):
+    """A read a backend will not answer at once on the caller's thread (``read_now``): it
+    would have to wait (a lock), so the caller asks again on a thread that may wait. Not a
+    ``StoreError``: it never reaches a caller of the ``Store`` contract."""
+
+
 # ---- the vocabulary of ``apply`` ---------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from redis_servers import shared_cluster, shared_server, shift_ttls, unique_prefix
-from sessionpin.store import (Check, Delete, HIncr, HSet, Set, Store, StoreError, WrongType, ZAdd, ZRem,
+from sessionpin.store import (Check, Delete, Expire, HIncr, HSet, Set, Store, StoreError, WrongType, ZAdd, ZRem,
                               open_store, open_sync_store)
 from sessionpin.store.redisstore import RedisStore
 from sessionpin.store.redisurl import parse
@@ -258,7 +258,7 @@ DURABLE = st.booleans()
 WRITE = st.one_of(
     st.builds(Set, KEYS, VALUES, TTLS), st.builds(Delete, ANY), st.builds(HSet, HKEYS, FIELDS, VALUES),
     st.builds(HIncr, HKEYS, FIELDS, st.integers(-3, 3)), st.builds(ZAdd, ZKEYS, MEMBERS, SCORES),
-    st.builds(ZRem, ZKEYS, MEMBERS))
+    st.builds(ZRem, ZKEYS, MEMBERS), st.builds(Expire, ANY, st.sampled_from([1.0, 2.5])))
 OPS = st.one_of(
     st.tuples(st.just("set"), KEYS, VALUES, TTLS, st.booleans(), DURABLE),
     st.tuples(st.just("get"), ANY),

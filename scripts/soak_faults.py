@@ -71,7 +71,10 @@ it lets the clients meet the loss for 2-4 s (refusals are counted and expected, 
 is a failure), then plays the operator with the load paused: it restores the backup
 (``sessionpin store copy BACKUP URL``) and accepts what is still missing (``sessionpin store
 accept-loss``). Conversations whose pins are still missing then (opened after the backup)
-were given up by the operator: they are counted as **abandoned**, and not continued.
+were given up by the operator: they are counted as **abandoned**, and not continued — also
+those on the server their agent addresses (a lost pin is decided afresh, and the soak's
+conversations of a shape share one history, so the lineage may take one for a fork of
+another).
 
     redis-flushdb              (--store redis) FLUSHDB while the proxies run
     redis-del                  (--store redis) DEL of a third of the pin keys
@@ -766,8 +769,10 @@ class Faults:
                 present = asyncio.run(read_pins(w.store_url, sorted(convs)))
                 now = (time.time(), time.monotonic())
                 for session, conv in convs.items():
-                    if present.get(session) is None and conv.server != ORIGIN[conv.shape] \
-                            and session not in load.abandoned:
+                    # whatever server it was on: "decided afresh" includes the lineage, which may
+                    # take it for a fork of another conversation of the same history (this soak's
+                    # conversations of a shape share one prompt), and send it to that one's server
+                    if present.get(session) is None and session not in load.abandoned:
                         load.abandoned[session] = now
                         abandoned += 1
             self.losses.append({"kind": kind, "accepted": len(said.get("accepted") or []),

@@ -11,6 +11,7 @@ from sessionpin import pins
 from sessionpin.proxy.storeguard import StoreGuard
 from sessionpin.store import identity as ident
 from sessionpin.store import open_store
+from redis_servers import evict
 
 
 @pytest.fixture
@@ -137,24 +138,6 @@ async def test_a_pin_another_proxy_made_is_found_lost_by_its_index(rig):
     assert got.pin is not None
 
 
-def evict(server, at_least: int = 3) -> int:
-    """Memory pressure until Redis evicted ``at_least`` keys: under ``volatile-random`` only
-    keys with a TTL go (the fillers made here), so what the store holds stays whole — Redis
-    cannot say so, and neither can sessionpin. Returns the server's ``evicted_keys``."""
-    r = server.client()
-    before = int(r.info("stats")["evicted_keys"])
-    r.config_set("maxmemory-policy", "volatile-random")
-    r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) + 256 * 1024))
-    n = 0
-    while int(r.info("stats")["evicted_keys"]) - before < at_least:
-        r.set(f"filler:{n}", "x" * 8192, ex=600)
-        n += 1
-        assert n < 10_000, "Redis evicted nothing"
-    r.config_set("maxmemory", "0")
-    r.config_set("maxmemory-policy", "noeviction")
-    return int(r.info("stats")["evicted_keys"])
-
-
 @pytest.fixture
 def redis_server(tmp_path):
     from redis_servers import RedisServer
@@ -180,28 +163,28 @@ async def test_keys_redis_evicted_are_a_loss_until_settled_also_for_a_proxy_star
         guard.use(store, url)
         assert await guard.gate(store) is None and guard.kind == ident.NEW
         assert ident.Memory(url, env).load().evicted                # the count it started from, remembered
-        count = evict(redis_server)
+        n = evict(redis_server)
         # the request that meets a missing pin reads the count then (not the last watch's)
         msg = await guard.missed(store, "never-served", "claude-code", True, time.time())
-        assert msg and f"store {store.url} may have lost pins: Redis evicted 3 keys since" in msg, msg
+        assert msg and f"store {store.url} may have lost pins: Redis evicted {n} keys since" in msg, msg
         assert "accept-loss" in msg and "store copy BACKUP" in msg
         assert guard.kind == ident.EVICTED and await guard.gate(store) == msg
         assert list(await ident.losses(store)) == [guard.describe()["identity"]]   # said in the store too
         # a proxy started after the eviction, on this machine: it remembers the count, and refuses
         other = StoreGuard(env)
         other.use(later, url)
-        assert "Redis evicted 3 keys" in (await other.gate(later) or "")
+        assert f"Redis evicted {n} keys" in (await other.gate(later) or "")
         # the operator starts over: accept-loss settles the count it read
         await ident.accept_loss(store, None, time.time(), await store.evictions())
         for g, s in ((guard, store), (other, later)):
             await g.check(s)
             assert await g.gate(s) is None and g.kind == ident.OK       # the same store, its losses accepted
-        assert ident.Memory(url, env).load().evicted == {next(iter(store.evicted)): count}
+        assert ident.Memory(url, env).load().evicted == store.evicted
         # more evictions: a loss again; a restore (store copy) settles it without accepting anything
-        evict(redis_server, 2)
+        n = evict(redis_server, 2)
         await store.watch()
         await guard.check(store)
-        assert "Redis evicted 2 keys" in guard.lost
+        assert f"Redis evicted {n} keys" in guard.lost
         accepted = (await ident.read(store))[0].accepted
         await ident.settle_evictions(store, await store.evictions())
         await guard.check(store)
@@ -229,9 +212,9 @@ async def test_a_redis_restarted_with_its_data_counts_its_evictions_from_zero(re
         await store.watch()
         await guard.check(store)
         assert guard.lost is None and guard.kind == ident.OK
-        evict(redis_server, 2)
+        n = evict(redis_server, 2)
         await store.watch()
         await guard.check(store)
-        assert "Redis evicted 2 keys" in (guard.lost or "")
+        assert f"Redis evicted {n} keys" in (guard.lost or "")
     finally:
         await store.close()

@@ -51,8 +51,12 @@ def cmd_store_accept_loss(ctx: Ctx, args: argparse.Namespace) -> int:
     now = time.time()
     # Redis' eviction count, read first: what it evicted until now is accepted, not what it evicts later
     evicted = ctx.run(store.evictions()) if hasattr(store, "evictions") else None
+    remembered = memory.load()
+    was, _ = ctx.run(identity.read(store))
+    evictions = identity.evictions(remembered.evicted if remembered else {}, was.evicted if was else {},
+                                   evicted)[0] if remembered is not None else 0
     dropped = ctx.run(pins.drop_lost(store, now))     # index entries of lost pins: decided afresh
-    new, accepted, partial = ctx.run(identity.accept_loss(store, memory.load(), now, evicted))
+    new, accepted, partial = ctx.run(identity.accept_loss(store, remembered, now, evicted))
     partial = max(partial, dropped)
     n = sum(c[0] for c in ctx.run(pins.counts(store, now)).values())
     try:
@@ -61,14 +65,17 @@ def cmd_store_accept_loss(ctx: Ctx, args: argparse.Namespace) -> int:
         raise Fail(f"accepted, but cannot write what this machine remembers of {store.url} ({memory.path}): "
                    f"{e.strerror or e}") from None
     if args.json:
-        dump_json({"store": store.url, "identity": new.id, "accepted": accepted, "lost_pins": partial, "pins": n})
+        dump_json({"store": store.url, "identity": new.id, "accepted": accepted, "lost_pins": partial, "pins": n,
+                   "evicted_keys": evictions})
         return 0
-    if accepted or partial:
+    if accepted or partial or evictions:
         what = []
         if accepted:
             what.append(f"the store{'s' if len(accepted) > 1 else ''} it was before ({', '.join(accepted)})")
         if partial:
             what.append(f"{plural(partial, 'lost pin')} reported by proxies")
+        if evictions:
+            what.append(f"the {plural(evictions, 'key')} Redis evicted")
         out(f"Accepted the loss of {' and '.join(what)} in {store.url}: it is store {new.id} now, holding "
             f"{plural(n, 'pin')}.")
     else:

@@ -119,6 +119,7 @@ sys.path.insert(0, str(ROOT))
 from e2e.harness import Client, FakeServer, Mitmdump, Reply, TestCA, free_port, toml_config  # noqa: E402
 
 from sessionpin import facts, pins  # noqa: E402
+from sessionpin.answers import NO_RETRY_STATUS  # noqa: E402
 from sessionpin.store import open_store  # noqa: E402
 
 RUN = uuid.uuid4().hex[:8]
@@ -446,7 +447,8 @@ class Outcome:
     server: str | None   # x-fake-server of a 200
     reason: str | None   # x-sessionpin-refused
     text: str = ""
-    refusal: bool = False  # a 502/503 whose body is an error in the agent's format
+    refusal: bool = False  # a 502/503/424 whose body is an error in the agent's format (424: the
+                           # store lost what it held, only the operator can decide)
     took: float = 0.0
     error: str = ""       # why a cut request was cut
 
@@ -497,7 +499,7 @@ class Load:
             r = self.world.send(i, req, ORIGIN[shape])
             o = Outcome(t, kind, session, i, r.status, r.header("x-fake-server") if r.status == 200 else None,
                         r.header("x-sessionpin-refused"), "" if r.status == 200 else r.text[:300],
-                        refusal=r.status in (502, 503) and is_error_body(r.body), took=time.time() - t)
+                        refusal=r.status in (502, 503, NO_RETRY_STATUS) and is_error_body(r.body), took=time.time() - t)
         except SEND_ERRORS as e:
             o = Outcome(t, kind, session, i, None, None, None, took=time.time() - t,
                         error=f"{type(e).__name__}: {e}"[:120])

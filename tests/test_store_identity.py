@@ -119,14 +119,17 @@ def test_evictions_grown_since_last_seen_whole_are_counted_until_settled():
     assert ident.evictions({"r1": 40}, {"r1": 45}, {"r1": 45}) == (0, {"r1": 45})
     assert ident.evictions({"r1": 40}, {"r1": 45}, {"r1": 47}) == (2, {"r1": 45})
     # a restarted server (a run_id this machine never saw, when it saw others) counts from 0
-    assert ident.evictions({"r1": 40}, {}, {"r2": 3}) == (3, {"r2": 0})
-    assert ident.evictions({"r1": 40}, {}, {"r2": 0}) == (0, {"r2": 0})
+    assert ident.evictions({"r1": 40}, {}, {"r2": 3}) == (3, {"r1": 40, "r2": 0})
+    assert ident.evictions({"r1": 40}, {}, {"r2": 0}) == (0, {"r1": 40, "r2": 0})
     # CONFIG RESETSTAT: a count below the remembered one is remembered as it is; a settled
     # count above the count now is of before the reset and does not hide later evictions
     assert ident.evictions({"r1": 40}, {"r1": 45}, {"r1": 2}) == (0, {"r1": 2})
     assert ident.evictions({"r1": 2}, {"r1": 45}, {"r1": 9}) == (7, {"r1": 2})
     # a cluster: per node
     assert ident.evictions({"a": 1, "b": 5}, {}, {"a": 1, "b": 6}) == (1, {"a": 1, "b": 5})
+    # a node that did not answer this time keeps its count (not "never seen" when it is back)
+    assert ident.evictions({"a": 1, "b": 5}, {}, {"a": 1}) == (0, {"b": 5, "a": 1})
+    assert ident.evictions({"b": 5, "a": 1}, {}, {"a": 1, "b": 5}) == (0, {"a": 1, "b": 5})
 
 
 def test_judge_evictions_takes_a_new_store_as_it_is_and_says_what_was_evicted():

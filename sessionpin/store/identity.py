@@ -131,12 +131,14 @@ def evictions(remembered: Mapping[str, int], settled: Mapping[str, int], now: Ma
     so all it evicted since is after), raised to the settled one when that is not above the
     count now (a higher settled count is of before a ``CONFIG RESETSTAT``). A count not
     above it is remembered as it is (a reset counter too); a count above it is not: the
-    keys stay lost until the operator settles them."""
+    keys stay lost until the operator settles them. A run_id not in ``now`` keeps its
+    count (a cluster node that did not answer this time); at most ``KEEP_RUN_IDS``."""
     if now is None:
         return 0, dict(remembered)
     if not remembered:
         return 0, dict(now)
-    grown, keep = 0, {}
+    # a node not in this reading (down for now, or a server since restarted) keeps its count
+    grown, keep = 0, {k: v for k, v in remembered.items() if k not in now}
     for run_id, n in now.items():
         base = remembered.get(run_id, 0)
         s = settled.get(run_id)

@@ -433,9 +433,15 @@ class RedisStore:
         """``run_id -> evicted_keys`` of the server, or of every node of a cluster (a key
         may have been evicted by a primary that is a replica now)."""
         if self._cfg.cluster:
-            per_node = await self._reads.info("server", "stats", target_nodes=RedisCluster.ALL_NODES)
-            infos = list(per_node.values()) if isinstance(per_node, dict) and all(
-                isinstance(v, dict) for v in per_node.values()) else [per_node]
+            # node by node: one that does not answer (down, elsewhere in the cluster) is left
+            # out of this reading, not a failure of the store; its count is read when it is back
+            await self._reads.initialize()
+            nodes = self._reads.get_nodes()
+            got = await asyncio.gather(*(self._reads.info("server", "stats", target_nodes=n) for n in nodes),
+                                       return_exceptions=True)
+            infos = [g for g in got if isinstance(g, dict)]
+            if not infos:
+                raise next(g for g in got if isinstance(g, BaseException))
         else:
             infos = [await self._reads.info("server", "stats")]
         self.evicted = _evicted(infos)

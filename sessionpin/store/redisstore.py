@@ -108,7 +108,7 @@ class RedisStore:
                         raise self._fail(e, write=write, durable=durable, key=key) from None
 
     async def _check(self) -> None:
-        info = await self._reads.info("server", "stats")
+        info = await self._reads.info("server")     # one section: an old server says its version
         version = str(info.get("redis_version", "0"))
         try:
             major_minor = tuple(int(p) for p in version.split(".")[:2])
@@ -121,10 +121,7 @@ class RedisStore:
         mode = info.get("redis_mode", "standalone")
         if mode == "cluster" and not self._cfg.cluster:
             raise StoreError(f"{self.url}: this server is a node of a Redis Cluster; add ?cluster=1 to the URL")
-        if self._cfg.cluster:
-            await self._read_evictions()
-        else:
-            self.evicted = _evicted([info])
+        await self._read_evictions()
         await self._check_durability()
         self._checked = True
 

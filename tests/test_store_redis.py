@@ -115,6 +115,24 @@ async def test_basics_and_prefix(target):
         await s.close()
 
 
+async def test_what_redis_evicted_is_read_per_node_by_run_id(target):
+    """Issue 18: ``evicted_keys`` of the server, or of every node of a cluster, by run_id
+    (read by the first call and by ``watch``; the store identity judges it)."""
+    s = open_store(target.url(unique_prefix()))
+    try:
+        await s.get("a")                                    # the first call reads it with the version
+        first = s.describe()["durability"]["evicted_keys"]
+        nodes = 3 if hasattr(target, "nodes") else 1         # every primary (and the replicas it knows)
+        assert isinstance(first, dict) and len(first) >= nodes and all(
+            isinstance(k, str) and len(k) == 40 and isinstance(v, int) and v >= 0 for k, v in first.items())
+        await s.watch()
+        assert s.evicted == first == await s.evictions()
+        if not hasattr(target, "nodes"):
+            assert list(first) == [s.describe()["durability"]["run_id"]]
+    finally:
+        await s.close()
+
+
 async def test_keys_scans_past_one_page_and_escapes_glob_characters():
     s = open_store(shared_server().url())
     try:

@@ -1,4 +1,4 @@
-"""The body reader: a large request's facts read on a process of its own.
+"""The body reader: a large request's facts, and its prompt's shape, read on a process of its own.
 
 Why a process: reading a large body comes down to a few long C calls (msgspec's decode of
 the whole body when the large-body reader cannot bound it, the freeing of what that built,
@@ -8,13 +8,16 @@ first answer held every other client about a second (issue 20). In a process of 
 event loop only writes the body to a pipe, a chunk at a time.
 
 Rules it keeps:
-- Pure: bytes in, a ``facts.Facts`` out (``facts_of``), the same facts ``facts.read`` gives,
-  plus the model's span in the decoded body when the reader did not find it itself (so a
-  model rename does not decode the body again on the event loop).
+- Pure: bytes in, plain data out. ``facts_of``: the same facts ``facts.read`` gives, plus the
+  model's span in the decoded body when the reader did not find it itself (so a model rename
+  does not decode the body again on the event loop). ``shape_of``: ``promptshape.shape`` (the
+  ledger's, after the answer: a digest per message, in Python), None past ``MAX_SHAPE_ITEMS``
+  messages — a history that long is compared with nothing (its digests would cost the proxy
+  tens of MB to keep and to take back; real sessions have a few thousand messages).
 - The protocol is framed and one request at a time (stdin → stdout):
-    request: 4-byte big-endian length + msgpack [method, url, headers, encoding, api],
-             then 8-byte big-endian length + the raw body
-    answer:  4-byte big-endian length + msgpack of the Facts
+    request: 4-byte big-endian length + msgpack [task, method, url, headers, encoding, api],
+             then 8-byte big-endian length + the raw body; task is "facts" or "shape"
+    answer:  4-byte big-endian length + msgpack of the Facts (or the Shape, or nil)
 - Nothing of a body leaves the process but its facts (hashes, names); nothing is logged.
 - ``serve`` stops at the end of its input: the proxy ends it by closing the pipe.
 
@@ -29,27 +32,42 @@ from typing import Any, BinaryIO
 import msgspec
 
 from . import facts as F
+from . import promptshape
 from .rewrite import model_span
 
 HEAD_LEN = 4
 BODY_LEN = 8
 MAX_HEAD = 1024 * 1024       # method, url, headers: far above what mitmproxy takes in a head
+MAX_SHAPE_ITEMS = 50_000     # messages a shape digests at most (a 1 MiB body holds ~35,000 tiny ones)
+FACTS, SHAPE = "facts", "shape"
 
 _encoder = msgspec.msgpack.Encoder()
-_head_decoder = msgspec.msgpack.Decoder(tuple[str, str, list[tuple[bytes, bytes]], str, str | None])
+_head_decoder = msgspec.msgpack.Decoder(tuple[str, str, str, list[tuple[bytes, bytes]], str, str | None])
 _facts_decoder = msgspec.msgpack.Decoder(F.Facts)
+_shape_decoder = msgspec.msgpack.Decoder(promptshape.Shape | None)
 
 
-def request_head(method: str, url: str, headers: Any, encoding: str, api: str | None, body_len: int) -> bytes:
+def request_head(method: str, url: str, headers: Any, encoding: str, api: str | None, body_len: int,
+                 task: str = FACTS) -> bytes:
     """What precedes the body on the pipe."""
     fields = [(_b(k), _b(v)) for k, v in headers]
-    head = _encoder.encode((method, url, fields, encoding, api))
+    head = _encoder.encode((task, method, url, fields, encoding, api))
     return len(head).to_bytes(HEAD_LEN, "big") + head + body_len.to_bytes(BODY_LEN, "big")
 
 
-def encode_answer(facts: F.Facts) -> bytes:
-    data = _encoder.encode(facts)
+def encode_answer(answer: F.Facts | promptshape.Shape | None) -> bytes:
+    data = _encoder.encode(answer)
     return len(data).to_bytes(HEAD_LEN, "big") + data
+
+
+def decode_shape(data: bytes) -> promptshape.Shape | None:
+    return _shape_decoder.decode(data)
+
+
+def shape_of(body: bytes | None, api: str, encoding: str) -> promptshape.Shape | None:
+    """``promptshape.shape``, or None when it digests more than ``MAX_SHAPE_ITEMS`` messages."""
+    got = promptshape.shape(body, api, encoding)
+    return None if got is not None and len(got.messages) > MAX_SHAPE_ITEMS else got
 
 
 def decode_answer(data: bytes) -> F.Facts:
@@ -99,10 +117,14 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         if body is None:
             return
         try:
-            method, url, headers, encoding, api = _head_decoder.decode(head)
+            task, method, url, headers, encoding, api = _head_decoder.decode(head)
         except msgspec.DecodeError:
             return
-        out.write(encode_answer(facts_of(method, url, headers, body, encoding, api)))
+        if task == SHAPE:
+            answer = shape_of(body, api or "", encoding) if api else None
+        else:
+            answer = facts_of(method, url, headers, body, encoding, api)
+        out.write(encode_answer(answer))
         out.flush()
         del body
 

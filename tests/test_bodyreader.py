@@ -79,3 +79,14 @@ def test_it_runs_as_a_module():
                           input=B.request_head("POST", URL, HEADERS, "", None, len(body)) + body)
     assert proc.returncode == 0 and proc.stderr == b""
     assert B.decode_answer(proc.stdout[B.HEAD_LEN:]).turn == "continuation"
+
+
+def test_a_shape_is_promptshapes_up_to_a_bound_of_messages():
+    from sessionpin import promptshape
+    for body in (tiny(3), tiny(1000), b"garbage"):
+        inp = io.BytesIO(B.request_head("", "", [], "", F.ANTHROPIC_MESSAGES, len(body), B.SHAPE) + body)
+        out = io.BytesIO()
+        B.serve(inp, out)
+        assert B.decode_shape(out.getvalue()[B.HEAD_LEN:]) == promptshape.shape(body, F.ANTHROPIC_MESSAGES)
+    assert B.shape_of(tiny(B.MAX_SHAPE_ITEMS), F.ANTHROPIC_MESSAGES, "") is None     # one more than the bound
+    assert len(B.shape_of(tiny(B.MAX_SHAPE_ITEMS - 2), F.ANTHROPIC_MESSAGES, "").messages) == B.MAX_SHAPE_ITEMS

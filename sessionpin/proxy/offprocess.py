@@ -1,6 +1,6 @@
-"""FactsProcess: a large request's facts read by ``sessionpin.bodyreader`` in a process of its
-own, so that no body holds mitmproxy's event loop (issue 20: no body costs other clients more
-than ~100 ms).
+"""BodyProcess: a large request's facts (the router's) and its prompt's shape (the ledger's,
+after the answer) read by ``sessionpin.bodyreader`` in a process of its own, so that no body
+holds mitmproxy's event loop (issue 20: no body costs other clients more than ~100 ms).
 
 Why not a thread (``offloop.OffLoop``): the long parts of reading a body are single C calls
 holding the GIL (a whole-body msgspec decode, freeing two million objects); a thread running
@@ -14,7 +14,8 @@ Rules it keeps:
 - A child that fails, answers garbage or takes longer than ``timeout`` is killed (a new one
   is started for the next body) and the request gets facts read without its body
   (``parsed=False``, the reason saying why): the router answers an unreadable body as it
-  always does. Said in the log once per failure, never with the body.
+  always does; a shape is None (the turn is recorded, compared with nothing). Said in the log
+  once per failure, never with the body.
 - ``close`` ends the child (the router's ``done``).
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from .. import bodyreader
+from .. import bodyreader, promptshape
 from .. import facts as F
 
 log = logging.getLogger("sessionpin")
@@ -38,7 +39,7 @@ TIMEOUT = 60.0              # seconds one body may take (64 MiB of tiny messages
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-class FactsProcess:
+class BodyProcess:
     def __init__(self, timeout: float = TIMEOUT, command: tuple[str, ...] | None = None) -> None:
         self.timeout = timeout
         self.command = command or (sys.executable, "-m", "sessionpin.bodyreader")
@@ -48,17 +49,30 @@ class FactsProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._lock: asyncio.Lock | None = None
 
-    async def read(self, method: str, url: str, headers: Any, raw: bytes, encoding: str | None,
-                   api: str | None) -> F.Facts:
+    async def facts(self, method: str, url: str, headers: Any, raw: bytes, encoding: str | None,
+                    api: str | None) -> F.Facts:
         """The request's facts, read in the child. Never raises but for cancellation."""
+        encoding = encoding or ""
+        why = await self._failed(lambda: self._ask(bodyreader.FACTS, method, url, headers, raw, encoding, api), raw)
+        if isinstance(why, str):
+            return _unread(method, url, headers, encoding, api, f"body not read: the reader process failed ({why})")
+        return bodyreader.decode_answer(why)
+
+    async def shape(self, raw: bytes, api: str, encoding: str | None) -> promptshape.Shape | None:
+        """The request's prompt shape (``bodyreader.shape_of``), read in the child; None when it
+        failed. Never raises but for cancellation."""
+        got = await self._failed(lambda: self._ask(bodyreader.SHAPE, "", "", (), raw, encoding or "", api), raw)
+        return None if isinstance(got, str) else bodyreader.decode_shape(got)
+
+    async def _failed(self, ask, raw: bytes) -> bytes | str:
+        """The child's answer (bytes), or why there is none (str)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
-        encoding = encoding or ""
         async with self._lock:
             try:
-                facts = await asyncio.wait_for(self._ask(method, url, headers, raw, encoding, api), self.timeout)
+                answer = await asyncio.wait_for(ask(), self.timeout)
                 self.reads += 1
-                return facts
+                return answer
             except asyncio.CancelledError:
                 self._kill()          # the pipe is mid-request: a new child for the next body
                 raise
@@ -66,22 +80,22 @@ class FactsProcess:
                 why = "it took longer than %g s" % self.timeout if isinstance(e, TimeoutError) else type(e).__name__
                 self._kill()
                 self.failures += 1
-                log.warning("sessionpin: the body reader process did not read a %d-byte body (%s); "
-                            "the request is decided without it", len(raw), why)
-                return _unread(method, url, headers, encoding, api, f"body not read: the reader process failed ({why})")
+                log.warning("sessionpin: the body reader process did not read a %d-byte body (%s)", len(raw), why)
+                return why
 
-    async def _ask(self, method: str, url: str, headers: Any, raw: bytes, encoding: str, api: str | None) -> F.Facts:
+    async def _ask(self, task: str, method: str, url: str, headers: Any, raw: bytes, encoding: str,
+                   api: str | None) -> bytes:
         proc = await self._process()
         w, r = proc.stdin, proc.stdout
         assert w is not None and r is not None
-        w.write(bodyreader.request_head(method, url, headers, encoding, api, len(raw)))
+        w.write(bodyreader.request_head(method, url, headers, encoding, api, len(raw), task))
         view = memoryview(raw)
         for i in range(0, len(view), CHUNK):
             w.write(view[i:i + CHUNK])
             await w.drain()
         await w.drain()
         size = int.from_bytes(await r.readexactly(bodyreader.HEAD_LEN), "big")
-        return bodyreader.decode_answer(await r.readexactly(size))
+        return await r.readexactly(size)
 
     async def _process(self) -> asyncio.subprocess.Process:
         if self._proc is None or self._proc.returncode is not None:

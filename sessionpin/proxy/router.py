@@ -21,7 +21,7 @@ decision (the OpenCode id pool). Rules this module keeps:
   on a thread of the router's own (``offloop.OffLoop``), bounded per request by the reader's
   budget: the request waits for it, every other client's bytes do not.
 - A large body's facts (from ``FACTS_OFF_LOOP_MIN``) are read in a process of the router's own
-  (``offprocess.FactsProcess``): a whole-body decode is one long C call holding the GIL, so a
+  (``offprocess.BodyProcess``): a whole-body decode is one long C call holding the GIL, so a
   thread would not spare the event loop. A small body's are read inline (no hop).
 - A store that lost what it held (``StoreGuard``) routes nothing: every request that would
   read or write a pin is refused (503 naming the store and the loss), and nothing is
@@ -64,7 +64,7 @@ from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DECISIONS
 from .offloop import OffLoop
-from .offprocess import FactsProcess
+from .offprocess import BodyProcess
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
 from .unrouted import Unrouted
@@ -101,7 +101,7 @@ class Metrics:
 class Router:
     def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
                  participants: list[Any] | None = None, env: Mapping[str, str] | None = None,
-                 allocations: Allocations | None = None) -> None:
+                 allocations: Allocations | None = None, bodies: BodyProcess | None = None) -> None:
         self.config = config
         self.allocations = allocations or Allocations(config, runtime, connect)   # server pools' effects
         self.runtime = runtime
@@ -111,7 +111,7 @@ class Router:
         self.env = env if env is not None else os.environ
         self.lineage = None          # a LineageWatch, set by make_addons: it records what forks name
         self.reads = OffLoop("lineage-request", workers=2)    # a large body's lineage, off the event loop
-        self.bodies = FactsProcess()    # a large body's facts, in a process of its own
+        self.bodies = bodies or BodyProcess()    # a large body's facts, in a process of its own
         self._background: set[asyncio.Task] = set()
         self._store_down: float | None = None   # when a store read last failed a whole budget (monotonic)
 
@@ -182,7 +182,7 @@ class Router:
         which would hold the GIL in the same long C calls)."""
         raw, encoding = req.raw_content, req.headers.get("content-encoding")
         if raw is not None and len(raw) >= FACTS_OFF_LOOP_MIN:
-            return await self.bodies.read(req.method, req.url, req.headers.fields, raw, encoding, api)
+            return await self.bodies.facts(req.method, req.url, req.headers.fields, raw, encoding, api)
         return F.read(req.method, req.url, req.headers.fields, raw, encoding, api=api)
 
     async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:

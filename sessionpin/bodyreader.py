@@ -65,9 +65,8 @@ def decode_shape(data: bytes) -> promptshape.Shape | None:
 
 
 def shape_of(body: bytes | None, api: str, encoding: str) -> promptshape.Shape | None:
-    """``promptshape.shape``, or None when it digests more than ``MAX_SHAPE_ITEMS`` messages."""
-    got = promptshape.shape(body, api, encoding)
-    return None if got is not None and len(got.messages) > MAX_SHAPE_ITEMS else got
+    """``promptshape.shape``, or None when it has more than ``MAX_SHAPE_ITEMS`` messages."""
+    return promptshape.shape(body, api, encoding, max_items=MAX_SHAPE_ITEMS)
 
 
 def decode_answer(data: bytes) -> F.Facts:

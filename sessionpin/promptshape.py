@@ -132,14 +132,16 @@ def _role_of(raw: bytes) -> str | None:
         return None
 
 
-def shape(body: bytes | None, api: str, content_encoding: str = "") -> Shape | None:
+def shape(body: bytes | None, api: str, content_encoding: str = "", max_items: int | None = None) -> Shape | None:
+    """The request's shape; None when it cannot be read, or has more than ``max_items``
+    messages (said before any is digested: a digest per message is the costly part)."""
     try:
-        return _shape(body, api, content_encoding)
+        return _shape(body, api, content_encoding, max_items)
     except Exception:
         return None
 
 
-def _shape(body: bytes | None, api: str, content_encoding: str) -> Shape | None:
+def _shape(body: bytes | None, api: str, content_encoding: str, max_items: int | None = None) -> Shape | None:
     if not body or api not in (facts.ANTHROPIC_MESSAGES, facts.OPENAI_CHAT, facts.OPENAI_RESPONSES):
         return None
     if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
@@ -170,6 +172,8 @@ def _shape(body: bytes | None, api: str, content_encoding: str) -> Shape | None:
             lead += 1
         system += items[:lead]
         items = items[lead:]
+    if max_items is not None and len(items) > max_items:
+        return None
     tools, tools_len = _digest(bytes(b.tools)) if len(b.tools) and bytes(b.tools) != b"null" else ("", 0)
     sys_d, sys_len = _digest(b"\x00".join(system)) if system else ("", 0)
     digests, lengths = [], []

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from sessionpin import facts as F
+from sessionpin import promptshape
 from sessionpin.promptshape import Difference, compare, shape
 
 TRAFFIC = Path(__file__).parent / "fixtures" / "traffic"
@@ -93,3 +94,13 @@ def test_recorded_claude_code_turns_continue_their_history():
 def test_recorded_compaction_rewrites_the_history_from_its_first_message():
     d = compare(_recorded("interactive-19-compaction.json"), _recorded("interactive-20-after-compaction.json"))
     assert d.kind == "messages" and d.at == 0 and 0 < d.share < 1
+
+
+def test_a_history_past_max_items_has_no_shape_and_is_not_digested(monkeypatch):
+    """Issue 20: the body reader asks for no shape past 50,000 messages (a digest each, in Python)."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 5}).encode()
+    digested = []
+    real = promptshape._digest
+    monkeypatch.setattr(promptshape, "_digest", lambda *a, **k: digested.append(1) or real(*a, **k))
+    assert promptshape.shape(body, F.ANTHROPIC_MESSAGES, max_items=4) is None and digested == []
+    assert len(promptshape.shape(body, F.ANTHROPIC_MESSAGES, max_items=5).messages) == 5

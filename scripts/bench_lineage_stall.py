@@ -84,6 +84,36 @@ def headers(session: str) -> list[tuple[str, str]]:
             ("X-Claude-Code-Session-Id", session), ("x-claude-code-request-class", "main")]
 
 
+def family(pid: int) -> list[int]:
+    """The proxy and its children (the body reader's process)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return [pid, *map(int, kids)]
+
+
+def reset_peaks(pid: int) -> None:
+    """Start each process's peak RSS (VmHWM) again from its current RSS (Linux: clear_refs 5)."""
+    for p in family(pid):
+        try:
+            Path(f"/proc/{p}/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def peaks(pid: int) -> tuple[float, float]:
+    """(the proxy's peak RSS, its children's summed) in MB since ``reset_peaks``."""
+    out = []
+    for p in family(pid):
+        try:
+            hwm = next(line for line in Path(f"/proc/{p}/status").read_text().splitlines() if line.startswith("VmHWM"))
+            out.append(int(hwm.split()[1]) / 1024)
+        except (OSError, StopIteration):
+            out.append(0.0)
+    return out[0], sum(out[1:])
+
+
 class Probe:
     """Small GETs back to back through the proxy; (start, latency) of each."""
 
@@ -147,7 +177,9 @@ def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: li
                 body = pathological(shape, size)
                 for case in ("pinless", "pinned"):
                     worsts, took, statuses = [], [], set()
+                    peak, child_peak = 0.0, 0.0
                     for _ in range(repeat):
+                        reset_peaks(mitm.proc.pid)
                         session = str(uuid.uuid4())
                         if case == "pinned":
                             r = client.request("POST", url, headers(session), opening(session))
@@ -159,13 +191,15 @@ def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: li
                         worsts.append(probe.worst(t0, t1 + AFTER)[0] * 1000)
                         took.append(t1 - t0)
                         statuses.add(r.status)
+                        got = peaks(mitm.proc.pid)
+                        peak, child_peak = max(peak, got[0]), max(child_peak, got[1])
                     rows.append({"code": name, "case": case, "shape": shape, "mb": len(body) / 2**20,
                                  "request_s": statistics.median(took), "status": sorted(statuses),
                                  "worst_ms": statistics.median(worsts), "min_ms": min(worsts), "max_ms": max(worsts),
-                                 "n": repeat})
+                                 "n": repeat, "peak_mb": peak, "child_peak_mb": child_peak})
                     print(f"{name} {case} {shape}: {rows[-1]['worst_ms']:.0f} ms worst probe (median of {repeat}: "
                           f"{min(worsts):.0f}-{max(worsts):.0f}; request {statistics.median(took):.1f} s, "
-                          f"{sorted(statuses)})", flush=True)
+                          f"{sorted(statuses)}; peak RSS {peak:.0f} MB, children {child_peak:.0f} MB)", flush=True)
     except BaseException:
         print(mitm.output[-4000:], file=sys.stderr)
         raise
@@ -198,12 +232,14 @@ def main() -> None:
         rows = []
         for name, tree in trees:
             rows += run_tree(name, tree, tmp, ca, size, shapes, args.repeat)
-        print("\n| code | case | history | body MiB | request s | worst probe ms (median of n) | range | n |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| code | case | history | body MiB | request s | worst probe ms (median of n) | range | n "
+              "| peak RSS MB: proxy (its children) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             extra = f" (probe median {r['median_probe_ms']:.1f} ms)" if "median_probe_ms" in r else ""
+            rss = f"{r['peak_mb']:.0f} ({r['child_peak_mb']:.0f})" if "peak_mb" in r else "-"
             print(f"| {r['code']} | {r['case']}{extra} | {r['shape']} | {r['mb']:.0f} | {r['request_s']:.1f} | "
-                  f"{r['worst_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | {r['n']} |")
+                  f"{r['worst_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | {r['n']} | {rss} |")
 
 
 if __name__ == "__main__":

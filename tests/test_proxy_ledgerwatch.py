@@ -311,7 +311,7 @@ async def test_a_conversations_ttl_is_renewed_at_most_once_a_day(proxy, monkeypa
 async def test_a_large_requests_prompt_shape_is_read_off_the_event_loop(proxy, monkeypatch):
     """Issue 20: a continuation of a million-odd tiny messages had its prompt shape (a digest per
     message, in Python) read in the response hook, on the event loop: 10-20 s during which no
-    other client was served. From 1 MiB it is read in the body reader's process; the turn is
+    other client was served. From 256 KiB it is read in the body reader's process; the turn is
     recorded and compared as before."""
     calls = []
     real = ledgerwatch.promptshape.shape

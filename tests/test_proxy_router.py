@@ -565,7 +565,7 @@ def test_apply_stores_a_new_body_as_req_content_does(fields, moved):
 async def test_a_large_bodys_facts_are_read_in_the_body_readers_process(proxy, monkeypatch):
     """Issue 20: a continuation of a million-odd tiny messages before its first answer is read
     whole (no bound finds its first answer sooner), in long C calls that hold the GIL: on the
-    event loop or a thread they held every other client ~1 s. From 1 MiB its facts are read in
+    event loop or a thread they held every other client ~1 s. From 256 KiB its facts are read in
     the body reader's process; the request is decided as before. A small body is read here."""
     from sessionpin.proxy import router as router_module
     calls = []

@@ -45,7 +45,7 @@ from .offprocess import BodyProcess
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
-SHAPE_OFF_LOOP_MIN = 1024 * 1024   # bytes: a request's prompt shape is read in the body reader's process from here
+SHAPE_OFF_LOOP_MIN = 256 * 1024   # bytes: a request's prompt shape is read in the body reader's process from here
 
 MAX_WATCHED = 10_000
 MAX_LANES = 2_000

@@ -77,8 +77,8 @@ STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson
                 "application/stream+json")
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 OFF_LOOP_MIN = 256 * 1024  # bytes: a body's lineage is read on a thread from here (a hop costs ~0.1 ms)
-FACTS_OFF_LOOP_MIN = 1024 * 1024   # bytes: a body's facts are read in the body reader's process from here
-                                   # (below, the whole-body decode costs under ~30 ms on the loop)
+FACTS_OFF_LOOP_MIN = 256 * 1024   # bytes: a body's facts are read in the body reader's process from here
+                                 # (a whole-body decode of tiny messages: ~70 ms per MiB on this loaded machine)
 STORE_READS = (route.ReadPin, route.ReadTitle, route.FindConversation, route.FindParent)
 STORE_RETRY_STEP = 0.2     # seconds between reads while riding out a store's blip
 STORE_DOWN_FOR = 10.0      # seconds a store that failed a whole budget is said at once

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one pathological body costs every other client: the worst stall of a probe while it passes.
 
-    .venv/bin/python scripts/bench_lineage_stall.py [--old REV] [--mb 60] [--shapes tiny,huge,deep] [--repeat 1]
+    .venv/bin/python scripts/bench_lineage_stall.py [--old REV] [--mb 60] [--shapes tiny,huge,deep] [--repeat 1] [--lag FILE]
 
 Issue 20 ("no body costs other clients more than ~100 ms"). Through a real mitmdump with the
 router (file store, local TLS servers), for this checkout and (``--old``) an earlier commit:
@@ -19,6 +19,10 @@ router (file store, local TLS servers), for this checkout and (``--old``) an ear
   sent to its answer, plus 0.3 s for what runs after it left), against the probe's worst and
   median latency over 3 s before (``quiet``).
 
+Each case also gives the peak RSS (VmHWM, reset before each send) of the proxy and of its
+children (the body reader's process). ``--lag FILE`` adds ``scripts/lagwatch.py`` to the proxy:
+where its event loop was whenever it was late by more than 100 ms.
+
 The machine is shared and noisy: compare the stalls with the quiet worst of the same run.
 With ``--repeat N`` each case is sent N times (a new session each) and the row shows the
 median of the N worst stalls, and their range.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -40,7 +45,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import e2e.harness  # noqa: E402
 from e2e.harness import Client, FakeServer, Mitmdump, TestCA, toml_config  # noqa: E402
+
+
+class _QuickJSON:
+    """The fake servers' ``json`` (they run in this process, beside the probe and its origin):
+    a body of a MiB or more is not decoded whole — stdlib ``json.loads`` of two million tiny
+    messages holds this process's GIL for seconds, and the probe's stall would be the bench's,
+    not the proxy's. Its model and stream are all the fake needs."""
+
+    dumps = staticmethod(json.dumps)
+
+    @staticmethod
+    def loads(data):
+        head = re.match(rb'\{"model":\s*"([^"]*)"', data) if isinstance(data, (bytes, bytearray)) else None
+        if head is not None and len(data) >= 2**20:
+            return {"model": head.group(1).decode(), "stream": True}
+        return json.loads(data)
+
+
+e2e.harness.json = _QuickJSON   # type: ignore[assignment]
 
 KEY_ENV = "SESSIONPIN_BENCH_KEY"
 UPSTREAM_KEY = "bench-upstream-key-" + uuid.uuid4().hex[:8]
@@ -149,16 +174,32 @@ class Probe:
         return (max(xs), statistics.median(xs), len(xs)) if xs else (float("nan"), float("nan"), 0)
 
 
-def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: list[str], repeat: int) -> list[dict]:
+LAG_SHIM = """
+import importlib.util as _u
+_spec = _u.spec_from_file_location("lagwatch", {path!r})
+_lag = _u.module_from_spec(_spec)
+_spec.loader.exec_module(_lag)
+addons = addons + _lag.addons
+"""
+
+
+def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: list[str], repeat: int,
+             lag: Path | None = None) -> list[dict]:
     origin = FakeServer("origin", ca).start()
     up = FakeServer("up", ca, prefix="/api/anthropic").start()
     origin.keep_bodies = up.keep_bodies = False
     config = toml_config({"anthropic": {"url": origin.url}, "up": {"url": up.url, "key_env": KEY_ENV}},
                          {"claude-code": "up"})
-    mitm = Mitmdump.router(tmp / name, ca, config, env={KEY_ENV: UPSTREAM_KEY})
-    if tree != ROOT:
+    env = {KEY_ENV: UPSTREAM_KEY}
+    if lag is not None:
+        env["SESSIONPIN_LAGWATCH"] = str(lag.with_name(f"{lag.stem}-{name}{lag.suffix}"))
+    mitm = Mitmdump.router(tmp / name, ca, config, env=env)
+    if tree != ROOT or lag is not None:
         shim = tmp / f"{name}-route.py"
-        shim.write_text(SHIM.format(root=str(tree)))
+        text = SHIM.format(root=str(tree))
+        if lag is not None:      # where the event loop is when it is late (scripts/lagwatch.py)
+            text += LAG_SHIM.format(path=str(ROOT / "scripts" / "lagwatch.py"))
+        shim.write_text(text)
         mitm.script = shim
     rows = []
     try:
@@ -216,6 +257,8 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=60.0, help="the body's size in MiB (the limit is 64)")
     ap.add_argument("--shapes", default="tiny,huge,deep")
     ap.add_argument("--repeat", type=int, default=1, help="sends per case (the median worst stall is shown)")
+    ap.add_argument("--lag", type=Path, help="write where the proxy's event loop was when late to FILE-<code>.txt "
+                                             "(scripts/lagwatch.py)")
     args = ap.parse_args()
     size = int(args.mb * 2**20)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -231,7 +274,7 @@ def main() -> None:
         ca = TestCA(tmp / "ca")
         rows = []
         for name, tree in trees:
-            rows += run_tree(name, tree, tmp, ca, size, shapes, args.repeat)
+            rows += run_tree(name, tree, tmp, ca, size, shapes, args.repeat, args.lag.resolve() if args.lag else None)
         print("\n| code | case | history | body MiB | request s | worst probe ms (median of n) | range | n "
               "| peak RSS MB: proxy (its children) |")
         print("|---|---|---|---|---|---|---|---|---|")

@@ -157,16 +157,20 @@ def _role_of(raw: bytes) -> str | None:
         return None
 
 
-def shape(body: bytes | None, api: str, content_encoding: str = "", seen: Seen | None = None) -> Shape | None:
-    """``seen``: digests of messages already worked out, kept by the caller between requests
+def shape(body: bytes | None, api: str, content_encoding: str = "", seen: Seen | None = None,
+          max_items: int | None = None) -> Shape | None:
+    """The request's shape; None when it cannot be read, or has more than ``max_items``
+    messages (said before any is digested: a digest per message is the costly part).
+    ``seen``: digests of messages already worked out, kept by the caller between requests
     (the same shape, faster: see ``_message_digest``)."""
     try:
-        return _shape(body, api, content_encoding, seen)
+        return _shape(body, api, content_encoding, seen, max_items)
     except Exception:
         return None
 
 
-def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | None) -> Shape | None:
+def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | None = None,
+           max_items: int | None = None) -> Shape | None:
     if not body or api not in (facts.ANTHROPIC_MESSAGES, facts.OPENAI_CHAT, facts.OPENAI_RESPONSES):
         return None
     if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
@@ -197,6 +201,8 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
             lead += 1
         system += items[:lead]
         items = items[lead:]
+    if max_items is not None and len(items) > max_items:
+        return None
     tools, tools_len = _digest(bytes(b.tools)) if len(b.tools) and bytes(b.tools) != b"null" else ("", 0)
     sys_d, sys_len = _digest(b"\x00".join(system)) if system else ("", 0)
     digests, lengths = [], []

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from sessionpin import facts as F
+from sessionpin import promptshape
 from sessionpin.promptshape import Difference, compare, shape
 
 TRAFFIC = Path(__file__).parent / "fixtures" / "traffic"
@@ -129,3 +130,12 @@ def test_the_digests_kept_are_bounded(monkeypatch):
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": f"m{i}"} for i in range(40)]}).encode()
     assert shape(body, F.ANTHROPIC_MESSAGES, seen=seen) == shape(body, F.ANTHROPIC_MESSAGES)
     assert len(seen) <= 10
+
+def test_a_history_past_max_items_has_no_shape_and_is_not_digested(monkeypatch):
+    """Issue 20: the body reader asks for no shape past 50,000 messages (a digest each, in Python)."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 5}).encode()
+    digested = []
+    real = promptshape._digest
+    monkeypatch.setattr(promptshape, "_digest", lambda *a, **k: digested.append(1) or real(*a, **k))
+    assert promptshape.shape(body, F.ANTHROPIC_MESSAGES, max_items=4) is None and digested == []
+    assert len(promptshape.shape(body, F.ANTHROPIC_MESSAGES, max_items=5).messages) == 5

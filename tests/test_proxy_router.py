@@ -598,3 +598,27 @@ def test_apply_stores_a_new_body_as_req_content_does(fields, moved):
     theirs.content = body
     assert ours.headers.fields == theirs.headers.fields
     assert ours.raw_content == theirs.raw_content and ours.content == body
+
+
+async def test_a_large_bodys_facts_are_read_in_the_body_readers_process(proxy, monkeypatch):
+    """Issue 20: a continuation of a million-odd tiny messages before its first answer is read
+    whole (no bound finds its first answer sooner), in long C calls that hold the GIL: on the
+    event loop or a thread they held every other client ~1 s. From 256 KiB its facts are read in
+    the body reader's process; the request is decided as before. A small body is read here."""
+    from sessionpin.proxy import router as router_module
+    calls = []
+    real = router_module.F.read
+    monkeypatch.setattr(router_module.F, "read", lambda *a, **k: calls.append(len(a[3] or b"")) or real(*a, **k))
+    one = b'{"role":"user","content":"x"},'
+    big = body("continuation").replace(b'"messages": [', b'"messages": [' + one * 40_000, 1)
+    assert len(big) >= 1024 * 1024
+    f = flow("continuation", content=big)
+    await put(proxy, "glm")
+    await proxy.send(f)
+    assert f.metadata["sessionpin"]["rule"] == "pinned" and f.request.host == "api.z.ai"
+    assert f.request.content == big.replace(b'"claude-opus-4-1"', b'"glm-4.6"')   # renamed by the span found there
+    assert calls == []
+    small = flow("continuation")
+    size = len(small.request.raw_content)
+    await proxy.send(small)
+    assert calls == [size]

@@ -75,6 +75,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
     participants = [LedgerMetrics(ledger), *participants, allocations]
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
     router = Router(config, runtime, connect, metrics, participants, env, allocations, decisions)
+    ledger.bodies = router.bodies     # one body reader process: the router's facts, the ledger's shapes
     router.lineage = watch = LineageWatch(runtime)
     metrics.lineage = watch.counts
     runtime.config_path = lambda: str(config.path) if config.path else None

@@ -6,8 +6,10 @@ Rules it keeps (``sessionpin.ledger`` holds the rules of the figures, docs/ledge
   answer as it passes (the reader is chained after any stream callable already set, every
   chunk returned unchanged and undelayed), a buffered one from its body once complete, and
   Codex's socket from each server message (one turn per ``response.completed``).
-- After the answer, the request's prompt shape is read (``promptshape.shape``, digests only)
-  and the turn is assessed against the previous turn of its lane: this proxy's memory first,
+- After the answer, the request's prompt shape is read (``promptshape.shape``, digests only;
+  from ``SHAPE_OFF_LOOP_MIN`` in the router's body reader process, ``offprocess.BodyProcess``:
+  a digest per message of a two-million-message history held every other client for
+  seconds; past ``bodyreader.MAX_SHAPE_ITEMS`` messages there is no shape) and the turn is assessed against the previous turn of its lane: this proxy's memory first,
   else the lane's last turn in the store (another proxy's, or before a restart).
 - The flow's comment gains the turn's tokens and cache read (``… | in 12.3k out 420 cache 97%``,
   and the miss's reason; a socket's comment, its latest turn's); the metadata gains ``ledger``.
@@ -39,9 +41,11 @@ from ..usage import APIS, FIELDS, Read, UsageReader
 from .exposition import family, joined
 from .otelspans import KINDS as OTEL_KINDS
 from .otelspans import Spans
+from .offprocess import BodyProcess
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
+SHAPE_OFF_LOOP_MIN = 256 * 1024   # bytes: a request's prompt shape is read in the body reader's process from here
 
 MAX_WATCHED = 10_000
 MAX_LANES = 2_000
@@ -109,6 +113,7 @@ class LedgerWatch:
         self._digests: promptshape.Seen = {}   # message digests already worked out (bounded)
         self.spans: Spans | None = None      # OpenTelemetry, when sessionpin_otel names an exporter
         self._otel = ""
+        self.bodies: BodyProcess | None = None   # the router's body reader (make_addons): a large prompt's shape
 
     # ---- options ----------------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -157,27 +162,42 @@ class LedgerWatch:
         except Exception:
             log.exception("sessionpin: ledger: cannot watch a response")
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    def response(self, flow: http.HTTPFlow):
+        """Sync for every answer but one whose request is large: its shape is read in the body
+        reader's process and the hook returns that awaitable (mitmproxy awaits it)."""
         w = self._watched.pop(flow.id, None)
         if w is None or w.reader is None:
             self._request_span(flow, None)
-            return
+            return None
         try:
             resp = flow.response
             if resp is not None and not resp.stream and resp.raw_content:
                 w.reader.whole = False
                 w.reader.body(resp.raw_content)
             read = w.reader.result()
+            ended = time.time()                                   # the answer just ended
             req = flow.request
-            shape = promptshape.shape(req.raw_content, w.api, req.headers.get("content-encoding", ""),
-                                      self._digests) \
-                if read.usage is not None else None
-            self._turn(flow, w, read, shape, time.time())        # the answer just ended
+            raw, encoding = req.raw_content, req.headers.get("content-encoding", "")
+            if read.usage is not None and raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
+                return self._large(flow, w, read, ended, raw, encoding)      # never on the event loop
+            shape = promptshape.shape(raw, w.api, encoding, self._digests) if read.usage is not None else None
+            self._turn(flow, w, read, shape, ended)
         except Exception:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
         self._request_span(flow, None)          # (nothing when it gave a turn: that has its span)
+        return None
 
-    def error(self, flow: http.HTTPFlow) -> None:
+    async def _large(self, flow: http.HTTPFlow, w: _Watched, read: Read, ended: float, raw: bytes,
+                     encoding: str, cut: bool = False) -> None:
+        try:
+            assert self.bodies is not None
+            shape = await self.bodies.shape(raw, w.api, encoding)
+            self._turn(flow, w, read, shape, ended, cut=cut)
+        except Exception:
+            log.exception("sessionpin: ledger: cannot read an answer's usage")
+        self._request_span(flow, flow.error.msg if cut and flow.error else None)
+
+    def error(self, flow: http.HTTPFlow):
         # An answer cut short (the client went away, the connection broke) was still billed for
         # what the server had reported by then (Anthropic states a turn's input and cache use
         # in its first event): recorded as such, marked cut. Nothing reported: no turn.
@@ -186,13 +206,15 @@ class LedgerWatch:
             try:
                 read = w.reader.result()
                 if read.usage is not None:
-                    req = flow.request
-                    shape = promptshape.shape(req.raw_content, w.api, req.headers.get("content-encoding", ""),
-                                              self._digests)
-                    self._turn(flow, w, read, shape, time.time(), cut=True)
+                    raw, encoding = flow.request.raw_content, flow.request.headers.get("content-encoding", "")
+                    if raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
+                        return self._large(flow, w, read, time.time(), raw, encoding, cut=True)
+                    self._turn(flow, w, read, promptshape.shape(raw, w.api, encoding, self._digests), time.time(),
+                               cut=True)
             except Exception:
                 log.exception("sessionpin: ledger: cannot read a cut answer's usage")
         self._request_span(flow, flow.error.msg if flow.error else "error")
+        return None
 
     def _request_span(self, flow: http.HTTPFlow, error: str | None) -> None:
         """The span of a decided request that gave no turn (OpenTelemetry on only)."""

@@ -16,6 +16,9 @@ this module keeps, about performing and showing:
 - A large body's lineage (its links and its history's root, when a rule needs them) is read
   on a thread of the router's own (``offloop.OffLoop``), bounded per request by the reader's
   budget: the request waits for it, every other client's bytes do not.
+- A large body's facts (from ``FACTS_OFF_LOOP_MIN``) are read in a process of the router's own
+  (``offprocess.BodyProcess``): a whole-body decode is one long C call holding the GIL, so a
+  thread would not spare the event loop. A small body's are read inline (no hop).
 - A store that lost what it held (``StoreGuard``) routes nothing: every request that would
   read or write a pin is refused (503 naming the store and the loss), and nothing is
   written over the loss.
@@ -53,6 +56,7 @@ from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DecisionLog
 from .offloop import OffLoop
+from .offprocess import BodyProcess
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
 from .unrouted import Unrouted
@@ -64,6 +68,8 @@ TITLE_PREFIX = "title:"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson", "application/jsonl",
                 "application/stream+json")
 OFF_LOOP_MIN = 256 * 1024  # bytes: a body's lineage is read on a thread from here (a hop costs ~0.1 ms)
+FACTS_OFF_LOOP_MIN = 256 * 1024   # bytes: a body's facts are read in the body reader's process from here
+                                 # (a whole-body decode of tiny messages: ~70 ms per MiB on this loaded machine)
 STORE_READS = (route.ReadPin, route.ReadTitle, route.FindConversation, route.FindParent)
 STORE_RETRY_STEP = 0.2     # seconds between reads while riding out a store's blip
 STORE_DOWN_FOR = 10.0      # seconds a store that failed a whole budget is said at once
@@ -86,7 +92,8 @@ class Metrics:
 class Router:
     def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
                  participants: list[Any] | None = None, env: Mapping[str, str] | None = None,
-                 allocations: Allocations | None = None, decisions: DecisionLog | None = None) -> None:
+                 allocations: Allocations | None = None, decisions: DecisionLog | None = None,
+                 bodies: BodyProcess | None = None) -> None:
         self.config = config
         self.decisions = decisions if decisions is not None else DecisionLog()   # Defaults sets where lines go
         self.allocations = allocations or Allocations(config, runtime, connect)   # server pools' effects
@@ -97,6 +104,7 @@ class Router:
         self.env = env if env is not None else os.environ
         self.lineage = None          # a LineageWatch, set by make_addons: it records what forks name
         self.reads = OffLoop("lineage-request", workers=2)    # a large body's lineage, off the event loop
+        self.bodies = bodies or BodyProcess()    # a large body's facts, in a process of its own
         self._background: set[asyncio.Task] = set()
         self._store_down: float | None = None   # when a store read last failed a whole budget (monotonic)
 
@@ -109,6 +117,7 @@ class Router:
 
     def done(self) -> None:
         self.reads.close()
+        self.bodies.close()
 
     # ---- the request hook -------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -128,14 +137,12 @@ class Router:
             if not scope.inference and source is not None and req.method == "POST":
                 self.metrics.unrouted.note(source, req.method, req.path)   # said once, never silent
             if scope.inference:
-                facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
-                               req.headers.get("content-encoding"), api=scope.api)
+                facts = await self._facts(req, scope.api)
                 decision = await self._route(flow, facts, source)
             elif websocket.is_upgrade(req):
                 decision = await self._websocket(flow)
             elif any(_wants(p, req) for p in self.participants):
-                facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
-                               req.headers.get("content-encoding"))
+                facts = await self._facts(req, None)
         except Exception as e:
             if facts is None or facts.agent not in F.AGENTS:
                 log.exception("sessionpin: passing %s through after an error", req.pretty_host)
@@ -156,6 +163,15 @@ class Router:
                     if isinstance(refusal, route.Refuse):   # e.g. the OpenCode id pool's store failed
                         self._refuse(flow, facts, refusal)
                         return
+
+    async def _facts(self, req: http.Request, api: str | None) -> F.Facts:
+        """The request's facts: read here for a small body (no hop: most requests are a few KB),
+        in the body reader's process for a large one (never on the event loop, nor on a thread,
+        which would hold the GIL in the same long C calls)."""
+        raw, encoding = req.raw_content, req.headers.get("content-encoding")
+        if raw is not None and len(raw) >= FACTS_OFF_LOOP_MIN:
+            return await self.bodies.facts(req.method, req.url, req.headers.fields, raw, encoding, api)
+        return F.read(req.method, req.url, req.headers.fields, raw, encoding, api=api)
 
     async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:
         cfg = self.config.config

@@ -112,7 +112,8 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
         if pin.server is None:
             return _leave("pinned-not-routed", "pinned: not routed", RENEW)
         if pin.server not in config.servers:
-            return Decision(None, NONE, "pinned-server-gone", f"pinned to {pin.server}, no longer configured", refuse=NO_RETRY_STATUS)
+            return Decision(None, NONE, "pinned-server-gone", f"pinned to {pin.server}, no longer configured",
+                            refuse=NO_RETRY_STATUS)
         return Decision(pin.server, RENEW, "pinned", "pin")
     # 7. a fork or resume of a conversation the router knows follows its parent
     if parent is not None and parent.agent == facts.agent and facts.has_history:

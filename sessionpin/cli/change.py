@@ -286,7 +286,8 @@ def cmd_servers_remove(ctx: Ctx, args: argparse.Namespace) -> int:
             err(f"{plural(len(pinned), 'running conversation')} {'is' if len(pinned) == 1 else 'are'} pinned to "
                 f"{name} ({detail}; {active} active in the last hour).")
             err(f"Once {name} is removed the proxy refuses their requests with 424 (an error no agent retries), "
-                f"naming {name}, until each is moved (`sessionpin move SESSION SERVER`) or forgotten (`sessionpin forget SESSION`). "
+                f"naming {name}, until each is moved (`sessionpin move SESSION SERVER`) or forgotten "
+                f"(`sessionpin forget SESSION`). "
                 f"They are never moved by themselves. List them: `sessionpin sessions --server {name}`.")
         if came:
             err(f"{plural(len(came), 'running conversation')} began addressed to {name} and "

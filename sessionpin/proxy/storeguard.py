@@ -18,6 +18,12 @@ Rules it keeps:
   per session. When the operator accepts the losses (the identity's
   ``accepted`` time moves on; a restore does not move it), the served pins missing then are forgotten (their conversations are decided
   afresh) and the others are still watched.
+- Evicted: on Redis, the server's count of evicted keys (``evicted_keys`` per ``run_id``,
+  read by the store's ``watch`` every 2 s, and at once on a continuation whose pin is
+  missing) grown since this machine last saw the store whole is a loss like the others:
+  Redis cannot say which keys went, and a pin evicted with its index entry reads as never
+  made. The count is remembered in the memory file, so a proxy started later catches it
+  too; ``accept-loss`` or a restore settles it (``identity.judge_evictions``).
 - The memory file is read and written off the event loop.
 """
 
@@ -227,7 +233,8 @@ class StoreGuard:
     def describe(self) -> dict[str, Any]:
         r = self._remembered
         return {"identity": r.id if r else None, "verdict": self.kind, "lost": self.lost,
-                "remembered_pins": r.pins if r else None, "evicted_keys_seen": r.evicted if r else None, "served_pins": len(self.served),
+                "remembered_pins": r.pins if r else None, "evicted_keys_seen": r.evicted if r else None,
+                "served_pins": len(self.served),
                 "served_bound": self.served.bound, "partial_losses": self.partial,
                 "memory": str(self._memory.path) if self._memory and self._memory.path else None}
 

@@ -90,3 +90,16 @@ async def test_a_shape_is_read_in_the_child_and_none_when_it_fails():
         assert await reader.shape(body, F.ANTHROPIC_MESSAGES, None) is None and reader.failures == 1
     finally:
         reader.close()
+
+
+async def test_a_child_that_answers_garbage_is_replaced_and_the_body_taken_as_unread():
+    reader = BodyProcess()
+    liar = "import sys; sys.stdin.buffer.read(20); sys.stdout.buffer.write(b'\\x00\\x00\\x00\\x03abc'); sys.stdout.flush()"
+    real, reader.command = reader.command, (sys.executable, "-c", liar)
+    try:
+        got = await reader.facts("POST", URL, HEADERS, tiny(2), None, None)
+        assert not got.parsed and "reader process failed (" in got.reason and reader._proc is None
+        reader.command = real
+        assert (await reader.facts("POST", URL, HEADERS, tiny(2), None, None)).parsed
+    finally:
+        reader.close()

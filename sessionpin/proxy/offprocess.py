@@ -25,7 +25,7 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import msgspec
 
@@ -35,8 +35,17 @@ from .. import facts as F
 log = logging.getLogger("sessionpin")
 
 CHUNK = 256 * 1024          # bytes written to the pipe per await
-TIMEOUT = 60.0              # seconds one body may take (64 MiB of tiny messages: ~3 s on a loaded machine)
+TIMEOUT = 60.0              # seconds one body may take (45 MiB of tiny messages: 3-10 s on a loaded 2-core machine)
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+T = TypeVar("T")
+
+
+class _Failed:
+    """Why the child gave no answer."""
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
 
 
 class BodyProcess:
@@ -53,26 +62,28 @@ class BodyProcess:
                     api: str | None) -> F.Facts:
         """The request's facts, read in the child. Never raises but for cancellation."""
         encoding = encoding or ""
-        why = await self._failed(lambda: self._ask(bodyreader.FACTS, method, url, headers, raw, encoding, api), raw)
-        if isinstance(why, str):
-            return _unread(method, url, headers, encoding, api, f"body not read: the reader process failed ({why})")
-        return bodyreader.decode_answer(why)
+        got = await self._read(bodyreader.FACTS, method, url, headers, raw, encoding, api, bodyreader.decode_answer)
+        if isinstance(got, _Failed):
+            return _unread(method, url, headers, encoding, api, f"body not read: the reader process failed ({got.why})")
+        return got
 
     async def shape(self, raw: bytes, api: str, encoding: str | None) -> promptshape.Shape | None:
         """The request's prompt shape (``bodyreader.shape_of``), read in the child; None when it
         failed. Never raises but for cancellation."""
-        got = await self._failed(lambda: self._ask(bodyreader.SHAPE, "", "", (), raw, encoding or "", api), raw)
-        return None if isinstance(got, str) else bodyreader.decode_shape(got)
+        got = await self._read(bodyreader.SHAPE, "", "", (), raw, encoding or "", api, bodyreader.decode_shape)
+        return None if isinstance(got, _Failed) else got
 
-    async def _failed(self, ask, raw: bytes) -> bytes | str:
-        """The child's answer (bytes), or why there is none (str)."""
+    async def _read(self, task: str, method: str, url: str, headers: Any, raw: bytes, encoding: str,
+                    api: str | None, decode: Callable[[bytes], T]) -> T | _Failed:
+        """The child's answer, decoded; or why there is none (the child is then replaced)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             try:
-                answer = await asyncio.wait_for(ask(), self.timeout)
+                answer = await asyncio.wait_for(self._ask(task, method, url, headers, raw, encoding, api), self.timeout)
+                got = decode(answer)        # garbage from the child fails here, in the try
                 self.reads += 1
-                return answer
+                return got
             except asyncio.CancelledError:
                 self._kill()          # the pipe is mid-request: a new child for the next body
                 raise
@@ -81,7 +92,7 @@ class BodyProcess:
                 self._kill()
                 self.failures += 1
                 log.warning("sessionpin: the body reader process did not read a %d-byte body (%s)", len(raw), why)
-                return why
+                return _Failed(why)
 
     async def _ask(self, task: str, method: str, url: str, headers: Any, raw: bytes, encoding: str,
                    api: str | None) -> bytes:

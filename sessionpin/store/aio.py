@@ -16,10 +16,12 @@ Rules it keeps:
   caller's loop, with no hop at all: a pinned turn's pin read is ~10 µs of SQLite, its hop
   to the reader thread and back cost more than that, and the GIL twice. Where it would
   wait (``WouldBlock``) it goes to the reader thread, as every other read does. What a
-  lock cannot say is whether a page is in the OS's cache: a read on the loop that took
-  longer than ``SLOW_READ`` (a page read from the disk, or the GIL held by another
-  thread) sends the reads back to the reader thread for ``COOL_OFF`` — a cold store costs
-  the loop one slow read per ``COOL_OFF``, not one per request.
+  lock cannot say is whether a page is in the OS's cache: a read on the loop that read
+  from the disk (the thread's block reads or major faults went up: ``getrusage``, Linux;
+  elsewhere a read that took longer than ``SLOW_READ``) sends the reads back to the reader
+  thread for ``COOL_OFF`` — a cold store costs the loop one disk read per ``COOL_OFF``,
+  not one per request. (Not wall time on Linux: on a loaded machine a read preempted
+  midway is slow without having waited for anything.)
 - ``Inline`` is the same surface without threads, for the memory store: its calls hold
   a lock for microseconds and touch no file, so a thread hop would cost more than them.
 - ``close`` closes the backend on the writer thread (after the writes queued before it),
@@ -37,8 +39,22 @@ from typing import Any, Callable
 
 from .base import READS, WRITES, SyncStore, WouldBlock
 
-SLOW_READ = 0.002     # seconds: a read on the loop this slow met the disk or another thread (a warm one: ~10 µs)
-COOL_OFF = 10.0       # seconds of reads on the reader thread after a slow one
+SLOW_READ = 0.002     # seconds: without getrusage, a read on the loop this slow met the disk (a warm one: ~10 µs)
+COOL_OFF = 10.0       # seconds of reads on the reader thread after one that met the disk
+
+try:
+    import resource
+    _RUSAGE_THREAD: int | None = resource.RUSAGE_THREAD   # (Linux)
+except (ImportError, AttributeError):
+    _RUSAGE_THREAD = None
+
+
+def _disk_reads() -> int | None:
+    """Reads from the disk this thread has made (blocks read, major page faults); None: unknown."""
+    if _RUSAGE_THREAD is None:
+        return None
+    r = resource.getrusage(_RUSAGE_THREAD)
+    return r.ru_inblock + r.ru_majflt
 
 
 def _answer(answers: dict[asyncio.AbstractEventLoop, list]) -> None:
@@ -141,7 +157,7 @@ class Threaded:
 
     async def _read(self, name: str, *args: Any, **kw: Any) -> Any:
         if name in self._now_reads and not kw and time.monotonic() >= self._now_after:
-            t = time.perf_counter()
+            disk, t = _disk_reads(), time.perf_counter()
             try:
                 result = self.backend.read_now(name, *args)    # type: ignore[attr-defined]
                 self.now_reads += 1
@@ -149,7 +165,7 @@ class Threaded:
             except WouldBlock:
                 self._open_now()
             finally:
-                if time.perf_counter() - t > SLOW_READ:
+                if _disk_reads() != disk if disk is not None else time.perf_counter() - t > SLOW_READ:
                     self.slow_reads += 1
                     self._now_after = time.monotonic() + COOL_OFF
         return await self._call(self._readers, getattr(self.backend, name), *args, **kw)

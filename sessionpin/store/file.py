@@ -12,9 +12,9 @@ API and the readers. Rules it keeps:
   read without a thread hop) through a connection of that thread's that never waits
   (``busy_timeout`` 0): where SQLite would wait (a WAL index being rebuilt after another
   process crashed) it raises ``WouldBlock`` and the caller reads on a thread instead; that
-  connection is opened there too (``open_now``), never on the caller's thread. (A page not in the OS's
-  cache is read from the disk all the same: ``aio.Threaded`` times these reads and goes
-  back to its thread for a while after a slow one.)
+  connection is opened there too (``open_now``), never on the caller's thread. (A page not
+  in the OS's cache is read from the disk all the same: ``aio.Threaded`` sees that in the
+  thread's counts of disk reads and goes back to its own thread for a while.)
 - Durable or raise: a write that cannot be made is rolled back (and its journal line cut)
   and raises ``NotDurable`` (durable) or ``StoreUnavailable``, naming the URL, the path
   and the cause; nothing of it stays anywhere. A read that fails raises

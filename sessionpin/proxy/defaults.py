@@ -86,14 +86,6 @@ DECISIONS = DecisionLog()
 _no_chatter = _NoChatter()
 
 
-def private_umask() -> None:
-    """What the proxy creates from here on is private whatever the umask it was started with
-    (issue 20; ``sessionpin run`` sets it before ``exec``, a hand-started mitmdump gets it when
-    this addon loads)."""
-    old = os.umask(0o077)
-    os.umask(old | 0o077)
-
-
 CA_FILES = "mitmproxy-"     # the confdir's files mitmproxy makes: the CA, its key, dhparam
 
 
@@ -149,7 +141,9 @@ def _private(fd: int, mode: int, name: str) -> bool:
 
 class Defaults:
     def load(self, loader) -> None:
-        private_umask()
+        # (the process's umask is left as it is: ``sessionpin run`` sets a private one before
+        # ``exec``; here it would change every later file of the process, a test run's too, and
+        # what mitmproxy makes before this loads is fixed up below)
         try:
             confdir = ctx.options.confdir
         except (AttributeError, KeyError):   # pragma: no cover - options not there (a bare test)

@@ -85,14 +85,6 @@ def stamp(t: float) -> str:
 _no_chatter = _NoChatter()
 
 
-def private_umask() -> None:
-    """What the proxy creates from here on is private whatever the umask it was started with
-    (issue 20; ``sessionpin run`` sets it before ``exec``, a hand-started mitmdump gets it when
-    this addon loads)."""
-    old = os.umask(0o077)
-    os.umask(old | 0o077)
-
-
 CA_FILES = "mitmproxy-"     # the confdir's files mitmproxy makes: the CA, its key, dhparam
 
 
@@ -151,7 +143,9 @@ class Defaults:
         self.decisions = decisions if decisions is not None else DecisionLog()   # the router writes to it
 
     def load(self, loader) -> None:
-        private_umask()
+        # (the process's umask is left as it is: ``sessionpin run`` sets a private one before
+        # ``exec``; here it would change every later file of the process, a test run's too, and
+        # what mitmproxy makes before this loads is fixed up below)
         try:
             confdir = ctx.options.confdir
         except (AttributeError, KeyError):   # pragma: no cover - options not there (a bare test)

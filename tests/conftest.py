@@ -95,9 +95,9 @@ def _store_memory(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _umask_kept():
-    """The proxy's Defaults make the process umask private when the addon loads (issue 20: a
-    hand-started mitmdump under umask 000); in-process tests load it, and a later test of the
-    same worker must not inherit that: each test starts with the umask the run began with."""
+    """Each test starts with the umask the run began with: a test (or code it loads
+    in-process) that changes the process umask must not change what a later test of the same
+    worker creates (seen once: a test's "untouched" file made 0600 by an earlier umask)."""
     mask = os.umask(0o022)
     os.umask(mask)
     yield

@@ -622,3 +622,28 @@ async def test_a_large_bodys_facts_are_read_in_the_body_readers_process(proxy, m
     size = len(small.request.raw_content)
     await proxy.send(small)
     assert calls == [size]
+
+
+async def test_a_large_body_of_few_objects_is_read_here_and_one_of_many_apart(proxy, monkeypatch):
+    """Issue 22 beside issue 20: what holds the loop is the objects a decode builds, not the
+    bytes. A 1 MB history of long messages (a few thousand objects) is read inline — the trip
+    to the body reader costs more than the read — while a compressed body, one of more than
+    20,000 objects, and any from 8 MiB go to the process."""
+    from sessionpin.proxy import router as router_module
+    from sessionpin.proxy.router import read_apart
+    long = b'{"role":"user","content":"' + b"x" * 4000 + b'"},'
+    few = body("continuation").replace(b'"messages": [', b'"messages": [' + long * 270, 1)
+    assert len(few) >= 1024 * 1024 and not read_apart(few, None) and not read_apart(few, "identity")
+    assert read_apart(few, "gzip")
+    assert read_apart(b'{"a":' + b" " * (8 * 1024 * 1024) + b"1}", None)
+    many = body("continuation").replace(b'"messages": [', b'"messages": [' + b'{"role":"user","content":"x"},' * 20_001, 1)
+    assert read_apart(many, None) and not read_apart(many[:200_000], None)
+    calls = []
+    real = router_module.F.read
+    monkeypatch.setattr(router_module.F, "read", lambda *a, **k: calls.append(len(a[3] or b"")) or real(*a, **k))
+    f = flow("continuation", content=few)
+    await put(proxy, "glm")
+    await proxy.send(f)
+    assert f.metadata["sessionpin"]["rule"] == "pinned" and f.request.host == "api.z.ai"
+    assert f.request.content == few.replace(b'"claude-opus-4-1"', b'"glm-4.6"')
+    assert calls == [len(few)]

@@ -732,3 +732,21 @@ def test_a_damage_verdict_is_one_line() -> None:
     said = sf.verdict(rows)
     assert said is not None and "\n" not in said
     assert said.startswith("*** in database main *** On tree page 2 cell 10") and "fourth" not in said
+
+
+def test_a_set_over_a_string_or_nothing_is_one_statement(tmp_path):
+    """A lineage anchor's or root's SET: one upsert, no read of the row first (fails before:
+    a SELECT, then the upsert); over another type the row goes with its fields."""
+    s = FileStore(tmp_path / "state.db")
+    try:
+        seen: list[str] = []
+        s._w.set_trace_callback(lambda sql: seen.append(sql) if "entries" in sql else None)
+        s.set("a", "1", 60)
+        s.set("a", "2", 60)
+        assert len(seen) == 2 and all(q.startswith("INSERT") for q in seen)
+        s._w.set_trace_callback(None)
+        s.hset("h", "f", "v")
+        assert s.set("h", "s", 5) is True and s.get("h") == "s"
+        assert s._w.execute("SELECT count(*) FROM fields WHERE key = 'h'").fetchone() == (0,)
+    finally:
+        s.close()

@@ -96,6 +96,19 @@ def _string_is(c: Conn, now: float, key: str, expected: str | None) -> bool:
 # == strings ==============================================================================
 
 def op_set(c: Conn, now: float, rec: Rec, key: str, value: str, ttl: float | None, nx: bool) -> bool:
+    if not nx and (ttl is None or ttl > 0):
+        # One statement where the key is absent or a string (live or expired, it is overwritten
+        # all the same), instead of reading the row back first: the lineage watch's anchors
+        # and roots are such SETs. Another type: its row goes (the trigger takes its fields or
+        # members) and the string is made.
+        x = None if ttl is None else now + ttl
+        if c.execute("INSERT INTO entries (key, kind, value, expires_at) VALUES (?, 's', ?, ?) "
+                     "ON CONFLICT (key) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at "
+                     "WHERE kind = 's'", (key, value, x)).rowcount == 0:
+            c.execute("DELETE FROM entries WHERE key = ?", (key,))
+            c.execute("INSERT INTO entries (key, kind, value, expires_at) VALUES (?, 's', ?, ?)", (key, value, x))
+        _note(rec, "put", key, STRING, value, x)
+        return True
     row = live(c, now, key)
     if nx and row is not None:
         return False

@@ -6,9 +6,10 @@ Rules they keep:
 - The writer connection opens the database as ``main`` and ATTACHes the copy as ``copy``.
   Every write changes ``main`` through ``ops``; TEMP triggers note each key, field and
   member it touched (``track``); ``mirror`` puts each of those rows into ``copy`` as it is
-  in ``main`` now, and ``bump`` raises the sequence number in both meta tables: one transaction, one COMMIT (fsync'd in both WALs when
-  durable). In WAL mode that commit is atomic per file, not across them: a crash between
-  the two leaves one file one commit behind, and its ``seq`` says so.
+  in ``main`` now; a durable write's ``bump`` raises the sequence number in both meta
+  tables. One transaction, one COMMIT (fsync'd in both WALs when durable). In WAL mode that
+  commit is atomic per file, not across them: a crash between the two leaves one file one
+  commit behind, and for a durable write its ``seq`` says so.
 - A file is judged on a connection of its own (``judge``): there, whole (``quick_check``,
   or ``integrity_check`` after a call met damage) and its ``seq`` — or why not.
 - A file is rebuilt from a whole one with one ``INSERT … SELECT`` per table, into a new file
@@ -84,36 +85,41 @@ class Identity(NamedTuple):
 # trigger may write a TEMP table; it could not write ``copy``'s, whose names it cannot
 # qualify) note every key, field and member inserted, updated or deleted — also those that
 # ``entries``' own trigger deletes with a key, and an expired key dropped when touched.
-_TRACK = {"entries": ("t_keys", "key", "new.key", "old.key"),
-          "fields": ("t_fields", "key, field", "new.key, new.field", "old.key, old.field"),
-          "zsets": ("t_members", "key, member", "new.key, new.member", "old.key, old.member")}
+# ``touched(t, key, sub)``: t 0 a key (entries), 1 a field (fields), 2 a member (zsets).
+_TRACKED = (("entries", "NULL"), ("fields", "field"), ("zsets", "member"))
 
 
 def track(c: sqlite3.Connection) -> None:
     """Make ``c`` (the writer, with ``copy`` attached) note what each write touches."""
     c.execute("PRAGMA temp_store = MEMORY")
-    for table, (temp, cols, new, old) in _TRACK.items():
-        # no key: the statement that fires a trigger imposes its conflict policy on the
-        # trigger's own INSERT (an upsert's would fail it); a note twice is harmless
-        c.execute(f"CREATE TEMP TABLE IF NOT EXISTS {temp} ({cols})")
-        for event, row in (("INSERT", new), ("UPDATE", new), ("DELETE", old)):
+    # no key on it: the statement that fires a trigger imposes its conflict policy on the
+    # trigger's own INSERT (an upsert's would fail it); a note twice is harmless
+    c.execute("CREATE TEMP TABLE IF NOT EXISTS touched (t INTEGER, key TEXT, sub TEXT)")
+    for t, (table, sub) in enumerate(_TRACKED):
+        for event, row in (("INSERT", "new"), ("UPDATE", "new"), ("DELETE", "old")):
+            col = "NULL" if sub == "NULL" else f"{row}.{sub}"
             c.execute(f"CREATE TEMP TRIGGER IF NOT EXISTS track_{table}_{event.lower()} AFTER {event} "
-                      f"ON main.{table} BEGIN INSERT INTO {temp} VALUES ({row}); END")
+                      f"ON main.{table} BEGIN INSERT INTO touched VALUES ({t}, {row}.key, {col}); END")
 
 
 def mirror(c: sqlite3.Connection) -> None:
     """Put every row the write touched into ``copy`` as it is in ``main`` now (inside the
-    write's transaction), then forget the notes."""
-    c.execute("DELETE FROM copy.entries WHERE key IN (SELECT key FROM temp.t_keys) "
-              "AND key NOT IN (SELECT key FROM main.entries)")          # copy's trigger takes their members
-    c.execute("INSERT INTO copy.entries SELECT * FROM main.entries WHERE key IN (SELECT key FROM temp.t_keys) "
-              "ON CONFLICT (key) DO UPDATE SET kind = excluded.kind, value = excluded.value, "
-              "expires_at = excluded.expires_at")                        # an upsert: it keeps the key's members
-    for table, (temp, cols, _, _) in list(_TRACK.items())[1:]:
-        c.execute(f"DELETE FROM copy.{table} WHERE ({cols}) IN (SELECT {cols} FROM temp.{temp})")
-        c.execute(f"INSERT INTO copy.{table} SELECT * FROM main.{table} WHERE ({cols}) IN (SELECT {cols} FROM temp.{temp})")
-    for temp, *_ in _TRACK.values():
-        c.execute(f"DELETE FROM temp.{temp}")
+    write's transaction), then forget the notes. Only the tables it touched are visited."""
+    kinds = {t for (t,) in c.execute("SELECT DISTINCT t FROM temp.touched")}
+    if 0 in kinds:
+        keys = "(SELECT key FROM temp.touched WHERE t = 0)"
+        c.execute(f"DELETE FROM copy.entries WHERE key IN {keys} "
+                  "AND key NOT IN (SELECT key FROM main.entries)")      # copy's trigger takes their members
+        c.execute(f"INSERT INTO copy.entries SELECT * FROM main.entries WHERE key IN {keys} "
+                  "ON CONFLICT (key) DO UPDATE SET kind = excluded.kind, value = excluded.value, "
+                  "expires_at = excluded.expires_at")                    # an upsert: it keeps the key's members
+    for t, (table, sub) in enumerate(_TRACKED):
+        if t and t in kinds:
+            rows = f"(key, {sub}) IN (SELECT key, sub FROM temp.touched WHERE t = {t})"
+            c.execute(f"DELETE FROM copy.{table} WHERE {rows}")
+            c.execute(f"INSERT INTO copy.{table} SELECT * FROM main.{table} WHERE {rows}")
+    if kinds:
+        c.execute("DELETE FROM temp.touched")
 
 
 def delete_expired(c: sqlite3.Connection, now: float, limit: int = -1) -> int:
@@ -122,7 +128,6 @@ def delete_expired(c: sqlite3.Connection, now: float, limit: int = -1) -> int:
                   "(SELECT key FROM main.entries WHERE expires_at <= ? LIMIT ?)", (now, limit)).rowcount
     if n:
         mirror(c)
-        bump(c)
     return n
 
 
@@ -133,7 +138,15 @@ def set_meta(c: sqlite3.Connection, name: str, value) -> None:
 
 
 def bump(c: sqlite3.Connection) -> None:
-    set_meta(c, "seq", seq(c) + 1)
+    """Raise the sequence number in both (``start`` made the rows)."""
+    c.execute("UPDATE main.meta SET value = value + 1 WHERE name = 'seq'")
+    c.execute("UPDATE copy.meta SET value = (SELECT value FROM main.meta WHERE name = 'seq') WHERE name = 'seq'")
+
+
+def start(c: sqlite3.Connection) -> None:
+    """The sequence rows, where a file has none yet (new, or of the previous release)."""
+    for schema in SCHEMAS:
+        c.execute(f"INSERT INTO {schema}.meta (name, value) VALUES ('seq', 0) ON CONFLICT (name) DO NOTHING")
 
 
 def seq(c: sqlite3.Connection, schema: str = "main") -> int:

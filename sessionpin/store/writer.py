@@ -265,7 +265,8 @@ class Writer:
                 why = str(exc)
             if why is not None:
                 raise sf.Unreadable(why)
-            sf.txn(conn, lambda c: copies.delete_expired(c, self.clock()), durable=False, patience=self.busy_timeout)
+            sf.txn(conn, lambda c: (copies.start(c), copies.delete_expired(c, self.clock())), durable=False,
+                   patience=self.busy_timeout)
             self.repairs = _history(conn)
         except BaseException:
             conn.close()
@@ -302,7 +303,7 @@ class Writer:
                 if durable:
                     self.lock.acquire(self.busy_timeout)
                 try:
-                    result = sf.txn(self.w, lambda c: _both(c, op, now, args), durable=durable,
+                    result = sf.txn(self.w, lambda c: _both(c, op, now, args, durable), durable=durable,
                                     before_commit=self.check_identity, schemas=copies.SCHEMAS,
                                     patience=self.busy_timeout)
                 finally:
@@ -522,10 +523,14 @@ class Writer:
             self.lock.close()
 
 
-def _both(c: sqlite3.Connection, op: Callable, now: float, args: tuple):
+def _both(c: sqlite3.Connection, op: Callable, now: float, args: tuple, durable: bool):
+    """One write to both copies. Only a durable one raises the sequence (a row in a page of
+    its own: one more page per file and write), so a torn durable commit is always seen at
+    open; an ordinary one torn between the two files stays unseen (nothing promised it)."""
     result = op(c, now, *args)
     copies.mirror(c)
-    copies.bump(c)
+    if durable:
+        copies.bump(c)
     return result
 
 

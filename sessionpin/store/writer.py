@@ -174,10 +174,10 @@ class Writer:
             done = self._make_whole(unreadable or {})
             self.drop_writer()                      # only now: for a deleted file it was the only copy
             self._connect(check=False)
+            if self.pending:                        # under the lock: another process judging both
+                self.remember()                     # must not see this commit in one file only
         finally:
             self.lock.release()
-        if self.pending:
-            self.remember()
         return "; ".join(done) or "reopened it"
 
     def _make_whole(self, unreadable: dict) -> list[str]:
@@ -436,7 +436,14 @@ class Writer:
             self.last_repair = {"why": why, "action": action, "at": time.time()}
             log.warning("store %s repaired: %s (%s); reads and writes go on", self.url, action, why)
             self.pending.append(f"{why} while it was open; {action}")
-            self.remember()
+            try:
+                self.lock.acquire(self.lock_wait)   # (as in recover)
+            except OSError:
+                return                              # recorded with the next repair
+            try:
+                self.remember()
+            finally:
+                self.lock.release()
 
     def remember(self) -> None:
         """Add the pending repairs to the history kept in both files (doctor shows it)."""

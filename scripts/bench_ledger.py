@@ -4,7 +4,8 @@ usage: python scripts/bench_ledger.py [--repeat N] [--sizes 10k,1m,8m]
 
 For each size, the Claude-Code-shaped body of scripts/bench_classify.py, best of N (ms):
 - ``facts.read`` (the baseline: what the router already pays per request, on its path);
-- ``promptshape.shape`` (the ledger's read of the request, after its answer);
+- ``promptshape.shape`` (the ledger's read of the request, after its answer), cold, and as the
+  proxy runs it: with the digests of the previous request's messages kept (``seen``);
 - ``ledger.assess`` against the previous turn's shape, and the store writes it makes;
 and a streamed answer of about the same size (scripts/bench_lineage.py's, with usage in
 ``message_start`` and ``message_delta``) in 16 KiB chunks: ``usage.UsageReader`` against the
@@ -42,7 +43,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sizes", default="10k,1m,8m")
     args = ap.parse_args(argv)
     print(f"python {sys.version.split()[0]}; best of N, ms; ratio = x / facts.read of the same body")
-    print(f"{'size':>5} {'bytes':>9} {'facts.read':>10} {'shape':>16} {'assess+writes':>16}")
+    print(f"{'size':>5} {'bytes':>9} {'facts.read':>10} {'shape':>16} {'shape, seen':>16} {'assess+writes':>16}")
     for name in args.sizes.split(","):
         data = claude_code_body(SIZES[name])
         repeat = args.repeat or {"10k": 2000, "1m": 30, "8m": 6}[name]
@@ -60,8 +61,17 @@ def main(argv: list[str]) -> int:
             return ledger.writes("s", "claude-code", t, ledger.prior_of(t, cur, prior))
         base = best(lambda: facts.read("POST", URL, HEADERS, data), repeat)
         shape = best(lambda: promptshape.shape(data, API), repeat)
+        seen: promptshape.Seen = {}
+        promptshape.shape(json.dumps(prev_body).encode(), API, seen=seen)     # the previous turn
+
+        def warm():
+            kept = dict(seen)           # each timing meets the previous turn's digests only
+            return promptshape.shape(data, API, seen=kept)
+        assert warm() == cur
+        kept_shape = best(warm, repeat) - best(lambda: dict(seen), repeat)
         judged = best(assess, repeat)
         print(f"{name:>5} {len(data):>9} {base * 1e3:>10.3f} {shape * 1e3:>8.3f} ({shape / base:>5.2f}) "
+              f"{kept_shape * 1e3:>8.3f} ({kept_shape / base:>5.2f}) "
               f"{judged * 1e3:>8.3f} ({judged / base:>5.3f})")
     print()
     print(f"{'answer':>7} {'bytes':>9} {'find walk':>10} {'UsageReader':>20} {'StreamReader':>20}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one pathological body costs every other client: the worst stall of a probe while it passes.
 
-    .venv/bin/python scripts/bench_lineage_stall.py [--old REV] [--mb 60] [--shapes tiny,huge,deep] [--repeat 1]
+    .venv/bin/python scripts/bench_lineage_stall.py [--old REV] [--mb 60] [--shapes tiny,huge,deep] [--repeat 1] [--lag FILE]
 
 Issue 20 ("no body costs other clients more than ~100 ms"). Through a real mitmdump with the
 router (file store, local TLS servers), for this checkout and (``--old``) an earlier commit:
@@ -19,6 +19,10 @@ router (file store, local TLS servers), for this checkout and (``--old``) an ear
   sent to its answer, plus 0.3 s for what runs after it left), against the probe's worst and
   median latency over 3 s before (``quiet``).
 
+Each case also gives the peak RSS (VmHWM, reset before each send) of the proxy and of its
+children (the body reader's process). ``--lag FILE`` adds ``scripts/lagwatch.py`` to the proxy:
+where its event loop was whenever it was late by more than 100 ms.
+
 The machine is shared and noisy: compare the stalls with the quiet worst of the same run.
 With ``--repeat N`` each case is sent N times (a new session each) and the row shows the
 median of the N worst stalls, and their range.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -40,7 +45,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import e2e.harness  # noqa: E402
 from e2e.harness import Client, FakeServer, Mitmdump, TestCA, toml_config  # noqa: E402
+
+
+class _QuickJSON:
+    """The fake servers' ``json`` (they run in this process, beside the probe and its origin):
+    a body of a MiB or more is not decoded whole — stdlib ``json.loads`` of two million tiny
+    messages holds this process's GIL for seconds, and the probe's stall would be the bench's,
+    not the proxy's. Its model and stream are all the fake needs."""
+
+    dumps = staticmethod(json.dumps)
+
+    @staticmethod
+    def loads(data):
+        head = re.match(rb'\{"model":\s*"([^"]*)"', data) if isinstance(data, (bytes, bytearray)) else None
+        if head is not None and len(data) >= 2**20:
+            return {"model": head.group(1).decode(), "stream": True}
+        return json.loads(data)
+
+
+e2e.harness.json = _QuickJSON   # type: ignore[assignment]
 
 KEY_ENV = "SESSIONPIN_BENCH_KEY"
 UPSTREAM_KEY = "bench-upstream-key-" + uuid.uuid4().hex[:8]
@@ -84,6 +109,36 @@ def headers(session: str) -> list[tuple[str, str]]:
             ("X-Claude-Code-Session-Id", session), ("x-claude-code-request-class", "main")]
 
 
+def family(pid: int) -> list[int]:
+    """The proxy and its children (the body reader's process)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return [pid, *map(int, kids)]
+
+
+def reset_peaks(pid: int) -> None:
+    """Start each process's peak RSS (VmHWM) again from its current RSS (Linux: clear_refs 5)."""
+    for p in family(pid):
+        try:
+            Path(f"/proc/{p}/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def peaks(pid: int) -> tuple[float, float]:
+    """(the proxy's peak RSS, its children's summed) in MB since ``reset_peaks``."""
+    out = []
+    for p in family(pid):
+        try:
+            hwm = next(line for line in Path(f"/proc/{p}/status").read_text().splitlines() if line.startswith("VmHWM"))
+            out.append(int(hwm.split()[1]) / 1024)
+        except (OSError, StopIteration):
+            out.append(0.0)
+    return out[0], sum(out[1:])
+
+
 class Probe:
     """Small GETs back to back through the proxy; (start, latency) of each."""
 
@@ -119,16 +174,32 @@ class Probe:
         return (max(xs), statistics.median(xs), len(xs)) if xs else (float("nan"), float("nan"), 0)
 
 
-def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: list[str], repeat: int) -> list[dict]:
+LAG_SHIM = """
+import importlib.util as _u
+_spec = _u.spec_from_file_location("lagwatch", {path!r})
+_lag = _u.module_from_spec(_spec)
+_spec.loader.exec_module(_lag)
+addons = addons + _lag.addons
+"""
+
+
+def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: list[str], repeat: int,
+             lag: Path | None = None) -> list[dict]:
     origin = FakeServer("origin", ca).start()
     up = FakeServer("up", ca, prefix="/api/anthropic").start()
     origin.keep_bodies = up.keep_bodies = False
     config = toml_config({"anthropic": {"url": origin.url}, "up": {"url": up.url, "key_env": KEY_ENV}},
                          {"claude-code": "up"})
-    mitm = Mitmdump.router(tmp / name, ca, config, env={KEY_ENV: UPSTREAM_KEY})
-    if tree != ROOT:
+    env = {KEY_ENV: UPSTREAM_KEY}
+    if lag is not None:
+        env["SESSIONPIN_LAGWATCH"] = str(lag.with_name(f"{lag.stem}-{name}{lag.suffix}"))
+    mitm = Mitmdump.router(tmp / name, ca, config, env=env)
+    if tree != ROOT or lag is not None:
         shim = tmp / f"{name}-route.py"
-        shim.write_text(SHIM.format(root=str(tree)))
+        text = SHIM.format(root=str(tree))
+        if lag is not None:      # where the event loop is when it is late (scripts/lagwatch.py)
+            text += LAG_SHIM.format(path=str(ROOT / "scripts" / "lagwatch.py"))
+        shim.write_text(text)
         mitm.script = shim
     rows = []
     try:
@@ -147,7 +218,9 @@ def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: li
                 body = pathological(shape, size)
                 for case in ("pinless", "pinned"):
                     worsts, took, statuses = [], [], set()
+                    peak, child_peak = 0.0, 0.0
                     for _ in range(repeat):
+                        reset_peaks(mitm.proc.pid)
                         session = str(uuid.uuid4())
                         if case == "pinned":
                             r = client.request("POST", url, headers(session), opening(session))
@@ -159,13 +232,15 @@ def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: li
                         worsts.append(probe.worst(t0, t1 + AFTER)[0] * 1000)
                         took.append(t1 - t0)
                         statuses.add(r.status)
+                        got = peaks(mitm.proc.pid)
+                        peak, child_peak = max(peak, got[0]), max(child_peak, got[1])
                     rows.append({"code": name, "case": case, "shape": shape, "mb": len(body) / 2**20,
                                  "request_s": statistics.median(took), "status": sorted(statuses),
                                  "worst_ms": statistics.median(worsts), "min_ms": min(worsts), "max_ms": max(worsts),
-                                 "n": repeat})
+                                 "n": repeat, "peak_mb": peak, "child_peak_mb": child_peak})
                     print(f"{name} {case} {shape}: {rows[-1]['worst_ms']:.0f} ms worst probe (median of {repeat}: "
                           f"{min(worsts):.0f}-{max(worsts):.0f}; request {statistics.median(took):.1f} s, "
-                          f"{sorted(statuses)})", flush=True)
+                          f"{sorted(statuses)}; peak RSS {peak:.0f} MB, children {child_peak:.0f} MB)", flush=True)
     except BaseException:
         print(mitm.output[-4000:], file=sys.stderr)
         raise
@@ -182,6 +257,8 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=60.0, help="the body's size in MiB (the limit is 64)")
     ap.add_argument("--shapes", default="tiny,huge,deep")
     ap.add_argument("--repeat", type=int, default=1, help="sends per case (the median worst stall is shown)")
+    ap.add_argument("--lag", type=Path, help="write where the proxy's event loop was when late to FILE-<code>.txt "
+                                             "(scripts/lagwatch.py)")
     args = ap.parse_args()
     size = int(args.mb * 2**20)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -197,13 +274,15 @@ def main() -> None:
         ca = TestCA(tmp / "ca")
         rows = []
         for name, tree in trees:
-            rows += run_tree(name, tree, tmp, ca, size, shapes, args.repeat)
-        print("\n| code | case | history | body MiB | request s | worst probe ms (median of n) | range | n |")
-        print("|---|---|---|---|---|---|---|---|")
+            rows += run_tree(name, tree, tmp, ca, size, shapes, args.repeat, args.lag.resolve() if args.lag else None)
+        print("\n| code | case | history | body MiB | request s | worst probe ms (median of n) | range | n "
+              "| peak RSS MB: proxy (its children) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             extra = f" (probe median {r['median_probe_ms']:.1f} ms)" if "median_probe_ms" in r else ""
+            rss = f"{r['peak_mb']:.0f} ({r['child_peak_mb']:.0f})" if "peak_mb" in r else "-"
             print(f"| {r['code']} | {r['case']}{extra} | {r['shape']} | {r['mb']:.0f} | {r['request_s']:.1f} | "
-                  f"{r['worst_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | {r['n']} |")
+                  f"{r['worst_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | {r['n']} | {rss} |")
 
 
 if __name__ == "__main__":

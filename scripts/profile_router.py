@@ -132,14 +132,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sessionpin-profile-") as tmp:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
-        bench = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_proxy.py"), "--only", "throughput"],
+        bench = subprocess.Popen([sys.executable, "-u", str(ROOT / "scripts" / "bench_proxy.py"), "--only",
+                                  "throughput"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         deadline = time.monotonic() + 120
         # this venv's mitmdump (other checkouts on this machine may run the same bench)
         mitmdump = re.escape(str(Path(sys.executable).parent / "mitmdump"))
         router = find(mitmdump + r" .*sessionpin-bench-[^/]*/router/confdir", deadline)
         plain = find(mitmdump + r" .*sessionpin-bench-[^/]*/plain/confdir", deadline)
-        time.sleep(6)                     # past start-up and the routing check
+        # past start-up and the routing check: the bench says it routes once both proxies are up
+        # (a fixed wait was not enough on a loaded machine: the profile was of the imports)
+        said = []
+        for line in bench.stdout:        # type: ignore[union-attr]
+            said.append(line)
+            if "routes to the upstream" in line:
+                break
+        time.sleep(1)
         spies = [subprocess.Popen([spy, "record", "-p", str(pid), "-r", str(args.rate), "-d", str(args.seconds),
                                    "--format", "raw", "--nonblocking", "-o", str(out / f"{name}.raw")],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -147,7 +155,7 @@ def main() -> None:
         for s in spies:
             s.wait()
         text, _ = bench.communicate()
-        print(text)
+        print("".join(said) + text)
         print(summarise(out / "router.raw", out / "plain.raw"))
         if args.out is None:
             os.sync()

@@ -71,7 +71,10 @@ it lets the clients meet the loss for 2-4 s (refusals are counted and expected, 
 is a failure), then plays the operator with the load paused: it restores the backup
 (``sessionpin store copy BACKUP URL``) and accepts what is still missing (``sessionpin store
 accept-loss``). Conversations whose pins are still missing then (opened after the backup)
-were given up by the operator: they are counted as **abandoned**, and not continued.
+were given up by the operator: they are counted as **abandoned**, and not continued — also
+those on the server their agent addresses (a lost pin is decided afresh, and the soak's
+conversations of a shape share one history, so the lineage may take one for a fork of
+another).
 
     redis-flushdb              (--store redis) FLUSHDB while the proxies run
     redis-del                  (--store redis) DEL of a third of the pin keys
@@ -79,6 +82,14 @@ were given up by the operator: they are counted as **abandoned**, and not contin
                                keys, then set back (noeviction)
     redis-restart-empty        (--store redis) kill -9 of redis-server, its AOF deleted, restarted empty
     file-emptied-while-stopped (--store file) every proxy stopped, the store's directory deleted, restarted
+
+And the move of the running fleet to another store, in docs/cli.md's order, the load running
+throughout (not paused: openings keep arriving; a misroute or a lost pin fails the run):
+
+    store-copy-under-load      ``store copy FROM TO`` while the proxies serve (a new redis-server, or
+                               a new file store), every proxy stopped (SIGTERM), ``store copy FROM TO``
+                               again, every proxy started on TO; FROM (a redis-server) is then killed,
+                               so nothing can still be read from it
 
 ``--keep`` keeps the temp directory (each proxy's output is written there as ``router<i>.log``;
 it is also kept when the soak fails). ``--json FILE`` writes the summary as JSON.
@@ -116,6 +127,7 @@ sys.path.insert(0, str(ROOT))
 from e2e.harness import Client, FakeServer, Mitmdump, Reply, TestCA, free_port, toml_config  # noqa: E402
 
 from sessionpin import facts, pins  # noqa: E402
+from sessionpin.answers import NO_RETRY_STATUS  # noqa: E402
 from sessionpin.store import open_store  # noqa: E402
 
 RUN = uuid.uuid4().hex[:8]
@@ -133,9 +145,10 @@ CHOICES = {"cc": ("glm", "alt", "anthropic", "kimi"), "codex": ("kimi", "openai"
 OPUS = "claude-opus-4-5-20251101"
 FILE_FAULTS = ("kill9", "delete-db", "delete-wal", "delete-shm", "delete-dir", "damage-pages", "damage-copy",
                "delete-copy", "damage-at-start", "delete-wal+kill9", "delete-db+kill9",
-               "file-emptied-while-stopped")
+               "file-emptied-while-stopped", "store-copy-under-load")
 CONFIG_FAULTS = ("use", "remove-server", "empty-config")
-REDIS_FAULTS = ("kill9", "redis-kill9", "redis-flushdb", "redis-del", "redis-evict", "redis-restart-empty")
+REDIS_FAULTS = ("kill9", "redis-kill9", "redis-flushdb", "redis-del", "redis-evict", "redis-restart-empty",
+                "store-copy-under-load")
 LOSS_FAULTS = ("redis-flushdb", "redis-del", "redis-evict", "redis-restart-empty", "file-emptied-while-stopped")
 SEND_ERRORS = (OSError, http.client.HTTPException, ssl.SSLError)
 GRACE = 2.0          # a fault's window lasts until this long after it settled
@@ -321,6 +334,7 @@ class World:
         self.store_dir = tmp / "store"
         self.db = self.store_dir / "state.db"
         self.redis: RedisProc | None = None
+        self.old_redis: list[RedisProc | None] = []     # those the fleet moved away from
         env = {KEY_ENV[n]: KEYS[n] for n in KEY_ENV}
         # what the proxies and the CLI remember of the store (issue 18): the soak's own, never the user's
         os.environ["SESSIONPIN_STORE_MEMORY"] = str(tmp / "memory")
@@ -359,6 +373,24 @@ class World:
 
     def config(self, current: dict[str, str], drop: str | None = None) -> str:
         return toml_config(self.servers(drop), {AGENT[s]: current[s] for s in ("cc", "codex")})
+
+    def use_store(self, url: str, redis_proc: "RedisProc | None") -> "RedisProc | None":
+        """Every proxy uses ``url`` from its next start (they are stopped); returns the
+        redis-server it replaces, if any."""
+        old = self.redis
+        self.store_url = url
+        if redis_proc is not None:
+            self.redis = redis_proc
+            self.old_redis.append(old)
+        else:
+            self.db = Path(url[len("file:"):])
+            self.store_dir = self.db.parent
+        for m in self.proxies:
+            if self.store_kind == "redis":
+                m.env["SESSIONPIN_STORE"] = url
+            else:
+                m.options["sessionpin_store"] = url
+        return old if redis_proc is not None else None
 
     # proxies
     def start(self, i: int) -> None:
@@ -443,7 +475,8 @@ class Outcome:
     server: str | None   # x-fake-server of a 200
     reason: str | None   # x-sessionpin-refused
     text: str = ""
-    refusal: bool = False  # a 502/503 whose body is an error in the agent's format
+    refusal: bool = False  # a 502/503/424 whose body is an error in the agent's format (424: the
+                           # store lost what it held, only the operator can decide)
     took: float = 0.0
     error: str = ""       # why a cut request was cut
 
@@ -494,7 +527,7 @@ class Load:
             r = self.world.send(i, req, ORIGIN[shape])
             o = Outcome(t, kind, session, i, r.status, r.header("x-fake-server") if r.status == 200 else None,
                         r.header("x-sessionpin-refused"), "" if r.status == 200 else r.text[:300],
-                        refusal=r.status in (502, 503) and is_error_body(r.body), took=time.time() - t)
+                        refusal=r.status in (502, 503, NO_RETRY_STATUS) and is_error_body(r.body), took=time.time() - t)
         except SEND_ERRORS as e:
             o = Outcome(t, kind, session, i, None, None, None, took=time.time() - t,
                         error=f"{type(e).__name__}: {e}"[:120])
@@ -665,6 +698,8 @@ class Faults:
             w.redis.start()
         elif kind in LOSS_FAULTS:
             self.loss(fault)
+        elif kind == "store-copy-under-load":
+            self.move(fault)
         elif kind == "use":
             i = rng.randrange(len(w.proxies))
             shape = rng.choice(("cc", "codex"))
@@ -758,8 +793,10 @@ class Faults:
                 present = asyncio.run(read_pins(w.store_url, sorted(convs)))
                 now = (time.time(), time.monotonic())
                 for session, conv in convs.items():
-                    if present.get(session) is None and conv.server != ORIGIN[conv.shape] \
-                            and session not in load.abandoned:
+                    # whatever server it was on: "decided afresh" includes the lineage, which may
+                    # take it for a fork of another conversation of the same history (this soak's
+                    # conversations of a shape share one prompt), and send it to that one's server
+                    if present.get(session) is None and session not in load.abandoned:
                         load.abandoned[session] = now
                         abandoned += 1
             self.losses.append({"kind": kind, "accepted": len(said.get("accepted") or []),
@@ -768,6 +805,30 @@ class Faults:
         finally:
             if load is not None:
                 load.running.set()
+
+    def move(self, fault: Fault) -> None:
+        """docs/cli.md's order for moving a running fleet to another store, under load."""
+        w, n = self.world, len(self.log)
+        new_redis = None
+        if w.store_kind == "redis":
+            new_redis = RedisProc(w.tmp / f"redis-moved-{n}")
+            new_redis.start()
+            to_url = new_redis.url
+        else:
+            to_url = f"file:{w.tmp / f'store-moved-{n}' / 'state.db'}"
+        first = self.cli("store", "copy", "--json", w.store_url, to_url)     # 1. the bulk, proxies serving
+        if first.returncode != 0:
+            raise RuntimeError(f"first copy failed: {first.stderr.strip()[:300]}")
+        w.kill_all(signal.SIGTERM)                                           # 2. the proxies stopped
+        second = self.cli("store", "copy", "--json", w.store_url, to_url)    # 3. what changed since 1
+        if second.returncode != 0:
+            raise RuntimeError(f"second copy failed: {second.stderr.strip()[:300]}")
+        old_redis = w.use_store(to_url, new_redis)
+        w.start_all()                                                        # 4. the proxies on TO
+        if old_redis is not None:
+            old_redis.kill()                    # nothing may still be read from FROM
+        fault.detail = (f"copied {json.loads(first.stdout)['copied']} keys under load, then "
+                        f"{json.loads(second.stdout)['copied']} with the proxies stopped")
 
     def write_config(self, i: int, text: str, why: str, want_servers: set[str] | None = None,
                      want_agents: dict[str, str] | None = None) -> None:
@@ -926,8 +987,9 @@ def main() -> int:
                 fh.write(m.output)
         for f in world.fakes.values():
             f.stop()
-        if world.redis is not None:
-            world.redis.kill()
+        for r in [world.redis, *world.old_redis]:
+            if r is not None:
+                r.kill()
         if args.keep or failed:
             print(f"kept: {tmp} (router<i>.log: each proxy's output; store/)")
         else:
@@ -1042,7 +1104,8 @@ def summarize(args: argparse.Namespace, seed: int, ran: float, world: World, loa
     print("refused / cut / other per fault kind (answered during its window):")
     for k in sorted(per_fault, key=lambda k: (k == "none", k)):
         print(f"  {k:18s} " + ", ".join(f"{x} {n}" for x, n in sorted(per_fault[k].items())))
-    killing = ("kill9", "damage-at-start", "delete-wal+kill9", "delete-db+kill9", "file-emptied-while-stopped")
+    killing = ("kill9", "damage-at-start", "delete-wal+kill9", "delete-db+kill9", "file-emptied-while-stopped",
+               "store-copy-under-load")
     odd_cuts = [(o.session, o.kind, o.proxy, fault_at(log, o.t + o.took), utc(o.t), f"took {o.took:.1f} s", o.error)
                 for o in outs if o.status is None and fault_at(log, o.t + o.took) not in killing]
     print(f"cut requests outside a kill's window: {len(odd_cuts)}")

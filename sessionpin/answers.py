@@ -9,12 +9,16 @@ Rules it keeps:
 - Retry hints are honest: ``retry_after`` given (the cause is passing within seconds: a
   store busy writing) → ``retry-after`` and ``x-should-retry: true``; otherwise
   ``x-should-retry: false`` (the Anthropic and OpenAI SDKs then do not retry).
-- A refusal no agent may retry for minutes (a pinned server down, a store that cannot be
+- A refusal no agent may retry for minutes (a pinned server down or removed, a store that cannot be
   read, once the proxy rode out a blip itself) is ``NO_RETRY_STATUS``: 424 with
   ``x-should-retry: false`` and no ``retry-after`` — a 4xx none of the four clients retries
   (not 401, 408, 409, 429 nor a 5xx: opencode's AI SDK and Codex go by the status alone),
   and its body's types and words are none their retry rules read as passing
   (docs/traffic.md, "What makes each client retry").
+- Codex is the exception (``no_retry``): its turn loop retries any status it does not know,
+  424 too (five more POSTs over ~7 s), and stops at once at a 400 (its ``InvalidRequest``),
+  showing the body as it came. So Codex's no-retry answer is a 400 whose body is the
+  message as plain text (JSON would be shown raw); its refused WebSocket upgrade is a 426.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ NO_RETRY_STATUS = 424
 # Codex's WebSocket upgrade refused so: 426 makes Codex fall back to HTTPS at once (where the
 # POST gets the 424); any other status cost seven upgrades first (measured, docs/traffic.md).
 NO_RETRY_UPGRADE_STATUS = 426
+
+# Codex's no-retry answer to an HTTPS request: the one status its turn loop does not retry and
+# whose body it shows as it came (codex-rs: a 400 is ``CodexErr::InvalidRequest(body)``, not
+# retryable; any other unexpected status is retried five times). Measured with Codex 0.171:
+# docs/traffic.md.
+CODEX_NO_RETRY_STATUS = 400
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -74,3 +84,17 @@ def refusal(api: str, status: int, kind: str, message: str,
     else:
         headers["x-should-retry"] = "false"
     return json.dumps(body).encode(), headers
+
+
+def no_retry(agent: str, api: str, kind: str, message: str,
+             upgrade: bool = False) -> tuple[int, bytes, dict[str, str]]:
+    """(status, body, headers) of a refusal no client may retry (``NO_RETRY_STATUS``), as the
+    agent shows it at once: a WebSocket upgrade's 426 (Codex goes to HTTPS now); Codex's 400
+    with the message as plain text; everyone else's 424 in its API's error format."""
+    body, headers = refusal(api, NO_RETRY_STATUS, kind, message)
+    if upgrade:
+        return NO_RETRY_UPGRADE_STATUS, body, headers
+    if agent == F.CODEX:
+        headers["content-type"] = "text/plain; charset=utf-8"
+        return CODEX_NO_RETRY_STATUS, calm(message).encode(), headers
+    return NO_RETRY_STATUS, body, headers

@@ -158,6 +158,17 @@ class Config:
                 best = server
         return best or first
 
+    def scope(self, method: str, scheme: str, host: str, port: int,
+              path: str) -> tuple[Server | None, paths.Scope]:
+        """The one rule of what a request is to sessionpin: the configured server it
+        addresses (``server_for``) and ``paths.scope`` of its path under that server's
+        prefix (no server at its origin: the path alone). The router, the body limit and
+        the connect check all ask this, so no routed request escapes a guard: a server
+        written ``…/api/paas/v4`` has its ``/api/paas/v4/chat/completions`` routed *and*
+        bounded."""
+        source = self.server_for(scheme, host, port, path)
+        return source, paths.scope(method, path, source.prefix if source else None)
+
     def addresses_origin(self, scheme: str, host: str, port: int) -> bool:
         """Whether scheme://host:port is the origin of any configured server."""
         return self.server_at(host, port, scheme) is not None

@@ -11,7 +11,8 @@
 1. The session has a pin of the same agent: go to its pinned server ("not routed" =
    leave it alone) and renew the pin — **whatever the config says about the origin the
    request addresses** (a server removed from the config, an emptied config). A pinned
-   server that is no longer configured is refused (503), never moved. A pin of another
+   server that is no longer configured is refused (``answers.NO_RETRY_STATUS``, 424: only
+   the operator can bring it back or move the conversation, so no client may retry it), never moved. A pin of another
    agent is neither followed nor overwritten: the request is left alone.
    Without a pin, a request that addresses no configured server is out of scope.
    - A body that could not be read (``parsed=False``) and has no pin is left alone,
@@ -36,7 +37,7 @@
 7. A conversation never seen begin that forks or resumes a conversation the router knows
    (``parent``: found by the client's explicit links or by the history's lineage,
    ``sessionpin.lineage``) follows its parent's pin: to the parent's server, pinned; "not
-   routed" when the parent is; refused (503) when the parent's server is gone. This is
+   routed" when the parent is; refused (424, as rule 1) when the parent's server is gone. This is
    checked before rules 2-6: a fork's first request is a continuation never seen begin.
 
 So a request with no pin that carries history is always left alone, but for rule 5's
@@ -51,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import facts as F
+from .answers import NO_RETRY_STATUS
 from .config import Config, Server
 from .pins import Pin
 
@@ -110,7 +112,8 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
         if pin.server is None:
             return _leave("pinned-not-routed", "pinned: not routed", RENEW)
         if pin.server not in config.servers:
-            return Decision(None, NONE, "pinned-server-gone", f"pinned to {pin.server}, no longer configured", refuse=503)
+            return Decision(None, NONE, "pinned-server-gone", f"pinned to {pin.server}, no longer configured",
+                            refuse=NO_RETRY_STATUS)
         return Decision(pin.server, RENEW, "pinned", "pin")
     # 7. a fork or resume of a conversation the router knows follows its parent
     if parent is not None and parent.agent == facts.agent and facts.has_history:
@@ -118,7 +121,7 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
             return _leave("fork-not-routed", "fork of a conversation not routed", CREATE)
         if parent.server not in config.servers:
             return Decision(None, NONE, "fork-of-gone", f"fork of a conversation pinned to {parent.server}, "
-                            "no longer configured", refuse=503)
+                            "no longer configured", refuse=NO_RETRY_STATUS)
         return Decision(parent.server, CREATE, "fork", "fork, follows its parent")
     if source is None:
         return _leave("out-of-scope", "no pin, not addressed to a configured server")

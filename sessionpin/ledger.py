@@ -95,6 +95,7 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     miss: bool = False
     reason: str = ""           # one of REASONS ("" a hit)
     detail: str = ""           # e.g. "at message 12", "idle 7 min", "provider: messages_changed"
+    cut: bool = False          # the answer was cut short: its figures are what the server had reported
 
     @property
     def efficiency(self) -> float | None:
@@ -340,6 +341,16 @@ def summary(h: dict[str, str]) -> Summary:
 async def load(store: Store, session: str) -> Summary | None:
     h = await store.hgetall(key(session))
     return summary(h) if h else None
+
+
+async def load_many(store: Store, sessions: list[str], batch: int = 500) -> dict[str, Summary | None]:
+    """``load`` of many conversations, a store call per ``batch`` (the CLI's listings)."""
+    out: dict[str, Summary | None] = {}
+    for i in range(0, len(sessions), batch):
+        chunk = sessions[i:i + batch]
+        for session, h in zip(chunk, await store.hgetall_many([key(s) for s in chunk])):
+            out[session] = summary(h) if h else None
+    return out
 
 
 async def turns(store: Store, session: str, limit: int | None = None) -> list[Turn]:

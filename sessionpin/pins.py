@@ -37,7 +37,7 @@ from typing import AsyncIterator, Sequence
 
 import msgspec
 
-from .store.base import Check, Delete, HSet, Set, Store, Write, ZAdd, ZRem
+from .store.base import Check, Delete, Expire, HIncr, HSet, Set, Store, Write, ZAdd, ZRem
 
 PIN_PREFIX = "pin:"
 SEEN_PREFIX = "seen:"
@@ -49,6 +49,7 @@ NOT_ROUTED = "-"
 DAY = 86_400.0
 PIN_TTL = 30 * DAY
 RENEW_AFTER = DAY
+SEEN_BATCH = 500                # sessions per activity write (one transaction, bounded)
 
 
 class Pin(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -380,11 +381,18 @@ def seen_of(h: dict[str, str]) -> Seen:
 
 async def record_seen(store: Store, activity: Sequence[tuple[str, str, str | None, float, int]]) -> None:
     """Flush activity counted in memory: (session, agent, pinned server, last seen, requests).
-    Non-durable writes, TTL as a pin's."""
-    for session, agent, server, last, requests in activity:
-        k = SEEN_PREFIX + session
-        await store.hincr(k, "requests", requests)
-        if float(await store.hget(k, "last") or 0) < last:
-            await store.hset(k, "last", repr(last))
-        await store.expire(k, PIN_TTL)
-        await store.zadd(active_key(agent, server), session, last)
+    Non-durable writes, TTL as a pin's. One read (each record's last seen: another proxy's
+    may be later, and is kept) and one ``apply`` per ``SEEN_BATCH`` sessions, not a store
+    call per field: a flush every half second of a few hundred sessions was the writer
+    thread's busiest work."""
+    for i in range(0, len(activity), SEEN_BATCH):
+        batch = activity[i:i + SEEN_BATCH]
+        had = await store.hgetall_many([SEEN_PREFIX + a[0] for a in batch])
+        writes: list[Write] = []
+        for (session, agent, server, last, requests), h in zip(batch, had):
+            k = SEEN_PREFIX + session
+            writes.append(HIncr(k, "requests", requests))
+            if seen_of(h).last < last:
+                writes.append(HSet(k, "last", repr(last)))
+            writes += [Expire(k, PIN_TTL), ZAdd(active_key(agent, server), session, last)]
+        await store.apply([], writes)

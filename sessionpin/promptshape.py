@@ -97,6 +97,31 @@ _role = msgspec.json.Decoder(_Role)
 _items = msgspec.json.Decoder(list[Raw])
 
 
+# A message's digest, by its bytes as sent: a conversation's next request repeats every earlier
+# message byte for byte, so with ``seen`` (the caller's, kept between requests) only its new
+# ones (and the one whose cache mark moved) are worked out again — the marker cut and the
+# one-text canonical form cost a decode and an encode per message, hundreds of messages a
+# turn. Keyed by length, CRC-32 and the first and last bytes; bounded (the oldest half
+# dropped when full).
+Seen = dict[tuple[int, int, bytes, bytes], tuple[str, int]]
+SEEN_BOUND = 50_000
+
+
+def _message_digest(raw: bytes | Raw, seen: Seen | None) -> tuple[str, int]:
+    if seen is None:
+        return _digest(bytes(raw), message=True)
+    view = memoryview(raw)            # a Raw is a view of the body: nothing copied for a hit
+    n = len(view)
+    k = (n, zlib.crc32(view), view[:32].tobytes(), view[n - 32:].tobytes() if n > 32 else b"")
+    got = seen.get(k)
+    if got is None:
+        got = seen[k] = _digest(bytes(raw), message=True)
+        if len(seen) > SEEN_BOUND:
+            for old in list(seen)[:SEEN_BOUND // 2]:
+                del seen[old]
+    return got
+
+
 def _digest(raw: bytes, message: bool = False) -> tuple[str, int]:
     clean = _MARKER.sub(b"", raw) if raw.find(b'"cache_control"') != -1 else raw
     if message and _TEXT_FIRST.match(clean) is not None:
@@ -132,14 +157,20 @@ def _role_of(raw: bytes) -> str | None:
         return None
 
 
-def shape(body: bytes | None, api: str, content_encoding: str = "") -> Shape | None:
+def shape(body: bytes | None, api: str, content_encoding: str = "", seen: Seen | None = None,
+          max_items: int | None = None) -> Shape | None:
+    """The request's shape; None when it cannot be read, or has more than ``max_items``
+    messages (said before any is digested: a digest per message is the costly part).
+    ``seen``: digests of messages already worked out, kept by the caller between requests
+    (the same shape, faster: see ``_message_digest``)."""
     try:
-        return _shape(body, api, content_encoding)
+        return _shape(body, api, content_encoding, seen, max_items)
     except Exception:
         return None
 
 
-def _shape(body: bytes | None, api: str, content_encoding: str) -> Shape | None:
+def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | None = None,
+           max_items: int | None = None) -> Shape | None:
     if not body or api not in (facts.ANTHROPIC_MESSAGES, facts.OPENAI_CHAT, facts.OPENAI_RESPONSES):
         return None
     if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
@@ -147,14 +178,14 @@ def _shape(body: bytes | None, api: str, content_encoding: str) -> Shape | None:
         if why:
             return None
     b = _body.decode(body)
-    items: list[bytes] = []
+    items: list = []                # Raw views of the body (or bytes)
     system: list[bytes] = []
     if api == facts.OPENAI_RESPONSES:
         if len(b.instructions) and bytes(b.instructions) != b"null":
             system.append(bytes(b.instructions))
         raw = bytes(b.input)
         if raw.lstrip().startswith(b"["):
-            items = [bytes(r) for r in _items.decode(raw)]
+            items = list(_items.decode(raw))
         elif raw and raw != b"null":
             items = [raw]
     else:
@@ -163,18 +194,20 @@ def _shape(body: bytes | None, api: str, content_encoding: str) -> Shape | None:
             system += [block for block in (bytes(r) for r in _items.decode(raw)) if _BILLING not in block[:200]]
         elif raw and raw != b"null":
             system.append(raw)
-        items = [bytes(r) for r in b.messages or ()]
+        items = list(b.messages or ())
     if api != facts.ANTHROPIC_MESSAGES:
         lead = 0
         while lead < len(items) and _role_of(items[lead]) in _LEADING:
             lead += 1
         system += items[:lead]
         items = items[lead:]
+    if max_items is not None and len(items) > max_items:
+        return None
     tools, tools_len = _digest(bytes(b.tools)) if len(b.tools) and bytes(b.tools) != b"null" else ("", 0)
     sys_d, sys_len = _digest(b"\x00".join(system)) if system else ("", 0)
     digests, lengths = [], []
     for raw in items:
-        d, n = _digest(raw, message=True)
+        d, n = _message_digest(raw, seen)
         digests.append(d)
         lengths.append(n)
     return Shape(model=b.model or "", tools=tools, tools_len=tools_len, system=sys_d, system_len=sys_len,

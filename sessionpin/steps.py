@@ -7,7 +7,9 @@ did it. route.py's docstring pairs each effect with its events.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 from . import facts as F
 from .config import Config, Server
@@ -26,6 +28,12 @@ class Request:
     config: Config
     now: float                   # epoch seconds
     nonce: str = ""              # random, from the shell: a new fingerprint conversation's id
+    scheme: str = "https"        # where the flow was sent: a rewrite to another origin is checked reachable
+    host: str = ""
+    port: int = 0
+    path: str = ""               # path and query, as sent
+    upgrade: bool = False        # a WebSocket upgrade (no body: its messages' models are renamed as they pass)
+    env: Mapping[str, str] = field(default=MappingProxyType({}), repr=False)   # where the servers' keys are
 
 
 # ---- effects ----------------------------------------------------------------------------
@@ -64,6 +72,7 @@ class FindParent:
 @dataclass(frozen=True)
 class Plan:
     target: str
+    body: bool = False           # the decoded body is needed (the target renames the model)
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,14 @@ class CreatePin:
     session: str
     pin: Pin
     seen: Loaded                 # what was read (a garbage value is replaced by compare-and-set)
+
+
+@dataclass(frozen=True)
+class CheckReachable:
+    """Before a request leaves for another origin than it addressed: can ``target`` be reached?"""
+    target: str
+    host: str
+    port: int
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,8 @@ class Refuse:
     kind: str                    # short reason id (metrics, x-sessionpin-refused)
     message: str                 # for the agent's user: what happened and what to do
     retry_after: int | None = None   # seconds; None: retrying will not help
+    api: str | None = None           # the error format, when not the request's own (an ambiguous path)
+    changes: Changes | None = None   # the plan it stopped, shown with the decision (an unreachable server)
 
 
 # ``after`` effects
@@ -142,7 +161,7 @@ class CheckMember:
 
 
 Effect = (ReadPin | ReadTitle | ReadLineage | FindConversation | FindParent | Plan | CreatePin | Allocate
-          | CheckMember | Forward | Leave | Refuse)
+          | CheckMember | CheckReachable | Forward | Leave | Refuse)
 After = RenewPin | RememberTitle | WritePin | RememberOpening
 TERMINAL = (Forward, Leave, Refuse)
 
@@ -228,6 +247,10 @@ class MemberChecked:
     missing: str | None = None       # soft pools: why it cannot take requests ("drained", "unreachable")
 
 
+@dataclass(frozen=True)
+class Reachable:
+    error: str | None = None         # None: reachable; else why not (ConnectCheck's words)
+
+
 Event = (PinRead | TitleRead | LineageRead | ConversationFound | ParentFound | StoreFailed | StoreLost | Planned
-         | PinCreated
-         | PinLost | NotSaved | Allocated | NotAllocated | MemberChecked)
+         | PinCreated | PinLost | NotSaved | Allocated | NotAllocated | MemberChecked | Reachable)

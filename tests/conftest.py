@@ -21,6 +21,7 @@ test run's own, never the user's config dir (``_store_memory`` below).
 from __future__ import annotations
 
 import fnmatch
+import os
 
 import pytest
 
@@ -90,3 +91,14 @@ def _store_memory(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SESSIONPIN_STORE_MEMORY", str(tmp_path_factory.mktemp("store-memory")))
         yield
+
+
+@pytest.fixture(autouse=True)
+def _umask_kept():
+    """The proxy's Defaults make the process umask private when the addon loads (issue 20: a
+    hand-started mitmdump under umask 000); in-process tests load it, and a later test of the
+    same worker must not inherit that: each test starts with the umask the run began with."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    yield
+    os.umask(mask)

@@ -281,3 +281,21 @@ def shift_ttls(client, prefix: str, seconds: float) -> None:
         keys = list(client.scan_iter(match=prefix.replace("[", "\\[") + "*", count=1000))
     if keys:
         client.eval(SHIFT, len(keys), *keys, round(seconds * 1000))
+
+
+def evict(server, at_least: int = 3) -> int:
+    """Memory pressure until Redis evicted ``at_least`` keys: under ``volatile-random`` only
+    keys with a TTL go (the fillers made here), so what the store holds stays whole — Redis
+    cannot say so, and neither can sessionpin. Returns how many it evicted."""
+    r = server.client()
+    before = int(r.info("stats")["evicted_keys"])
+    r.config_set("maxmemory-policy", "volatile-random")
+    r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) + 256 * 1024))
+    n = 0
+    while int(r.info("stats")["evicted_keys"]) - before < at_least:
+        r.set(f"filler:{n}", "x" * 8192, ex=600)
+        n += 1
+        assert n < 10_000, "Redis evicted nothing"
+    r.config_set("maxmemory", "0")
+    r.config_set("maxmemory-policy", "noeviction")
+    return int(r.info("stats")["evicted_keys"]) - before

@@ -37,3 +37,22 @@ def test_other_answers_keep_their_words_and_hints():
     body, headers = answers.refusal(F.OPENAI_CHAT, 503, "store", "Connection refused", retry_after=1)
     assert headers["retry-after"] == "1" and headers["x-should-retry"] == "true"
     assert json.loads(body)["error"]["message"] == "Connection refused"
+
+
+def test_the_no_retry_answer_as_each_agent_shows_it_at_once():
+    """Codex retries a 424 five times and stops at a 400, showing its body as it came (plain
+    text, not JSON); a refused upgrade is a 426 (Codex goes to HTTPS at once); every other
+    agent gets the 424 in its API's format."""
+    message = "sessionpin: server alt (127.0.0.1:9) cannot be reached: connection refused"
+    status, body, headers = answers.no_retry(F.CODEX, F.OPENAI_RESPONSES, "unreachable", message)
+    assert status == answers.CODEX_NO_RETRY_STATUS == 400
+    assert headers["content-type"].startswith("text/plain") and headers["x-should-retry"] == "false"
+    assert "retry-after" not in headers and headers["x-sessionpin-refused"] == "unreachable"
+    assert body.decode() == "sessionpin: server alt (127.0.0.1:9) cannot be reached: refused to connect"
+    status, body, headers = answers.no_retry(F.CODEX, F.OPENAI_RESPONSES, "unreachable", message, upgrade=True)
+    assert status == answers.NO_RETRY_UPGRADE_STATUS and json.loads(body)["error"]["code"] == "unreachable"
+    for agent, api in ((F.CLAUDE_CODE, F.ANTHROPIC_MESSAGES), (F.OPENCODE, F.OPENAI_CHAT), (F.PI, F.OPENAI_RESPONSES),
+                       (F.UNKNOWN_AGENT, F.OPENAI_RESPONSES)):
+        status, body, headers = answers.no_retry(agent, api, "unreachable", message)
+        assert status == answers.NO_RETRY_STATUS and headers["content-type"] == "application/json"
+        assert "refused to connect" in body.decode()

@@ -414,11 +414,11 @@ def test_servers_remove_warns_and_needs_force(env, capsys):
     code, o, e = run(capsys, "servers", "remove", "glm")
     assert code == 1 and o == ""
     assert "1 running conversation is pinned to glm (1 opencode; 1 active in the last hour)." in e
-    assert "refuses their requests with 503" in e
+    assert "refuses their requests with 424" in e
     assert e.splitlines()[-1] == "sessionpin: glm not removed: run again with --force to remove it anyway"
     assert "glm" in config.load(env.cfg).servers
     code, o, _ = run(capsys, "servers", "remove", "glm", "--force")
-    assert code == 0 and "1 conversation pinned to glm now get 503" in o
+    assert code == 0 and "1 conversation pinned to glm now get 424" in o
     cfg = config.load(env.cfg)
     assert list(cfg.servers) == ["anthropic"]
     text = env.cfg.read_text()

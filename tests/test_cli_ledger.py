@@ -108,3 +108,33 @@ def test_no_ledger_no_columns(env, capsys):  # noqa: F811
     code, o, _ = run(capsys, "costs")
     assert code == 0 and o.startswith("no turns recorded")
     assert cli.main(["show", "x"]) == 1
+
+
+def test_streamed_json_rows_carry_their_ledgers_read_a_batch_at_a_time(env, capsys, monkeypatch):  # noqa: F811
+    from sessionpin.cli import look
+    put(env.url)
+    monkeypatch.setattr(look, "SORTED_UP_TO", 1)          # two pins: the rows stream
+    calls = []
+    load_many = ledger.load_many
+
+    async def counted(store, sessions, batch=500):
+        calls.append(len(sessions))
+        return await load_many(store, sessions, batch)
+    monkeypatch.setattr(ledger, "load_many", counted)
+    code, o, _ = run(capsys, "sessions", "--json")
+    rows = {r["session"]: r for r in json.loads(o)}
+    assert code == 0 and rows[A]["ledger"]["turns"] == 3 and rows[B]["ledger"]["turns"] == 1
+    assert sum(calls) == 2 and len(calls) <= 2            # one call per batch of rows, not one per row
+
+
+def test_load_many_is_load_of_each(env):  # noqa: F811
+    put(env.url)
+
+    async def go():
+        store = open_store(env.url)
+        try:
+            many = await ledger.load_many(store, [A, B, "nope"], batch=2)
+            assert many == {A: await ledger.load(store, A), B: await ledger.load(store, B), "nope": None}
+        finally:
+            await store.close()
+    asyncio.run(go())

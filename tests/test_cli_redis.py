@@ -200,3 +200,32 @@ def test_run_hands_a_password_to_mitmdump_in_its_environment_only(env, server, c
     words = shlex.split(o)
     assert code == 0 and words[0] == "SESSIONPIN_STORE=" + url.replace(SECRET, "***")
     assert not any(w.startswith("sessionpin_store=") for w in words)
+
+
+def test_keys_redis_evicted_fail_commands_until_accept_loss(env, capsys, monkeypatch, tmp_path):
+    """Issue 18: Redis says how many keys it evicted, not which; the CLI remembers the count
+    and, once it grew, fails like for any lost store until the operator decides."""
+    from redis_servers import evict
+
+    (tmp_path / "redis").mkdir()
+    s = RedisServer(tmp_path / "redis").start()
+    try:
+        url = s.url(unique_prefix())
+        monkeypatch.setenv("SESSIONPIN_STORE", url)
+        put_pins(url, [("aaaa1111-0000-4000-8000-000000000001", "claude-code", "glm", 300, 200, 4)])
+        assert run(capsys, "sessions")[0] == 0                     # seen whole: its count remembered
+        n = evict(s)
+        code, o, e = run(capsys, "sessions")
+        assert code != 0 and f"may have lost pins: Redis evicted {n} keys since" in e, o + e
+        code, o, e = run(capsys, "status")
+        assert "LOST: store" in o and "Redis evicted" in o, o + e
+        code, o, e = run(capsys, "store", "accept-loss", "--json")
+        assert code == 0 and json.loads(o)["evicted_keys"] == n, o + e
+        assert run(capsys, "sessions")[0] == 0
+        evict(s, 1)                                                 # after the acceptance: a loss again
+        code, o, e = run(capsys, "sessions")
+        assert code != 0 and "Redis evicted" in e
+        code, o, e = run(capsys, "store", "accept-loss")
+        assert code == 0 and "Redis evicted" in o, o + e
+    finally:
+        s.cleanup()

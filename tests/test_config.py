@@ -262,3 +262,20 @@ def test_a_config_others_may_write_or_another_user_owns_is_refused(tmp_path):
         os.chown(p, 65534, 65534)
         with pytest.raises(ConfigError, match=r"owned by another user \(uid 65534"):
             config.load(p)
+
+
+@pytest.mark.parametrize("host,path,server,api", [
+    ("api.z.ai", "/api/paas/v4/chat/completions", "zai", "openai-chat"),
+    ("api.z.ai", "/v1/messages", "zai", "anthropic-messages"),           # a client's /v1 at that origin
+    ("api.z.ai", "/api/paas/v4/threads/x/messages", "zai", "other"),
+    ("glm.example", "/api/anthropic/v1/messages", "glm", "anthropic-messages"),
+    ("elsewhere.example", "/api/paas/v4/chat/completions", None, "other"),   # no server: the path alone
+    ("elsewhere.example", "/zen/v1/responses", None, "openai-responses"),
+])
+def test_scope_is_the_server_a_request_addresses_and_its_path_under_that_base(host, path, server, api):
+    """The one rule the router, the body limit and the connect check share (issue 19)."""
+    cfg = config.parse('[servers.zai]\nurl = "https://api.z.ai/api/paas/v4"\n'
+                '[servers.glm]\nurl = "https://glm.example/api/anthropic"\n')
+    source, scope = cfg.scope("POST", "https", host, 443, path)
+    assert (source.name if source else None) == server and scope.api == api
+    assert cfg.scope("GET", "https", host, 443, path)[1].api == "other"

@@ -42,7 +42,7 @@ CASES = [
     ("pin followed (unknown turn)", facts(F.UNKNOWN_TURN), pin("glm"), ("glm", "renew", "pinned", None)),
     ("pin followed, body unreadable", facts(F.UNKNOWN_TURN, parsed=False), pin("glm"), ("glm", "renew", "pinned", None)),
     ("pin 'not routed' followed", facts(), pin(None), (None, "renew", "pinned-not-routed", None)),
-    ("pinned server no longer configured", facts(F.CONTINUATION), pin("ete"), (None, "none", "pinned-server-gone", 503)),
+    ("pinned server no longer configured", facts(F.CONTINUATION), pin("ete"), (None, "none", "pinned-server-gone", 424)),
     ("another agent's pin: not followed, not overwritten", facts(agent=F.OPENCODE), pin("glm"), (None, "none", "other-agent-pin", None)),
     ("another agent's 'not routed' pin", facts(agent=F.OPENCODE), pin(None), (None, "none", "other-agent-pin", None)),
     # rule 2: the agent is not routed
@@ -88,7 +88,7 @@ def test_not_addressed_to_a_configured_server_without_a_pin_is_out_of_scope():
 @pytest.mark.parametrize("p, want", [
     (pin("glm"), ("glm", "renew", "pinned", None)),
     (pin(None), (None, "renew", "pinned-not-routed", None)),
-    (pin("gone"), (None, "none", "pinned-server-gone", 503)),
+    (pin("gone"), (None, "none", "pinned-server-gone", 424)),
 ])
 def test_a_pin_decides_wherever_the_request_was_addressed(p, want):
     # the addressed server was removed from the config, or the config emptied: the pin

@@ -41,8 +41,6 @@ def test_every_core_module_is_under_the_contracts():
 
 # Module-level objects of the shell and the pool that hold state, with why (proxy/__init__.py).
 PROCESS_STATE = {
-    "sessionpin.proxy.defaults.DECISIONS": "the decision lines, gathered per turn of the loop for stdout",
-    "sessionpin.pool.MANAGER": "the OpenCode id pool, which outlives a script reload",
     "sessionpin.proxy.defaults._no_chatter": "a logging filter without state (added and removed by identity)",
     "sessionpin.pool.options.BY_NAME": "a constant table: option name -> option",
 }
@@ -63,3 +61,20 @@ def test_the_shell_and_the_pool_keep_no_other_module_level_state():
                 if (mutable or ours) and not attr.startswith("__"):
                     found.setdefault(id(value), f"{name}.{attr}")     # first binding: where it is made
     assert sorted(found.values()) == sorted(PROCESS_STATE)
+
+
+def test_no_proxy_state_is_the_processs():
+    """Issue 21: a proxy's decision lines and its OpenCode id pool are its own (the addon
+    tree's; the pool's kept on mitmproxy's master across a script reload): no module binds
+    a DecisionLog, a pool Manager or a PoolService."""
+    import importlib
+    import pkgutil
+
+    from sessionpin.pool import Manager, PoolService
+    from sessionpin.proxy.defaults import DecisionLog
+
+    for m in pkgutil.walk_packages(sessionpin.__path__, "sessionpin."):
+        if m.name.startswith("sessionpin.mitmscript") or m.name.endswith("__main__"):
+            continue                   # a mitmproxy script (its addons are the tree), a command's entry
+        for attr, value in vars(importlib.import_module(m.name)).items():
+            assert not isinstance(value, (DecisionLog, Manager, PoolService)), f"{m.name}.{attr}"

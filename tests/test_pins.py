@@ -214,3 +214,28 @@ async def test_the_index_says_which_missing_pins_were_lost(store, clock):
     assert await pins.drop_lost(store, now) == 1                                # the operator accepts "a"
     assert await pins.index_entry(store, "claude-code", "a", now) is None
     assert await pins.drop_lost(store, now) == 0
+
+
+async def test_record_seen_is_one_read_and_one_write_per_flush(store, clock):
+    """A flush of many sessions' activity: one read and one apply, not a store call per field
+    (fails before: four to five calls per session)."""
+    now = clock.t
+    cc = "claude-code"
+    await store.hset(pins.SEEN_PREFIX + "b", "last", repr(now + 50))     # another proxy saw b later
+    await store.hset(pins.SEEN_PREFIX + "b", "requests", "4")
+    counting = Counting(store)
+    await pins.record_seen(counting, [("a", cc, "glm", now, 3), ("b", cc, "glm", now, 2),
+                                      ("c", "opencode", None, now - 10, 1)])
+    assert counting.calls == {"hgetall_many": 1, "apply": 1}
+    assert await pins.seen(store, "a") == pins.Seen(now, 3)
+    assert await pins.seen(store, "b") == pins.Seen(now + 50, 6)       # the later last is kept
+    assert await pins.seen(store, "c") == pins.Seen(now - 10, 1)
+    for s in "abc":
+        assert await store.ttl(pins.SEEN_PREFIX + s) == pytest.approx(pins.PIN_TTL)
+    assert await store.zrange(pins.active_key(cc, "glm"), 0, float("inf")) == [("a", now), ("b", now)]
+    assert await store.zscore(pins.active_key("opencode", None), "c") == now - 10
+    # the next flush adds to the counts and renews the TTL
+    clock.t += 100
+    await pins.record_seen(store, [("a", cc, "glm", clock.t, 2)])
+    assert await pins.seen(store, "a") == pins.Seen(clock.t, 5)
+    assert await store.ttl(pins.SEEN_PREFIX + "a") == pytest.approx(pins.PIN_TTL)

@@ -105,3 +105,25 @@ async def test_running_and_done_start_and_stop_one_loop(wired):
     assert p.service.running and p.status()["refresh_running"]
     p.done()
     assert not p.service.running
+
+
+def test_a_reloaded_script_finds_its_proxys_pool_and_another_proxy_has_its_own():
+    """Issue 21: no process global. The pool's manager is kept on mitmproxy's master, which
+    a script reload keeps (the addons are built anew): the reloaded participant gets the
+    same pool; another proxy (another master) gets its own."""
+    from types import SimpleNamespace
+
+    from sessionpin.pool import manager_of
+
+    with taddons.context() as a, taddons.context() as b:
+        parts = []
+        for tctx in (a, a, b):         # proxy a's script, reloaded once; then proxy b
+            p = PoolParticipant()
+            PoolOptions(p).load(SimpleNamespace(master=tctx.master, add_option=lambda *args, **kw: None))
+            parts.append(p)
+        assert parts[0].manager is parts[1].manager is manager_of(a.master)
+        assert parts[2].manager is manager_of(b.master) and parts[2].manager is not parts[0].manager
+    given = Manager()
+    p = PoolParticipant(given)
+    PoolOptions(p).load(SimpleNamespace(master=SimpleNamespace(options=None), add_option=lambda *args, **kw: None))
+    assert p.manager is given           # a manager handed in (tests) is kept

@@ -313,7 +313,7 @@ async def test_first_run_is_delayed_then_the_pool_fills_and_start_is_idempotent(
 
 
 async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare():
-    pool.MANAGER.reset()
+    manager = pool.Manager()       # the proxy's (kept on mitmproxy's master): the same across a reload
     try:
         store = open_store("memory:")
         clock = FakeClock()
@@ -325,16 +325,16 @@ async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare()
             return FAST
 
         old, new = object(), object()
-        svc = pool.MANAGER.attach(old, LOOP_CFG, store, probe=probe)
+        svc = manager.attach(old, LOOP_CFG, store, probe=probe)
         await svc.route("POST", CHAT, AUTH, session="fp:1", model=M)
         await state.add_spare(store, "opencode-go", M, "stale-1", old_spare)
-        pool.MANAGER.start(old)
+        manager.start(old)
         await until(spares_are(store, 0))   # the cycle is probing stale-1
         first_task = svc._task
         # mitmproxy's reload: done() on the old addon, then load/configure/running on the new one
-        pool.MANAGER.detach(old)
-        assert pool.MANAGER.attach(new, LOOP_CFG, store) is svc
-        pool.MANAGER.start(new)
+        manager.detach(old)
+        assert manager.attach(new, LOOP_CFG, store) is svc
+        manager.start(new)
         await until(first_task.done)
         assert first_task.cancelled()        # no orphan probe
         assert "stale-1" in await state.spares(store, "opencode-go", M)   # no lost spare
@@ -344,11 +344,11 @@ async def test_manager_survives_a_reload_without_a_second_loop_or_a_lost_spare()
         await asyncio.sleep(0.05)
         assert svc.loops_alive == 1
         gate.set()
-        pool.MANAGER.detach(new)
+        manager.detach(new)
         await asyncio.sleep(0.01)
         assert not svc.running
     finally:
-        pool.MANAGER.reset()
+        manager.reset()
 
 
 async def test_a_take_wakes_the_loop_for_a_refill_after_refill_delay():

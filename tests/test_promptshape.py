@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from sessionpin import facts as F
+from sessionpin import promptshape
 from sessionpin.promptshape import Difference, compare, shape
 
 TRAFFIC = Path(__file__).parent / "fixtures" / "traffic"
@@ -93,3 +94,48 @@ def test_recorded_claude_code_turns_continue_their_history():
 def test_recorded_compaction_rewrites_the_history_from_its_first_message():
     d = compare(_recorded("interactive-19-compaction.json"), _recorded("interactive-20-after-compaction.json"))
     assert d.kind == "messages" and d.at == 0 and 0 < d.share < 1
+
+
+def test_digests_kept_between_requests_give_the_same_shape_and_skip_repeated_messages(monkeypatch):
+    from sessionpin import promptshape
+    names = ["interactive-04-opening.json", "interactive-05-tool-result.json", "interactive-06-continuation.json",
+             "interactive-08-tool-result.json", "interactive-09-continuation.json", "interactive-11-tool-result.json",
+             "interactive-19-compaction.json", "interactive-20-after-compaction.json"]
+    bodies = []
+    for n in names:
+        d = json.loads((TRAFFIC / "claude-code" / n).read_text())
+        bodies.append(json.dumps(d["body"], separators=(",", ":"), ensure_ascii=False).encode())
+    worked = []
+    digest = promptshape._digest
+    monkeypatch.setattr(promptshape, "_digest", lambda raw, message=False: worked.append(message) or
+                        digest(raw, message))
+    seen: promptshape.Seen = {}
+    before = None
+    for i, b in enumerate(bodies):
+        cold = shape(b, F.ANTHROPIC_MESSAGES)
+        worked.clear()
+        assert shape(b, F.ANTHROPIC_MESSAGES, seen=seen) == cold
+        if 0 < i < 6:       # one continuing conversation (then a compaction rewrites it)
+            # only the messages new since the last request, and the one whose mark moved
+            assert worked.count(True) <= len(cold.messages) - len(before.messages) + 1 < len(cold.messages)
+        before = cold
+    worked.clear()
+    assert shape(bodies[-1], F.ANTHROPIC_MESSAGES, seen=seen) is not None and worked.count(True) == 0
+
+
+def test_the_digests_kept_are_bounded(monkeypatch):
+    from sessionpin import promptshape
+    monkeypatch.setattr(promptshape, "SEEN_BOUND", 10)
+    seen: promptshape.Seen = {}
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": f"m{i}"} for i in range(40)]}).encode()
+    assert shape(body, F.ANTHROPIC_MESSAGES, seen=seen) == shape(body, F.ANTHROPIC_MESSAGES)
+    assert len(seen) <= 10
+
+def test_a_history_past_max_items_has_no_shape_and_is_not_digested(monkeypatch):
+    """Issue 20: the body reader asks for no shape past 50,000 messages (a digest each, in Python)."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 5}).encode()
+    digested = []
+    real = promptshape._digest
+    monkeypatch.setattr(promptshape, "_digest", lambda *a, **k: digested.append(1) or real(*a, **k))
+    assert promptshape.shape(body, F.ANTHROPIC_MESSAGES, max_items=4) is None and digested == []
+    assert len(promptshape.shape(body, F.ANTHROPIC_MESSAGES, max_items=5).messages) == 5

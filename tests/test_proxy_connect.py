@@ -212,3 +212,27 @@ async def test_a_blip_is_ridden_out_within_the_budget_then_the_address_is_known_
         assert C.why(OSError(113, "No route to host"), 2.0) == "no route to host"
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("path,routed", [("/api/paas/v4/chat/completions", True),
+                                         ("/api/paas/v4/threads/x/messages", False),
+                                         ("/v1/messages", True)])
+async def test_the_early_check_starts_for_what_the_router_routes(cfg_path, path, routed):
+    """Issue 19: a server written ``…/api/paas/v4`` has ``/api/paas/v4/chat/completions``
+    routed; the early check went by the path alone and never started for it."""
+    cfg_path.write_text(CONFIG + '\n[servers.zai]\nurl = "https://api.z.ai/api/paas/v4"\n')
+    p = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=0)
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    try:
+        addr = ("127.0.0.1", listening.getsockname()[1])
+        p.connect.moved_to(addr, "glm")
+        f = flow(host="api.z.ai", path=path)
+        assert p.config.config.scope("POST", "https", "api.z.ai", 443, path)[1].inference is routed
+        p.connect.requestheaders(f)
+        assert bool(p.connect._checks) is routed
+        p.connect.client_disconnected(f.client_conn)
+    finally:
+        listening.close()
+        p.close()

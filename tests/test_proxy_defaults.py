@@ -91,3 +91,78 @@ async def test_a_refusal_is_one_line_its_warning(tmp_path, capsys, caplog):
                                                       "[store-unreadable]: "), said
     finally:
         p.close()
+
+
+def test_each_proxy_has_its_own_decision_lines_shared_by_its_defaults_and_router():
+    """Issue 21: no process global. The decision log is the addon tree's: Defaults points it
+    (``sessionpin_decision_log``), the Router writes to it, another tree has its own."""
+    from sessionpin.proxy import Router, make_addons
+
+    trees = [make_addons([]), make_addons([])]
+    logs = []
+    for tree in trees:
+        defaults = next(a for a in tree if isinstance(a, Defaults))
+        router = next(a for a in tree if isinstance(a, Router))
+        assert defaults.decisions is router.decisions
+        logs.append(router.decisions)
+    assert logs[0] is not logs[1]
+    logs[0].mode = "off"
+    assert not logs[0].on and logs[1].on
+
+def test_a_hand_started_mitmdump_makes_its_confdir_private_whatever_the_umask(tmp_path):
+    """Issue 20: ``sessionpin run`` sets a private umask before it execs mitmdump, but a
+    mitmdump started by hand with the addon made its confdir 0777 and the CA's certificates
+    0666 under umask 000 (mitmproxy makes them before any script loads): anyone could put
+    another CA in place. The addon takes the bits away when it loads."""
+    import os
+    import stat
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    confdir = tmp_path / "confdir"
+    cmd = [str(Path(sys.executable).parent / "mitmdump"), "--listen-host", "127.0.0.1", "-p", "0",
+           "-s", str(root / "sessionpin" / "mitmscript" / "route.py"), "--set", f"confdir={confdir}",
+           "--set", "sessionpin_store=memory:", "--set", f"sessionpin_config={tmp_path / 'config.toml'}"]
+    env = dict(os.environ, PYTHONPATH=str(root), HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: os.umask(0))
+    try:
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:        # until it listens: the addon has loaded by then
+            if "listening at" in line or time.monotonic() > deadline:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    modes = {p.name: oct(stat.S_IMODE(p.lstat().st_mode)) for p in confdir.iterdir()}
+    assert oct(stat.S_IMODE(confdir.stat().st_mode)) == "0o700"
+    assert "mitmproxy-ca.pem" in modes and "mitmproxy-ca-cert.pem" in modes
+    assert set(modes.values()) == {"0o600"}, modes
+
+
+def test_the_confdir_fix_up_follows_no_symlink_and_leaves_another_users_files(tmp_path, caplog):
+    import os
+    import stat
+
+    from sessionpin.proxy.defaults import private_confdir
+    conf = tmp_path / "conf"
+    conf.mkdir(mode=0o777)
+    os.chmod(conf, 0o777)
+    target = tmp_path / "elsewhere.pem"
+    target.write_text("x")
+    os.chmod(target, 0o666)
+    (conf / "mitmproxy-ca-cert.pem").symlink_to(target)
+    (conf / "other.txt").write_text("y")
+    os.chmod(conf / "other.txt", 0o666)
+    assert private_confdir(str(conf)) == ["."]
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o700
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666          # not followed
+    assert stat.S_IMODE((conf / "other.txt").stat().st_mode) == 0o666   # not mitmproxy's
+    link = tmp_path / "link"
+    link.symlink_to(conf)
+    os.chmod(conf, 0o755)
+    assert private_confdir(str(link)) == [] and stat.S_IMODE(conf.stat().st_mode) == 0o755
+    assert private_confdir(str(tmp_path / "absent")) == []

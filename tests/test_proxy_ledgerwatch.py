@@ -74,7 +74,9 @@ async def answer(proxy, f, chunks, status=200, ctype=b"text/event-stream") -> by
         passed = f.response.raw_content
     for a in proxy.addons:
         if hasattr(a, "response"):
-            a.response(f)
+            got = a.response(f)
+            if asyncio.iscoroutine(got):   # mitmproxy awaits what a hook returns
+                await got
     await flushed(watch_of(proxy))
     return passed
 
@@ -304,3 +306,73 @@ async def test_a_conversations_ttl_is_renewed_at_most_once_a_day(proxy, monkeypa
     await proxy.send(f)
     await answer(proxy, f, sse_with_usage(read=9000, write=200, msg="msg_9"))
     assert len(renewed) == 4
+
+
+async def test_an_answer_cut_short_is_recorded_with_what_the_server_had_reported(proxy):
+    # Anthropic states a turn's input and cache use in its first event: an answer the client
+    # interrupted was billed for them, so the ledger keeps them, marked cut.
+    from mitmproxy.flow import Error
+    f = flow("opening")
+    await proxy.send(f)
+    chunks = sse_with_usage(read=0, write=9000)
+    f.response = tutils.tresp(status_code=200, content=b"", headers=http.Headers(
+        [(b"content-type", b"text/event-stream")]))
+    f.response.headers.pop("content-length", None)
+    for a in proxy.addons:
+        if hasattr(a, "responseheaders"):
+            a.responseheaders(f)
+    for c in chunks[:3]:                       # message_start, a block: then the client goes away
+        assert f.response.stream(c) == c
+    f.error = Error("client disconnected")
+    for a in proxy.addons:
+        if hasattr(a, "error"):
+            a.error(f)
+    await flushed(watch_of(proxy))
+    assert f.metadata["sessionpin"]["ledger"]["cut"] is True
+    assert "(cut short)" in f.comment
+    turns = await ledger.turns(proxy.store, SESSION)
+    assert len(turns) == 1 and turns[0].cut and turns[0].usage.input == 9003 and turns[0].usage.output == 1
+    assert (await ledger.load(proxy.store, SESSION)).usage.cache_write_5m == 9000
+
+
+async def test_an_error_before_any_usage_gives_no_turn(proxy):
+    from mitmproxy.flow import Error
+    f = flow("opening")
+    await proxy.send(f)
+    f.response = tutils.tresp(status_code=200, content=b"", headers=http.Headers(
+        [(b"content-type", b"text/event-stream")]))
+    f.response.headers.pop("content-length", None)
+    for a in proxy.addons:
+        if hasattr(a, "responseheaders"):
+            a.responseheaders(f)
+    f.response.stream(b"event: ping\ndata: {}\n\n")
+    f.error = Error("server disconnected")
+    for a in proxy.addons:
+        if hasattr(a, "error"):
+            a.error(f)
+    await flushed(watch_of(proxy))
+    assert "ledger" not in f.metadata["sessionpin"]
+    assert await ledger.load(proxy.store, SESSION) is None
+
+async def test_a_large_requests_prompt_shape_is_read_off_the_event_loop(proxy, monkeypatch):
+    """Issue 20: a continuation of a million-odd tiny messages had its prompt shape (a digest per
+    message, in Python) read in the response hook, on the event loop: 10-20 s during which no
+    other client was served. From 256 KiB it is read in the body reader's process; the turn is
+    recorded and compared as before."""
+    calls = []
+    real = ledgerwatch.promptshape.shape
+    monkeypatch.setattr(ledgerwatch.promptshape, "shape", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    one = b'{"role":"user","content":"x"},'
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=0, write=9000))
+    calls.clear()
+    big = body("continuation").replace(b'"messages": [', b'"messages": [' + one * 40_000, 1)
+    assert len(big) >= 1024 * 1024
+    g = flow("continuation", content=big)
+    await proxy.send(g)
+    await answer(proxy, g, sse_with_usage(read=9000, write=200, msg="msg_2"))
+    assert g.metadata["sessionpin"]["ledger"]["input"] == 9203
+    assert calls == []
+    kept = watch_of(proxy)._lanes[(SESSION, "main")][1]      # the shape the child read, kept for the next turn
+    assert kept is not None and len(kept.messages) == 40_003

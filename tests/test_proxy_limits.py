@@ -46,9 +46,9 @@ def test_another_stream_large_bodies_is_refused(proxy):
 
 # --------------------------------------------------------------------------- nothing outlives its flow (issue 20)
 
-def _over(length=b"999999999", path=b"/v1/messages"):
-    req = tutils.treq(method=b"POST", scheme=b"https", host="api.anthropic.com", port=443, path=path,
-                      headers=http.Headers([(b"host", b"api.anthropic.com"), (b"content-type", b"application/json"),
+def _over(length=b"999999999", path=b"/v1/messages", host="api.anthropic.com"):
+    req = tutils.treq(method=b"POST", scheme=b"https", host=host, port=443, path=path,
+                      headers=http.Headers([(b"host", host.encode()), (b"content-type", b"application/json"),
                                             (b"x-api-key", b"agent-key"), *([(b"content-length", length)]
                                                                             if length else [])]),
                       content=b"")
@@ -119,3 +119,56 @@ async def test_the_sink_drops_the_answer_of_a_request_that_breaks_off(proxy):
         assert b._answers == {}
     finally:
         b.done()
+
+
+# --------------------------------------------------------------------------- the router's scope (issue 19)
+
+# Servers written each way a server's URL is (its API's base): the body limit must see every
+# request the router routes, by the router's own rule (config.Config.scope).
+SERVERS = """
+[servers.anthropic]
+url = "https://api.anthropic.com"
+[servers.zai]
+url = "https://api.z.ai/api/paas/v4"
+[servers.coding]
+url = "https://open.bigmodel.cn/api/coding/paas/v4"
+[servers.glm]
+url = "https://glm.example/api/anthropic"
+[servers.zen]
+url = "https://opencode.ai/zen/v1"
+"""
+# (host, path, whether the router routes it)
+REQUESTS = [
+    ("api.z.ai", "/api/paas/v4/chat/completions", True),          # the server's own base (no /v1)
+    ("api.z.ai", "/api/paas/v4/responses?x=1", True),
+    ("open.bigmodel.cn", "/api/coding/paas/v4/chat/completions", True),
+    ("glm.example", "/api/anthropic/v1/messages?beta=true", True),
+    ("opencode.ai", "/zen/v1/chat/completions", True),
+    ("api.anthropic.com", "/v1/messages", True),
+    ("api.anthropic.com", "/api/paas/v4/chat/completions", False),  # not this server's base
+    ("api.z.ai", "/api/paas/v4/threads/x/messages", False),         # a look-alike
+    ("api.z.ai", "/api/paas/v4/chat/completions/", False),
+    ("elsewhere.example", "/api/paas/v4/chat/completions", False),  # no server there: the path alone
+    ("elsewhere.example", "/v1/chat/completions", True),
+]
+
+
+@pytest.fixture
+def servers(tmp_path):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(SERVERS)
+    p = start(cfg)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("host,path,routed", REQUESTS)
+def test_the_limit_sees_exactly_what_the_router_routes(servers, host, path, routed):
+    """A server written ``…/api/paas/v4`` had its ``/api/paas/v4/chat/completions`` routed, yet
+    a 300 MB body was buffered whole: the limit went by the path alone."""
+    b = _running(servers)
+    f = _over(path=path.encode(), host=host)
+    b.requestheaders(f)
+    assert bool(f.request.stream) is routed and (f.request.host == "127.0.0.1") is routed
+    assert (f.metadata.get("sessionpin", {}).get("refused") == 413) is routed
+    assert servers.config.config.scope("POST", "https", host, 443, path)[1].inference is routed   # the router's

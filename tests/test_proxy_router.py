@@ -11,6 +11,7 @@ from mitmproxy import http
 from mitmproxy.test import tflow, tutils
 
 from sessionpin import pins, route
+from sessionpin.ids import short
 from sessionpin.store import NotDurable, StoreUnavailable
 from shellkit import CONFIG, SESSION, body, flow, start
 
@@ -76,7 +77,7 @@ async def test_a_pin_is_followed_when_its_origin_left_the_config(proxy, cfg_path
     proxy.reload()
     f = flow("continuation")
     await proxy.send(f)
-    assert f.response.status_code == 503 and "'glm'" in f.response.text   # its server is gone: refused, not moved
+    assert f.response.status_code == 424 and "'glm'" in f.response.text   # its server is gone: refused, not moved
     cfg_path.write_text(CONFIG.replace("[servers.anthropic]\nurl = \"https://api.anthropic.com\"\n", ""))
     proxy.reload()
     f = flow("continuation")
@@ -111,13 +112,19 @@ async def test_count_tokens_before_an_unseen_continuation_does_not_adopt_it(prox
     assert main.metadata["sessionpin"]["rule"] == "continuation-unseen"
 
 
-async def test_pinned_server_gone_is_refused_503_in_anthropic_format(proxy):
+async def test_pinned_server_gone_is_refused_so_no_client_retries_it(proxy):
+    """Only the operator can bring the server back or move the conversation: the answer is
+    the no-retry 424 (a 503 was retried for minutes: docs/traffic.md), with no retry signal,
+    the session by its short id (pi reads "503" in a long hex id as a reason to retry)."""
     await put(proxy, "ete")
     f = flow("continuation")
     await proxy.send(f)
-    assert f.response.status_code == 503 and f.response.headers["x-should-retry"] == "false"
+    assert f.response.status_code == 424 and f.response.headers["x-should-retry"] == "false"
+    assert "retry-after" not in f.response.headers
+    assert f.response.headers["x-sessionpin-refused"] == "pinned-server-gone"
     err = json.loads(f.response.content)
-    assert err["type"] == "error" and SESSION in err["error"]["message"] and "'ete'" in err["error"]["message"]
+    assert err["type"] == "error" and err["error"]["type"] == "api_error"
+    assert short(SESSION) in err["error"]["message"] and "'ete'" in err["error"]["message"]
     assert f.request.host == "api.anthropic.com"
     assert proxy.router.metrics.refusals["pinned-server-gone"] == 1
 
@@ -491,10 +498,10 @@ async def test_a_large_bodys_lineage_is_read_off_the_event_loop(proxy, monkeypat
     the request itself waits for it and is decided as before."""
     import threading
 
-    from sessionpin.proxy import router as router_module
+    from sessionpin import lineage
     threads = []
-    real = router_module.lineage.chain
-    monkeypatch.setattr(router_module.lineage, "chain",
+    real = lineage.chain
+    monkeypatch.setattr(lineage, "chain",
                         lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
     big = json.loads(body("continuation"))
     big["messages"][0]["content"] = "x" * (300 * 1024)
@@ -510,7 +517,7 @@ async def test_a_large_bodys_lineage_is_read_off_the_event_loop(proxy, monkeypat
 
 async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back_at_once(cfg_path):
     """Codex reconnects a refused upgrade five times before its HTTPS fallback, unless the answer
-    is 426 (measured with Codex 0.171: docs/traffic.md); its POST then gets the 424 no client retries."""
+    is 426 (measured with Codex 0.171: docs/traffic.md); its POST then gets the 400 Codex does not retry."""
     import socket
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -525,6 +532,37 @@ async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back
         assert f.response.status_code == 426 and f.response.headers["x-should-retry"] == "false"
         assert "retry-after" not in f.response.headers and "cannot be reached" in f.response.text
         assert f.request.host == "api.openai.com"                 # sent nowhere
+    finally:
+        proxy.close()
+
+
+async def test_codex_s_https_refusal_is_the_400_it_shows_at_once(cfg_path):
+    """Codex's turn loop retries a 424 five times (~7 s more before the error shows: measured
+    with Codex 0.171, docs/traffic.md) and stops at a 400, showing its body as it came: its
+    no-retry answer is a 400 whose body is the message in plain text."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = s.getsockname()[1]
+    s.close()
+    cfg_path.write_text(CODEX_CONFIG.replace("https://alt.example", f"https://127.0.0.1:{dead}"))
+    proxy = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=0)
+    try:
+        proxy.router.env["ALT_KEY"] = "alt-sentinel"
+        opening = {"model": "gpt-6.2-sol", "stream": True, "tools": [{"type": "function", "name": "shell"}],
+                   "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+        f = flow(path="/v1/responses", agent=b"codex_exec/0.171.0", host="api.openai.com", session=None,
+                 content=json.dumps(opening).encode(),
+                 headers=[(b"session-id", b"01a22bef-e03d-7c53-8141-6c5fbf6ba8c0"), (b"authorization", b"Bearer sk-agent"),
+                          (b"x-codex-turn-metadata", (CODEX_META % ("new", "")).encode())])
+        await proxy.send(f)
+        r = f.response
+        assert r.status_code == 400, (r.status_code, r.text)
+        assert r.headers["content-type"].startswith("text/plain") and r.headers["x-should-retry"] == "false"
+        assert "retry-after" not in r.headers and r.headers["x-sessionpin-refused"] == "unreachable"
+        assert r.text.startswith("sessionpin: server alt") and f"127.0.0.1:{dead}" in r.text, r.text
+        assert f.request.host == "api.openai.com"                 # sent nowhere
+        assert f.metadata["sessionpin"]["refused"] == 424         # the refusal it is (424 to every other agent)
     finally:
         proxy.close()
 
@@ -560,3 +598,27 @@ def test_apply_stores_a_new_body_as_req_content_does(fields, moved):
     theirs.content = body
     assert ours.headers.fields == theirs.headers.fields
     assert ours.raw_content == theirs.raw_content and ours.content == body
+
+
+async def test_a_large_bodys_facts_are_read_in_the_body_readers_process(proxy, monkeypatch):
+    """Issue 20: a continuation of a million-odd tiny messages before its first answer is read
+    whole (no bound finds its first answer sooner), in long C calls that hold the GIL: on the
+    event loop or a thread they held every other client ~1 s. From 256 KiB its facts are read in
+    the body reader's process; the request is decided as before. A small body is read here."""
+    from sessionpin.proxy import router as router_module
+    calls = []
+    real = router_module.F.read
+    monkeypatch.setattr(router_module.F, "read", lambda *a, **k: calls.append(len(a[3] or b"")) or real(*a, **k))
+    one = b'{"role":"user","content":"x"},'
+    big = body("continuation").replace(b'"messages": [', b'"messages": [' + one * 40_000, 1)
+    assert len(big) >= 1024 * 1024
+    f = flow("continuation", content=big)
+    await put(proxy, "glm")
+    await proxy.send(f)
+    assert f.metadata["sessionpin"]["rule"] == "pinned" and f.request.host == "api.z.ai"
+    assert f.request.content == big.replace(b'"claude-opus-4-1"', b'"glm-4.6"')   # renamed by the span found there
+    assert calls == []
+    small = flow("continuation")
+    size = len(small.request.raw_content)
+    await proxy.send(small)
+    assert calls == [size]

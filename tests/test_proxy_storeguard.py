@@ -11,6 +11,7 @@ from sessionpin import pins
 from sessionpin.proxy.storeguard import StoreGuard
 from sessionpin.store import identity as ident
 from sessionpin.store import open_store
+from redis_servers import evict
 
 
 @pytest.fixture
@@ -135,3 +136,85 @@ async def test_a_pin_another_proxy_made_is_found_lost_by_its_index(rig):
     assert await pins.forget(store, "forgotten", again)
     assert await guard.missed(store, "forgotten", "claude-code", True, time.time()) is None
     assert got.pin is not None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    from redis_servers import RedisServer
+
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.cleanup()
+
+
+async def test_keys_redis_evicted_are_a_loss_until_settled_also_for_a_proxy_started_after(redis_server, tmp_path):
+    """Redis counts what it evicted (``evicted_keys``, per run_id) but not which keys: a pin
+    and its index entry may both be gone, and then nothing tells a lost pin from a
+    never-made one. A count grown since this machine last saw the store is a loss."""
+    from redis_servers import unique_prefix
+
+    url = redis_server.url(unique_prefix())
+    env = {ident.MEMORY_ENV: str(tmp_path / "memory")}
+    store = open_store(url)
+    later = open_store(url)
+    try:
+        guard = StoreGuard(env)
+        guard.use(store, url)
+        assert await guard.gate(store) is None and guard.kind == ident.NEW
+        assert ident.Memory(url, env).load().evicted                # the count it started from, remembered
+        n = evict(redis_server)
+        # the request that meets a missing pin reads the count then (not the last watch's)
+        msg = await guard.missed(store, "never-served", "claude-code", True, time.time())
+        assert msg and f"store {store.url} may have lost pins: Redis evicted {n} keys since" in msg, msg
+        assert "accept-loss" in msg and "store copy BACKUP" in msg
+        assert guard.kind == ident.EVICTED and await guard.gate(store) == msg
+        assert list(await ident.losses(store)) == [guard.describe()["identity"]]   # said in the store too
+        # a proxy started after the eviction, on this machine: it remembers the count, and refuses
+        other = StoreGuard(env)
+        other.use(later, url)
+        assert f"Redis evicted {n} keys" in (await other.gate(later) or "")
+        # the operator starts over: accept-loss settles the count it read
+        await ident.accept_loss(store, None, time.time(), await store.evictions())
+        for g, s in ((guard, store), (other, later)):
+            await g.check(s)
+            assert await g.gate(s) is None and g.kind == ident.OK       # the same store, its losses accepted
+        assert ident.Memory(url, env).load().evicted == store.evicted
+        # more evictions: a loss again; a restore (store copy) settles it without accepting anything
+        n = evict(redis_server, 2)
+        await store.watch()
+        await guard.check(store)
+        assert f"Redis evicted {n} keys" in guard.lost
+        accepted = (await ident.read(store))[0].accepted
+        await ident.settle_evictions(store, await store.evictions())
+        await guard.check(store)
+        assert guard.lost is None and (await ident.read(store))[0].accepted == accepted
+        assert await ident.losses(store) == {}
+    finally:
+        await store.close()
+        await later.close()
+
+
+async def test_a_redis_restarted_with_its_data_counts_its_evictions_from_zero(redis_server, tmp_path):
+    """A new run_id: the server's count started again at 0, after this machine last looked."""
+    from redis_servers import unique_prefix
+
+    url = redis_server.url(unique_prefix())
+    env = {ident.MEMORY_ENV: str(tmp_path / "memory")}
+    store = open_store(url)
+    try:
+        guard = StoreGuard(env)
+        guard.use(store, url)
+        evict(redis_server)                                 # before sessionpin used it: taken as it is
+        assert await guard.gate(store) is None
+        redis_server.kill()
+        redis_server.start()                                # its AOF replayed: the same store
+        await store.watch()
+        await guard.check(store)
+        assert guard.lost is None and guard.kind == ident.OK
+        n = evict(redis_server, 2)
+        await store.watch()
+        await guard.check(store)
+        assert f"Redis evicted {n} keys" in (guard.lost or "")
+    finally:
+        await store.close()

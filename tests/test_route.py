@@ -39,8 +39,8 @@ def facts(turn=F.OPENING, agent=F.CLAUDE_CODE, session="s-1", api=F.ANTHROPIC_ME
     return F.Facts(api=api, agent=agent, session=session, turn=turn, **kw)
 
 
-def request(f=None, source=ANTHROPIC, config=CONFIG):
-    return route.Request(facts=f or facts(), source=source, config=config, now=NOW)
+def request(f=None, source=ANTHROPIC, config=CONFIG, host="", port=0):
+    return route.Request(facts=f or facts(), source=source, config=config, now=NOW, host=host, port=port)
 
 
 def loaded(server, agent=F.CLAUDE_CODE, renewed=NOW - 60):
@@ -51,33 +51,53 @@ def loaded(server, agent=F.CLAUDE_CODE, renewed=NOW - 60):
 NONE = Loaded(None, None)
 
 
-def drive(req, *, pin=NONE, title=None, plan=OK, create=None, read_fails=False, signals=None, root=None,
-          parent=None, conversation=None, pins_by_session=None):
-    """Run the stepper to its end, answering each effect as told; return (effects, last step)."""
-    s = route.begin(req)
-    seen = []
-    while not s.done:
-        e = s.effect
-        seen.append(type(e).__name__)
+def answerer(*, pin=NONE, title=None, plan=OK, create=None, read_fails=False, signals=None, root=None,
+             parent=None, conversation=None, pins_by_session=None, unreachable=None, instead=None):
+    """How the shell answers each effect, as told (``instead``: an effect's name -> the event
+    its first performance gets in place of the usual answer)."""
+    instead = dict(instead or {})
+
+    def answer(e):
+        if type(e).__name__ in instead:
+            return instead.pop(type(e).__name__)
         if isinstance(e, route.ReadPin):
             got = (pins_by_session or {}).get(e.session, pin)
-            ev = route.StoreFailed("file:x: disk I/O error") if read_fails else route.PinRead(got)
-        elif isinstance(e, route.ReadLineage):
-            ev = route.LineageRead(signals or Signals(), root)
-        elif isinstance(e, route.FindConversation):
-            ev = route.ConversationFound(conversation)
-        elif isinstance(e, route.FindParent):
+            return route.StoreFailed("file:x: disk I/O error") if read_fails else route.PinRead(got)
+        if isinstance(e, route.ReadLineage):
+            return route.LineageRead(signals or Signals(), root)
+        if isinstance(e, route.FindConversation):
+            return route.ConversationFound(conversation)
+        if isinstance(e, route.FindParent):
             assert e.session != (parent or (None,))[0]
-            ev = route.ParentFound(*parent) if parent else route.ParentFound(None)
-        elif isinstance(e, route.ReadTitle):
-            ev = route.TitleRead(title)
-        elif isinstance(e, route.Plan):
-            ev = route.Planned(plan)
-        elif isinstance(e, route.CreatePin):
-            ev = create if create is not None else route.PinCreated()
-        else:  # pragma: no cover
-            raise AssertionError(e)
+            return route.ParentFound(*parent) if parent else route.ParentFound(None)
+        if isinstance(e, route.ReadTitle):
+            return route.TitleRead(title)
+        if isinstance(e, route.Plan):
+            return route.Planned(plan)
+        if isinstance(e, route.CreatePin):
+            return create if create is not None else route.PinCreated()
+        if isinstance(e, route.CheckReachable):
+            return route.Reachable(unreachable)
+        raise AssertionError(e)  # pragma: no cover
+    return answer
+
+
+def run(req, answer):
+    """Run the stepper to its end; return (effects performed, moves made, last step)."""
+    s = route.begin(req)
+    seen, moves = [], [(route.START, "Request", s.state.phase)]
+    while not s.done:
+        seen.append(type(s.effect).__name__)
+        ev = answer(s.effect)
+        before = s.state.phase
         s = route.step(s.state, ev)
+        moves.append((before, type(ev).__name__, s.state.phase))
+    return seen, moves, s
+
+
+def drive(req, **answers):
+    """Run the stepper to its end, answering each effect as told; return (effects, last step)."""
+    seen, _, s = run(req, answerer(**answers))
     return seen, s
 
 
@@ -93,7 +113,7 @@ CASES = [
     ("not inference", request(facts(None, api=F.OTHER)), {}, [], ("Leave", None, "out-of-scope", ())),
     ("no session", request(facts(session=None)), {}, [], ("Leave", None, "no-session", ())),
     ("opening: plan, pin durably, forward", request(), {},
-     ["ReadPin", "Plan", "CreatePin"], ("Forward", None, "opening", ())),
+     ["ReadPin", "Plan", "CreatePin", "CheckReachable"], ("Forward", None, "opening", ())),
     ("opening: pin not saved -> 503, never forwarded", request(), {"create": route.NotSaved("locked")},
      ["ReadPin", "Plan", "CreatePin"], ("Refuse", 503, "opening", ())),
     ("opening to the server it addresses: pin not saved, still sent (it stays put)",
@@ -102,10 +122,10 @@ CASES = [
 url = "https://api.anthropic.com"
 [agents.claude-code]
 server = "anthropic"
-''')), {"create": route.NotSaved("locked")}, ["ReadPin", "Plan", "CreatePin"], ("Forward", None, "opening", ())),
+''')), {"create": route.NotSaved("locked")}, ["ReadPin", "Plan", "CreatePin", "CheckReachable"], ("Forward", None, "opening", ())),
     ("opening: another proxy pinned it first -> its pin decides", request(),
      {"create": route.PinLost(loaded("anthropic"))},
-     ["ReadPin", "Plan", "CreatePin", "Plan"], ("Forward", None, "pinned", ())),
+     ["ReadPin", "Plan", "CreatePin", "Plan", "CheckReachable"], ("Forward", None, "pinned", ())),
     ("opening: another proxy pinned it 'not routed' -> left alone", request(),
      {"create": route.PinLost(loaded(None))}, ["ReadPin", "Plan", "CreatePin"], ("Leave", None, "pinned-not-routed", ())),
     ("opening: rewrite refused -> 502, no pin", request(), {"plan": Changes("https", "h", 443, "/", refuse="no key")},
@@ -113,14 +133,14 @@ server = "anthropic"
     ("pin read fails -> 424 (no client retries it), never 'no pin'", request(facts(F.CONTINUATION, has_history=True)),
      {"read_fails": True}, ["ReadPin"], ("Refuse", 424, None, ())),
     ("pinned: forward, no renewal due", request(facts(F.CONTINUATION, has_history=True)), {"pin": loaded("glm")},
-     ["ReadPin", "Plan"], ("Forward", None, "pinned", ())),
+     ["ReadPin", "Plan", "CheckReachable"], ("Forward", None, "pinned", ())),
     ("pinned: renewal due runs after", request(facts(F.CONTINUATION, has_history=True)),
-     {"pin": loaded("glm", renewed=NOW - 2 * pins.DAY)}, ["ReadPin", "Plan"], ("Forward", None, "pinned", ("RenewPin",))),
+     {"pin": loaded("glm", renewed=NOW - 2 * pins.DAY)}, ["ReadPin", "Plan", "CheckReachable"], ("Forward", None, "pinned", ("RenewPin",))),
     ("pinned, origin not configured: still follows its pin", request(facts(F.CONTINUATION), source=None),
-     {"pin": loaded("glm")}, ["ReadPin", "Plan"], ("Forward", None, "pinned", ())),
+     {"pin": loaded("glm")}, ["ReadPin", "Plan", "CheckReachable"], ("Forward", None, "pinned", ())),
     ("no pin, origin not configured: out of scope", request(source=None), {}, ["ReadPin"], ("Leave", None, "out-of-scope", ())),
-    ("pinned server gone -> 503", request(facts(F.CONTINUATION)), {"pin": loaded("ete")},
-     ["ReadPin"], ("Refuse", 503, "pinned-server-gone", ())),
+    ("pinned server gone -> 424 (no client retries it)", request(facts(F.CONTINUATION)), {"pin": loaded("ete")},
+     ["ReadPin"], ("Refuse", 424, "pinned-server-gone", ())),
     ("not routed pin renewed after", request(facts(F.CONTINUATION)), {"pin": loaded(None, renewed=NOW - 3 * pins.DAY)},
      ["ReadPin"], ("Leave", None, "pinned-not-routed", ("RenewPin",))),
     ("continuation unseen: left alone, 'not routed' written after", request(facts(F.CONTINUATION, has_history=True)), {},
@@ -128,52 +148,52 @@ server = "anthropic"
     # rule 7: a fork (a new id carrying its parent's history) follows its parent
     ("fork of a pinned conversation: parent's server, pinned durably",
      request(facts(F.CONTINUATION, session="fork-1", has_history=True)), {"parent": ("s-1", loaded("anthropic"))},
-     ["ReadPin", "ReadLineage", "FindParent", "Plan", "CreatePin"], ("Forward", None, "fork", ())),
+     ["ReadPin", "ReadLineage", "FindParent", "Plan", "CreatePin", "CheckReachable"], ("Forward", None, "fork", ())),
     ("fork of a 'not routed' conversation: not routed",
      request(facts(F.CONTINUATION, session="fork-1", has_history=True)), {"parent": ("s-1", loaded(None))},
      ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "fork-not-routed", ("WritePin",))),
-    ("fork of a conversation pinned to a removed server: its 503",
+    ("fork of a conversation pinned to a removed server: its 424",
      request(facts(F.CONTINUATION, session="fork-1", has_history=True)), {"parent": ("s-1", loaded("ete"))},
-     ["ReadPin", "ReadLineage", "FindParent"], ("Refuse", 503, "fork-of-gone", ())),
+     ["ReadPin", "ReadLineage", "FindParent"], ("Refuse", 424, "fork-of-gone", ())),
     ("a parent of another agent is not followed",
      request(facts(F.CONTINUATION, session="fork-1", has_history=True)),
      {"parent": ("s-1", loaded("anthropic", agent=F.OPENCODE))},
      ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "continuation-unseen", ("WritePin",))),
     ("an opening never looks for a parent", request(facts(session="fork-1")), {"parent": ("s-1", loaded("anthropic"))},
-     ["ReadPin", "Plan", "CreatePin"], ("Forward", None, "opening", ())),
+     ["ReadPin", "Plan", "CreatePin", "CheckReachable"], ("Forward", None, "opening", ())),
     # pi, named by a fingerprint of its opening: an opening is a new conversation; a later
     # turn is the conversation whose root its history extends
     ("pi opening: a new conversation (fingerprint + nonce), never the fingerprint's pin",
      route.Request(facts=facts(agent=F.PI, session="fp:abc", session_source="fingerprint"), source=ANTHROPIC,
                    config=CONFIG, now=NOW, nonce="n2"), {"pins_by_session": {"fp:abc": loaded("anthropic", agent=F.PI)}},
-     ["ReadPin", "Plan", "CreatePin"], ("Forward", None, "opening", ("RememberOpening",))),
+     ["ReadPin", "Plan", "CreatePin", "CheckReachable"], ("Forward", None, "opening", ("RememberOpening",))),
     ("pi turn: its conversation found by the root, pinned there",
      request(facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)),
      {"root": "r1", "conversation": "fp:abc.n1", "pins_by_session": {"fp:abc.n1": loaded("anthropic", agent=F.PI)}},
-     ["ReadLineage", "FindConversation", "ReadPin", "Plan"], ("Forward", None, "pinned", ())),
+     ["ReadLineage", "FindConversation", "ReadPin", "Plan", "CheckReachable"], ("Forward", None, "pinned", ())),
     ("pi turn, root unknown: an older pin of the fingerprint alone",
      request(facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)),
      {"root": "r1", "pins_by_session": {"fp:abc": loaded("glm", agent=F.PI)}},
-     ["ReadLineage", "FindConversation", "ReadPin", "Plan"], ("Forward", None, "pinned", ())),
+     ["ReadLineage", "FindConversation", "ReadPin", "Plan", "CheckReachable"], ("Forward", None, "pinned", ())),
     ("pi turn, nothing known: left alone, no pin written for a fingerprint",
      request(facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)),
      {"root": "r1"}, ["ReadLineage", "FindConversation", "ReadPin"], ("Leave", None, "continuation-unseen", ())),
     ("pi turn with no first answer in its history: found by its opening",
      request(facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)),
      {"conversation": "fp:abc.n1", "pins_by_session": {"fp:abc.n1": loaded("glm", agent=F.PI)}},
-     ["ReadLineage", "FindConversation", "ReadPin", "Plan"], ("Forward", None, "pinned", ())),
+     ["ReadLineage", "FindConversation", "ReadPin", "Plan", "CheckReachable"], ("Forward", None, "pinned", ())),
     ("claude count_tokens, no pin: current server, not remembered",
-     request(facts(F.SIDE, api=F.ANTHROPIC_COUNT_TOKENS)), {}, ["ReadPin", "Plan"], ("Forward", None, "side-current", ())),
+     request(facts(F.SIDE, api=F.ANTHROPIC_COUNT_TOKENS)), {}, ["ReadPin", "Plan", "CheckReachable"], ("Forward", None, "side-current", ())),
     ("claude continuation: no title memory read", request(facts(F.CONTINUATION, has_history=True)), {"title": "glm"},
      ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "continuation-unseen", ("WritePin",))),
     ("opencode title: current server, remembered", request(facts(F.SIDE, agent=F.OPENCODE, api=F.OPENAI_CHAT)), {},
-     ["ReadPin", "Plan"], ("Forward", None, "side-current", ("RememberTitle",))),
+     ["ReadPin", "Plan", "CheckReachable"], ("Forward", None, "side-current", ("RememberTitle",))),
     ("opencode side with tools: not remembered",
      request(facts(F.SIDE, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_tools=True)), {},
-     ["ReadPin", "Plan"], ("Forward", None, "side-current", ())),
+     ["ReadPin", "Plan", "CheckReachable"], ("Forward", None, "side-current", ())),
     ("opencode continuation after its title: follows and pins",
      request(facts(F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)), {"title": "zen"},
-     ["ReadPin", "ReadLineage", "FindParent", "ReadTitle", "Plan", "CreatePin"],
+     ["ReadPin", "ReadLineage", "FindParent", "ReadTitle", "Plan", "CreatePin", "CheckReachable"],
      ("Forward", None, "continuation-after-title", ())),
     ("opencode continuation, no title remembered: left alone",
      request(facts(F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)), {},
@@ -181,7 +201,7 @@ server = "anthropic"
     ("opencode fork: follows its parent, the title memory not read",
      request(facts(F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)),
      {"title": "glm", "parent": ("ses_p", loaded("zen", agent=F.OPENCODE))},
-     ["ReadPin", "ReadLineage", "FindParent", "Plan", "CreatePin"], ("Forward", None, "fork", ())),
+     ["ReadPin", "ReadLineage", "FindParent", "Plan", "CreatePin", "CheckReachable"], ("Forward", None, "fork", ())),
 ]
 
 
@@ -282,3 +302,120 @@ def test_only_opencode_titles_are_remembered(agent, turn, api, tools, history):
     if remembered:
         assert agent == F.OPENCODE and turn == F.SIDE and not tools and not history
         assert api != F.ANTHROPIC_COUNT_TOKENS
+
+
+# ---- the table: every row of route.TRANSITIONS walked by a request that makes that move ----
+
+import test_route_pools as pools  # noqa: E402  (server pools' config and answers)
+
+P = route.Phase
+FAILED = route.StoreFailed("file:x: disk I/O error")
+LOST = route.StoreLost("store file:x lost what it held: run `sessionpin store accept-loss`")
+CONT = facts(F.CONTINUATION, has_history=True)
+PI_TURN = facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)
+OC_CONT = facts(F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)
+FORK = facts(F.CONTINUATION, session="fork-1", has_history=True)
+SAME = {"host": "api.z.ai", "port": 443}       # addressed where OK sends it: no connect check
+STAYS = parse(CONFIG_TEXT)                     # claude-code's server is the one it addresses
+PLAIN = parse(pools.TEXT.replace('[agents.claude-code]\nserver = "glm"', '[agents.claude-code]\nserver = "anthropic"'))
+POOL_CONT = pools.facts(F.CONTINUATION, has_history=True)
+PI_POOL = pools.facts(F.CONTINUATION, agent=F.PI, has_history=True)
+SOFT_GONE = pools.pool_pin("vllm-9", "local")  # a soft pool's member since removed: allocated afresh
+SOFT_MOVED = pools.allocated("vllm-2", "local", rule="soft-move")
+R, PR = request, pools.request
+
+WALK = [
+    # (phase, event, the phase it leads to, whose answers, request, answers)
+    (P.START, "Request", P.LEFT, "", R(facts(None, api=F.OTHER)), {}),
+    (P.START, "Request", P.READING_PIN, "", R(), {}),
+    (P.START, "Request", P.READING_LINEAGE, "", R(PI_TURN), {}),
+    (P.READING_PIN, "PinRead", P.LEFT, "", R(facts(F.CONTINUATION)), {"pin": loaded(None)}),
+    (P.READING_PIN, "PinRead", P.REFUSED, "", R(facts(F.CONTINUATION)), {"pin": loaded("ete")}),
+    (P.READING_PIN, "PinRead", P.PLANNING, "", R(facts(F.CONTINUATION)), {"pin": loaded("glm")}),
+    (P.READING_PIN, "PinRead", P.ALLOCATING, "pools", PR(), {"allocations": [pools.allocated("glm-b")]}),
+    (P.READING_PIN, "PinRead", P.CHECKING_MEMBER, "pools", PR(POOL_CONT), {"pin": pools.pool_pin("glm-a")}),
+    (P.READING_PIN, "PinRead", P.READING_LINEAGE, "", R(CONT), {}),
+    (P.READING_PIN, "PinRead", P.READING_TITLE, "", R(facts(F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT)), {}),
+    (P.READING_LINEAGE, "LineageRead", P.FINDING_CONVERSATION, "", R(PI_TURN), {}),
+    (P.READING_LINEAGE, "LineageRead", P.FINDING_PARENT, "", R(CONT), {}),
+    (P.FINDING_CONVERSATION, "ConversationFound", P.READING_PIN, "", R(PI_TURN), {}),
+    (P.FINDING_PARENT, "ParentFound", P.LEFT, "", R(CONT), {}),
+    (P.FINDING_PARENT, "ParentFound", P.REFUSED, "", R(FORK), {"parent": ("s-1", loaded("ete"))}),
+    (P.FINDING_PARENT, "ParentFound", P.PLANNING, "", R(FORK), {"parent": ("s-1", loaded("anthropic"))}),
+    (P.FINDING_PARENT, "ParentFound", P.READING_TITLE, "", R(OC_CONT), {}),
+    (P.READING_TITLE, "TitleRead", P.LEFT, "", R(OC_CONT), {}),
+    (P.READING_TITLE, "TitleRead", P.PLANNING, "", R(OC_CONT), {"title": "zen"}),
+    (P.PLANNING, "Planned", P.REFUSED, "", R(), {"plan": Changes("https", "h", 443, "/", refuse="no key")}),
+    (P.PLANNING, "Planned", P.CREATING_PIN, "", R(), {}),
+    (P.PLANNING, "Planned", P.CHECKING_REACHABLE, "", R(facts(F.CONTINUATION)), {"pin": loaded("glm")}),
+    (P.PLANNING, "Planned", P.FORWARDED, "", R(facts(F.CONTINUATION), **SAME), {"pin": loaded("glm")}),
+    (P.CREATING_PIN, "PinCreated", P.CHECKING_REACHABLE, "", R(), {}),
+    (P.CREATING_PIN, "PinCreated", P.FORWARDED, "", R(**SAME), {}),
+    (P.CREATING_PIN, "PinLost", P.LEFT, "", R(), {"create": route.PinLost(loaded(None))}),
+    (P.CREATING_PIN, "PinLost", P.REFUSED, "", R(), {"create": route.PinLost(loaded("ete"))}),
+    (P.CREATING_PIN, "PinLost", P.PLANNING, "", R(), {"create": route.PinLost(loaded("anthropic"))}),
+    (P.CREATING_PIN, "PinLost", P.ALLOCATING, "pools", PR(config=PLAIN),
+     {"create": route.PinLost(SOFT_GONE), "allocations": [SOFT_MOVED]}),
+    (P.CREATING_PIN, "PinLost", P.CHECKING_MEMBER, "pools", PR(config=PLAIN),
+     {"create": route.PinLost(pools.pool_pin("glm-a"))}),
+    (P.CREATING_PIN, "NotSaved", P.REFUSED, "", R(), {"create": route.NotSaved("locked")}),
+    (P.CREATING_PIN, "NotSaved", P.CHECKING_REACHABLE, "", R(config=STAYS), {"create": route.NotSaved("locked")}),
+    (P.CREATING_PIN, "NotSaved", P.FORWARDED, "", R(config=STAYS, **SAME), {"create": route.NotSaved("locked")}),
+    (P.ALLOCATING, "Allocated", P.PLANNING, "pools", PR(), {"allocations": [pools.allocated("glm-b")]}),
+    (P.ALLOCATING, "Allocated", P.CHECKING_MEMBER, "pools", PR(pools.facts(agent=F.PI)),
+     {"allocations": [pools.allocated("vllm-1", "local", F.PI)]}),
+    (P.ALLOCATING, "PinLost", P.LEFT, "pools", PR(), {"allocations": [route.PinLost(loaded(None))]}),
+    (P.ALLOCATING, "PinLost", P.REFUSED, "pools", PR(), {"allocations": [route.PinLost(loaded("ete"))]}),
+    (P.ALLOCATING, "PinLost", P.PLANNING, "pools", PR(), {"allocations": [route.PinLost(loaded("anthropic"))]}),
+    (P.ALLOCATING, "PinLost", P.ALLOCATING, "pools", PR(), {"allocations": [route.PinLost(SOFT_GONE), SOFT_MOVED]}),
+    (P.ALLOCATING, "PinLost", P.CHECKING_MEMBER, "pools", PR(), {"allocations": [route.PinLost(pools.pool_pin("glm-a"))]}),
+    (P.ALLOCATING, "NotAllocated", P.REFUSED, "pools", PR(), {"allocations": [route.NotAllocated(429, "pool-exhausted",
+                                                                                                "…", 30)]}),
+    (P.ALLOCATING, "NotSaved", P.REFUSED, "pools", PR(), {"allocations": [route.NotSaved("locked")]}),
+    (P.CHECKING_MEMBER, "MemberChecked", P.PLANNING, "pools", PR(POOL_CONT), {"pin": pools.pool_pin("glm-a")}),
+    (P.CHECKING_MEMBER, "MemberChecked", P.ALLOCATING, "pools", PR(PI_POOL),
+     {"pin": pools.pool_pin("vllm-1", "local", F.PI), "checks": [pools.UNREACHABLE],
+      "allocations": [pools.allocated("vllm-2", "local", F.PI, "soft-move")]}),
+    (P.CHECKING_MEMBER, "MemberChecked", P.REFUSED, "pools", PR(POOL_CONT),
+     {"pin": pools.pool_pin("glm-a"), "checks": [pools.EXHAUSTED]}),
+    (P.CHECKING_REACHABLE, "Reachable", P.FORWARDED, "", R(), {}),
+    (P.CHECKING_REACHABLE, "Reachable", P.REFUSED, "", R(), {"unreachable": "connection refused"}),
+]
+# every store effect may be answered StoreFailed or StoreLost: a refusal
+for _phase, _effect, _kind, _req, _answers in [
+        (P.READING_PIN, "ReadPin", "", R(), {}),
+        (P.FINDING_CONVERSATION, "FindConversation", "", R(PI_TURN), {}),
+        (P.FINDING_PARENT, "FindParent", "", R(CONT), {}),
+        (P.READING_TITLE, "ReadTitle", "", R(OC_CONT), {}),
+        (P.CREATING_PIN, "CreatePin", "", R(), {}),
+        (P.ALLOCATING, "Allocate", "pools", PR(), {}),
+        (P.CHECKING_MEMBER, "CheckMember", "pools", PR(POOL_CONT), {"pin": pools.pool_pin("glm-a")})]:
+    for _event in (FAILED, LOST):
+        WALK.append((_phase, type(_event).__name__, P.REFUSED, _kind, _req, {**_answers, "instead": {_effect: _event}}))
+
+
+def test_the_walk_is_the_table_row_for_row():
+    rows = [w[:3] for w in WALK]
+    assert len(rows) == len(set(rows))
+    table = {(phase, event.__name__, to) for phase, row in route.TRANSITIONS.items()
+             for event, tos in row.items() for to in tos}
+    assert set(rows) == table
+
+
+@pytest.mark.parametrize("phase, event, to, kind, req, answers", WALK,
+                         ids=[f"{w[0].name}-{w[1]}-{w[2].name}" for w in WALK])
+def test_each_row_of_the_table(phase, event, to, kind, req, answers):
+    _, moves, last = run(req, (pools.answerer if kind == "pools" else answerer)(**answers))
+    assert (phase, event, to) in moves
+    assert last.done and last.state.phase in (P.FORWARDED, P.LEFT, P.REFUSED)
+
+
+def test_each_effect_names_the_phase_that_waits_for_it():
+    assert set(route.PHASE_OF) == {*route.Effect.__args__}
+    assert set(route.PHASE_OF.values()) == set(P) - {P.START}
+
+
+def test_a_move_the_table_does_not_hold_is_refused():
+    s = route.begin(request())
+    with pytest.raises(route.BadTransition, match="Planned while READING_PIN"):
+        route.step(s.state, route.Planned(OK))      # a plan nobody asked for

@@ -61,28 +61,40 @@ def allocated(member, pool="glm", agent=F.CLAUDE_CODE, rule="opening"):
     return route.Allocated(member, loaded, loaded.pin.why)
 
 
-def drive(req, *, pin=NONE, allocations=(), checks=(), plan=OK):
+def answerer(*, pin=NONE, allocations=(), checks=(), plan=OK, create=None, instead=None):
+    """How the shell answers each effect: from the given queues (``instead``: an effect's name
+    -> the event its first performance gets in place of the usual answer)."""
+    allocations, checks, instead = list(allocations), list(checks), dict(instead or {})
+
+    def answer(e):
+        if type(e).__name__ in instead:
+            return instead.pop(type(e).__name__)
+        if isinstance(e, route.ReadPin):
+            return route.PinRead(pin)
+        if isinstance(e, route.Plan):
+            return route.Planned(plan)
+        if isinstance(e, route.Allocate):
+            return allocations.pop(0)
+        if isinstance(e, route.CheckMember):
+            return checks.pop(0) if checks else route.MemberChecked()
+        if isinstance(e, route.CreatePin):
+            return create if create is not None else route.PinCreated()
+        if isinstance(e, route.CheckReachable):
+            return route.Reachable()
+        raise AssertionError(e)  # pragma: no cover
+    return answer
+
+
+def drive(req, **answers):
     """Run the stepper, answering each effect from the given queues; return (effects, last step)."""
-    allocations, checks = list(allocations), list(checks)
+    answer = answerer(**answers)
     s = route.begin(req)
     seen = []
     while not s.done:
         e = s.effect
         seen.append(type(e).__name__ + (f"({e.member})" if isinstance(e, route.CheckMember) else "")
                     + (f"({','.join(sorted(e.exclude))})" if isinstance(e, route.Allocate) and e.exclude else ""))
-        if isinstance(e, route.ReadPin):
-            ev = route.PinRead(pin)
-        elif isinstance(e, route.Plan):
-            ev = route.Planned(plan)
-        elif isinstance(e, route.Allocate):
-            ev = allocations.pop(0)
-        elif isinstance(e, route.CheckMember):
-            ev = checks.pop(0) if checks else route.MemberChecked()
-        elif isinstance(e, route.CreatePin):
-            ev = route.PinCreated()
-        else:  # pragma: no cover
-            raise AssertionError(e)
-        s = route.step(s.state, ev)
+        s = route.step(s.state, answer(e))
     return seen, s
 
 
@@ -99,10 +111,10 @@ EXHAUSTED = route.MemberChecked(exhausted_until=NOW + 30, exhausted_why="429, re
 CASES = [
     ("opening to a pool: allocate (the pin is written by it), plan, forward — no second pin",
      request(), {"allocations": [allocated("glm-b")]},
-     ["ReadPin", "Allocate", "Plan"], ("Forward", None, "opening", "glm-b", ())),
+     ["ReadPin", "Allocate", "Plan", "CheckReachable"], ("Forward", None, "opening", "glm-b", ())),
     ("opening: another proxy pinned it first -> its pin decides (checked, not moved)",
      request(), {"allocations": [route.PinLost(pool_pin("glm-a"))]},
-     ["ReadPin", "Allocate", "CheckMember(glm-a)", "Plan"], ("Forward", None, "pinned", "glm-a", ())),
+     ["ReadPin", "Allocate", "CheckMember(glm-a)", "Plan", "CheckReachable"], ("Forward", None, "pinned", "glm-a", ())),
     ("opening: pool exhausted past the wait -> 429 with retry-after, nothing sent",
      request(), {"allocations": [route.NotAllocated(429, "pool-exhausted", "every member …", 30)]},
      ["ReadPin", "Allocate"], ("Refuse", 429, "opening", "glm", ())),
@@ -114,38 +126,38 @@ CASES = [
      ["ReadPin", "Allocate"], ("Refuse", 503, "opening", "glm", ())),
     ("side request, no pin: where the allocator would send the opening, nothing pinned",
      request(facts(F.SIDE, api=F.ANTHROPIC_COUNT_TOKENS)), {"allocations": [route.Allocated("glm-a", NONE, "pool glm: round-robin → glm-a")]},
-     ["ReadPin", "Allocate", "Plan"], ("Forward", None, "side-current", "glm-a", ())),
+     ["ReadPin", "Allocate", "Plan", "CheckReachable"], ("Forward", None, "side-current", "glm-a", ())),
     ("subagent of a pinned conversation: follows the pin", request(facts(F.SUBAGENT, has_history=True)),
-     {"pin": pool_pin("glm-b")}, ["ReadPin", "CheckMember(glm-b)", "Plan"], ("Forward", None, "pinned", "glm-b", ())),
+     {"pin": pool_pin("glm-b")}, ["ReadPin", "CheckMember(glm-b)", "Plan", "CheckReachable"], ("Forward", None, "pinned", "glm-b", ())),
     ("pinned turn (hard): member fine -> its member", request(facts(F.CONTINUATION, has_history=True)),
-     {"pin": pool_pin("glm-a")}, ["ReadPin", "CheckMember(glm-a)", "Plan"], ("Forward", None, "pinned", "glm-a", ())),
+     {"pin": pool_pin("glm-a")}, ["ReadPin", "CheckMember(glm-a)", "Plan", "CheckReachable"], ("Forward", None, "pinned", "glm-a", ())),
     ("pinned turn on an exhausted member: 429 with the reset, never moved",
      request(facts(F.CONTINUATION, has_history=True)), {"pin": pool_pin("glm-a"), "checks": [EXHAUSTED]},
      ["ReadPin", "CheckMember(glm-a)"], ("Refuse", 429, "pinned", "glm-a", ())),
     ("pinned turn (hard) on an unreachable member: not moved (the router's connect check answers)",
      request(facts(F.CONTINUATION, has_history=True)), {"pin": pool_pin("glm-a"), "checks": [UNREACHABLE]},
-     ["ReadPin", "CheckMember(glm-a)", "Plan"], ("Forward", None, "pinned", "glm-a", ())),
-    ("pinned turn (hard), member removed from the config: 503, never moved",
+     ["ReadPin", "CheckMember(glm-a)", "Plan", "CheckReachable"], ("Forward", None, "pinned", "glm-a", ())),
+    ("pinned turn (hard), member removed from the config: 424, never moved",
      request(facts(F.CONTINUATION, has_history=True)), {"pin": pool_pin("glm-z")},
-     ["ReadPin"], ("Refuse", 503, "pinned-server-gone", None, ())),
+     ["ReadPin"], ("Refuse", 424, "pinned-server-gone", None, ())),
     ("soft: pinned member reachable -> stays", request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
-     {"pin": pool_pin("vllm-1", "local", F.PI)}, ["ReadPin", "CheckMember(vllm-1)", "Plan"],
+     {"pin": pool_pin("vllm-1", "local", F.PI)}, ["ReadPin", "CheckMember(vllm-1)", "Plan", "CheckReachable"],
      ("Forward", None, "pinned", "vllm-1", ())),
     ("soft: pinned member unreachable -> a clean miss, allocated afresh (move), checked, sent",
      request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [UNREACHABLE],
       "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
-     ["ReadPin", "CheckMember(vllm-1)", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan"],
+     ["ReadPin", "CheckMember(vllm-1)", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan", "CheckReachable"],
      ("Forward", None, "soft-move", "vllm-2", ())),
     ("soft: pinned member drained -> moved too", request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [route.MemberChecked(missing="drained")],
       "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
-     ["ReadPin", "CheckMember(vllm-1)", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan"],
+     ["ReadPin", "CheckMember(vllm-1)", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan", "CheckReachable"],
      ("Forward", None, "soft-move", "vllm-2", ())),
     ("soft: pinned member removed from the config -> moved, not refused",
      request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-9", "local", F.PI), "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
-     ["ReadPin", "Allocate(vllm-9)", "CheckMember(vllm-2)", "Plan"], ("Forward", None, "soft-move", "vllm-2", ())),
+     ["ReadPin", "Allocate(vllm-9)", "CheckMember(vllm-2)", "Plan", "CheckReachable"], ("Forward", None, "soft-move", "vllm-2", ())),
     ("soft: exhausted is deferred, not a miss", request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [EXHAUSTED]},
      ["ReadPin", "CheckMember(vllm-1)"], ("Refuse", 429, "pinned", "vllm-1", ())),
@@ -165,11 +177,11 @@ CASES = [
      request(facts(agent=F.PI)), {"checks": [UNREACHABLE],
                                   "allocations": [allocated("vllm-1", "local", F.PI),
                                                   allocated("vllm-2", "local", F.PI, rule="soft-move")]},
-     ["ReadPin", "Allocate", "CheckMember(vllm-1)", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan"],
+     ["ReadPin", "Allocate", "CheckMember(vllm-1)", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan", "CheckReachable"],
      ("Forward", None, "soft-move", "vllm-2", ())),
     ("a pin of a single server is not checked (no pool)", request(facts(F.CONTINUATION, has_history=True)),
      {"pin": Loaded(p := Pin(agent=F.CLAUDE_CODE, server="anthropic", since=NOW, renewed=NOW), pins.encode(p))},
-     ["ReadPin", "Plan"], ("Forward", None, "pinned", "anthropic", ())),
+     ["ReadPin", "Plan", "CheckReachable"], ("Forward", None, "pinned", "anthropic", ())),
 ]
 
 
@@ -201,6 +213,8 @@ def test_a_soft_move_compares_against_the_old_pin_and_says_why():
     s = route.step(s.state, moved)
     s = route.step(s.state, route.MemberChecked())
     s = route.step(s.state, route.Planned(OK))
+    assert s.effect == route.CheckReachable("vllm-2", "b.example", 443)   # another origin than addressed
+    s = route.step(s.state, route.Reachable())
     assert isinstance(s.effect, route.Forward)
     assert s.state.decision.why == "soft: vllm-1 unreachable → vllm-2"
     assert s.state.loaded.pin.server == "vllm-2"

@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from sessionpin.store import aio
+from sessionpin.store import WrongType, aio
+from sessionpin.store.base import WouldBlock
 from sessionpin.store.memory import MemoryStore
 
 
@@ -113,5 +114,118 @@ async def test_an_error_reaches_its_caller_and_the_lane_goes_on():
             await store.set("k")          # a wrong call, raised in the thread
         assert await store.set("k", "v") is True
         assert await store.get("k") == "v"
+    finally:
+        await store.close()
+
+
+# -- a single key's read on the caller's loop (file store: no thread hop) ------------------
+
+class LaneCalls:
+    """Counts what a facade sends to its reader thread."""
+
+    def __init__(self, store: aio.Threaded) -> None:
+        self.names: list[str] = []
+        real = store._readers.call
+
+        def call(fn, *args, **kw):
+            self.names.append(getattr(fn, "__name__", "?"))
+            return real(fn, *args, **kw)
+        store._readers.call = call
+
+
+async def opened(tmp_path, name="state.db"):
+    from sessionpin.store import open_store
+    store = open_store(f"file:{tmp_path / name}")
+    await store.set("pin:s", "glm")
+    await store.hset("seen:s", "requests", "3")
+    assert await store.get("pin:s") == "glm"      # the first read: on the thread, which opens the loop's connection
+    for _ in range(100):
+        if store.backend._now:
+            break
+        await asyncio.sleep(0.01)
+    return store
+
+
+async def test_a_file_store_answers_a_single_key_read_on_the_loop(tmp_path):
+    """A pinned turn's pin read: answered on the loop, no hop to the reader thread (fails
+    before: every read went to the thread)."""
+    store = await opened(tmp_path)
+    try:
+        lane = LaneCalls(store)
+        assert await store.get("pin:s") == "glm"
+        assert await store.get("pin:other") is None
+        assert await store.hgetall("seen:s") == {"requests": "3"}
+        assert await store.hget("seen:s", "requests") == "3"
+        with pytest.raises(WrongType):                  # a wrong type says so, as on the thread
+            await store.zscore("seen:s", "m")
+        assert store.now_reads == 4 and lane.names == []
+        await store.set("pin:s", "anthropic")
+        assert await store.get("pin:s") == "anthropic"  # it reads the file: the write just made
+        assert await store.mget(["pin:s"]) == ["anthropic"] and lane.names == ["mget"]   # several keys: the thread
+    finally:
+        await store.close()
+
+
+class Busy:
+    """A connection SQLite answers "busy" on (another process rebuilding the WAL index)."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def execute(self, *a):
+        import sqlite3
+        e = sqlite3.OperationalError("database is locked")
+        e.sqlite_errorcode = sqlite3.SQLITE_BUSY
+        raise e
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+async def test_a_read_that_would_wait_goes_to_the_thread_never_stalls_the_loop(tmp_path):
+    """The loop's connection never waits for a lock (busy timeout 0); where SQLite says busy
+    the read is asked again on the reader thread (which may wait): not a fault, not a stall."""
+    import threading
+    store = await opened(tmp_path)
+    try:
+        held = store.backend._now[threading.get_ident()]
+        assert held[0].execute("PRAGMA busy_timeout").fetchone()[0] == 0
+        store.backend._now[threading.get_ident()] = (Busy(held[0]), held[1])
+        with pytest.raises(WouldBlock):
+            store.backend.read_now("get", "pin:s")
+        store.backend._now[threading.get_ident()] = (Busy(held[0]), held[1])
+        lane = LaneCalls(store)
+        assert await store.get("pin:s") == "glm"
+        assert "get" in lane.names and store.backend._writer.rfaults.cause is None     # no fault said
+    finally:
+        await store.close()
+
+
+async def test_a_pin_read_on_a_loaded_machine_stays_on_the_loop(tmp_path):
+    """A read preempted midway (another process's turn on the CPU) is slow without having
+    waited for the disk: it must not send the reads to the thread."""
+    store = await opened(tmp_path)
+    try:
+        for _ in range(300):
+            assert await store.get("pin:s") == "glm"
+        assert aio._disk_reads() is None or store.slow_reads == 0
+        assert store.now_reads == 300 or aio._disk_reads() is None
+    finally:
+        await store.close()
+
+
+async def test_after_a_read_that_met_the_disk_reads_go_to_the_thread_for_a_while(tmp_path, monkeypatch):
+    store = await opened(tmp_path)
+    try:
+        reads = iter(range(1000))
+        monkeypatch.setattr(aio, "_disk_reads", lambda: next(reads))    # every read on the loop met the disk
+        lane = LaneCalls(store)
+        assert await store.get("pin:s") == "glm"
+        assert (store.now_reads, store.slow_reads, lane.names) == (1, 1, [])
+        assert await store.get("pin:s") == "glm"
+        assert (store.now_reads, lane.names) == (1, ["get"])    # cooling off: on the thread
+        store._now_after = 0.0                          # the cool-off is over
+        monkeypatch.setattr(aio, "_disk_reads", lambda: 7)
+        assert await store.get("pin:s") == "glm" and store.now_reads == 2
     finally:
         await store.close()

@@ -19,7 +19,7 @@ from redis_servers import shift_ttls, unique_prefix
 from stores import (file_url, is_redis, memory_url, raw_client, redis_cluster_url, redis_target,  # noqa: F401
                     redis_url, store_options, store_url)
 
-from sessionpin.store import (Check, Delete, HIncr, HSet, Set, Store, StoreError, WrongType, ZAdd, ZRem,
+from sessionpin.store import (Check, Delete, Expire, HIncr, HSet, Set, Store, StoreError, WrongType, ZAdd, ZRem,
                               open_store, open_sync_store)
 from sessionpin.store.memory import prefix_end
 
@@ -434,6 +434,22 @@ async def test_apply(store, clock, about):
     assert await store.get("x") is None
 
 
+async def test_apply_expire(store, clock, about):
+    """``Expire`` in an apply: the TTL of whatever the key holds then, absent keys untouched."""
+    await store.hset("h", "f", "1")
+    await store.zadd("z", "m", 1.0)
+    assert await store.apply([], [HIncr("h", "n", 2), Expire("h", 30), Expire("z", 10), Expire("none", 5),
+                                  Set("s", "v"), Expire("s", 20)]) is True
+    assert await store.hgetall("h") == {"f": "1", "n": "2"}
+    assert await store.ttl("h") == about(30) and await store.ttl("z") == about(10)
+    assert await store.ttl("s") == about(20)
+    assert await store.keys() == ["h", "s", "z"]
+    clock.advance(15)
+    assert await store.keys() == ["h", "s"]
+    with pytest.raises(StoreError):
+        Expire("h", 0)
+
+
 @pytest.mark.parametrize("bad", [
     [Set("a", "2"), HSet("a", "f", "v")],          # a's type is wrong from the start
     [Set("n", "1"), HSet("n", "f", "v")],          # n becomes a string, then is used as a hash
@@ -603,6 +619,7 @@ WRITES = st.one_of(
     st.builds(HIncr, KEYS, FIELDS, st.integers(-2, 2)),
     st.builds(ZAdd, KEYS, FIELDS, SCORES),
     st.builds(ZRem, KEYS, FIELDS),
+    st.builds(Expire, KEYS, st.sampled_from([1.0, 2.5])),
 )
 OPS = st.one_of(
     st.tuples(st.just("set"), KEYS, VALUES, TTLS, st.booleans()),

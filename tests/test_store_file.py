@@ -437,7 +437,7 @@ def test_garbage_is_set_aside_twice_never_overwritten(tmp_path, caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="sessionpin.store.file"):
             s = open_sync_store(f"file:{path}")
-        # the first starts empty; the second is rebuilt from the journal the first wrote
+        # the first starts empty; the second is rebuilt from the copy the first wrote
         assert s.keys() == ([] if round_ == 0 else ["fresh"])
         s.set("fresh", str(round_), durable=True)
         s.close()

@@ -106,3 +106,43 @@ async def test_a_copy_carries_the_identity_and_accepts_the_one_it_replaced():
     finally:
         await src.close()
         await dst.close()
+
+
+def test_evictions_grown_since_last_seen_whole_are_counted_until_settled():
+    # this machine never saw a count: taken as it is (first sight of the store's counts)
+    assert ident.evictions({}, {}, {"r1": 40}) == (0, {"r1": 40})
+    # nobody can tell (a file store, INFO refused): nothing changes
+    assert ident.evictions({"r1": 40}, {}, None) == (0, {"r1": 40})
+    # the count grew: keys lost, and the count remembered is not moved on
+    assert ident.evictions({"r1": 40}, {}, {"r1": 45}) == (5, {"r1": 40})
+    # the operator settled 45 (accept-loss, or a restore): nothing more; then 2 more
+    assert ident.evictions({"r1": 40}, {"r1": 45}, {"r1": 45}) == (0, {"r1": 45})
+    assert ident.evictions({"r1": 40}, {"r1": 45}, {"r1": 47}) == (2, {"r1": 45})
+    # a restarted server (a run_id this machine never saw, when it saw others) counts from 0
+    assert ident.evictions({"r1": 40}, {}, {"r2": 3}) == (3, {"r1": 40, "r2": 0})
+    assert ident.evictions({"r1": 40}, {}, {"r2": 0}) == (0, {"r1": 40, "r2": 0})
+    # CONFIG RESETSTAT: a count below the remembered one is remembered as it is; a settled
+    # count above the count now is of before the reset and does not hide later evictions
+    assert ident.evictions({"r1": 40}, {"r1": 45}, {"r1": 2}) == (0, {"r1": 2})
+    assert ident.evictions({"r1": 2}, {"r1": 45}, {"r1": 9}) == (7, {"r1": 2})
+    # a cluster: per node
+    assert ident.evictions({"a": 1, "b": 5}, {}, {"a": 1, "b": 6}) == (1, {"a": 1, "b": 5})
+    # a node that did not answer this time keeps its count (not "never seen" when it is back)
+    assert ident.evictions({"a": 1, "b": 5}, {}, {"a": 1}) == (0, {"b": 5, "a": 1})
+    assert ident.evictions({"b": 5, "a": 1}, {}, {"a": 1, "b": 5}) == (0, {"a": 1, "b": 5})
+
+
+def test_judge_evictions_takes_a_new_store_as_it_is_and_says_what_was_evicted():
+    r = ident.Remembered("redis://h:1/0", "abc", 3, 1_700_000_000.0, {"r1": 1})
+    found = ident.Identity(id="abc", created=1.0)
+    assert ident.judge_evictions("redis://h:1/0", ident.NEW, None, None, {"r1": 9}) == (0, {"r1": 9}, "")
+    assert ident.judge_evictions("redis://h:1/0", ident.FIRST, r, found, {"r1": 9})[:2] == (0, {"r1": 9})
+    grown, keep, message = ident.judge_evictions("redis://h:1/0", ident.OK, r, found, {"r1": 9})
+    assert (grown, keep) == (8, {"r1": 1})
+    assert "store redis://h:1/0 may have lost pins: Redis evicted 8 keys since 2023-11-14 22:13:20 UTC" in message
+    assert "sessionpin store accept-loss --store redis://h:1/0" in message
+    assert "sessionpin store copy BACKUP redis://h:1/0" in message
+    assert "noeviction in the server's configuration file" in message
+    # old memory files and identities (no counts) still read
+    assert ident._mem_decoder.decode(b'{"store":"x","id":"y"}').evicted == {}
+    assert ident.decode_identity('{"id":"y","created":1.0}').evicted == {}

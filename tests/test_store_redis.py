@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from redis_servers import shared_cluster, shared_server, shift_ttls, unique_prefix
-from sessionpin.store import (Check, Delete, HIncr, HSet, Set, Store, StoreError, WrongType, ZAdd, ZRem,
+from sessionpin.store import (Check, Delete, Expire, HIncr, HSet, Set, Store, StoreError, WrongType, ZAdd, ZRem,
                               open_store, open_sync_store)
 from sessionpin.store.redisstore import RedisStore
 from sessionpin.store.redisurl import parse
@@ -111,6 +111,24 @@ async def test_basics_and_prefix(target):
         assert await other.keys() == [] and await other.get("a") is None
         await other.close()
         assert s.describe()["durable"] is True and s.describe()["health"] == "ok"
+    finally:
+        await s.close()
+
+
+async def test_what_redis_evicted_is_read_per_node_by_run_id(target):
+    """Issue 18: ``evicted_keys`` of the server, or of every node of a cluster, by run_id
+    (read by the first call and by ``watch``; the store identity judges it)."""
+    s = open_store(target.url(unique_prefix()))
+    try:
+        await s.get("a")                                    # the first call reads it with the version
+        first = s.describe()["durability"]["evicted_keys"]
+        nodes = 3 if hasattr(target, "nodes") else 1         # every primary (and the replicas it knows)
+        assert isinstance(first, dict) and len(first) >= nodes and all(
+            isinstance(k, str) and len(k) == 40 and isinstance(v, int) and v >= 0 for k, v in first.items())
+        await s.watch()
+        assert s.evicted == first == await s.evictions()
+        if not hasattr(target, "nodes"):
+            assert list(first) == [s.describe()["durability"]["run_id"]]
     finally:
         await s.close()
 
@@ -258,7 +276,7 @@ DURABLE = st.booleans()
 WRITE = st.one_of(
     st.builds(Set, KEYS, VALUES, TTLS), st.builds(Delete, ANY), st.builds(HSet, HKEYS, FIELDS, VALUES),
     st.builds(HIncr, HKEYS, FIELDS, st.integers(-3, 3)), st.builds(ZAdd, ZKEYS, MEMBERS, SCORES),
-    st.builds(ZRem, ZKEYS, MEMBERS))
+    st.builds(ZRem, ZKEYS, MEMBERS), st.builds(Expire, ANY, st.sampled_from([1.0, 2.5])))
 OPS = st.one_of(
     st.tuples(st.just("set"), KEYS, VALUES, TTLS, st.booleans(), DURABLE),
     st.tuples(st.just("get"), ANY),

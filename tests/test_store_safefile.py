@@ -71,6 +71,7 @@ def test_a_link_at_a_store_file_s_name_is_refused_at_open(tmp_path, which):
     path = a_store(tmp_path)
     target = tmp_path / "victim"
     target.write_bytes(b"precious\n")
+    target.chmod(0o644)                 # (whatever the umask: the check below is that nothing changed it)
     f = names(path)[which]
     if f.exists():
         f.unlink()

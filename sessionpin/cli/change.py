@@ -285,8 +285,9 @@ def cmd_servers_remove(ctx: Ctx, args: argparse.Namespace) -> int:
             active = sum(1 for r in pinned if r.seen.last >= now - HOUR)
             err(f"{plural(len(pinned), 'running conversation')} {'is' if len(pinned) == 1 else 'are'} pinned to "
                 f"{name} ({detail}; {active} active in the last hour).")
-            err(f"Once {name} is removed the proxy refuses their requests with 503, naming {name}, until each is "
-                f"moved (`sessionpin move SESSION SERVER`) or forgotten (`sessionpin forget SESSION`). "
+            err(f"Once {name} is removed the proxy refuses their requests with 424 (an error no agent retries), "
+                f"naming {name}, until each is moved (`sessionpin move SESSION SERVER`) or forgotten "
+                f"(`sessionpin forget SESSION`). "
                 f"They are never moved by themselves. List them: `sessionpin sessions --server {name}`.")
         if came:
             err(f"{plural(len(came), 'running conversation')} began addressed to {name} and "
@@ -301,6 +302,6 @@ def cmd_servers_remove(ctx: Ctx, args: argparse.Namespace) -> int:
     write_config(ctx, new_text)
     out(f"Removed server {name} from {ctx.config_path}.")
     if pinned:
-        out(f"{plural(len(pinned), 'conversation')} pinned to {name} now get 503 until moved or forgotten: "
+        out(f"{plural(len(pinned), 'conversation')} pinned to {name} now get 424 until moved or forgotten: "
             f"`sessionpin sessions --server {name}`.")
     return 0

@@ -12,7 +12,8 @@ Rules it keeps:
   of it (``store.identity``): a new one is remembered, one that lost what it held fails
   the command with what was lost and what to run — except for the commands that show it
   or decide about it (``lost_ok``: status, doctor, store; and use, which changes only the
-  config and then says the loss).
+  config and then says the loss). On Redis, keys it evicted since this machine last saw the
+  store whole (its ``evicted_keys``) are such a loss too.
 - Every store change a command makes is compare-and-set against the pin it showed the
   operator (``pins.move``/``pins.forget`` with what ``resolve`` read): a pin that changed
   meanwhile is not overwritten — the command says so.
@@ -137,9 +138,27 @@ class Ctx:
             if not self.lost_ok:
                 raise Fail(s.message)
             return
+        evicted = remembered.evicted if remembered is not None else {}
+        if hasattr(store, "evictions"):     # Redis: did it evict keys since this machine last looked?
+            try:
+                counts = self.run(store.evictions())
+            except StoreError:
+                if not self.lost_ok:
+                    raise
+                counts = None
+            grown, evicted, message = identity.judge_evictions(store.url, s.kind, remembered, s.identity, counts)
+            if grown:
+                s = self.settled = identity.Settled(identity.EVICTED, s.identity, s.raw, message)
+                try:
+                    self.run(identity.record_loss(store, remembered, f"the CLI (pid {os.getpid()})", now))
+                except StoreError:
+                    pass
+                if not self.lost_ok:
+                    raise Fail(s.message)
+                return
         try:
             n = sum(c[0] for c in self.run(pins.counts(store, now)).values())
-            memory.save(identity.Remembered(store.url, s.identity.id, n, now))
+            memory.save(identity.Remembered(store.url, s.identity.id, n, now, evicted))
         except (StoreError, OSError):
             pass                        # remembering is best effort here; the proxy remembers too
 

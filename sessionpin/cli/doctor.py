@@ -61,7 +61,7 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
             add("proxy", "ok", f"answering at {p.url} (pid {p.pid})")
     if not live and not store_ok:
         add("proxy", "warn", "not looked for: proxies announce themselves in the store, which cannot be read "
-            "(a proxy that runs refuses in-scope requests with 503 until it can)")
+            "(a proxy that runs refuses in-scope requests with 424 until it can)")
     elif not live:
         add("proxy", "FAIL", f"not answering: {proxy.why}; start it with `sessionpin run`"
             + (f" --store {ctx.store_shown}" if "uses" in proxy.why else ""))
@@ -235,7 +235,7 @@ def _keys(ctx: Ctx, cfg: configmod.Config, proxy, add) -> None:
                 "starts, then restart the proxy")
     for name, n in sorted((s, n) for s, n in counts.items() if s is not None and s not in cfg.servers and n):
         add(f"pins {name}", "warn", f"{plural(n, 'conversation')} pinned to {name}, which is not configured: "
-            f"their requests get 503; move or forget them (`sessionpin sessions --server {name}`)")
+            f"their requests get 424; move or forget them (`sessionpin sessions --server {name}`)")
 
 
 def _unrouted(proxy, add) -> None:

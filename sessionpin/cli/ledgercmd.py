@@ -57,7 +57,7 @@ LEDGER_COLUMNS = ("TOKENS", "CACHE READ", "COST")
 
 def ledger_cells(ctx: Ctx, sessions: list[str]) -> dict[str, list[str]]:
     """The ledger's columns of ``sessions`` (TOKENS, CACHE READ, COST) of the sessions that have a
-    ledger: one read each."""
+    ledger: one store call per 500."""
     store = ctx.store()
     if store is None:
         return {}
@@ -82,7 +82,7 @@ def ledger_json(ctx: Ctx, sessions: list[str]) -> dict[str, dict | None]:
 
 
 async def _summaries(store, sessions: list[str]) -> dict[str, ledger.Summary | None]:
-    return {s: await ledger.load(store, s) for s in sessions}
+    return await ledger.load_many(store, sessions)
 
 
 def _summary_json(cfg: Config, s: ledger.Summary) -> dict:
@@ -129,7 +129,7 @@ def cmd_show(ctx: Ctx, args: argparse.Namespace) -> int:
                    "turns": [{"t": t.t, "lane": t.lane, "kind": t.kind, "server": t.server, "model": t.model,
                               "id": t.id, "tokens": _usage_json(t.usage), "limit": t.limit,
                               "cache_efficiency": t.efficiency, "miss": t.miss, "reason": t.reason or None,
-                              "detail": t.detail or None} for t in turns]})
+                              "detail": t.detail or None, "cut": t.cut} for t in turns]})
         return 0
     u = s.usage
     cost, missing = _cost(cfg, s.by)
@@ -152,6 +152,8 @@ def cmd_show(ctx: Ctx, args: argparse.Namespace) -> int:
             verdict = "first turn"
         else:
             verdict = "hit"
+        if t.cut:
+            verdict += ", cut short"
         grid.append([ago(t.t, now), t.lane, t.server, t.model, tokens(t.usage.input), tokens(t.usage.cache_read),
                      tokens(t.usage.cache_write), tokens(t.usage.output),
                      f"{100 * t.efficiency:.0f}%" if t.efficiency is not None else "-", verdict])

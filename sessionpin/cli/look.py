@@ -80,7 +80,7 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
         key = (f"${s['key_env']} " + ("set" if s["key_set"] else "NOT SET")) if s["key_env"] else "the agent's own"
         grid.append([s["name"], s["url"], key, str(s["pinned"]), str(s["active_last_hour"])])
     for m in missing:
-        grid.append([m["name"], "(not configured: its requests get 503)", "-", str(m["pinned"]),
+        grid.append([m["name"], "(not configured: its requests get 424)", "-", str(m["pinned"]),
                      str(m["active_last_hour"])])
     grid.append(["(not routed)", "-", "-", str(nr_pinned), str(nr_active)])
     for row in table(grid):
@@ -148,8 +148,8 @@ def _print_sessions(ctx: Ctx, args: argparse.Namespace, batches: Iterator[list[R
     if args.json:
         array = JsonArray()
         for rows in itertools.chain([head], _flushed(batches)):
-            # the ledger's summary of each row: one read each, so only while the rows are few
-            spent = {} if streamed else ledger_json(ctx, [r.session for r in rows])
+            # the ledger's summary of each row: one store call per batch of rows, streamed too
+            spent = ledger_json(ctx, [r.session for r in rows])
             for r in rows:
                 array.add(r.as_json() | ({"ledger": spent[r.session]} if spent.get(r.session) else {}))
         array.close()
@@ -162,7 +162,8 @@ def _print_sessions(ctx: Ctx, args: argparse.Namespace, batches: Iterator[list[R
         return 0
     # the PARENT column, when a listed one is a fork (always, when rows stream: a fork may come later)
     forks = streamed or any(r.pin.parent for r in head)
-    # the ledger's columns (one read a row): when the rows are few and one of them has a ledger
+    # the ledger's columns (a store call per 500 rows): when the rows are few (the header is
+    # printed before later rows are read) and one of them has a ledger
     spent = {} if streamed else ledger_cells(ctx, [r.session for r in head])
     grid = [["SESSION", "AGENT", "SERVER", "WHY", *(["PARENT"] if forks else []), "PINNED", "LAST SEEN", "REQUESTS",
              *(LEDGER_COLUMNS if spent else ())]]

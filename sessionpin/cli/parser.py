@@ -126,8 +126,8 @@ def parser() -> Parser:
     st = c.add_subparsers(dest="store_command", metavar="copy|accept-loss", parser_class=Parser)
     a = st.add_parser("accept-loss", parents=[common], allow_abbrev=False,
                       help="start over on a store that lost what it held (proxies refuse until then)",
-                      description="A store that came back empty, with another identity, or without pins a proxy "
-                                  "served is refused by every proxy that remembers it. This accepts the loss: "
+                      description="A store that came back empty, with another identity, without pins a proxy "
+                                  "served, or that Redis evicted keys from is refused by every proxy that remembers it. This accepts the loss: "
                                   "the store keeps what it holds now, and proxies route again within a second "
                                   "(a conversation whose pin was lost is decided afresh). To restore instead, "
                                   "copy a backup in: `sessionpin store copy BACKUP URL`.")

@@ -17,7 +17,10 @@ Rules it keeps:
 - The store's identity (``store.identity``) is not copied as a key: TO takes FROM's, and
   accepts the one it had (a restore brings back the store the proxies remember; TO's own
   keys are still there). A TO its proxies found lost is a restore: no ``--force`` needed.
-- ``store accept-loss``: start over on a store that lost what it held (docs/store.md).
+- A Redis TO's eviction count (``evicted_keys``), read before the copy, is settled in its
+  identity: the keys it evicted until then are back as far as FROM had them (a restore).
+- ``store accept-loss``: start over on a store that lost what it held (docs/store.md),
+  Redis' evictions until the command read its count included.
 """
 
 from __future__ import annotations
@@ -46,24 +49,33 @@ def cmd_store_accept_loss(ctx: Ctx, args: argparse.Namespace) -> int:
     store = ctx.need_store()
     memory = identity.Memory(ctx.store_url)
     now = time.time()
+    # Redis' eviction count, read first: what it evicted until now is accepted, not what it evicts later
+    evicted = ctx.run(store.evictions()) if hasattr(store, "evictions") else None
+    remembered = memory.load()
+    was, _ = ctx.run(identity.read(store))
+    evictions = identity.evictions(remembered.evicted if remembered else {}, was.evicted if was else {},
+                                   evicted)[0] if remembered is not None else 0
     dropped = ctx.run(pins.drop_lost(store, now))     # index entries of lost pins: decided afresh
-    new, accepted, partial = ctx.run(identity.accept_loss(store, memory.load(), now))
+    new, accepted, partial = ctx.run(identity.accept_loss(store, remembered, now, evicted))
     partial = max(partial, dropped)
     n = sum(c[0] for c in ctx.run(pins.counts(store, now)).values())
     try:
-        memory.save(identity.Remembered(store.url, new.id, n, now))
+        memory.save(identity.Remembered(store.url, new.id, n, now, dict(evicted or {})))
     except OSError as e:
         raise Fail(f"accepted, but cannot write what this machine remembers of {store.url} ({memory.path}): "
                    f"{e.strerror or e}") from None
     if args.json:
-        dump_json({"store": store.url, "identity": new.id, "accepted": accepted, "lost_pins": partial, "pins": n})
+        dump_json({"store": store.url, "identity": new.id, "accepted": accepted, "lost_pins": partial, "pins": n,
+                   "evicted_keys": evictions})
         return 0
-    if accepted or partial:
+    if accepted or partial or evictions:
         what = []
         if accepted:
             what.append(f"the store{'s' if len(accepted) > 1 else ''} it was before ({', '.join(accepted)})")
         if partial:
             what.append(f"{plural(partial, 'lost pin')} reported by proxies")
+        if evictions:
+            what.append(f"the {plural(evictions, 'key')} Redis evicted")
         out(f"Accepted the loss of {' and '.join(what)} in {store.url}: it is store {new.id} now, holding "
             f"{plural(n, 'pin')}.")
     else:
@@ -123,10 +135,13 @@ async def _copy(src: Store, dst: Store, force: bool):
     if dst_proxies and not force and not await identity.losses(dst):
         return None, src_proxies, dst_proxies
     src_identity, _ = await identity.read(src)
+    # what a Redis TO evicted until now is settled by the copy (a restore brings it back)
+    evicted = await dst.evictions() if hasattr(dst, "evictions") else None
     # the store's own keys (its identity, its losses) are not data: the identity is carried below
     counts = await copy(src, dst, exclude=[HEARTBEAT_PREFIX, "store:"])
     await pins.reindex(dst)         # TO's own pins keep their index entries (a lost pin's trace)
     await identity.carry(dst, src_identity)
+    await identity.settle_evictions(dst, evicted)
     return counts, src_proxies, dst_proxies
 
 

@@ -6,12 +6,14 @@ Modules, each with the rules it keeps in its docstring:
 algorithm), ``observe`` (real responses), ``refresh`` (one background cycle), ``prober``
 (the only network code), ``service`` (what the addon calls), ``report`` (CLI/status views).
 
-``MANAGER`` is the one pool of the process. It lives in this module, not in the addon
-script, so an edited ``addons/route.py`` that mitmproxy re-executes finds the same
-service: the old addon's ``done()`` detaches (the refresh loop is cancelled, an in-flight
-probe puts its claimed spare back), the new addon's ``load/configure`` attach and its
-``running()`` starts one loop again, which first waits for the old one to finish. Spares
-live in the store and credentials and schedules on the service, so nothing is lost.
+A ``Manager`` is the one pool of a proxy. It is kept on mitmproxy's master
+(``manager_of``, called by ``PoolOptions.load``), not in a module global nor in the addon
+script, so an edited ``addons/route.py`` that mitmproxy re-executes (new addons, the same
+master) finds the same service: the old addon's ``done()`` detaches (the refresh loop is
+cancelled, an in-flight probe puts its claimed spare back), the new addon's
+``load/configure`` attach and its ``running()`` starts one loop again, which first waits
+for the old one to finish. Spares live in the store and credentials and schedules on the
+service, so nothing is lost. Two proxies in one process (tests) have two pools.
 
 The pool keeps its own handle on the router's store (same URL, opened again for a
 ``file:`` store): the router closes its handle in ``done()``, before a cancelled probe has
@@ -27,7 +29,9 @@ from .options import OPTIONS, PoolConfig, parse
 from .service import PoolService, Route
 from ..store.base import Store
 
-__all__ = ["MANAGER", "Manager", "OPTIONS", "PoolConfig", "PoolService", "Route", "parse"]
+__all__ = ["Manager", "OPTIONS", "PoolConfig", "PoolService", "Route", "manager_of", "parse"]
+
+MASTER_ATTR = "sessionpin_pool_manager"   # where a proxy's Manager is kept on mitmproxy's master
 
 
 class Manager:
@@ -88,4 +92,11 @@ class Manager:
         self.__init__()
 
 
-MANAGER = Manager()
+def manager_of(master: object) -> Manager:
+    """The pool manager of the proxy ``master`` runs (made on first use): the master
+    outlives a script reload, the addons do not."""
+    manager = getattr(master, MASTER_ATTR, None)
+    if manager is None:
+        manager = Manager()
+        setattr(master, MASTER_ATTR, manager)
+    return manager

@@ -16,7 +16,9 @@ Hooks, in the order mitmproxy drives them:
   connections go. A shell that drives the participant without ``PoolOptions`` passes the
   same values.
 - ``configure_store(store)`` (called by the router when its store opens): with both a
-  config and a store, attach to ``pool.MANAGER`` (the same service after a reload).
+  config and a store, attach to the proxy's ``pool.Manager`` (``PoolOptions.load`` takes it
+  from mitmproxy's master: the same service after a reload; a participant driven without
+  it makes its own).
 - ``running()``: start the refresh loop (sync). ``done()``: detach (sync).
 - ``request(flow, facts, decision)``: after the router decided; the request's *current*
   URL decides the scope, so a request the router sent elsewhere is left alone. When the
@@ -35,7 +37,7 @@ import asyncio
 import logging
 from typing import Any
 
-from . import MANAGER, report
+from . import Manager, manager_of, report
 from .options import OPTIONS, PoolConfig, parse
 from .service import HEADER, PoolService, Route, scope_of
 from .upstream import UPSTREAM_OPTIONS
@@ -48,8 +50,8 @@ META = "sessionpin_pool"
 class PoolParticipant:
     name = "pool"        # its key under "participants" in /__sessionpin/status
 
-    def __init__(self, manager=MANAGER) -> None:
-        self.manager = manager
+    def __init__(self, manager: Manager | None = None) -> None:
+        self._manager = manager     # None: the proxy's, from PoolOptions.load (else its own, on first use)
         self.cfg: PoolConfig | None = None
         self.store = None
         self.service: PoolService | None = None
@@ -57,6 +59,17 @@ class PoolParticipant:
         self._observing: set[asyncio.Task] = set()   # referenced until done, so none is collected mid-way
 
     # ---- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def manager(self) -> Manager:
+        if self._manager is None:
+            self._manager = Manager()
+        return self._manager
+
+    def adopt(self, manager: Manager) -> None:
+        """Use the proxy's manager (``PoolOptions.load``), unless one was given or already used."""
+        if self._manager is None:
+            self._manager = manager
 
     def configure(self, values: dict[str, Any]) -> None:
         self.cfg = parse(values)
@@ -162,6 +175,7 @@ class PoolOptions:
         for o in OPTIONS:
             loader.add_option(o.name, o.type, o.default, o.help)
         self._options = loader.master.options
+        self.participant.adopt(manager_of(loader.master))
 
     def configure(self, updated: set[str]) -> None:
         if self._options is None or not any(n.startswith("sessionpin_pool") or n in UPSTREAM_OPTIONS

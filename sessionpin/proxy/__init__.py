@@ -1,5 +1,6 @@
 """The mitmproxy shell: the only package that imports mitmproxy. Each module's docstring
-lists the rules it keeps (router.py still keeps a few the stepper should: issue 21).
+lists the rules it keeps (the request path's rules are the stepper's, ``sessionpin.route``;
+router.py performs its effects).
 
 ``make_addons()`` lists its addons, each a file to read in one sitting, in the order
 mitmproxy runs their hooks:
@@ -22,11 +23,12 @@ mitmproxy runs their hooks:
 | ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
 | ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
 
-They share state by reference, handed over here. Two objects are the process's, not an
-addon's: ``defaults.DECISIONS``, the decision lines gathered per turn of the event loop
-for the process's stdout, and ``sessionpin.pool.MANAGER``, the OpenCode id pool, which
-outlives a script reload (its docstring says why). ``tests/test_package.py`` checks that
-the shell and the pool keep no other module-level state.
+They share state by reference, handed over here: the decision lines (a ``DecisionLog``,
+gathered per turn of the event loop for stdout) are the tree's, written by ``Router`` and
+pointed by ``Defaults``. No state is the process's: the OpenCode id pool's manager is kept
+on mitmproxy's master by ``PoolOptions.load`` (a script reload builds the addons anew on
+the same master, and finds the same pool: ``sessionpin.pool`` says why it must).
+``tests/test_package.py`` checks that the shell and the pool keep no module-level state.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .allocations import Allocations
 from .browsers import PageGuard
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
-from .defaults import Defaults
+from .defaults import DecisionLog, Defaults
 from .limits import BodyLimit
 from .ledgerwatch import LedgerMetrics, LedgerWatch
 from .lineagewatch import LineageWatch
@@ -67,11 +69,13 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
     runtime = StoreRuntime(env)
     connect = ConnectCheck(config)
     metrics = Metrics()
+    decisions = DecisionLog()
     allocations = Allocations(config, runtime, connect)
     ledger = LedgerWatch(runtime)     # after LineageWatch: it chains onto that addon's stream reader
     participants = [LedgerMetrics(ledger), *participants, allocations]
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
-    router = Router(config, runtime, connect, metrics, participants, env, allocations)
+    router = Router(config, runtime, connect, metrics, participants, env, allocations, decisions)
+    ledger.bodies = router.bodies     # one body reader process: the router's facts, the ledger's shapes
     router.lineage = watch = LineageWatch(runtime)
     metrics.lineage = watch.counts
     runtime.config_path = lambda: str(config.path) if config.path else None
@@ -80,7 +84,7 @@ def make_addons(participants: list[Any] | None = None, env=None) -> list[object]
         if hasattr(p, "configure_store"):
             runtime.on_store(p.configure_store)
     lifecycle = [_Lifecycle(participants)] if participants else []
-    return [Defaults(), config, runtime, connect, BodyLimit(metrics), PageGuard(config, metrics), status, router,
+    return [Defaults(decisions), config, runtime, connect, BodyLimit(config, metrics), PageGuard(config, metrics), status, router,
             watch, WebSocketModels(), SocketTurns(runtime), SocketBounds(), ledger, *lifecycle, *extra, _Options(allocations)]
 
 

@@ -29,7 +29,6 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ReverseMode
 
 from .. import answers, headers
-from .. import facts as F
 from .configwatch import ConfigWatch
 from .router import INTERNAL_PREFIX
 
@@ -74,7 +73,8 @@ class PageGuard:
         why = headers.from_web_page(req.headers.items(multi=True), self.allowed)
         if why is None or not self._guarded(flow):
             return
-        api = F.api_of("POST", req.path)       # the error format its path's API reads
+        # the error format its API reads, by the router's own rule (config.Config.scope)
+        api = self.config.config.scope("POST", req.scheme, req.host, req.port, req.path)[1].api
         message = (f"sessionpin: a web page's request ({why}) may not use this proxy; it was not sent. "
                    "An operator who wants this page to use it adds its origin to sessionpin_allow_origins.")
         body, hs = answers.refusal(api, 403, KIND, message)

@@ -12,7 +12,8 @@ Rules it keeps:
   that address is open (an open connection means it is up; a server that went down
   closes its connections).
 - The check starts early, when a client opens a tunnel to a configured server or sends
-  a model request's headers to one, so it runs while the client finishes sending —
+  the headers of a request the router takes as inference (``config.Config.scope``, the
+  router's own rule), so it runs while the client finishes sending —
   not between the request and the upstream connect. A check of the same client
   connection, started less than ``FRESH`` seconds before and successful, stands once.
 - A client connection's checks are dropped when it closes.
@@ -42,7 +43,6 @@ from collections import Counter
 from mitmproxy import ctx, http
 from mitmproxy.proxy import mode_specs
 
-from .. import facts as F
 from .configwatch import ConfigWatch
 
 log = logging.getLogger("sessionpin")
@@ -107,7 +107,10 @@ class ConnectCheck:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         req = flow.request
-        if self.moved and F.api_of(req.method, req.path) in F.INFERENCE_APIS:
+        # the router's own scope rule (``config.Config.scope``): a server written
+        # ``…/api/paas/v4`` has its requests checked early as it has them routed
+        if self.moved and self.config.config.scope(req.method, req.scheme, req.host, req.port,
+                                                   req.path)[1].inference:
             self._start(flow.client_conn.id)
 
     def _start(self, client: str) -> None:

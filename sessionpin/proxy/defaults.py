@@ -9,7 +9,7 @@ Rules it keeps:
 - One line per decision: mitmproxy's connection chatter ("client connect", "server
   disconnect …", and "Streaming response from …" for each streamed answer) is dropped
   unless ``sessionpin_connection_log`` is on; decision lines, timestamped as mitmproxy's own
-  (``[15:37:40.960] sessionpin: …``, local time; ``DECISIONS``), go to the terminal directly (``sessionpin_decision_log=terminal``, the
+  (``[15:37:40.960] sessionpin: …``, local time; a ``DecisionLog`` the addon tree shares), go to the terminal directly (``sessionpin_decision_log=terminal``, the
   default) — gathered and written once per turn of the event loop, not through Python's
   logging and mitmproxy's log event, which every addon receives: a cost paid per request
   (docs/benchmarks.md) — or into mitmweb's event log (``eventlog``), or nowhere (``off``).
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 import sys
 import time
 
@@ -80,12 +82,83 @@ def stamp(t: float) -> str:
     return f"[{time.strftime('%H:%M:%S', time.localtime(t))}.{int(t * 1000) % 1000:03d}] "
 
 
-DECISIONS = DecisionLog()
 _no_chatter = _NoChatter()
 
 
+def private_umask() -> None:
+    """What the proxy creates from here on is private whatever the umask it was started with
+    (issue 20; ``sessionpin run`` sets it before ``exec``, a hand-started mitmdump gets it when
+    this addon loads)."""
+    old = os.umask(0o077)
+    os.umask(old | 0o077)
+
+
+CA_FILES = "mitmproxy-"     # the confdir's files mitmproxy makes: the CA, its key, dhparam
+
+
+def private_confdir(confdir: str) -> list[str]:
+    """mitmproxy's confdir 0700 and its CA files 0600, whatever the umask it was made under.
+
+    A hand-started mitmdump makes its confdir before any script loads, under the caller's
+    umask: mitmproxy writes the private key under a private umask, but the directory and the
+    certificates get the caller's (0777 and 0666 under ``umask 000``: anyone could put another
+    CA in place, or replace the directory's files). Only bits are taken away; nothing is
+    followed through a symlink (the directory and each file are opened ``O_NOFOLLOW`` and
+    changed through that descriptor); what another user owns is left alone and said. Returns
+    what was changed (names), for the log line. Never raises."""
+    changed: list[str] = []
+    try:
+        fd = os.open(os.path.expanduser(confdir), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return changed          # absent, not a directory, or a symlink: not ours to change
+    try:
+        if _private(fd, 0o700, "."):
+            changed.append(".")
+        for name in os.listdir(fd):
+            if not name.startswith(CA_FILES):
+                continue
+            try:
+                f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=fd)
+            except OSError:
+                continue        # a symlink or unreadable: left as it is
+            try:
+                if stat.S_ISREG(os.fstat(f).st_mode) and _private(f, 0o600, name):
+                    changed.append(name)
+            finally:
+                os.close(f)
+    except OSError as e:
+        log.warning("sessionpin: could not make mitmproxy's confdir %s private: %s", confdir, e)
+    finally:
+        os.close(fd)
+    return changed
+
+
+def _private(fd: int, mode: int, name: str) -> bool:
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        log.warning("sessionpin: %s in mitmproxy's confdir belongs to another user (uid %d); left as it is",
+                    name, st.st_uid)
+        return False
+    now = stat.S_IMODE(st.st_mode)
+    if now & ~mode == 0:
+        return False
+    os.fchmod(fd, now & mode)
+    return True
+
+
 class Defaults:
+    def __init__(self, decisions: DecisionLog | None = None) -> None:
+        self.decisions = decisions if decisions is not None else DecisionLog()   # the router writes to it
+
     def load(self, loader) -> None:
+        private_umask()
+        try:
+            confdir = ctx.options.confdir
+        except (AttributeError, KeyError):   # pragma: no cover - options not there (a bare test)
+            confdir = None
+        if confdir and (changed := private_confdir(confdir)):
+            log.info("sessionpin: mitmproxy's confdir %s made private (0700, its files 0600): %s",
+                     confdir, ", ".join(changed))
         loader.add_option(
             "sessionpin_connection_log", bool, False,
             "sessionpin: show mitmproxy's client/server connect and disconnect lines.",
@@ -108,9 +181,9 @@ class Defaults:
             else:
                 server_log.addFilter(_no_chatter)
         if "sessionpin_decision_log" in updated:
-            DECISIONS.flush()
-            DECISIONS.mode = ctx.options.sessionpin_decision_log
+            self.decisions.flush()
+            self.decisions.mode = ctx.options.sessionpin_decision_log
 
     def done(self) -> None:
-        DECISIONS.flush()
+        self.decisions.flush()
         logging.getLogger("mitmproxy.proxy.server").removeFilter(_no_chatter)

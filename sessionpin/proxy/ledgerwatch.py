@@ -6,8 +6,10 @@ Rules it keeps (``sessionpin.ledger`` holds the rules of the figures, docs/ledge
   answer as it passes (the reader is chained after any stream callable already set, every
   chunk returned unchanged and undelayed), a buffered one from its body once complete, and
   Codex's socket from each server message (one turn per ``response.completed``).
-- After the answer, the request's prompt shape is read (``promptshape.shape``, digests only)
-  and the turn is assessed against the previous turn of its lane: this proxy's memory first,
+- After the answer, the request's prompt shape is read (``promptshape.shape``, digests only;
+  from ``SHAPE_OFF_LOOP_MIN`` in the router's body reader process, ``offprocess.BodyProcess``:
+  a digest per message of a two-million-message history held every other client for
+  seconds; past ``bodyreader.MAX_SHAPE_ITEMS`` messages there is no shape) and the turn is assessed against the previous turn of its lane: this proxy's memory first,
   else the lane's last turn in the store (another proxy's, or before a restart).
 - The flow's comment gains the turn's tokens and cache read (``… | in 12.3k out 420 cache 97%``,
   and the miss's reason; a socket's comment, its latest turn's); the metadata gains ``ledger``.
@@ -39,9 +41,11 @@ from ..usage import APIS, FIELDS, Read, UsageReader
 from .exposition import family, joined
 from .otelspans import KINDS as OTEL_KINDS
 from .otelspans import Spans
+from .offprocess import BodyProcess
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
+SHAPE_OFF_LOOP_MIN = 256 * 1024   # bytes: a request's prompt shape is read in the body reader's process from here
 
 MAX_WATCHED = 10_000
 MAX_LANES = 2_000
@@ -106,8 +110,10 @@ class LedgerWatch:
         self._failing = False
         self._written: dict[str, int] = {}   # batches written per conversation (when to trim its turns)
         self._renewed: dict[str, float] = {}  # when this proxy last renewed a conversation's TTL
+        self._digests: promptshape.Seen = {}   # message digests already worked out (bounded)
         self.spans: Spans | None = None      # OpenTelemetry, when sessionpin_otel names an exporter
         self._otel = ""
+        self.bodies: BodyProcess | None = None   # the router's body reader (make_addons): a large prompt's shape
 
     # ---- options ----------------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -156,28 +162,59 @@ class LedgerWatch:
         except Exception:
             log.exception("sessionpin: ledger: cannot watch a response")
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    def response(self, flow: http.HTTPFlow):
+        """Sync for every answer but one whose request is large: its shape is read in the body
+        reader's process and the hook returns that awaitable (mitmproxy awaits it)."""
         w = self._watched.pop(flow.id, None)
         if w is None or w.reader is None:
             self._request_span(flow, None)
-            return
+            return None
         try:
             resp = flow.response
             if resp is not None and not resp.stream and resp.raw_content:
                 w.reader.whole = False
                 w.reader.body(resp.raw_content)
             read = w.reader.result()
+            ended = time.time()                                   # the answer just ended
             req = flow.request
-            shape = promptshape.shape(req.raw_content, w.api, req.headers.get("content-encoding", "")) \
-                if read.usage is not None else None
-            self._turn(flow, w, read, shape, time.time())        # the answer just ended
+            raw, encoding = req.raw_content, req.headers.get("content-encoding", "")
+            if read.usage is not None and raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
+                return self._large(flow, w, read, ended, raw, encoding)      # never on the event loop
+            shape = promptshape.shape(raw, w.api, encoding, self._digests) if read.usage is not None else None
+            self._turn(flow, w, read, shape, ended)
         except Exception:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
         self._request_span(flow, None)          # (nothing when it gave a turn: that has its span)
+        return None
 
-    def error(self, flow: http.HTTPFlow) -> None:
-        self._watched.pop(flow.id, None)
+    async def _large(self, flow: http.HTTPFlow, w: _Watched, read: Read, ended: float, raw: bytes,
+                     encoding: str, cut: bool = False) -> None:
+        try:
+            assert self.bodies is not None
+            shape = await self.bodies.shape(raw, w.api, encoding)
+            self._turn(flow, w, read, shape, ended, cut=cut)
+        except Exception:
+            log.exception("sessionpin: ledger: cannot read an answer's usage")
+        self._request_span(flow, flow.error.msg if cut and flow.error else None)
+
+    def error(self, flow: http.HTTPFlow):
+        # An answer cut short (the client went away, the connection broke) was still billed for
+        # what the server had reported by then (Anthropic states a turn's input and cache use
+        # in its first event): recorded as such, marked cut. Nothing reported: no turn.
+        w = self._watched.pop(flow.id, None)
+        if w is not None and w.reader is not None:
+            try:
+                read = w.reader.result()
+                if read.usage is not None:
+                    raw, encoding = flow.request.raw_content, flow.request.headers.get("content-encoding", "")
+                    if raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
+                        return self._large(flow, w, read, time.time(), raw, encoding, cut=True)
+                    self._turn(flow, w, read, promptshape.shape(raw, w.api, encoding, self._digests), time.time(),
+                               cut=True)
+            except Exception:
+                log.exception("sessionpin: ledger: cannot read a cut answer's usage")
         self._request_span(flow, flow.error.msg if flow.error else "error")
+        return None
 
     def _request_span(self, flow: http.HTTPFlow, error: str | None) -> None:
         """The span of a decided request that gave no turn (OpenTelemetry on only)."""
@@ -209,7 +246,7 @@ class LedgerWatch:
             msg = flow.websocket.messages[-1]
             if msg.from_client:
                 if msg.is_text and b'"response.create"' in msg.content[:200]:
-                    w.shape = promptshape.shape(msg.content, w.api)
+                    w.shape = promptshape.shape(msg.content, w.api, seen=self._digests)
                     w.started = msg.timestamp
                 return
             read = w.reader.message(msg.content)
@@ -244,14 +281,15 @@ class LedgerWatch:
             self._watched.popitem(last=False)
         return w
 
-    def _turn(self, flow: http.HTTPFlow, w: _Watched, read: Read, shape, ended: float | None) -> None:
+    def _turn(self, flow: http.HTTPFlow, w: _Watched, read: Read, shape, ended: float | None,
+              cut: bool = False) -> None:
         if read.usage is None:
             self.unread += 1
             return
         model = read.model or (shape.model if shape is not None else "") or ""
         lane = f"side:{model}"[:ledger.MAX_LANE] if w.lane == "side" else w.lane
         turn = ledger.Turn(t=ended or time.time(), api=w.api, lane=lane, kind=w.kind, server=w.server, model=model,
-                           id=(read.id or "")[:200], usage=read.usage)
+                           id=(read.id or "")[:200], usage=read.usage, cut=cut)
         held = self._lanes.get((w.session, lane))
         if held is not None:
             turn = ledger.assess(turn, w.started, shape, held[0], held[1], read.diagnostic)
@@ -261,12 +299,14 @@ class LedgerWatch:
         note = f"{_k(u.input)} out {_k(u.output)} cache {u.cache_read * 100 // u.input if u.input else 0}%"
         if turn.miss:
             note += f" miss: {turn.reason}" + (f" ({turn.detail})" if turn.detail else "")
+        if cut:
+            note += " (cut short)"
         # a socket carries many turns: its comment shows the latest one's figures
         base = flow.comment.split(_NOTE, 1)[0] if flow.comment else ""
         flow.comment = f"{base}{_NOTE}{note}" if base else f"in {note}"
         meta = flow.metadata.setdefault("sessionpin", {})
         meta["ledger"] = {"lane": lane, "model": model, **{f: getattr(u, f) for f in FIELDS},
-                          "limit": turn.limit, "miss": turn.miss, "reason": turn.reason}
+                          "limit": turn.limit, "miss": turn.miss, "reason": turn.reason, "cut": cut}
         if self.spans is not None:
             try:
                 renamed = meta.get("model")       # [as the client asked, as the server was sent]

@@ -8,8 +8,10 @@ never buffered, to a sink of our own on loopback, which reads the body, drops it
 answers the 413 this addon prepared in the agent's API error format.
 
 Rules it keeps:
-- Only inference-shaped POSTs (an inference endpoint path, ``paths.api_of_path``) are
-  checked; other traffic passes as mitmproxy passes it.
+- Only the POSTs the router would take as inference are checked, by the router's own rule
+  (``config.Config.scope``: the configured server the request addresses and its API base,
+  so ``/api/paas/v4/chat/completions`` to a server written ``…/api/paas/v4`` is bounded as
+  it is routed); other traffic passes as mitmproxy passes it.
 - Nothing of the request reaches any server: its credentials are removed before it is
   sent to the sink, and the sink keeps nothing.
 - Each 413 is counted in the router's metrics (``sessionpin_refusals_total{reason="too-large"}``).
@@ -35,8 +37,9 @@ import secrets
 import h11
 from mitmproxy import ctx, exceptions, http
 
-from .. import answers, headers, paths
+from .. import answers, headers
 from .. import facts as F
+from .configwatch import ConfigWatch
 
 log = logging.getLogger("sessionpin")
 
@@ -45,7 +48,8 @@ MIB = 1024 * 1024
 
 
 class BodyLimit:
-    def __init__(self, metrics=None) -> None:
+    def __init__(self, config: ConfigWatch, metrics=None) -> None:
+        self.config = config            # the router's scope rule reads the configured servers
         self.metrics = metrics          # the router's Metrics: a 413 is a refusal like the others
         self._server: asyncio.AbstractServer | None = None
         self._port = 0
@@ -105,9 +109,10 @@ class BodyLimit:
         length = req.headers.get("content-length")
         if length is not None and not F.body_too_large(length, limit):
             return                          # the common case: judged by its length, nothing more
-        api = paths.api_of_path(req.method, req.path)
-        if api == paths.OTHER:
+        scope = self.config.config.scope(req.method, req.scheme, req.host, req.port, req.path)[1]
+        if not scope.inference:
             return
+        api = scope.api
         if length is None:
             self._hold(flow, api, limit)
             return

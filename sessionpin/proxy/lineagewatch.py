@@ -29,7 +29,8 @@ Rules it keeps:
 - Only ids and hashes; records are not durable and never delay a request or a response.
 - Bounded: at most ``MAX_WATCHED`` responses are watched at once (the oldest dropped); the
   reads waiting for the thread are bounded in number and bytes (``OffLoop.submit``: over it
-  the record is skipped and counted).
+  the record is skipped and counted). They gather for ``GATHER`` and go to the thread
+  together: one hop per batch, not one per request with history.
 - Records are written in batches, a tenth of a second after the first of them (a hop to
   the store's writer thread per response cost more than the rest of this addon), one
   store write at a time: while a write waits (a
@@ -63,6 +64,7 @@ MAX_PENDING = 10_000
 MAX_ROOTS = 10_000       # roots recorded lately, remembered so a conversation's turns do not rewrite them
 REFRESH = 24 * 3600.0    # seconds: a root recorded this long ago is written again (its entry lives 30 days)
 FLUSH_DELAY = 0.1        # seconds records gather before a write: one thread wakeup for many responses
+GATHER = 0.05            # seconds the reads of roots and heads gather before one hop to their thread
 _CHAINED = (F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES)
 
 
@@ -94,7 +96,7 @@ class LineageWatch:
         self.runtime = runtime
         self.recorded = 0            # records written
         self.dropped = 0             # records dropped: the store could not keep up, or failed
-        self.reads = OffLoop("lineage-records")
+        self.reads = OffLoop("lineage-records", gather=GATHER)
         self._watched: OrderedDict[str, _Watched] = OrderedDict()
         self._roots: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # (agent, root) -> (session, when)
         self._pending: deque[list[Write]] = deque()

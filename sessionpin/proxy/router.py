@@ -1,17 +1,13 @@
 """Router: runs the request stepper (``sessionpin.route``) on each flow.
 
-One request: ``facts.read`` → ``route.begin`` → perform each effect (a pin read, the
-rewrite plan, a durable pin write) and feed its answer back with ``route.step`` → answer
-the flow as the last step says (forward rewritten, leave alone, refuse) → comment, 📌,
-metadata, one log line. The stepper decides where a request goes; a few rules are still
-kept here, in the shell (issue 21 moves them into the stepper), and are listed below with
-the rest: the ambiguous-path 400, the unreachable 502, the redirect 502, the lineage read
-(``_lineage_of``), the rewrite plan (``_plan``) and the participants' turn after the
-decision (the OpenCode id pool). Rules this module keeps:
-
-- A request addressed to a configured server (or whose path looks like inference) whose
-  path is ambiguous (dot segments, encoded slashes…) is refused 400 in the format of the
-  API its path names, and sent nowhere.
+One request: ``route.ambiguous`` → ``facts.read`` → ``route.begin`` → perform each effect
+(a pin read, the request's bytes for the rewrite plan, a durable pin write, a connect
+check) and feed its answer back with ``route.step`` → answer the flow as the last step
+says (forward rewritten, leave alone, refuse) → comment, 📌, metadata, one log line. The
+rules of where a request goes, and of what it is answered, are the stepper's (route.py
+lists them: the ambiguous path, the unreachable server and the redirect among them); the
+participants' turn after the decision (the OpenCode id pool) is still the shell's. Rules
+this module keeps, about performing and showing:
 
 - An inference request of a known agent either leaves decided and rewritten as a whole,
   or is answered here in its API's error format (``sessionpin.answers``): an exception
@@ -20,22 +16,22 @@ decision (the OpenCode id pool). Rules this module keeps:
 - A large body's lineage (its links and its history's root, when a rule needs them) is read
   on a thread of the router's own (``offloop.OffLoop``), bounded per request by the reader's
   budget: the request waits for it, every other client's bytes do not.
+- A large body's facts (from ``FACTS_OFF_LOOP_MIN``) are read in a process of the router's own
+  (``offprocess.BodyProcess``): a whole-body decode is one long C call holding the GIL, so a
+  thread would not spare the event loop. A small body's are read inline (no hop).
 - A store that lost what it held (``StoreGuard``) routes nothing: every request that would
   read or write a pin is refused (503 naming the store and the loss), and nothing is
   written over the loss.
 - Store calls go through the store's async facade; the pin's renewal, a title's memory
   and a "not routed" pin are written after the request left (never waited for).
-- Before a request is sent to a server the router moved requests to, with no open
-  connection to it, ``ConnectCheck`` tries a TCP connect; an unreachable server is named
-  to the agent (session, server, address) instead of mitmproxy's HTML 502.
+- ``CheckReachable`` is ``ConnectCheck``'s: with no open connection to that server it tries
+  a TCP connect, riding out a blip.
 - Streamed responses (SSE, NDJSON, and any routed response without a length) pass
   through as they arrive: ``responseheaders`` turns streaming on.
 - A participant (the OpenCode id pool) that returns a ``Refuse`` from its ``request`` gets
   it answered like the router's own refusals; the request is not sent.
-- A redirect answered by a server the request was moved to is not passed on: the agent
-  would follow it with its own key (to another host, or to that server's origin, where
-  requests keep the agent's headers). It gets a 502 naming the server and the host the
-  redirect pointed to.
+- A redirect the stepper refuses (``route.redirect_refused``) is held, not streamed, and
+  answered in ``response`` with its 502.
 """
 
 from __future__ import annotations
@@ -47,20 +43,20 @@ import secrets
 import time
 from collections import Counter
 from typing import Any, Mapping
-from urllib.parse import unquote
 
 from mitmproxy import ctx, http
 from mitmproxy.net.http import url
 
-from .. import allocate, answers, ladder, lineage, lineindex, paths, pins, rewrite, route
+from .. import answers, ladder, lineindex, pins, rewrite, route
 from .. import facts as F
 from ..ids import short
 from ..store import StoreError
 from . import websocket
 from .allocations import Allocations
 from .configwatch import ConfigWatch
-from .defaults import DECISIONS
+from .defaults import DecisionLog
 from .offloop import OffLoop
+from .offprocess import BodyProcess
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
 from .unrouted import Unrouted
@@ -71,8 +67,9 @@ INTERNAL_PREFIX = "/__sessionpin/"
 TITLE_PREFIX = "title:"
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/ndjson", "application/jsonl",
                 "application/stream+json")
-REDIRECTS = frozenset({301, 302, 303, 307, 308})
 OFF_LOOP_MIN = 256 * 1024  # bytes: a body's lineage is read on a thread from here (a hop costs ~0.1 ms)
+FACTS_OFF_LOOP_MIN = 256 * 1024   # bytes: a body's facts are read in the body reader's process from here
+                                 # (a whole-body decode of tiny messages: ~70 ms per MiB on this loaded machine)
 STORE_READS = (route.ReadPin, route.ReadTitle, route.FindConversation, route.FindParent)
 STORE_RETRY_STEP = 0.2     # seconds between reads while riding out a store's blip
 STORE_DOWN_FOR = 10.0      # seconds a store that failed a whole budget is said at once
@@ -95,8 +92,10 @@ class Metrics:
 class Router:
     def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
                  participants: list[Any] | None = None, env: Mapping[str, str] | None = None,
-                 allocations: Allocations | None = None) -> None:
+                 allocations: Allocations | None = None, decisions: DecisionLog | None = None,
+                 bodies: BodyProcess | None = None) -> None:
         self.config = config
+        self.decisions = decisions if decisions is not None else DecisionLog()   # Defaults sets where lines go
         self.allocations = allocations or Allocations(config, runtime, connect)   # server pools' effects
         self.runtime = runtime
         self.connect = connect
@@ -105,6 +104,7 @@ class Router:
         self.env = env if env is not None else os.environ
         self.lineage = None          # a LineageWatch, set by make_addons: it records what forks name
         self.reads = OffLoop("lineage-request", workers=2)    # a large body's lineage, off the event loop
+        self.bodies = bodies or BodyProcess()    # a large body's facts, in a process of its own
         self._background: set[asyncio.Task] = set()
         self._store_down: float | None = None   # when a store read last failed a whole budget (monotonic)
 
@@ -117,6 +117,7 @@ class Router:
 
     def done(self) -> None:
         self.reads.close()
+        self.bodies.close()
 
     # ---- the request hook -------------------------------------------------------------------
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -128,27 +129,20 @@ class Router:
         facts: F.Facts | None = None
         decision: ladder.Decision | None = None
         try:
-            source = self.config.config.server_for(req.scheme, req.host, req.port, req.path)
-            scope = paths.scope(req.method, req.path, source.prefix if source else None)
-            if scope.refuse and (source is not None or _looks_inference(req.path)):
-                # ambiguous (dot segments, encoded slashes…): never routed, never sent under
-                # another server's key — and not sent where it might mean something else
-                self._refuse(flow, None, route.Refuse(400, "ambiguous-path", (
-                    f"sessionpin: the request path is ambiguous ({scope.refuse}); it was not sent. "
-                    "Inference requests must use a plain path such as /v1/messages.")),
-                    api=_api_looked_like(req.path))
+            # the one scope rule (BodyLimit and ConnectCheck ask the same: config.Config.scope)
+            source, scope = self.config.config.scope(req.method, req.scheme, req.host, req.port, req.path)
+            if refusal := route.ambiguous(req.path, scope.refuse, source is not None):
+                self._refuse(flow, None, refusal)
                 return
             if not scope.inference and source is not None and req.method == "POST":
                 self.metrics.unrouted.note(source, req.method, req.path)   # said once, never silent
             if scope.inference:
-                facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
-                               req.headers.get("content-encoding"), api=scope.api)
+                facts = await self._facts(req, scope.api)
                 decision = await self._route(flow, facts, source)
             elif websocket.is_upgrade(req):
                 decision = await self._websocket(flow)
             elif any(_wants(p, req) for p in self.participants):
-                facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
-                               req.headers.get("content-encoding"))
+                facts = await self._facts(req, None)
         except Exception as e:
             if facts is None or facts.agent not in F.AGENTS:
                 log.exception("sessionpin: passing %s through after an error", req.pretty_host)
@@ -170,10 +164,22 @@ class Router:
                         self._refuse(flow, facts, refusal)
                         return
 
+    async def _facts(self, req: http.Request, api: str | None) -> F.Facts:
+        """The request's facts: read here for a small body (no hop: most requests are a few KB),
+        in the body reader's process for a large one (never on the event loop, nor on a thread,
+        which would hold the GIL in the same long C calls)."""
+        raw, encoding = req.raw_content, req.headers.get("content-encoding")
+        if raw is not None and len(raw) >= FACTS_OFF_LOOP_MIN:
+            return await self.bodies.facts(req.method, req.url, req.headers.fields, raw, encoding, api)
+        return F.read(req.method, req.url, req.headers.fields, raw, encoding, api=api)
+
     async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:
         cfg = self.config.config
         nonce = secrets.token_hex(4) if facts.session_source == "fingerprint" else ""
-        s = route.begin(route.Request(facts=facts, source=source, config=cfg, now=time.time(), nonce=nonce))
+        req = flow.request
+        s = route.begin(route.Request(facts=facts, source=source, config=cfg, now=time.time(), nonce=nonce,
+                                      scheme=req.scheme, host=req.host, port=req.port, path=req.path,
+                                      upgrade=websocket.is_upgrade(req), env=self.env))
         while not s.done:
             s = route.step(s.state, await self._perform(flow, s.state, s.effect))
         await self._finish(flow, s)
@@ -182,15 +188,22 @@ class Router:
     async def _perform(self, flow: http.HTTPFlow, state: route.State, effect: route.Effect) -> route.Event:
         store = self.runtime.store
         if isinstance(effect, route.Plan):
-            return route.Planned(self._plan(flow, state, effect.target))
+            req = flow.request
+            body = req.get_content(strict=False) if effect.body else None
+            return route.Planned(route.plan(state, effect, tuple(req.headers.items(multi=True)), body))
+        if isinstance(effect, route.CheckReachable):
+            where = (effect.host, effect.port)
+            self.connect.moved_to(where, effect.target)
+            return route.Reachable(await self.connect.reachable(flow.client_conn.id, where))
         if isinstance(effect, (route.CreatePin, route.Allocate)):
             self.metrics.pin_writes += 1
         if isinstance(effect, route.ReadLineage):
             req = flow.request
             raw, encoding = req.raw_content, req.headers.get("content-encoding", "")
             if raw is not None and len(raw) >= OFF_LOOP_MIN:      # never on the event loop
-                return await self.reads.run(_lineage_of, req.headers.fields, raw, encoding, state.request.facts.api)
-            return _lineage_of(req.headers.fields, raw, encoding, state.request.facts.api)
+                return await self.reads.run(route.lineage_of, req.headers.fields, raw, encoding,
+                                            state.request.facts.api)
+            return route.lineage_of(req.headers.fields, raw, encoding, state.request.facts.api)
         guard = self.runtime.guard
         if store is not None:
             try:
@@ -269,53 +282,16 @@ class Router:
         msg = f"{store.url}: {e}" if store.url not in str(e) else str(e)
         return route.NotSaved(msg) if isinstance(effect, route.CreatePin) else route.StoreFailed(msg)
 
-    def _plan(self, flow: http.HTTPFlow, state: route.State, target_name: str) -> rewrite.Changes:
-        req = flow.request
-        r = state.request
-        config = allocate.snapshot(r.config, state.loaded.pin)    # a pool pin's model map
-        target = config.servers.get(target_name)
-        body = None
-        upgrade = websocket.is_upgrade(req)     # no body: each message's model is renamed as it passes
-        model = None if upgrade else r.facts.model
-        if target is not None and model is not None and target.map_model(model) != model:
-            body = req.get_content(strict=False)
-        view = rewrite.RequestView(
-            scheme=req.scheme, host=req.host, port=req.port, path=req.path,
-            headers=tuple(req.headers.items(multi=True)), body=body, api=r.facts.api, model=model,
-            unreadable=None if r.facts.parsed else r.facts.reason, model_span=r.facts.model_span,
-        )
-        source = allocate.addressed_as(config, r.source, target_name)   # pool members sharing one URL
-        return rewrite.plan(state.decision, view, source, config, self.env)
-
     async def _finish(self, flow: http.HTTPFlow, s: route.Step) -> None:
         state, effect = s.state, s.effect
-        facts, decision = state.request.facts, state.decision
+        facts = state.request.facts
         if isinstance(effect, route.Refuse):
-            self._decided(flow, state, None, refused=effect)
+            self._decided(flow, state, effect.changes, refused=effect)
             self._refuse(flow, facts, effect)
             return
         changes = effect.changes if isinstance(effect, route.Forward) else None
         if changes is not None:
-            req = flow.request
-            moved = (changes.host, changes.port) != (req.host, req.port)
-            if moved and decision.target:
-                self.connect.moved_to((changes.host, changes.port), decision.target)
-                err = await self.connect.reachable(flow.client_conn.id, (changes.host, changes.port))
-                if err is not None:
-                    server = state.request.config.servers.get(decision.target)
-                    session = state.session or facts.session
-                    # The budget to ride out a blip is spent: answered so no agent retries for
-                    # minutes (answers.NO_RETRY_STATUS; docs/traffic.md has each client's rules).
-                    refusal = route.Refuse(answers.NO_RETRY_STATUS, "unreachable", (
-                        f"sessionpin: server {decision.target} ({server.origin if server else '?'}, "
-                        f"{changes.host}:{changes.port}) cannot be reached: {err}. {facts.agent} session "
-                        f"{session} is pinned to {decision.target} and stays there: send it again once "
-                        f"{decision.target} is back (`sessionpin status` shows it), or move the conversation "
-                        f"(`sessionpin move {short(session)} SERVER`)."))
-                    self._decided(flow, state, changes, refused=refusal)
-                    self._refuse(flow, facts, refusal)
-                    return
-            _apply(req, changes)
+            _apply(flow.request, changes)
         for after in s.after:
             self._later(after)
         self._decided(flow, state, changes)
@@ -349,7 +325,8 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     # ---- answering and showing ---------------------------------------------------------------
-    def _refuse(self, flow: http.HTTPFlow, facts: F.Facts | None, r: route.Refuse, api: str | None = None) -> None:
+    def _refuse(self, flow: http.HTTPFlow, facts: F.Facts | None, r: route.Refuse) -> None:
+        api = r.api
         if api is None:
             api = facts.api if facts and facts.api in F.INFERENCE_APIS else F.api_of("POST", flow.request.path)
         meta = flow.metadata.setdefault("sessionpin", {})
@@ -358,12 +335,17 @@ class Router:
             # On the agent's screen the session is its short id (what `sessionpin sessions` shows
             # and `move` takes): pi retries an error whose text holds "429", "500"…"504", which a
             # long hex id often does. The log line keeps the whole id.
-            for sid in sorted({meta.get("session"), facts.session if facts else None} - {None}, key=len, reverse=True):
+            ids = {meta.get("session"), meta.get("parent"), facts.session if facts else None} - {None, ""}
+            for sid in sorted(ids, key=len, reverse=True):
                 message = message.replace(sid, short(sid))
-        body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
-        status = r.status
-        if status == answers.NO_RETRY_STATUS and websocket.is_upgrade(flow.request):
-            status = answers.NO_RETRY_UPGRADE_STATUS     # Codex: to HTTPS now, not seven upgrades first
+        if r.status == answers.NO_RETRY_STATUS:
+            # as each agent shows it at once: Codex's 400 in plain text, an upgrade's 426 (Codex:
+            # to HTTPS now, not seven upgrades first), everyone else's 424
+            status, body, headers = answers.no_retry(facts.agent if facts else F.UNKNOWN_AGENT, api, r.kind,
+                                                     message, upgrade=websocket.is_upgrade(flow.request))
+        else:
+            status = r.status
+            body, headers = answers.refusal(api, r.status, r.kind, message, r.retry_after)
         flow.response = http.Response.make(status, body, headers)
         self.metrics.refusals[r.kind] += 1
         meta.update({"refused": r.status, "refusal": r.kind, "message": r.message})
@@ -418,17 +400,17 @@ class Router:
             else:
                 self.runtime.seen(session, facts.agent, counted, r.now)
 
-        if DECISIONS.on and refused is None:      # a refusal's one line is its warning (``_refuse``)
+        if self.decisions.on and refused is None:      # a refusal's one line is its warning (``_refuse``)
             model = f" model {changes.model[0]}→{changes.model[1]}" if changes is not None and changes.model else ""
             source = r.source.name if r.source else flow.request.pretty_host
-            DECISIONS.write(f"sessionpin: {facts.agent} {turn} {sid} {source} → {where} [{d.rule}: {why}]{model}")
+            self.decisions.write(f"sessionpin: {facts.agent} {turn} {sid} {source} → {where} [{d.rule}: {why}]{model}")
 
     # ---- responses ---------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         resp = flow.response
         if resp is None:
             return
-        if resp.status_code in REDIRECTS and flow.metadata.get("sessionpin", {}).get("moved"):
+        if route.redirect_refused(resp.status_code, flow.metadata.get("sessionpin")):
             return   # buffered: ``response`` answers it instead
         if not resp.stream:
             ctype = resp.headers.get("content-type", "").lower()
@@ -447,7 +429,7 @@ class Router:
     def response(self, flow: http.HTTPFlow) -> None:
         meta = flow.metadata.get("sessionpin")
         resp = flow.response
-        if resp is None or not meta or not meta.get("moved") or resp.status_code not in REDIRECTS:
+        if resp is None or not route.redirect_refused(resp.status_code, meta):
             return
         location = resp.headers.get("location", "")
         try:
@@ -455,12 +437,8 @@ class Router:
                 if "://" in location else (flow.request.host + " (same origin)")
         except ValueError:
             target_host = "an unreadable address"
-        refusal = route.Refuse(502, "redirect", (
-            f"sessionpin: server {meta.get('target')} answered {resp.status_code} redirecting to {target_host}; "
-            f"sessionpin does not pass a redirect on from a server it moved a request to (the agent would "
-            f"follow it with its own key). {meta.get('agent')} session {meta.get('session')} stays on "
-            f"{meta.get('target')}."))
-        api = meta.get("api") or F.api_of("POST", flow.request.path)
+        refusal = route.redirect_refusal(resp.status_code, target_host, meta)
+        api = refusal.api or F.api_of("POST", flow.request.path)
         body, headers = answers.refusal(api, refusal.status, refusal.kind, refusal.message)
         flow.response = http.Response.make(refusal.status, body, headers)
         meta.update({"refused": 502, "refusal": "redirect", "message": refusal.message})
@@ -492,30 +470,6 @@ def _option(name: str, default: int) -> int:
         return int(getattr(ctx.options, name))
     except (AttributeError, KeyError, ValueError, TypeError):   # not loaded (a test's bare Router)
         return default
-
-
-def _lineage_of(headers: Any, raw: bytes | None, encoding: str, api: str) -> route.LineageRead:
-    """The links the request states and its history's root key (pure work on the body: run on a
-    thread for a large one)."""
-    signals = lineage.signals(headers, raw, encoding, api)
-    chain = lineage.chain(raw, api, turns=1, content_encoding=encoding)
-    return route.LineageRead(signals, chain.keys[0] if chain.keys else None)
-
-
-def _looks_inference(path: str) -> bool:
-    p = path.partition("?")[0].lower()
-    return any(e in p for e in ("/messages", "/chat/completions", "/responses"))
-
-
-def _api_looked_like(path: str) -> str:
-    """The api whose error format a refused ambiguous path gets: the one its last segments
-    name (``/../../v1/messages`` is Claude Code's, answered in Anthropic's format)."""
-    p = unquote(path.partition("?")[0]).lower()
-    for end, api in (("/messages/count_tokens", F.ANTHROPIC_COUNT_TOKENS), ("/messages", F.ANTHROPIC_MESSAGES),
-                     ("/chat/completions", F.OPENAI_CHAT), ("/responses", F.OPENAI_RESPONSES)):
-        if p.endswith(end):
-            return api
-    return F.OTHER
 
 
 def _wants(participant: Any, req: http.Request) -> bool:

@@ -18,6 +18,12 @@ Rules it keeps:
   per session. When the operator accepts the losses (the identity's
   ``accepted`` time moves on; a restore does not move it), the served pins missing then are forgotten (their conversations are decided
   afresh) and the others are still watched.
+- Evicted: on Redis, the server's count of evicted keys (``evicted_keys`` per ``run_id``,
+  read by the store's ``watch`` every 2 s, and at once on a continuation whose pin is
+  missing) grown since this machine last saw the store whole is a loss like the others:
+  Redis cannot say which keys went, and a pin evicted with its index entry reads as never
+  made. The count is remembered in the memory file, so a proxy started later catches it
+  too; ``accept-loss`` or a restore settles it (``identity.judge_evictions``).
 - The memory file is read and written off the event loop.
 """
 
@@ -29,6 +35,8 @@ import os
 import socket
 import time
 from typing import Any, Mapping
+
+import msgspec
 
 from .. import pins
 from ..served import Served
@@ -59,6 +67,7 @@ class StoreGuard:
         self._counted = 0.0
         self._made = 0
         self._accepted_at: float | None = None   # the identity's ``accepted`` when last read
+        self._whole_at = 0.0                  # when a check last found the store whole (wall clock)
         self.who = f"{socket.gethostname()}:{os.getpid()}"
 
     def use(self, store: Store, url: str) -> None:
@@ -66,7 +75,7 @@ class StoreGuard:
         self._store, self._url = store, url
         self._memory = ident.Memory(url, self.env)
         self._remembered, self._raw, self._settled, self._made = None, None, False, 0
-        self._accepted_at = None
+        self._accepted_at, self._whole_at = None, 0.0
         self.lost, self.kind = None, None
         self.served.clear()
 
@@ -95,7 +104,7 @@ class StoreGuard:
         if expected is None and not continuation:
             return None                     # an opening: a new conversation whatever the store says
         if store is self._store:
-            await self.check(store)         # a flushed store is seen by the request that meets it
+            await self.check(store, fresh=True)     # a flushed store is seen by the request that meets it
         if self.lost:
             return self.lost
         if expected is not None and self.served.expected(session, now) is None:
@@ -145,9 +154,11 @@ class StoreGuard:
             return
         r = self._remembered
         if n != r.pins or time.time() - r.seen >= 3600:
-            await self._remember(ident.Remembered(r.store, r.id, n, time.time()))
+            await self._remember(msgspec.structs.replace(r, pins=n, seen=time.time()))
 
-    async def check(self, store: Store) -> None:
+    async def check(self, store: Store, fresh: bool = False) -> None:
+        """Judge the store now (``fresh``: read Redis' eviction count first, not the last
+        ``watch``'s)."""
         async with self._lock:
             if store is not self._store:
                 return
@@ -156,12 +167,22 @@ class StoreGuard:
                 self._remembered = await asyncio.to_thread(self._memory.load)
             r = self._remembered
             if r is not None and self._made:
-                r = ident.Remembered(r.store, r.id, r.pins + self._made, r.seen)
+                r = msgspec.structs.replace(r, pins=r.pins + self._made)
+            if fresh and hasattr(store, "evictions"):
+                await store.evictions()     # a missing pin: what Redis evicted until now, not 2 s ago
             s = await ident.settle(store, store.url, r, time.time())
+            evicted = r.evicted if r is not None else {}
+            if s.kind not in ident.LOSSES:
+                grown, evicted, message = ident.judge_evictions(store.url, s.kind, r, s.identity,
+                                                                getattr(store, "evicted", None), self._whole_at)
+                if grown:                   # Redis evicted keys since: which, nobody can say
+                    s = ident.Settled(ident.EVICTED, s.identity, s.raw, message)
             accepted = s.identity.accepted if s.identity is not None and s.kind not in ident.LOSSES else None
+            decided = s.kind == ident.ACCEPTED
             if self._settled and accepted is not None and self._accepted_at is not None \
                     and accepted > self._accepted_at:
                 await self._accepted(store)  # the operator accepted the losses (accept-loss)
+                decided = True
             if accepted is not None:
                 self._accepted_at = accepted
             self._raw, self.kind = s.raw, s.kind
@@ -177,18 +198,19 @@ class StoreGuard:
                 return
             if self.lost is not None:
                 log.warning("sessionpin: store %s: %s; routing resumes", store.url,
-                            "the operator accepted its loss" if s.kind == ident.ACCEPTED else "it is whole again")
+                            "the operator accepted its loss" if decided else "it is whole again")
             self.lost = None
             if s.kind == ident.NEW:
                 log.info("sessionpin: store %s is new: its identity %s was made now", store.url, s.identity.id)
             elif s.kind == ident.FIRST:
                 log.warning("sessionpin: this machine has not used store %s before: it is taken as it is "
                             "(identity %s)", store.url, s.identity.id)
+            self._whole_at = time.time()
             if s.kind != ident.OK:
-                r = self._remembered
-                keep = r.pins if r is not None and s.kind == ident.OK else 0
-                await self._remember(ident.Remembered(store.url, s.identity.id, keep, time.time()))
+                await self._remember(ident.Remembered(store.url, s.identity.id, 0, time.time(), evicted))
                 self._counted = 0.0         # count its pins at the next tick
+            elif evicted != self._remembered.evicted:
+                await self._remember(msgspec.structs.replace(self._remembered, evicted=evicted))
 
     async def _accepted(self, store: Store) -> None:
         """The store's identity changed by the operator's hand: the pins missing now are the
@@ -211,7 +233,8 @@ class StoreGuard:
     def describe(self) -> dict[str, Any]:
         r = self._remembered
         return {"identity": r.id if r else None, "verdict": self.kind, "lost": self.lost,
-                "remembered_pins": r.pins if r else None, "served_pins": len(self.served),
+                "remembered_pins": r.pins if r else None, "evicted_keys_seen": r.evicted if r else None,
+                "served_pins": len(self.served),
                 "served_bound": self.served.bound, "partial_losses": self.partial,
                 "memory": str(self._memory.path) if self._memory and self._memory.path else None}
 

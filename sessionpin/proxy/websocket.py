@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 from mitmproxy import ctx, http
 
-from .. import allocate, paths, rewrite
+from .. import allocate, rewrite
 from .. import facts as F
 from ..config import Config, Server, map_model
 from ..ids import short
@@ -49,8 +49,8 @@ def is_upgrade(req: http.Request) -> bool:
 def upgrade_facts(config: Config, req: http.Request) -> tuple[F.Facts, Server | None] | None:
     """The facts of an upgrade the router decides (a known agent's, to a Responses endpoint),
     told by its headers (``facts.read_upgrade``), and the server it addresses; else None."""
-    source = config.server_for(req.scheme, req.host, req.port, req.path)
-    if paths.scope("POST", req.path, source.prefix if source else None).api != F.OPENAI_RESPONSES:
+    source, scope = config.scope("POST", req.scheme, req.host, req.port, req.path)
+    if scope.api != F.OPENAI_RESPONSES:
         return None
     facts = F.read_upgrade(req.url, req.headers.fields)
     return (facts, source) if facts.agent in F.AGENTS else None

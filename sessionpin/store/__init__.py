@@ -17,10 +17,10 @@ from pathlib import Path
 
 import platformdirs
 
-from .base import (Check, Delete, HIncr, HSet, NotDurable, Set, Store, StoreError, StoreUnavailable,
+from .base import (Check, Delete, Expire, HIncr, HSet, NotDurable, Set, Store, StoreError, StoreUnavailable,
                    StoreVersionError, SyncStore, WrongType, ZAdd, ZRem)
 
-__all__ = ["Check", "Delete", "HIncr", "HSet", "NotDurable", "Set", "Store", "StoreError", "StoreUnavailable",
+__all__ = ["Check", "Delete", "Expire", "HIncr", "HSet", "NotDurable", "Set", "Store", "StoreError", "StoreUnavailable",
            "StoreVersionError", "SyncStore", "WrongType", "ZAdd", "ZRem", "open_store", "open_sync_store",
            "default_store_url", "safe_url"]
 

@@ -4,13 +4,24 @@ Rules it keeps:
 - The facade owns its threads: a writer lane (a process's writes to one file are
   serialised here rather than in SQLite's lock) and a reader lane (a read takes
   microseconds: one thread keeps up, and a second would only fight the first for the GIL).
-  Nothing runs on the caller's event loop, so a write that waits for a lock held by
-  another process or for an fsync delays only the requests that need it.
+  Nothing that may wait runs on the caller's event loop, so a write that waits for a lock
+  held by another process or for an fsync delays only the requests that need it.
 - A lane is a queue and its threads that settle the caller's asyncio future directly
   (``call_soon_threadsafe``): a pin read is on every request's path, and the hop through
   ``concurrent.futures`` (its own future, a lock, a wrapped future) cost a third more.
 - Reads go to reader threads, never behind a write: a pinned turn's pin read does not
   wait for a new conversation's durable pin write.
+- A single key's read that the backend can answer without waiting (``read_now``: the
+  file store's, through a connection that never waits for a lock) is answered on the
+  caller's loop, with no hop at all: a pinned turn's pin read is ~10 µs of SQLite, its hop
+  to the reader thread and back cost more than that, and the GIL twice. Where it would
+  wait (``WouldBlock``) it goes to the reader thread, as every other read does. What a
+  lock cannot say is whether a page is in the OS's cache: a read on the loop that read
+  from the disk (the thread's block reads or major faults went up: ``getrusage``, Linux;
+  elsewhere a read that took longer than ``SLOW_READ``) sends the reads back to the reader
+  thread for ``COOL_OFF`` — a cold store costs the loop one disk read per ``COOL_OFF``,
+  not one per request. (Not wall time on Linux: on a loaded machine a read preempted
+  midway is slow without having waited for anything.)
 - ``Inline`` is the same surface without threads, for the memory store: its calls hold
   a lock for microseconds and touch no file, so a thread hop would cost more than them.
 - ``close`` closes the backend on the writer thread (after the writes queued before it),
@@ -22,11 +33,28 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections import deque
 from typing import Any, Callable
 
-from .base import READS, WRITES, SyncStore
+from .base import READS, WRITES, SyncStore, WouldBlock
 
+SLOW_READ = 0.002     # seconds: without getrusage, a read on the loop this slow met the disk (a warm one: ~10 µs)
+COOL_OFF = 10.0       # seconds of reads on the reader thread after one that met the disk
+
+try:
+    import resource
+    _RUSAGE_THREAD: int | None = resource.RUSAGE_THREAD   # (Linux)
+except (ImportError, AttributeError):
+    _RUSAGE_THREAD = None
+
+
+def _disk_reads() -> int | None:
+    """Reads from the disk this thread has made (blocks read, major page faults); None: unknown."""
+    if _RUSAGE_THREAD is None:
+        return None
+    r = resource.getrusage(_RUSAGE_THREAD)
+    return r.ru_inblock + r.ru_majflt
 
 
 def _answer(answers: dict[asyncio.AbstractEventLoop, list]) -> None:
@@ -122,6 +150,32 @@ class Threaded:
         self._writer = Lane("sessionpin-store-w", batch=False)
         self._readers = Lane("sessionpin-store-r", batch=True)
         self._closed = False
+        self._now_reads: frozenset[str] = frozenset(getattr(backend, "now_reads", ()))
+        self._now_after = 0.0                # monotonic: reads on the loop resume then (after a slow one)
+        self._opening: asyncio.Future | None = None
+        self.now_reads = self.slow_reads = 0     # answered on the loop; of them, slow (tests, the bench)
+
+    async def _read(self, name: str, *args: Any, **kw: Any) -> Any:
+        if name in self._now_reads and not kw and time.monotonic() >= self._now_after:
+            disk, t = _disk_reads(), time.perf_counter()
+            try:
+                result = self.backend.read_now(name, *args)    # type: ignore[attr-defined]
+                self.now_reads += 1
+                return result
+            except WouldBlock:
+                self._open_now()
+            finally:
+                if _disk_reads() != disk if disk is not None else time.perf_counter() - t > SLOW_READ:
+                    self.slow_reads += 1
+                    self._now_after = time.monotonic() + COOL_OFF
+        return await self._call(self._readers, getattr(self.backend, name), *args, **kw)
+
+    def _open_now(self) -> None:
+        """Have the reader thread open this thread's never-waiting connection (once at a time)."""
+        if self._closed or (self._opening is not None and not self._opening.done()):
+            return
+        fut = self._opening = self._readers.call(self.backend.open_now, threading.get_ident())  # type: ignore
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())   # a failure: the next read says it
 
     async def _call(self, lane: Lane, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         return await lane.call(fn, *args, **kw)
@@ -173,8 +227,12 @@ class Inline:
 
 
 def _threaded(name: str, read: bool):
-    async def method(self: Threaded, *args: Any, **kw: Any) -> Any:
-        return await self._call(self._readers if read else self._writer, getattr(self.backend, name), *args, **kw)
+    if read:
+        async def method(self: Threaded, *args: Any, **kw: Any) -> Any:
+            return await self._read(name, *args, **kw)
+    else:
+        async def method(self: Threaded, *args: Any, **kw: Any) -> Any:
+            return await self._call(self._writer, getattr(self.backend, name), *args, **kw)
     method.__name__ = name
     return method
 

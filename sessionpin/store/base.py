@@ -83,6 +83,12 @@ class NotDurable(StoreUnavailable):
     ``NotReplicated`` was (``applied``): see "Durable or raise" above."""
 
 
+class WouldBlock(Exception):
+    """A read a backend will not answer at once on the caller's thread (``read_now``): it
+    would have to wait (a lock), so the caller asks again on a thread that may wait. Not a
+    ``StoreError``: it never reaches a caller of the ``Store`` contract."""
+
+
 # ---- the vocabulary of ``apply`` ---------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -131,7 +137,19 @@ class ZRem:
     member: str
 
 
-Write = Set | Delete | HSet | HIncr | ZAdd | ZRem
+@dataclass(frozen=True)
+class Expire:
+    """The key's TTL, whatever it holds (``expire``); an absent key stays absent. A
+    positive TTL only: a key that should go is a ``Delete``."""
+    key: str
+    ttl: float
+
+    def __post_init__(self) -> None:
+        if not self.ttl > 0:        # (NaN too)
+            raise StoreError(f"Expire({self.key!r}): the TTL must be positive (a key that goes is a Delete)")
+
+
+Write = Set | Delete | HSet | HIncr | ZAdd | ZRem | Expire
 
 
 @runtime_checkable

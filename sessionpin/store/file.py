@@ -8,7 +8,15 @@ background thread; this class is the API and the readers. Rules it keeps:
 - Reads go through reader connections of their own, one per thread (opened lazily),
   sharing no lock with the writer: under WAL a read never waits for a writer of this or
   another process. Every read goes to the file (no cache to go stale).
-- Durable or raise: a write that cannot be made is rolled back (in both copies) and raises ``NotDurable`` (durable) or ``StoreUnavailable``, naming the URL, the path
+- ``read_now``: a single-key read answered on the caller's thread (the event loop: a pin
+  read without a thread hop) through a connection of that thread's that never waits
+  (``busy_timeout`` 0): where SQLite would wait (a WAL index being rebuilt after another
+  process crashed) it raises ``WouldBlock`` and the caller reads on a thread instead; that
+  connection is opened there too (``open_now``), never on the caller's thread. (A page not
+  in the OS's cache is read from the disk all the same: ``aio.Threaded`` sees that in the
+  thread's counts of disk reads and goes back to its own thread for a while.)
+- Durable or raise: a write that cannot be made is rolled back (in both copies) and
+  raises ``NotDurable`` (durable) or ``StoreUnavailable``, naming the URL, the path
   and the cause; nothing of it stays anywhere. A read that fails raises
   ``StoreUnavailable``, never "absent". One ERROR line when faults begin, one WARNING when
   the next call succeeds — not one line per call.
@@ -32,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 from . import ops
 from . import sqlitefile as sf
-from .base import Check, NotDurable, StoreError, StoreUnavailable, Write
+from .base import Check, NotDurable, StoreError, StoreUnavailable, WouldBlock, Write
 from .copies import Identity
 from .writer import State, Unsure, Writer
 
@@ -66,6 +74,7 @@ class FileStore:
         self._local = threading.local()   # .conn, .gen: this thread's reader connection
         self._readers: set[sqlite3.Connection] = set()
         self._readers_lock = threading.Lock()   # guards the set only (opening, closing)
+        self._now: dict[int, tuple[sqlite3.Connection, int]] = {}   # thread -> read_now's connection, gen
         self._closed = False
         first = sf.hold(self.path, +1) == 1
         try:
@@ -162,22 +171,63 @@ class FileStore:
         local.conn, local.gen = conn, gen
         return conn
 
+    now_reads = frozenset({"get", "ttl", "hget", "hgetall", "zscore"})    # what read_now answers
+
+    def open_now(self, thread: int) -> None:
+        """Open the never-waiting connection ``read_now`` uses on the thread ``thread`` (an
+        ident): here, on a thread that may wait (opening reads the file's header)."""
+        k = self._writer
+        held = self._now.get(thread)
+        if held is not None and held[1] == k.gen:
+            return
+        self._check_open()
+        gen = k.gen
+        conn = sf.connect(self.path, busy_timeout=0.0)
+        try:
+            if k.on_connect is not None:
+                k.on_connect(conn)
+            conn.execute("PRAGMA query_only = 1")
+            conn.execute("PRAGMA schema_version").fetchone()   # SQLite opens lazily: open now
+        except BaseException:
+            conn.close()
+            raise
+        with self._readers_lock:
+            self._readers.add(conn)
+        self._now[thread] = (conn, gen)
+        if held is not None:
+            self._forget_reader(held[0])
+
+    def read_now(self, name: str, *args: Any) -> Any:
+        """The read ``name(*args)`` answered on this thread if it need not wait; ``WouldBlock``
+        otherwise (a read that is not a single key's; no connection for this thread opened by
+        ``open_now`` on the file the store has now; SQLite busy): the caller reads on a thread."""
+        query = _NOW.get(name)
+        held = self._now.get(threading.get_ident())
+        if query is None or held is None or held[1] != self._writer.gen:
+            raise WouldBlock(name)
+        return self._read(query[0], *args, snapshot=query[1], now=held[0])
+
     def _forget_reader(self, conn: sqlite3.Connection) -> None:
         with self._readers_lock:
             self._readers.discard(conn)
-        self._local.conn = None
+        for thread, held in list(self._now.items()):
+            if held[0] is conn:
+                self._now.pop(thread, None)
+                break
+        else:
+            self._local.conn = None
         try:
             conn.close()
         except sqlite3.Error:
             pass
 
-    def _read(self, query: Callable, *args: Any, snapshot: bool = False):
+    def _read(self, query: Callable, *args: Any, snapshot: bool = False, now: sqlite3.Connection | None = None):
         self._check_open()
         k, conn = self._writer, None
         try:
             if k.state is State.UNSURE:
                 raise Unsure(f"not sure of its file: {k.why}; repairing")
-            conn = self._reader()
+            conn = now if now is not None else self._reader()
             if not snapshot:
                 result = query(conn, self._clock(), *args)
             else:
@@ -194,6 +244,8 @@ class FileStore:
             self._check_open()              # closed under us: say so
             raise
         except Exception as exc:
+            if now is not None and sf.code(exc) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                raise WouldBlock(str(exc)) from exc     # not a fault: the thread's read waits it out
             missing = isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
             if not (is_fault(exc) or missing):
                 raise
@@ -272,6 +324,7 @@ class FileStore:
             return
         self._closed = True
         self._writer.close()
+        self._now.clear()
         with self._readers_lock:
             readers, self._readers = list(self._readers), set()
         for conn in readers:
@@ -289,6 +342,13 @@ class FileStore:
 
     def __repr__(self) -> str:
         return f"<FileStore {self.path}>"
+
+
+# The reads ``read_now`` answers: one key's (a few pages), and whether they take a snapshot.
+_NOW: dict[str, tuple[Callable, bool]] = {    # (FileStore.now_reads)
+    "get": (ops.q_get, False), "ttl": (ops.q_ttl, False), "hget": (ops.q_hget, True),
+    "hgetall": (ops.q_hgetall, True), "zscore": (ops.q_zscore, True),
+}
 
 
 def _end_read(conn: sqlite3.Connection) -> None:

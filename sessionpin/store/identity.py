@@ -21,6 +21,12 @@ Rules it keeps:
 - A proxy that finds its store lost says so in the store too (``store:losses``: the
   identity it expected and how much it held), so ``accept-loss`` run from any machine
   accepts what every proxy remembers.
+- A Redis that evicted keys since this machine last saw it whole (``evictions``: its own
+  count, ``evicted_keys`` per ``run_id``, against the count remembered, or the count the
+  operator settled by ``accept-loss`` or a restore, kept in the identity) lost keys nobody
+  can name: it is **evicted**, a loss like the others, whatever ``durability=`` says. A
+  count never seen before is taken as it is only with the store (first sight); a new
+  ``run_id`` of a store this machine knows (a restart) counts from 0.
 - A remembered file that cannot be read is an error, never "nothing remembered".
 """
 
@@ -46,7 +52,9 @@ MEMORY_ENV = "SESSIONPIN_STORE_MEMORY"
 KEEP_ACCEPTED = 50          # identities an identity remembers accepting (older ones fall off)
 
 OK, NEW, FIRST, ACCEPTED, LOST, REPLACED = "ok", "new", "first-sight", "accepted", "lost", "replaced"
-LOSSES = frozenset({LOST, REPLACED})
+EVICTED = "evicted"                 # the store is there, but Redis evicted keys nobody can name
+LOSSES = frozenset({LOST, REPLACED, EVICTED})
+KEEP_RUN_IDS = 64                   # eviction counts remembered (a cluster's nodes, restarts)
 
 
 class Identity(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -55,6 +63,8 @@ class Identity(msgspec.Struct, frozen=True, omit_defaults=True):
     accepts: tuple[str, ...] = ()   # identities the operator took this one in place of
     accepted: float = 0.0           # when the operator last accepted a loss (proxies then forget
                                     # the served pins missing at that moment)
+    evicted: dict[str, int] = {}    # Redis' eviction counts (run_id -> evicted_keys) the operator
+                                    # settled: by ``accept-loss``, or a restore by ``store copy``
 
 
 class Remembered(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -62,6 +72,8 @@ class Remembered(msgspec.Struct, frozen=True, omit_defaults=True):
     id: str
     pins: int = 0                   # live pins when last counted
     seen: float = 0.0               # when this machine last saw the store whole
+    evicted: dict[str, int] = {}    # Redis' eviction counts (run_id -> evicted_keys) when last seen
+                                    # whole: a count grown since is keys lost (``evictions``)
 
 
 _id_decoder = msgspec.json.Decoder(Identity)
@@ -105,6 +117,60 @@ def describe_loss(url: str, kind: str, remembered: Remembered, found: Identity |
             f"{remembered.id} holding {held}. sessionpin does not take it for a new store: every routed request "
             f"is refused until you restore it (`sessionpin store copy BACKUP {url}`) or start over "
             f"(`sessionpin store accept-loss --store {url}`)")
+
+
+def evictions(remembered: Mapping[str, int], settled: Mapping[str, int], now: Mapping[str, int] | None,
+              ) -> tuple[int, dict[str, int]]:
+    """(keys Redis evicted since this machine last saw the store whole, the counts to
+    remember now). ``remembered``: the counts this machine saw (empty: it never saw any —
+    the counts are taken as they are); ``settled``: the counts the operator settled (the
+    identity's ``evicted``); ``now``: the server's (None: nobody can tell, nothing changes).
+
+    Per ``run_id``: the count it is measured from is the remembered one (0 for a run_id
+    this machine never saw, when it saw others: the server restarted after it last looked,
+    so all it evicted since is after), raised to the settled one when that is not above the
+    count now (a higher settled count is of before a ``CONFIG RESETSTAT``). A count not
+    above it is remembered as it is (a reset counter too); a count above it is not: the
+    keys stay lost until the operator settles them. A run_id not in ``now`` keeps its
+    count (a cluster node that did not answer this time); at most ``KEEP_RUN_IDS``."""
+    if now is None:
+        return 0, dict(remembered)
+    if not remembered:
+        return 0, dict(now)
+    # a node not in this reading (down for now, or a server since restarted) keeps its count
+    grown, keep = 0, {k: v for k, v in remembered.items() if k not in now}
+    for run_id, n in now.items():
+        base = remembered.get(run_id, 0)
+        s = settled.get(run_id)
+        if s is not None and base < s <= n:
+            base = s
+        if n > base:
+            grown += n - base
+            keep[run_id] = base
+        else:
+            keep[run_id] = n
+    return grown, dict(list(keep.items())[-KEEP_RUN_IDS:])
+
+
+def describe_evictions(url: str, grown: int, since: float) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if since else "this machine last saw it"
+    return (f"store {url} may have lost pins: Redis evicted {grown} key{'s' if grown != 1 else ''} since {when} "
+            "(when this machine last saw it whole) and cannot say which; a pin it evicted would read as a "
+            "conversation never seen begin. sessionpin does not guess: every routed request is refused until you "
+            f"restore it (`sessionpin store copy BACKUP {url}`) or start over (`sessionpin store accept-loss --store "
+            f"{url}`); set maxmemory-policy noeviction in the server's configuration file")
+
+
+def judge_evictions(url: str, kind: str, remembered: Remembered | None, found: Identity | None,
+                    now: Mapping[str, int] | None, since: float = 0.0) -> tuple[int, dict[str, int], str]:
+    """``evictions`` for a store judged ``kind`` (not a loss): (keys evicted, the counts to
+    remember, the message if any were). A store new or first seen takes its counts as
+    they are."""
+    known = remembered.evicted if remembered is not None and kind not in (NEW, FIRST) else {}
+    settled = found.evicted if found is not None else {}
+    grown, keep = evictions(known, settled, now)
+    since = since or (remembered.seen if remembered is not None else 0.0)
+    return grown, keep, describe_evictions(url, grown, since) if grown else ""
 
 
 # ---- what a machine remembers ------------------------------------------------------------
@@ -227,12 +293,13 @@ async def record_partial(store: Store, session: str, said: str) -> None:
     await store.hsetnx(LOSSES_KEY, PARTIAL + session, said)
 
 
-async def accept_loss(store: Store, remembered: Remembered | None, now: float
-                      ) -> tuple[Identity, list[str], int]:
+async def accept_loss(store: Store, remembered: Remembered | None, now: float,
+                      evicted: Mapping[str, int] | None = None) -> tuple[Identity, list[str], int]:
     """The operator starts over: the store keeps (or gets) an identity that accepts every
     identity a proxy said it lost and the one this machine remembers, and a new
     ``accepted`` time (its text changes: proxies forget the pins they served). Returns it,
-    the identities accepted now, and how many lost pins proxies had reported."""
+    the identities accepted now, and how many lost pins proxies had reported. ``evicted``:
+    Redis' eviction counts read before (the keys it evicted until then are accepted)."""
     for _ in range(3):
         found, raw = await read(store)
         said = await losses(store)
@@ -244,6 +311,8 @@ async def accept_loss(store: Store, remembered: Remembered | None, now: float
         lost.discard(base.id)
         accepts = [a for a in base.accepts if a not in lost] + sorted(lost)
         new = msgspec.structs.replace(base, accepts=tuple(accepts[-KEEP_ACCEPTED:]), accepted=now)
+        if evicted is not None:
+            new = msgspec.structs.replace(new, evicted=dict(evicted))
         if await _write(store, [Check(IDENTITY_KEY, raw)], [Set(IDENTITY_KEY, encode(new)), Delete(LOSSES_KEY)]):
             return new, sorted(lost), partial
     raise StoreError(f"{store.url}: its identity changed three times while it was being accepted; run it again")
@@ -269,3 +338,20 @@ async def carry(dst: Store, src_identity: Identity | None) -> Identity | None:
             await dst.hdel(LOSSES_KEY, src_identity.id)    # it is back
             return new
     raise StoreError(f"{dst.url}: its identity changed three times during the copy; run it again")
+
+
+async def settle_evictions(store: Store, evicted: Mapping[str, int] | None) -> None:
+    """After a restore by ``store copy``: the keys Redis evicted until the copy began are
+    back (as far as the backup had them); its counts then are settled in the identity
+    (``accepted`` stays: a restore accepts no loss)."""
+    if evicted is None:
+        return
+    for _ in range(3):
+        found, raw = await read(store)
+        if found is None:
+            return
+        new = msgspec.structs.replace(found, evicted=dict(evicted))
+        if await _write(store, [Check(IDENTITY_KEY, raw)], [Set(IDENTITY_KEY, encode(new))]):
+            await store.hdel(LOSSES_KEY, found.id)       # what was evicted is back
+            return
+    raise StoreError(f"{store.url}: its identity changed three times during the copy; run it again")

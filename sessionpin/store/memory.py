@@ -27,7 +27,7 @@ from typing import Callable
 
 from typing import Any, Sequence
 
-from .base import Check, Delete, HIncr, HSet, Set, StoreError, WrongType, Write, ZAdd, ZRem
+from .base import Check, Delete, Expire, HIncr, HSet, Set, StoreError, WrongType, Write, ZAdd, ZRem
 
 STRING = "s"
 HASH = "h"
@@ -200,6 +200,10 @@ class MemoryStore:
             self._for_write(w.key, ZSET)[w.member] = score
         elif isinstance(w, ZRem):
             self._zrem(w.key, w.member)
+        elif isinstance(w, Expire):
+            entry = self._live(w.key)
+            if entry is not None:
+                entry.expires_at = self._clock() + w.ttl
         else:  # pragma: no cover - the vocabulary is closed
             raise StoreError(f"unknown write {w!r}")
 

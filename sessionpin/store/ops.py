@@ -18,7 +18,7 @@ import math
 import sqlite3
 from typing import Sequence
 
-from .base import Check, Delete, HIncr, HSet, Set, StoreError, WrongType, Write, ZAdd, ZRem
+from .base import Check, Delete, Expire, HIncr, HSet, Set, StoreError, WrongType, Write, ZAdd, ZRem
 from .memory import HASH, STRING, ZSET, as_int, prefix_end
 
 Conn = sqlite3.Connection
@@ -229,6 +229,8 @@ def op_apply(c: Conn, now: float, checks: Sequence[Check], writes: Sequence[Writ
             op_zadd(c, now, w.key, w.member, w.score)
         elif isinstance(w, ZRem):
             op_zrem(c, now, w.key, w.member)
+        elif isinstance(w, Expire):
+            op_expire(c, now, w.key, w.ttl)
         else:
             raise StoreError(f"apply: unknown write {w!r}")
     return True

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .base import Check, Delete, HIncr, HSet, Set, StoreError, Write, ZAdd, ZRem
+from .base import Check, Delete, Expire, HIncr, HSet, Set, StoreError, Write, ZAdd, ZRem
 
 WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
 NOT_INTEGER = "ERR hash value is not an integer"
@@ -62,7 +62,7 @@ return out
 # ARGV[1]: how many checks; then per check: has_value ("1"/"0"), value;
 # then per write three values: op, a, b —
 #   set value ttl_ms|""  ·  del "" ""  ·  hset field value  ·  hincr field by
-#   zadd member score  ·  zrem member ""
+#   zadd member score  ·  zrem member ""  ·  expire "" ttl_ms
 APPLY = """#!lua
 local n = tonumber(ARGV[1])
 for i = 1, n do
@@ -116,6 +116,8 @@ for j = 1, #KEYS - n do
       fields[k][f] = ARGV[o + 2]
     end
     kind[k] = 'hash'
+  elseif op == 'expire' then
+    -- a TTL on whatever the key holds then (absent: nothing): it cannot fail
   else -- zadd, zrem: a sorted set whose last member goes is no key any more
     if t ~= 'none' and t ~= 'zset' then return redis.error_reply('""" + WRONGTYPE + """') end
     if count[k] == nil then
@@ -149,6 +151,7 @@ for j = 1, #KEYS - n do
   elseif op == 'hset' then redis.call('HSET', k, ARGV[o + 1], ARGV[o + 2])
   elseif op == 'hincr' then redis.call('HINCRBY', k, ARGV[o + 1], ARGV[o + 2])
   elseif op == 'zadd' then redis.call('ZADD', k, ARGV[o + 2], ARGV[o + 1])
+  elseif op == 'expire' then redis.call('PEXPIRE', k, ARGV[o + 2])
   else redis.call('ZREM', k, ARGV[o + 1]) end
 end
 return 1
@@ -197,6 +200,8 @@ def apply_args(prefix: str, checks: Sequence[Check], writes: Sequence[Write]) ->
             args += ["zadd", w.member, score(w.score)]
         elif isinstance(w, ZRem):
             args += ["zrem", w.member, ""]
+        elif isinstance(w, Expire):
+            args += ["expire", "", ttl_ms(w.ttl)]
         else:
             raise StoreError(f"unknown write {w!r}")
     return keys, args

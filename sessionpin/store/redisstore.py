@@ -19,6 +19,11 @@ errors' in ``redisconn``, the scripts' in ``redislua``):
   failover may have put another node in charge), and by ``watch``, which the proxy calls
   every 2 s and which also sees a restarted server (a new ``run_id``): in a proxy, a
   ``CONFIG SET`` that weakens the server is seen within seconds, not a minute.
+- What Redis evicted: ``evicted_keys`` (``INFO stats``) of every node, by ``run_id`` (a
+  restart starts the count again under a new one), read with the server's own ``INFO`` at
+  the first call, by ``watch`` and by ``evictions()``. Redis cannot say *which* keys it
+  evicted; whether a count that grew is a loss is the store identity's to judge
+  (``identity.evictions``).
 - With ``wait=n`` a durable write also waits (``WAIT n wait_timeout_ms``, on the same
   connection, pipelined) for n replicas. Fewer in time → ``NotReplicated``, a
   ``NotDurable`` that says the write *was* made: it is on the primary's disk and may be
@@ -86,6 +91,7 @@ class RedisStore:
         self._version = "?"                       # the server's, once checked
         self._replication: dict[str, Any] | None = None   # the primary's role and replicas, by check()
         self._run_id: str | None = None           # the server's (a restart makes a new one)
+        self.evicted: dict[str, int] | None = None  # run_id -> evicted_keys, every node; None: not read
 
     # -- checking the server -----------------------------------------------------------
     async def _ready(self, key: str | None, *, write: bool, durable: bool) -> None:
@@ -102,7 +108,7 @@ class RedisStore:
                         raise self._fail(e, write=write, durable=durable, key=key) from None
 
     async def _check(self) -> None:
-        info = await self._reads.info("server")
+        info = await self._reads.info("server")     # one section: an old server says its version
         version = str(info.get("redis_version", "0"))
         try:
             major_minor = tuple(int(p) for p in version.split(".")[:2])
@@ -115,6 +121,7 @@ class RedisStore:
         mode = info.get("redis_mode", "standalone")
         if mode == "cluster" and not self._cfg.cluster:
             raise StoreError(f"{self.url}: this server is a node of a Redis Cluster; add ?cluster=1 to the URL")
+        await self._read_evictions()
         await self._check_durability()
         self._checked = True
 
@@ -419,6 +426,34 @@ class RedisStore:
         self._ok()
         return self.describe()
 
+    async def _read_evictions(self) -> dict[str, int]:
+        """``run_id -> evicted_keys`` of the server, or of every node of a cluster (a key
+        may have been evicted by a primary that is a replica now)."""
+        if self._cfg.cluster:
+            # node by node: one that does not answer (down, elsewhere in the cluster) is left
+            # out of this reading, not a failure of the store; its count is read when it is back
+            await self._reads.initialize()
+            nodes = self._reads.get_nodes()
+            got = await asyncio.gather(*(self._reads.info("server", "stats", target_nodes=n) for n in nodes),
+                                       return_exceptions=True)
+            infos = [g for g in got if isinstance(g, dict)]
+            if not infos:
+                raise next(g for g in got if isinstance(g, BaseException))
+        else:
+            infos = [await self._reads.info("server", "stats")]
+        self.evicted = _evicted(infos)
+        return self.evicted
+
+    async def evictions(self) -> dict[str, int]:
+        """What Redis evicted, read now (``run_id -> evicted_keys``)."""
+        await self._ready(None, write=False, durable=False)
+        try:
+            got = await self._read_evictions()
+        except Exception as e:   # translate re-raises what is not the server's
+            raise self._fail(e, write=False, durable=False) from None
+        self._ok()
+        return got
+
     async def watch(self) -> None:
         """The server's durability again, and whether it is the server it was (its
         ``run_id``): cheap (INFO server, one CONFIG GET), for a caller that looks every few
@@ -426,12 +461,16 @@ class RedisStore:
         identity check tells)."""
         await self._ready(None, write=False, durable=False)
         try:
-            info = await self._reads.info("server")
+            info = await self._reads.info("server", "stats")
             run_id = str(info.get("run_id") or "") or None
             if run_id and self._run_id and run_id != self._run_id:
                 log.warning("%s: the Redis server restarted (a new run_id): its durability is checked again",
                             self.url)
             self._run_id = run_id or self._run_id
+            if self._cfg.cluster:
+                await self._read_evictions()
+            else:
+                self.evicted = _evicted([info])
             await self._check_durability()
         except Exception as e:   # translate re-raises what is not the server's
             raise self._fail(e, write=False, durable=False) from None
@@ -459,7 +498,8 @@ class RedisStore:
             "prefix": self._prefix,
             "durable": durable,
             "durability": {"required": cfg.durability, "server": self._server, "wait": cfg.wait,
-                           "wait_timeout_ms": cfg.wait_timeout_ms, "run_id": self._run_id},
+                           "wait_timeout_ms": cfg.wait_timeout_ms, "run_id": self._run_id,
+                           "evicted_keys": self.evicted},
             "replication": self._replication,        # None until check() asked
             "health": "ok" if self._down is None and self._checked else (
                 f"unavailable: {self._down}" if self._down else "not connected yet"),
@@ -485,3 +525,16 @@ class RedisStore:
 
     def __repr__(self) -> str:
         return f"<RedisStore {self.url}>"
+
+
+def _evicted(infos: list[dict[str, Any]]) -> dict[str, int] | None:
+    """``run_id -> evicted_keys`` of the nodes that said both (None: none did)."""
+    out = {}
+    for info in infos:
+        run_id, n = info.get("run_id"), info.get("evicted_keys")
+        if run_id and n is not None:
+            try:
+                out[str(run_id)] = int(n)
+            except (TypeError, ValueError):
+                continue
+    return out or None

@@ -5,7 +5,7 @@ file and store as the proxy, as an operator would run it. Checked: ``use`` switc
 new conversations go within 1 s and leaves running ones alone, ``move`` (after its refusal
 without --yes) moves one conversation within 1 s, ``forget`` hands a conversation back to
 the "did not see begin" rule, ``servers remove`` warns with the right count and what it
-said happens (503), and status/doctor/env see the running proxy.
+said happens (424), and status/doctor/env see the running proxy.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def test_a_proxy_reading_other_files_is_named(rig, tmp_path, monkeypatch):
                          f"not file:{tmp_path / 'elsewhere.db'}")
 
 
-def test_servers_remove_warns_with_the_count_and_the_503_it_announces_happens(rig):
+def test_servers_remove_warns_with_the_count_and_the_424_it_announces_happens(rig):
     p = rig.cli("servers", "remove", "glm")
     assert p.returncode == 1 and "new claude-code conversations go to glm" in p.stderr
     assert rig.cli("use", "claude-code", "anthropic").returncode == 0
@@ -252,14 +252,14 @@ def test_servers_remove_warns_with_the_count_and_the_503_it_announces_happens(ri
     assert p.returncode == 1
     n = len(on_glm)
     assert f"{n} running conversation{'s' if n > 1 else ''} {'are' if n > 1 else 'is'} pinned to glm" in p.stderr
-    assert "refuses their requests with 503" in p.stderr
+    assert "refuses their requests with 424" in p.stderr
     p = rig.cli("servers", "remove", "glm", "--force")
     assert p.returncode == 0, p.stderr
     time.sleep(1.0)
     headers, body = claude_code("continuation", on_glm[0])
     client = Client.via_proxy(rig.mitm.port, rig.mitm.mitm_ca)
     reply = client.request("POST", rig.fakes["anthropic"].origin + "/v1/messages?beta=true", headers, body)
-    assert reply.status == 503 and "glm" in reply.text
+    assert reply.status == 424 and "glm" in reply.text
     assert rig.where(on_glm[0])[-1] == "glm"       # nothing new reached anyone: refused at the proxy
     # Every secret stayed with its owner.
     for name, f in rig.fakes.items():

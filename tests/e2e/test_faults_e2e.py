@@ -376,24 +376,24 @@ def test_removed_or_emptied_config_never_moves_a_pinned_conversation(rig: Rig) -
         status = rig.wait_servers(set())
         assert not status.get("config_error"), status.get("config_error")
         r = rig.send("continuation", s1)
-        assert r.status == 503, r.text[:300]
+        assert r.status == 424 and r.header("retry-after") is None, r.text[:300]   # no agent retries it
         message = refusal_message(r)
         assert "glm" in message and s1[:8] in message, message
         assert len(rig.of(s1)["glm"]) == 2 and len(rig.of(s1)["anthropic"]) == 1, "sent nowhere"
         s3 = str(uuid.uuid4())
         assert rig.send("opening", s3).status == 200 and list(rig.of(s3)) == ["anthropic"]
-        # the pinned server itself removed with the CLI: counted, --force, then 503
+        # the pinned server itself removed with the CLI: counted, --force, then 424
         rig.mitm.write_config(rig.config("anthropic", "glm"))
         rig.wait_servers({"anthropic", "glm"})
         assert rig.cli("use", "claude-code", "--not-routed").returncode == 0
         r = rig.cli("servers", "remove", "glm")
         said = r.stdout + r.stderr
         assert r.returncode != 0 and re.search(r"\d+ running conversations? (is|are) pinned to glm", said), said
-        assert "503" in said and "--force" in said, said
+        assert "424" in said and "--force" in said, said
         assert rig.cli("servers", "remove", "glm", "--force").returncode == 0
         rig.wait_servers({"anthropic"})
         r = rig.send("continuation", s1)
-        assert r.status == 503 and "glm" in refusal_message(r), r.text[:300]
+        assert r.status == 424 and "glm" in refusal_message(r), r.text[:300]
         assert len(rig.of(s1)["anthropic"]) == 1
     finally:
         rig.restore()

@@ -590,7 +590,9 @@ def test_sigkill_while_the_opening_turn_is_in_flight_keeps_the_server(rig):
 # --------------------------------------------------------------------------- refusals and errors
 
 
-def test_pinned_server_removed_gets_503_naming_session_and_server(rig):
+def test_pinned_server_removed_gets_424_naming_session_and_server(rig):
+    """424 with no retry signal: only the operator can help, so no agent retries it (a 503 was
+    retried for minutes: docs/traffic.md)."""
     rig.set_config(current="alt")
     s = new_session()
     assert rig.send(cc("opening", s)).status == 200
@@ -598,13 +600,13 @@ def test_pinned_server_removed_gets_503_naming_session_and_server(rig):
     rig.set_config(current="glm", servers=("anthropic", "glm", "nokey"))
     before = rig.total()
     r = rig.send(cc("continuation", s))
-    assert r.status == 503, r.text
+    assert r.status == 424 and r.header("x-should-retry") == "false" and r.header("retry-after") is None, r.text
     err = r.json()
     assert err["type"] == "error" and isinstance(err["error"]["type"], str)
     message = err["error"]["message"]
     assert s[:8] in message and "alt" in message
     assert rig.total() == before, "a refused request reaches no server"
-    assert rig.send(cc("subagent", s)).status == 503
+    assert rig.send(cc("subagent", s)).status == 424
     # the conversation was never moved: with the server back it continues there
     rig.set_config(current="glm")
     assert rig.send(cc("continuation", s)).status == 200

@@ -330,3 +330,69 @@ def test_store_copy_under_load_in_the_documented_order_loses_nothing(rig_on, tmp
         r = rig.send("continuation", s)
         assert (r.status, r.header("x-fake-server")) == (200, "glm"), (s, r.status, r.text[:200])
     assert all(rig.received("anthropic", s) == 0 for s in acked)
+
+
+def evict_cold_keys(raw, prefix: str, sessions: list[str]) -> list[str]:
+    """Memory pressure under ``allkeys-lru`` until Redis evicted the pin index and at least
+    two pins (the router reads the identity every second: it stays hot and is kept), then
+    the policy set back. Returns the sessions whose pins were evicted."""
+    index = prefix + pins.index_key("claude-code", "glm")
+    raw.config_set("maxmemory-samples", "10")
+    raw.config_set("maxmemory-policy", "allkeys-lru")
+    raw.config_set("maxmemory", str(int(raw.info("memory")["used_memory"]) + 64 * 1024))
+    n, deadline = 0, time.monotonic() + 20
+    try:
+        while raw.exists(index) or sum(not raw.exists(prefix + pins.key(s)) for s in sessions) < 2:
+            raw.set(f"filler:{n}", "x" * 4096)
+            n += 1
+            assert time.monotonic() < deadline, "Redis did not evict the pins"
+    finally:
+        raw.config_set("maxmemory", "0")
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.delete(*(f"filler:{i}" for i in range(n))) if n else None
+    return [s for s in sessions if not raw.exists(prefix + pins.key(s))]
+
+
+def test_keys_redis_evicted_are_refused_also_by_a_router_started_after_until_accepted(redis, rig_on, tmp_path):
+    """Redis evicts whole keys and says only how many (``evicted_keys``): a pin evicted with
+    its index key reads, to a router that never served it, exactly as a conversation never
+    seen begin. Before this, router B (started after the eviction, on the machine that
+    remembers the store) sent it to the server its agent addresses (200 from anthropic)."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    sessions = rig.open(8)
+    time.sleep(2.5)                                 # the pins grow idle (the identity is read every second)
+    raw = redis.client()
+    gone = evict_cold_keys(raw, prefix, sessions)
+    assert raw.exists(prefix + "store:identity"), "the identity was evicted: a whole-store loss, not this test"
+    b = Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(), env={GLM_ENV: GLM_KEY},
+                        options={"sessionpin_store": rig.url, "sessionpin_pool": False})
+    b.start()
+    try:
+        req = cc("continuation", gone[0], stream=False)
+        r = Client.via_proxy(b.port, b.mitm_ca, timeout=15).request(
+            req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
+        assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
+        message = r.json()["error"]["message"]
+        assert f"store {rig.url} may have lost pins: Redis evicted" in message, message
+        assert rig.received("anthropic", gone[0]) == 0
+        status = Client.via_proxy(b.port, b.mitm_ca, timeout=10).request(
+            "GET", rig.fakes["anthropic"].origin + "/__sessionpin/status").json()
+        assert status["store_info"]["identity"]["verdict"] == "evicted"
+        assert status["store_info"]["durability"]["evicted_keys"]
+    finally:
+        b.stop(signal.SIGKILL)
+    # the router that served them refuses every routed request too (it cannot tell which were evicted)
+    wait_for(lambda: rig.status()["store_info"]["identity"]["verdict"] == "evicted", 5, "A to see the count")
+    refused_as_lost(rig, sessions, "Redis evicted")
+    shown = rig.cli("status", "--config", str(rig.router.config_path))
+    assert "LOST: store" in shown.stdout and "Redis evicted" in shown.stdout, shown.stdout + shown.stderr
+    listed = rig.cli("sessions")
+    assert listed.returncode != 0 and "Redis evicted" in listed.stderr
+    done = rig.cli("store", "accept-loss")
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: rig.send("continuation", sessions[0]).status == 200, 10, "routing to resume")
+    for s in sessions:          # kept: on their server; evicted: decided afresh (left alone, as addressed)
+        r = rig.send("continuation", s)
+        assert (r.status, r.header("x-fake-server")) == (200, "anthropic" if s in gone else "glm"), r.text[:300]
+    assert rig.status()["store_info"]["identity"]["lost"] is None

@@ -1,0 +1,92 @@
+"""The body reader's process side: the same facts as ``facts.read``, over its framed pipe protocol."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from sessionpin import bodyreader as B
+from sessionpin import facts as F
+
+URL = "https://api.anthropic.com/v1/messages?beta=true"
+HEADERS = [(b"user-agent", b"claude-cli/2.1.332 (external, cli)"), (b"x-claude-code-request-class", b"main"),
+           (b"x-claude-code-session-id", b"abcd1234-0000-4000-8000-000000000001")]
+
+
+def tiny(n: int, answer: bool = True) -> bytes:
+    """A history of ``n`` tiny user messages before its first answer (issue 20's shape)."""
+    one = b'{"role":"user","content":"x"},'
+    tail = b'{"role":"assistant","content":"ok"},{"role":"user","content":"more"}' if answer else b'{"role":"user","content":"y"}'
+    return (b'{"model":"claude-opus-4-5","stream":true,"system":"You are Claude Code.","messages":['
+            + one * n + tail + b'],"tools":[{"name":"Bash"}]}')
+
+
+def ask(*requests: tuple[bytes, str]) -> list[F.Facts]:
+    inp = io.BytesIO(b"".join(B.request_head("POST", URL, HEADERS, enc, None, len(body)) + body
+                              for body, enc in requests))
+    out = io.BytesIO()
+    B.serve(inp, out)
+    data, answers = out.getvalue(), []
+    while data:
+        n = int.from_bytes(data[:B.HEAD_LEN], "big")
+        answers.append(B.decode_answer(data[B.HEAD_LEN:B.HEAD_LEN + n]))
+        data = data[B.HEAD_LEN + n:]
+    return answers
+
+
+@pytest.mark.parametrize("body", [
+    tiny(3), tiny(40_000), tiny(40_000, answer=False), b"not json", b"",
+    json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+    b'{"model":"m","messages":[{"role":"user","content":' + b"[" * 5000 + b"]" * 5000 + b"}]}",
+])
+def test_the_facts_are_those_of_the_reader(body):
+    got, = ask((body, ""))
+    want = F.read("POST", URL, HEADERS, body, "", api=None)
+    assert got == want or (want.model_span is None and got == msgspec.structs.replace(want, model_span=got.model_span))
+
+
+def test_requests_follow_each_other_on_one_pipe_and_the_end_of_input_ends_it():
+    import gzip
+    big = tiny(40_000)
+    got = ask((big, "gzip"), (tiny(2, answer=False), ""), (gzip.compress(big), "gzip"))
+    assert [f.turn for f in got] == ["unknown", "opening", "continuation"]
+    assert not got[0].parsed and got[2].parsed and got[2].has_history
+
+
+def test_a_model_span_the_reader_missed_is_found_so_a_rename_reads_nothing_again(monkeypatch):
+    body = tiny(300)
+    monkeypatch.setattr(F, "read", lambda *a, **k: F.Facts(api=F.ANTHROPIC_MESSAGES, agent=F.CLAUDE_CODE,
+                                                           model="claude-opus-4-5"))
+    f = B.facts_of("POST", URL, HEADERS, body, "", None)
+    assert body[slice(*f.model_span)] == b'"claude-opus-4-5"'
+
+
+def test_a_broken_request_ends_the_process_without_an_answer():
+    out = io.BytesIO()
+    B.serve(io.BytesIO(b"\x00\x00\x00\x03abc"), out)             # cut short
+    B.serve(io.BytesIO(b"\xff\xff\xff\xff" + b"x" * 10), out)     # a head over the bound
+    assert out.getvalue() == b""
+
+
+def test_it_runs_as_a_module():
+    body = tiny(5)
+    proc = subprocess.run([sys.executable, "-m", "sessionpin.bodyreader"], capture_output=True, timeout=60,
+                          input=B.request_head("POST", URL, HEADERS, "", None, len(body)) + body)
+    assert proc.returncode == 0 and proc.stderr == b""
+    assert B.decode_answer(proc.stdout[B.HEAD_LEN:]).turn == "continuation"
+
+
+def test_a_shape_is_promptshapes_up_to_a_bound_of_messages():
+    from sessionpin import promptshape
+    for body in (tiny(3), tiny(1000), b"garbage"):
+        inp = io.BytesIO(B.request_head("", "", [], "", F.ANTHROPIC_MESSAGES, len(body), B.SHAPE) + body)
+        out = io.BytesIO()
+        B.serve(inp, out)
+        assert B.decode_shape(out.getvalue()[B.HEAD_LEN:]) == promptshape.shape(body, F.ANTHROPIC_MESSAGES)
+    assert B.shape_of(tiny(B.MAX_SHAPE_ITEMS), F.ANTHROPIC_MESSAGES, "") is None     # one more than the bound
+    assert len(B.shape_of(tiny(B.MAX_SHAPE_ITEMS - 2), F.ANTHROPIC_MESSAGES, "").messages) == B.MAX_SHAPE_ITEMS

@@ -1,0 +1,105 @@
+"""BodyProcess: a large body's facts read in a child process, the event loop free meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from sessionpin import facts as F
+from sessionpin.proxy.offprocess import BodyProcess
+from test_bodyreader import HEADERS, URL, tiny
+
+
+async def test_the_child_gives_the_readers_facts_and_is_started_once():
+    reader = BodyProcess()
+    try:
+        for body in (tiny(50_000), tiny(3, answer=False), b"garbage"):
+            got = await reader.facts("POST", URL, HEADERS, body, None, None)
+            want = F.read("POST", URL, HEADERS, body, None)
+            assert (got.turn, got.session, got.has_history, got.parsed, got.reason) == \
+                (want.turn, want.session, want.has_history, want.parsed, want.reason)
+        assert (reader.reads, reader.started, reader.failures) == (3, 1, 0)
+    finally:
+        reader.close()
+
+
+async def test_the_event_loop_runs_while_a_body_of_two_million_messages_is_read():
+    """Issue 20's body: 45 MiB of tiny messages before the first answer. The loop ticks every
+    millisecond meanwhile; read inline it is held for the whole decode (a second or more)."""
+    body = tiny(1_500_000)
+    reader = BodyProcess()
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    try:
+        await reader.facts("POST", URL, HEADERS, b"{}", None, None)     # the child started
+        ticker = asyncio.create_task(tick())
+        t0 = time.perf_counter()
+        got = await reader.facts("POST", URL, HEADERS, body, None, None)
+        took = time.perf_counter() - t0
+        done.set()
+        await ticker
+    finally:
+        reader.close()
+    assert got.turn == "continuation" and got.has_history
+    # the loop's worst gap is a small part of the read (a pipe write per 256 KiB), not all of it
+    assert max(gaps) < max(0.25, took / 4), (max(gaps), took)
+
+
+async def test_a_child_that_dies_gives_an_unread_body_and_is_replaced():
+    reader = BodyProcess()
+    real, reader.command = reader.command, (sys.executable, "-c", "import sys; sys.stdin.buffer.read(10)")
+    try:
+        lost = await reader.facts("POST", URL, HEADERS, tiny(200_000), None, None)   # dies mid-body
+        reader.command = real
+        assert not lost.parsed and lost.turn == "unknown" and "reader process failed" in lost.reason
+        assert lost.session == "abcd1234-0000-4000-8000-000000000001"    # the header still says it
+        again = await reader.facts("POST", URL, HEADERS, tiny(2), None, None)
+        assert again.parsed and again.turn == "continuation"
+        assert (reader.started, reader.failures) == (2, 1)
+    finally:
+        reader.close()
+
+
+async def test_a_child_slower_than_the_timeout_is_killed():
+    reader = BodyProcess(timeout=0.05)
+    try:
+        got = await reader.facts("POST", URL, HEADERS, tiny(1_000_000), None, None)
+        assert not got.parsed and "longer than" in got.reason and reader._proc is None
+    finally:
+        reader.close()
+
+
+async def test_a_shape_is_read_in_the_child_and_none_when_it_fails():
+    from sessionpin import promptshape
+    reader = BodyProcess()
+    try:
+        body = tiny(30_000)
+        assert await reader.shape(body, F.ANTHROPIC_MESSAGES, None) == promptshape.shape(body, F.ANTHROPIC_MESSAGES)
+        reader.command = (sys.executable, "-c", "import sys; sys.stdin.buffer.read(10)")
+        reader._kill()
+        assert await reader.shape(body, F.ANTHROPIC_MESSAGES, None) is None and reader.failures == 1
+    finally:
+        reader.close()
+
+
+async def test_a_child_that_answers_garbage_is_replaced_and_the_body_taken_as_unread():
+    reader = BodyProcess()
+    liar = "import sys; sys.stdin.buffer.read(20); sys.stdout.buffer.write(b'\\x00\\x00\\x00\\x03abc'); sys.stdout.flush()"
+    real, reader.command = reader.command, (sys.executable, "-c", liar)
+    try:
+        got = await reader.facts("POST", URL, HEADERS, tiny(2), None, None)
+        assert not got.parsed and "reader process failed (" in got.reason and reader._proc is None
+        reader.command = real
+        assert (await reader.facts("POST", URL, HEADERS, tiny(2), None, None)).parsed
+    finally:
+        reader.close()

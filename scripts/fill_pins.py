@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/fill_pins.py STORE_URL N [--seen 1.0] [--batch 1000] [--start 0]
 
-Writes N pins ``fill-<n>`` through the store's own ``apply`` (so the file store's journal
+Writes N pins ``fill-<n>`` through the store's own ``apply`` (so the file store's copy
 and the Redis store's key prefix are what the router would leave), each with its index entry
 as ``pins.create`` writes it; a share ``--seen`` of them also gets an activity record
 (``seen:<session>``: last seen and requests, as ``pins.record_seen`` leaves it, without its
@@ -11,10 +11,10 @@ TTL: an ``apply`` sets none on a hash) and its ``active:`` member. Pins are spre
 three agents and four servers (one of them "not routed"), renewed within the last day and
 seen within the last hour, so a listing sorted or filtered has something to do.
 
-Each batch is one durable ``apply``, as the router's pins are durable: a file store's journal
+Each batch is one durable ``apply``, as the router's pins are durable: a file store's copy
 then holds every pin, as a real one does (what opening the store costs depends on it), and a
 Redis store needs ``?durability=accept-weaker`` unless its server fsyncs every write.
-``--not-durable`` writes ordinary ones instead (the journal then stays empty). A 1M-pin
+``--not-durable`` writes ordinary ones instead (they reach disk within ~2 s instead of before each call). A 1M-pin
 ``--not-durable`` fill took 2-4 minutes on a file store and on loopback Redis on a busy
 2-core machine. Run it on a store no proxy uses.
 """
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--seen", type=float, default=1.0, help="the share of pins with an activity record (0-1)")
     ap.add_argument("--batch", type=int, default=1000, help="pins per apply")
     ap.add_argument("--not-durable", action="store_true",
-                    help="ordinary writes: a file store's journal then stays empty (a real one holds every pin)")
+                    help="ordinary writes: not fsync'd before each call returns (the router's pins are)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     asyncio.run(fill(args.url, args.n, args.start, args.seen, args.batch, not args.not_durable))

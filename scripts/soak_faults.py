@@ -52,11 +52,11 @@ came (or the connection was cut); the latest fault begun wins.
     delete-db         unlink state.db while the proxies run
     delete-wal        unlink state.db-wal
     delete-shm        unlink state.db-shm
-    delete-dir        remove the whole store directory (db, -wal, -shm, journal, lock file):
+    delete-dir        remove the whole store directory (db, copy, their -wal/-shm, lock file):
                       renamed away in one step, then deleted
     damage-pages      overwrite 3 random 4 KiB pages of state.db (page 1 in 1 of 4) in place
-    damage-journal    overwrite 64 bytes in the middle of state.db.journal
-    delete-journal    unlink state.db.journal
+    damage-copy       overwrite 3 random 4 KiB pages of state.db.copy (page 1 in 1 of 4) in place
+    delete-copy       unlink state.db.copy
     damage-at-start   kill -9 every proxy, truncate state.db to half or overwrite 3 pages, restart
     delete-wal+kill9  unlink state.db-wal, then at once kill -9 every proxy, restart (docs/store.md)
     delete-db+kill9   unlink state.db, then at once kill -9 every proxy, restart
@@ -143,8 +143,8 @@ ORIGIN = {"cc": "anthropic", "codex": "openai"}
 AGENT = {"cc": "claude-code", "codex": "codex"}
 CHOICES = {"cc": ("glm", "alt", "anthropic", "kimi"), "codex": ("kimi", "openai", "glm", "alt")}
 OPUS = "claude-opus-4-5-20251101"
-FILE_FAULTS = ("kill9", "delete-db", "delete-wal", "delete-shm", "delete-dir", "damage-pages", "damage-journal",
-               "delete-journal", "damage-at-start", "delete-wal+kill9", "delete-db+kill9",
+FILE_FAULTS = ("kill9", "delete-db", "delete-wal", "delete-shm", "delete-dir", "damage-pages", "damage-copy",
+               "delete-copy", "damage-at-start", "delete-wal+kill9", "delete-db+kill9",
                "file-emptied-while-stopped", "store-copy-under-load")
 CONFIG_FAULTS = ("use", "remove-server", "empty-config")
 REDIS_FAULTS = ("kill9", "redis-kill9", "redis-flushdb", "redis-del", "redis-evict", "redis-restart-empty",
@@ -641,7 +641,7 @@ class Faults:
 
     def paths(self) -> dict[str, Path]:
         db = self.world.db
-        return {"db": db, "wal": Path(f"{db}-wal"), "shm": Path(f"{db}-shm"), "journal": Path(f"{db}.journal")}
+        return {"db": db, "wal": Path(f"{db}-wal"), "shm": Path(f"{db}-shm"), "copy": Path(f"{db}.copy")}
 
     def inject(self, fault: Fault) -> bool:
         w, rng, kind = self.world, self.rng, fault.kind
@@ -653,7 +653,7 @@ class Faults:
             w.kill(i)
             w.start(i)
             fault.detail = f"proxy {i}"
-        elif kind in ("delete-db", "delete-wal", "delete-shm", "delete-journal"):
+        elif kind in ("delete-db", "delete-wal", "delete-shm", "delete-copy"):
             target = p[kind.removeprefix("delete-")]
             if not target.exists():
                 return False
@@ -670,18 +670,10 @@ class Faults:
             if not p["db"].exists():
                 return False
             fault.detail = overwrite_pages(p["db"], rng)
-        elif kind == "damage-journal":
-            j = p["journal"]
-            if not j.exists() or j.stat().st_size < 256:
+        elif kind == "damage-copy":
+            if not p["copy"].exists():
                 return False
-            size = j.stat().st_size
-            at = rng.randrange(size // 4, size // 2)
-            with open(j, "r+b") as f:
-                f.seek(at)
-                f.write(rng.randbytes(64))
-                f.flush()
-                os.fsync(f.fileno())
-            fault.detail = f"64 bytes at {at} of {size}"
+            fault.detail = overwrite_pages(p["copy"], rng)
         elif kind == "damage-at-start":
             w.kill_all()
             if p["db"].exists():

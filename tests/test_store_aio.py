@@ -196,7 +196,7 @@ async def test_a_read_that_would_wait_goes_to_the_thread_never_stalls_the_loop(t
         store.backend._now[threading.get_ident()] = (Busy(held[0]), held[1])
         lane = LaneCalls(store)
         assert await store.get("pin:s") == "glm"
-        assert "get" in lane.names and store.backend._keeper.rfaults.cause is None     # no fault said
+        assert "get" in lane.names and store.backend._writer.rfaults.cause is None     # no fault said
     finally:
         await store.close()
 

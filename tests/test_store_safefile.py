@@ -28,7 +28,7 @@ def child(code: str, *args: str) -> subprocess.CompletedProcess:
 
 def names(path: Path) -> dict[str, Path]:
     return {"database": path, "wal": path.with_name(path.name + "-wal"),
-            "journal": path.with_name(path.name + ".journal"), "lock": path.with_name(path.name + ".lock")}
+            "copy": path.with_name(path.name + ".copy"), "lock": path.with_name(path.name + ".lock")}
 
 
 def a_store(tmp_path) -> Path:
@@ -39,17 +39,17 @@ def a_store(tmp_path) -> Path:
     return path
 
 
-def test_a_link_in_place_of_the_journal_while_running_gets_no_line(tmp_path):
-    """Issue 20: three durable writes after the journal was replaced by a link appended their
-    lines to the link's target. Now nothing reaches the target: a write that meets the link
-    fails (nothing written), or the store has put a real journal back in its place first."""
+def test_a_link_in_place_of_the_copy_while_running_gets_no_write(tmp_path):
+    """Issue 20: three durable writes after the journal (the second copy then) was replaced by
+    a link appended their lines to the link's target. Now nothing reaches the target: a write
+    that meets the link fails (nothing written); the repair refuses the link, never follows it."""
     path = tmp_path / "state.db"
     target = tmp_path / "victim"
     target.write_bytes(b"precious\n")
     s = FileStore(path)
     try:
         s.set("before", "1", durable=True)
-        journal = names(path)["journal"]
+        journal = names(path)["copy"]
         journal.unlink()
         journal.symlink_to(target)
         refused = 0
@@ -58,7 +58,7 @@ def test_a_link_in_place_of_the_journal_while_running_gets_no_line(tmp_path):
                 s.set(f"after{i}", "1", durable=True)
             except StoreError as e:
                 refused += 1
-                assert "symbolic link" in str(e) or "journal" in str(e), e
+                assert "symbolic link" in str(e) or "copy" in str(e), e
         assert target.read_bytes() == b"precious\n"
         assert refused or not journal.is_symlink()
     finally:
@@ -66,7 +66,7 @@ def test_a_link_in_place_of_the_journal_while_running_gets_no_line(tmp_path):
     assert target.read_bytes() == b"precious\n"
 
 
-@pytest.mark.parametrize("which", ["database", "wal", "journal", "lock"])
+@pytest.mark.parametrize("which", ["database", "wal", "copy", "lock"])
 def test_a_link_at_a_store_file_s_name_is_refused_at_open(tmp_path, which):
     path = a_store(tmp_path)
     target = tmp_path / "victim"
@@ -82,7 +82,7 @@ def test_a_link_at_a_store_file_s_name_is_refused_at_open(tmp_path, which):
 
 
 @needs_root
-@pytest.mark.parametrize("which", ["database", "journal", "lock"])
+@pytest.mark.parametrize("which", ["database", "copy", "lock"])
 def test_a_store_file_of_another_user_is_refused_with_a_clear_line(tmp_path, which):
     path = a_store(tmp_path)
     f = names(path)[which]
@@ -130,7 +130,7 @@ s = FileStore(path)
 s.set("a", "1", durable=True)
 for p in (path.parents[2], path.parents[1], path.parent):
     print(p.name, oct(stat.S_IMODE(p.stat().st_mode)))
-for name in ("state.db", "state.db-wal", "state.db-shm", "state.db.journal", "state.db.lock"):
+for name in ("state.db", "state.db-wal", "state.db-shm", "state.db.copy", "state.db.lock"):
     print(name, oct(stat.S_IMODE((path.parent / name).stat().st_mode)))
 s.close()
 """
@@ -141,12 +141,12 @@ def test_under_umask_000_every_directory_made_is_0700_and_every_file_0600(tmp_pa
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["a", "0o700", "b", "0o700", "c", "0o700",
                                   "state.db", "0o600", "state.db-wal", "0o600", "state.db-shm", "0o600",
-                                  "state.db.journal", "0o600", "state.db.lock", "0o600"]
+                                  "state.db.copy", "0o600", "state.db.lock", "0o600"]
 
 
-def test_a_fifo_in_place_of_the_journal_is_refused_not_waited_on(tmp_path):
+def test_a_fifo_in_place_of_the_copy_is_refused_not_waited_on(tmp_path):
     path = a_store(tmp_path)
-    j = names(path)["journal"]
+    j = names(path)["copy"]
     j.unlink()
     os.mkfifo(j)
     out = child("import sys\nfrom sessionpin.store.file import FileStore\nFileStore(sys.argv[1]).close()", str(path))

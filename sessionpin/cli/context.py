@@ -81,10 +81,10 @@ class Ctx:
         return store_file(self.store_url)
 
     def store_exists(self) -> bool:
-        """A file store exists if its database does, or its journal alone (the store then
+        """A file store exists if its database does, or its copy alone (the store then
         rebuilds the database from it when opened)."""
         f = self.store_file()
-        return f is None or f.exists() or f.with_name(f.name + ".journal").exists()
+        return f is None or f.exists() or f.with_name(f.name + ".copy").exists()
 
     def store(self, create: bool = False) -> Store | None:
         """The store; None when it is a file that does not exist yet and ``create`` is False."""

@@ -2,7 +2,7 @@
 
 Each check is one line: ok, warn or FAIL, and what to do. The store is checked by what it
 does (a durable write read back and removed, through the same async facade the proxy
-uses) and by what it says of itself (``describe()``: its durability, its journal, a
+uses) and by what it says of itself (``describe()``: its durability, its copy, a
 fault it is in). A Redis store gets a line each for reachability, persistence (AOF
 ``appendfsync always``, or the weaker durability its URL accepts, said plainly), replicas
 (when ``?wait=`` asks for them) and latency (a durable write's round trip). Exit 1 when
@@ -177,9 +177,9 @@ def _store(ctx: Ctx, add) -> bool:
     if f is not None:
         detail += (f", mode {stat.S_IMODE(f.stat().st_mode):04o} in a "
                    f"{stat.S_IMODE(f.parent.stat().st_mode):04o} directory")
-    journal = info.get("journal")
-    if isinstance(journal, dict) and journal:
-        detail += f"; journal {journal.get('path', '')} ({journal.get('records', '?')} records)"
+    copy = info.get("copy")
+    if isinstance(copy, dict) and copy:
+        detail += f"; its copy {copy.get('path', '')}"
     add("store", "ok", detail)
     _repairs(info, add)
     return True

@@ -8,7 +8,7 @@ Rules it keeps:
 - Every store call is the async facade's: nothing here touches a file on the event loop,
   but one: ``configure`` opens the store (mitmproxy applies options synchronously, and a
   store that cannot be opened must stop mitmdump at start or refuse the option while
-  running). Opening a file store reads its files and, after a crash, replays its journal,
+  running). Opening a file store checks both its copies and, after a fault, rebuilds one,
   on the loop's thread — once at start, and when ``sessionpin_store`` changes.
 - A store that says how it is (Redis: ``check()``) is checked as soon as the loop runs,
   so status and doctor show its durability at once. One that cannot be reached then

@@ -1,10 +1,10 @@
 """The file store: the SyncStore rules of ``base`` kept in one SQLite file shared by processes,
-with a decision journal beside it.
+with a second copy of it beside it, written in the same transaction.
 
 Who does what: ``sqlitefile`` the database file (format, opening, set-aside), ``ops`` the
-SQL of each operation, ``journal`` the journal file and the lock file, ``guard`` keeping
-the two whole, ``keeper`` the writer side and the background thread; this class is the
-API and the readers. Rules it keeps:
+SQL of each operation, ``copies`` the two copies (mirroring, judging, rebuilding),
+``filelock`` the lock file, ``writer`` the writer side, the one recovery path and the
+background thread; this class is the API and the readers. Rules it keeps:
 - Reads go through reader connections of their own, one per thread (opened lazily),
   sharing no lock with the writer: under WAL a read never waits for a writer of this or
   another process. Every read goes to the file (no cache to go stale).
@@ -15,14 +15,14 @@ API and the readers. Rules it keeps:
   connection is opened there too (``open_now``), never on the caller's thread. (A page not
   in the OS's cache is read from the disk all the same: ``aio.Threaded`` sees that in the
   thread's counts of disk reads and goes back to its own thread for a while.)
-- Durable or raise: a write that cannot be made is rolled back (and its journal line cut)
-  and raises ``NotDurable`` (durable) or ``StoreUnavailable``, naming the URL, the path
+- Durable or raise: a write that cannot be made is rolled back (in both copies) and
+  raises ``NotDurable`` (durable) or ``StoreUnavailable``, naming the URL, the path
   and the cause; nothing of it stays anywhere. A read that fails raises
   ``StoreUnavailable``, never "absent". One ERROR line when faults begin, one WARNING when
   the next call succeeds — not one line per call.
 - While the store is not sure its paths name the files it has open (deleted, replaced,
-  damaged: see keeper.py), reads and writes raise rather than answer from the wrong file.
-- ``durable=True``: the journal line and the commit are fsync'd before the call returns.
+  damaged: see writer.py), reads and writes raise rather than answer from the wrong file.
+- ``durable=True``: the commit is fsync'd in both copies before the call returns.
   Other writes reach the disk within ``flush_interval`` (a background fsync) and on close.
 - We never close a descriptor of the database file while SQLite may hold it open in this
   process (POSIX would drop SQLite's locks with it): the header is read with our own
@@ -38,10 +38,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import guard, ops
+from . import ops
 from . import sqlitefile as sf
 from .base import Check, NotDurable, StoreError, StoreUnavailable, WouldBlock, Write
-from .keeper import Keeper, Unsure
+from .copies import Identity
+from .writer import State, Unsure, Writer
 
 # Kept importable from here (tests and tools name them through this module).
 APPLICATION_ID = sf.APPLICATION_ID
@@ -63,16 +64,13 @@ class FileStore:
         busy_timeout: float = 2.0,
         on_connect: Callable[[sqlite3.Connection], None] | None = None,
         watch_interval: float = 0.25,
-        compact_factor: float = 4.0,
-        compact_min_bytes: int = 1 << 20,
     ) -> None:
         self.path = Path(path).expanduser().absolute()
         self.url = url or f"file:{path}"
         self._clock = clock
-        self._keeper = Keeper(self.path, self.url, clock, flush_interval=flush_interval,
+        self._writer = Writer(self.path, self.url, clock, flush_interval=flush_interval,
                               sweep_interval=sweep_interval, sweep_batch=sweep_batch, busy_timeout=busy_timeout,
-                              on_connect=on_connect, watch_interval=watch_interval,
-                              compact_factor=compact_factor, compact_min_bytes=compact_min_bytes)
+                              on_connect=on_connect, watch_interval=watch_interval)
         self._local = threading.local()   # .conn, .gen: this thread's reader connection
         self._readers: set[sqlite3.Connection] = set()
         self._readers_lock = threading.Lock()   # guards the set only (opening, closing)
@@ -80,7 +78,7 @@ class FileStore:
         self._closed = False
         first = sf.hold(self.path, +1) == 1
         try:
-            self._keeper.start(read_header=first)
+            self._writer.start(read_header=first)
         except BaseException:
             sf.hold(self.path, -1)
             raise
@@ -88,11 +86,11 @@ class FileStore:
     @property
     def _w(self) -> sqlite3.Connection | None:
         """The writer connection (tests set SQLite limits on it)."""
-        return self._keeper.w
+        return self._writer.w
 
     # == writes =======================================================================
     def _write(self, op: Callable, *args: Any, durable: bool = False):
-        k = self._keeper
+        k = self._writer
         try:
             result = k.write(op, args, self._clock(), durable)
         except UnicodeEncodeError as exc:   # a lone surrogate: SQLite takes only UTF-8
@@ -149,7 +147,7 @@ class FileStore:
 
     # == reads ========================================================================
     def _reader(self) -> sqlite3.Connection:
-        local, k = self._local, self._keeper
+        local, k = self._local, self._writer
         conn = getattr(local, "conn", None)
         if conn is not None and local.gen == k.gen:
             return conn
@@ -178,7 +176,7 @@ class FileStore:
     def open_now(self, thread: int) -> None:
         """Open the never-waiting connection ``read_now`` uses on the thread ``thread`` (an
         ident): here, on a thread that may wait (opening reads the file's header)."""
-        k = self._keeper
+        k = self._writer
         held = self._now.get(thread)
         if held is not None and held[1] == k.gen:
             return
@@ -205,7 +203,7 @@ class FileStore:
         ``open_now`` on the file the store has now; SQLite busy): the caller reads on a thread."""
         query = _NOW.get(name)
         held = self._now.get(threading.get_ident())
-        if query is None or held is None or held[1] != self._keeper.gen:
+        if query is None or held is None or held[1] != self._writer.gen:
             raise WouldBlock(name)
         return self._read(query[0], *args, snapshot=query[1], now=held[0])
 
@@ -225,10 +223,10 @@ class FileStore:
 
     def _read(self, query: Callable, *args: Any, snapshot: bool = False, now: sqlite3.Connection | None = None):
         self._check_open()
-        k, conn = self._keeper, None
+        k, conn = self._writer, None
         try:
-            if k.unsure is not None:
-                raise Unsure(f"not sure of its file: {k.unsure}; repairing")
+            if k.state is State.UNSURE:
+                raise Unsure(f"not sure of its file: {k.why}; repairing")
             conn = now if now is not None else self._reader()
             if not snapshot:
                 result = query(conn, self._clock(), *args)
@@ -254,10 +252,9 @@ class FileStore:
             if conn is not None:
                 self._forget_reader(conn)   # the next read opens a fresh one
             if sf.is_damage(exc):
-                k.suspect = True            # the background thread checks the pages
-                k.wake.set()
+                k.suspect()                 # the background thread checks the pages
             elif k.ident is not None and not isinstance(exc, Unsure):
-                why = k.ident.differs(guard.identity(self.path))
+                why = k.ident.differs(Identity.of(self.path))
                 if why:                     # (a reader opening after the file was deleted, say)
                     k.notice(why)
                     exc = Unsure(f"{why} while it was open; repairing")
@@ -266,7 +263,7 @@ class FileStore:
         if (not result or (isinstance(result, list) and (None in result or {} in result))) and k.ident is not None:
             # A miss is an answer only from the file the path names: one deleted or replaced
             # (not yet noticed by the watch) may lack what the current one holds.
-            why = k.ident.differs(guard.identity(self.path))
+            why = k.ident.differs(Identity.of(self.path))
             if why:
                 k.notice(why)
                 cause = k.rfaults.failed(Unsure(f"{why} while it was open; repairing"))
@@ -315,18 +312,18 @@ class FileStore:
     # == the store itself ==============================================================
     def sweep(self, limit: int | None = None) -> int:
         """Delete expired keys now, in bounded batches (at most ``limit``); return how many."""
-        return self._keeper.sweep(limit)
+        return self._writer.sweep(limit)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "file", "url": self.url, "path": str(self.path), "durable": True,
-                "format": FORMAT_VERSION, **self._keeper.describe()}
+                "format": FORMAT_VERSION, **self._writer.describe()}
 
     def close(self) -> None:
         """Stop the background thread, fsync what ordinary writes left, close every connection."""
         if self._closed:
             return
         self._closed = True
-        self._keeper.close()
+        self._writer.close()
         self._now.clear()
         with self._readers_lock:
             readers, self._readers = list(self._readers), set()

@@ -1,5 +1,5 @@
 """The lock file of one store (``<db>.lock``, 0600): what processes sharing the store hold to
-open, rebuild, restore, compact the journal, or make a durable write.
+open, repair, or make a durable write.
 
 Rules it keeps:
 - ``flock`` on its own file, never on the database: taking and dropping it leaves the

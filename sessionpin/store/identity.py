@@ -4,7 +4,7 @@ held is not a new store (issue 18).
 Rules it keeps:
 - A store has an identity (``store:identity``: a random id, when it was made, and the
   identities the operator accepted it in place of), made the first time a proxy or the
-  CLI uses the store and kept with the data — in a file store's database and journal, in
+  CLI uses the store and kept with the data — in a file store's database and its copy, in
   Redis as one more key — so a backup or a ``store copy`` carries it.
 - Outside the store, each machine remembers which identity a store URL last had and how
   many pins it held (``Memory``: one small 0600 JSON file per store under

@@ -1,11 +1,9 @@
 """The file store's SQL: every write operation inside one transaction, every read query.
 
 Rules they keep (those of ``base``, as ``MemoryStore`` states them):
-- A write takes ``(c, now, rec, *args)``: ``c`` is a connection inside ``BEGIN IMMEDIATE``,
-  ``now`` the transaction's time (every expiry it computes is ``now + ttl``), ``rec`` a list
-  (or None) to which it appends what it changed, for the decision journal. An entry says
-  what the key (or field, or member) *is* after the write, never by how much it changed,
-  so replaying an entry twice gives the same state (``journal.py`` replays them).
+- A write takes ``(c, now, *args)``: ``c`` is a connection inside ``BEGIN IMMEDIATE``,
+  ``now`` the transaction's time (every expiry it computes is ``now + ttl``). What it
+  touched is noted by SQLite itself, for the second copy (``copies.track``).
 - A key touched by a write is first dropped if it has expired (``live``), so an expired
   hash never lends its old fields to a new one.
 - A type error raises ``WrongType`` (a non-integer ``StoreError``) from inside the
@@ -18,13 +16,12 @@ from __future__ import annotations
 
 import math
 import sqlite3
-from typing import Any, Sequence
+from typing import Sequence
 
 from .base import Check, Delete, Expire, HIncr, HSet, Set, StoreError, WrongType, Write, ZAdd, ZRem
 from .memory import HASH, STRING, ZSET, as_int, prefix_end
 
 Conn = sqlite3.Connection
-Rec = list | None
 _KIND_NAME = {STRING: "string", HASH: "hash", ZSET: "sorted set"}
 
 
@@ -41,11 +38,6 @@ def score_of(score: float) -> float:
     if math.isnan(s):
         raise StoreError("score is not a number (NaN)")
     return s
-
-
-def _note(rec: Rec, *entry: Any) -> None:
-    if rec is not None:
-        rec.append(list(entry))
 
 
 # == helpers inside a write transaction ===================================================
@@ -75,7 +67,7 @@ def _drop_if_empty(c: Conn, key: str, table: str) -> None:
         c.execute("DELETE FROM entries WHERE key = ?", (key,))   # redis: an empty hash/zset is no key
 
 
-def _put_string(c: Conn, now: float, rec: Rec, key: str, value: str, ttl: float | None, row) -> None:
+def _put_string(c: Conn, now: float, key: str, value: str, ttl: float | None, row) -> None:
     if row is not None and row[0] != STRING:
         c.execute("DELETE FROM entries WHERE key = ?", (key,))    # the trigger takes its fields/members
     x = None if ttl is None else now + ttl
@@ -83,7 +75,6 @@ def _put_string(c: Conn, now: float, rec: Rec, key: str, value: str, ttl: float 
         "INSERT INTO entries (key, kind, value, expires_at) VALUES (?, 's', ?, ?) "
         "ON CONFLICT (key) DO UPDATE SET kind = 's', value = excluded.value, expires_at = excluded.expires_at",
         (key, value, x))
-    _note(rec, "put", key, STRING, value, x)
 
 
 def _string_is(c: Conn, now: float, key: str, expected: str | None) -> bool:
@@ -95,19 +86,18 @@ def _string_is(c: Conn, now: float, key: str, expected: str | None) -> bool:
 
 # == strings ==============================================================================
 
-def op_set(c: Conn, now: float, rec: Rec, key: str, value: str, ttl: float | None, nx: bool) -> bool:
+def op_set(c: Conn, now: float, key: str, value: str, ttl: float | None, nx: bool) -> bool:
     if not nx and (ttl is None or ttl > 0):
         # One statement where the key is absent or a string (live or expired, it is overwritten
         # all the same), instead of reading the row back first: the lineage watch's anchors
         # and roots are such SETs. Another type: its row goes (the trigger takes its fields or
-        # members) and the string is made.
+        # members) and the string is made. (The copy's triggers see the insert or the update.)
         x = None if ttl is None else now + ttl
         if c.execute("INSERT INTO entries (key, kind, value, expires_at) VALUES (?, 's', ?, ?) "
                      "ON CONFLICT (key) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at "
                      "WHERE kind = 's'", (key, value, x)).rowcount == 0:
             c.execute("DELETE FROM entries WHERE key = ?", (key,))
             c.execute("INSERT INTO entries (key, kind, value, expires_at) VALUES (?, 's', ?, ?)", (key, value, x))
-        _note(rec, "put", key, STRING, value, x)
         return True
     row = live(c, now, key)
     if nx and row is not None:
@@ -115,55 +105,49 @@ def op_set(c: Conn, now: float, rec: Rec, key: str, value: str, ttl: float | Non
     if ttl is not None and ttl <= 0:      # redis refuses; "expires now" is a delete
         if row is not None:
             c.execute("DELETE FROM entries WHERE key = ?", (key,))
-        _note(rec, "del", key)
         return True
-    _put_string(c, now, rec, key, value, ttl, row)
+    _put_string(c, now, key, value, ttl, row)
     return True
 
 
-def op_cas(c: Conn, now: float, rec: Rec, key: str, expected: str | None, value: str | None,
+def op_cas(c: Conn, now: float, key: str, expected: str | None, value: str | None,
            ttl: float | None) -> bool:
     if not _string_is(c, now, key, expected):
         return False
     if value is None or (ttl is not None and ttl <= 0):
         c.execute("DELETE FROM entries WHERE key = ?", (key,))
-        _note(rec, "del", key)
     else:
-        _put_string(c, now, rec, key, value, ttl, live(c, now, key))
+        _put_string(c, now, key, value, ttl, live(c, now, key))
     return True
 
 
-def op_delete(c: Conn, now: float, rec: Rec, key: str) -> bool:
+def op_delete(c: Conn, now: float, key: str) -> bool:
     found = live(c, now, key) is not None
     if found:
         c.execute("DELETE FROM entries WHERE key = ?", (key,))
-    _note(rec, "del", key)            # absent here is absent in the journal too
     return found
 
 
-def op_expire(c: Conn, now: float, rec: Rec, key: str, ttl: float) -> bool:
+def op_expire(c: Conn, now: float, key: str, ttl: float) -> bool:
     if live(c, now, key) is None:
         return False
     if ttl <= 0:
         c.execute("DELETE FROM entries WHERE key = ?", (key,))
-        _note(rec, "del", key)
     else:
         c.execute("UPDATE entries SET expires_at = ? WHERE key = ?", (now + ttl, key))
-        _note(rec, "exp", key, now + ttl)
     return True
 
 
-def op_incr(c: Conn, now: float, rec: Rec, key: str, by: int) -> int:
+def op_incr(c: Conn, now: float, key: str, by: int) -> int:
     row = live(c, now, key)
     if row is None:
-        n, x = by, None
+        n = by
         c.execute("INSERT INTO entries (key, kind, value, expires_at) VALUES (?, 's', ?, NULL)", (key, str(n)))
     else:
         if row[0] != STRING:
             raise wrong(key, row[0])
-        n, x = as_int(row[1]) + by, row[2]
+        n = as_int(row[1]) + by
         c.execute("UPDATE entries SET value = ? WHERE key = ?", (str(n), key))
-    _note(rec, "put", key, STRING, str(n), x)
     return n
 
 
@@ -174,22 +158,19 @@ def _set_field(c: Conn, key: str, field: str, value: str) -> None:
               "ON CONFLICT (key, field) DO UPDATE SET value = excluded.value", (key, field, value))
 
 
-def op_hset(c: Conn, now: float, rec: Rec, key: str, field: str, value: str) -> None:
-    x = for_write(c, now, key, HASH)
+def op_hset(c: Conn, now: float, key: str, field: str, value: str) -> None:
+    for_write(c, now, key, HASH)
     _set_field(c, key, field, value)
-    _note(rec, "hset", key, field, value, x)
 
 
-def op_hsetnx(c: Conn, now: float, rec: Rec, key: str, field: str, value: str) -> bool:
-    x = for_write(c, now, key, HASH)
+def op_hsetnx(c: Conn, now: float, key: str, field: str, value: str) -> bool:
+    for_write(c, now, key, HASH)
     done = c.execute("INSERT INTO fields (key, field, value) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
                      (key, field, value)).rowcount == 1
-    if done:
-        _note(rec, "hset", key, field, value, x)
     return done
 
 
-def op_hdel(c: Conn, now: float, rec: Rec, key: str, field: str) -> bool:
+def op_hdel(c: Conn, now: float, key: str, field: str) -> bool:
     row = live(c, now, key)
     if row is None:
         return False
@@ -198,30 +179,27 @@ def op_hdel(c: Conn, now: float, rec: Rec, key: str, field: str) -> bool:
     if c.execute("DELETE FROM fields WHERE key = ? AND field = ?", (key, field)).rowcount == 0:
         return False
     _drop_if_empty(c, key, "fields")
-    _note(rec, "hdel", key, field)
     return True
 
 
-def op_hincr(c: Conn, now: float, rec: Rec, key: str, field: str, by: int) -> int:
-    x = for_write(c, now, key, HASH)
+def op_hincr(c: Conn, now: float, key: str, field: str, by: int) -> int:
+    for_write(c, now, key, HASH)
     row = c.execute("SELECT value FROM fields WHERE key = ? AND field = ?", (key, field)).fetchone()
     n = (0 if row is None else as_int(row[0])) + by
     _set_field(c, key, field, str(n))
-    _note(rec, "hset", key, field, str(n), x)
     return n
 
 
 # == sorted sets ==========================================================================
 
-def op_zadd(c: Conn, now: float, rec: Rec, key: str, member: str, score: float) -> None:
+def op_zadd(c: Conn, now: float, key: str, member: str, score: float) -> None:
     s = score_of(score)
-    x = for_write(c, now, key, ZSET)
+    for_write(c, now, key, ZSET)
     c.execute("INSERT INTO zsets (key, member, score) VALUES (?, ?, ?) "
               "ON CONFLICT (key, member) DO UPDATE SET score = excluded.score", (key, member, s))
-    _note(rec, "zadd", key, member, s, x)
 
 
-def op_zrem(c: Conn, now: float, rec: Rec, key: str, member: str) -> bool:
+def op_zrem(c: Conn, now: float, key: str, member: str) -> bool:
     row = live(c, now, key)
     if row is None:
         return False
@@ -230,11 +208,10 @@ def op_zrem(c: Conn, now: float, rec: Rec, key: str, member: str) -> bool:
     if c.execute("DELETE FROM zsets WHERE key = ? AND member = ?", (key, member)).rowcount == 0:
         return False
     _drop_if_empty(c, key, "zsets")
-    _note(rec, "zrem", key, member)
     return True
 
 
-def op_zremrange(c: Conn, now: float, rec: Rec, key: str, lo: float, hi: float) -> int:
+def op_zremrange(c: Conn, now: float, key: str, lo: float, hi: float) -> int:
     row = live(c, now, key)
     if row is None:
         return 0
@@ -243,30 +220,29 @@ def op_zremrange(c: Conn, now: float, rec: Rec, key: str, lo: float, hi: float) 
     n = c.execute("DELETE FROM zsets WHERE key = ? AND score BETWEEN ? AND ?", (key, lo, hi)).rowcount
     if n:
         _drop_if_empty(c, key, "zsets")
-        _note(rec, "zremr", key, lo, hi)
     return n
 
 
 # == several keys =========================================================================
 
-def op_apply(c: Conn, now: float, rec: Rec, checks: Sequence[Check], writes: Sequence[Write]) -> bool:
+def op_apply(c: Conn, now: float, checks: Sequence[Check], writes: Sequence[Write]) -> bool:
     if not all(_string_is(c, now, ch.key, ch.value) for ch in checks):
         return False
     for w in writes:     # a type error raises here; the caller rolls back every write before it
         if isinstance(w, Set):
-            op_set(c, now, rec, w.key, w.value, w.ttl, False)
+            op_set(c, now, w.key, w.value, w.ttl, False)
         elif isinstance(w, Delete):
-            op_delete(c, now, rec, w.key)
+            op_delete(c, now, w.key)
         elif isinstance(w, HSet):
-            op_hset(c, now, rec, w.key, w.field, w.value)
+            op_hset(c, now, w.key, w.field, w.value)
         elif isinstance(w, HIncr):
-            op_hincr(c, now, rec, w.key, w.field, w.by)
+            op_hincr(c, now, w.key, w.field, w.by)
         elif isinstance(w, ZAdd):
-            op_zadd(c, now, rec, w.key, w.member, w.score)
+            op_zadd(c, now, w.key, w.member, w.score)
         elif isinstance(w, ZRem):
-            op_zrem(c, now, rec, w.key, w.member)
+            op_zrem(c, now, w.key, w.member)
         elif isinstance(w, Expire):
-            op_expire(c, now, rec, w.key, w.ttl)
+            op_expire(c, now, w.key, w.ttl)
         else:
             raise StoreError(f"apply: unknown write {w!r}")
     return True
@@ -392,57 +368,3 @@ def q_keys(c: Conn, now: float, prefix: str) -> list[str]:
         sql += " AND key < ?"
         params += (end,)
     return [r[0] for r in c.execute(sql + " ORDER BY key", params)]
-
-
-# == whole keys, for the journal (rebuild, compaction, replay) ============================
-# A state is (kind, value, expires_at): value is the string, a dict field -> value, or a
-# dict member -> score.
-
-def read_state(c: Conn, key: str):
-    row = c.execute("SELECT kind, value, expires_at FROM entries WHERE key = ?", (key,)).fetchone()
-    if row is None:
-        return None
-    kind, value, x = row
-    if kind == HASH:
-        value = dict(c.execute("SELECT field, value FROM fields WHERE key = ?", (key,)))
-    elif kind == ZSET:
-        value = {m: float(s) for m, s in c.execute("SELECT member, score FROM zsets WHERE key = ?", (key,))}
-    return (kind, value, x)
-
-
-def write_state(c: Conn, key: str, state) -> None:
-    """Make ``key`` exactly ``state`` (None: absent), whatever it held."""
-    c.execute("DELETE FROM entries WHERE key = ?", (key,))
-    if state is None:
-        return
-    kind, value, x = state
-    if kind in (HASH, ZSET) and not value:
-        return                                      # an empty hash/zset is no key
-    c.execute("INSERT INTO entries (key, kind, value, expires_at) VALUES (?, ?, ?, ?)",
-              (key, kind, value if kind == STRING else None, x))
-    if kind == HASH:
-        c.executemany("INSERT INTO fields (key, field, value) VALUES (?, ?, ?)",
-                      ((key, f, v) for f, v in value.items()))
-    elif kind == ZSET:
-        c.executemany("INSERT INTO zsets (key, member, score) VALUES (?, ?, ?)",
-                      ((key, m, s) for m, s in value.items()))
-
-
-def all_states(c: Conn, now: float, keys: set[str] | None = None):
-    """Every live key's state, in key order (``keys``: only those), in three scans."""
-    fields: dict[str, dict] = {}
-    for k, f, v in c.execute("SELECT key, field, value FROM fields"):
-        if keys is None or k in keys:
-            fields.setdefault(k, {})[f] = v
-    members: dict[str, dict] = {}
-    for k, m, s in c.execute("SELECT key, member, score FROM zsets"):
-        if keys is None or k in keys:
-            members.setdefault(k, {})[m] = float(s)
-    for key, kind, value, x in c.execute("SELECT key, kind, value, expires_at FROM entries ORDER BY key"):
-        if expired(x, now) or (keys is not None and key not in keys):
-            continue
-        if kind == HASH:
-            value = fields.get(key, {})
-        elif kind == ZSET:
-            value = members.get(key, {})
-        yield key, (kind, value, x)

@@ -3,9 +3,9 @@
 A store lives beside files other users may reach: its directory may be one others can write,
 a name may be taken by a link planted there, a file may be pre-created by someone else. So:
 
-- Every file of the store (database, its -wal/-shm, journal, lock file, temp files) is opened
+- Every file of the store (database, its copy, their -wal/-shm, lock file, temp files) is opened
   with ``O_NOFOLLOW``: a symbolic link at its name is refused (``UnsafeFile``), never followed
-  — a link in place of the journal would otherwise have its durable lines appended to whatever
+  — a link in place of the journal (now: the copy) once had durable lines appended to whatever
   file it points at. Opened files must be regular files (a FIFO would block the reader).
 - A file owned by another user is refused with a line saying so (that user can change it under
   us); a file of ours wider than 0600 is made 0600 (``fchmod`` on the descriptor, or ``chmod``

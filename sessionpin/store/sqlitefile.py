@@ -3,7 +3,8 @@
 Format (docs/store.md has the why): a SQLite database in WAL mode, ``application_id``
 0x73706e31 ("spn1"), ``user_version`` = FORMAT_VERSION (2), tables ``entries(key, kind
 's'|'h'|'z', value, expires_at)``, ``fields(key, field, value)``, ``zsets(key, member,
-score)`` and ``meta(name, value)`` (the journal's sequence number); deleting an entry
+score)`` and ``meta(name, value)`` (the sequence number that says which of the two copies is behind:
+copies.py); deleting an entry
 deletes its fields and members (a trigger).
 
 Rules it keeps:
@@ -64,7 +65,6 @@ _AFTER_ENTRIES = [
 ) WITHOUT ROWID""",
     "CREATE INDEX zsets_by_score ON zsets (key, score, member)",
     "CREATE TABLE meta (name TEXT PRIMARY KEY, value) WITHOUT ROWID",
-    "INSERT INTO meta (name, value) VALUES ('journal_seq', 0)",
     """CREATE TRIGGER entries_drop_members AFTER DELETE ON entries
     BEGIN
         DELETE FROM fields WHERE key = old.key;
@@ -215,13 +215,26 @@ def connect(path: Path, *, busy_timeout: float, read_only: bool = False) -> sqli
 
 
 def txn(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], object], *, durable: bool,
-        before_commit: Callable[[], None] | None = None):
+        before_commit: Callable[[], None] | None = None, schemas: tuple[str, ...] = ("main",),
+        patience: float = 0.0):
     """``body`` in one BEGIN IMMEDIATE transaction; rolled back if anything raises.
-    ``durable``: the commit is fsync'd (synchronous=FULL) before this returns."""
-    if durable:
-        conn.execute("PRAGMA synchronous = FULL")
+    ``durable``: the commit is fsync'd (synchronous=FULL in each of ``schemas``) before this returns.
+    ``patience``: how long BEGIN is tried again when it meets SQLITE_BUSY at once — with an
+    attached database, another process's commit releases the files one after the other, and
+    the second may then be found changed since this transaction's read of it began
+    (SQLITE_BUSY_SNAPSHOT, which SQLite's busy handler does not wait out)."""
+    for schema in schemas if durable else ():
+        conn.execute(f"PRAGMA {schema}.synchronous = FULL")
     try:
-        conn.execute("BEGIN IMMEDIATE")
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                break
+            except sqlite3.OperationalError as exc:
+                if code(exc) != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.001)
         try:
             result = body(conn)
             if before_commit is not None:
@@ -235,9 +248,9 @@ def txn(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], object], 
                     pass
             raise
     finally:
-        if durable:
+        for schema in schemas if durable else ():
             try:
-                conn.execute("PRAGMA synchronous = NORMAL")
+                conn.execute(f"PRAGMA {schema}.synchronous = NORMAL")
             except sqlite3.Error:
                 pass
     return result
@@ -276,11 +289,11 @@ def init_db(conn: sqlite3.Connection, path: Path, *, quick_check: bool) -> int:
         if (why := verdict(rows)) is not None:
             raise Unreadable(why)
     if user_version < FORMAT_VERSION:
-        txn(conn, lambda c: _make_schema(c, path), durable=True)
+        txn(conn, lambda c: make_schema(c, path), durable=True)
     return user_version
 
 
-def _make_schema(c: sqlite3.Connection, path: Path) -> None:
+def make_schema(c: sqlite3.Connection, path: Path) -> None:
     found = c.execute("PRAGMA user_version").fetchone()[0]   # again, under the write lock
     tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if found == 0:

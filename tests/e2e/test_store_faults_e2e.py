@@ -1,5 +1,5 @@
 """Issue 10's store faults, end to end: a real ``mitmdump -s addons/route.py`` on a real
-SQLite store file (and its decision journal), fake TLS servers, Claude Code-shaped requests.
+SQLite store file (and its second copy), fake TLS servers, Claude Code-shaped requests.
 
 Every test pins conversations to ``glm`` (the agent addresses ``anthropic``), injects one
 fault into the store's files, then sends their continuations. Each continuation must reach
@@ -24,8 +24,8 @@ files), as the issue's table reports it and as the mechanisms of that code give:
   the other, whose continuations went to anthropic;
 - a store of a newer format at start: a RecursionError cascade of ~2,500 lines, a
   "listening" line, exit 1;
-- the journal (damaged at start, deleted while running) did not exist: after losing the
-  database, nothing was left to rebuild from.
+- the second copy (damaged at start or while running, deleted while running) did not
+  exist: after losing the database, nothing was left to rebuild from.
 """
 
 from __future__ import annotations
@@ -231,14 +231,13 @@ def test_pages_damaged_while_running_then_a_commit_from_another_connection(fakes
             "v = c.execute('PRAGMA user_version').fetchone()[0]; c.execute(f'PRAGMA user_version = {v}'); c.close()",
             str(p.db))
         p.until_glm("continuation", sessions)                # glm, or 503 naming the store: never anthropic
-        p.wait_log(r"its pages are damaged", since=mark)     # the damage was met, not hidden
-        repaired = p.wait_log(r"repaired: (moved the damaged file aside to|the connection still open reads damaged "
-                              r"pages .* moved its copy aside to) .* rebuilt it from the journal|repaired: restored it "
-                              r"from the connection still open", since=mark)
+        # the damage is found (a read met it, or the verification on a connection of its own),
+        # not hidden, and the database rebuilt from the copy
+        p.wait_log(r"database's pages are damaged", since=mark)
+        p.wait_log(r"repaired: rebuilt the database from the copy", since=mark)
         assert p.until_glm("continuation", sessions) == 0    # and after the repair, straight to glm
         all_on_glm(p, sessions)
-        if "rebuilt it from the journal" in repaired:        # (not when the router's page cache still
-            assert list(p.db.parent.glob("state.db.corrupt-*"))   # held good copies: a checked copy of it)
+        assert list(p.db.parent.glob("state.db.corrupt-*"))  # the damaged file, kept
     finally:
         p.stop()
 
@@ -246,7 +245,7 @@ def test_pages_damaged_while_running_then_a_commit_from_another_connection(fakes
 # == 2. damaged at start ===================================================================
 
 @pytest.mark.parametrize("damage", ["truncated to half", "three pages overwritten"])
-def test_damaged_at_start_is_rebuilt_from_the_journal(fakes: Fakes, tmp_path: Path, damage: str) -> None:
+def test_damaged_at_start_is_rebuilt_from_the_copy(fakes: Fakes, tmp_path: Path, damage: str) -> None:
     p = Proxy(fakes, tmp_path / "router", tmp_path / "router" / "state.db").start()
     try:
         sessions = p.open(12)
@@ -258,7 +257,7 @@ def test_damaged_at_start_is_rebuilt_from_the_journal(fakes: Fakes, tmp_path: Pa
             for page in entries_pages(p.db)[:3]:
                 scribble(p.db, (page - 1) * PAGE, os.urandom(PAGE))
         p.start()
-        rebuilt = p.wait_log(r"rebuilt from the journal [^:]*: \d+ keys")
+        rebuilt = p.wait_log(r"rebuilt its database from the copy .*: \d+ keys")
         p.wait_log(r"moved it aside to")
         keys = int(rebuilt.rsplit(":", 1)[1].split()[0])
         assert keys >= 12                                    # the pins (and their index)
@@ -268,7 +267,8 @@ def test_damaged_at_start_is_rebuilt_from_the_journal(fakes: Fakes, tmp_path: Pa
         doctor = cli(p.db, p.mitm.config_path, "doctor")      # another process: it reads the store's history
         said = [line for line in doctor.stdout.splitlines() if line.startswith("warn  store repair")]
         assert any("moved it aside" in line for line in said), doctor.stdout
-        assert any(f"rebuilt from the journal: {keys} keys" in line for line in said), doctor.stdout
+        assert any("rebuilt the database from the copy" in line and f": {keys} keys" in line for line in said), \
+            doctor.stdout
     finally:
         p.stop()
 
@@ -289,7 +289,7 @@ def test_files_deleted_while_running_are_restored_and_lose_no_pin(fakes: Fakes, 
                 os.unlink(f"{p.db}{suffix}")
         during = p.open(10)                                  # new durable pins, right after the deletion
         p.wait_log(r"was deleted while it was open", since=mark, timeout=5)
-        p.wait_log(r"repaired: restored it from the connection still open", since=mark, timeout=10)
+        p.wait_log(r"repaired: rebuilt the database from the (copy|connection still open)", since=mark, timeout=10)
         after = p.open(10)
         p.until_glm("continuation", before + during)
         assert p.db.exists()
@@ -313,8 +313,8 @@ def test_wal_deleted_then_kill_9_loses_no_pin(fakes: Fakes, tmp_path: Path) -> N
         p.start()
         assert p.until_glm("continuation", sessions) == 0
         all_on_glm(p, sessions)
-        # the WAL's commits were replayed from the journal at the start
-        p.wait_log(r"lacked \d+ durable writes that the journal|rebuilt from the journal", since=mark)
+        # the database was behind its copy (the WAL's commits): rebuilt from it at the start
+        p.wait_log(r"rebuilt its database from the copy \(it was behind", since=mark)
     finally:
         p.stop()
 
@@ -369,53 +369,55 @@ def test_a_newer_format_store_is_one_line_and_a_nonzero_exit_nothing_served(fake
     assert db.read_bytes() == before                         # left untouched
 
 
-# == the journal's side ====================================================================
+# == the copy's side =======================================================================
 
 def _the_database_lost_every_pin_comes_back(p: Proxy, sessions: list[str]) -> None:
-    """The journal is whole again: kill the router, delete the database, and every pin
-    comes back from the journal alone."""
+    """The copy is whole again: kill the router, delete the database, and every pin comes
+    back from the copy alone."""
     p.stop(signal.SIGKILL)
     for suffix in ("", "-wal", "-shm"):
         Path(f"{p.db}{suffix}").unlink(missing_ok=True)
     mark = p.mitm.line_count
     p.start()
-    p.wait_log(r"rebuilt from the journal", since=mark)
+    p.wait_log(r"rebuilt its database from the copy", since=mark)
     assert p.until_glm("continuation", sessions) == 0
     all_on_glm(p, sessions)
 
 
 @pytest.mark.parametrize("while_running", [False, True], ids=["at start", "while running"])
-def test_a_damaged_journal_is_rebuilt_from_the_store(fakes: Fakes, tmp_path: Path, while_running: bool) -> None:
+def test_a_damaged_copy_is_rebuilt_from_the_database(fakes: Fakes, tmp_path: Path, while_running: bool) -> None:
     p = Proxy(fakes, tmp_path / "router", tmp_path / "router" / "state.db").start()
-    journal = Path(f"{p.db}.journal")
+    copy = Path(f"{p.db}.copy")
     try:
         sessions = p.open(10)
         if not while_running:
             p.stop()
+        else:
+            checkpoint(copy)                                 # the pins in the copy's main file
         mark = p.mitm.line_count
-        lines = journal.read_bytes().split(b"\n")
-        lines[3] = b"00000000 " + b"x" * 40                  # a bad line with good ones after it
-        with open(journal, "r+b") as f:                      # in place, as a bad disk would
-            f.write(b"\n".join(lines))
+        page = entries_pages(copy)[0]                        # in place, as a bad disk would (one write:
+        scribble(copy, (page - 1) * PAGE, os.urandom(PAGE))  # a running store may repair at once)
         if not while_running:
             p.start()
-        p.wait_log(r"journal .* was damaged .*moved it aside", since=mark, timeout=10)
+        p.wait_log(r"rebuilt (its|the) copy from the database", since=mark, timeout=20)
         assert p.until_glm("continuation", sessions) == 0
+        assert list(p.db.parent.glob("state.db.copy.corrupt-*"))
         _the_database_lost_every_pin_comes_back(p, sessions)
     finally:
         p.stop()
 
 
-def test_a_journal_deleted_while_running_is_restored(fakes: Fakes, tmp_path: Path) -> None:
+def test_a_copy_deleted_while_running_is_rebuilt(fakes: Fakes, tmp_path: Path) -> None:
     p = Proxy(fakes, tmp_path / "router", tmp_path / "router" / "state.db").start()
-    journal = Path(f"{p.db}.journal")
+    copy = Path(f"{p.db}.copy")
     try:
         before = p.open(15)
         mark = p.mitm.line_count
-        journal.unlink()
+        copy.unlink()
         during = p.open(10)                                  # refused until it is back, then pinned
-        p.wait_log(r"journal .* was deleted while the store was open", since=mark, timeout=5)
-        assert journal.exists()
+        p.wait_log(r"its copy was deleted while it was open", since=mark, timeout=5)
+        p.wait_log(r"repaired: rebuilt the copy from the database", since=mark, timeout=10)
+        assert copy.exists()
         _the_database_lost_every_pin_comes_back(p, before + during)
     finally:
         p.stop()

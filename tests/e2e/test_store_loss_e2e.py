@@ -222,7 +222,7 @@ def test_file_store_directory_deleted_while_stopped_is_refused_until_accepted(ri
     rig = rig_on(f"file:{where}/state.db")
     sessions = rig.open(4)
     rig.router.stop()
-    shutil.rmtree(where)                                   # the store, its journal, its directory
+    shutil.rmtree(where)                                   # the store, its copy, its directory
     rig.router.start()
     refused_as_lost(rig, sessions, "lost what it held: it answers empty")
     assert "lost what it held" in rig.router.output

@@ -131,12 +131,7 @@ class Ctx:
                 return                  # status and doctor show the fault themselves
             raise
         if s.kind in identity.LOSSES:
-            try:
-                self.run(identity.record_loss(store, remembered, f"the CLI (pid {os.getpid()})", now))
-            except StoreError:
-                pass
-            if not self.lost_ok:
-                raise Fail(s.message)
+            self._lost(store, remembered, s, now)
             return
         evicted = remembered.evicted if remembered is not None else {}
         if hasattr(store, "evictions"):     # Redis: did it evict keys since this machine last looked?
@@ -148,19 +143,24 @@ class Ctx:
                 counts = None
             grown, evicted, message = identity.judge_evictions(store.url, s.kind, remembered, s.identity, counts)
             if grown:
-                s = self.settled = identity.Settled(identity.EVICTED, s.identity, s.raw, message)
-                try:
-                    self.run(identity.record_loss(store, remembered, f"the CLI (pid {os.getpid()})", now))
-                except StoreError:
-                    pass
-                if not self.lost_ok:
-                    raise Fail(s.message)
+                self.settled = identity.Settled(identity.EVICTED, s.identity, s.raw, message)
+                self._lost(store, remembered, self.settled, now)
                 return
         try:
             n = sum(c[0] for c in self.run(pins.counts(store, now)).values())
             memory.save(identity.Remembered(store.url, s.identity.id, n, now, evicted))
         except (StoreError, OSError):
             pass                        # remembering is best effort here; the proxy remembers too
+
+    def _lost(self, store: Store, remembered, s, now: float) -> None:
+        """A loss the CLI found: recorded in the store for every proxy (best effort), then the
+        command stops with its message (status and doctor, ``lost_ok``, show it themselves)."""
+        try:
+            self.run(identity.record_loss(store, remembered, f"the CLI (pid {os.getpid()})", now))
+        except StoreError:
+            pass
+        if not self.lost_ok:
+            raise Fail(s.message)
 
     def need_store(self) -> Store:
         s = self.store()

@@ -333,17 +333,24 @@ def test_store_copy_under_load_in_the_documented_order_loses_nothing(rig_on, tmp
 
 
 def evict_cold_keys(raw, prefix: str, sessions: list[str]) -> list[str]:
-    """Memory pressure under ``allkeys-lru`` until Redis evicted the pin index and at least
-    two pins (the router reads the identity every second: it stays hot and is kept), then
-    the policy set back. Returns the sessions whose pins were evicted."""
+    """Memory pressure under ``volatile-lru`` until Redis evicted the pin index and at least
+    two pins, then the policy set back. Returns the sessions whose pins were evicted.
+
+    Only keys with a TTL are candidates, and the identity has none, so it is never evicted
+    (under ``allkeys-lru`` it was, now and then on a busy machine: Redis's LRU clock counts
+    whole seconds, and the identity, read every second, could look older than the fillers).
+    The index has no TTL of its own either: the test gives it one, so that it can go with its
+    pins — the loss no index can witness."""
     index = prefix + pins.index_key("claude-code", "glm")
+    assert raw.ttl(prefix + "store:identity") == -1          # (no TTL: not a candidate)
+    raw.expire(index, 86_400)
     raw.config_set("maxmemory-samples", "10")
-    raw.config_set("maxmemory-policy", "allkeys-lru")
+    raw.config_set("maxmemory-policy", "volatile-lru")
     raw.config_set("maxmemory", str(int(raw.info("memory")["used_memory"]) + 64 * 1024))
     n, deadline = 0, time.monotonic() + 20
     try:
         while raw.exists(index) or sum(not raw.exists(prefix + pins.key(s)) for s in sessions) < 2:
-            raw.set(f"filler:{n}", "x" * 4096)
+            raw.set(f"filler:{n}", "x" * 4096, ex=3600)
             n += 1
             assert time.monotonic() < deadline, "Redis did not evict the pins"
     finally:

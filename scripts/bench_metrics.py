@@ -46,6 +46,7 @@ from sessionpin import facts as F  # noqa: E402
 from sessionpin import ladder, members, pins, quota  # noqa: E402
 from sessionpin.pool import report  # noqa: E402
 from sessionpin.proxy import make_addons  # noqa: E402
+from sessionpin.proxy.participants import Participant  # noqa: E402
 from sessionpin.proxy.allocations import Allocations, pool_metrics_text  # noqa: E402
 from sessionpin.proxy.router import Router  # noqa: E402
 from sessionpin.proxy.status import StatusEndpoints, metrics_text  # noqa: E402
@@ -75,7 +76,7 @@ def config_text(servers: int, agents: list[str], pools: int, size: int) -> str:
     return "\n".join(out)
 
 
-class OpenCodePool:
+class OpenCodePool(Participant):
     """The OpenCode id pool's part of the scrape, from numbers it holds (its snapshot read aside)."""
     name = "pool"
 
@@ -211,7 +212,7 @@ async def setup(args, path: Path):
     every = set(tctx.options.keys())
     for a in addons:
         tctx.master.addons.invoke_addon_sync(a, hooks.ConfigureHook(every))
-    by = {type(a): a for a in addons}
+    by = {type(a): a for a in addons[0].parts}      # the one addon's parts
     status, alloc = by[StatusEndpoints], by[Router].allocations
     store, rng, now = alloc.runtime.store, random.Random(1), time.time()
     for i in range(args.servers):
@@ -284,8 +285,7 @@ async def main(args) -> int:
         for what, a, b in (("render", r_ours, r_lib), ("scrape", s_ours, s_lib)):
             rows.append((what, *await best([a, b], args.number, args.repeat)))
         for a in addons:
-            if hasattr(a, "done"):
-                a.done()
+            a.done()
     print(f"{args.servers} servers x {args.agents} agents, {args.pools} pools of {args.members} members, "
           f"{args.groups} OpenCode pool groups: {n_samples} samples, {len(text_ours)} bytes (ours), "
           f"{len(text_lib)} bytes (prometheus_client {version('prometheus_client')})")

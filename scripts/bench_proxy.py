@@ -74,11 +74,8 @@ KEY_ENV = "SESSIONPIN_BENCH_KEY"
 UPSTREAM_KEY = "bench-upstream-key-" + uuid.uuid4().hex[:8]
 CLIENT_KEY = "sk-ant-bench-client-" + uuid.uuid4().hex[:8]
 STREAM_ONLY = "def responseheaders(flow):\n    flow.response.stream = True\n"
-NO_LINEAGE = ("from sessionpin.proxy import make_addons\nfrom sessionpin.proxy.lineagewatch import LineageWatch\n"
-              "addons = [a for a in make_addons() if not isinstance(a, LineageWatch)]\n"
-              "for a in addons:\n    if hasattr(a, 'lineage'):\n        a.lineage = None\n")
-NO_LEDGER = ("from sessionpin.proxy import make_addons\nfrom sessionpin.proxy.ledgerwatch import LedgerWatch\n"
-             "addons = [a for a in make_addons() if not isinstance(a, LedgerWatch)]\n")
+NO_LINEAGE = "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage',))\n"
+NO_LEDGER = "from sessionpin.proxy import make_addons\naddons = make_addons(without=('ledger',))\n"
 SIZES = {"10KB": 10 * 1024, "1MB": 1024 * 1024, "8MB": 8 * 1024 * 1024}
 
 

@@ -3,7 +3,6 @@ taddons context with a real store."""
 
 from __future__ import annotations
 
-import inspect
 import json
 from dataclasses import dataclass
 
@@ -11,6 +10,7 @@ from mitmproxy import hooks, http
 from mitmproxy.test import taddons, tflow, tutils
 
 from sessionpin.proxy import make_addons
+from sessionpin.proxy.bundle import Sessionpin
 from sessionpin.proxy.configwatch import ConfigWatch
 from sessionpin.proxy.connect import ConnectCheck
 from sessionpin.proxy.router import Router
@@ -86,8 +86,10 @@ def internal(path: str, peer=("127.0.0.1", 5555), host="127.0.0.1:8080", headers
 
 @dataclass
 class Proxy:
-    """The addons of one proxy, by job."""
+    """The one addon of a proxy (``bundle``), its parts (``addons``, in their order) and the
+    main parts by job."""
     tctx: taddons.context
+    bundle: Sessionpin
     addons: list
     config: ConfigWatch
     runtime: StoreRuntime
@@ -100,12 +102,8 @@ class Proxy:
         return self.runtime.store
 
     async def send(self, f) -> None:
-        """The request hook of every addon, in order (as mitmproxy runs them)."""
-        for a in self.addons:
-            if hasattr(a, "request"):
-                got = a.request(f)
-                if inspect.isawaitable(got):   # mitmproxy takes sync and async hooks alike
-                    await got
+        """The addon's request hook (every part's, in order, as mitmproxy runs it)."""
+        await self.bundle.request(f)
 
     async def settle(self) -> None:
         """Let the effects that run after a request left (renewals, memories) finish."""
@@ -122,9 +120,7 @@ class Proxy:
         self.config.check()
 
     def close(self) -> None:
-        for a in self.addons:
-            if hasattr(a, "done"):
-                a.done()
+        self.bundle.done()
 
 
 def start(config_path, participants=None, *, pool: bool = False, **options) -> Proxy:
@@ -133,13 +129,13 @@ def start(config_path, participants=None, *, pool: bool = False, **options) -> P
     here). ``pool=True``: the addons as mitmdump loads them, the OpenCode id pool included."""
     addons = make_addons(participants=None if pool else participants if participants is not None else [],
                          env=env(config_path))
-    tctx = taddons.context(*addons)
+    assert len(addons) == 1
+    bundle = addons[0]
+    tctx = taddons.context(bundle)
     options.setdefault("sessionpin_connect_check", False)
     options.setdefault("sessionpin_store", "memory:")
     tctx.options.update(sessionpin_config=str(config_path), **options)
     # as mitmproxy's script loader does: configure every addon with every option
-    every = set(tctx.options.keys())
-    for a in addons:
-        tctx.master.addons.invoke_addon_sync(a, hooks.ConfigureHook(every))
-    by = {type(a): a for a in addons}
-    return Proxy(tctx, addons, by[ConfigWatch], by[StoreRuntime], by[ConnectCheck], by[StatusEndpoints], by[Router])
+    tctx.master.addons.invoke_addon_sync(bundle, hooks.ConfigureHook(set(tctx.options.keys())))
+    return Proxy(tctx, bundle, bundle.parts, bundle.config, bundle.runtime, bundle.connect, bundle.status,
+                 bundle.router)

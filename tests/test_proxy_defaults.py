@@ -98,7 +98,7 @@ def test_each_proxy_has_its_own_decision_lines_shared_by_its_defaults_and_router
     (``sessionpin_decision_log``), the Router writes to it, another tree has its own."""
     from sessionpin.proxy import Router, make_addons
 
-    trees = [make_addons([]), make_addons([])]
+    trees = [make_addons([])[0].parts, make_addons([])[0].parts]
     logs = []
     for tree in trees:
         defaults = next(a for a in tree if isinstance(a, Defaults))

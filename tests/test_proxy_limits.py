@@ -9,6 +9,7 @@ import pytest
 from mitmproxy import exceptions, http
 from mitmproxy.test import tflow, tutils
 
+from sessionpin.proxy import perflow
 from sessionpin.proxy.limits import TOKEN_HEADER, BodyLimit
 from shellkit import start
 
@@ -75,7 +76,7 @@ def test_a_prepared_413_goes_when_its_flow_ends(proxy, end):
     for f in flows:
         getattr(b, end)(f)
     assert b._answers == {}
-    assert b._tokens == {}
+    assert not any(_kept(f) for f in flows)
 
 
 @pytest.mark.parametrize("end", ["error", "response"])
@@ -84,11 +85,10 @@ def test_a_held_request_goes_when_its_flow_ends(proxy, end):
     flows = [_over(length=None) for _ in range(100)]
     for f in flows:
         b.requestheaders(f)
-    assert len(b._held) == len(b._answers) == 100
+    assert len(b._answers) == 100 and all(_kept(f) == {perflow.HELD, perflow.SINK} for f in flows)
     for f in flows:
         getattr(b, end)(f)
-    assert b._held == {} and b._answers == {}
-    assert b._tokens == {}
+    assert b._answers == {} and not any(_kept(f) for f in flows)
 
 
 def test_a_held_request_within_the_limit_leaves_nothing_behind(proxy):
@@ -96,8 +96,13 @@ def test_a_held_request_within_the_limit_leaves_nothing_behind(proxy):
     f = _over(length=None)
     b.requestheaders(f)
     b.request(f)            # its body ended within the limit: back to its destination
-    assert f.request.host == "api.anthropic.com" and b._held == {} and b._answers == {}
-    assert b._tokens == {}
+    assert f.request.host == "api.anthropic.com" and b._answers == {}
+    assert not _kept(f)
+
+
+def _kept(f) -> set[str]:
+    """What the parts keep in this flow (``perflow``): their own keys, not the decision's."""
+    return {k for k in f.metadata if k.startswith("sessionpin.")}
 
 
 async def test_the_sink_drops_the_answer_of_a_request_that_breaks_off(proxy):

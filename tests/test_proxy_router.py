@@ -12,6 +12,7 @@ from mitmproxy.test import tflow, tutils
 
 from sessionpin import pins, route
 from sessionpin.ids import short
+from sessionpin.proxy.participants import Participant
 from sessionpin.store import NotDurable, StoreUnavailable
 from shellkit import CONFIG, SESSION, body, flow, start
 
@@ -295,7 +296,7 @@ async def test_opencode_title_then_toolless_opening_then_continuation(proxy, cfg
 async def test_participants_see_routed_requests_and_response_headers(cfg_path):
     seen = []
 
-    class Pool:
+    class Pool(Participant):
         name = "pool"
 
         async def request(self, flow, facts, decision):
@@ -331,7 +332,9 @@ async def test_participants_see_routed_requests_and_response_headers(cfg_path):
 
 
 async def test_a_participants_refusal_is_answered_in_the_agents_format_and_nothing_is_sent(cfg_path):
-    class Refusing:   # as the OpenCode id pool does when its store failed twice
+    class Refusing(Participant):   # as the OpenCode id pool does when its store failed twice
+        name = "refusing"
+
         async def request(self, flow, facts, decision):
             return route.Refuse(503, "pool-store", "sessionpin cannot reach its pool store", 1)
 

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from sessionpin.documents import read_status
+from sessionpin.proxy.participants import Participant
 from shellkit import CONFIG, flow, internal, start
 
 
@@ -134,7 +135,7 @@ async def test_a_participants_status_and_metrics_are_shared_by_scrapes_too(cfg_p
     # the OpenCode pool's report reads its spares and bindings: not once per scrape
     import asyncio
 
-    class Participant:
+    class Pool(Participant):
         name = "pool"
 
         def __init__(self):
@@ -152,7 +153,7 @@ async def test_a_participants_status_and_metrics_are_shared_by_scrapes_too(cfg_p
             self.calls["metrics"] += 1
             return "# HELP x y\n# TYPE x gauge\nx 1\n"
 
-    part = Participant()
+    part = Pool()
     p = start(cfg_path, participants=[part])
     try:
         fs = [internal(path) for path in ["/__sessionpin/status", "/__sessionpin/metrics"] * 4]

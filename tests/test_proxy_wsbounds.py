@@ -17,7 +17,7 @@ from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import Opcode
 
 from e2e.wsfake import deflate_frame
-from sessionpin.proxy import wsbounds
+from sessionpin.proxy import perflow, wsbounds
 from sessionpin.proxy.wsbounds import OVERHEAD, SocketBounds
 from shellkit import start
 
@@ -125,7 +125,7 @@ def test_a_socket_keeps_only_its_newest_messages_and_nothing_after_it_ends(proxy
         _message(b, f, 10_000)
     kept = f.websocket.messages
     assert 1 <= len(kept) <= 7 and sum(len(m.content) + OVERHEAD for m in kept) <= 64 * 1024
-    assert b._kept == {f.id: sum(len(m.content) + OVERHEAD for m in kept)}
+    assert f.metadata[perflow.WS_KEPT] == sum(len(m.content) + OVERHEAD for m in kept)   # kept in the flow
     # one message larger than the whole allowance stays while it is the newest (the addons
     # after this one read it), and goes when the next one comes
     _message(b, f, 200_000)
@@ -133,7 +133,7 @@ def test_a_socket_keeps_only_its_newest_messages_and_nothing_after_it_ends(proxy
     _message(b, f, 10)
     assert [len(m.content) for m in f.websocket.messages] == [10]
     b.websocket_end(f)
-    assert b._kept == {}
+    assert perflow.WS_KEPT not in f.metadata
 
 
 def test_the_per_socket_count_goes_when_the_socket_ends_however_it_ends(proxy):
@@ -141,10 +141,10 @@ def test_the_per_socket_count_goes_when_the_socket_ends_however_it_ends(proxy):
     flows = [_socket_flow() for _ in range(100)]
     for f in flows:
         _message(b, f, 100)
-    assert len(b._kept) == 100
+    assert all(perflow.WS_KEPT in f.metadata for f in flows)
     for i, f in enumerate(flows):
         (b.websocket_end if i % 2 else b.error)(f)
-    assert b._kept == {}
+    assert not any(perflow.WS_KEPT in f.metadata for f in flows)
 
 
 def test_at_its_end_a_socket_keeps_no_more_than_the_allowance(proxy):

@@ -2,47 +2,61 @@
 lists the rules it keeps (the request path's rules are the stepper's, ``sessionpin.route``;
 router.py performs its effects).
 
-``make_addons()`` lists its addons, each a file to read in one sitting, in the order
-mitmproxy runs their hooks:
+``make_addons()`` returns one addon (``bundle.Sessionpin``: mitmproxy dispatches each hook
+once, not once per part); its hooks call the parts below, each a file to read in one
+sitting, in this order:
 
-| addon | file | job |
+| part | file | job |
 |---|---|---|
 | ``Defaults`` | defaults.py | lazy upstream connections, no request streaming, one line per decision |
 | ``ConfigWatch`` | configwatch.py | the config file: read at start, watched while running |
 | ``StoreRuntime`` | storeruntime.py | the store: open, heartbeat, activity flush, index sweep, close |
 | ``ConnectCheck`` | connect.py | name an unreachable server before mitmproxy's HTML 502 would |
-| ``StatusEndpoints`` | status.py | ``/__sessionpin/status`` and ``/metrics``, loopback only |
 | ``BodyLimit`` | limits.py | a 413 for an inference body over the limit, before it is buffered |
 | ``PageGuard`` | browsers.py | a 403 for a web page's request (browser fetch metadata) to a server or listener of ours |
+| ``StatusEndpoints`` | status.py | ``/__sessionpin/status`` and ``/metrics``, loopback only |
 | ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
 | ``LineageWatch`` | lineagewatch.py | records, from requests and responses, what a fork of a conversation will name it by |
 | ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
 | ``SocketTurns`` | websocket.py | counts each turn (``response.create``) of a decided socket as a request |
-| ``LedgerWatch`` | ledgerwatch.py | every answered turn's tokens, cache read and miss reason, into the ledger |
 | ``SocketBounds`` | wsbounds.py | a WebSocket message (inflated) over the limit closes its socket; few messages kept |
-| ``Allocations`` | allocations.py | server pools: allocations, member checks, quota from answers (a participant) |
-| ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options; the pool is a router participant |
+| ``LedgerWatch`` | ledgerwatch.py | every answered turn's tokens, cache read and miss reason, into the ledger |
+| participants | participants.py | ``running``/``done`` of the parts the router and status call (below) |
+| ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options |
+| ``Allocations`` | allocations.py | the server pools' option (the pools themselves are a participant) |
 
-They share state by reference, handed over here: the decision lines (a ``DecisionLog``,
-gathered per turn of the event loop for stdout) are the tree's, written by ``Router`` and
-pointed by ``Defaults``. No state is the process's: the OpenCode id pool's manager is kept
-on mitmproxy's master by ``PoolOptions.load`` (a script reload builds the addons anew on
-the same master, and finds the same pool: ``sessionpin.pool`` says why it must).
-``tests/test_package.py`` checks that the shell and the pool keep no module-level state.
+The participants (``participants.Participant``, one interface, every method called as
+written): ``LedgerMetrics`` (the ledger's counters, for ``/metrics``), the OpenCode id pool
+(``sessionpin.pool``) and ``Allocations`` (server pools: allocations, member checks, quota
+from answers). The router calls them after its decision, the status endpoint for their
+status and metrics, the store runtime with each store it opens.
+
+Rules this package keeps:
+- Parts share state by reference, handed over here (the decision lines, a ``DecisionLog``
+  gathered per turn of the event loop for stdout, are written by ``Router`` and pointed by
+  ``Defaults``); per-flow facts pass in ``flow.metadata`` (``bundle`` says how), never in a
+  part's dict keyed by flow.
+- No state is the process's: everything is built by ``make_addons``; the OpenCode id pool's
+  manager is kept on mitmproxy's master by ``PoolOptions.load`` (a script reload builds the
+  addon anew on the same master, and finds the same pool: ``sessionpin.pool`` says why it
+  must). ``tests/test_package.py`` checks that the shell and the pool keep no module-level
+  state. The one change the process sees is ``wsbounds``': while a ``SocketBounds`` is
+  loaded, mitmproxy's WebSocket connection class (itself the process's) is replaced by a
+  bounded one, and put back when the last ``SocketBounds`` is done.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from mitmproxy import exceptions
 
 from .allocations import Allocations
 from .browsers import PageGuard
+from .bundle import Idle, Sessionpin
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .defaults import DecisionLog, Defaults
 from .limits import BodyLimit
+from .participants import Participant
 from .ledgerwatch import LedgerMetrics, LedgerWatch
 from .lineagewatch import LineageWatch
 from .websocket import SocketTurns, WebSocketModels
@@ -51,76 +65,44 @@ from .router import Metrics, Router
 from .status import StatusEndpoints
 from .storeruntime import StoreRuntime
 
-__all__ = ["make_addons", "ConfigWatch", "ConnectCheck", "Defaults", "Metrics", "Router", "StatusEndpoints",
+__all__ = ["make_addons", "Participant", "Sessionpin", "ConfigWatch", "ConnectCheck", "Defaults", "Metrics", "Router", "StatusEndpoints",
            "StoreRuntime"]
 
 
-def make_addons(participants: list[Any] | None = None, env=None) -> list[object]:
-    """The addons of one sessionpin proxy. ``participants`` default to the OpenCode id pool;
-    pass ``[]`` to leave it out."""
-    extra: list[object] = []
+def make_addons(participants: list[Participant] | None = None, env=None, *, without: tuple[str, ...] = ()
+                ) -> list[object]:
+    """The one addon of a sessionpin proxy, in a list (what ``addons =`` in a mitmproxy script
+    holds). ``participants`` default to the OpenCode id pool; pass ``[]`` to leave it out.
+    ``without``: "lineage" and/or "ledger", parts left out (``scripts/bench_proxy.py``
+    measures what each costs)."""
+    pool_options = None
     if participants is None:
         from ..pool.participant import PoolOptions, PoolParticipant
 
         pool = PoolParticipant()
         participants = [pool]
-        extra = [PoolOptions(pool, exceptions.OptionsError)]
+        pool_options = PoolOptions(pool, exceptions.OptionsError)
     config = ConfigWatch(env)
     runtime = StoreRuntime(env)
     connect = ConnectCheck(config)
     metrics = Metrics()
     decisions = DecisionLog()
     allocations = Allocations(config, runtime, connect)
-    ledger = LedgerWatch(runtime)     # after LineageWatch: it chains onto that addon's stream reader
+    ledger = LedgerWatch(runtime)     # after LineageWatch: it chains onto that part's stream reader
     participants = [LedgerMetrics(ledger), *participants, allocations]
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
     router = Router(config, runtime, connect, metrics, participants, env, allocations, decisions)
     ledger.bodies = router.bodies     # one body reader process: the router's facts, the ledger's shapes
-    router.lineage = watch = LineageWatch(runtime)
+    watch = LineageWatch(runtime)
     metrics.lineage = watch.counts
+    router.lineage = None if "lineage" in without else watch
     runtime.config_path = lambda: str(config.path) if config.path else None
     runtime.token = status.token
     for p in participants:
-        if hasattr(p, "configure_store"):
-            runtime.on_store(p.configure_store)
-    lifecycle = [_Lifecycle(participants)] if participants else []
-    return [Defaults(decisions), config, runtime, connect, BodyLimit(config, metrics), PageGuard(config, metrics), status, router,
-            watch, WebSocketModels(), SocketTurns(runtime), SocketBounds(), ledger, *lifecycle, *extra, _Options(allocations)]
-
-
-class _Options:
-    """Registers the server pools' option (``Allocations`` itself is a router participant,
-    whose hooks the router calls)."""
-
-    def __init__(self, allocations: Allocations) -> None:
-        self.allocations = allocations
-
-    def load(self, loader) -> None:
-        self.allocations.load(loader)
-
-
-class _Lifecycle:
-    """Hands mitmproxy's running/done to the router's participants (a participant's
-    exception is logged, never raised)."""
-
-    def __init__(self, participants: list[Any]) -> None:
-        self.participants = participants
-
-    def running(self) -> None:
-        self._call("running")
-
-    def done(self) -> None:
-        self._call("done")
-
-    def _call(self, name: str) -> None:
-        import logging
-
-        for p in self.participants:
-            fn = getattr(p, name, None)
-            if fn is None:
-                continue
-            try:
-                fn()
-            except Exception:
-                logging.getLogger("sessionpin").exception("sessionpin: participant %s.%s failed",
-                                                          type(p).__name__, name)
+        runtime.on_store(p.configure_store)
+    return [Sessionpin(defaults=Defaults(decisions), config=config, runtime=runtime, connect=connect,
+                       limit=BodyLimit(config, metrics), pages=PageGuard(config, metrics), status=status,
+                       router=router, lineage=Idle() if "lineage" in without else watch,
+                       ws_models=WebSocketModels(), ws_turns=SocketTurns(runtime), ws_bounds=SocketBounds(),
+                       ledger=Idle() if "ledger" in without else ledger, participants=participants,
+                       pool_options=pool_options, allocations=allocations)]

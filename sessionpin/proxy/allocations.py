@@ -1,6 +1,8 @@
-"""Allocations: the shell of server pools (docs/pools.md). Glue, no rules.
+"""Allocations: the shell of server pools (docs/pools.md), a participant (``participants``).
 
-It performs the stepper's pool effects for the router and watches members' answers:
+It performs the stepper's pool effects for the router and watches members' answers. The
+pools' rules (which member, when one is exhausted) are ``allocate``'s, ``members``' and
+``quota``'s; the rules this module keeps, about performing them:
 
 - ``Allocate`` -> ``members.allocate`` (the store transaction), one allocation of a pool
   at a time in this process (an ``asyncio.Lock`` per pool: this proxy's openings do not
@@ -37,6 +39,7 @@ from ..store import StoreError
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .exposition import family, joined
+from .participants import Participant
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
@@ -50,7 +53,7 @@ UNREACHABLE_FOR = 10.0      # seconds a failed connection keeps a soft member ou
 WRITE_EVERY = 5.0           # seconds between unchanged quota writes of one member
 
 
-class Allocations:
+class Allocations(Participant):
     name = "pools"          # its key under "participants" in /__sessionpin/status
 
     def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck) -> None:

@@ -17,7 +17,8 @@ Rules it keeps (``sessionpin.ledger`` holds the rules of the figures, docs/ledge
   one store write at a time (as ``LineageWatch`` does); a failed write is counted and logged once
   per outage, never retried (a lost turn costs the ledger that turn, nothing else). At most
   ``MAX_PENDING`` turns wait; the oldest are dropped and counted.
-- Bounded memory: at most ``MAX_WATCHED`` answers read at once and ``MAX_LANES`` lanes' last
+- Bounded memory: an answer's reader is kept in its flow (``flow.metadata``,
+  ``perflow.LEDGER``) and taken out when the flow ends; at most ``MAX_LANES`` lanes' last
   prompt shapes kept (the oldest dropped: their next turn is compared with the store's compact
   record instead).
 - Prometheus counters (``metrics()``, rendered by the status endpoint): tokens by agent, server,
@@ -41,13 +42,15 @@ from ..usage import APIS, FIELDS, Read, UsageReader
 from .exposition import family, joined
 from .otelspans import KINDS as OTEL_KINDS
 from .otelspans import Spans
+from . import perflow
 from .offprocess import BodyProcess
+from .perflow import FlowState
+from .participants import Participant
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
 SHAPE_OFF_LOOP_MIN = 256 * 1024   # bytes: a request's prompt shape is read in the body reader's process from here
 
-MAX_WATCHED = 10_000
 MAX_LANES = 2_000
 MAX_PENDING = 10_000
 FLUSH_DELAY = 0.2
@@ -72,7 +75,7 @@ class _Tee:
         return chunk
 
 
-class _Watched:
+class _Watched(FlowState):
     __slots__ = ("agent", "session", "api", "kind", "server", "lane", "reader", "started", "shape")
 
     def __init__(self, agent: str, session: str, api: str, kind: str, server: str, lane: str, started: float) -> None:
@@ -103,7 +106,6 @@ class LedgerWatch:
         self.misses: Counter[tuple[str, str, str]] = Counter()        # (agent, server, reason)
         self.limit: Counter[tuple[str, str]] = Counter()
         self.within: Counter[tuple[str, str]] = Counter()
-        self._watched: OrderedDict[str, _Watched] = OrderedDict()
         self._lanes: OrderedDict[tuple[str, str], tuple[ledger.Prior, promptshape.Shape | None]] = OrderedDict()
         self._pending: deque[_Pending] = deque()
         self._flusher: asyncio.Task | None = None
@@ -165,7 +167,7 @@ class LedgerWatch:
     def response(self, flow: http.HTTPFlow):
         """Sync for every answer but one whose request is large: its shape is read in the body
         reader's process and the hook returns that awaitable (mitmproxy awaits it)."""
-        w = self._watched.pop(flow.id, None)
+        w = flow.metadata.pop(perflow.LEDGER, None)
         if w is None or w.reader is None:
             self._request_span(flow, None)
             return None
@@ -201,7 +203,7 @@ class LedgerWatch:
         # An answer cut short (the client went away, the connection broke) was still billed for
         # what the server had reported by then (Anthropic states a turn's input and cache use
         # in its first event): recorded as such, marked cut. Nothing reported: no turn.
-        w = self._watched.pop(flow.id, None)
+        w = flow.metadata.pop(perflow.LEDGER, None)
         if w is not None and w.reader is not None:
             try:
                 read = w.reader.result()
@@ -239,7 +241,7 @@ class LedgerWatch:
             log.exception("sessionpin: ledger: cannot watch a socket")
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
-        w = self._watched.get(flow.id)
+        w = flow.metadata.get(perflow.LEDGER)
         if w is None or w.reader is None or flow.websocket is None:
             return
         try:
@@ -256,7 +258,7 @@ class LedgerWatch:
             log.exception("sessionpin: ledger: cannot read a socket message's usage")
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
-        self._watched.pop(flow.id, None)
+        flow.metadata.pop(perflow.LEDGER, None)
 
     # ---- a turn -----------------------------------------------------------------------------
     def _watch(self, flow: http.HTTPFlow, websocket: bool = False) -> _Watched | None:
@@ -276,9 +278,7 @@ class LedgerWatch:
             lane = "side"     # refined by the answer's model
         w = _Watched(meta["agent"], meta["session"], api, meta.get("turn") or "", server, lane,
                      flow.request.timestamp_start or time.time())
-        self._watched[flow.id] = w
-        while len(self._watched) > MAX_WATCHED:
-            self._watched.popitem(last=False)
+        flow.metadata[perflow.LEDGER] = w
         return w
 
     def _turn(self, flow: http.HTTPFlow, w: _Watched, read: Read, shape, ended: float | None,
@@ -417,8 +417,8 @@ class LedgerWatch:
         return joined(out)
 
 
-class LedgerMetrics:
-    """The ledger's counters as a router participant (the status endpoint renders participants'
+class LedgerMetrics(Participant):
+    """The ledger's counters as a participant (the status endpoint renders participants'
     ``metrics()``); it takes no part in routing."""
 
     name = "ledger"

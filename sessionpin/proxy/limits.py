@@ -15,8 +15,8 @@ Rules it keeps:
 - Nothing of the request reaches any server: its credentials are removed before it is
   sent to the sink, and the sink keeps nothing.
 - Each 413 is counted in the router's metrics (``sessionpin_refusals_total{reason="too-large"}``).
-- Nothing of a request outlives it: its prepared answer and what was held for it are
-  dropped when its flow ends, however it ends (answered, the client gone, an error), and by
+- Nothing of a request outlives it: its prepared answer (by a token the flow keeps in
+  ``flow.metadata``) and what was held for it (in the flow too) are dropped when its flow ends, however it ends (answered, the client gone, an error), and by
   the sink when the request it reads breaks off.
 - A body with no length (chunked, HTTP/2 without ``content-length``) cannot be judged at
   its headers. Such a request is pointed at the sink while its body arrives, and mitmproxy's
@@ -39,12 +39,22 @@ from mitmproxy import ctx, exceptions, http
 
 from .. import answers, headers
 from .. import facts as F
+from . import perflow
 from .configwatch import ConfigWatch
+from .perflow import FlowState
 
 log = logging.getLogger("sessionpin")
 
 TOKEN_HEADER = "x-sessionpin-sink"
 MIB = 1024 * 1024
+
+
+class _Held(FlowState):
+    """Where a request of unknown length was going, put back if its body ends within the limit."""
+    __slots__ = ("scheme", "host", "port", "headers")
+
+    def __init__(self, scheme: str, host: str, port: int, headers: http.Headers) -> None:
+        self.scheme, self.host, self.port, self.headers = scheme, host, port, headers
 
 
 class BodyLimit:
@@ -53,14 +63,11 @@ class BodyLimit:
         self.metrics = metrics          # the router's Metrics: a 413 is a refusal like the others
         self._server: asyncio.AbstractServer | None = None
         self._port = 0
-        # the answers prepared for the sink: token -> (status, body, headers); and the token
-        # of each flow that has one (flow id -> token), so that the answer goes when the flow
-        # ends whatever ends it (the sink answered, the client went away, an error)
+        # the answers prepared for the sink: token -> (status, body, headers). The flow keeps
+        # its token (``perflow.SINK``), so that the answer goes when the flow ends whatever
+        # ends it (the sink answered, the client went away, an error); a request of unknown
+        # length keeps what to put back if it ends within the limit (``perflow.HELD``)
         self._answers: dict[str, tuple[int, bytes, dict[str, str]]] = {}
-        self._tokens: dict[str, str] = {}
-        # requests of unknown length pointed at the sink until their body ends: flow id ->
-        # (token, scheme, host, port, headers) to put back if it ends within the limit
-        self._held: dict[str, tuple[str, str, str, int, http.Headers]] = {}
         self.refused = 0
 
     def load(self, loader) -> None:
@@ -125,17 +132,16 @@ class BodyLimit:
         req.stream = True
 
     def request(self, flow: http.HTTPFlow) -> None:
-        held = self._held.pop(flow.id, None)
+        held = flow.metadata.pop(perflow.HELD, None)
         if held is None:
             return
-        token, scheme, host, port, original = held
         if flow.request.stream:     # it grew past the limit: mitmproxy streamed it to the sink
             self._refuse(flow, _message(flow, max(1, ctx.options.sessionpin_max_body_mb) * MIB))
             return
         self._forget(flow)              # it ended within the limit: as it came, for the router
         req = flow.request
-        req.scheme, req.host, req.port = scheme, host, port
-        req.headers = original
+        req.scheme, req.host, req.port = held.scheme, held.host, held.port
+        req.headers = held.headers
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._forget(flow)
@@ -146,8 +152,8 @@ class BodyLimit:
     def _forget(self, flow: http.HTTPFlow) -> None:
         """Nothing of a flow's stays once it has ended (issue 20: 5,000 abandoned requests
         over the limit kept 5,000 prepared 413s)."""
-        self._held.pop(flow.id, None)
-        token = self._tokens.pop(flow.id, None)
+        flow.metadata.pop(perflow.HELD, None)
+        token = flow.metadata.pop(perflow.SINK, None)
         if token is not None:
             self._answers.pop(token, None)
 
@@ -156,14 +162,14 @@ class BodyLimit:
         if not self._port or "stream_large_bodies" not in ctx.options or not ctx.options.stream_large_bodies:
             return
         req = flow.request
-        held = (self._prepare(flow, api, _message(flow, limit)), req.scheme, req.host, req.port, req.headers.copy())
-        self._held[flow.id] = held
-        self._to_sink(flow, held[0])
+        token = self._prepare(flow, api, _message(flow, limit))
+        flow.metadata[perflow.HELD] = _Held(req.scheme, req.host, req.port, req.headers.copy())
+        self._to_sink(flow, token)
 
     def _prepare(self, flow: http.HTTPFlow, api: str, message: str) -> str:
         token = secrets.token_hex(8)
         self._answers[token] = (413, *answers.refusal(api, 413, "too-large", message))
-        self._tokens[flow.id] = token
+        flow.metadata[perflow.SINK] = token
         return token
 
     def _to_sink(self, flow: http.HTTPFlow, token: str) -> None:

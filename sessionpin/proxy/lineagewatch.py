@@ -27,7 +27,8 @@ Rules it keeps:
   recorded: it could never be corroborated (``lineindex``). A fork's requests do record
   their anchors (a fork of the fork names them), not their root.
 - Only ids and hashes; records are not durable and never delay a request or a response.
-- Bounded: at most ``MAX_WATCHED`` responses are watched at once (the oldest dropped); the
+- What it reads a response for is kept in the flow (``flow.metadata``, ``perflow.LINEAGE``)
+  and taken out when the flow ends: it lives no longer than the flow. The
   reads waiting for the thread are bounded in number and bytes (``OffLoop.submit``: over it
   the record is skipped and counted). They gather for ``GATHER`` and go to the thread
   together: one hop per batch, not one per request with history.
@@ -54,12 +55,13 @@ from .. import lineage, lineindex
 from ..lineage_stream import StreamReader
 from ..route import State
 from ..store.base import Write
+from . import perflow
 from .offloop import OffLoop
+from .perflow import FlowState
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
 
-MAX_WATCHED = 10_000
 MAX_PENDING = 10_000
 MAX_ROOTS = 10_000       # roots recorded lately, remembered so a conversation's turns do not rewrite them
 REFRESH = 24 * 3600.0    # seconds: a root recorded this long ago is written again (its entry lives 30 days)
@@ -79,7 +81,7 @@ def _root(body: bytes, api: str, encoding: str) -> str | None:
     return keys[0] if keys else None
 
 
-class _Watched:
+class _Watched(FlowState):
     __slots__ = ("agent", "session", "api", "opening", "reader", "anchors", "server", "root")
 
     def __init__(self, agent: str, session: str, api: str, opening: bool, server: str | None = None,
@@ -97,7 +99,6 @@ class LineageWatch:
         self.recorded = 0            # records written
         self.dropped = 0             # records dropped: the store could not keep up, or failed
         self.reads = OffLoop("lineage-records", gather=GATHER)
-        self._watched: OrderedDict[str, _Watched] = OrderedDict()
         self._roots: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # (agent, root) -> (session, when)
         self._pending: deque[list[Write]] = deque()
         self._writes = 0             # writes in _pending
@@ -133,10 +134,8 @@ class LineageWatch:
         if not opening and agent != F.CLAUDE_CODE:
             return          # nothing to read from its answer: no root to learn, no anchor to keep
         source = state.request.source
-        self._watched[flow.id] = _Watched(agent, session, f.api, opening, d.target or (source.name if source else None),
-                                          root)
-        while len(self._watched) > MAX_WATCHED:
-            self._watched.popitem(last=False)
+        flow.metadata[perflow.LINEAGE] = _Watched(agent, session, f.api, opening,
+                                                  d.target or (source.name if source else None), root)
 
     def _request_root(self, flow: http.HTTPFlow, state: State) -> str | asyncio.Future | None:
         """The root of the history this request carries: read already, or being read on the thread."""
@@ -165,12 +164,12 @@ class LineageWatch:
             self._roots.popitem(last=False)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        w = self._watched.get(flow.id)
+        w = flow.metadata.get(perflow.LINEAGE)
         resp = flow.response
         if w is None or resp is None:
             return
         if not 200 <= resp.status_code < 300:
-            self._watched.pop(flow.id, None)
+            del flow.metadata[perflow.LINEAGE]
             return
         if w.agent == F.CLAUDE_CODE:
             request_id = resp.headers.get("request-id")
@@ -182,7 +181,7 @@ class LineageWatch:
             resp.stream = w.reader
 
     def response(self, flow: http.HTTPFlow) -> None:
-        w = self._watched.pop(flow.id, None)
+        w = flow.metadata.pop(perflow.LINEAGE, None)
         if w is None:
             return
         if w.reader is not None:
@@ -204,7 +203,7 @@ class LineageWatch:
                 lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server, owns_root=False)))
 
     def error(self, flow: http.HTTPFlow) -> None:
-        self._watched.pop(flow.id, None)
+        flow.metadata.pop(perflow.LINEAGE, None)
 
     async def settled(self, timeout: float = 10.0) -> None:
         """Wait until every read is done and every record written or dropped (tests, shutdown)."""

@@ -29,8 +29,10 @@ this module keeps, about performing and showing:
   a TCP connect, riding out a blip.
 - Streamed responses (SSE, NDJSON, and any routed response without a length) pass
   through as they arrive: ``responseheaders`` turns streaming on.
-- A participant (the OpenCode id pool) that returns a ``Refuse`` from its ``request`` gets
-  it answered like the router's own refusals; the request is not sent.
+- After the decision, each participant (``participants.Participant``: the OpenCode id pool,
+  the server pools, the ledger's counters) has its ``request`` called, in order; one that
+  returns a ``Refuse`` gets it answered like the router's own refusals, and the request is
+  not sent. A participant's exception is logged and the request goes on without it.
 - A redirect the stepper refuses (``route.redirect_refused``) is held, not streamed, and
   answered in ``response`` with its 502.
 """
@@ -58,6 +60,7 @@ from .configwatch import ConfigWatch
 from .defaults import DecisionLog
 from .offloop import OffLoop
 from .offprocess import BodyProcess
+from .participants import Participant
 from .connect import ConnectCheck
 from .storeruntime import StoreRuntime
 from .unrouted import Unrouted
@@ -94,7 +97,7 @@ class Metrics:
 
 class Router:
     def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
-                 participants: list[Any] | None = None, env: Mapping[str, str] | None = None,
+                 participants: list[Participant] | None = None, env: Mapping[str, str] | None = None,
                  allocations: Allocations | None = None, decisions: DecisionLog | None = None,
                  bodies: BodyProcess | None = None) -> None:
         self.config = config
@@ -144,7 +147,7 @@ class Router:
                 decision = await self._route(flow, facts, source)
             elif websocket.is_upgrade(req):
                 decision = await self._websocket(flow)
-            elif any(_wants(p, req) for p in self.participants):
+            elif any(_wants(p, req.method, req.url) for p in self.participants):
                 facts = await self._facts(req, None)
         except Exception as e:
             if facts is None or facts.agent not in F.AGENTS:
@@ -157,15 +160,14 @@ class Router:
                 return
         if flow.response is None:
             for p in self.participants:
-                if hasattr(p, "request"):
-                    try:
-                        refusal = await p.request(flow, facts, decision)
-                    except Exception:
-                        log.exception("sessionpin: participant %s failed", type(p).__name__)
-                        continue
-                    if isinstance(refusal, route.Refuse):   # e.g. the OpenCode id pool's store failed
-                        self._refuse(flow, facts, refusal)
-                        return
+                try:
+                    refusal = await p.request(flow, facts, decision)
+                except Exception:
+                    log.exception("sessionpin: participant %s failed", type(p).__name__)
+                    continue
+                if isinstance(refusal, route.Refuse):   # e.g. the OpenCode id pool's store failed
+                    self._refuse(flow, facts, refusal)
+                    return
 
     async def _facts(self, req: http.Request, api: str | None) -> F.Facts:
         """The request's facts: read here for a small body (no hop: most requests are a few KB),
@@ -423,11 +425,10 @@ class Router:
                     and not flow.metadata["sessionpin"].get("refused"):
                 resp.stream = True
         for p in self.participants:
-            if hasattr(p, "responseheaders"):
-                try:
-                    p.responseheaders(flow)
-                except Exception:
-                    log.exception("sessionpin: participant %s failed", type(p).__name__)
+            try:
+                p.responseheaders(flow)
+            except Exception:
+                log.exception("sessionpin: participant %s failed", type(p).__name__)
 
     def response(self, flow: http.HTTPFlow) -> None:
         meta = flow.metadata.get("sessionpin")
@@ -475,14 +476,11 @@ def _option(name: str, default: int) -> int:
         return default
 
 
-def _wants(participant: Any, req: http.Request) -> bool:
+def _wants(participant: Participant, method: str, url: str) -> bool:
     """Does a participant want this request's facts? (Reading them costs ~1 ms on a large
     body: only pay it for requests someone acts on.)"""
-    wants = getattr(participant, "wants", None)
-    if wants is None:
-        return False
     try:
-        return bool(wants(req.method, req.url))
+        return bool(participant.wants(method, url))
     except Exception:
         log.exception("sessionpin: participant %s failed", type(participant).__name__)
         return False

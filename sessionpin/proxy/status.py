@@ -39,6 +39,7 @@ from ..documents import METRICS_PATH, STATUS_PATH, PinCount, ServerStatus, Statu
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .exposition import family, joined
+from .participants import Participant
 from .router import INTERNAL_PREFIX, Metrics
 from .storeruntime import StoreRuntime
 
@@ -52,7 +53,7 @@ _encoder = msgspec.json.Encoder()
 
 class StatusEndpoints:
     def __init__(self, config: ConfigWatch, runtime: StoreRuntime, connect: ConnectCheck, metrics: Metrics,
-                 participants: list[Any] | None = None, env: Mapping[str, str] | None = None) -> None:
+                 participants: list[Participant] | None = None, env: Mapping[str, str] | None = None) -> None:
         self.config = config
         self.runtime = runtime
         self.connect = connect
@@ -101,9 +102,10 @@ class StatusEndpoints:
         mark = (self.metrics.pin_writes, id(self.runtime.store))
         return await self._fresh.get(("counts", mark), self._count_now, keep=lambda got: got[0] is not None)
 
-    async def _participant(self, p: Any, what: str) -> Any:
+    async def _participant(self, p: Participant, what: str) -> Any:
         """A participant's status or metrics, shared like the counts (the pool's read its spares)."""
-        return await self._fresh.get((what, id(p), id(self.runtime.store)), lambda: _maybe(getattr(p, what)()))
+        call = p.status if what == "status" else p.metrics
+        return await self._fresh.get((what, id(p), id(self.runtime.store)), lambda: _maybe(call()))
 
     async def _count_now(self) -> tuple[dict[str, PinCount] | None, str | None]:
         store = self.runtime.store
@@ -125,11 +127,13 @@ class StatusEndpoints:
         store = self.runtime.store
         participants: dict[str, Any] = {}
         for p in self.participants:
-            if hasattr(p, "status"):
-                try:
-                    participants[str(getattr(p, "name", type(p).__name__))] = await self._participant(p, "status")
-                except Exception as e:
-                    log.warning("sessionpin: participant %s status: %s", type(p).__name__, e)
+            try:
+                got = await self._participant(p, "status")
+            except Exception as e:
+                log.warning("sessionpin: participant %s status: %s", type(p).__name__, e)
+                continue
+            if got is not None:        # None: it has no status to show
+                participants[p.name] = got
         return Status(
             version=__version__, pid=os.getpid(), host=self.runtime.host, started=self.runtime.started,
             config=str(self.config.path) if self.config.path else None, config_error=self.config.problem,
@@ -148,14 +152,13 @@ class StatusEndpoints:
         text = metrics_text(counts, self.metrics, self.metrics.store_errors + self.runtime.errors,
                             self.config.reloads, self.config.rejected, self.runtime.guard)
         for p in self.participants:
-            if hasattr(p, "metrics"):
-                try:
-                    more = await self._participant(p, "metrics")
-                except Exception as e:
-                    log.warning("sessionpin: participant %s metrics: %s", type(p).__name__, e)
-                    continue
-                if more:
-                    text += more if more.endswith("\n") else more + "\n"
+            try:
+                more = await self._participant(p, "metrics")
+            except Exception as e:
+                log.warning("sessionpin: participant %s metrics: %s", type(p).__name__, e)
+                continue
+            if more:
+                text += more if more.endswith("\n") else more + "\n"
         return text
 
 

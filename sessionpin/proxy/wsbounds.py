@@ -22,7 +22,8 @@ in memory). No option of mitmproxy's bounds either. So:
 - After each message (and at the socket's end), the socket's older messages beyond
   ``sessionpin_ws_keep_kb`` are dropped from ``flow.websocket.messages``: mitmweb shows the
   newest; the newest message itself stays until the next one arrives (the addons after ours
-  read it in their own hook). The running total is kept per flow and dropped at its end.
+  read it in their own hook). The running total is kept in the flow (``flow.metadata``,
+  ``perflow.WS_KEPT``) and dropped at its end.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import wsproto.extensions
 from mitmproxy import ctx, http
 from mitmproxy.proxy.layers import websocket as ws_layer
 from wsproto.frame_protocol import CloseReason, Opcode, RsvBits
+
+from . import perflow
 
 
 log = logging.getLogger("sessionpin")
@@ -181,7 +184,6 @@ class SocketBounds:
     def __init__(self) -> None:
         self.max_message = MAX_MESSAGE_MB * MIB
         self.keep = 1024 * 1024
-        self._kept: dict[str, int] = {}        # flow id -> bytes its kept messages cost
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -209,18 +211,19 @@ class SocketBounds:
         messages = flow.websocket.messages if flow.websocket is not None else None
         if not messages:
             return
-        kept = self._kept.get(flow.id, 0) + len(messages[-1].content) + OVERHEAD
-        self._kept[flow.id] = self._trim(messages, kept, 1)
+        meta = flow.metadata
+        kept = meta.get(perflow.WS_KEPT, 0) + len(messages[-1].content) + OVERHEAD
+        meta[perflow.WS_KEPT] = self._trim(messages, kept, 1)       # what the kept messages cost
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
-        kept = self._kept.pop(flow.id, None)
+        kept = flow.metadata.pop(perflow.WS_KEPT, None)
         if flow.websocket is not None and flow.websocket.messages:
             if kept is None:
                 kept = sum(len(m.content) + OVERHEAD for m in flow.websocket.messages)
             self._trim(flow.websocket.messages, kept, 0)
 
     def error(self, flow: http.HTTPFlow) -> None:
-        self._kept.pop(flow.id, None)
+        flow.metadata.pop(perflow.WS_KEPT, None)
 
     def _trim(self, messages: list, kept: int, newest: int) -> int:
         """Drop the oldest messages while they cost more than ``keep`` (``newest``: how many of the

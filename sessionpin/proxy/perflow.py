@@ -1,0 +1,33 @@
+"""What a part keeps about one flow, in ``flow.metadata``: it lives and dies with its flow.
+
+The parts of the addon (``bundle``) share per-flow facts through ``flow.metadata``: the
+router's decision under ``"sessionpin"`` (a plain dict: mitmweb shows it, a saved flow keeps
+it), and a part's own working state (a stream reader, a prepared answer) under its own
+``"sessionpin.*"`` key, taken out when the flow ends (response, error, socket end).
+
+Rules this module keeps:
+- A part's working state is a ``FlowState``: a copy of the flow (mitmproxy's ``get_state``,
+  used to save, duplicate or replay it) holds None in its place, never a live reader or a
+  future, and no part reads another part's key.
+- Nothing is kept by flow id anywhere in the shell: what a part knows of a flow goes when
+  mitmproxy lets go of the flow, whatever ends it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LINEAGE = "sessionpin.lineage"      # lineagewatch: what this flow's answer is read for
+LEDGER = "sessionpin.ledger"        # ledgerwatch: this flow's usage reader
+HELD = "sessionpin.held"            # limits: a body of unknown length, pointed at the sink
+SINK = "sessionpin.sink"            # limits: the token of this flow's prepared 413
+WS_KEPT = "sessionpin.ws_kept"      # wsbounds: bytes this socket's kept messages cost
+
+
+class FlowState:
+    """Base of a part's per-flow state (see the module)."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None

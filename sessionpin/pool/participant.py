@@ -1,5 +1,7 @@
-"""The pool's side of the router's participant seam (sessionpin/addon.py ``Router``).
+"""The pool's side of the participant seam (``sessionpin.proxy.participants.Participant``).
 
+``PoolParticipant`` has every method of that interface (the shell calls each as written;
+this package may not import the shell, so it does not subclass it: a test checks it).
 Duck-typed over mitmproxy's objects, so this module does not import mitmproxy: it reads
 ``flow.request.method/url/headers``, sets one request header, keeps its decision in
 ``flow.metadata["sessionpin_pool"]`` (and a line of ``flow.comment``) and reads
@@ -15,11 +17,12 @@ Hooks, in the order mitmproxy drives them:
   ssl_verify_upstream_trusted_ca/confdir), so probes go out the way mitmproxy's upstream
   connections go. A shell that drives the participant without ``PoolOptions`` passes the
   same values.
-- ``configure_store(store)`` (called by the router when its store opens): with both a
+- ``configure_store(store)`` (called by the store runtime when its store opens): with both a
   config and a store, attach to the proxy's ``pool.Manager`` (``PoolOptions.load`` takes it
   from mitmproxy's master: the same service after a reload; a participant driven without
   it makes its own).
-- ``running()``: start the refresh loop (sync). ``done()``: detach (sync).
+- ``running()``: start the refresh loop (sync). ``done()``: detach (sync). ``wants(method,
+  url)``: is the request in the pool's scope (the router reads its facts only then).
 - ``request(flow, facts, decision)``: after the router decided; the request's *current*
   URL decides the scope, so a request the router sent elsewhere is left alone. When the
   pool's store failed twice it returns the service's ``Refuse`` (and changes nothing): the

@@ -198,3 +198,17 @@ async def test_a_parts_state_in_a_flow_goes_with_the_flow_and_no_copy_carries_it
 async def _settle(got):
     if got is not None:
         await got
+
+
+def test_a_part_left_out_for_a_benchmark_is_never_called():
+    """``bench_proxy.py --no-lineage/--no-ledger``: the router without that part."""
+    from sessionpin.proxy.bundle import Idle
+
+    bundle = make_addons([], without=("lineage", "ledger"))[0]
+    assert isinstance(bundle.lineage, Idle) and isinstance(bundle.ledger, Idle) and bundle.router.lineage is None
+    f = tflow.tflow(resp=True)
+    assert bundle.response(f) is None and bundle.error(f) is None
+    bundle.done()
+    whole = make_addons([])[0]
+    assert isinstance(whole.router.lineage, LineageWatch) and isinstance(whole.ledger, LedgerWatch)
+    whole.done()

@@ -94,7 +94,7 @@ async def test_a_refusal_is_one_line_its_warning(tmp_path, capsys, caplog):
 
 
 def test_each_proxy_has_its_own_decision_lines_shared_by_its_defaults_and_router():
-    """Issue 21: no process global. The decision log is the addon tree's: Defaults points it
+    """Issue 21: no process global. The decision log is the addon's: Defaults points it
     (``sessionpin_decision_log``), the Router writes to it, another tree has its own."""
     from sessionpin.proxy import Router, make_addons
 

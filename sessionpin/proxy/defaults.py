@@ -9,7 +9,7 @@ Rules it keeps:
 - One line per decision: mitmproxy's connection chatter ("client connect", "server
   disconnect …", and "Streaming response from …" for each streamed answer) is dropped
   unless ``sessionpin_connection_log`` is on; decision lines, timestamped as mitmproxy's own
-  (``[15:37:40.960] sessionpin: …``, local time; a ``DecisionLog`` the addon tree shares), go to the terminal directly (``sessionpin_decision_log=terminal``, the
+  (``[15:37:40.960] sessionpin: …``, local time; a ``DecisionLog`` the addon's parts share), go to the terminal directly (``sessionpin_decision_log=terminal``, the
   default) — gathered and written once per turn of the event loop, not through Python's
   logging and mitmproxy's log event, which every addon receives: a cost paid per request
   (docs/benchmarks.md) — or into mitmweb's event log (``eventlog``), or nowhere (``off``).

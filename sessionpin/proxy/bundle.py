@@ -8,13 +8,13 @@ the parts were registered in when each was an addon). The parts keep their own f
 know nothing of this one.
 
 Rules this module keeps:
-- A hook exists here only if some part takes it; each calls exactly the parts written in
-  its row of ``__init__`` (no lookup by name).
+- A hook exists here only if some part takes it (``tests/test_proxy_bundle.py`` compares
+  the two sets); each calls exactly the parts written for it — its row in ``__init__``, or,
+  for a hook one part takes, the call in the hook itself — never looked up by name.
 - A part's exception is logged with the part's name and the hook's, and the hook goes on
   with the next part (mitmproxy's ``safecall`` logged it too, but then skipped every later
   addon of the script for that hook: a failing ``BodyLimit`` sent the request on unrouted).
-  A flow is never dropped by a part's failure, and never reaches a later part half-told: the
-  router still decides it. ``OptionsError`` (an option refused: mitmproxy undoes the update)
+  A flow is never dropped by a part's failure: the router still decides it. ``OptionsError`` (an option refused: mitmproxy undoes the update)
   and ``AddonHalt`` go through, as mitmproxy lets them.
 - ``load`` reaches every part, so every option is registered; ``configure`` reaches every
   part (an ``OptionsError`` stops it, as it stopped mitmproxy's chain).

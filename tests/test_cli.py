@@ -227,6 +227,26 @@ def test_sessions_table_and_filters(env, capsys):
     assert data[0]["server"] is None and data[0]["requests"] == 5 and data[0]["agent"] == "claude-code"
 
 
+def test_sessions_on_pages_found_damaged_while_it_read_says_so_then_lists_the_repaired_store(env, capsys):
+    # the CLI opens a file store without checking every page first (quick_check of a
+    # million pins takes seconds) and asks for the background check's verdict at the end
+    from sessionpin.store.file import FileStore
+    put_pins(env.url, RUNNING)
+    path = env.dir / "state" / "state.db"
+    s = FileStore(path)
+    for i in range(3000):
+        s.set(f"filler:{i:05d}", "x" * 40)
+    s.close()
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 4096 // 2 * 4096
+    data[middle: middle + 4096 * 3] = os.urandom(4096 * 3)    # pages the open itself does not read
+    path.write_bytes(bytes(data))
+    code, o, e = run(capsys, "sessions")
+    assert code == 1 and "damaged" in e, (code, o, e)
+    code, o, e = run(capsys, "sessions")
+    assert code == 0 and len(o.splitlines()) == 5, (o, e)       # rebuilt from its copy: every pin
+
+
 def test_sessions_name_a_forks_parent(env, capsys):
     """A fork under a new id is pinned naming its parent: WHY says so, and a PARENT column
     appears when a listed conversation is a fork (JSON: ``parent``)."""

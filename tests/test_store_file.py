@@ -755,3 +755,75 @@ def test_a_set_over_a_string_or_nothing_is_one_statement(tmp_path):
         assert s._w.execute("SELECT count(*) FROM fields WHERE key = 'h'").fetchone() == (0,)
     finally:
         s.close()
+
+
+# == check_at_open=False: the pages checked on the background thread (the CLI's listings) ====
+
+def _filled_and_closed(path: Path, n: int) -> dict[str, str]:
+    s = FileStore(path)
+    for i in range(n):
+        s.set(f"pin:{i:05d}", f"server-{i % 7}")
+    s.close()                                   # both files checkpointed: every page in them
+    return {f"pin:{i:05d}": f"server-{i % 7}" for i in range(n)}
+
+
+def _damage_the_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 4096 // 2 * 4096
+    data[middle: middle + 4096 * 3] = os.urandom(4096 * 3)
+    path.write_bytes(bytes(data))
+
+
+def test_opened_unchecked_reads_at_once_and_the_check_finds_it_whole(tmp_path):
+    path = tmp_path / "state.db"
+    pins = _filled_and_closed(path, 500)
+    s = FileStore(path, check_at_open=False, watch_interval=0.05)
+    try:
+        assert s.get("pin:00007") == "server-0"     # reads do not wait for the check
+        assert s.verdict(10) is None
+        assert s.describe()["state"] == "sure"
+        assert {k: s.get(k) for k in s.keys("pin:")} == pins
+    finally:
+        s.close()
+
+
+def test_opened_unchecked_on_damaged_pages_says_so_and_rebuilds_from_the_copy(tmp_path):
+    path = tmp_path / "state.db"
+    pins = _filled_and_closed(path, 3000)
+    _damage_the_middle(path)                    # pages the open does not read
+    s = FileStore(path, check_at_open=False, watch_interval=0.05)
+    try:
+        found = s.verdict(10)
+        assert found is not None and "database's pages are damaged" in found
+        deadline = time.monotonic() + 10
+        while s.describe()["state"] != "sure" or s.describe()["last_repair"] is None:
+            assert time.monotonic() < deadline, s.describe()
+            time.sleep(0.02)
+        assert {k: s.get(k) for k in s.keys("pin:")} == pins     # every pin, from the copy
+    finally:
+        s.close()
+    assert list(tmp_path.glob("state.db.corrupt-*"))
+
+
+def test_a_write_to_a_store_opened_unchecked_waits_for_the_check_and_never_meets_damage(tmp_path, monkeypatch):
+    path = tmp_path / "state.db"
+    pins = _filled_and_closed(path, 3000)
+    _damage_the_middle(path)                    # pages the open does not read
+    # the background thread's watch (which checks an unchecked store at once) held back:
+    # the write itself must check first
+    from sessionpin.store import writer
+    monkeypatch.setattr(writer.Writer, "watch", lambda self: None)
+    s = FileStore(path, check_at_open=False)
+    try:
+        assert s.describe()["state"] == "unchecked"
+        s.set("new", "glm", durable=True)
+        assert s.describe()["state"] == "sure" and s.describe()["last_repair"] is not None
+        assert s.verdict(0) is not None
+    finally:
+        s.close()
+    again = FileStore(path)
+    try:
+        assert again.get("new") == "glm"
+        assert {k: again.get(k) for k in again.keys("pin:")} == pins
+    finally:
+        again.close()

@@ -91,11 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_run(ctx, args, extra)
         if command == "servers":
             if args.servers_command == "add":
-                return cmd_servers_add(ctx, args)
+                return ctx.settle(cmd_servers_add(ctx, args))
             if args.servers_command == "remove":
-                return cmd_servers_remove(ctx, args)
-            return cmd_servers(ctx, args)
-        return COMMANDS[command](ctx, args)
+                return ctx.settle(cmd_servers_remove(ctx, args))
+            return ctx.settle(cmd_servers(ctx, args))
+        return ctx.settle(COMMANDS[command](ctx, args))
     except Fail as e:
         err(f"sessionpin: {e}")
         return e.code

@@ -94,7 +94,10 @@ class Ctx:
             self._gone()
             return None
         try:
-            self._store = open_store(self.store_url)
+            # a file store's pages are checked on its thread while the command reads
+            # (quick_check of a 1M-pin store takes seconds); ``settle`` waits for the verdict
+            options = {} if self.store_file() is None else {"check_at_open": False}
+            self._store = open_store(self.store_url, **options)
         except StoreError as e:
             raise Fail(f"cannot open the store {self.store_shown}: {e}; check --store or SESSIONPIN_STORE") from None
         except OSError as e:
@@ -161,6 +164,19 @@ class Ctx:
             pass
         if not self.lost_ok:
             raise Fail(s.message)
+
+    def settle(self, code: int) -> int:
+        """``code``, once the store's pages were found whole; a Fail naming the damage if
+        its check (run while the command read, ``check_at_open``) found them damaged."""
+        verdict = getattr(getattr(self._store, "backend", None), "verdict", None)
+        if verdict is None:
+            return code
+        found = self.run(asyncio.to_thread(verdict))
+        if found is not None:
+            raise Fail(f"the store {self.store_shown} was found damaged while this command read it ({found}); "
+                       "what it printed may be incomplete; the store rebuilds the damaged file from its "
+                       "copy: run the command again (`sessionpin doctor` shows the repair)")
+        return code
 
     def need_store(self) -> Store:
         s = self.store()

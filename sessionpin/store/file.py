@@ -64,13 +64,14 @@ class FileStore:
         busy_timeout: float = 2.0,
         on_connect: Callable[[sqlite3.Connection], None] | None = None,
         watch_interval: float = 0.25,
+        check_at_open: bool = True,
     ) -> None:
         self.path = Path(path).expanduser().absolute()
         self.url = url or f"file:{path}"
         self._clock = clock
         self._writer = Writer(self.path, self.url, clock, flush_interval=flush_interval,
                               sweep_interval=sweep_interval, sweep_batch=sweep_batch, busy_timeout=busy_timeout,
-                              on_connect=on_connect, watch_interval=watch_interval)
+                              on_connect=on_connect, watch_interval=watch_interval, check_at_open=check_at_open)
         self._local = threading.local()   # .conn, .gen: this thread's reader connection
         self._readers: set[sqlite3.Connection] = set()
         self._readers_lock = threading.Lock()   # guards the set only (opening, closing)
@@ -310,6 +311,17 @@ class FileStore:
             raise StoreError(f"{self.url}: store is closed")
 
     # == the store itself ==============================================================
+    def verdict(self, timeout: float | None = None) -> str | None:
+        """What the check of every page found, once it is done: None (whole), or the damage
+        (the store repairs itself from the other file). Opened with ``check_at_open=False``,
+        the check runs on the background thread while reads go on; a caller that read before
+        it ended asks here before it says all was read. Raises ``StoreUnavailable`` if the
+        check has not ended within ``timeout``."""
+        k = self._writer
+        if not k.checked.wait(timeout):
+            raise StoreUnavailable(f"store {self.url}: the check of its pages did not end within {timeout:g} s")
+        return k.found
+
     def sweep(self, limit: int | None = None) -> int:
         """Delete expired keys now, in bounded batches (at most ``limit``); return how many."""
         return self._writer.sweep(limit)

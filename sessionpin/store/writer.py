@@ -18,8 +18,12 @@ Rules it keeps:
   whole one with the higher sequence — from the file at its path, or, when neither path
   holds a whole file (the directory deleted), from what the writer connection still has
   open — then reopen. The usual open (both whole, same sequence) takes no lock.
-- The state is one ``State``: SURE, SUSPECT (a call met damaged pages: check them), UNSURE
-  (calls refuse until recovered), CLOSED.
+- The state is one ``State``: SURE, UNCHECKED (opened with its pages' check left to the
+  background thread: reads go on, a write first waits for the check), SUSPECT (a call met
+  damaged pages: check them), UNSURE (calls refuse until recovered), CLOSED.
+- ``check_at_open=False`` (the CLI's read-only listings): the open checks the two files'
+  headers and sequences, not every page (``quick_check`` of a 1M-pin store takes seconds); the
+  background thread checks them at once, and ``verdict`` says what it found.
 - The background thread also fsyncs ordinary commits (both WALs and the directory) within
   ``flush_interval``, sweeps expired keys in bounded batches, and verifies both files with
   ``quick_check`` at most every 50 × the time the last check took (≤ 2 % of a core).
@@ -52,6 +56,7 @@ VERIFY_SHARE = 50     # the verification waits this many times as long as it too
 
 class State(enum.Enum):
     SURE = "sure"
+    UNCHECKED = "unchecked" # opened without the pages' check: the background thread runs it now
     SUSPECT = "suspect"     # a call met damaged pages: check them on a fresh connection
     UNSURE = "unsure"       # a path names another file or none, or pages are damaged
     CLOSED = "closed"
@@ -102,10 +107,14 @@ def cause_of(exc: BaseException) -> str:
 class Writer:
     def __init__(self, path: Path, url: str, clock: Callable[[], float], *, flush_interval: float,
                  sweep_interval: float, sweep_batch: int, busy_timeout: float,
-                 on_connect: Callable[[sqlite3.Connection], None] | None, watch_interval: float) -> None:
+                 on_connect: Callable[[sqlite3.Connection], None] | None, watch_interval: float,
+                 check_at_open: bool = True) -> None:
         self.path, self.copy, self.url, self.clock = path, copies.copy_path(path), url, clock
         self.flush_interval, self.sweep_interval, self.sweep_batch = flush_interval, sweep_interval, sweep_batch
         self.busy_timeout, self.on_connect, self.watch_interval = busy_timeout, on_connect, watch_interval
+        self.check_at_open = check_at_open
+        self.checked = threading.Event()               # the open's pages check is done (or was made at open)
+        self.found: str | None = None                  # what that check found damaged (None: whole)
         self.lock_wait = max(busy_timeout, 5.0)         # opening and repairing may wait longer
         self.wlock = threading.RLock()
         self.w: sqlite3.Connection | None = None
@@ -160,11 +169,17 @@ class Writer:
                     unreadable[name] = str(exc)     # set aside by recover, before SQLite touches it
         if self.path.exists() and self.copy.exists() and not unreadable:
             try:
-                self._connect(check=True)
+                self._connect(check=self.check_at_open, compare=True)
+                if self.check_at_open:
+                    self.checked.set()
+                else:
+                    self.state = State.UNCHECKED
+                    self.wake.set()
                 return
             except sf.Unreadable:
                 self.drop_writer()
         self.recover(unreadable)
+        self.checked.set()                          # recover judged both files' pages
 
     def recover(self, unreadable: dict | None = None) -> str:
         """Make both files whole and reopen (wlock held). Returns what was done."""
@@ -241,7 +256,10 @@ class Writer:
                 conn.close()
         return done
 
-    def _connect(self, check: bool) -> None:
+    def _connect(self, check: bool, compare: bool | None = None) -> None:
+        """Open the writer connection over both files. ``check``: every page of both
+        (``quick_check``); ``compare`` (default: ``check``): both at one sequence."""
+        compare = check if compare is None else compare
         conn = self.connect()
         try:
             for p in (self.copy, Path(f"{self.copy}-wal"), Path(f"{self.copy}-shm")):
@@ -257,7 +275,7 @@ class Writer:
                 # rarely finds both free; the txn's own loop tries again every millisecond
                 conn.execute("PRAGMA busy_timeout = 20")
                 why = copies.check(conn, "copy") if check else None
-                if why is None and check and (not found or copies.seq(conn) != copies.seq(conn, "copy")):
+                if why is None and compare and (not found or copies.seq(conn) != copies.seq(conn, "copy")):
                     why = "one is behind the other"
             except sqlite3.DatabaseError as exc:
                 if not sf.is_damage(exc):
@@ -265,8 +283,9 @@ class Writer:
                 why = str(exc)
             if why is not None:
                 raise sf.Unreadable(why)
-            sf.txn(conn, lambda c: (copies.start(c), copies.delete_expired(c, self.clock())), durable=False,
-                   patience=self.busy_timeout)
+            if check or not compare:                # not on pages still unchecked (the sweep does it later)
+                sf.txn(conn, lambda c: (copies.start(c), copies.delete_expired(c, self.clock())), durable=False,
+                       patience=self.busy_timeout)
             self.repairs = _history(conn)
         except BaseException:
             conn.close()
@@ -295,6 +314,10 @@ class Writer:
         with self.wlock:
             if self.state is State.CLOSED:
                 raise StoreError(f"{self.url}: store is closed")
+            if self.state is State.UNCHECKED:        # never write to pages not yet checked
+                self.verify(full=False)
+                if self.state is State.UNSURE:
+                    self.repair()
             if self.state is State.UNSURE:
                 raise Unsure(f"not sure of its file: {self.why}; repairing")
             try:
@@ -353,7 +376,7 @@ class Writer:
             raise Unsure(f"{why} while it was open; repairing")
 
     def notice(self, why: str) -> None:
-        if self.state in (State.SURE, State.SUSPECT):
+        if self.state in (State.SURE, State.SUSPECT, State.UNCHECKED):
             self.state, self.why = State.UNSURE, why
             log.error("store %s: %s while it was open; reads and writes refuse until it is repaired",
                       self.url, why)
@@ -369,7 +392,7 @@ class Writer:
         tick = min(self.flush_interval, self.watch_interval, self.sweep_interval)
         now = time.monotonic()
         next_flush, next_sweep = now + self.flush_interval, now + self.sweep_interval
-        self.next_verify = now + 4 * self.watch_interval
+        self.next_verify = now + 4 * self.watch_interval     # (UNCHECKED: the first tick checks)
         while not self.stop.is_set():
             self.wake.wait(tick)
             self.wake.clear()
@@ -393,7 +416,8 @@ class Writer:
         if self.state is not State.UNSURE:
             if why := self.ident.differs(Identity.of(self.path)):
                 self.notice(why)
-        if self.state is State.SUSPECT or (self.state is State.SURE and time.monotonic() >= self.next_verify):
+        if self.state in (State.SUSPECT, State.UNCHECKED) or (
+                self.state is State.SURE and time.monotonic() >= self.next_verify):
             self.verify(full=self.state is State.SUSPECT)
         if self.state is State.UNSURE:
             self.repair()
@@ -412,10 +436,14 @@ class Writer:
             finally:
                 conn.close()
             if why is not None:
+                if self.state is State.UNCHECKED:
+                    self.found = f"its {name}'s pages are damaged ({why})"
                 self.notice(f"its {name}'s pages are damaged ({why})")
+                self.checked.set()
                 return
-        if self.state is State.SUSPECT:
+        if self.state in (State.SUSPECT, State.UNCHECKED):
             self.state = State.SURE
+        self.checked.set()
         self.next_verify = time.monotonic() + max(self.watch_interval, VERIFY_SHARE * (time.thread_time() - t0))
 
     def repair(self) -> None:

@@ -193,7 +193,7 @@ class Router:
         if isinstance(effect, route.Plan):
             req = flow.request
             body = req.get_content(strict=False) if effect.body else None
-            return route.Planned(route.plan(state, effect, tuple(req.headers.items(multi=True)), body))
+            return route.Planned(route.plan(state, effect, lambda: tuple(req.headers.items(multi=True)), body))
         if isinstance(effect, route.CheckReachable):
             where = (effect.host, effect.port)
             self.connect.moved_to(where, effect.target)

@@ -647,3 +647,18 @@ async def test_a_large_body_of_few_objects_is_read_here_and_one_of_many_apart(pr
     assert f.metadata["sessionpin"]["rule"] == "pinned" and f.request.host == "api.z.ai"
     assert f.request.content == few.replace(b'"claude-opus-4-1"', b'"glm-4.6"')
     assert calls == [len(few)]
+
+
+@pytest.mark.parametrize("fields", [
+    [], [(b"Content-Encoding", b"gzip")], [(b"content-encoding", b"gzip"), (b"x", b"y"), (b"CONTENT-ENCODING", b"br")],
+    [(b"content-encoding", b"")], [(b"content-encoding", b"\xff")], [(b"content-encodings", b"gzip")],
+])
+def test_the_content_encoding_read_off_the_fields_is_what_the_header_api_says(fields):
+    """Issue 22: the router reads a request's content-encoding in one pass over its fields;
+    it is ``headers.get`` (every value joined by ", ", None when absent), and the body the plan
+    renames is ``get_content(strict=False)``."""
+    from sessionpin.proxy.router import _content_encoding
+    req = tutils.treq(headers=http.Headers(fields), content=b'{"model":"m"}')
+    assert _content_encoding(req) == req.headers.get("content-encoding")
+    body = req.get_content(strict=False) if _content_encoding(req) else req.raw_content
+    assert body == req.get_content(strict=False)

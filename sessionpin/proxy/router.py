@@ -171,7 +171,7 @@ class Router:
         """The request's facts: read here for a small body (no hop: most requests are a few KB),
         in the body reader's process for a large one (never on the event loop, nor on a thread,
         which would hold the GIL in the same long C calls)."""
-        raw, encoding = req.raw_content, req.headers.get("content-encoding")
+        raw, encoding = req.raw_content, _content_encoding(req)
         if raw is not None and read_apart(raw, encoding):
             return await self.bodies.facts(req.method, req.url, req.headers.fields, raw, encoding, api)
         return F.read(req.method, req.url, req.headers.fields, raw, encoding, api=api)
@@ -192,7 +192,9 @@ class Router:
         store = self.runtime.store
         if isinstance(effect, route.Plan):
             req = flow.request
-            body = req.get_content(strict=False) if effect.body else None
+            body = None
+            if effect.body:     # as sent when it has no content-encoding (what get_content would return)
+                body = req.get_content(strict=False) if _content_encoding(req) else req.raw_content
             return route.Planned(route.plan(state, effect, lambda: tuple(req.headers.items(multi=True)), body))
         if isinstance(effect, route.CheckReachable):
             where = (effect.host, effect.port)
@@ -532,6 +534,13 @@ def _apply(req: http.Request, c: rewrite.Changes) -> None:
             req.content = c.body
         else:
             req.data.content = c.body           # the bytes as they go (req.raw_content)
+
+
+def _content_encoding(req: http.Request) -> str | None:
+    """``req.headers.get("content-encoding")`` read off the fields in one pass (the header API
+    costs a lookup through its mapping layers): every value of the name joined by ", ", or None."""
+    values = [v for n, v in req.headers.fields if n.lower() == b"content-encoding"]
+    return b", ".join(values).decode("utf-8", "surrogateescape") if values else None
 
 
 def read_apart(raw: bytes, encoding: str | None) -> bool:

@@ -174,6 +174,14 @@ def header_map(headers: object) -> dict[str, str]:
                 name, value = pair
             except (TypeError, ValueError):
                 continue
+            if type(name) is bytes and type(value) is bytes:   # mitmproxy's fields: _text's usual case
+                try:
+                    key = name.decode().strip().lower()
+                    if key and key not in out:
+                        out[key] = value.decode().strip()
+                    continue
+                except UnicodeDecodeError:
+                    pass
             key = _text(name).strip().lower()
             if key and key not in out:
                 out[key] = _text(value).strip()

@@ -97,14 +97,13 @@ def dropped_for_move(headers: Iterable[tuple[str, str]], keep: Iterable[str] = (
     server: every name not allowed, and every allowed one with a bad value. ``keep``
     names survive whatever their value (the agent's own credential headers, when the
     target is the origin that credential is for)."""
-    keep = {k.lower() for k in keep}
+    keep = {k.lower() for k in keep} if keep else ()
     drop: dict[str, None] = {}
     for name, value in headers:
-        n = name.lower()
-        if n in keep:
+        if keep and name.lower() in keep:
             continue
         if not allowed(name) or not _clean_value(value):
-            drop[n] = None
+            drop[name.lower()] = None
     return tuple(drop)
 
 

@@ -105,7 +105,11 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
     if target is None:
         return _refused(request, f"server {decision.target!r} is not configured")
 
-    changes = Changes(request.scheme, request.host, request.port, request.path)
+    # The origin, path and headers of the request as it leaves: its own unless it moves. The
+    # Changes are built once, at the end (a request that stays reads none of its headers).
+    scheme, host, port, path = request.scheme, request.host, request.port, request.path
+    drop: tuple[str, ...] = ()
+    add: tuple[tuple[str, str], ...] = ()
     if source is None or target.name != source.name:
         # Only an exact inference path moves (a request to an origin no longer configured,
         # its session pinned elsewhere, too), to the target's own path for that endpoint.
@@ -120,16 +124,15 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
             path = H.query_for_move(request.path)     # the same API: the client's path is its own
         else:
             path = target.base + H.query_for_move(where.endpoint)   # endpoint starts with "/"
-        add: tuple[tuple[str, str], ...] = ()
         if target.key_env:
-            key = env.get(target.key_env, "")
-            if not key.strip():
+            key = env.get(target.key_env, "").strip()
+            if not key:
                 return _refused(request, f"server {target.name}: {target.key_env} is not set in the proxy's environment")
             drop = H.dropped_for_move(request.headers)
             if auth_style(target, request) == "x-api-key":
-                add = (("x-api-key", key.strip()),)
+                add = (("x-api-key", key),)
             else:
-                add = (("authorization", f"Bearer {key.strip()}"),)
+                add = (("authorization", f"Bearer {key}"),)
         elif source is None or target.origin != source.origin:
             addressed = source.origin if source else f"{request.scheme}://{request.host}:{request.port}"
             return _refused(
@@ -141,8 +144,9 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
             # Another prefix of the same origin: the agent's key was for this origin and stays;
             # everything else is held to the allowlist like any move.
             drop = H.dropped_for_move(request.headers, keep=AGENT_CREDENTIALS)
-        changes = Changes(target.scheme, target.host, target.port, path, drop, add)
+        scheme, host, port = target.scheme, target.host, target.port
 
+    body = model = None
     if target.models and request.model is None and request.unreadable:
         # The model may need renaming and cannot be known: never forwarded unmapped.
         return _refused(request, f"cannot rename the model for server {target.name}: the request body "
@@ -154,14 +158,14 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
                 body = replace_model(request.body or b"", request.model, mapped, request.model_span)
             except ModelNotFound as e:
                 return _refused(request, f"cannot rename model for server {target.name}: {e}")
-            changes = Changes(changes.scheme, changes.host, changes.port, changes.path,
-                              changes.drop_headers, changes.set_headers, body, (request.model, mapped))
-    return changes
+            model = (request.model, mapped)
+    return Changes(scheme, host, port, path, drop, add, body, model)
 
 
 _WS = b" \t\r\n"
 _decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _decode_str = msgspec.json.Decoder(str)
+_encode = msgspec.json.encode
 
 
 def model_span(body: bytes) -> tuple[int, int]:
@@ -181,39 +185,94 @@ def model_span(body: bytes) -> tuple[int, int]:
         raise ModelNotFound("no top-level model")
     if not bytes(top["model"]).startswith(b'"'):
         raise ModelNotFound("the model is not a string")
+    span = _laid_out(body, top)
+    return span if span is not None else _walk(body, top)
+
+
+# The layouts serialisers write: compact (JavaScript's JSON.stringify, serde, Go) and Python's
+# ``json.dumps`` default; each has one separator of each kind and no other space between tokens.
+_LAYOUTS = ((b",", b":"), (b", ", b": "))
+
+
+def _laid_out(body: bytes, top: dict) -> tuple[int, int] | None:
+    """The fast path of ``model_span``: when ``body`` is ``top``'s members in order, each key
+    as the encoder writes it, laid out as one of ``_LAYOUTS``, the model's span; else None
+    (``_walk`` reads the body's own layout). It checks the same things ``_walk`` does at the
+    same places (each key, each separator, each value's ends, the closing brace at the end),
+    so what it accepts ``_walk`` accepts with the same span: it only skips reading the keys
+    and the spaces between tokens."""
     n = len(body)
-    view = memoryview(body)
+    if n < 2 or body[0] != 0x7B or body[-1] != 0x7D:
+        return None
+    for comma, colon in _LAYOUTS:
+        i, span, sep = 1, None, b""
+        for name, raw in top.items():
+            if sep and not body.startswith(sep, i):
+                break
+            i += len(sep)
+            key = _encode(name)
+            if not body.startswith(key, i):
+                break
+            i += len(key)
+            if not body.startswith(colon, i):
+                break
+            i += len(colon)
+            value = memoryview(raw)
+            if not _same_ends(body, i, value):
+                break
+            if name == "model":
+                span = (i, i + len(value))
+            i += len(value)
+            sep = comma
+        else:
+            if i == n - 1 and span is not None:
+                return span
+    return None
+
+
+def _walk(body: bytes, top: dict) -> tuple[int, int]:
+    n = len(body)
     i = _skip(body, 0)
     if i >= n or body[i] != 0x7B:  # {
         raise ModelNotFound("body is not a JSON object")
     i += 1
     span = None
     seen = 0
+    ws = _WS
     for _ in range(len(top) + 1):
-        i = _skip(body, i)
+        while i < n and body[i] in ws:
+            i += 1
         if i < n and body[i] == 0x7D:  # }
             break
         if i >= n or body[i] != 0x22:
             raise ModelNotFound("unexpected bytes in the body")
         j = _string_end(body, i)
-        name = _decode_str.decode(body[i:j])
-        i = _skip(body, j)
+        name = body[i + 1:j - 1]
+        # a key without escapes is its bytes (the decoder above checked them: UTF-8, no control)
+        name = _decode_str.decode(body[i:j]) if b"\\" in name else name.decode()
+        i = j
+        while i < n and body[i] in ws:
+            i += 1
         if i >= n or body[i] != 0x3A:  # :
             raise ModelNotFound("unexpected bytes in the body")
-        i = _skip(body, i + 1)
+        i += 1
+        while i < n and body[i] in ws:
+            i += 1
         raw = top.get(name)
-        size = len(raw) if raw is not None else 0
         # The value here must be the raw value the decoder kept for this key. Its ends
         # are compared (a full compare would copy megabytes of messages): with unique
         # keys they always match; a duplicate key misaligns the walk, which shows here
         # or in the key count and closing brace checked below.
-        if not size or not _same_ends(view, i, memoryview(raw), size):
+        if raw is None or not _same_ends(body, i, memoryview(raw)):
             # a duplicate key (the decoder kept the last) or an unexpected layout
             raise ModelNotFound("duplicate top-level keys")
+        size = len(raw)
         if name == "model":
             span = (i, i + size)
         seen += 1
-        i = _skip(body, i + size)
+        i += size
+        while i < n and body[i] in ws:
+            i += 1
         if i < n and body[i] == 0x2C:  # ,
             i += 1
     if seen != len(top) or span is None or i >= n or body[i] != 0x7D or _skip(body, i + 1) != n:
@@ -221,13 +280,15 @@ def model_span(body: bytes) -> tuple[int, int]:
     return span
 
 
-def _same_ends(view: memoryview, i: int, raw: memoryview, size: int, k: int = 64) -> bool:
-    if i + size > len(view):
+def _same_ends(body: bytes, i: int, raw: memoryview, k: int = 64) -> bool:
+    """Whether ``raw`` (not empty) is at ``body[i:]``: whole when short, else its first and
+    last ``k`` bytes (compared in place: no copy)."""
+    size = len(raw)
+    if not size or i + size > len(body):
         return False
     if size <= 2 * k:
-        return view[i:i + size].tobytes() == raw.tobytes()
-    return (view[i:i + k].tobytes() == raw[:k].tobytes()
-            and view[i + size - k:i + size].tobytes() == raw[size - k:].tobytes())
+        return body.startswith(raw, i)
+    return body.startswith(raw[:k], i) and body.startswith(raw[size - k:], i + size - k)
 
 
 def replace_model(body: bytes, old: str, new: str, span: tuple[int, int] | None = None) -> bytes:

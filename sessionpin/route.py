@@ -90,7 +90,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import unquote
 
 import msgspec
@@ -499,17 +499,23 @@ _ROWS = {(phase, event): (_ON[event], allowed) for phase, row in TRANSITIONS.ite
 
 # ---- the work an effect asks for on the request's bytes (pure; the shell reads them) -------
 
-def plan(state: State, effect: Plan, headers: tuple[tuple[str, str], ...], body: bytes | None) -> Changes:
+def plan(state: State, effect: Plan, headers: tuple[tuple[str, str], ...] | Callable[[], tuple[tuple[str, str], ...]],
+         body: bytes | None) -> Changes:
     """The rewrite for ``effect.target`` (``Planned``'s changes), from the request's headers
-    and, when ``effect.body`` asked for it, its decoded body."""
+    and, when ``effect.body`` asked for it, its decoded body. ``headers`` may be a function
+    that returns them: it is called only when the request moves (a request that stays on
+    the server it addressed keeps its headers as sent, and the rewrite reads none)."""
     r = state.request
     config = allocate.snapshot(r.config, state.loaded.pin)    # a pool pin's model map
+    source = allocate.addressed_as(config, r.source, effect.target)   # pool members sharing one URL
+    if callable(headers):     # read by rewrite.plan only for a move (its own test of one)
+        d = state.decision
+        headers = headers() if d is None or source is None or source.name != d.target else ()
     view = rewrite.RequestView(
         scheme=r.scheme, host=r.host, port=r.port, path=r.path, headers=headers, body=body, api=r.facts.api,
         model=None if r.upgrade else r.facts.model, unreadable=None if r.facts.parsed else r.facts.reason,
         model_span=r.facts.model_span,
     )
-    source = allocate.addressed_as(config, r.source, effect.target)   # pool members sharing one URL
     return rewrite.plan(state.decision, view, source, config, r.env)
 
 

@@ -985,3 +985,20 @@ def test_body_too_large_from_the_content_length_alone(header, too_large):
 def test_the_request_limit_is_what_the_reader_reads():
     assert facts.MAX_REQUEST_BODY == facts.MAX_BODY == 64 * 1024 * 1024
     assert facts.body_too_large("2048", limit=1024) and not facts.body_too_large("1024", limit=1024)
+
+
+def test_header_map_of_bytes_fields_reads_as_the_text_path():
+    """Issue 22: mitmproxy's fields (bytes pairs) take a shorter path in ``header_map``; it
+    gives what ``kinds.text`` gives: UTF-8, stripped, lower-case names, the first value of a
+    name; bytes that are not UTF-8 (in a name or a value) as ``text`` shows them."""
+    from sessionpin.kinds import text
+    fields = ((b"Host", b"api.example"), (b" User-Agent ", b" claude-cli/2.1 "), (b"X-A", b"1"), (b"x-a", b"2"),
+              (b"x-bad-value", b"caf\xe9"), (b"x-bad-\xff", b"v"), (b"x-utf8", "é".encode()), (b"", b"empty"),
+              ("x-str", "s"), (b"x-mixed", "m"))
+    slow = {}
+    for name, value in fields:
+        key = text(name).strip().lower()
+        if key and key not in slow:
+            slow[key] = text(value).strip()
+    assert facts.header_map(fields) == slow
+    assert slow["x-bad-value"] == "caf\\xe9" and slow["user-agent"] == "claude-cli/2.1" and slow["x-a"] == "1"

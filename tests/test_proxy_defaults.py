@@ -166,3 +166,17 @@ def test_the_confdir_fix_up_follows_no_symlink_and_leaves_another_users_files(tm
     os.chmod(conf, 0o755)
     assert private_confdir(str(link)) == [] and stat.S_IMODE(conf.stat().st_mode) == 0o755
     assert private_confdir(str(tmp_path / "absent")) == []
+
+
+def test_the_stamp_formats_its_clock_once_a_second_and_reads_as_before():
+    """Issue 22: the ``[HH:MM:SS.`` part is kept per second; every stamp reads as formatting
+    it afresh would, across seconds, back and forth."""
+    import time
+
+    from sessionpin.proxy import defaults
+
+    def fresh(t):
+        return f"[{time.strftime('%H:%M:%S', time.localtime(t))}.{int(t * 1000) % 1000:03d}] "
+    for t in (1_800_000_000.0, 1_800_000_000.999, 1_800_000_001.0005, 1_800_000_000.5, 1_800_003_600.25, 0.5):
+        assert defaults.stamp(t) == fresh(t)
+    assert defaults._second[0] == 0.0           # the second last formatted

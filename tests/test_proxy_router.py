@@ -650,3 +650,30 @@ async def test_a_large_body_of_few_objects_is_read_here_and_one_of_many_apart(pr
     assert f.metadata["sessionpin"]["rule"] == "pinned" and f.request.host == "api.z.ai"
     assert f.request.content == few.replace(b'"claude-opus-4-1"', b'"glm-4.6"')
     assert calls == [len(few)]
+
+
+@pytest.mark.parametrize("fields", [
+    [], [(b"Content-Encoding", b"gzip")], [(b"content-encoding", b"gzip"), (b"x", b"y"), (b"CONTENT-ENCODING", b"br")],
+    [(b"content-encoding", b"")], [(b"content-encoding", b"\xff")], [(b"content-encodings", b"gzip")],
+])
+def test_the_content_encoding_read_off_the_fields_is_what_the_header_api_says(fields):
+    """Issue 22: the router reads a request's content-encoding in one pass over its fields;
+    it is ``headers.get`` (every value joined by ", ", None when absent), and the body the plan
+    renames is ``get_content(strict=False)``."""
+    from sessionpin.proxy.router import _content_encoding
+    req = tutils.treq(headers=http.Headers(fields), content=b'{"model":"m"}')
+    assert _content_encoding(req) == req.headers.get("content-encoding")
+    body = req.get_content(strict=False) if _content_encoding(req) else req.raw_content
+    assert body == req.get_content(strict=False)
+
+
+@pytest.mark.parametrize("raw, limit", [
+    (b"", 0), (b"{", 0), (b"{", 1), (b"{{", 1), (b"x{y{z{", 3), (b"x{y{z{", 2), (b'{"a":{}}' * 5000, 10_000),
+    (b'{"a":{}}' * 5000, 9_999), (b"{}" * 30_000, 20_000), (b"no braces at all" * 1000, 0), (b"{" * 20_001, 20_000),
+    (b"{" * 20_000, 20_000),
+])
+def test_more_than_counts_as_bytes_count_does(raw, limit):
+    """Issue 22: the large-body test ``read_apart`` counts objects with ``replace`` (memchr,
+    stopping after ``limit + 1``) instead of ``bytes.count``: the same answer at every boundary."""
+    from sessionpin.proxy.router import _more_than
+    assert _more_than(raw, b"{", limit) is (raw.count(b"{") > limit)

@@ -419,3 +419,40 @@ def test_a_move_the_table_does_not_hold_is_refused():
     s = route.begin(request())
     with pytest.raises(route.BadTransition, match="Planned while READING_PIN"):
         route.step(s.state, route.Planned(OK))      # a plan nobody asked for
+
+
+# ---- the plan reads the request's headers only for a move (issue 22) ---------------------
+
+HEADERS = (("host", "api.anthropic.com"), ("x-api-key", "agent-sentinel"), ("cookie", "sid=1"),
+           ("anthropic-version", "2023-06-01"), ("x-claude-code-session-id", "s-1"))
+
+
+def _at_plan(pinned_on):
+    """A continuation pinned on ``pinned_on``, addressed to anthropic, stepped to its Plan."""
+    req = route.Request(facts=facts(F.CONTINUATION, has_history=True), source=ANTHROPIC, config=CONFIG, now=NOW,
+                        host="api.anthropic.com", port=443, path="/v1/messages?beta=true",
+                        env={"ZAI_API_KEY": "zai-sentinel"})
+    answer = answerer(pin=loaded(pinned_on))
+    s = route.begin(req)
+    while not isinstance(s.effect, route.Plan):
+        assert not s.done, s.effect
+        s = route.step(s.state, answer(s.effect))
+    return s
+
+
+@pytest.mark.parametrize("pinned_on, moves", [("anthropic", False), ("glm", True)])
+def test_the_plan_reads_headers_only_for_a_move_and_plans_the_same(pinned_on, moves):
+    s = _at_plan(pinned_on)
+    asked = []
+
+    def headers():
+        asked.append(1)
+        return HEADERS
+    lazy = route.plan(s.state, s.effect, headers, None)
+    assert lazy == route.plan(s.state, s.effect, HEADERS, None)      # the same changes as with the headers read
+    assert bool(asked) is moves
+    if moves:
+        assert lazy.host == "api.z.ai" and "cookie" in lazy.drop_headers and ("x-api-key", "zai-sentinel") in lazy.set_headers
+    else:
+        assert (lazy.host, lazy.path, lazy.drop_headers, lazy.set_headers) == (
+            "api.anthropic.com", "/v1/messages?beta=true", (), ())

@@ -78,8 +78,16 @@ class DecisionLog:
 
 def stamp(t: float) -> str:
     """``[15:37:40.960] ``: mitmproxy's own log time (local, milliseconds), so a decision line
-    reads in line with the refusals and faults logged around it."""
-    return f"[{time.strftime('%H:%M:%S', time.localtime(t))}.{int(t * 1000) % 1000:03d}] "
+    reads in line with the refusals and faults logged around it. The clock part is formatted
+    once per second (``localtime`` and ``strftime`` cost more than the rest of a line)."""
+    global _second
+    s = t // 1                 # localtime's second (it rounds down)
+    if _second[0] != s:
+        _second = (s, f"[{time.strftime('%H:%M:%S', time.localtime(t))}.")
+    return f"{_second[1]}{int(t * 1000) % 1000:03d}] "
+
+
+_second: tuple[float | None, str] = (None, "")
 
 
 _no_chatter = _NoChatter()

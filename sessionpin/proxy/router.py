@@ -173,7 +173,7 @@ class Router:
         """The request's facts: read here for a small body (no hop: most requests are a few KB),
         in the body reader's process for a large one (never on the event loop, nor on a thread,
         which would hold the GIL in the same long C calls)."""
-        raw, encoding = req.raw_content, req.headers.get("content-encoding")
+        raw, encoding = req.raw_content, _content_encoding(req)
         if raw is not None and read_apart(raw, encoding):
             return await self.bodies.facts(req.method, req.url, req.headers.fields, raw, encoding, api)
         return F.read(req.method, req.url, req.headers.fields, raw, encoding, api=api)
@@ -194,8 +194,10 @@ class Router:
         store = self.runtime.store
         if isinstance(effect, route.Plan):
             req = flow.request
-            body = req.get_content(strict=False) if effect.body else None
-            return route.Planned(route.plan(state, effect, tuple(req.headers.items(multi=True)), body))
+            body = None
+            if effect.body:     # as sent when it has no content-encoding (what get_content would return)
+                body = req.get_content(strict=False) if _content_encoding(req) else req.raw_content
+            return route.Planned(route.plan(state, effect, lambda: tuple(req.headers.items(multi=True)), body))
         if isinstance(effect, route.CheckReachable):
             where = (effect.host, effect.port)
             self.connect.moved_to(where, effect.target)
@@ -532,16 +534,31 @@ def _apply(req: http.Request, c: rewrite.Changes) -> None:
             req.data.content = c.body           # the bytes as they go (req.raw_content)
 
 
+def _content_encoding(req: http.Request) -> str | None:
+    """``req.headers.get("content-encoding")`` read off the fields in one pass (the header API
+    costs a lookup through its mapping layers): every value of the name joined by ", ", or None."""
+    values = [v for n, v in req.headers.fields if n.lower() == b"content-encoding"]
+    return b", ".join(values).decode("utf-8", "surrogateescape") if values else None
+
+
 def read_apart(raw: bytes, encoding: str | None) -> bool:
     """Whether a body's facts are read in the body reader's process. What holds the loop is the
     number of JSON objects a whole-body decode builds and frees (a million tiny messages: a
     second and more), not the bytes: an ordinary history of 1 MB has a few thousand and is read
     here in about a millisecond, faster than the trip to the process. So: from 256 KiB, a body
-    with more than 20,000 objects (counted with one C scan, ~0.2 ms per MB), a compressed one
+    with more than 20,000 objects (``_more_than``: ~0.03 ms per MB), a compressed one
     (its objects cannot be counted before it is inflated), and any from 8 MiB go there."""
     n = len(raw)
     if n < FACTS_OFF_LOOP_MIN:
         return False
     if n >= FACTS_INLINE_MAX or (encoding and encoding.strip().lower() not in ("", "identity")):
         return True
-    return raw.count(b"{") > FACTS_INLINE_ITEMS
+    return _more_than(raw, b"{", FACTS_INLINE_ITEMS)
+
+
+def _more_than(raw: bytes, byte: bytes, limit: int) -> bool:
+    """``raw.count(byte) > limit``, at memchr's speed: ``count`` of one byte walks the bytes one
+    at a time (0.3 ms per MB here, more than reading a history's facts), ``replace`` finds
+    them with memchr and stops after ``limit + 1`` (0.03 ms per MB with few of them, 0.4 ms
+    for 8 MB of nothing else)."""
+    return len(raw) - len(raw.replace(byte, b"", limit + 1)) > limit

@@ -4,7 +4,7 @@ usage: python scripts/bench_classify.py [--repeat N] [--sizes 10k,1m,8m]
 
 For each size, builds one Claude Code messages body (billing line, system blocks, 14 tools,
 a long conversation of tool calls and tool results of file-like text), then in the same run
-times ``json.loads(body)`` (the baseline) and ``sessionpin.facts.read(...)`` on the same bytes,
+times ``json.loads(body)`` (the baseline) and ``sessionpin.reader.facts.read(...)`` on the same bytes,
 best of N, and prints the ratio read/json.loads. Goal (issue 3): <= 0.15 at 1 MB and 8 MB.
 Also times read() on the zstd-compressed body (what Codex sends) for information.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sessionpin import facts  # noqa: E402
+from sessionpin.reader import facts  # noqa: E402
 
 try:
     from compression import zstd
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
                     help="always decode the whole body (msgspec, contents skipped): the path below FAST_MIN")
     args = ap.parse_args(argv)
     if args.whole:
-        from sessionpin import wire
+        from sessionpin.reader import wire
 
         wire.FAST_MIN = 1 << 62
     print(f"python {sys.version.split()[0]}")

@@ -60,7 +60,8 @@ def make_flow(session: str, content: bytes) -> http.HTTPFlow:
 
 def parts(router, f: http.HTTPFlow, n: int) -> dict[str, float]:
     """Each piece of the hook alone on this request, µs (thread CPU, best of 5 × n)."""
-    from sessionpin import facts as F, headers as H, rewrite
+    from sessionpin.reader import facts as F
+    from sessionpin.decision import headers as H, rewrite
     req = f.request
     raw, hdrs = req.raw_content, tuple(req.headers.items(multi=True))
     facts = F.read(req.method, req.url, req.headers.fields, raw, None)

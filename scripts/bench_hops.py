@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASURE = r"""
 import asyncio, json, sys, tempfile, time
 sys.path.insert(0, sys.argv[1] + "/scripts")
-from sessionpin import pins
+from sessionpin.records import pins
 from sessionpin.store import open_store
 from sessionpin.proxy.lineagewatch import LineageWatch, _root
 from bench_proxy import body

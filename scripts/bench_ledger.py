@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_classify import HEADERS, SIZES, URL, best, claude_code_body  # noqa: E402
 from bench_lineage import sse_answer  # noqa: E402
 
-from sessionpin import facts, ledger, promptshape  # noqa: E402
-from sessionpin.lineage_stream import StreamReader  # noqa: E402
-from sessionpin.usage import Usage, UsageReader  # noqa: E402
+from sessionpin.reader import facts, promptshape  # noqa: E402
+from sessionpin.accounting import ledger  # noqa: E402
+from sessionpin.lineage.lineage_stream import StreamReader  # noqa: E402
+from sessionpin.accounting.usage import Usage, UsageReader  # noqa: E402
 
 API = facts.ANTHROPIC_MESSAGES
 START = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_bench","content":[],'

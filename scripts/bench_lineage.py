@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_classify import HEADERS, SIZES, URL, best, claude_code_body, file_text  # noqa: E402
 
-from sessionpin import facts, lineage  # noqa: E402
-from sessionpin.lineage_stream import StreamReader  # noqa: E402
+from sessionpin.reader import facts  # noqa: E402
+from sessionpin.lineage import lineage  # noqa: E402
+from sessionpin.lineage.lineage_stream import StreamReader  # noqa: E402
 
 API = facts.ANTHROPIC_MESSAGES
 

@@ -42,9 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mitmproxy import hooks  # noqa: E402
 from mitmproxy.test import taddons  # noqa: E402
 
-from sessionpin import facts as F  # noqa: E402
-from sessionpin import ladder, members, pins, quota  # noqa: E402
-from sessionpin.pool import report  # noqa: E402
+from sessionpin.reader import facts as F  # noqa: E402
+from sessionpin.decision import ladder  # noqa: E402
+from sessionpin.serverpools import members, quota  # noqa: E402
+from sessionpin.records import pins  # noqa: E402
+from sessionpin.opencode_ids import report  # noqa: E402
 from sessionpin.proxy import make_addons  # noqa: E402
 from sessionpin.proxy.participants import Participant  # noqa: E402
 from sessionpin.proxy.allocations import Allocations, pool_metrics_text  # noqa: E402

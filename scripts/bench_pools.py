@@ -38,8 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sessionpin import members, pins  # noqa: E402
-from sessionpin.config import parse  # noqa: E402
+from sessionpin.serverpools import members  # noqa: E402
+from sessionpin.records import pins  # noqa: E402
+from sessionpin.config.config import parse  # noqa: E402
 from sessionpin.store import open_store  # noqa: E402
 
 CONFIG = parse('''

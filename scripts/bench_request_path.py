@@ -58,7 +58,7 @@ addons = make_addons()
 FILL = """import sys, time, asyncio
 sys.path.insert(0, sys.argv[1])
 url, n = sys.argv[2], int(sys.argv[3])
-from sessionpin import pins
+from sessionpin.records import pins
 from sessionpin.store import open_store
 now = time.time()
 def pin(i):

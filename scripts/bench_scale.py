@@ -64,7 +64,7 @@ def filled(url: str, n: int) -> bool:
     """Whether the store already holds the fill (its index counts n live pins)."""
     import asyncio
 
-    from sessionpin import pins
+    from sessionpin.records import pins
     from sessionpin.store import open_store
 
     async def count() -> int:

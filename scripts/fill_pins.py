@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sessionpin import pins  # noqa: E402
+from sessionpin.records import pins  # noqa: E402
 from sessionpin.store import HSet, Set, ZAdd, open_store  # noqa: E402
 
 AGENTS = ("claude-code", "opencode", "codex")

@@ -36,7 +36,7 @@ FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 
 
 def ours(path: str) -> bool:
-    # py-spy names a file by its path under sys.path ("sessionpin/rewrite.py")
+    # py-spy names a file by its path under sys.path ("sessionpin/decision/rewrite.py")
     return path.startswith("sessionpin/") or "/sessionpin/" in path or path.endswith("addons/route.py")
 
 

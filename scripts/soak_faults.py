@@ -126,8 +126,9 @@ sys.path.insert(0, str(ROOT))
 
 from e2e.harness import Client, FakeServer, Mitmdump, Reply, TestCA, free_port, toml_config  # noqa: E402
 
-from sessionpin import facts, pins  # noqa: E402
-from sessionpin.answers import NO_RETRY_STATUS  # noqa: E402
+from sessionpin.reader import facts  # noqa: E402
+from sessionpin.records import pins  # noqa: E402
+from sessionpin.decision.answers import NO_RETRY_STATUS  # noqa: E402
 from sessionpin.store import open_store  # noqa: E402
 
 RUN = uuid.uuid4().hex[:8]

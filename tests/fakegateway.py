@@ -273,7 +273,7 @@ class ScriptedProbe:
         self.calls: list[tuple[str, int, int]] = []   # (id, timeout_ms, started_at)
 
     async def __call__(self, sid: str, timeout_ms: int):
-        from sessionpin.pool.signals import ProbeResult
+        from sessionpin.opencode_ids.signals import ProbeResult
         self.calls.append((sid, timeout_ms, self.clock.now))
         item = self.script.pop(0) if self.script else self.default
         result = item(sid) if callable(item) else item

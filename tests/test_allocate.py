@@ -1,4 +1,4 @@
-"""The allocator (sessionpin/allocate.py): every policy, exhaustion, drains, misses — a table each."""
+"""The allocator (sessionpin/serverpools/allocate.py): every policy, exhaustion, drains, misses — a table each."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sessionpin import allocate as A
-from sessionpin.config import Pool
+from sessionpin.serverpools import allocate as A
+from sessionpin.config.config import Pool
 
 NOW = 1_800_000_000.0
 RR = Pool("glm", ("a", "b", "c"))

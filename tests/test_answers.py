@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from sessionpin import answers
-from sessionpin import facts as F
+from sessionpin.decision import answers
+from sessionpin.reader import facts as F
 
 # pi 0.73's auto-retry reads the error text (pi-coding-agent agent-session.ts, _isRetryableError):
 PI_RETRY = re.compile(r"overloaded|rate.?limit|too many requests|429|500|502|503|504|service.?unavailable|"

@@ -10,8 +10,8 @@ import sys
 import msgspec
 import pytest
 
-from sessionpin import bodyreader as B
-from sessionpin import facts as F
+from sessionpin.decision import bodyreader as B
+from sessionpin.reader import facts as F
 
 URL = "https://api.anthropic.com/v1/messages?beta=true"
 HEADERS = [(b"user-agent", b"claude-cli/2.1.332 (external, cli)"), (b"x-claude-code-request-class", b"main"),
@@ -75,14 +75,14 @@ def test_a_broken_request_ends_the_process_without_an_answer():
 
 def test_it_runs_as_a_module():
     body = tiny(5)
-    proc = subprocess.run([sys.executable, "-m", "sessionpin.bodyreader"], capture_output=True, timeout=60,
+    proc = subprocess.run([sys.executable, "-m", "sessionpin.decision.bodyreader"], capture_output=True, timeout=60,
                           input=B.request_head("POST", URL, HEADERS, "", None, len(body)) + body)
     assert proc.returncode == 0 and proc.stderr == b""
     assert B.decode_answer(proc.stdout[B.HEAD_LEN:]).turn == "continuation"
 
 
 def test_a_shape_is_promptshapes_up_to_a_bound_of_messages():
-    from sessionpin import promptshape
+    from sessionpin.reader import promptshape
     for body in (tiny(3), tiny(1000), b"garbage"):
         inp = io.BytesIO(B.request_head("", "", [], "", F.ANTHROPIC_MESSAGES, len(body), B.SHAPE) + body)
         out = io.BytesIO()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sessionpin import facts
+from sessionpin.reader import facts
 
 HERE = Path(__file__).parent
 SAMPLE = HERE / "fixtures" / "flows" / "sample.flow"
@@ -19,7 +19,7 @@ KEYS = {"file", "index", "method", "url", "api", "agent", "session", "session_so
 
 
 def run(*args: str | Path) -> tuple[int, list[dict], list[str]]:
-    proc = subprocess.run([sys.executable, "-m", "sessionpin.classify", *map(str, args)],
+    proc = subprocess.run([sys.executable, "-m", "sessionpin.offline.classify", *map(str, args)],
                           capture_output=True, text=True, timeout=60)
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     return proc.returncode, lines, proc.stderr.splitlines()
@@ -125,7 +125,7 @@ def test_a_missing_file_and_a_truncated_flow_file(tmp_path):
 def test_usage():
     code, lines, err = run()
     assert (code, lines) == (2, []) and "usage" in err[0]
-    proc = subprocess.run([sys.executable, "-m", "sessionpin.classify", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "sessionpin.offline.classify", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: sessionpin classify")
 
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sessionpin import cli, config, pins
+from sessionpin import cli
+from sessionpin.config import config
+from sessionpin.records import pins
 from sessionpin.cli import common, context, launch, look, proxies
 from sessionpin.store import open_store
 
@@ -194,7 +196,7 @@ def test_use_when_the_config_cannot_be_written(env, capsys, monkeypatch):
     # (as root a read-only directory does not stop a write, so the failure is injected)
     def refuse(path, text):
         raise PermissionError(13, "Permission denied")
-    from sessionpin import configedit
+    from sessionpin.config import configedit
     monkeypatch.setattr(configedit, "write_atomic", refuse)
     code, o, e = run(capsys, "use", "claude-code", "glm")
     assert code == 1 and o == ""
@@ -633,7 +635,7 @@ def test_classify_joins_the_command(capsys):
 
 
 def test_pool_report_reads_the_shared_store(env, capsys):
-    from sessionpin.pool import state
+    from sessionpin.opencode_ids import state
 
     code, o, _ = run(capsys, "pool")
     assert code == 0 and o.startswith("pool: empty")
@@ -736,7 +738,7 @@ def test_store_copy_is_a_restore_carrying_the_identity(env, capsys, tmp_path):
 
 def _two_live_proxies(monkeypatch, cfg: Path, ports=(18081, 18082)) -> list[int]:
     """Two proxies answering on the store (their heartbeats and status, as ``check`` finds them)."""
-    from sessionpin.documents import Heartbeat
+    from sessionpin.records.documents import Heartbeat
     beats = [Heartbeat(pid=40000 + i, host=socket.gethostname(), started=time.time() - 60 * i, beat=time.time(),
                        listen=[("127.0.0.1", port)], modes=["regular"], confdir=None, config=str(cfg),
                        store=None, version="x", token="") for i, port in enumerate(ports)]

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sessionpin import config
+from sessionpin.config import config
 from sessionpin.cli import doctor
-from sessionpin.documents import Status, Unrouted
+from sessionpin.records.documents import Status, Unrouted
 
 from test_cli import env, run  # noqa: F401 (the fixture)
 

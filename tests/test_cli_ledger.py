@@ -7,9 +7,11 @@ import time
 
 import pytest
 
-from sessionpin import cli, ledger, pins
+from sessionpin import cli
+from sessionpin.accounting import ledger
+from sessionpin.records import pins
 from sessionpin.store import open_store
-from sessionpin.usage import Usage
+from sessionpin.accounting.usage import Usage
 from test_cli import env, run  # noqa: F401 (fixtures and helpers of the CLI's tests)
 
 PRICES = '''

@@ -11,7 +11,10 @@ import time
 
 import pytest
 
-from sessionpin import cli, config, members, pins, quota
+from sessionpin import cli
+from sessionpin.config import config
+from sessionpin.serverpools import members, quota
+from sessionpin.records import pins
 from sessionpin.cli import launch, proxies
 from sessionpin.store import open_store
 

@@ -16,7 +16,7 @@ import pytest
 
 from redis_servers import RedisServer, unique_prefix
 from sessionpin import cli
-from sessionpin.documents import Heartbeat, heartbeat_encoder
+from sessionpin.records.documents import Heartbeat, heartbeat_encoder
 from sessionpin.store import open_store
 from test_cli import env, put_pins, read_pin  # noqa: F401 - the fixture is used by name
 

@@ -1,7 +1,7 @@
 import pytest
 
-from sessionpin import config
-from sessionpin.config import ConfigError
+from sessionpin.config import config
+from sessionpin.config.config import ConfigError
 
 EXAMPLE = '''\
 [servers.anthropic]

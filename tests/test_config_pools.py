@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sessionpin import allocate
-from sessionpin.config import ConfigError, parse
+from sessionpin.serverpools import allocate
+from sessionpin.config.config import ConfigError, parse
 
 BASE = '''[servers.a]
 url = "https://a.example"
@@ -91,9 +91,9 @@ def test_accounts_of_one_provider_share_its_url_only_as_keyed_members_of_one_poo
 
 
 def test_a_member_sharing_its_url_gets_its_own_key_even_when_the_url_resolves_to_it():
-    from sessionpin import facts as F
-    from sessionpin import rewrite
-    from sessionpin.ladder import Decision
+    from sessionpin.reader import facts as F
+    from sessionpin.decision import rewrite
+    from sessionpin.decision.ladder import Decision
 
     cfg = parse(SHARED + '[pools.zai]\nmembers = ["acct-1", "acct-2"]\n')
     source = cfg.server_for("https", "api.z.ai", 443, "/api/anthropic/v1/messages")

@@ -5,7 +5,7 @@ import tomllib
 
 import pytest
 
-from sessionpin import config, configedit
+from sessionpin.config import config, configedit
 
 ISSUE_EXAMPLE = '''\
 # servers I use
@@ -231,7 +231,7 @@ def test_under_umask_000_the_config_s_directories_are_0700_and_no_one_else_may_w
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from sessionpin.facts import AGENTS  # noqa: E402
+from sessionpin.reader.facts import AGENTS  # noqa: E402
 
 NAMES = ["anthropic", "glm", "ete", "z.ai", "local-1"]
 

@@ -14,8 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessionpin import facts, rewrite
-from sessionpin.facts import read
+from sessionpin.reader import facts
+from sessionpin.decision import rewrite
+from sessionpin.reader.facts import read
 
 try:
     from compression import zstd
@@ -223,7 +224,7 @@ def test_recorded_fingerprints_group_by_conversation():
         ("POST", "https://opencode.ai/zen/go/v1/chat/completions", facts.OPENAI_CHAT),
         ("POST", "https://api.openai.com/v1/responses", facts.OPENAI_RESPONSES),
         (b"POST", b"/zen/v1/messages", facts.ANTHROPIC_MESSAGES),
-        # exact endpoints after /v1 only (sessionpin/paths.py): no trailing slash, no other
+        # exact endpoints after /v1 only (sessionpin/reader/paths.py): no trailing slash, no other
         # case, no Codex remote-compaction endpoint (the recorded Codex compacts via /responses)
         ("POST", "https://api.openai.com/v1/responses/", facts.OTHER),
         ("POST", "https://chatgpt.com/backend-api/codex/responses/compact", facts.OTHER),
@@ -991,7 +992,7 @@ def test_header_map_of_bytes_fields_reads_as_the_text_path():
     """Issue 22: mitmproxy's fields (bytes pairs) take a shorter path in ``header_map``; it
     gives what ``kinds.text`` gives: UTF-8, stripped, lower-case names, the first value of a
     name; bytes that are not UTF-8 (in a name or a value) as ``text`` shows them."""
-    from sessionpin.kinds import text
+    from sessionpin.reader.kinds import text
     fields = ((b"Host", b"api.example"), (b" User-Agent ", b" claude-cli/2.1 "), (b"X-A", b"1"), (b"x-a", b"2"),
               (b"x-bad-value", b"caf\xe9"), (b"x-bad-\xff", b"v"), (b"x-utf8", "é".encode()), (b"", b"empty"),
               ("x-str", "s"), (b"x-mixed", "m"))

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sessionpin import facts, flowfile
+from sessionpin.reader import facts
+from sessionpin.offline import flowfile
 
 try:
     from compression import zstd
@@ -253,7 +254,7 @@ def test_looks_like_flowfile():
 
 
 def test_json_requests_do_not_load_mitmproxy():
-    code = ("import sys; from sessionpin import classify; "
+    code = ("import sys; from sessionpin.offline import classify; "
             "lines = list(classify.classify_file(sys.argv[1])); "
             "assert 'mitmproxy' not in sys.modules, 'loaded'; print(len(lines))")
     sample = next((Path(__file__).parent / "fixtures" / "traffic").rglob("*.json"))

@@ -1,9 +1,9 @@
 """A turn's span attributes, named by OpenTelemetry's GenAI conventions (input inclusive of the cache)."""
 
-from sessionpin import facts as F
-from sessionpin.genai import attributes, metric_attributes, span_name
-from sessionpin.ledger import Turn
-from sessionpin.usage import Usage
+from sessionpin.reader import facts as F
+from sessionpin.accounting.genai import attributes, metric_attributes, span_name
+from sessionpin.accounting.ledger import Turn
+from sessionpin.accounting.usage import Usage
 
 
 def test_an_anthropic_turn_counts_its_input_inclusive_of_the_cache():

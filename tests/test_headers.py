@@ -1,5 +1,5 @@
-"""What a moved request keeps: the header and query allowlists (sessionpin/headers.py) and the
-key-looking values they never let through (sessionpin/redact.py), checked against every
+"""What a moved request keeps: the header and query allowlists (sessionpin/decision/headers.py) and the
+key-looking values they never let through (sessionpin/config/redact.py), checked against every
 header the recorded clients send (tests/fixtures/traffic)."""
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessionpin import facts as F
-from sessionpin import flowfile, headers, redact, rewrite
-from sessionpin.config import parse
-from sessionpin.ladder import Decision
-from sessionpin.rewrite import RequestView
+from sessionpin.reader import facts as F
+from sessionpin.offline import flowfile
+from sessionpin.decision import headers, rewrite
+from sessionpin.config import redact
+from sessionpin.config.config import parse
+from sessionpin.decision.ladder import Decision
+from sessionpin.decision.rewrite import RequestView
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traffic"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sessionpin import ids
+from sessionpin.reader import ids
 
 FP = "fp:" + "3f" * 16
 

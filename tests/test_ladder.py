@@ -1,9 +1,9 @@
 import pytest
 
-from sessionpin import facts as F
-from sessionpin import ladder
-from sessionpin.config import parse
-from sessionpin.pins import Pin
+from sessionpin.reader import facts as F
+from sessionpin.decision import ladder
+from sessionpin.config.config import parse
+from sessionpin.records.pins import Pin
 
 CONFIG = parse('''
 [servers.anthropic]

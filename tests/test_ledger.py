@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from sessionpin import facts as F
-from sessionpin import ledger
-from sessionpin.ledger import Turn, assess, prior_of
-from sessionpin.promptshape import shape
+from sessionpin.reader import facts as F
+from sessionpin.accounting import ledger
+from sessionpin.accounting.ledger import Turn, assess, prior_of
+from sessionpin.reader.promptshape import shape
 from sessionpin.store import open_store
-from sessionpin.usage import Diagnostic, Usage
+from sessionpin.accounting.usage import Diagnostic, Usage
 from stores import file_url, memory_url, redis_cluster_url, redis_url, store_url  # noqa: F401
 
 TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}}]

@@ -13,9 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessionpin import facts, lineage
-from sessionpin import lineage_wire as lw
-from sessionpin.lineage_stream import MAX_EVENT, StreamReader
+from sessionpin.reader import facts
+from sessionpin.lineage import lineage
+from sessionpin.lineage import lineage_wire as lw
+from sessionpin.lineage.lineage_stream import MAX_EVENT, StreamReader
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traffic"
 SCENARIOS = [("claude-code", "lineage"), ("opencode", "lineage"), ("opencode", "lineage-gpt"),
@@ -418,7 +419,7 @@ def _pathological(first: list[bytes]) -> bytes:
 
 
 def _steps(fn) -> int:
-    from sessionpin import wire
+    from sessionpin.reader import wire
     wire.STEPS.n = 0
     fn()
     return wire.STEPS.n

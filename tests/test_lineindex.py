@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sessionpin import lineindex, pins
+from sessionpin.records import lineindex, pins
 from sessionpin.store import open_store
 
 AGENT = "claude-code"

@@ -1,4 +1,4 @@
-"""The allocation transaction and members' state in a real store (sessionpin/members.py).
+"""The allocation transaction and members' state in a real store (sessionpin/serverpools/members.py).
 
 Three "proxies" are three store handles on one SQLite file (each its own connections and
 writer thread, as three processes would have), each with its own per-pool lock as the
@@ -12,10 +12,11 @@ from collections import Counter
 
 import pytest
 
-from sessionpin import allocate as A
-from sessionpin import members, pins, quota
-from sessionpin.config import parse
-from sessionpin.pins import Loaded, Pin
+from sessionpin.serverpools import allocate as A
+from sessionpin.serverpools import members, quota
+from sessionpin.records import pins
+from sessionpin.config.config import parse
+from sessionpin.records.pins import Loaded, Pin
 from sessionpin.store import open_store
 
 TEXT = '''

@@ -42,18 +42,18 @@ def test_every_core_module_is_under_the_contracts():
 # Module-level objects of the shell and the pool that hold state, with why (proxy/__init__.py).
 PROCESS_STATE = {
     "sessionpin.proxy.defaults._no_chatter": "a logging filter without state (added and removed by identity)",
-    "sessionpin.pool.options.BY_NAME": "a constant table: option name -> option",
+    "sessionpin.opencode_ids.options.BY_NAME": "a constant table: option name -> option",
 }
 
 
 def test_the_shell_and_the_pool_keep_no_other_module_level_state():
     import importlib
     import pkgutil
-    import sessionpin.pool
+    import sessionpin.opencode_ids
     import sessionpin.proxy
 
     found: dict[int, str] = {}
-    for pkg in (sessionpin.proxy, sessionpin.pool):
+    for pkg in (sessionpin.proxy, sessionpin.opencode_ids):
         for name in [pkg.__name__] + [f"{pkg.__name__}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)]:
             for attr, value in vars(importlib.import_module(name)).items():
                 mutable = isinstance(value, (dict, list, set, bytearray))
@@ -70,7 +70,7 @@ def test_no_proxy_state_is_the_processs():
     import importlib
     import pkgutil
 
-    from sessionpin.pool import Manager, PoolService
+    from sessionpin.opencode_ids import Manager, PoolService
     from sessionpin.proxy.defaults import DecisionLog
 
     for m in pkgutil.walk_packages(sessionpin.__path__, "sessionpin."):

@@ -1,4 +1,4 @@
-"""Which requests are inference (sessionpin/paths.py): every recorded path, and the attack paths."""
+"""Which requests are inference (sessionpin/reader/paths.py): every recorded path, and the attack paths."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessionpin import facts as F
-from sessionpin import flowfile, paths
-from sessionpin.config import parse
+from sessionpin.reader import facts as F
+from sessionpin.offline import flowfile
+from sessionpin.reader import paths
+from sessionpin.config.config import parse
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traffic"
 

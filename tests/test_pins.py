@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from sessionpin import pins
-from sessionpin.pins import Loaded, Pin
+from sessionpin.records import pins
+from sessionpin.records.pins import Loaded, Pin
 from sessionpin.store import open_store
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from sessionpin import config
-from sessionpin.prices import Price, cost, price_for
-from sessionpin.usage import Usage
+from sessionpin.config import config
+from sessionpin.accounting.prices import Price, cost, price_for
+from sessionpin.accounting.usage import Usage
 
 TEXT = '''
 [servers.anthropic]

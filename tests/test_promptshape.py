@@ -4,9 +4,9 @@ import gzip
 import json
 from pathlib import Path
 
-from sessionpin import facts as F
-from sessionpin import promptshape
-from sessionpin.promptshape import Difference, compare, shape
+from sessionpin.reader import facts as F
+from sessionpin.reader import promptshape
+from sessionpin.reader.promptshape import Difference, compare, shape
 
 TRAFFIC = Path(__file__).parent / "fixtures" / "traffic"
 
@@ -97,7 +97,7 @@ def test_recorded_compaction_rewrites_the_history_from_its_first_message():
 
 
 def test_digests_kept_between_requests_give_the_same_shape_and_skip_repeated_messages(monkeypatch):
-    from sessionpin import promptshape
+    from sessionpin.reader import promptshape
     names = ["interactive-04-opening.json", "interactive-05-tool-result.json", "interactive-06-continuation.json",
              "interactive-08-tool-result.json", "interactive-09-continuation.json", "interactive-11-tool-result.json",
              "interactive-19-compaction.json", "interactive-20-after-compaction.json"]
@@ -124,7 +124,7 @@ def test_digests_kept_between_requests_give_the_same_shape_and_skip_repeated_mes
 
 
 def test_the_digests_kept_are_bounded(monkeypatch):
-    from sessionpin import promptshape
+    from sessionpin.reader import promptshape
     monkeypatch.setattr(promptshape, "SEEN_BOUND", 10)
     seen: promptshape.Seen = {}
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": f"m{i}"} for i in range(40)]}).encode()

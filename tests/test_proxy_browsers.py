@@ -8,7 +8,7 @@ import pytest
 from mitmproxy import exceptions
 from mitmproxy.proxy import mode_specs
 
-from sessionpin import pins
+from sessionpin.records import pins
 from sessionpin.proxy.browsers import PageGuard
 from shellkit import CONFIG, SESSION, flow, internal, start
 

@@ -13,7 +13,7 @@ from mitmproxy.addonmanager import traverse
 from mitmproxy.addons import script
 from mitmproxy.test import taddons, tflow, tutils
 
-from sessionpin.pool.participant import PoolParticipant
+from sessionpin.opencode_ids.participant import PoolParticipant
 from sessionpin.proxy import make_addons, perflow
 from sessionpin.proxy.browsers import PageGuard
 from sessionpin.proxy.bundle import ORDER, Sessionpin, _sync

@@ -89,7 +89,7 @@ async def test_the_watch_loop_applies_an_edit(proxy, cfg_path):
 
 
 def test_the_reload_line_shows_pools(tmp_path):
-    from sessionpin.config import parse
+    from sessionpin.config.config import parse
     from sessionpin.proxy.configwatch import ConfigWatch
     w = ConfigWatch()
     w.config = parse('''

@@ -10,7 +10,7 @@ import pytest
 from mitmproxy.proxy import server_hooks
 from mitmproxy.test import tflow
 
-from sessionpin.ids import short
+from sessionpin.reader.ids import short
 from shellkit import CONFIG, SESSION, flow, start
 
 
@@ -52,7 +52,7 @@ async def test_a_moved_request_to_a_server_that_is_down_gets_an_error_naming_it(
     assert f.request.host == "api.anthropic.com", "nothing was sent anywhere"
     assert proxy.connect.unreachable["glm"]
     # the pin stays: the conversation stays on glm
-    from sessionpin import pins
+    from sessionpin.records import pins
     assert (await pins.load(proxy.store, SESSION)).pin.server == "glm"
 
 

@@ -11,9 +11,9 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import tutils
 
-from sessionpin import ledger
+from sessionpin.accounting import ledger
 from sessionpin.proxy import ledgerwatch, lineagewatch
-from sessionpin.usage import Usage
+from sessionpin.accounting.usage import Usage
 from shellkit import SESSION, body, flow, start
 
 

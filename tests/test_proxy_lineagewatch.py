@@ -13,9 +13,10 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import tutils
 
-from sessionpin import facts as F
-from sessionpin import lineage, lineindex
-from sessionpin.lineage_stream import StreamReader
+from sessionpin.reader import facts as F
+from sessionpin.lineage import lineage
+from sessionpin.records import lineindex
+from sessionpin.lineage.lineage_stream import StreamReader
 from sessionpin.proxy import lineagewatch
 from sessionpin.store import StoreUnavailable
 from sessionpin.store.aio import Threaded

@@ -6,7 +6,7 @@ import asyncio
 import sys
 import time
 
-from sessionpin import facts as F
+from sessionpin.reader import facts as F
 from sessionpin.proxy.offprocess import BodyProcess
 from test_bodyreader import HEADERS, URL, tiny
 
@@ -80,7 +80,7 @@ async def test_a_child_slower_than_the_timeout_is_killed():
 
 
 async def test_a_shape_is_read_in_the_child_and_none_when_it_fails():
-    from sessionpin import promptshape
+    from sessionpin.reader import promptshape
     reader = BodyProcess()
     try:
         body = tiny(30_000)

@@ -15,8 +15,8 @@ import uuid
 import pytest
 
 from redis_servers import DURABLE_ARGS, RedisServer, free_port, unique_prefix, wait_for
-from sessionpin import pins
-from sessionpin.documents import read_status
+from sessionpin.records import pins
+from sessionpin.records.documents import read_status
 from shellkit import CONFIG, flow, internal, start
 
 SECRET = f"pw-sentinel-{uuid.uuid4().hex[:10]}"

@@ -10,8 +10,9 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import tflow, tutils
 
-from sessionpin import pins, route
-from sessionpin.ids import short
+from sessionpin.records import pins
+from sessionpin.decision import route
+from sessionpin.reader.ids import short
 from sessionpin.proxy.participants import Participant
 from sessionpin.store import NotDurable, StoreUnavailable
 from shellkit import CONFIG, SESSION, body, flow, start
@@ -501,7 +502,7 @@ async def test_a_large_bodys_lineage_is_read_off_the_event_loop(proxy, monkeypat
     the request itself waits for it and is decided as before."""
     import threading
 
-    from sessionpin import lineage
+    from sessionpin.lineage import lineage
     threads = []
     real = lineage.chain
     monkeypatch.setattr(lineage, "chain",
@@ -584,7 +585,7 @@ def test_apply_stores_a_new_body_as_req_content_does(fields, moved):
     """_apply sets a renamed body's Content-Length in its one pass over the headers: the same
     headers, in the same order, and the same bytes as ``req.content = body`` gives."""
     from sessionpin.proxy.router import _apply
-    from sessionpin.rewrite import Changes
+    from sessionpin.decision.rewrite import Changes
 
     def request() -> http.Request:
         r = http.Request.make("POST", "https://a.example/v1/messages", b"", {})

@@ -7,7 +7,7 @@ import re
 import msgspec
 import pytest
 
-from sessionpin.documents import read_status
+from sessionpin.records.documents import read_status
 from sessionpin.proxy.participants import Participant
 from shellkit import CONFIG, flow, internal, start
 
@@ -80,7 +80,7 @@ async def test_the_heartbeat_token_opens_it_on_any_listener(proxy):
 
 async def test_counts_come_from_the_index(proxy):
     # many pins: the status reads a zcount per server, not the pins
-    from sessionpin import pins
+    from sessionpin.records import pins
     for i in range(50):
         await pins.create(proxy.store, f"s{i}", pins.Pin(agent="claude-code", server="glm" if i % 2 else None,
                                                          since=2e9, renewed=2e9))
@@ -105,7 +105,7 @@ async def test_scrapes_share_one_count_until_this_proxy_writes_a_pin(proxy, monk
     # run one each (issue 9: two scrapers at 100k pins delayed every opening).
     import asyncio
 
-    from sessionpin import pins
+    from sessionpin.records import pins
     from sessionpin.proxy import status as status_mod
     counted = []
     real = pins.counts
@@ -167,7 +167,7 @@ async def test_a_participants_status_and_metrics_are_shared_by_scrapes_too(cfg_p
 
 
 def test_status_document_roundtrip():
-    from sessionpin.documents import PinCount, Status
+    from sessionpin.records.documents import PinCount, Status
     s = Status(version="1", pid=1, host="h", started=1.0, pins={"glm": PinCount(pins=2, active=1)})
     assert read_status(msgspec.json.encode(s)) == s
     assert read_status(b'{"version": 1}') is None
@@ -189,7 +189,7 @@ def families(text):
 
 
 def test_label_values_are_escaped_and_read_back_as_they_were():
-    from sessionpin.documents import PinCount
+    from sessionpin.records.documents import PinCount
     from sessionpin.proxy.router import Metrics
     from sessionpin.proxy.status import metrics_text
     m = Metrics()
@@ -230,9 +230,9 @@ def test_help_text_is_escaped():
 
 
 async def test_the_pools_families_are_escaped_and_grouped():
-    from sessionpin import quota
-    from sessionpin.config import parse
-    from sessionpin.pool import report
+    from sessionpin.serverpools import quota
+    from sessionpin.config.config import parse
+    from sessionpin.opencode_ids import report
     from sessionpin.proxy.allocations import pool_metrics_text
     cfg = parse(CONFIG + '''
 [servers.glm-b]

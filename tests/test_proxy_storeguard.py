@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sessionpin import pins
+from sessionpin.records import pins
 from sessionpin.proxy.storeguard import StoreGuard
 from sessionpin.store import identity as ident
 from sessionpin.store import open_store

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from sessionpin import pins
-from sessionpin.documents import read_heartbeat
+from sessionpin.records import pins
+from sessionpin.records.documents import read_heartbeat
 from shellkit import CONFIG, SESSION, flow, start
 
 

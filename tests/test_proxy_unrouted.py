@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from sessionpin.config import parse
+from sessionpin.config.config import parse
 from sessionpin.proxy import unrouted as U
 
 CONFIG = parse('''

@@ -11,7 +11,7 @@ import pytest
 from mitmproxy import websocket
 from wsproto.frame_protocol import Opcode
 
-from sessionpin import pins
+from sessionpin.records import pins
 from shellkit import start
 from test_proxy_router import CODEX_CONFIG, upgrade
 
@@ -77,7 +77,7 @@ async def test_a_socket_keeps_the_model_map_of_its_upgrade_when_the_config_chang
 
 
 async def test_a_pool_pins_socket_is_renamed_with_the_map_it_was_allocated_with(proxy):
-    """A pool pin keeps its member's model map from the allocation (docs/pools.md); its HTTPS
+    """A pool pin keeps its member's model map from the allocation (docs/serverpools.md); its HTTPS
     turns are planned with it, and so are its socket's messages."""
     proxy.path.write_text(CODEX_CONFIG + '[pools.p]\nmembers = ["alt"]\n')
     proxy.reload()

@@ -1,10 +1,10 @@
-"""What members' answers say about their quota (sessionpin/quota.py): a table of real header shapes."""
+"""What members' answers say about their quota (sessionpin/serverpools/quota.py): a table of real header shapes."""
 
 from __future__ import annotations
 
 import pytest
 
-from sessionpin import quota
+from sessionpin.serverpools import quota
 
 NOW = 1_800_000_000.0       # 2027-01-15T08:00:00Z
 ISO_30 = "2027-01-15T08:00:30Z"

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sessionpin import facts, largebody, lineage_wire, wire
+from sessionpin.reader import facts, largebody, wire
+from sessionpin.lineage import lineage_wire
 
 # Steps per byte the reader may take, plus a constant for small bodies (a decompressor per
 # frame). The measured worst over these generators is about 9: a long first message is
@@ -167,7 +168,7 @@ def test_a_long_user_id_is_not_searched(monkeypatch):
             seen.append(len(text))
             return None
 
-    from sessionpin import sessions
+    from sessionpin.reader import sessions
     monkeypatch.setattr(sessions, "_LEGACY_USER_ID", Spy())
     uid = "_session_a" * 100_000 + "!"
     f = facts.read("POST", "https://api.anthropic.com/v1/messages", [("user-agent", "claude-cli/2")],

@@ -5,11 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessionpin import facts as F
-from sessionpin import paths, rewrite
-from sessionpin.config import parse
-from sessionpin.ladder import Decision
-from sessionpin.rewrite import ModelNotFound, RequestView
+from sessionpin.reader import facts as F
+from sessionpin.reader import paths
+from sessionpin.decision import rewrite
+from sessionpin.config.config import parse
+from sessionpin.decision.ladder import Decision
+from sessionpin.decision.rewrite import ModelNotFound, RequestView
 
 CONFIG = parse('''
 [servers.anthropic]

@@ -6,12 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sessionpin import facts as F
-from sessionpin import pins, route
-from sessionpin.config import parse
-from sessionpin.lineage import Signals
-from sessionpin.pins import Loaded, Pin
-from sessionpin.rewrite import Changes
+from sessionpin.reader import facts as F
+from sessionpin.records import pins
+from sessionpin.decision import route
+from sessionpin.config.config import parse
+from sessionpin.lineage.lineage import Signals
+from sessionpin.records.pins import Loaded, Pin
+from sessionpin.decision.rewrite import Changes
 
 CONFIG = parse('''
 [servers.anthropic]

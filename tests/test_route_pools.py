@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from sessionpin import facts as F
-from sessionpin import pins, route
-from sessionpin.config import parse
-from sessionpin.pins import Loaded, Pin
-from sessionpin.rewrite import Changes
+from sessionpin.reader import facts as F
+from sessionpin.records import pins
+from sessionpin.decision import route
+from sessionpin.config.config import parse
+from sessionpin.records.pins import Loaded, Pin
+from sessionpin.decision.rewrite import Changes
 
 TEXT = '''
 [servers.anthropic]

@@ -1,6 +1,6 @@
 """served.Served: the bounded memory of pins this proxy served (issue 18, partial loss)."""
 
-from sessionpin.served import Served
+from sessionpin.records.served import Served
 
 
 def test_a_served_pin_is_expected_until_it_expires():

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from sessionpin import pins
+from sessionpin.records import pins
 from sessionpin.store import StoreUnavailable
 from sessionpin.store.file import FileStore
 
@@ -195,7 +195,7 @@ def test_sessions_when_only_the_copy_is_left(tmp_path):
     pin = pins.encode(pins.Pin(agent="claude-code", server="glm", since=now, renewed=now, rule="opening"))
     # the pin and its index entries in one durable write, as pins.create writes them (sessions
     # walks the pin index)
-    run("import sys\nfrom sessionpin import pins\nfrom sessionpin.store.base import Set\n"
+    run("import sys\nfrom sessionpin.records import pins\nfrom sessionpin.store.base import Set\n"
         "from sessionpin.store.file import FileStore\ns = FileStore(sys.argv[1])\n"
         "s.apply([], [Set('pin:s-1', sys.argv[2], 86400), *pins.index_writes('s-1', pins.decode(sys.argv[2]))], "
         "durable=True)\ns.close()", str(path), pin)

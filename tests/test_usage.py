@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sessionpin import facts as F
-from sessionpin.usage import Diagnostic, Usage, UsageReader
+from sessionpin.reader import facts as F
+from sessionpin.accounting.usage import Diagnostic, Usage, UsageReader
 
 FLOWS = Path(__file__).parent / "fixtures" / "traffic" / "flows"
 

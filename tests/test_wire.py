@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from sessionpin import largebody, wire
+from sessionpin.reader import largebody, wire
 
 
 def test_contents_stay_raw_and_unknown_fields_are_skipped():

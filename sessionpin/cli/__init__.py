@@ -28,7 +28,7 @@ import os
 import sys
 from typing import Sequence
 
-from .. import configedit
+from ..config import configedit
 from ..store import StoreError
 from .change import cmd_forget, cmd_move, cmd_servers, cmd_servers_add, cmd_servers_remove, cmd_use
 from .common import Fail, err
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command
     if command == "classify":
         try:
-            return cmd_delegate("sessionpin.classify", [*extra, *args.rest])
+            return cmd_delegate("sessionpin.offline.classify", [*extra, *args.rest])
         except Fail as e:
             err(f"sessionpin: {e}")
             return e.code

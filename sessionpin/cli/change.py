@@ -18,10 +18,11 @@ import os
 import sys
 import time
 
-from .. import config as configmod
-from .. import configedit, pins
-from ..facts import AGENTS
-from ..ids import short
+from ..config import config as configmod
+from ..config import configedit
+from ..records import pins
+from ..reader.facts import AGENTS
+from ..reader.ids import short
 from ..store import StoreError
 from .common import HOUR, NOT_SEEN_BEGIN, Fail, ago, dump_json, err, out, plural, table, where
 from .context import Ctx, describe_running, resolve

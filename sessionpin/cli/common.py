@@ -7,8 +7,8 @@ import sys
 import time
 from typing import Any
 
-from .. import pins
-from ..ids import short
+from ..records import pins
+from ..reader.ids import short
 
 HOUR = 3600.0
 # One wording, used everywhere, for what happens to a conversation the proxy has no pin for.

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
-from .. import config as configmod
-from .. import pins
-from ..ids import matches, short
+from ..config import config as configmod
+from ..records import pins
+from ..reader.ids import matches, short
 from ..store import Store, StoreError, default_store_url, open_store, safe_url
 from ..store import identity
 from .common import HOUR, NOT_SEEN_BEGIN, Fail, iso, plural, where, why

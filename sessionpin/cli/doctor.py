@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import config as configmod
+from ..config import config as configmod
 from ..store import NotDurable, StoreError
 from .common import Fail, dump_json, out, plural
 from .context import Ctx

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..facts import AGENTS
+from ..reader.facts import AGENTS
 from ..store import safe_url
 from .common import Fail, dump_json, err, out
 from .context import Ctx

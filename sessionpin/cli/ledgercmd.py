@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from .. import ledger, prices
-from ..config import Config
-from ..ids import matches, short
-from ..usage import FIELDS, Usage
+from ..accounting import ledger, prices
+from ..config.config import Config
+from ..reader.ids import matches, short
+from ..accounting.usage import FIELDS, Usage
 from .common import Fail, ago, dump_json, out, table
 from .context import Ctx
 

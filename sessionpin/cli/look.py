@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Iterator
 
-from ..facts import AGENTS
-from ..ids import short, shorts
+from ..reader.facts import AGENTS
+from ..reader.ids import short, shorts
 from .common import Fail, JsonArray, ago, dump_json, err, line, out, table, where, why, widths_of
 from .context import Ctx, Row
 from .ledgercmd import LEDGER_COLUMNS, ledger_cells, ledger_json

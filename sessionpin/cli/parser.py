@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-from .. import config as configmod
-from ..facts import AGENTS
+from ..config import config as configmod
+from ..reader.facts import AGENTS
 
 
 class Parser(argparse.ArgumentParser):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import config as configmod
-from ..documents import HEARTBEAT_PREFIX, STATUS_PATH, Heartbeat, Status, read_heartbeat, read_status
+from ..config import config as configmod
+from ..records.documents import HEARTBEAT_PREFIX, STATUS_PATH, Heartbeat, Status, read_heartbeat, read_status
 from ..store import Store, StoreError
 from .common import iso
 from .context import Ctx

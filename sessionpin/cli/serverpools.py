@@ -1,5 +1,5 @@
 """``pools``, ``pools reset``, ``drain``, ``undrain``: server pools as the operator sees and steers them
-(docs/pools.md).
+(docs/serverpools.md).
 
 Rules it keeps:
 - Everything comes from the config and the shared store, so it works with or without a
@@ -21,7 +21,7 @@ import argparse
 import time
 from typing import Any
 
-from .. import members, quota
+from ..serverpools import members, quota
 from .common import Fail, ago, dump_json, iso, out, table
 from .context import Ctx
 
@@ -92,7 +92,7 @@ def cmd_pools(ctx: Ctx, args: argparse.Namespace) -> int:
         dump_json(report)
         return 0
     if not report:
-        out(f"No pools in {ctx.config_path}; add a [pools.NAME] table with members = [...] (docs/pools.md).")
+        out(f"No pools in {ctx.config_path}; add a [pools.NAME] table with members = [...] (docs/serverpools.md).")
         return 0
     for i, p in enumerate(report):
         if i:

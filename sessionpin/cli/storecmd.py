@@ -28,8 +28,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from .. import pins
-from ..documents import HEARTBEAT_PREFIX, read_heartbeat
+from ..records import pins
+from ..records.documents import HEARTBEAT_PREFIX, read_heartbeat
 from ..store import Store, StoreError, identity, open_store, safe_url
 from ..store.copy import copy
 from .common import Fail, dump_json, out, plural

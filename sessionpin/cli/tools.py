@@ -20,10 +20,10 @@ def cmd_delegate(module: str, argv: list[str]) -> int:
 
 
 def cmd_pool(ctx: Ctx, args: argparse.Namespace) -> int:
-    """The pool engineer's report (sessionpin.pool.report), read from the shared store."""
+    """The pool engineer's report (sessionpin.opencode_ids.report), read from the shared store."""
     try:
-        from ..pool import report
-        from ..pool.options import PoolConfig
+        from ..opencode_ids import report
+        from ..opencode_ids.options import PoolConfig
     except ImportError:
         raise Fail("`sessionpin pool` is not available in this installation") from None
     ttl_ms = args.ttl_ms if args.ttl_ms is not None else PoolConfig().ttl_ms

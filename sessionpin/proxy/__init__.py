@@ -1,5 +1,5 @@
 """The mitmproxy shell: the only package that imports mitmproxy. Each module's docstring
-lists the rules it keeps (the request path's rules are the stepper's, ``sessionpin.route``;
+lists the rules it keeps (the request path's rules are the stepper's, ``sessionpin.decision.route``;
 router.py performs its effects).
 
 ``make_addons()`` returns one addon (``bundle.Sessionpin``: mitmproxy dispatches each hook
@@ -15,19 +15,19 @@ sitting, in this order:
 | ``BodyLimit`` | limits.py | a 413 for an inference body over the limit, before it is buffered |
 | ``PageGuard`` | browsers.py | a 403 for a web page's request (browser fetch metadata) to a server or listener of ours |
 | ``StatusEndpoints`` | status.py | ``/__sessionpin/status`` and ``/metrics``, loopback only |
-| ``Router`` | router.py | runs the request stepper (``sessionpin.route``) on each flow |
+| ``Router`` | router.py | runs the request stepper (``sessionpin.decision.route``) on each flow |
 | ``LineageWatch`` | lineagewatch.py | records, from requests and responses, what a fork of a conversation will name it by |
 | ``WebSocketModels`` | websocket.py | renames the model in the messages of a WebSocket the router moved |
 | ``SocketTurns`` | websocket.py | counts each turn (``response.create``) of a decided socket as a request |
 | ``SocketBounds`` | wsbounds.py | a WebSocket message (inflated) over the limit closes its socket; few messages kept |
 | ``LedgerWatch`` | ledgerwatch.py | every answered turn's tokens, cache read and miss reason, into the ledger |
 | participants | participants.py | ``running``/``done`` of the parts the router and status call (below) |
-| ``PoolOptions`` | (sessionpin.pool) | the OpenCode id pool's options |
+| ``PoolOptions`` | (sessionpin.opencode_ids) | the OpenCode id pool's options |
 | ``Allocations`` | allocations.py | the server pools' option (the pools themselves are a participant) |
 
 The participants (``participants.Participant``, one interface, every method called as
 written): ``LedgerMetrics`` (the ledger's counters, for ``/metrics``), the OpenCode id pool
-(``sessionpin.pool``) and ``Allocations`` (server pools: allocations, member checks, quota
+(``sessionpin.opencode_ids``) and ``Allocations`` (server pools: allocations, member checks, quota
 from answers). The router calls them after its decision, the status endpoint for their
 status and metrics, the store runtime with each store it opens.
 
@@ -38,7 +38,7 @@ Rules this package keeps:
   part's dict keyed by flow.
 - No state is the process's: everything is built by ``make_addons``; the OpenCode id pool's
   manager is kept on mitmproxy's master by ``PoolOptions.load`` (a script reload builds the
-  addon anew on the same master, and finds the same pool: ``sessionpin.pool`` says why it
+  addon anew on the same master, and finds the same pool: ``sessionpin.opencode_ids`` says why it
   must). ``tests/test_package.py`` checks that the shell and the pool keep no module-level
   state. The one change the process sees is ``wsbounds``': while a ``SocketBounds`` is
   loaded, mitmproxy's WebSocket connection class (itself the process's) is replaced by a
@@ -77,7 +77,7 @@ def make_addons(participants: list[Participant] | None = None, env=None, *, with
     measures what each costs)."""
     pool_options = None
     if participants is None:
-        from ..pool.participant import PoolOptions, PoolParticipant
+        from ..opencode_ids.participant import PoolOptions, PoolParticipant
 
         pool = PoolParticipant()
         participants = [pool]

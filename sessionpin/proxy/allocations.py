@@ -1,4 +1,4 @@
-"""Allocations: the shell of server pools (docs/pools.md), a participant (``participants``).
+"""Allocations: the shell of server pools (docs/serverpools.md), a participant (``participants``).
 
 It performs the stepper's pool effects for the router and watches members' answers. The
 pools' rules (which member, when one is exhausted) are ``allocate``'s, ``members``' and
@@ -33,8 +33,9 @@ from typing import Any, Iterable, Mapping
 
 from mitmproxy import ctx, http
 
-from .. import members, quota, route
-from ..ids import short
+from ..serverpools import members, quota
+from ..decision import route
+from ..reader.ids import short
 from ..store import StoreError
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck

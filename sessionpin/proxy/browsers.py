@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ReverseMode
 
-from .. import answers, headers
+from ..decision import answers, headers
 from .configwatch import ConfigWatch
 from .router import INTERNAL_PREFIX
 

@@ -26,8 +26,8 @@ from typing import Mapping, NoReturn, Optional
 
 from mitmproxy import ctx, exceptions
 
-from .. import config as configmod
-from ..config import Config, ConfigError
+from ..config import config as configmod
+from ..config.config import Config, ConfigError
 
 log = logging.getLogger("sessionpin")
 

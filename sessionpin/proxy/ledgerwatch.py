@@ -1,6 +1,6 @@
 """LedgerWatch: every answered turn's tokens, read as the answer streams, kept in the ledger.
 
-Rules it keeps (``sessionpin.ledger`` holds the rules of the figures, docs/ledger.md the meaning):
+Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures, docs/ledger.md the meaning):
 - A request the router decided (its flow has sessionpin metadata with a session, an inference
   api, no refusal) and answered 2xx has its answer read by a ``usage.UsageReader``: a streamed
   answer as it passes (the reader is chained after any stream callable already set, every
@@ -36,9 +36,10 @@ from collections import Counter, OrderedDict, deque
 
 from mitmproxy import http
 
-from .. import facts as F
-from .. import ledger, promptshape
-from ..usage import APIS, FIELDS, Read, UsageReader
+from ..reader import facts as F
+from ..accounting import ledger
+from ..reader import promptshape
+from ..accounting.usage import APIS, FIELDS, Read, UsageReader
 from .exposition import family, joined
 from .otelspans import KINDS as OTEL_KINDS
 from .otelspans import Spans

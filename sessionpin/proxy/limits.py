@@ -37,8 +37,8 @@ import secrets
 import h11
 from mitmproxy import ctx, exceptions, http
 
-from .. import answers, headers
-from .. import facts as F
+from ..decision import answers, headers
+from ..reader import facts as F
 from . import perflow
 from .configwatch import ConfigWatch
 from .perflow import FlowState

@@ -3,7 +3,7 @@
 A fork or resume under a new id (``claude --fork-session``, ``opencode --fork``, ``pi
 --fork``, …) carries its parent's history; to find the parent, the router needs to have
 remembered, from the parent's own traffic, the ids and hashes that history will hold
-(``sessionpin.lineindex``). This addon does that after a request left, never on its path.
+(``sessionpin.records.lineindex``). This addon does that after a request left, never on its path.
 Rules it keeps:
 
 - **A conversation's root is learnt from any of its requests that carries history**: the
@@ -50,10 +50,11 @@ from collections import OrderedDict, deque
 
 from mitmproxy import http
 
-from .. import facts as F
-from .. import lineage, lineindex
-from ..lineage_stream import StreamReader
-from ..route import State
+from ..reader import facts as F
+from ..lineage import lineage
+from ..records import lineindex
+from ..lineage.lineage_stream import StreamReader
+from ..decision.route import State
 from ..store.base import Write
 from . import perflow
 from .offloop import OffLoop

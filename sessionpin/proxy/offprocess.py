@@ -1,5 +1,5 @@
 """BodyProcess: a large request's facts (the router's) and its prompt's shape (the ledger's,
-after the answer) read by ``sessionpin.bodyreader`` in a process of its own, so that no body
+after the answer) read by ``sessionpin.decision.bodyreader`` in a process of its own, so that no body
 holds mitmproxy's event loop (issue 20: no body costs other clients more than ~100 ms).
 
 Why not a thread (``offloop.OffLoop``): the long parts of reading a body are single C calls
@@ -29,8 +29,9 @@ from typing import Any, Callable, TypeVar
 
 import msgspec
 
-from .. import bodyreader, promptshape
-from .. import facts as F
+from ..decision import bodyreader
+from ..reader import promptshape
+from ..reader import facts as F
 
 log = logging.getLogger("sessionpin")
 
@@ -51,7 +52,7 @@ class _Failed:
 class BodyProcess:
     def __init__(self, timeout: float = TIMEOUT, command: tuple[str, ...] | None = None) -> None:
         self.timeout = timeout
-        self.command = command or (sys.executable, "-m", "sessionpin.bodyreader")
+        self.command = command or (sys.executable, "-m", "sessionpin.decision.bodyreader")
         self.reads = 0          # bodies read by the child
         self.failures = 0       # bodies the child did not read (killed, timed out, garbage)
         self.started = 0        # children started

@@ -7,7 +7,7 @@ imports nothing. Needs the ``otel`` extra (``opentelemetry-sdk``).
 
 Rules it keeps:
 - One span per answered turn (``LedgerWatch`` hands each one over), from the request's start
-  to the answer's end, named and attributed by ``sessionpin.genai``; the routing decision is
+  to the answer's end, named and attributed by ``sessionpin.accounting.genai``; the routing decision is
   on it. A decided request that gave no turn (refused, failed, an error answer, no usage)
   has a span too, with its decision and how it ended. And the conventions' client metrics: ``gen_ai.client.token.usage`` (input and output
   tokens per turn, ``gen_ai.token.type``) and ``gen_ai.client.operation.duration``, with the
@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from .. import genai
-from ..ledger import Turn
+from ..accounting import genai
+from ..accounting.ledger import Turn
 
 log = logging.getLogger("sessionpin")
 KINDS = ("", "console", "otlp")

@@ -1,7 +1,7 @@
 """Participant: what the shell asks of the parts that take a turn beside the router's decision.
 
 A participant is a piece of the proxy the router and the status endpoint call at fixed
-points: the OpenCode id pool (``sessionpin.pool.participant.PoolParticipant``), the server
+points: the OpenCode id pool (``sessionpin.opencode_ids.participant.PoolParticipant``), the server
 pools' quota reader (``allocations.Allocations``) and the ledger's counters
 (``ledgerwatch.LedgerMetrics``). It is not a mitmproxy addon: mitmproxy sees one addon
 (``bundle.Sessionpin``), whose hooks hand ``running`` and ``done`` to each participant; the

@@ -1,4 +1,4 @@
-"""Router: runs the request stepper (``sessionpin.route``) on each flow.
+"""Router: runs the request stepper (``sessionpin.decision.route``) on each flow.
 
 One request: ``route.ambiguous`` → ``facts.read`` → ``route.begin`` → perform each effect
 (a pin read, the request's bytes for the rewrite plan, a durable pin write, a connect
@@ -10,7 +10,7 @@ participants' turn after the decision (the OpenCode id pool) is still the shell'
 this module keeps, about performing and showing:
 
 - An inference request of a known agent either leaves decided and rewritten as a whole,
-  or is answered here in its API's error format (``sessionpin.answers``): an exception
+  or is answered here in its API's error format (``sessionpin.decision.answers``): an exception
   never drops a flow and never lets such a request leave half-done. Anything else
   passes untouched.
 - A large body's lineage (its links and its history's root, when a rule needs them) is read
@@ -50,9 +50,10 @@ from typing import Any, Mapping
 from mitmproxy import ctx, http
 from mitmproxy.net.http import url
 
-from .. import answers, ladder, lineindex, pins, rewrite, route
-from .. import facts as F
-from ..ids import short
+from ..decision import answers, ladder, rewrite, route
+from ..records import lineindex, pins
+from ..reader import facts as F
+from ..reader.ids import short
 from ..store import StoreError
 from . import websocket
 from .allocations import Allocations

@@ -33,9 +33,10 @@ from typing import Any, Awaitable, Callable, Mapping
 import msgspec
 from mitmproxy import ctx, http
 
-from .. import __version__, pins
-from .. import facts as F
-from ..documents import METRICS_PATH, STATUS_PATH, PinCount, ServerStatus, Status
+from .. import __version__
+from ..records import pins
+from ..reader import facts as F
+from ..records.documents import METRICS_PATH, STATUS_PATH, PinCount, ServerStatus, Status
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .exposition import family, joined

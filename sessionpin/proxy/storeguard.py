@@ -38,8 +38,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from .. import pins
-from ..served import Served
+from ..records import pins
+from ..records.served import Served
 from ..store import Store, StoreError
 from ..store import identity as ident
 

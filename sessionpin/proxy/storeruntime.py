@@ -44,8 +44,9 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from mitmproxy import ctx, exceptions
 
-from .. import __version__, pins
-from ..documents import HEARTBEAT_TTL, Heartbeat, heartbeat_encoder, heartbeat_key
+from .. import __version__
+from ..records import pins
+from ..records.documents import HEARTBEAT_TTL, Heartbeat, heartbeat_encoder, heartbeat_key
 from ..store import Store, StoreError, StoreUnavailable, default_store_url, open_store, safe_url
 from .storeguard import StoreGuard
 

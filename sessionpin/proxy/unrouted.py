@@ -21,9 +21,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from .. import paths
-from ..config import Config, Server
-from ..documents import Unrouted as UnroutedDoc
+from ..reader import paths
+from ..config.config import Config, Server
+from ..records.documents import Unrouted as UnroutedDoc
 
 log = logging.getLogger("sessionpin")
 LIMIT = 64

@@ -30,11 +30,12 @@ from typing import Any
 import msgspec
 from mitmproxy import ctx, http
 
-from .. import allocate, rewrite
-from .. import facts as F
-from ..config import Config, Server, map_model
-from ..ids import short
-from ..route import State
+from ..serverpools import allocate
+from ..decision import rewrite
+from ..reader import facts as F
+from ..config.config import Config, Server, map_model
+from ..reader.ids import short
+from ..decision.route import State
 
 log = logging.getLogger("sessionpin")
 MODELS = "socket_models"     # the flow metadata's key for a socket's model map

@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from sessionpin import pins
+from sessionpin.records import pins
 
 from .harness import Client, FakeServer, Mitmdump, Reply, TestCA, toml_config
 from .test_router_e2e import ALT_ENV, ALT_KEY, CLIENT_KEY, GLM_ENV, GLM_KEY, SESSION_HEADER, cc

@@ -17,9 +17,9 @@ from typing import Iterator
 
 import pytest
 
-from sessionpin import ledger
+from sessionpin.accounting import ledger
 from sessionpin.store import open_store
-from sessionpin.usage import Usage
+from sessionpin.accounting.usage import Usage
 
 from .harness import FakeServer, TestCA
 from .replay import FIXTURES, Replay, load

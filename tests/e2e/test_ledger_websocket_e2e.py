@@ -8,9 +8,9 @@ import asyncio
 import json
 import time
 
-from sessionpin import ledger
+from sessionpin.accounting import ledger
 from sessionpin.store import open_store
-from sessionpin.usage import Usage
+from sessionpin.accounting.usage import Usage
 
 from .replay import Replay
 from .test_websocket_e2e import (RUN, WsRig, _alive_and_clean, client_messages, converse, rig,  # noqa: F401

@@ -23,8 +23,9 @@ from typing import Iterator
 
 import pytest
 
-from sessionpin import facts as F
-from sessionpin import lineage, lineindex
+from sessionpin.reader import facts as F
+from sessionpin.lineage import lineage
+from sessionpin.records import lineindex
 from sessionpin.store import open_store
 
 from .harness import FakeServer, TestCA, anthropic_sse_events, running_rig

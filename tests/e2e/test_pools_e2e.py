@@ -32,7 +32,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from sessionpin import members, pins
+from sessionpin.serverpools import members
+from sessionpin.records import pins
 from sessionpin.store import open_store
 
 from .harness import Client, FakeServer, Mitmdump, Reply, TestCA, toml_config

@@ -38,7 +38,7 @@ from typing import Iterator
 
 import pytest
 
-from sessionpin.ids import short
+from sessionpin.reader.ids import short
 from redis_servers import RedisServer, redis_cli_binary, shared_cluster, unique_prefix, wait_for
 from stores import raw_client
 

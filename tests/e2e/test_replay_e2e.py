@@ -43,9 +43,9 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from sessionpin import pins
-from sessionpin.headers import allowed as allowed_header
-from sessionpin.ids import short
+from sessionpin.records import pins
+from sessionpin.decision.headers import allowed as allowed_header
+from sessionpin.reader.ids import short
 from sessionpin.store import open_store
 
 from .harness import (LOOPBACK, Client, FakeServer, Mitmdump, Received, Reply, TestCA, free_port, running_rig,

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from sessionpin.ids import short
+from sessionpin.reader.ids import short
 
 from .harness import FakeServer, StoreLock, TestCA, running_rig
 from .test_router_e2e import Rig, cc, new_session

@@ -28,8 +28,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from sessionpin.headers import allowed as allowed_header
-from sessionpin.ids import short
+from sessionpin.decision.headers import allowed as allowed_header
+from sessionpin.reader.ids import short
 
 from .harness import (Client, FakeServer, Mitmdump, MitmdumpError, Received, Reply, TestCA, free_port, running_rig,
                       toml_config)
@@ -344,7 +344,7 @@ def assert_untouched(got: Received, req: Req) -> None:
 def assert_routed(got: Received, req: Req, *, key_header: str, key_value: str, prefix: str = "",
                   model: str | None = None) -> None:
     """Routed: prefix + the same path, the server's key in place of the agent's, only the model
-    changed, and of the agent's headers only those the allowlist keeps (sessionpin/headers.py)."""
+    changed, and of the agent's headers only those the allowlist keeps (sessionpin/decision/headers.py)."""
     assert got.path == prefix + req.path
     assert got.body == (req.mapped_body(model) if model else req.body)
     assert got.header("content-length") == str(len(got.body))

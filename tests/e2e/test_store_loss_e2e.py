@@ -25,9 +25,9 @@ from typing import Iterator
 import pytest
 
 from redis_servers import RedisServer, unique_prefix, wait_for
-from sessionpin import pins
-from sessionpin.ids import short
-from sessionpin.answers import NO_RETRY_STATUS as LOST      # a lost store: only the operator can decide
+from sessionpin.records import pins
+from sessionpin.reader.ids import short
+from sessionpin.decision.answers import NO_RETRY_STATUS as LOST      # a lost store: only the operator can decide
 
 from .harness import Client, FakeServer, Mitmdump, Reply, TestCA, toml_config
 from .test_cli_e2e import sessionpin_argv

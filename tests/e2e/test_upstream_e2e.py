@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from fakegateway import FakeGateway, is_fast_id
-from sessionpin.pool import state
+from sessionpin.opencode_ids import state
 from sessionpin.store import open_store
 
 from .harness import Client, Mitmdump, MitmdumpError, free_port

@@ -1,0 +1,162 @@
+"""The pin ladder: where one inference request goes, and what happens to its session's pin.
+
+``decide(facts, pin, config, source, title_went)`` is pure: no clock, no store, no I/O.
+``source`` is the configured server the request addresses (None: it addresses none);
+``title_went`` is where this session's opencode title-shaped request went moments ago
+(the side memory; None when there is none). The first rule that applies decides
+(seeds/000, made stronger):
+
+0. Not an inference request, an unknown agent, or no session id: leave it alone, pin
+   nothing — nothing can keep such a conversation together.
+1. The session has a pin of the same agent: go to its pinned server ("not routed" =
+   leave it alone) and renew the pin — **whatever the config says about the origin the
+   request addresses** (a server removed from the config, an emptied config). A pinned
+   server that is no longer configured is refused (``answers.NO_RETRY_STATUS``, 424: only
+   the operator can bring it back or move the conversation, so no client may retry it), never moved. A pin of another
+   agent is neither followed nor overwritten: the request is left alone.
+   Without a pin, a request that addresses no configured server is out of scope.
+   - A body that could not be read (``parsed=False``) and has no pin is left alone,
+     pinned nothing: its turn is unknowable, and guessing "opening" would pin a running
+     conversation to the wrong server.
+2. Side requests and subagents never create a pin:
+   - a side request with no pin goes to the agent's current server (a title request
+     races the opening turn and must land where it will), unless it carries a
+     conversation's history: that conversation began unseen, leave it alone. It is not
+     remembered — except an opencode title-shaped one (see 5);
+   - a subagent with no pin is left alone: its parent was never seen begin.
+3. The agent is not routed: leave it alone, pin "not routed".
+4. Opening turn: the agent's current server, and pin it.
+5. A continuation the router never saw begin: leave it alone, pin "not routed" —
+   unless it is opencode's and this session's title-shaped request (no tools, no
+   history) went somewhere moments ago: opencode's opening reads like its title when it
+   sends no tools, so that request was the opening; follow it and pin. No other side
+   request — a count_tokens, a classifier, another agent's title — adopts a conversation.
+6. A turn that cannot be told, with a session: the agent's current server, and pin it;
+   with history it is a conversation under way never seen begin: as rule 5.
+
+7. A conversation never seen begin that forks or resumes a conversation the router knows
+   (``parent``: found by the client's explicit links or by the history's lineage,
+   ``sessionpin.lineage.lineage``) follows its parent's pin: to the parent's server, pinned; "not
+   routed" when the parent is; refused (424, as rule 1) when the parent's server is gone. This is
+   checked before rules 2-6: a fork's first request is a continuation never seen begin.
+
+So a request with no pin that carries history is always left alone, but for rule 5's
+one exception and rule 7's forks (tests/test_route.py holds this as a property).
+
+``pin_action`` is "create" (write a new pin for ``target``; ``None`` = not routed),
+"renew" (a pin was followed: renew it if ``pins.renew_due``) or "none".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..reader import facts as F
+from .answers import NO_RETRY_STATUS
+from ..config.config import Config, Server
+from ..records.pins import Pin
+
+CREATE = "create"
+RENEW = "renew"
+NONE = "none"
+
+# outcomes, for metrics and logs
+ROUTED = "routed"          # sent to a configured server (maybe the one it addressed)
+LEFT_ALONE = "left-alone"  # passed untouched
+REFUSED = "refused"        # answered by the proxy with an error
+
+
+@dataclass(frozen=True)
+class Decision:
+    target: str | None           # configured server name; None: leave the request alone
+    pin_action: str              # create | renew | none
+    rule: str                    # short rule id, stable (metrics, metadata)
+    why: str                     # a few words for people (flow comment, logs)
+    refuse: int | None = None    # a status to answer with instead of forwarding
+
+    @property
+    def outcome(self) -> str:
+        if self.refuse:
+            return REFUSED
+        return ROUTED if self.target is not None else LEFT_ALONE
+
+
+def _leave(rule: str, why: str, pin_action: str = NONE) -> Decision:
+    return Decision(None, pin_action, rule, why)
+
+
+def in_scope(facts: F.Facts) -> bool:
+    """Whether a request can be routed at all: an inference request of a known agent with a session."""
+    return facts.api in F.INFERENCE_APIS and facts.agent in F.AGENTS and bool(facts.session)
+
+
+def is_title_shaped(facts: F.Facts) -> bool:
+    """opencode's title request — or its opening when it offers no tools: no tools, no history."""
+    return (facts.agent == F.OPENCODE and facts.turn == F.SIDE and facts.parsed and not facts.has_history
+            and not facts.has_tools and facts.api != F.ANTHROPIC_COUNT_TOKENS)
+
+
+def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | None,
+           title_went: str | None = None, parent: Pin | None = None) -> Decision:
+    if facts.api not in F.INFERENCE_APIS:
+        return _leave("out-of-scope", "not an inference request")
+    if facts.agent not in F.AGENTS:
+        return _leave("unknown-agent", "agent not recognised")
+    if not facts.session:
+        return _leave("no-session", "no session id")
+
+    # 1. a pin decides, wherever the request was addressed
+    if pin is not None:
+        if pin.agent != facts.agent:
+            return _leave("other-agent-pin", f"session pinned by {pin.agent}")
+        if pin.server is None:
+            return _leave("pinned-not-routed", "pinned: not routed", RENEW)
+        if pin.server not in config.servers:
+            return Decision(None, NONE, "pinned-server-gone", f"pinned to {pin.server}, no longer configured",
+                            refuse=NO_RETRY_STATUS)
+        return Decision(pin.server, RENEW, "pinned", "pin")
+    # 7. a fork or resume of a conversation the router knows follows its parent
+    if parent is not None and parent.agent == facts.agent and facts.has_history:
+        if parent.server is None:
+            return _leave("fork-not-routed", "fork of a conversation not routed", CREATE)
+        if parent.server not in config.servers:
+            return Decision(None, NONE, "fork-of-gone", f"fork of a conversation pinned to {parent.server}, "
+                            "no longer configured", refuse=NO_RETRY_STATUS)
+        return Decision(parent.server, CREATE, "fork", "fork, follows its parent")
+    if source is None:
+        return _leave("out-of-scope", "no pin, not addressed to a configured server")
+
+    if not facts.parsed:
+        return _leave("unreadable", "body unreadable, no pin")
+
+    current = config.current(facts.agent)
+    turn = facts.turn
+
+    # 2. side requests and subagents follow a pin, never make one
+    if turn == F.SIDE:
+        if facts.has_history:
+            return _leave("side-unseen", "side request of a conversation not seen begin")
+        if current is None:
+            return _leave("side-not-routed", "agent not routed")
+        return Decision(current, NONE, "side-current", "side, no pin yet")
+    if turn == F.SUBAGENT:
+        return _leave("subagent-unseen", "subagent of a conversation not seen begin")
+
+    # 3. the agent is not routed
+    if current is None:
+        return _leave("not-routed", "agent not routed", CREATE)
+    # 4. opening turn (an "opening" that carries history is a contradiction: as rule 5)
+    if turn == F.OPENING and not facts.has_history:
+        return Decision(current, CREATE, "opening", "pinned")
+    # 5. a continuation never seen begin — unless opencode's title-shaped opening went
+    # somewhere moments ago (rule 5 above)
+    if turn in (F.CONTINUATION, F.OPENING):
+        if facts.agent == F.OPENCODE and title_went is not None and title_went in config.servers:
+            return Decision(title_went, CREATE, "continuation-after-title",
+                            "began with a title-shaped request, pinned")
+        return _leave("continuation-unseen", "not seen begin", CREATE)
+    # 6. a turn that cannot be told, with a session: the current server — but a body that
+    # carries history is a conversation under way that the router never saw begin.
+    if facts.has_history:
+        return _leave("unknown-turn-unseen", "turn unknown, history: not seen begin", CREATE)
+    return Decision(current, CREATE, "unknown-turn", "turn unknown, pinned")

@@ -1,0 +1,330 @@
+"""Rewriting: the exact changes that send one request to its decided server.
+
+``plan(decision, request, source, config, env)`` is pure (the environment is passed in)
+and returns ``Changes``; the addon applies them all or none. Rules it keeps:
+- A move maps the endpoint, not the string: scheme, host and port are the target's, and
+  the path is the target's API base (``Server.base``: ``/v1``, ``/zen/v1``,
+  ``/api/anthropic/v1``…) + the endpoint the request named (``/messages``…), whatever
+  prefix the client put before it — Claude Code's ``/v1/messages`` reaches a server written
+  ``…/zen/v1`` at ``/zen/v1/messages``, pi's ``/zen/v1/chat/completions`` a bare origin at
+  ``/v1/chat/completions``. A target with the source's own URL (pool members sharing one)
+  keeps the path as sent. Only an exact inference path moves (``paths.scope``): any other
+  path, or an ambiguous one (dot segments, encoded separators…), is refused, never sent
+  under another server's key.
+- **An agent's credentials never reach a server other than the one it addressed.**
+  A request going to another server keeps only the headers and query parameters
+  ``headers.py`` allows (what the target's API needs and the agent's own ids, never a
+  value that looks like a key) and gets the target's key, read from its ``key_env``, as
+  ``x-api-key: K`` or ``authorization: Bearer K`` (the server's ``auth``, else the style
+  the agent used, else the api's own).
+- A target with no ``key_env`` only receives requests addressed to its own origin
+  (the agent's ``x-api-key``/``authorization`` are for it, and stay); anything else is
+  refused, never sent with a wrong key. So is a target whose ``key_env`` is unset or
+  empty in the proxy's environment.
+- A request that stays on the server it addressed keeps its headers as they are.
+- ``models``: only the top-level ``"model"`` value changes, in place; every other byte
+  of the body is the agent's (re-serialising breaks thinking signatures). A body whose
+  model cannot be located exactly is refused rather than sent unmapped, and so is a body
+  the reader could not read (``unreadable``: unknown content-encoding, too large, too
+  deep…) when the target renames models, whether the request moves or stays.
+- A refusal's message never carries a key: it names servers and variables, and is
+  scrubbed (``redact.scrub``) before it leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import msgspec
+
+from ..reader import facts as F
+from . import headers as H
+from ..reader import paths
+from ..config.config import Config, Server
+from .ladder import Decision
+from ..config.redact import scrub
+
+# The agent's own credential headers: kept when the target is the origin they are for.
+AGENT_CREDENTIALS = ("x-api-key", "authorization")
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What rewriting needs to know about a request (all plain data)."""
+    scheme: str
+    host: str
+    port: int
+    path: str                                   # path and query, as sent
+    headers: tuple[tuple[str, str], ...] = ()   # (name, value) as sent
+    body: bytes | None = None                   # decoded body (only needed to map the model)
+    api: str = F.OTHER
+    model: str | None = None                    # the body's top-level model, from the reader
+    unreadable: str | None = None               # why the reader could not read the body
+    model_span: tuple[int, int] | None = None   # where the reader found the model in ``body``
+                                                # (facts.reason when not facts.parsed), else None
+
+
+@dataclass(frozen=True)
+class Changes:
+    scheme: str
+    host: str
+    port: int
+    path: str
+    drop_headers: tuple[str, ...] = ()          # lower-case names to remove (all values)
+    set_headers: tuple[tuple[str, str], ...] = ()
+    body: bytes | None = None                   # the new decoded body, when the model changed
+    model: tuple[str, str] | None = None        # (as sent, as forwarded)
+    refuse: str | None = None                   # why the request must not be sent (502)
+
+
+class ModelNotFound(ValueError):
+    """The body's top-level model could not be located byte for byte."""
+
+
+def auth_style(server: Server, request: RequestView) -> str:
+    if server.auth:
+        return server.auth
+    names = {n.lower(): v for n, v in request.headers}
+    if "x-api-key" in names:
+        return "x-api-key"
+    if names.get("authorization", "").lower().startswith("bearer "):
+        return "bearer"
+    return "x-api-key" if request.api in (F.ANTHROPIC_MESSAGES, F.ANTHROPIC_COUNT_TOKENS) else "bearer"
+
+
+def _refused(request: RequestView, why: str) -> Changes:
+    return Changes(request.scheme, request.host, request.port, request.path, refuse=scrub(why))
+
+
+def plan(decision: Decision, request: RequestView, source: Server | None, config: Config,
+         env: Mapping[str, str]) -> Changes:
+    if decision.target is None:
+        raise ValueError("plan() is for a decision with a target")
+    target = config.servers.get(decision.target)
+    if target is None:
+        return _refused(request, f"server {decision.target!r} is not configured")
+
+    # The origin, path and headers of the request as it leaves: its own unless it moves. The
+    # Changes are built once, at the end (a request that stays reads none of its headers).
+    scheme, host, port, path = request.scheme, request.host, request.port, request.path
+    drop: tuple[str, ...] = ()
+    add: tuple[tuple[str, str], ...] = ()
+    if source is None or target.name != source.name:
+        # Only an exact inference path moves (a request to an origin no longer configured,
+        # its session pinned elsewhere, too), to the target's own path for that endpoint.
+        where = paths.scope("POST", request.path, source.prefix if source else None)
+        if where.refuse:
+            return _refused(request, f"not sent to server {target.name}: {where.refuse}")
+        if not where.inference:
+            return _refused(request, f"not sent to server {target.name}: not an inference endpoint"
+                                     + (f" of {source.name}'s API" if source else ""))
+        # Only the allowed query parameters go (``?key=…``, as some APIs take, is a credential).
+        if source is not None and (source.origin, source.prefix) == (target.origin, target.prefix):
+            path = H.query_for_move(request.path)     # the same API: the client's path is its own
+        else:
+            path = target.base + H.query_for_move(where.endpoint)   # endpoint starts with "/"
+        if target.key_env:
+            key = env.get(target.key_env, "").strip()
+            if not key:
+                return _refused(request, f"server {target.name}: {target.key_env} is not set in the proxy's environment")
+            drop = H.dropped_for_move(request.headers)
+            if auth_style(target, request) == "x-api-key":
+                add = (("x-api-key", key),)
+            else:
+                add = (("authorization", f"Bearer {key}"),)
+        elif source is None or target.origin != source.origin:
+            addressed = source.origin if source else f"{request.scheme}://{request.host}:{request.port}"
+            return _refused(
+                request,
+                f"server {target.name} has no key_env, so it only takes requests addressed to {target.origin}; "
+                f"this one was addressed to {addressed} (set servers.{target.name}.key_env)",
+            )
+        else:
+            # Another prefix of the same origin: the agent's key was for this origin and stays;
+            # everything else is held to the allowlist like any move.
+            drop = H.dropped_for_move(request.headers, keep=AGENT_CREDENTIALS)
+        scheme, host, port = target.scheme, target.host, target.port
+
+    body = model = None
+    if target.models and request.model is None and request.unreadable:
+        # The model may need renaming and cannot be known: never forwarded unmapped.
+        return _refused(request, f"cannot rename the model for server {target.name}: the request body "
+                                 f"could not be read ({request.unreadable[:120]})")
+    if request.model is not None and target.models:
+        mapped = target.map_model(request.model)
+        if mapped != request.model:
+            try:
+                body = replace_model(request.body or b"", request.model, mapped, request.model_span)
+            except ModelNotFound as e:
+                return _refused(request, f"cannot rename model for server {target.name}: {e}")
+            model = (request.model, mapped)
+    return Changes(scheme, host, port, path, drop, add, body, model)
+
+
+_WS = b" \t\r\n"
+_decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_decode_str = msgspec.json.Decoder(str)
+_encode = msgspec.json.encode
+
+
+def model_span(body: bytes) -> tuple[int, int]:
+    """The byte span of the top-level "model" value (the quotes included).
+
+    The body is decoded once (in C) into its top-level keys and raw values; then a walk
+    over just those keys finds where each value starts, and a raw value's length says
+    where it ends, so the cost does not grow with the size of messages.
+    """
+    try:
+        top = _decode_top.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ModelNotFound(f"body is not a JSON object ({e})") from None
+    except RecursionError:
+        raise ModelNotFound("body nested too deeply") from None
+    if "model" not in top:
+        raise ModelNotFound("no top-level model")
+    if not bytes(top["model"]).startswith(b'"'):
+        raise ModelNotFound("the model is not a string")
+    span = _laid_out(body, top)
+    return span if span is not None else _walk(body, top)
+
+
+# The layouts serialisers write: compact (JavaScript's JSON.stringify, serde, Go) and Python's
+# ``json.dumps`` default; each has one separator of each kind and no other space between tokens.
+_LAYOUTS = ((b",", b":"), (b", ", b": "))
+
+
+def _laid_out(body: bytes, top: dict) -> tuple[int, int] | None:
+    """The fast path of ``model_span``: when ``body`` is ``top``'s members in order, each key
+    as the encoder writes it, laid out as one of ``_LAYOUTS``, the model's span; else None
+    (``_walk`` reads the body's own layout). It checks the same things ``_walk`` does at the
+    same places (each key, each separator, each value's ends, the closing brace at the end),
+    so what it accepts ``_walk`` accepts with the same span: it only skips reading the keys
+    and the spaces between tokens."""
+    n = len(body)
+    if n < 2 or body[0] != 0x7B or body[-1] != 0x7D:
+        return None
+    for comma, colon in _LAYOUTS:
+        i, span, sep = 1, None, b""
+        for name, raw in top.items():
+            if sep and not body.startswith(sep, i):
+                break
+            i += len(sep)
+            key = _encode(name)
+            if not body.startswith(key, i):
+                break
+            i += len(key)
+            if not body.startswith(colon, i):
+                break
+            i += len(colon)
+            value = memoryview(raw)
+            if not _same_ends(body, i, value):
+                break
+            if name == "model":
+                span = (i, i + len(value))
+            i += len(value)
+            sep = comma
+        else:
+            if i == n - 1 and span is not None:
+                return span
+    return None
+
+
+def _walk(body: bytes, top: dict) -> tuple[int, int]:
+    n = len(body)
+    i = _skip(body, 0)
+    if i >= n or body[i] != 0x7B:  # {
+        raise ModelNotFound("body is not a JSON object")
+    i += 1
+    span = None
+    seen = 0
+    ws = _WS
+    for _ in range(len(top) + 1):
+        while i < n and body[i] in ws:
+            i += 1
+        if i < n and body[i] == 0x7D:  # }
+            break
+        if i >= n or body[i] != 0x22:
+            raise ModelNotFound("unexpected bytes in the body")
+        j = _string_end(body, i)
+        name = body[i + 1:j - 1]
+        # a key without escapes is its bytes (the decoder above checked them: UTF-8, no control)
+        name = _decode_str.decode(body[i:j]) if b"\\" in name else name.decode()
+        i = j
+        while i < n and body[i] in ws:
+            i += 1
+        if i >= n or body[i] != 0x3A:  # :
+            raise ModelNotFound("unexpected bytes in the body")
+        i += 1
+        while i < n and body[i] in ws:
+            i += 1
+        raw = top.get(name)
+        # The value here must be the raw value the decoder kept for this key. Its ends
+        # are compared (a full compare would copy megabytes of messages): with unique
+        # keys they always match; a duplicate key misaligns the walk, which shows here
+        # or in the key count and closing brace checked below.
+        if raw is None or not _same_ends(body, i, memoryview(raw)):
+            # a duplicate key (the decoder kept the last) or an unexpected layout
+            raise ModelNotFound("duplicate top-level keys")
+        size = len(raw)
+        if name == "model":
+            span = (i, i + size)
+        seen += 1
+        i += size
+        while i < n and body[i] in ws:
+            i += 1
+        if i < n and body[i] == 0x2C:  # ,
+            i += 1
+    if seen != len(top) or span is None or i >= n or body[i] != 0x7D or _skip(body, i + 1) != n:
+        raise ModelNotFound("duplicate top-level keys")
+    return span
+
+
+def _same_ends(body: bytes, i: int, raw: memoryview, k: int = 64) -> bool:
+    """Whether ``raw`` (not empty) is at ``body[i:]``: whole when short, else its first and
+    last ``k`` bytes (compared in place: no copy)."""
+    size = len(raw)
+    if not size or i + size > len(body):
+        return False
+    if size <= 2 * k:
+        return body.startswith(raw, i)
+    return body.startswith(raw[:k], i) and body.startswith(raw[size - k:], i + size - k)
+
+
+def replace_model(body: bytes, old: str, new: str, span: tuple[int, int] | None = None) -> bytes:
+    """``body`` with its top-level model ``old`` renamed ``new``, every other byte as sent.
+    ``span`` is where the reader found the model (facts.model_span: it walked the body's
+    top-level members up to the messages, duplicates refused), saving a second read."""
+    start, end = span if span is not None else model_span(body)
+    try:
+        found = _decode_str.decode(body[start:end]) if 0 <= start < end <= len(body) else None
+    except msgspec.DecodeError:
+        found = None
+    if found != old:
+        raise ModelNotFound("the body's model is not the one read")
+    # One allocation and one copy: ``a + b + c`` would copy the tail twice (a megabyte body
+    # costs a fresh buffer, page faults included, per copy).
+    view = memoryview(body)
+    return b"".join((view[:start], msgspec.json.encode(new), view[end:]))
+
+
+def _skip(body: bytes, i: int) -> int:
+    n = len(body)
+    while i < n and body[i] in _WS:
+        i += 1
+    return i
+
+
+def _string_end(body: bytes, i: int) -> int:
+    """Index just past the JSON string starting at body[i] (a quote)."""
+    j = i + 1
+    while True:
+        j = body.find(b'"', j)
+        if j < 0:
+            raise ModelNotFound("unterminated string")
+        k = j - 1
+        while body[k] == 0x5C:  # count the backslashes before the quote
+            k -= 1
+        if (j - 1 - k) % 2 == 0:
+            return j + 1
+        j += 1

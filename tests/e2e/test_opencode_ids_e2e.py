@@ -1,0 +1,359 @@
+"""The OpenCode id pool end to end: a real mitmdump, real TLS, the fake gateway, real clients' shapes.
+
+One mitmdump serves the module; it runs a copy of addons/route.py (so a test may edit it and
+watch mitmproxy reload it), i.e. the real router with the pool wired in by make_addons. The gateway is
+the fake of tests/fakegateway.py with a certificate from the harness' test CA; the proxy and
+the pool's probes both trust that CA. The pool's state is read back from the same file store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fakegateway import FakeGateway, is_fast_id
+from sessionpin.opencode_ids import report, state
+from sessionpin.store import open_store
+
+from .harness import Client, Mitmdump, TestCA
+
+RUN = uuid.uuid4().hex[:6]
+KEY = "good-key"
+MODEL = "deepseek-v4.1-flash"
+SCRIPT = (Path(__file__).resolve().parents[2] / "addons" / "route.py").read_text() + "\n# MARKER\n"
+
+
+@pytest.fixture(scope="module")
+def env():
+    # Not tmp_path_factory: pytest prunes old base temp dirs of *other* concurrent runs by the
+    # same user, which would delete the store under a running mitmdump.
+    with tempfile.TemporaryDirectory(prefix="sessionpin-pool-e2e-") as tmp:
+        yield from _env(Path(tmp))
+
+
+def _env(work: Path):
+    ca = TestCA(work / "ca")
+    gw = FakeGateway(keys={KEY}).start(work, cert_and_key=ca.issue("gateway"), ca=ca.pem)
+    script = work / "route_pool.py"
+    script.write_text(SCRIPT.replace("MARKER", "v1"))
+    (work / "config.toml").write_text("")
+    opts = {
+        "sessionpin_config": str(work / "config.toml"),
+        "sessionpin_store": f"file:{work / 'state.db'}",
+        "ssl_verify_upstream_trusted_ca": str(ca.pem),
+        "connection_strategy": "lazy",
+        "sessionpin_pool_gateways": gw.origin,
+        "sessionpin_pool_ca_file": str(ca.pem),
+        "sessionpin_pool_size": 2,
+        "sessionpin_pool_refill_delay_ms": 200,
+        "sessionpin_pool_min_probe_interval_ms": 0,
+        "sessionpin_pool_refresh_interval_ms": 1000,
+    }
+    m = Mitmdump(work, script=script, options=opts)
+    m.start()
+    yield {"gw": gw, "m": m, "client": Client.via_proxy(m.port, m.mitm_ca), "store_url": opts["sessionpin_store"],
+           "script": script, "work": work, "opts": opts}
+    m.stop()
+    gw.stop()
+
+
+def chat(env, headers: list[tuple[str, str]], messages: list[dict], path="/zen/go/v1/chat/completions"):
+    body = json.dumps({"model": MODEL, "messages": messages, "stream": True}).encode()
+    return env["client"].request("POST", env["gw"].origin + path, headers=headers, body=body)
+
+
+def read_store(env, fn):
+    """``await fn(store)`` on the proxies' store, from this (synchronous) test."""
+    async def run():
+        store = open_store(env["store_url"])
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+    return asyncio.run(run())
+
+
+def spares(env) -> dict:
+    return read_store(env, lambda store: state.spares(store, "opencode-go", MODEL, drop_bad=False))
+
+
+def wait_spares(env, n: int, timeout=15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = spares(env)
+        if len(s) >= n:
+            return s
+        time.sleep(0.25)
+    raise AssertionError(f"pool did not fill: {spares(env)}\n{env['m'].tail(30)}")
+
+
+def last_request(env):
+    return env["gw"].requests()[-1]
+
+
+OPENCODE_HEADERS = [("user-agent", "opencode/1.18.33"), ("authorization", f"Bearer {KEY}"),
+                    ("x-opencode-project", "prj_1"), ("x-opencode-request", "msg_1"),
+                    ("x-opencode-client", "cli"), ("content-type", "application/json")]
+
+
+def test_opencode_client_first_keeps_its_id_then_new_conversations_get_verified_spares(env):
+    own = f"ses_{RUN}_a"
+    r = chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", own)], [{"role": "user", "content": "hi"}])
+    assert r.status == 200 and r.events                                # streamed through
+    assert last_request(env).session == own                            # no spare yet: its own id
+    pool = wait_spares(env, 2)                                         # refilled with the client's key
+    assert all(is_fast_id(i) for i in pool)                            # only fast ids were kept
+    assert all(p.session not in pool or is_fast_id(p.session) for p in env["gw"].probes())
+
+    other = f"ses_{RUN}_b"
+    r = chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", other)], [{"role": "user", "content": "hello"}])
+    assert r.status == 200
+    routed = last_request(env).session
+    assert routed in pool and routed != other
+    assert routed not in spares(env)                                   # taken, not shared
+    # the same conversation keeps its id; the first one stays on its own id
+    chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", other)], [{"role": "user", "content": "again"}])
+    assert last_request(env).session == routed
+
+
+def test_only_the_session_header_changes(env):
+    wait_spares(env, 1)
+    gw = env["gw"]
+    before = len(gw.requests())
+    conv = f"ses_{RUN}_c"
+    sent = [*OPENCODE_HEADERS, ("X-OpenCode-Session", conv), ("x-opencode-session-id", conv),
+            ("x-session-affinity", conv)]
+    chat(env, sent, [{"role": "user", "content": "x"}])
+    (seen,) = gw.requests()[before:]
+    assert seen.session != conv and seen.credential == "authorization"
+    plumbing = {"host", "content-length", "x-opencode-session"}
+    got = [(k.lower(), v) for k, v in seen.headers if k.lower() not in plumbing]
+    want = [(k.lower(), "<redacted>" if k.lower() == "authorization" else v) for k, v in sent
+            if k.lower() not in plumbing]
+    assert got == want                      # everything else arrives as sent, in order
+    assert [v for k, v in seen.headers if k.lower() == "x-opencode-session"] == [seen.session]
+
+
+def test_pi_shaped_client_without_a_session_header_gets_one_id_for_the_whole_conversation(env):
+    wait_spares(env, 1)
+    pi = [("user-agent", "pi-coding-agent"), ("authorization", f"Bearer {KEY}"), ("content-type", "application/json")]
+    system = {"role": "system", "content": f"You are pi {RUN}"}
+    first = [system, {"role": "user", "content": "list files"}]
+    r = chat(env, pi, first)
+    assert r.status == 200                         # the gateway got a session header
+    routed = last_request(env).session
+    assert routed and is_fast_id(routed)
+    turn2 = [*first, {"role": "assistant", "content": "a b c"}, {"role": "user", "content": "thanks"}]
+    chat(env, pi, turn2)
+    assert last_request(env).session == routed
+
+
+def test_a_bound_id_that_turns_slow_is_retired_and_replaced(env):
+    wait_spares(env, 2)
+    conv = f"ses_{RUN}_slow"
+    h = [*OPENCODE_HEADERS, ("x-opencode-session", conv)]
+    chat(env, h, [{"role": "user", "content": "1"}])
+    routed = last_request(env).session
+    env["gw"].slow_ids.add(routed)
+    chat(env, h, [{"role": "user", "content": "2"}])                  # answered with upstream;dur=20000
+    assert last_request(env).session == routed
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:                                 # observation runs off the stream's path
+        chat(env, h, [{"role": "user", "content": "3"}])
+        if last_request(env).session != routed:
+            break
+        time.sleep(0.1)
+    assert last_request(env).session not in (routed, conv)
+    assert read_store(env, lambda store: state.is_retired(store, routed))
+    snap = read_store(env, lambda store: report.snapshot(store, int(time.time() * 1000), 1_800_000))
+    assert routed not in json.dumps(snap["groups"])                    # gone from spares and bindings
+
+
+def test_a_rejected_key_is_probed_once_then_never_again(env):
+    gw = env["gw"]
+    bad = [("authorization", "Bearer wrong"), ("content-type", "application/json")]
+    r = chat(env, [*bad, ("x-opencode-session", f"ses_{RUN}_bad")], [{"role": "user", "content": "x"}],
+             path="/zen/v1/chat/completions")
+    assert r.status == 401                                             # the gateway's own answer, untouched
+    time.sleep(2.5)                                                    # two refresh cycles (1 s interval)
+
+    def rejected():
+        return [p for p in gw.probes() if p.path == "/zen/v1/chat/completions" and p.status == 401]
+
+    assert len(rejected()) == 1                                        # tried once, then blocked
+    time.sleep(1.2)
+    assert len(rejected()) == 1
+
+
+def test_the_pool_survives_a_reload_of_the_script(env):
+    m, gw = env["m"], env["gw"]
+    kept = wait_spares(env, 2)
+    mark = m.line_count
+    env["script"].write_text(SCRIPT.replace("MARKER", "v2"))
+    assert m.wait_output(r"refresh loop started", timeout=15, since=mark), m.tail(30)
+    out = m.output.splitlines()[mark:]
+    assert sum("refresh loop started" in line for line in out) == 1
+    assert sum("refresh loop stopped" in line for line in out) == 1
+    assert set(kept) <= set(spares(env))                               # no spare lost
+    conv = f"ses_{RUN}_after"
+    chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", conv)], [{"role": "user", "content": "x"}])
+    assert last_request(env).session in kept                           # the same pool serves
+    assert m.alive
+
+
+def test_status_and_metrics_carry_the_pool(env):
+    r = env["client"].request("GET", env["gw"].origin + "/__sessionpin/status")
+    pool = r.json()["participants"]["pool"]
+    assert pool["enabled"] and pool["refresh_running"] and pool["refresh_loops"] == 1
+    assert pool["counters"]["routed_spare"] >= 1 and pool["counters"]["probes_fast"] >= 2
+    assert pool["counters"]["retired_quarantine"] >= 1
+    text = env["client"].request("GET", env["gw"].origin + "/__sessionpin/metrics").body.decode()
+    assert 'sessionpin_pool_events_total{event="routed_spare"}' in text
+    assert f'sessionpin_pool_spares{{provider="opencode-go",model="{MODEL}"}}' in text
+
+
+def test_two_proxies_sharing_one_store_never_share_an_id(env):
+    m2 = Mitmdump(env["work"] / "second", script=env["script"], options=env["opts"])
+    m2.start()
+    try:
+        kept = wait_spares(env, 2)
+        ports = [(env["m"].port, env["m"].mitm_ca), (m2.port, m2.mitm_ca)]
+        convs = [f"ses_{RUN}_twin{i}" for i in range(10)]
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}).encode()
+
+        def send(i: int, conv: str) -> None:
+            port, ca = ports[i % 2]
+            Client.via_proxy(port, ca).request(
+                "POST", env["gw"].origin + "/zen/go/v1/chat/completions",
+                headers=[*OPENCODE_HEADERS, ("x-opencode-session", conv)], body=body)
+
+        threads = [threading.Thread(target=send, args=(i, c)) for i, c in enumerate(convs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        bindings = read_store(env, lambda store: state.bindings(store, drop_bad=False))
+        bound = {k.split("::")[0]: b.routed_id for k, b in bindings.items()}
+        left = set(spares(env))
+        ids = list(bound.values())
+        assert len(ids) == len(set(ids))                              # no id in two conversations
+        assert not set(ids) & left                                    # no bound id is a spare
+        assert set(kept) & {bound.get(c) for c in convs}               # the race was for the same spares
+        # a bound conversation's next request, through the *other* proxy, keeps its id; one that
+        # kept its own id may get a spare now, but never an id bound elsewhere
+        for i, conv in enumerate(convs):
+            send(i + 1, conv)
+            seen = last_request(env).session
+            if conv in bound:
+                assert seen == bound[conv]
+            else:
+                assert seen == conv or seen not in ids
+    finally:
+        m2.stop()
+
+
+# ---- behind a corporate proxy: probes go out the way mitmproxy's upstream connections go ----
+
+
+@pytest.fixture(scope="module")
+def corp():
+    """A second, plain mitmdump as the corporate proxy (regular mode, proxy auth, TLS interception),
+    writing every flow it carries to corp.flow; the fake gateway behind it has a CA of its own."""
+    with tempfile.TemporaryDirectory(prefix="sessionpin-corp-") as tmp:
+        work = Path(tmp)
+        gw = FakeGateway(keys={KEY}).start(work)
+        flows = work / "corp.flow"
+        proxy = Mitmdump(work / "corp", script=None, args=["-w", str(flows)], options={
+            "proxyauth": "alice:s3cret", "ssl_verify_upstream_trusted_ca": str(gw.ca)})
+        proxy.start()
+        try:
+            yield {"gw": gw, "proxy": proxy, "flows": flows, "url": f"http://127.0.0.1:{proxy.port}"}
+        finally:
+            proxy.stop()
+            gw.stop()
+
+
+def corp_flows(corp) -> list:
+    """The requests the corporate proxy carried (mitmdump's -w file, read as it stands)."""
+    from sessionpin.offline import flowfile
+
+    data = corp["flows"].read_bytes() if corp["flows"].exists() else b""
+    try:
+        return list(flowfile.read_requests(data)) if data else []
+    except flowfile.FlowFileError:     # a flow being written as we read: the complete ones
+        return []
+
+
+def wait_corp_flow(corp, sid: str, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in corp_flows(corp):
+            if (b"x-opencode-session", sid.encode()) in r.headers:
+                return r
+        time.sleep(0.1)
+    raise AssertionError(f"the corporate proxy carried no request with id {sid}:\n{corp['proxy'].tail(20)}")
+
+
+async def test_a_probe_goes_through_the_upstream_proxy_with_its_auth_and_ca(corp):
+    from sessionpin.opencode_ids.prober import ProbeTarget, probe
+    from sessionpin.opencode_ids.upstream import parse as parse_upstream
+
+    gw = corp["gw"]
+    target = ProbeTarget(gw.origin, "/zen/go/v1/chat/completions", "chat/completions", MODEL,
+                         (("authorization", f"Bearer {KEY}"),))
+    # what the shell hands the pool: mitmproxy's own option values
+    via = parse_upstream({"mode": [f"upstream:{corp['url']}"], "upstream_auth": "alice:s3cret",
+                          "ssl_verify_upstream_trusted_ca": str(corp["proxy"].mitm_ca)})
+    sid = f"corp-{RUN}-ok"
+    r = await probe(target, sid, 10_000, max_upstream_ms=2500, via=via)
+    assert r.kind in ("fast", "slow") and r.status == 200, r
+    carried = wait_corp_flow(corp, sid)
+    assert carried.url == f"{gw.origin}/zen/go/v1/chat/completions"     # CONNECT tunnel, TLS intercepted
+    assert [s.session for s in gw.probes()].count(sid) == 1              # ...and it reached the gateway
+
+    # each setting is needed: without the auth the proxy refuses, without its CA the tunnel is not trusted
+    no_auth = await probe(target, f"corp-{RUN}-noauth", 10_000, max_upstream_ms=2500,
+                          via=parse_upstream({"mode": [f"upstream:{corp['url']}"],
+                                              "ssl_verify_upstream_trusted_ca": str(corp["proxy"].mitm_ca)}))
+    no_ca = await probe(target, f"corp-{RUN}-noca", 10_000, max_upstream_ms=2500,
+                        via=parse_upstream({"mode": [f"upstream:{corp['url']}"], "upstream_auth": "alice:s3cret"}))
+    insecure = await probe(target, f"corp-{RUN}-insecure", 10_000, max_upstream_ms=2500,
+                           via=parse_upstream({"mode": [f"upstream:{corp['url']}"], "upstream_auth": "alice:s3cret",
+                                               "ssl_insecure": True}))
+    assert (no_auth.kind, no_ca.kind, insecure.status) == ("failed", "failed", 200), (no_auth, no_ca, insecure)
+    # direct (no upstream mode), trusting the corporate CA only: the gateway's own certificate fails
+    direct = await probe(target, f"corp-{RUN}-direct", 10_000, max_upstream_ms=2500,
+                         via=parse_upstream({"ssl_verify_upstream_trusted_ca": str(corp["proxy"].mitm_ca)}))
+    assert direct.kind == "failed"
+    assert not [s for s in gw.probes() if s.session in (f"corp-{RUN}-noauth", f"corp-{RUN}-noca",
+                                                         f"corp-{RUN}-direct")]
+
+
+async def test_the_pools_refresh_fills_spares_through_the_upstream_proxy(corp):
+    from sessionpin.opencode_ids import PoolService, options
+
+    gw = corp["gw"]
+    cfg = options.parse({"sessionpin_pool_gateways": gw.origin, "sessionpin_pool_size": 2,
+                         "sessionpin_pool_min_probe_interval_ms": 0,
+                         "mode": [f"upstream:{corp['url']}"], "upstream_auth": "alice:s3cret",
+                         "ssl_verify_upstream_trusted_ca": str(corp["proxy"].mitm_ca)})
+    svc = PoolService(cfg, open_store("memory:"))
+    conv = f"ses_{RUN}_corp"
+    route = await svc.route("POST", gw.origin + "/zen/go/v1/chat/completions",
+                            {"authorization": f"Bearer {KEY}", "x-opencode-session": conv}, session=conv, model=MODEL)
+    assert route.how == "client"                          # no spare yet; the request taught the pool a target
+    for _ in range(8):          # a cycle sends 4 probes and half of all ids are fast: 2 kept in ~69 % of cycles
+        await svc.refresh_once()
+        pool = await state.spares(svc.store, "opencode-go", MODEL)
+        if len(pool) == 2:
+            break
+    assert len(pool) == 2 and all(is_fast_id(i) for i in pool)
+    for sid in pool:
+        wait_corp_flow(corp, sid)                         # every kept id was probed through the proxy

@@ -1,0 +1,129 @@
+"""The pool's participant and options addon on real mitmproxy flows (taddons, tflow)."""
+import json
+import time
+
+import pytest
+from mitmproxy import exceptions
+from mitmproxy.test import taddons, tflow, tutils
+
+from sessionpin.opencode_ids import Manager, state
+from sessionpin.opencode_ids.options import OPTIONS
+from sessionpin.opencode_ids.participant import META, PoolOptions, PoolParticipant
+from sessionpin.store import open_store
+
+M = "deepseek-v4.1-flash"
+
+
+def flow(headers, host="opencode.ai", path="/zen/go/v1/chat/completions", messages=None):
+    body = json.dumps({"model": M, "messages": messages or [{"role": "user", "content": "hi"}]}).encode()
+    req = tutils.treq(method=b"POST", scheme=b"https", host=host, port=443, path=path.encode(), content=body)
+    req.headers.clear()
+    for k, v in headers:
+        req.headers.add(k, v)
+    return tflow.tflow(req=req)
+
+
+@pytest.fixture
+def wired():
+    manager = Manager()
+    p = PoolParticipant(manager)
+    opts = PoolOptions(p, exceptions.OptionsError)
+    with taddons.context(opts) as tctx:
+        store = open_store("memory:")
+        p.configure_store(store)
+        tctx.configure(opts, sessionpin_pool_size=1)
+        yield p, opts, tctx, store
+    manager.reset()
+
+
+def test_every_option_is_registered_and_bad_values_are_option_errors(wired):
+    p, opts, tctx, _ = wired
+    for o in OPTIONS:
+        assert o.name in tctx.options
+    assert p.service.cfg.size == 1
+    with pytest.raises(exceptions.OptionsError, match="gateways"):
+        tctx.configure(opts, sessionpin_pool_gateways="https://user:pw@opencode.ai")
+
+
+async def test_request_rewrites_only_the_session_header_and_responseheaders_observes(wired):
+    p, _, _, store = wired
+    now = int(time.time() * 1000)
+    await state.add_spare(store, "opencode-go", M, "spare-1", state.Spare(upstream_ms=900, verified_at=now, created_at=now))
+    headers = [("User-Agent", "opencode/1.18.33"), ("Authorization", "Bearer k"), ("X-OpenCode-Session", "ses_1"),
+               ("x-opencode-project", "prj")]
+    f = flow(headers)
+    await p.request(f)
+    assert f.request.headers["x-opencode-session"] == "spare-1"
+    assert [(k.lower(), v) for k, v in f.request.headers.items(multi=True) if k.lower() != "x-opencode-session"] == \
+        [(k.lower(), v) for k, v in headers if k.lower() != "x-opencode-session"]
+    assert f.metadata[META]["how"] == "spare" and f.metadata[META]["client_id"] == "ses_1"
+    assert f.comment.endswith("pool: spare spare-1")
+    f.response = tutils.tresp(status_code=429)
+    task = p.responseheaders(f)     # observed in a task of its own: the stream does not wait
+    assert not task.done()
+    assert await task == "retire"
+    assert await state.is_retired(store, "spare-1")
+    text = await p.metrics()
+    assert 'sessionpin_pool_events_total{event="retired_429"} 1' in text
+
+
+async def test_requests_elsewhere_and_the_off_switch_are_left_alone(wired):
+    p, opts, tctx, _ = wired
+    f = flow([("authorization", "Bearer k"), ("x-opencode-session", "ses_1")], host="api.anthropic.com",
+             path="/v1/messages")
+    await p.request(f)
+    assert f.request.headers["x-opencode-session"] == "ses_1" and META not in f.metadata
+    tctx.configure(opts, sessionpin_pool=False)
+    g = flow([("authorization", "Bearer k")])
+    await p.request(g)
+    assert "x-opencode-session" not in g.request.headers
+
+
+async def test_pi_shaped_request_gets_a_session_header(wired):
+    p, *_ = wired
+    f = flow([("user-agent", "pi"), ("authorization", "Bearer k")],
+             messages=[{"role": "system", "content": "pi"}, {"role": "user", "content": "go"}])
+    await p.request(f)
+    assert f.metadata[META]["how"] == "fresh" and f.request.headers["x-opencode-session"] == f.metadata[META]["id"]
+
+
+async def test_mitmproxys_upstream_options_reach_the_pools_probes(wired, caplog):
+    p, opts, tctx, _ = wired
+    assert p.service.cfg.upstream.proxy is None
+    caplog.set_level("INFO", logger="sessionpin.opencode_ids.service")
+    tctx.options.update(mode=["upstream:http://corp.example:3128@8081"], ssl_insecure=True)   # mitmproxy's own
+    up = p.service.cfg.upstream
+    assert (up.proxy, up.insecure) == ("http://corp.example:3128", True)
+    assert "probes go through the upstream proxy http://corp.example:3128" in caplog.text
+    with pytest.raises(exceptions.OptionsError, match="not an http\\(s\\) upstream proxy"):
+        tctx.options.update(mode=["upstream:socks5://corp.example:1080"])
+
+
+async def test_running_and_done_start_and_stop_one_loop(wired):
+    p, *_ = wired
+    p.running()
+    assert p.service.running and p.status()["refresh_running"]
+    p.done()
+    assert not p.service.running
+
+
+def test_a_reloaded_script_finds_its_proxys_pool_and_another_proxy_has_its_own():
+    """Issue 21: no process global. The pool's manager is kept on mitmproxy's master, which
+    a script reload keeps (the addons are built anew): the reloaded participant gets the
+    same pool; another proxy (another master) gets its own."""
+    from types import SimpleNamespace
+
+    from sessionpin.opencode_ids import manager_of
+
+    with taddons.context() as a, taddons.context() as b:
+        parts = []
+        for tctx in (a, a, b):         # proxy a's script, reloaded once; then proxy b
+            p = PoolParticipant()
+            PoolOptions(p).load(SimpleNamespace(master=tctx.master, add_option=lambda *args, **kw: None))
+            parts.append(p)
+        assert parts[0].manager is parts[1].manager is manager_of(a.master)
+        assert parts[2].manager is manager_of(b.master) and parts[2].manager is not parts[0].manager
+    given = Manager()
+    p = PoolParticipant(given)
+    PoolOptions(p).load(SimpleNamespace(master=SimpleNamespace(options=None), add_option=lambda *args, **kw: None))
+    assert p.manager is given           # a manager handed in (tests) is kept

@@ -290,7 +290,7 @@ def run(contenders: list[Contender], sizes: list[int], shapes: list[str], repeat
                     one = c.send(case, body)
                     got.setdefault((size, shape, c.name, case), []).append(one)
                     print(f"{time.strftime('%H:%M:%S', time.gmtime(one['at']))} "
-                          f"round {rnd + 1}/{repeat} {size / 2**20:.0f} MiB {shape} {c.name} {case}: "
+                          f"round {rnd + 1}/{repeat} {size / 2**20:g} MiB {shape} {c.name} {case}: "
                           f"{one['worst_ms']:.0f} ms worst probe (quiet {one['quiet_ms']:.0f}; request "
                           f"{one['request_s']:.1f} s, {one['status']}; peak RSS {one['peak_mb']:.0f} MB, "
                           f"children {one['child_peak_mb']:.0f} MB; load {loadavg()})", flush=True)
@@ -316,7 +316,7 @@ def table(rows: list[dict]) -> None:
     for r in sorted(rows, key=lambda r: (-r["mb"], r["shape"], r["case"] != "plain", r["code"], r["case"])):
         base = plain.get((r["mb"], r["shape"]))
         share = "-" if base is None or r["case"] == "plain" else f"{r['worst_ms'] - base:+.0f}"
-        print(f"| {r['mb']:.0f} | {r['shape']} | {r['code']} | {r['case']} | {','.join(map(str, r['status']))} | "
+        print(f"| {r['mb']:g} | {r['shape']} | {r['code']} | {r['case']} | {','.join(map(str, r['status']))} | "
               f"{r['request_s']:.1f} | {r['worst_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
               f"{r['quiet_ms']:.0f} | {r['n']} | {share} | {r['peak_mb']:.0f} ({r['child_peak_mb']:.0f}) |")
 

@@ -307,6 +307,51 @@ async def test_the_requests_root_is_read_on_a_thread_after_it_left(proxy, monkey
     assert threads and all(t.startswith("sessionpin-lineage") for t in threads), threads
 
 
+@pytest.mark.parametrize("ends", ["answered", "error"])
+async def test_a_large_requests_root_is_read_once_its_body_left(proxy, monkeypatch, ends):
+    """Issue 20: a large body's root is not read beside mitmproxy's sending of it (the read's
+    thread took the GIL from the event loop at each socket call of the send): it is held until
+    the answer's headers come, or the flow's error. A small one is read at once (above)."""
+    monkeypatch.setattr(lineagewatch, "HOLD_FROM", 1)       # the test's continuation counts as large
+    calls = []
+    real = lineage.chain
+    monkeypatch.setattr(lineagewatch.lineage, "chain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    await proxy.send(flow())
+    watch = watch_of(proxy)
+    await answer(proxy, flow())            # (an opening of another flow: its own head read, not this one)
+    calls.clear()
+    g = flow("continuation")
+    await proxy.send(g)
+    assert g.request.host == "api.z.ai"
+    await asyncio.sleep(lineagewatch.GATHER * 3)
+    await watch.settled()
+    assert calls == [] and watch.counts()["pending"] == 1, "the root was read while the body was being sent"
+    if ends == "answered":
+        await answer(proxy, g)
+    else:
+        watch.error(g)
+        await watch.settled()
+    await flushed(watch)
+    root = real(g.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
+    assert calls == [1] and await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
+    assert watch.counts()["pending"] == 0 and not watch._held
+
+
+async def test_held_reads_are_bounded(proxy, monkeypatch):
+    monkeypatch.setattr(lineagewatch, "HOLD_FROM", 1)
+    monkeypatch.setattr(lineagewatch, "MAX_WATCHED", 2)
+    await proxy.send(flow())
+    watch = watch_of(proxy)
+    flows = [flow("continuation") for _ in range(3)]
+    for g in flows:
+        await proxy.send(g)
+    assert list(watch._held) == [g.id for g in flows[1:]]       # the oldest let go: no record from it
+    for g in flows:
+        watch.error(g)
+    await watch.settled()
+    assert not watch._held
+
+
 async def test_a_forks_requests_leave_the_root_to_its_parent(proxy):
     await proxy.send(flow())
     await proxy.send(flow("continuation"))

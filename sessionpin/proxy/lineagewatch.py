@@ -26,6 +26,12 @@ Rules it keeps:
   its answer. Without a root (an opening whose answer was not seen whole) no anchor is
   recorded: it could never be corroborated (``lineindex``). A fork's requests do record
   their anchors (a fork of the fork names them), not their root.
+- **A large request's root is read once its body has left** (from ``HOLD_FROM``, 256 KiB: at
+  its answer's headers, or its error): read beside mitmproxy's sending of that body, the
+  read's thread took the GIL from the event loop at every socket call of the send (issue 20:
+  an 8 MiB pinned continuation cost other clients +158 ms over plain mitmdump, +1 ms once
+  held; docs/benchmarks.md). A smaller one is read at once. Held reads are bounded like the
+  watched responses (``MAX_WATCHED``, the oldest dropped: no record) and let go with their flow.
 - Only ids and hashes; records are not durable and never delay a request or a response.
 - Bounded: at most ``MAX_WATCHED`` responses are watched at once (the oldest dropped); the
   reads waiting for the thread are bounded in number and bytes (``OffLoop.submit``: over it
@@ -65,6 +71,7 @@ MAX_ROOTS = 10_000       # roots recorded lately, remembered so a conversation's
 REFRESH = 24 * 3600.0    # seconds: a root recorded this long ago is written again (its entry lives 30 days)
 FLUSH_DELAY = 0.1        # seconds records gather before a write: one thread wakeup for many responses
 GATHER = 0.05            # seconds the reads of roots and heads gather before one hop to their thread
+HOLD_FROM = 256 * 1024   # bytes: a request body this large has its root read once it left (not beside its send)
 _CHAINED = (F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES)
 
 
@@ -98,6 +105,8 @@ class LineageWatch:
         self.dropped = 0             # records dropped: the store could not keep up, or failed
         self.reads = OffLoop("lineage-records", gather=GATHER)
         self._watched: OrderedDict[str, _Watched] = OrderedDict()
+        # flow id -> (the root's future, the read's arguments): large bodies not yet sent on
+        self._held: OrderedDict[str, tuple[asyncio.Future, tuple]] = OrderedDict()
         self._roots: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # (agent, root) -> (session, when)
         self._pending: deque[list[Write]] = deque()
         self._writes = 0             # writes in _pending
@@ -105,13 +114,16 @@ class LineageWatch:
         self._failing = False        # the last batch failed (logged once per streak)
 
     def done(self) -> None:
+        for held, _ in self._held.values():
+            held.cancel()
+        self._held.clear()
         self.reads.close()
 
     def counts(self) -> dict[str, int]:
         """For the metrics: records written, dropped, skipped; reads and records still pending."""
         flushing = self._flusher is not None and not self._flusher.done()
         return {"written": self.recorded, "dropped": self.dropped, "skipped": self.reads.skipped,
-                "pending": self.reads.jobs + len(self._pending) + int(flushing)}
+                "pending": self.reads.jobs + len(self._held) + len(self._pending) + int(flushing)}
 
     def watch(self, flow: http.HTTPFlow, state: State) -> None:
         """Called by the router once a request is decided and on its way."""
@@ -146,8 +158,27 @@ class LineageWatch:
         body = req.raw_content
         if not body:
             return None
-        return self.reads.submit(len(body), _root, body, state.request.facts.api,
-                                 req.headers.get("content-encoding", ""))
+        args = (body, state.request.facts.api, req.headers.get("content-encoding", ""))
+        if len(body) < HOLD_FROM:
+            return self.reads.submit(len(body), _root, *args)
+        held = asyncio.get_running_loop().create_future()
+        self._held[flow.id] = (held, args)
+        while len(self._held) > MAX_WATCHED:
+            dropped, _ = self._held.popitem(last=False)[1]
+            dropped.cancel()
+        return held
+
+    def _release(self, flow: http.HTTPFlow) -> None:
+        """A held read goes to the thread: the request's body has left (an answer came, or an error)."""
+        got = self._held.pop(flow.id, None)
+        if got is None:
+            return
+        held, args = got
+        fut = self.reads.submit(len(args[0]), _root, *args)
+        if fut is None:                  # over the reads' bound (counted there): no record
+            held.set_result(None)
+            return
+        fut.add_done_callback(lambda done: held.done() or held.set_result(_result(done)))
 
     def _learn_root(self, agent: str, session: str, root: str | None) -> None:
         if not root:
@@ -165,6 +196,7 @@ class LineageWatch:
             self._roots.popitem(last=False)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
         w = self._watched.get(flow.id)
         resp = flow.response
         if w is None or resp is None:
@@ -182,6 +214,7 @@ class LineageWatch:
             resp.stream = w.reader
 
     def response(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
         w = self._watched.pop(flow.id, None)
         if w is None:
             return
@@ -204,6 +237,7 @@ class LineageWatch:
                 lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server, owns_root=False)))
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
         self._watched.pop(flow.id, None)
 
     async def settled(self, timeout: float = 10.0) -> None:

@@ -1,31 +1,40 @@
 #!/usr/bin/env python3
 """What one pathological body costs every other client: the worst stall of a probe while it passes.
 
-    .venv/bin/python scripts/bench_lineage_stall.py [--old REV] [--mb 60] [--shapes tiny,huge,deep] [--repeat 1] [--lag FILE]
+    .venv/bin/python scripts/bench_lineage_stall.py [--old REV] [--mb 60[,8…]] [--shapes tiny,huge,deep]
+                                                    [--repeat 1] [--no-plain] [--lag FILE]
 
-Issue 20 ("no body costs other clients more than ~100 ms"). Through a real mitmdump with the
-router (file store, local TLS servers), for this checkout and (``--old``) an earlier commit:
+Issue 20 ("no body costs other clients more than ~100 ms"). Through real mitmdumps (local TLS
+servers), all started at once and taking turns: ``plain`` mitmdump (no addon; the options
+sessionpin sets on mitmproxy, ``connection_strategy=lazy`` and ``stream_large_bodies=64m``;
+its client addresses the server itself), the router of this checkout (``new``: file store) and
+(``--old``) the router of an earlier commit:
 
-- a probe client sends small GETs to a server through the proxy on one keep-alive connection,
-  back to back, and records each one's latency;
+- a probe client sends small GETs to a server through the proxy under test on one keep-alive
+  connection, back to back, and records each one's latency (each proxy has its own probe, on
+  only while that proxy's body is sent);
 - meanwhile one Claude Code continuation of ``--mb`` MiB (the body limit is 64 MiB) is sent:
-  ``pinless`` (a session never seen: its lineage — links and root — is read to look for a
-  parent) and ``pinned`` (a session pinned by its opening: no lineage is read, only the
-  request's facts). Its history is one of:
+  to the router ``pinless`` (a session never seen: its lineage — links and root — is read to
+  look for a parent) and ``pinned`` (a session pinned by its opening: no lineage is read, only
+  the request's facts); to plain mitmdump once (``plain``: relayed, nothing read). Its history
+  is one of:
     tiny  a million-odd tiny user messages before the first answer;
     huge  one user message of the whole size before the first answer;
     deep  a first message nested as deep as the size allows (``[[[…]]]``).
 - the stall is the probe's worst latency while the body was in flight (from its first byte
-  sent to its answer, plus 0.3 s for what runs after it left), against the probe's worst and
-  median latency over 3 s before (``quiet``).
+  sent to its answer, plus 0.3 s for what runs after it left); the probe's worst over the 1 s
+  before each send is that send's ``quiet worst``. ``minus plain`` is a row's worst stall less
+  plain mitmdump's for the same body: sessionpin's share.
 
 Each case also gives the peak RSS (VmHWM, reset before each send) of the proxy and of its
-children (the body reader's process). ``--lag FILE`` adds ``scripts/lagwatch.py`` to the proxy:
-where its event loop was whenever it was late by more than 100 ms.
+children (the body reader's process). ``--lag FILE`` adds ``scripts/lagwatch.py`` to every
+proxy (plain mitmdump included): where its event loop was whenever it was late by more than
+100 ms, in ``FILE-<code>``.
 
 The machine is shared and noisy: compare the stalls with the quiet worst of the same run.
-With ``--repeat N`` each case is sent N times (a new session each) and the row shows the
-median of the N worst stalls, and their range.
+With ``--repeat N`` every case is sent N times (a new session each), in N rounds whose order of
+contenders turns by one each round; the row shows the median of the N worst stalls, and their
+range. The load average is printed after each round.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from e2e.harness import Client, FakeServer, Mitmdump, TestCA, toml_config  # noq
 
 class _QuickJSON:
     """The fake servers' ``json`` (they run in this process, beside the probe and its origin):
-    a body of a MiB or more is not decoded whole — stdlib ``json.loads`` of two million tiny
+    a body of 64 KiB or more is not decoded whole — stdlib ``json.loads`` of two million tiny
     messages holds this process's GIL for seconds, and the probe's stall would be the bench's,
     not the proxy's. Its model and stream are all the fake needs."""
 
@@ -60,7 +69,7 @@ class _QuickJSON:
     @staticmethod
     def loads(data):
         head = re.match(rb'\{"model":\s*"([^"]*)"', data) if isinstance(data, (bytes, bytearray)) else None
-        if head is not None and len(data) >= 2**20:
+        if head is not None and len(data) >= 2**16:   # and a deep body would be a RecursionError: a 500
             return {"model": head.group(1).decode(), "stream": True}
         return json.loads(data)
 
@@ -140,11 +149,12 @@ def peaks(pid: int) -> tuple[float, float]:
 
 
 class Probe:
-    """Small GETs back to back through the proxy; (start, latency) of each."""
+    """Small GETs back to back through the proxy while on; (start, latency) of each."""
 
     def __init__(self, client: Client, url: str) -> None:
         self.client, self.url = client, url
         self.samples: list[tuple[float, float]] = []
+        self.on = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -153,6 +163,8 @@ class Probe:
             try:
                 with self.client.connect(self.url) as conn:
                     while not self._stop.is_set():
+                        if not self.on.wait(0.1):
+                            continue
                         t0 = time.perf_counter()
                         conn.request("GET", "/probe")
                         self.samples.append((t0, time.perf_counter() - t0))
@@ -165,6 +177,7 @@ class Probe:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.on.set()
         self._stop.set()
         self._thread.join(30)
 
@@ -182,107 +195,175 @@ _spec.loader.exec_module(_lag)
 addons = addons + _lag.addons
 """
 
+# plain mitmdump is given the options sessionpin sets on mitmproxy (defaults.py, limits.py), so
+# that what differs is sessionpin's addons alone
+PLAIN_OPTIONS = {"connection_strategy": "lazy", "stream_large_bodies": "64m"}
+QUIET = 1.0           # seconds of probing before each send: that send's quiet worst
 
-def run_tree(name: str, tree: Path, tmp: Path, ca: TestCA, size: int, shapes: list[str], repeat: int,
-             lag: Path | None = None) -> list[dict]:
-    origin = FakeServer("origin", ca).start()
-    up = FakeServer("up", ca, prefix="/api/anthropic").start()
-    origin.keep_bodies = up.keep_bodies = False
-    config = toml_config({"anthropic": {"url": origin.url}, "up": {"url": up.url, "key_env": KEY_ENV}},
-                         {"claude-code": "up"})
-    env = {KEY_ENV: UPSTREAM_KEY}
-    if lag is not None:
-        env["SESSIONPIN_LAGWATCH"] = str(lag.with_name(f"{lag.stem}-{name}{lag.suffix}"))
-    mitm = Mitmdump.router(tmp / name, ca, config, env=env)
-    if tree != ROOT or lag is not None:
-        shim = tmp / f"{name}-route.py"
-        text = SHIM.format(root=str(tree))
-        if lag is not None:      # where the event loop is when it is late (scripts/lagwatch.py)
-            text += LAG_SHIM.format(path=str(ROOT / "scripts" / "lagwatch.py"))
-        shim.write_text(text)
-        mitm.script = shim
-    rows = []
-    try:
-        mitm.start()
-        client = Client.via_proxy(mitm.port, mitm.mitm_ca, timeout=120)
-        url = origin.origin + "/v1/messages?beta=true"
-        with Probe(client, origin.origin) as probe:
-            time.sleep(0.5)
+
+class Contender:
+    """One proxy of the run: plain mitmdump, or the router of a tree; its client and its probe."""
+
+    def __init__(self, name: str, tree: Path | None, tmp: Path, ca: TestCA, origin: FakeServer, up: FakeServer,
+                 lag: Path | None) -> None:
+        self.name, self.origin, self.up = name, origin, up
+        env = {KEY_ENV: UPSTREAM_KEY}
+        if lag is not None:
+            env["SESSIONPIN_LAGWATCH"] = str(lag.with_name(f"{lag.stem}-{name}{lag.suffix}"))
+        if tree is None:      # plain mitmdump: no addon (but lagwatch's, if asked)
+            self.mitm = Mitmdump(tmp / name, script=ROOT / "scripts" / "lagwatch.py" if lag else None,
+                                 options={"ssl_verify_upstream_trusted_ca": str(ca.pem), **PLAIN_OPTIONS}, env=env)
+            self.cases = ("plain",)
+        else:
+            config = toml_config({"anthropic": {"url": origin.url}, "up": {"url": up.url, "key_env": KEY_ENV}},
+                                 {"claude-code": "up"})
+            self.mitm = Mitmdump.router(tmp / name, ca, config, env=env)
+            if tree != ROOT or lag is not None:
+                shim = tmp / f"{name}-route.py"
+                text = SHIM.format(root=str(tree))
+                if lag is not None:      # where the event loop is when it is late (scripts/lagwatch.py)
+                    text += LAG_SHIM.format(path=str(ROOT / "scripts" / "lagwatch.py"))
+                shim.write_text(text)
+                self.mitm.script = shim
+            self.cases = ("pinless", "pinned")
+        self.client: Client | None = None
+        self.probe: Probe | None = None
+
+    def start(self) -> None:
+        self.mitm.start()
+        self.client = Client.via_proxy(self.mitm.port, self.mitm.mitm_ca, timeout=120)
+        self.probe = Probe(self.client, self.origin.origin).__enter__()
+
+    def stop(self) -> None:
+        if self.probe is not None:
+            self.probe.__exit__()
+        self.mitm.stop()
+
+    def url(self) -> str:
+        # the router's clients address Anthropic (the origin); plain mitmdump's address the server itself
+        base = self.up.url if self.cases == ("plain",) else self.origin.origin
+        return base + "/v1/messages?beta=true"
+
+    def send(self, case: str, body: bytes) -> dict:
+        """One send of ``body`` with the probe on; its stall, its quiet worst before it, its peaks."""
+        assert self.client is not None and self.probe is not None
+        pid = self.mitm.proc.pid
+        session = str(uuid.uuid4())
+        if case == "pinned":
+            r = self.client.request("POST", self.url(), headers(session), opening(session))
+            assert r.status == 200, r.status
+        self.probe.on.set()
+        try:
+            q0 = time.perf_counter()
+            time.sleep(QUIET)
+            reset_peaks(pid)
+            at = time.time()
             t0 = time.perf_counter()
-            time.sleep(3)
-            quiet = probe.worst(t0, time.perf_counter())
-            rows.append({"code": name, "case": "quiet", "shape": "-", "mb": 0, "request_s": 0.0,
-                         "worst_ms": quiet[0] * 1000, "min_ms": quiet[0] * 1000, "max_ms": quiet[0] * 1000, "n": 1,
-                         "median_probe_ms": quiet[1] * 1000})
+            r = self.client.request("POST", self.url(), headers(session), body)
+            t1 = time.perf_counter()
+            time.sleep(AFTER)
+        finally:
+            self.probe.on.clear()
+        peak, child = peaks(pid)
+        return {"worst_ms": self.probe.worst(t0, t1 + AFTER)[0] * 1000, "quiet_ms": self.probe.worst(q0, t0)[0] * 1000,
+                "request_s": t1 - t0, "status": r.status, "at": at, "peak_mb": peak, "child_peak_mb": child}
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def run(contenders: list[Contender], sizes: list[int], shapes: list[str], repeat: int) -> list[dict]:
+    """Every (size, shape): each contender's cases one send each, the order turned by one each round, ``repeat`` rounds."""
+    cases = [(c, case) for c in contenders for case in c.cases]
+    got: dict[tuple, list[dict]] = {}
+    loads = [loadavg()]
+    for rnd in range(repeat):
+        for size in sizes:
             for shape in shapes:
                 body = pathological(shape, size)
-                for case in ("pinless", "pinned"):
-                    worsts, took, statuses = [], [], set()
-                    peak, child_peak = 0.0, 0.0
-                    for _ in range(repeat):
-                        reset_peaks(mitm.proc.pid)
-                        session = str(uuid.uuid4())
-                        if case == "pinned":
-                            r = client.request("POST", url, headers(session), opening(session))
-                            assert r.status == 200, r.status
-                        t0 = time.perf_counter()
-                        r = client.request("POST", url, headers(session), body)
-                        t1 = time.perf_counter()
-                        time.sleep(AFTER)
-                        worsts.append(probe.worst(t0, t1 + AFTER)[0] * 1000)
-                        took.append(t1 - t0)
-                        statuses.add(r.status)
-                        got = peaks(mitm.proc.pid)
-                        peak, child_peak = max(peak, got[0]), max(child_peak, got[1])
-                    rows.append({"code": name, "case": case, "shape": shape, "mb": len(body) / 2**20,
-                                 "request_s": statistics.median(took), "status": sorted(statuses),
-                                 "worst_ms": statistics.median(worsts), "min_ms": min(worsts), "max_ms": max(worsts),
-                                 "n": repeat, "peak_mb": peak, "child_peak_mb": child_peak})
-                    print(f"{name} {case} {shape}: {rows[-1]['worst_ms']:.0f} ms worst probe (median of {repeat}: "
-                          f"{min(worsts):.0f}-{max(worsts):.0f}; request {statistics.median(took):.1f} s, "
-                          f"{sorted(statuses)}; peak RSS {peak:.0f} MB, children {child_peak:.0f} MB)", flush=True)
-    except BaseException:
-        print(mitm.output[-4000:], file=sys.stderr)
-        raise
-    finally:
-        mitm.stop()
-        origin.stop()
-        up.stop()
+                k = rnd % len(cases)
+                for c, case in cases[k:] + cases[:k]:
+                    one = c.send(case, body)
+                    got.setdefault((size, shape, c.name, case), []).append(one)
+                    print(f"{time.strftime('%H:%M:%S', time.gmtime(one['at']))} "
+                          f"round {rnd + 1}/{repeat} {size / 2**20:g} MiB {shape} {c.name} {case}: "
+                          f"{one['worst_ms']:.0f} ms worst probe (quiet {one['quiet_ms']:.0f}; request "
+                          f"{one['request_s']:.1f} s, {one['status']}; peak RSS {one['peak_mb']:.0f} MB, "
+                          f"children {one['child_peak_mb']:.0f} MB; load {loadavg()})", flush=True)
+        loads.append(loadavg())
+    print(f"\nload average (1, 5, 15 min) at the start and after each round: {' | '.join(loads)}")
+    rows = []
+    for (size, shape, name, case), xs in got.items():
+        w = [x["worst_ms"] for x in xs]
+        rows.append({"mb": size / 2**20, "shape": shape, "code": name, "case": case, "n": len(xs),
+                     "worst_ms": statistics.median(w), "min_ms": min(w), "max_ms": max(w),
+                     "quiet_ms": statistics.median(x["quiet_ms"] for x in xs),
+                     "request_s": statistics.median(x["request_s"] for x in xs),
+                     "status": sorted({x["status"] for x in xs}),
+                     "peak_mb": max(x["peak_mb"] for x in xs), "child_peak_mb": max(x["child_peak_mb"] for x in xs)})
     return rows
+
+
+def table(rows: list[dict]) -> None:
+    plain = {(r["mb"], r["shape"]): r["worst_ms"] for r in rows if r["case"] == "plain"}
+    print("\n| body MiB | history | code | case | status | request s | worst probe ms (median of n) | range "
+          "| quiet worst ms | n | minus plain ms | peak RSS MB: proxy (its children) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (-r["mb"], r["shape"], r["case"] != "plain", r["code"], r["case"])):
+        base = plain.get((r["mb"], r["shape"]))
+        share = "-" if base is None or r["case"] == "plain" else f"{r['worst_ms'] - base:+.0f}"
+        print(f"| {r['mb']:g} | {r['shape']} | {r['code']} | {r['case']} | {','.join(map(str, r['status']))} | "
+              f"{r['request_s']:.1f} | {r['worst_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
+              f"{r['quiet_ms']:.0f} | {r['n']} | {share} | {r['peak_mb']:.0f} ({r['child_peak_mb']:.0f}) |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", help="also measure this git revision (e.g. the commit before issue 20's fix)")
-    ap.add_argument("--mb", type=float, default=60.0, help="the body's size in MiB (the limit is 64)")
+    ap.add_argument("--mb", default="60", help="the body's size in MiB, or several: 45,8 (the limit is 64)")
     ap.add_argument("--shapes", default="tiny,huge,deep")
     ap.add_argument("--repeat", type=int, default=1, help="sends per case (the median worst stall is shown)")
-    ap.add_argument("--lag", type=Path, help="write where the proxy's event loop was when late to FILE-<code>.txt "
+    ap.add_argument("--no-plain", action="store_true", help="leave plain mitmdump out")
+    ap.add_argument("--lag", type=Path, help="write where each proxy's event loop was when late to FILE-<code>.txt "
                                              "(scripts/lagwatch.py)")
     args = ap.parse_args()
-    size = int(args.mb * 2**20)
+    sizes = [int(float(x) * 2**20) for x in args.mb.split(",") if x]
     shapes = [s for s in args.shapes.split(",") if s]
+    lag = args.lag.resolve() if args.lag else None
     with tempfile.TemporaryDirectory(prefix="sessionpin-bench-stall-") as tmp_:
         tmp = Path(tmp_)
-        trees = [("new", ROOT)]
+        trees: list[tuple[str, Path | None]] = [] if args.no_plain else [("plain", None)]
+        trees.append(("new", ROOT))
         if args.old:
             old = tmp / "old-tree"
             old.mkdir()
             archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.old], check=True, capture_output=True)
             subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
-            trees.insert(0, (f"old-{args.old}", old))
+            trees.append((f"old-{args.old}", old))
         ca = TestCA(tmp / "ca")
-        rows = []
-        for name, tree in trees:
-            rows += run_tree(name, tree, tmp, ca, size, shapes, args.repeat, args.lag.resolve() if args.lag else None)
-        print("\n| code | case | history | body MiB | request s | worst probe ms (median of n) | range | n "
-              "| peak RSS MB: proxy (its children) |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            extra = f" (probe median {r['median_probe_ms']:.1f} ms)" if "median_probe_ms" in r else ""
-            rss = f"{r['peak_mb']:.0f} ({r['child_peak_mb']:.0f})" if "peak_mb" in r else "-"
-            print(f"| {r['code']} | {r['case']}{extra} | {r['shape']} | {r['mb']:.0f} | {r['request_s']:.1f} | "
-                  f"{r['worst_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | {r['n']} | {rss} |")
+        origin = FakeServer("origin", ca).start()
+        up = FakeServer("up", ca, prefix="/api/anthropic").start()
+        origin.keep_bodies = up.keep_bodies = False
+        contenders = [Contender(name, tree, tmp, ca, origin, up, lag) for name, tree in trees]
+        try:
+            for c in contenders:
+                c.start()
+            time.sleep(0.5)
+            rows = run(contenders, sizes, shapes, args.repeat)
+        except BaseException:
+            for c in contenders:
+                print(f"--- {c.name}\n{c.mitm.output[-4000:]}", file=sys.stderr)
+            raise
+        finally:
+            for c in contenders:
+                c.stop()
+            origin.stop()
+            up.stop()
+        table(rows)
 
 
 if __name__ == "__main__":

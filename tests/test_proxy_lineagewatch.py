@@ -5,6 +5,7 @@ how it writes: in batches that never queue a write each in front of a new conver
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import threading
@@ -17,7 +18,7 @@ from sessionpin.reader import facts as F
 from sessionpin.lineage import lineage
 from sessionpin.records import lineindex
 from sessionpin.lineage.lineage_stream import StreamReader
-from sessionpin.proxy import lineagewatch
+from sessionpin.proxy import lineagewatch, perflow
 from sessionpin.store import StoreUnavailable
 from sessionpin.store.aio import Threaded
 from sessionpin.store.memory import MemoryStore
@@ -306,6 +307,51 @@ async def test_the_requests_root_is_read_on_a_thread_after_it_left(proxy, monkey
     assert g.request.host == "api.z.ai"
     await watch_of(proxy).settled()
     assert threads and all(t.startswith("sessionpin-lineage") for t in threads), threads
+
+
+@pytest.mark.parametrize("ends", ["answered", "error"])
+async def test_a_large_requests_root_is_read_once_its_body_left(proxy, monkeypatch, ends):
+    """Issue 20: a large body's root is not read beside mitmproxy's sending of it (the read's
+    thread took the GIL from the event loop at each socket call of the send): it is held until
+    the answer's headers come, or the flow's error. A small one is read at once (above)."""
+    monkeypatch.setattr(lineagewatch, "HOLD_FROM", 1)       # the test's continuation counts as large
+    calls = []
+    real = lineage.chain
+    monkeypatch.setattr(lineagewatch.lineage, "chain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    await proxy.send(flow())
+    watch = watch_of(proxy)
+    await answer(proxy, flow())            # (an opening of another flow: its own head read, not this one)
+    calls.clear()
+    g = flow("continuation")
+    await proxy.send(g)
+    assert g.request.host == "api.z.ai"
+    await asyncio.sleep(lineagewatch.GATHER * 3)
+    await watch.settled()
+    assert calls == [] and watch.counts()["pending"] == 1, "the root was read while the body was being sent"
+    if ends == "answered":
+        await answer(proxy, g)
+    else:
+        watch.error(g)
+        await watch.settled()
+    await flushed(watch)
+    root = real(g.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
+    assert calls == [1] and await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
+    assert watch.counts()["pending"] == 0 and perflow.LINEAGE_HELD not in g.metadata
+
+
+async def test_held_reads_live_in_their_flows_and_go_with_them(proxy, monkeypatch):
+    monkeypatch.setattr(lineagewatch, "HOLD_FROM", 1)
+    await proxy.send(flow())
+    watch = watch_of(proxy)
+    flows = [flow("continuation") for _ in range(3)]
+    for g in flows:
+        await proxy.send(g)
+    assert all(perflow.LINEAGE_HELD in g.metadata for g in flows) and watch.counts()["pending"] >= 3
+    assert copy.deepcopy(flows[0].metadata)[perflow.LINEAGE_HELD] is None   # a saved flow holds no future
+    for g in flows:
+        watch.error(g)
+    await watch.settled()
+    assert not any(perflow.LINEAGE_HELD in g.metadata for g in flows) and watch.counts()["pending"] == 0
 
 
 async def test_a_forks_requests_leave_the_root_to_its_parent(proxy):

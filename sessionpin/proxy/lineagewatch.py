@@ -26,6 +26,12 @@ Rules it keeps:
   its answer. Without a root (an opening whose answer was not seen whole) no anchor is
   recorded: it could never be corroborated (``lineindex``). A fork's requests do record
   their anchors (a fork of the fork names them), not their root.
+- **A large request's root is read once its body has left** (from ``HOLD_FROM``, 256 KiB: at
+  its answer's headers, or its error): read beside mitmproxy's sending of that body, the
+  read's thread took the GIL from the event loop at every socket call of the send (issue 20:
+  an 8 MiB pinned continuation cost other clients +158 ms over plain mitmdump, +1 ms once
+  held; docs/benchmarks.md). A smaller one is read at once. A held read is kept in its flow
+  (``perflow.LINEAGE_HELD``): released at the answer's headers or the error, gone with the flow.
 - Only ids and hashes; records are not durable and never delay a request or a response.
 - What it reads a response for is kept in the flow (``flow.metadata``, ``perflow.LINEAGE``)
   and taken out when the flow ends: it lives no longer than the flow. The
@@ -68,6 +74,7 @@ MAX_ROOTS = 10_000       # roots recorded lately, remembered so a conversation's
 REFRESH = 24 * 3600.0    # seconds: a root recorded this long ago is written again (its entry lives 30 days)
 FLUSH_DELAY = 0.1        # seconds records gather before a write: one thread wakeup for many responses
 GATHER = 0.05            # seconds the reads of roots and heads gather before one hop to their thread
+HOLD_FROM = 256 * 1024   # bytes: a request body this large has its root read once it left (not beside its send)
 _CHAINED = (F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES)
 
 
@@ -94,12 +101,22 @@ class _Watched(FlowState):
         self.anchors: list[str] = []
 
 
+class _Held(perflow.FlowState):
+    """A large request's root read, held in its flow until the body has left."""
+
+    __slots__ = ("future", "args")
+
+    def __init__(self, future: asyncio.Future, args: tuple) -> None:
+        self.future, self.args = future, args
+
+
 class LineageWatch:
     def __init__(self, runtime: StoreRuntime) -> None:
         self.runtime = runtime
         self.recorded = 0            # records written
         self.dropped = 0             # records dropped: the store could not keep up, or failed
         self.reads = OffLoop("lineage-records", gather=GATHER)
+        self._holding = 0            # large bodies' root reads held in their flows, not yet sent on
         self._roots: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()  # (agent, root) -> (session, when)
         self._pending: deque[list[Write]] = deque()
         self._writes = 0             # writes in _pending
@@ -113,7 +130,7 @@ class LineageWatch:
         """For the metrics: records written, dropped, skipped; reads and records still pending."""
         flushing = self._flusher is not None and not self._flusher.done()
         return {"written": self.recorded, "dropped": self.dropped, "skipped": self.reads.skipped,
-                "pending": self.reads.jobs + len(self._pending) + int(flushing)}
+                "pending": self.reads.jobs + self._holding + len(self._pending) + int(flushing)}
 
     def watch(self, flow: http.HTTPFlow, state: State) -> None:
         """Called by the router once a request is decided and on its way."""
@@ -146,8 +163,26 @@ class LineageWatch:
         body = req.raw_content
         if not body:
             return None
-        return self.reads.submit(len(body), _root, body, state.request.facts.api,
-                                 req.headers.get("content-encoding", ""))
+        args = (body, state.request.facts.api, req.headers.get("content-encoding", ""))
+        if len(body) < HOLD_FROM:
+            return self.reads.submit(len(body), _root, *args)
+        held = asyncio.get_running_loop().create_future()
+        flow.metadata[perflow.LINEAGE_HELD] = _Held(held, args)
+        self._holding += 1
+        return held
+
+    def _release(self, flow: http.HTTPFlow) -> None:
+        """A held read goes to the thread: the request's body has left (an answer came, or an error)."""
+        got = flow.metadata.pop(perflow.LINEAGE_HELD, None)
+        if got is None:
+            return
+        self._holding -= 1
+        held, args = got.future, got.args
+        fut = self.reads.submit(len(args[0]), _root, *args)
+        if fut is None:                  # over the reads' bound (counted there): no record
+            held.set_result(None)
+            return
+        fut.add_done_callback(lambda done: held.done() or held.set_result(_result(done)))
 
     def _learn_root(self, agent: str, session: str, root: str | None) -> None:
         if not root:
@@ -165,6 +200,7 @@ class LineageWatch:
             self._roots.popitem(last=False)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
         w = flow.metadata.get(perflow.LINEAGE)
         resp = flow.response
         if w is None or resp is None:
@@ -182,6 +218,7 @@ class LineageWatch:
             resp.stream = w.reader
 
     def response(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
         w = flow.metadata.pop(perflow.LINEAGE, None)
         if w is None:
             return
@@ -204,6 +241,7 @@ class LineageWatch:
                 lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server, owns_root=False)))
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
         flow.metadata.pop(perflow.LINEAGE, None)
 
     async def settled(self, timeout: float = 10.0) -> None:

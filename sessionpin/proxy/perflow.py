@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-LINEAGE = "sessionpin.lineage.lineage"      # lineagewatch: what this flow's answer is read for
-LEDGER = "sessionpin.accounting.ledger"        # ledgerwatch: this flow's usage reader
+LINEAGE = "sessionpin.lineage_read"         # lineagewatch: what this flow's answer is read for
+LINEAGE_HELD = "sessionpin.lineage_held"    # lineagewatch: a large request's root read, until its body left
+LEDGER = "sessionpin.ledger_read"           # ledgerwatch: this flow's usage reader
 HELD = "sessionpin.held"            # limits: a body of unknown length, pointed at the sink
 SINK = "sessionpin.sink"            # limits: the token of this flow's prepared 413
 WS_KEPT = "sessionpin.ws_kept"      # wsbounds: bytes this socket's kept messages cost

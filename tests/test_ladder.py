@@ -178,3 +178,16 @@ def test_an_unknown_turn_with_history_is_a_conversation_never_seen_begin():
     assert (d.target, d.pin_action, d.rule) == (None, ladder.CREATE, "unknown-turn-unseen")
     d = ladder.decide(facts(F.UNKNOWN_TURN), None, CONFIG, SRC)
     assert (d.target, d.pin_action, d.rule) == ("glm", ladder.CREATE, "unknown-turn")
+
+
+def test_rule_ids_are_a_named_set_of_stable_strings():
+    # rule ids are stored (a pin's rule), exported (metrics labels) and shown (flow
+    # metadata): a rename is a change of format, so the set is spelled out here
+    from sessionpin.decision.ladder import Rule
+    assert {r.value for r in Rule} == {
+        "out-of-scope", "unknown-agent", "no-session", "other-agent-pin", "pinned-not-routed",
+        "pinned-server-gone", "pinned", "fork-not-routed", "fork-of-gone", "fork", "unreadable",
+        "side-unseen", "side-not-routed", "side-current", "subagent-unseen", "not-routed", "opening",
+        "continuation-after-title", "continuation-unseen", "unknown-turn-unseen", "unknown-turn",
+        "soft-move", "store-unreadable"}
+    assert Rule.OPENING == "opening" and f"{Rule.SOFT_MOVE}" == "soft-move"   # a pin written before compares equal

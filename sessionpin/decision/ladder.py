@@ -49,6 +49,7 @@ one exception and rule 7's forks (tests/test_route.py holds this as a property).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from ..reader import facts as F
@@ -66,11 +67,40 @@ LEFT_ALONE = "left-alone"  # passed untouched
 REFUSED = "refused"        # answered by the proxy with an error
 
 
+class Rule(enum.StrEnum):
+    """The ladder's rule ids: stable strings (metrics labels, flow metadata, a pin's ``rule``
+    in the store), compared by name in code. A ``StrEnum`` equals its string, so a pin
+    written before, whose rule is a plain string, still compares equal."""
+    OUT_OF_SCOPE = "out-of-scope"
+    UNKNOWN_AGENT = "unknown-agent"
+    NO_SESSION = "no-session"
+    OTHER_AGENT_PIN = "other-agent-pin"
+    PINNED_NOT_ROUTED = "pinned-not-routed"
+    PINNED_SERVER_GONE = "pinned-server-gone"
+    PINNED = "pinned"
+    FORK_NOT_ROUTED = "fork-not-routed"
+    FORK_OF_GONE = "fork-of-gone"
+    FORK = "fork"
+    UNREADABLE = "unreadable"
+    SIDE_UNSEEN = "side-unseen"
+    SIDE_NOT_ROUTED = "side-not-routed"
+    SIDE_CURRENT = "side-current"
+    SUBAGENT_UNSEEN = "subagent-unseen"
+    NOT_ROUTED = "not-routed"
+    OPENING = "opening"
+    CONTINUATION_AFTER_TITLE = "continuation-after-title"
+    CONTINUATION_UNSEEN = "continuation-unseen"
+    UNKNOWN_TURN_UNSEEN = "unknown-turn-unseen"
+    UNKNOWN_TURN = "unknown-turn"
+    SOFT_MOVE = "soft-move"
+    STORE_UNREADABLE = "store-unreadable"
+
+
 @dataclass(frozen=True)
 class Decision:
     target: str | None           # configured server name; None: leave the request alone
     pin_action: str              # create | renew | none
-    rule: str                    # short rule id, stable (metrics, metadata)
+    rule: Rule                   # short rule id, stable (metrics, metadata)
     why: str                     # a few words for people (flow comment, logs)
     refuse: int | None = None    # a status to answer with instead of forwarding
 
@@ -81,7 +111,7 @@ class Decision:
         return ROUTED if self.target is not None else LEFT_ALONE
 
 
-def _leave(rule: str, why: str, pin_action: str = NONE) -> Decision:
+def _leave(rule: Rule, why: str, pin_action: str = NONE) -> Decision:
     return Decision(None, pin_action, rule, why)
 
 
@@ -99,35 +129,35 @@ def is_title_shaped(facts: F.Facts) -> bool:
 def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | None,
            title_went: str | None = None, parent: Pin | None = None) -> Decision:
     if facts.api not in F.INFERENCE_APIS:
-        return _leave("out-of-scope", "not an inference request")
+        return _leave(Rule.OUT_OF_SCOPE, "not an inference request")
     if facts.agent not in F.AGENTS:
-        return _leave("unknown-agent", "agent not recognised")
+        return _leave(Rule.UNKNOWN_AGENT, "agent not recognised")
     if not facts.session:
-        return _leave("no-session", "no session id")
+        return _leave(Rule.NO_SESSION, "no session id")
 
     # 1. a pin decides, wherever the request was addressed
     if pin is not None:
         if pin.agent != facts.agent:
-            return _leave("other-agent-pin", f"session pinned by {pin.agent}")
+            return _leave(Rule.OTHER_AGENT_PIN, f"session pinned by {pin.agent}")
         if pin.server is None:
-            return _leave("pinned-not-routed", "pinned: not routed", RENEW)
+            return _leave(Rule.PINNED_NOT_ROUTED, "pinned: not routed", RENEW)
         if pin.server not in config.servers:
-            return Decision(None, NONE, "pinned-server-gone", f"pinned to {pin.server}, no longer configured",
+            return Decision(None, NONE, Rule.PINNED_SERVER_GONE, f"pinned to {pin.server}, no longer configured",
                             refuse=NO_RETRY_STATUS)
-        return Decision(pin.server, RENEW, "pinned", "pin")
+        return Decision(pin.server, RENEW, Rule.PINNED, "pin")
     # 7. a fork or resume of a conversation the router knows follows its parent
     if parent is not None and parent.agent == facts.agent and facts.has_history:
         if parent.server is None:
-            return _leave("fork-not-routed", "fork of a conversation not routed", CREATE)
+            return _leave(Rule.FORK_NOT_ROUTED, "fork of a conversation not routed", CREATE)
         if parent.server not in config.servers:
-            return Decision(None, NONE, "fork-of-gone", f"fork of a conversation pinned to {parent.server}, "
+            return Decision(None, NONE, Rule.FORK_OF_GONE, f"fork of a conversation pinned to {parent.server}, "
                             "no longer configured", refuse=NO_RETRY_STATUS)
-        return Decision(parent.server, CREATE, "fork", "fork, follows its parent")
+        return Decision(parent.server, CREATE, Rule.FORK, "fork, follows its parent")
     if source is None:
-        return _leave("out-of-scope", "no pin, not addressed to a configured server")
+        return _leave(Rule.OUT_OF_SCOPE, "no pin, not addressed to a configured server")
 
     if not facts.parsed:
-        return _leave("unreadable", "body unreadable, no pin")
+        return _leave(Rule.UNREADABLE, "body unreadable, no pin")
 
     current = config.current(facts.agent)
     turn = facts.turn
@@ -135,28 +165,28 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
     # 2. side requests and subagents follow a pin, never make one
     if turn == F.SIDE:
         if facts.has_history:
-            return _leave("side-unseen", "side request of a conversation not seen begin")
+            return _leave(Rule.SIDE_UNSEEN, "side request of a conversation not seen begin")
         if current is None:
-            return _leave("side-not-routed", "agent not routed")
-        return Decision(current, NONE, "side-current", "side, no pin yet")
+            return _leave(Rule.SIDE_NOT_ROUTED, "agent not routed")
+        return Decision(current, NONE, Rule.SIDE_CURRENT, "side, no pin yet")
     if turn == F.SUBAGENT:
-        return _leave("subagent-unseen", "subagent of a conversation not seen begin")
+        return _leave(Rule.SUBAGENT_UNSEEN, "subagent of a conversation not seen begin")
 
     # 3. the agent is not routed
     if current is None:
-        return _leave("not-routed", "agent not routed", CREATE)
+        return _leave(Rule.NOT_ROUTED, "agent not routed", CREATE)
     # 4. opening turn (an "opening" that carries history is a contradiction: as rule 5)
     if turn == F.OPENING and not facts.has_history:
-        return Decision(current, CREATE, "opening", "pinned")
+        return Decision(current, CREATE, Rule.OPENING, "pinned")
     # 5. a continuation never seen begin — unless opencode's title-shaped opening went
     # somewhere moments ago (rule 5 above)
     if turn in (F.CONTINUATION, F.OPENING):
         if facts.agent == F.OPENCODE and title_went is not None and title_went in config.servers:
-            return Decision(title_went, CREATE, "continuation-after-title",
+            return Decision(title_went, CREATE, Rule.CONTINUATION_AFTER_TITLE,
                             "began with a title-shaped request, pinned")
-        return _leave("continuation-unseen", "not seen begin", CREATE)
+        return _leave(Rule.CONTINUATION_UNSEEN, "not seen begin", CREATE)
     # 6. a turn that cannot be told, with a session: the current server — but a body that
     # carries history is a conversation under way that the router never saw begin.
     if facts.has_history:
-        return _leave("unknown-turn-unseen", "turn unknown, history: not seen begin", CREATE)
-    return Decision(current, CREATE, "unknown-turn", "turn unknown, pinned")
+        return _leave(Rule.UNKNOWN_TURN_UNSEEN, "turn unknown, history: not seen begin", CREATE)
+    return Decision(current, CREATE, Rule.UNKNOWN_TURN, "turn unknown, pinned")

@@ -102,7 +102,7 @@ from ..reader import facts as F
 from . import ladder
 from .answers import NO_RETRY_STATUS
 from ..reader.ids import short
-from .ladder import Decision
+from .ladder import Decision, Rule
 from ..records.pins import Loaded, Pin, renew_due
 from .rewrite import Changes
 # The stepper's vocabulary lives in steps.py; route.ReadPin, route.Forward … are its API.
@@ -364,7 +364,7 @@ def _decided(state: State, d: Decision) -> Step:
     r = state.request
     f = r.facts
     session = state.session or ""
-    if d.rule == "pinned-server-gone" and _soft_pool(r, state.loaded.pin) is not None:
+    if d.rule is Rule.PINNED_SERVER_GONE and _soft_pool(r, state.loaded.pin) is not None:
         return _soft_miss(state, state.loaded.pin.server, "gone")
     if d.refuse:
         pin = state.loaded.pin or state.parent_pin
@@ -387,7 +387,7 @@ def _decided(state: State, d: Decision) -> Step:
     if d.target in r.config.pools:
         return _go(state, Allocate(session, d.target, _new_pin(state, d), state.loaded,
                                    commit=d.pin_action == ladder.CREATE))
-    if d.rule == "pinned" and pin is not None and pin.pool and state.checked != d.target:
+    if d.rule is Rule.PINNED and pin is not None and pin.pool and state.checked != d.target:
         return _go(state, CheckMember(pin.pool, d.target, _soft_pool(r, pin) is not None))
     return _plan(state, d.target)
 
@@ -414,7 +414,7 @@ def _planned(state: State) -> Step:
         after = _remember_opening(state)
     elif d.pin_action == ladder.RENEW and state.loaded.pin is not None and renew_due(state.loaded.pin, r.now):
         after = (RenewPin(session, state.loaded),)
-    elif d.rule == "side-current" and ladder.is_title_shaped(f):
+    elif d.rule is Rule.SIDE_CURRENT and ladder.is_title_shaped(f):
         after = (RememberTitle(session, d.target),)
     return _forward(state, c, after)
 
@@ -452,7 +452,7 @@ def _soft_miss(state: State, member: str, reason: str) -> Step:
     """A soft pool's pinned member cannot take the request: allocate afresh over the pin read."""
     r, pin = state.request, state.loaded.pin
     state = _replace(state, missed=state.missed | {member}, checked=None)
-    fresh = Pin(agent=pin.agent, server=None, since=r.now, renewed=r.now, rule="soft-move", turn=pin.turn,
+    fresh = Pin(agent=pin.agent, server=None, since=r.now, renewed=r.now, rule=Rule.SOFT_MOVE, turn=pin.turn,
                 source=pin.source)
     return _go(state, Allocate(state.session or "", pin.pool, fresh, state.loaded, exclude=state.missed, reason=reason))
 
@@ -464,8 +464,8 @@ def _on_not_allocated(state: State, event: NotAllocated) -> Step:
 def _on_allocated(state: State, event: Allocated) -> Step:
     r, d = state.request, state.decision
     pin = event.loaded.pin
-    moved = pin is not None and pin.rule == "soft-move"
-    decision = Decision(event.member, ladder.NONE if moved else d.pin_action, "soft-move" if moved else d.rule,
+    moved = pin is not None and pin.rule == Rule.SOFT_MOVE
+    decision = Decision(event.member, ladder.NONE if moved else d.pin_action, Rule.SOFT_MOVE if moved else d.rule,
                         event.why)
     state = _replace(state, decision=decision, allocated=True, loaded=event.loaded if pin else state.loaded)
     if _soft_pool(r, pin) is not None:      # a soft pin's member is checked before it is used

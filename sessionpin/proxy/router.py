@@ -370,7 +370,7 @@ class Router:
         r, d = state.request, state.decision
         facts = r.facts
         if d is None:     # refused before a decision (the pin could not be read)
-            d = ladder.Decision(None, ladder.NONE, "store-unreadable", "pin store unreadable")
+            d = ladder.Decision(None, ladder.NONE, ladder.Rule.STORE_UNREADABLE, "pin store unreadable")
         turn = facts.turn or "-"
         session = state.session or facts.session
         sid = short(session)

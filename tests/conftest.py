@@ -56,6 +56,11 @@ SLOW: dict[str, str] = {
     "tests/test_store_damage.py::*": "damaged and deleted store files",
     "tests/test_store_restore_damaged.py::*": "damage then the directory deleted",
     "tests/e2e/test_store_faults_e2e.py::*": "the store's faults under a running router",
+    # The store lost under running routers (flushed, evicted, emptied, restarted without its
+    # AOF, copied under load) and Redis's own faults (stopped, paused, reconfigured, loading):
+    # real redis-servers started, broken and waited for, each test 5-20 s.
+    "tests/e2e/test_store_loss_e2e.py::*": "the store lost under running routers",
+    "tests/test_store_redis_faults.py::*": "a real Redis stopped, paused, reconfigured",
 }
 
 

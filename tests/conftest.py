@@ -61,6 +61,11 @@ SLOW: dict[str, str] = {
     # real redis-servers started, broken and waited for, each test 5-20 s.
     "tests/e2e/test_store_loss_e2e.py::*": "the store lost under running routers",
     "tests/test_store_redis_faults.py::*": "a real Redis stopped, paused, reconfigured",
+    "tests/e2e/test_redis_e2e.py::test_a_stopped_redis_gets_503_naming_it_then_the_same_routers_route_again":
+        "a real Redis stopped under routers, then started",
+    "tests/e2e/test_redis_e2e.py::test_kill_9_of_redis_loses_no_acknowledged_pin": "redis-server kill -9'd",
+    "tests/e2e/test_request_path_e2e.py::test_a_locked_store_never_sends_a_new_conversation_away_and_never_stalls_a_pinned_one":
+        "the file store locked by another process for seconds",
 }
 
 

@@ -748,7 +748,7 @@ def _alike(ours: dict, theirs: dict, op) -> None:
     for k, v in ours.items():
         w = theirs[k]
         if isinstance(k, tuple) and k[1] == "ttl" and v is not None and w is not None:
-            assert v - 1.0 <= w <= v, (op, k, v, w)
+            assert v - 2.0 <= w <= v, (op, k, v, w)
         else:
             assert v == w, (op, k, v, w)
 
@@ -766,7 +766,11 @@ async def _agree_with_redis(kind, ops):
                 clock.advance(op[1])
                 shift_ttls(raw, prefix, op[1])       # the same time passes for Redis' keys
                 continue
-            assert await _outcome(memory, op) == await _outcome(redis_store, op), op
+            ours, theirs = await _outcome(memory, op), await _outcome(redis_store, op)
+            if op[0] == "ttl" and isinstance(ours, float) and isinstance(theirs, float):
+                assert ours - 2.0 <= theirs <= ours + 0.05, (op, ours, theirs)   # as _alike's TTLs
+            else:
+                assert ours == theirs, op
             _alike(await _everything(memory), await _everything(redis_store), op)
         assert await memory.keys() == await redis_store.keys()
     finally:

@@ -344,11 +344,21 @@ async def agree(target, ops) -> None:
                 clock.t += op[1]
                 shift_ttls(raw, prefix, op[1])
                 continue
-            assert await outcome(memory, op) == await outcome(store, op), op
+            same_outcome(op, await outcome(memory, op), await outcome(store, op))
         assert await memory.keys() == await store.keys()
     finally:
         await store.close()
         raw.close()
+
+
+def same_outcome(op, ours, theirs) -> None:
+    """The same answer; a TTL on Redis may be less by the real time the test took since the
+    key was set (the memory store's clock stands still between ticks; a loaded machine's
+    workers take tens of ms an operation): rounding both to 0.1 s failed at 1.0 against 0.9."""
+    if op[0] == "ttl" and isinstance(ours, float) and isinstance(theirs, float):
+        assert ours - 2.0 <= theirs <= ours + 0.05, (op, ours, theirs)
+    else:
+        assert ours == theirs, op
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

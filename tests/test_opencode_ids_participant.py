@@ -127,3 +127,20 @@ def test_a_reloaded_script_finds_its_proxys_pool_and_another_proxy_has_its_own()
     p = PoolParticipant(given)
     PoolOptions(p).load(SimpleNamespace(master=SimpleNamespace(options=None), add_option=lambda *args, **kw: None))
     assert p.manager is given           # a manager handed in (tests) is kept
+
+
+async def test_the_pool_shares_the_routers_file_store_and_keeps_it_when_the_router_closes(tmp_path):
+    """Issue 22: one backend per file per process (a second open ran a second writer and a
+    second background check of both files); the router's handle closing leaves the pool's open."""
+    from sessionpin.store import open_store
+
+    router_store = open_store(f"file:{tmp_path / 'state.db'}")
+    own = Manager._own(router_store)
+    try:
+        assert own is not router_store and own.backend is router_store.backend
+        await router_store.close()
+        await own.set("pool:probe", "1")
+        assert await own.get("pool:probe") == "1"
+    finally:
+        await own.close()
+    assert router_store.backend._writer.state.value == "closed"

@@ -229,3 +229,44 @@ async def test_after_a_read_that_met_the_disk_reads_go_to_the_thread_for_a_while
         assert await store.get("pin:s") == "glm" and store.now_reads == 2
     finally:
         await store.close()
+
+
+class Counted(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+        super().close()
+
+
+async def test_a_shared_handle_outlives_the_first_and_the_backend_closes_with_the_last():
+    """Issue 22: the OpenCode id pool shares the router's file store (one writer, one file
+    check per process) instead of opening it again; the router closing its handle (a script
+    reload's done) must not close the pool's."""
+    first = aio.Threaded(Counted())
+    second = first.share()
+    assert second.backend is first.backend and second is not first
+    await first.set("k", "1")
+    await first.close()
+    assert first.backend.closes == 0
+    await second.set("k", "2")                 # the writer lane still runs
+    assert await second.get("k") == "2"        # and the reader lane
+    await first.close()                        # closing a closed handle twice counts once
+    assert first.backend.closes == 0
+    await second.close()
+    assert first.backend.closes == 1
+    with pytest.raises(Exception):
+        first.share()
+
+
+def test_close_now_of_shared_handles_closes_the_backend_once_with_the_last():
+    first = aio.Threaded(Counted())
+    second, third = first.share(), first.share()
+    for h in (second, first):
+        h.close_now()
+        assert first.backend.closes == 0
+    third.close_now()
+    third.close_now()
+    assert first.backend.closes == 1

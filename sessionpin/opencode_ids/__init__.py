@@ -15,10 +15,10 @@ cancelled, an in-flight probe puts its claimed spare back), the new addon's
 for the old one to finish. Spares live in the store and credentials and schedules on the
 service, so nothing is lost. Two proxies in one process (tests) have two pools.
 
-The pool keeps its own handle on the router's store (same URL, opened again for a
-``file:`` store): the router closes its handle in ``done()``, before a cancelled probe has
-had the chance to put its spare back; the pool's handle stays open across reloads and is
-closed at exit.
+The pool keeps its own handle on the router's store (``Threaded.share`` for a ``file:``
+store: the same backend and threads, closed with the last handle): the router closes its
+handle in ``done()``, before a cancelled probe has had the chance to put its spare back; the
+pool's handle stays open across reloads and is closed at exit.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ class Manager:
     @staticmethod
     def _own(store: Store) -> Store:
         url = getattr(store, "url", "")
-        if not url.startswith("file:"):
+        share = getattr(store, "share", None)
+        if not url.startswith("file:") or share is None:
             return store                       # memory: one object per process, nothing to reopen
-        from ..store import open_store
         try:
-            own = open_store(url)
+            own = share()                      # not a second open: one writer and one file check per process
         except Exception:
             return store
         close = getattr(own, "close_now", None)   # the facades' synchronous close (atexit has no loop)

@@ -26,6 +26,11 @@ Rules it keeps:
   a lock for microseconds and touch no file, so a thread hop would cost more than them.
 - ``close`` closes the backend on the writer thread (after the writes queued before it),
   then stops the threads.
+- ``share`` is another handle on the same backend and threads (the OpenCode id pool's, which
+  must outlive the router's across a script reload): the backend closes with the last
+  handle. A second ``open_store`` of the same file would run a second writer, a second
+  background thread verifying both files and fsyncing their WALs, and two more lanes (issue
+  22: ~0.1 ms of CPU per request under load, and a second file check every few seconds).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from .base import READS, WRITES, SyncStore, WouldBlock
+from .base import READS, WRITES, StoreError, SyncStore, WouldBlock
 
 SLOW_READ = 0.002     # seconds: without getrusage, a read on the loop this slow met the disk (a warm one: ~10 µs)
 COOL_OFF = 10.0       # seconds of reads on the reader thread after one that met the disk
@@ -150,6 +155,7 @@ class Threaded:
         self._writer = Lane("sessionpin-store-w", batch=False)
         self._readers = Lane("sessionpin-store-r", batch=True)
         self._closed = False
+        self._handles = [1]                  # open handles on this backend (``share``), one list for all
         self._now_reads: frozenset[str] = frozenset(getattr(backend, "now_reads", ()))
         self._now_after = 0.0                # monotonic: reads on the loop resume then (after a slow one)
         self._opening: asyncio.Future | None = None
@@ -183,10 +189,27 @@ class Threaded:
     def describe(self) -> dict[str, Any]:
         return self.backend.describe()
 
-    async def close(self) -> None:
+    def share(self) -> "Threaded":
+        """Another handle on this backend and its threads; each is closed on its own, and
+        the backend with the last of them."""
         if self._closed:
-            return
+            raise StoreError(f"{self.url}: store is closed")
+        other = object.__new__(Threaded)
+        other.__dict__.update(self.__dict__)
+        other._closed, other._opening = False, None
+        other.now_reads = other.slow_reads = 0
+        self._handles[0] += 1
+        return other
+
+    def _last(self) -> bool:
+        """This handle is closed; is it the last one open?"""
         self._closed = True
+        self._handles[0] -= 1
+        return self._handles[0] == 0
+
+    async def close(self) -> None:
+        if self._closed or not self._last():
+            return
         try:
             await self._call(self._writer, self.backend.close)
         finally:
@@ -195,9 +218,8 @@ class Threaded:
 
     def close_now(self) -> None:
         """Close from synchronous code (mitmproxy's ``done``, atexit): waits for queued writes."""
-        if self._closed:
+        if self._closed or not self._last():
             return
-        self._closed = True
         self._writer.stop(wait=True)
         self._readers.stop(wait=True)
         self.backend.close()

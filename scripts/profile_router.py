@@ -5,12 +5,17 @@
     .venv/bin/pip install py-spy        # a tool of this script's, not a dependency of sessionpin
     .venv/bin/python scripts/profile_router.py [--seconds 40] [--rate 250] [--out DIR]
     .venv/bin/python scripts/profile_router.py --summarise ROUTER.raw [PLAIN.raw]
+    .venv/bin/python scripts/bench_parts.py --variants full --spy DIR && \
+        .venv/bin/python scripts/profile_router.py --summarise DIR/full.raw DIR/plain.raw   # per request
 
 Runs ``scripts/bench_proxy.py --only throughput`` (plain mitmdump and the router taking turns
 under 4 and 8 keep-alive clients), attaches ``py-spy record --format raw`` to the router's and to
 plain mitmdump's process for ``--seconds`` once both are up, and prints the bench's figures and
-the summary. The summary counts the samples of each process (py-spy leaves idle threads out, so
-a sample is CPU being spent), and for the router the share of them spent inside sessionpin's own
+the summary. py-spy samples only the thread holding the GIL (``--gil``: CPU spent in Python;
+SQLite and hashing release it, so their time shows in ``bench_parts.py``'s per-thread figures,
+not here). The two proxies take turns, so "the same seconds" hold different numbers of requests:
+profiles recorded by ``bench_parts.py --spy`` carry their request counts, and the summary is then
+per request. For the router the summary gives the share of them spent inside sessionpin's own
 code: by hook (the outermost sessionpin frame: ``Router.request``, ``LineageWatch.response``…)
 and by function (the innermost sessionpin frame: where the time is spent, callees outside
 sessionpin such as msgspec or mitmproxy's header API counted to the sessionpin function that
@@ -59,13 +64,30 @@ def load(raw: Path) -> list[tuple[list[tuple[str, str]], int]]:
     return stacks
 
 
-def summarise(router: Path, plain: Path | None = None, top: int = 25) -> str:
+def _requests(raw: Path) -> int | None:
+    """The requests the proxy served while ``raw`` was recorded (``bench_parts.py --spy`` writes
+    them beside it, ``NAME.requests``), or None."""
+    try:
+        return int(raw.with_suffix(".requests").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def summarise(router: Path, plain: Path | None = None, top: int = 25, rate: int = 250) -> str:
     stacks = load(router)
     total = sum(n for _, n in stacks)
     lines = [f"router: {total} samples"]
+    n_router = _requests(router)
+    if n_router:
+        lines[0] += f" over {n_router} requests: {1000 * total / rate / n_router:.2f} ms per request at {rate} Hz"
     if plain is not None and plain.exists():
         p = sum(n for _, n in load(plain))
-        lines.append(f"plain mitmdump: {p} samples over the same seconds (router / plain = {total / max(p, 1):.2f})")
+        n_plain = _requests(plain)
+        if n_router and n_plain:
+            lines.append(f"plain mitmdump: {p} samples over {n_plain} requests: {1000 * p / rate / n_plain:.2f} ms "
+                         f"per request (router / plain per request = {total * n_plain / max(p * n_router, 1):.2f})")
+        else:
+            lines.append(f"plain mitmdump: {p} samples over the same seconds (router / plain = {total / max(p, 1):.2f})")
     mine = 0
     by_hook: collections.Counter[str] = collections.Counter()
     by_func: collections.Counter[str] = collections.Counter()
@@ -87,7 +109,7 @@ def summarise(router: Path, plain: Path | None = None, top: int = 25) -> str:
     request = 0
     for frames, n in stacks:
         names = [short_name(f, p) for f, p in frames if ours(p)]
-        if names and names[0] == "sessionpin.proxy.router.Router.request":
+        if "sessionpin.proxy.router.Router.request" in names:      # (called by the bundle's request hook)
             request += n
             for name in set(names):
                 inside[name] += n
@@ -124,7 +146,7 @@ def main() -> None:
     ap.add_argument("--summarise", nargs="+", type=Path, metavar="RAW", help="only summarise these raw profiles")
     args = ap.parse_args()
     if args.summarise:
-        print(summarise(args.summarise[0], args.summarise[1] if len(args.summarise) > 1 else None))
+        print(summarise(args.summarise[0], args.summarise[1] if len(args.summarise) > 1 else None, rate=args.rate))
         return
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if spy is None:
@@ -148,8 +170,11 @@ def main() -> None:
             if "routes to the upstream" in line:
                 break
         time.sleep(1)
+        # --gil: only the thread holding the GIL is sampled. Without it py-spy also counts a thread
+        # waiting on a queue, an Event or the GIL as busy: the store's idle threads came out as a
+        # third of the router's CPU (issue 22; /proc's per-thread times, bench_parts.py, say ~12 %)
         spies = [subprocess.Popen([spy, "record", "-p", str(pid), "-r", str(args.rate), "-d", str(args.seconds),
-                                   "--format", "raw", "--nonblocking", "-o", str(out / f"{name}.raw")],
+                                   "--gil", "--format", "raw", "--nonblocking", "-o", str(out / f"{name}.raw")],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for name, pid in (("router", router), ("plain", plain))]
         for s in spies:

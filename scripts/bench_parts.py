@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""What each part of the router costs a request in the running proxy, by thread (issue 22).
+
+    .venv/bin/python scripts/bench_parts.py [--seconds 6] [--rounds 3] [--clients 8] [--size 10KB]
+                                            [--variants full,nolin,noledger,bare,quiet] [--spy DIR]
+
+Plain mitmdump and the router with parts left out, each its own mitmdump on one local TLS
+upstream (the router's clients address another configured origin: the full rewrite, as in
+``bench_proxy.py``), under ``--clients`` keep-alive clients sending pinned turns back to back.
+The proxies take turns in phases of ``--seconds`` (the order reversed every round). Reported per
+variant, the median over the rounds: requests per second, and the proxy's CPU per request (user +
+system, from ``/proc/<pid>/task/*/stat``) split into the event loop's thread ("main": mitmproxy
+and every hook) and all other threads (the store's writer, reader and background threads, the
+lineage reads' thread). Linux only.
+
+Why not py-spy alone: py-spy counts a thread waiting in a queue or for the GIL as busy, so the
+store's threads looked like a third of the router's CPU; ``/proc`` says what each thread used.
+``--spy DIR`` also records each variant's first phase with ``py-spy record --gil`` (only the
+thread holding the GIL is sampled: CPU spent in Python) for ``scripts/profile_router.py
+--summarise``; py-spy is not a dependency (``.venv/bin/pip install py-spy``).
+
+Variants (``make_addons(without=...)``, options):
+  full       the router as ``addons/route.py`` loads it
+  nolin      without the lineage watch       noledger  without the ledger watch
+  bare       without both and without the OpenCode id pool
+  quiet      full, ``sessionpin_decision_log=off``
+  noop       plain mitmdump with a script whose ``request`` hook does nothing (the cost of a script)
+The difference between two variants' CPU per request, in one run, is what the part costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_proxy as BP  # noqa: E402
+from e2e.harness import Client, FakeServer, Mitmdump, TestCA, toml_config  # noqa: E402
+
+SCRIPTS = {
+    "nolin": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage',))\n",
+    "noledger": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('ledger',))\n",
+    "bare": "from sessionpin.proxy import make_addons\naddons = make_addons([], without=('lineage', 'ledger'))\n",
+}
+OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}}
+NOOP = "def request(flow):\n    pass\n"
+KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid`` so far."""
+    out: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue          # the thread ended meanwhile
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=6.0, help="length of one phase")
+    ap.add_argument("--rounds", type=int, default=3, help="phases per variant")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--size", default="10KB", choices=sorted(BP.SIZES))
+    ap.add_argument("--shape", default="opening", choices=BP.SHAPES)
+    ap.add_argument("--variants", default="full,nolin,noledger,bare,quiet", help=f"from {', '.join(KNOWN)}")
+    ap.add_argument("--spy", type=Path, help="record each variant's first phase with py-spy --gil into DIR")
+    args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if not set(variants) <= set(KNOWN):
+        ap.error(f"--variants: choose from {', '.join(KNOWN)}")
+    size = BP.SIZES[args.size]
+
+    with tempfile.TemporaryDirectory(prefix="sessionpin-parts-") as tmp_:
+        tmp = Path(tmp_)
+        ca = TestCA(tmp / "ca")
+        upstream = FakeServer("upstream", ca, prefix="/api/anthropic").start()
+        origin = FakeServer("origin", ca).start()
+        upstream.keep_bodies = origin.keep_bodies = False
+        trust = {"ssl_verify_upstream_trusted_ca": str(ca.pem)}
+        config = toml_config(
+            {"anthropic": {"url": origin.url},
+             "up": {"url": upstream.url, "key_env": BP.KEY_ENV, "models": {"claude-opus-*": "glm-4.6"}}},
+            {"claude-code": "up"},
+        )
+        procs: dict[str, tuple[Mitmdump, str]] = {"plain": (Mitmdump(tmp / "plain", script=None, options=trust),
+                                                            upstream.url)}
+        for name in variants:
+            if name == "noop":
+                (tmp / "noop.py").write_text(NOOP)
+                procs[name] = (Mitmdump(tmp / name, script=tmp / "noop.py", options=trust), upstream.url)
+                continue
+            m = Mitmdump.router(tmp / name, ca, config, env={BP.KEY_ENV: BP.UPSTREAM_KEY},
+                                options=OPTIONS.get(name))
+            if name in SCRIPTS:
+                (tmp / f"{name}.py").write_text(SCRIPTS[name])
+                m.script = tmp / f"{name}.py"
+            procs[name] = (m, origin.origin)
+        try:
+            for m, _ in procs.values():
+                m.start()
+            clients = {}
+            for name, (m, target) in procs.items():
+                clients[name] = BP.Clients(Client.via_proxy(m.port, m.mitm_ca, timeout=120), target, n=args.clients)
+                clients[name].load(size, args.shape)
+                for _ in range(5):
+                    clients[name].step()        # warm-up, not counted
+            if "full" in procs:      # is the router routing? (else nothing is measured)
+                upstream.keep_bodies = True
+                before = len(upstream.received())
+                clients["full"].step()
+                got = upstream.received()[before:]
+                upstream.keep_bodies = False
+                if not got or dict((k.lower(), v) for k, v in got[-1].headers).get("x-api-key") != BP.UPSTREAM_KEY:
+                    raise SystemExit("the router did not route to the upstream with its key")
+            rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in procs}
+            for r in range(args.rounds):
+                order = list(procs) if r % 2 == 0 else list(procs)[::-1]
+                for name in order:
+                    m = procs[name][0]
+                    pid = m.proc.pid if m.proc else None
+                    assert pid is not None
+                    spy = None
+                    if args.spy and r == 0:
+                        args.spy.mkdir(parents=True, exist_ok=True)
+                        spy = subprocess.Popen(
+                            [str(Path(sys.executable).with_name("py-spy")), "record", "--gil", "-r", "250",
+                             "--format", "raw", "-o", str(args.spy / f"{name}.raw"), "-d", str(int(args.seconds)),
+                             "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        time.sleep(0.3)
+                    before_cpu = thread_cpu(pid)
+                    n = clients[name].run_for(args.seconds)
+                    after_cpu = thread_cpu(pid)
+                    if spy is not None:
+                        spy.wait()
+                        (args.spy / f"{name}.requests").write_text(str(n))
+                    used = {t: after_cpu[t] - before_cpu.get(t, 0.0) for t in after_cpu}
+                    total, loop = sum(used.values()), used.get(pid, 0.0)
+                    rows[name].append((n / args.seconds, total / n * 1000, loop / n * 1000))
+            for c in clients.values():
+                c.close()
+        finally:
+            for m, _ in procs.values():
+                m.stop()
+
+    print(f"{args.clients} clients, {args.size} {args.shape} turns, {args.rounds} phases of {args.seconds:g} s "
+          f"per proxy; medians")
+    print(f"{'proxy':10} {'req/s':>7} {'cpu/req ms':>11} {'main':>6} {'others':>7} {'vs plain':>9}")
+    plain = statistics.median(x[1] for x in rows["plain"])
+    for name, got in rows.items():
+        rate = statistics.median(x[0] for x in got)
+        cpu = statistics.median(x[1] for x in got)
+        main_ms = statistics.median(x[2] for x in got)
+        print(f"{name:10} {rate:7.0f} {cpu:11.2f} {main_ms:6.2f} {cpu - main_ms:7.2f} {cpu - plain:+9.2f}")
+
+
+if __name__ == "__main__":
+    main()

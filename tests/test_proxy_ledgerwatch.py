@@ -47,6 +47,7 @@ def watch_of(proxy) -> ledgerwatch.LedgerWatch:
 
 
 async def flushed(watch) -> None:
+    await watch.settled()                  # the turns read beside their answers (large requests)
     for _ in range(300):
         if (watch._flusher is None or watch._flusher.done()) and not watch._pending:
             return
@@ -376,3 +377,111 @@ async def test_a_large_requests_prompt_shape_is_read_off_the_event_loop(proxy, m
     assert calls == []
     kept = watch_of(proxy)._lanes[(SESSION, "main")][1]      # the shape the child read, kept for the next turn
     assert kept is not None and len(kept.messages) == 40_003
+
+
+def _json_answer(f, msg: str, read: int, write: int) -> None:
+    """A buffered answer (a length: the router leaves it buffered)."""
+    content = json.dumps({"id": msg, "model": "glm-4.6", "content": [],
+                          "usage": {"input_tokens": 3, "cache_read_input_tokens": read,
+                                    "cache_creation_input_tokens": write, "output_tokens": 4}}).encode()
+    f.response = tutils.tresp(status_code=200, content=content, headers=http.Headers(
+        [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]))
+
+
+async def _respond(proxy, f) -> object:
+    """The hooks of a buffered answer, as mitmproxy runs them; what the ledger's ``response`` returned."""
+    for a in proxy.addons:
+        if hasattr(a, "responseheaders"):
+            a.responseheaders(f)
+    got = None
+    for a in proxy.addons:
+        if hasattr(a, "response"):
+            r = a.response(f)
+            if isinstance(a, ledgerwatch.LedgerWatch):
+                got = r
+            elif asyncio.iscoroutine(r):
+                await r
+    return got
+
+
+def _large_continuation(n: int = 40_000) -> bytes:
+    one = b'{"role":"user","content":"x"},'
+    return body("continuation").replace(b'"messages": [', b'"messages": [' + one * n, 1)
+
+
+async def test_a_buffered_answer_is_not_held_for_its_large_requests_shape(proxy, monkeypatch):
+    """Issue 22: mitmproxy sends a buffered answer on once every response hook returned; the
+    ledger's hook returned the shape's read in the body process, and the answer waited for it
+    (1 MB: +2-4 ms a request). It returns at once; the turn is read beside the answer, lands
+    as before, and mitmweb is told the flow changed."""
+    told = []
+    monkeypatch.setattr(proxy.tctx.master.addons, "trigger", lambda event: told.append(event))
+    watch = watch_of(proxy)
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=0, write=9000))
+    g = flow("continuation", content=_large_continuation())
+    await proxy.send(g)
+    _json_answer(g, "msg_2", read=9000, write=200)
+    assert await _respond(proxy, g) is None                     # nothing for mitmproxy to wait for
+    await flushed(watch)
+    assert g.metadata["sessionpin"]["ledger"]["input"] == 9203
+    assert any(getattr(e, "flows", None) == [g] for e in told), told
+    assert (await ledger.load(proxy.store, SESSION)).turns == 2
+
+
+async def test_a_conversations_turns_are_taken_in_the_order_their_answers_ended(proxy, monkeypatch):
+    """A turn read beside its answer (a large request) is still being read when the next turn of
+    its conversation is answered: the next waits behind it, so each turn is compared with the
+    one before it (taken out of order, the earlier turn would be compared with the later one's
+    longer prompt: a miss that never was)."""
+    watch = watch_of(proxy)
+    gate = asyncio.Event()
+    real = watch.bodies.shape
+
+    calls = []
+
+    async def slow_shape(*args):          # the first (g's) read is slow; any later one is not
+        calls.append(len(args[0]))
+        if len(calls) == 1:
+            await gate.wait()
+        return await real(*args)
+    monkeypatch.setattr(watch.bodies, "shape", slow_shape)
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=0, write=9000))
+    doc = json.loads(body("continuation"))
+    doc["messages"] += [{"role": "assistant" if i % 2 else "user", "content": "x"} for i in range(1, 40_001)]
+    g = flow("continuation", content=json.dumps(doc).encode())
+    doc["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    h = flow("continuation", content=json.dumps(doc).encode())
+    assert len(g.request.content) >= ledgerwatch.SHAPE_OFF_LOOP_MIN
+    await proxy.send(g)
+    _json_answer(g, "msg_2", read=9000, write=200)
+    assert await _respond(proxy, g) is None
+    await proxy.send(h)
+    _json_answer(h, "msg_3", read=9200, write=30)
+    assert await _respond(proxy, h) is None                     # behind g's read, not before it
+    await asyncio.sleep(0.05)
+    assert "ledger" not in g.metadata["sessionpin"] and "ledger" not in h.metadata["sessionpin"]
+    assert len(calls) == 1                 # h's read has not begun: it waits for g's
+    gate.set()
+    await flushed(watch)
+    assert (g.metadata["sessionpin"]["ledger"]["miss"], h.metadata["sessionpin"]["ledger"]["miss"]) == (False, False)
+    assert sorted(t.id for t in await ledger.turns(proxy.store, SESSION))[-2:] == ["msg_2", "msg_3"]
+    assert len(watch._lanes[(SESSION, "main")][1].messages) == len(doc["messages"])   # h's shape kept, last
+
+
+async def test_over_max_behind_the_answer_waits_for_its_read_as_before(proxy, monkeypatch):
+    monkeypatch.setattr(ledgerwatch, "MAX_BEHIND", 0)
+    watch = watch_of(proxy)
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=0, write=9000))
+    g = flow("continuation", content=_large_continuation())
+    await proxy.send(g)
+    _json_answer(g, "msg_2", read=9000, write=200)
+    got = await _respond(proxy, g)
+    assert asyncio.iscoroutine(got) and not watch._behind
+    await got
+    assert g.metadata["sessionpin"]["ledger"]["input"] == 9203

@@ -505,6 +505,7 @@ async def _after(before: asyncio.Task | None, work, flow: http.HTTPFlow) -> None
     await work
     try:
         from mitmproxy import ctx, hooks
-        ctx.master.addons.trigger(hooks.UpdateHook([flow]))
+        if ctx.master.addons.get("view") is not None:     # mitmweb's; mitmdump has none to tell
+            ctx.master.addons.trigger(hooks.UpdateHook([flow]))
     except Exception:               # no master (tests without one): nobody to tell
         pass

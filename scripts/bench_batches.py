@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""CPU of the file store's writes as the proxy's record batches make them (issue 22).
+
+    .venv/bin/python scripts/bench_batches.py [--batches 300]
+    PYTHONPATH=<another tree> .venv/bin/python scripts/bench_batches.py     # another tree's store
+
+On a ``FileStore`` (both copies, the writer's own thread here: ``apply`` called directly), the
+thread CPU (``time.thread_time``) of:
+  ledger batch   one ``apply`` of what ``LedgerWatch`` writes for 8 conversations in one flush:
+                 two ``HSet`` and six ``HIncr`` per conversation's hash, two ``ZAdd`` turn records
+  lineage batch  one ``apply`` of 20 ``Set``s (a response's anchor each, 1-day TTL)
+  one Set        one ``apply`` of a single ``Set``: the cost of a transaction itself
+Each printed per batch, mean over ``--batches`` (the ledger's in blocks of 50: its keys grow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from sessionpin.store.base import HIncr, HSet, Set, ZAdd
+from sessionpin.store.file import FileStore
+
+
+def ledger_batch(sessions: list[str], i: int) -> list:
+    writes: list = []
+    for s in sessions:
+        k = "ledger:" + s
+        writes += [HSet(k, "agent", "claude-code"), HSet(k, "lane:main", '{"x":%d}' % i)]
+        writes += [HIncr(k, f"up|glm|{f}", 10) for f in ("input", "output", "cache_read", "cache_write", "turns")]
+        writes += [HIncr(k, "turns", 2)]
+        writes += [ZAdd("ledger:turns:" + s, '{"t":%d,"u":"%s"}' % (i, s), float(i)),
+                   ZAdd("ledger:turns:" + s, '{"t":%d.5,"u":"%s"}' % (i, s), float(i))]
+    return writes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, default=300)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="sessionpin-batches-") as tmp:
+        store = FileStore(Path(tmp) / "state.db")
+        try:
+            sessions = [str(uuid.uuid4()) for _ in range(8)]
+            block = 50
+            for start in range(0, args.batches, block):
+                t0 = time.thread_time()
+                for i in range(start, start + block):
+                    store.apply([], ledger_batch(sessions, i))
+                print(f"ledger batch (88 writes), after {start + block:4d}: "
+                      f"{(time.thread_time() - t0) / block * 1000:.2f} ms")
+            t0 = time.thread_time()
+            for _ in range(50):
+                store.apply([], [Set(f"lin:claude-code:{uuid.uuid4().hex}", "x" * 60, 86400) for _ in range(20)])
+            print(f"lineage batch (20 Sets): {(time.thread_time() - t0) / 50 * 1000:.2f} ms")
+            t0 = time.thread_time()
+            for _ in range(200):
+                store.apply([], [Set(f"lin:x:{uuid.uuid4().hex}", "x", 86400)])
+            print(f"one Set: {(time.thread_time() - t0) / 200 * 1000:.3f} ms")
+        finally:
+            store.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -257,7 +257,10 @@ def set_agent_server(text: str, agent: str, server: str | None) -> str:
     if not _is_table(entry):
         raise _refuse(setting, f"{_key(agent)} = ... ({_form(entry)})", by_hand)
     if "server" in entry:
-        entry["server"] = value      # tomlkit keeps the key's spacing and trailing comment
+        # a basic string item, not the bare value: tomlkit 0.15 gives a bare value the old one's
+        # quotes ('a' stayed a literal string), 0.13 a basic string; this is the same on both.
+        # tomlkit keeps the key's spacing and trailing comment either way.
+        entry["server"] = tomlkit.string(value)
         return doc.as_string()
     # The table exists without a server line: add one right under its header.
     lines = layout(text)

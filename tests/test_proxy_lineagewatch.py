@@ -117,9 +117,26 @@ def answered(f, request_id: str, status: int = 200) -> None:
         [(b"content-type", b"application/json"), (b"request-id", request_id.encode())]), content=b"{}")
 
 
+async def root_recorded(proxy, root: str, session: str = SESSION) -> bool:
+    """The root's record names ``session`` within 2 s: a read's answer, the record it makes and
+    the record's write each take a turn of the loop or more after ``settled`` saw no read
+    pending (waiting for the writer alone raced them: failed in a fresh-clone run)."""
+    for _ in range(200):
+        if await proxy.store.get(lineindex.root_key("claude-code", root)) == session:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 async def flushed(watch: lineagewatch.LineageWatch) -> None:
-    for _ in range(100):
-        if watch._flusher is None or watch._flusher.done():
+    """No read pending and no record unwritten, three looks in a row 10 ms apart: a read's
+    answer reaches its record a few turns of the loop after the read is done, so one look
+    could come before the record was queued."""
+    quiet = 0
+    for _ in range(300):
+        busy = watch.reads.jobs or watch._pending or (watch._flusher is not None and not watch._flusher.done())
+        quiet = 0 if busy else quiet + 1
+        if quiet >= 3:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the lineage records were not written")
@@ -335,7 +352,7 @@ async def test_a_large_requests_root_is_read_once_its_body_left(proxy, monkeypat
         await watch.settled()
     await flushed(watch)
     root = real(g.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
-    assert calls == [1] and await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
+    assert await root_recorded(proxy, root) and calls == [1]
     assert watch.counts()["pending"] == 0 and perflow.LINEAGE_HELD not in g.metadata
 
 

@@ -197,8 +197,17 @@ def run(code: str, *args: str, check: bool = True) -> None:
 
 
 def scribble(path: Path, offset: int, data: bytes) -> None:
-    run("import sys; f = open(sys.argv[1], 'r+b'); f.seek(int(sys.argv[2])); "
-        "f.write(bytes.fromhex(sys.argv[3])); f.close()", str(path), str(offset), data.hex())
+    scribble_all(path, [(offset, data)])
+
+
+def scribble_all(path: Path, writes: list[tuple[int, bytes]]) -> None:
+    """Every write in one open by another process: a running store that meets the first damaged
+    page repairs at once (the file moved aside), so damage done one process at a time raced it
+    (a later write found no file: it failed so in a fresh-clone run of .ci/run)."""
+    run("import sys; f = open(sys.argv[1], 'r+b')\n"
+        "for w in sys.argv[2:]:\n"
+        "    at, data = w.split(':'); f.seek(int(at)); f.write(bytes.fromhex(data))\n"
+        "f.close()", str(path), *(f"{offset}:{data.hex()}" for offset, data in writes))
 
 
 def entries_pages(db: Path) -> list[int]:
@@ -223,8 +232,8 @@ def test_pages_damaged_while_running_then_a_commit_from_another_connection(fakes
         checkpoint(p.db)                                     # the pins are in the main file now
         pages = entries_pages(p.db)
         mark = p.mitm.line_count                             # before the damage: the router's own background
-        for page in pages:                                   # writes may meet it before our commit does
-            scribble(p.db, (page - 1) * PAGE + 100, os.urandom(PAGE - 200))
+        # writes may meet it before our commit does
+        scribble_all(p.db, [((page - 1) * PAGE + 100, os.urandom(PAGE - 200)) for page in pages])
         # one commit from another connection: the router's page cache is stale, it reads the disk
         # (the header's user_version set to what it is: a commit that touches no damaged page)
         run("import sqlite3, sys; c = sqlite3.connect(sys.argv[1], isolation_level=None); "
@@ -254,8 +263,7 @@ def test_damaged_at_start_is_rebuilt_from_the_copy(fakes: Fakes, tmp_path: Path,
         if damage == "truncated to half":
             os.truncate(p.db, size // 2)
         else:
-            for page in entries_pages(p.db)[:3]:
-                scribble(p.db, (page - 1) * PAGE, os.urandom(PAGE))
+            scribble_all(p.db, [((page - 1) * PAGE, os.urandom(PAGE)) for page in entries_pages(p.db)[:3]])
         p.start()
         rebuilt = p.wait_log(r"rebuilt its database from the copy .*: \d+ keys")
         p.wait_log(r"moved it aside to")

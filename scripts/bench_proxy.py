@@ -21,6 +21,9 @@ load from other processes moves far less than latency (it counts in clock ticks,
 ``--redis`` adds a third proxy to the latency table: the same router with its pins in Redis (a
 redis-server of its own on loopback, ``appendonly yes``, ``appendfsync always``), taking its turn
 in the same steps, so its ratio to plain mitmdump stands beside the file store's from one run.
+``--reverse`` runs plain mitmdump and the router(s) in reverse mode instead (``--mode
+reverse:ORIGIN``: the client sends plain HTTP to the proxy, as an agent whose base URL names it,
+and the proxy speaks TLS upstream); latency and throughput only.
 ``--no-lineage`` adds the router without its lineage watch (``LineageWatch``: what it records
 from responses for later forks — here a ``request-id`` anchor per Claude Code answer) the same
 way: the lineage's cost is the difference between the two routers' ratios in one run.
@@ -393,6 +396,9 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(SIZES), help="body sizes for latency: 10KB,1MB,8MB")
     ap.add_argument("--redis", action="store_true",
                     help="also the router with its pins in Redis (a redis-server of its own, appendfsync always)")
+    ap.add_argument("--reverse", action="store_true",
+                    help="plain mitmdump and the router(s) in reverse mode (the client sends plain HTTP to the "
+                         "proxy, which speaks TLS upstream); latency and throughput only")
     ap.add_argument("--no-lineage", action="store_true", help="also the router without its lineage watch")
     ap.add_argument("--no-ledger", action="store_true", help="also the router without its ledger watch")
     args = ap.parse_args()
@@ -419,8 +425,12 @@ def main() -> None:
             {"claude-code": "up"},
         )
         (tmp / "stream.py").write_text(STREAM_ONLY)
-        plain = Mitmdump(tmp / "plain", script=None, options=trust)
-        router = Mitmdump.router(tmp / "router", ca, config, env={KEY_ENV: UPSTREAM_KEY})
+        # --reverse: each proxy is the server its clients address (plain: the upstream's origin;
+        # the routers: the origin they route away from), as an agent whose base URL names it
+        rev_plain = [f"reverse:{upstream.origin}"] if args.reverse else None
+        rev_router = [f"reverse:{origin.origin}"] if args.reverse else None
+        plain = Mitmdump(tmp / "plain", script=None, options=trust, modes=rev_plain)
+        router = Mitmdump.router(tmp / "router", ca, config, env={KEY_ENV: UPSTREAM_KEY}, modes=rev_router)
         streaming = Mitmdump(tmp / "streaming", script=tmp / "stream.py", options=trust)
         lazy = Mitmdump(tmp / "lazy", script=tmp / "stream.py", options={**trust, "connection_strategy": "lazy"})
         procs = [plain, router, streaming, lazy]
@@ -430,20 +440,21 @@ def main() -> None:
 
             (tmp / "redis").mkdir()
             redis = RedisServer(tmp / "redis").start()
-            on_redis = Mitmdump.router(tmp / "router-redis", ca, config,
+            on_redis = Mitmdump.router(tmp / "router-redis", ca, config, modes=rev_router,
                                        env={KEY_ENV: UPSTREAM_KEY, "SESSIONPIN_STORE": redis.url("{bench}:")})
             on_redis.options.pop("sessionpin_store")
             procs.append(on_redis)
         no_lineage = None
         if args.no_lineage:
             (tmp / "nolin.py").write_text(NO_LINEAGE)
-            no_lineage = Mitmdump.router(tmp / "router-nolin", ca, config, env={KEY_ENV: UPSTREAM_KEY})
+            no_lineage = Mitmdump.router(tmp / "router-nolin", ca, config, env={KEY_ENV: UPSTREAM_KEY}, modes=rev_router)
             no_lineage.script = tmp / "nolin.py"
             procs.append(no_lineage)
         no_ledger = None
         if args.no_ledger:
             (tmp / "noledger.py").write_text(NO_LEDGER)
-            no_ledger = Mitmdump.router(tmp / "router-noledger", ca, config, env={KEY_ENV: UPSTREAM_KEY})
+            no_ledger = Mitmdump.router(tmp / "router-noledger", ca, config, env={KEY_ENV: UPSTREAM_KEY},
+                                        modes=rev_router)
             no_ledger.script = tmp / "noledger.py"
             procs.append(no_ledger)
         routers = ("router",) + (("redis",) if on_redis else ()) + (("nolin",) if no_lineage else ()) \
@@ -458,6 +469,12 @@ def main() -> None:
             for name, p in (("redis", on_redis), ("nolin", no_lineage), ("noledger", no_ledger)):
                 if p is not None:
                     via[name] = (Client.via_proxy(p.port, p.mitm_ca, timeout=120), origin.origin)
+            if args.reverse:
+                via["plain"] = (Client.reverse(plain.port, timeout=120), upstream.url)
+                for name, p in (("router", router), ("redis", on_redis), ("nolin", no_lineage),
+                                ("noledger", no_ledger)):
+                    if p is not None:
+                        via[name] = (Client.reverse(p.port, timeout=120), origin.origin)
 
             # is the router routing? (otherwise the ratios below measure nothing)
             for name in routers:
@@ -496,7 +513,7 @@ def main() -> None:
                     got.update({("throughput",) + k: v for k, v in
                                 throughput(via, (4, 8), 10 * 1024, 3.0 if args.quick else 6.0,
                                            3 if args.quick else 5).items()})
-                if args.only in (None, "first-byte"):
+                if args.only in (None, "first-byte") and not args.reverse:
                     got.update({("first byte",) + k: v for k, v in
                                 first_byte(via, upstream, ttfb_n, args.pause_ms, with_plain=r == 0).items()})
                 rounds.append(got)

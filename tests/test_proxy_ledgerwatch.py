@@ -404,6 +404,18 @@ async def _respond(proxy, f) -> object:
     return got
 
 
+async def _large_turn_answered(proxy):
+    """An opening answered (streamed), then a large continuation sent and given a buffered answer
+    (its hooks not yet run)."""
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=0, write=9000))
+    g = flow("continuation", content=_large_continuation())
+    await proxy.send(g)
+    _json_answer(g, "msg_2", read=9000, write=200)
+    return g
+
+
 def _large_continuation(n: int = 40_000) -> bytes:
     one = b'{"role":"user","content":"x"},'
     return body("continuation").replace(b'"messages": [', b'"messages": [' + one * n, 1)
@@ -423,12 +435,7 @@ async def test_a_buffered_answer_is_not_held_for_its_large_requests_shape(proxy,
             told.append(list(flows))
     proxy.tctx.master.addons.add(View())
     watch = watch_of(proxy)
-    f = flow("opening")
-    await proxy.send(f)
-    await answer(proxy, f, sse_with_usage(read=0, write=9000))
-    g = flow("continuation", content=_large_continuation())
-    await proxy.send(g)
-    _json_answer(g, "msg_2", read=9000, write=200)
+    g = await _large_turn_answered(proxy)
     assert await _respond(proxy, g) is None                     # nothing for mitmproxy to wait for
     await flushed(watch)
     assert g.metadata["sessionpin"]["ledger"]["input"] == 9203
@@ -481,12 +488,7 @@ async def test_a_conversations_turns_are_taken_in_the_order_their_answers_ended(
 async def test_over_max_behind_the_answer_waits_for_its_read_as_before(proxy, monkeypatch):
     monkeypatch.setattr(ledgerwatch, "MAX_BEHIND", 0)
     watch = watch_of(proxy)
-    f = flow("opening")
-    await proxy.send(f)
-    await answer(proxy, f, sse_with_usage(read=0, write=9000))
-    g = flow("continuation", content=_large_continuation())
-    await proxy.send(g)
-    _json_answer(g, "msg_2", read=9000, write=200)
+    g = await _large_turn_answered(proxy)
     got = await _respond(proxy, g)
     assert asyncio.iscoroutine(got) and not watch._behind
     await got

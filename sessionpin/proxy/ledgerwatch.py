@@ -215,19 +215,14 @@ class LedgerWatch:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
         self._request_span(flow, flow.error.msg if cut and flow.error else None)
 
-    async def _turn_later(self, flow: http.HTTPFlow, w: _Watched, read: Read, shape, ended: float) -> None:
+    async def _turn_later(self, flow: http.HTTPFlow, w: _Watched, read: Read, shape, ended: float,
+                          cut: bool = False) -> None:
+        """``_turn`` once its conversation's earlier turn is read (``_beside``), then its span."""
         try:
-            self._turn(flow, w, read, shape, ended)
+            self._turn(flow, w, read, shape, ended, cut=cut)
         except Exception:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
-        self._request_span(flow, None)
-
-    async def _cut_later(self, flow: http.HTTPFlow, w: _Watched, read: Read, shape) -> None:
-        try:
-            self._turn(flow, w, read, shape, time.time(), cut=True)
-        except Exception:
-            log.exception("sessionpin: ledger: cannot read a cut answer's usage")
-        self._request_span(flow, flow.error.msg if flow.error else "error")
+        self._request_span(flow, None if not cut else flow.error.msg if flow.error else "error")
 
     def _beside(self, session: str, flow: http.HTTPFlow, work) -> asyncio.Task | None:
         """Run ``work`` (a turn's reading) beside its answer, after its conversation's turn being
@@ -265,7 +260,7 @@ class LedgerWatch:
                         return large if self._beside(w.session, flow, large) is None else None
                     shape = promptshape.shape(raw, w.api, encoding, self._digests)
                     if w.session in self._behind:    # its conversation's previous turn is still read: after it
-                        later = self._cut_later(flow, w, read, shape)
+                        later = self._turn_later(flow, w, read, shape, time.time(), cut=True)
                         return later if self._beside(w.session, flow, later) is None else None
                     self._turn(flow, w, read, shape, time.time(), cut=True)
             except Exception:
@@ -490,7 +485,6 @@ _NOTE = " | in "       # where the ledger's part of a comment begins
 
 def _k(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 10_000 else str(n)
-
 
 
 async def _after(before: asyncio.Task | None, work, flow: http.HTTPFlow) -> None:

@@ -15,12 +15,14 @@ Rules it keeps:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 from . import safefile
 
@@ -65,6 +67,14 @@ class FileLock:
                 return
             os.close(self._fd)            # the path names another file now: lock that one
             self._fd = None
+
+    @contextlib.contextmanager
+    def held(self, timeout: float) -> Iterator[None]:
+        self.acquire(timeout)
+        try:
+            yield
+        finally:
+            self.release()
 
     def release(self) -> None:
         self._depth -= 1

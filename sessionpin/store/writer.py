@@ -4,9 +4,11 @@ recovery path, and the background thread. ``FileStore`` (file.py) is the API and
 Rules it keeps:
 - One writer connection (the database as ``main``, the copy attached), used under ``wlock``;
   readers never take it. Every write is one BEGIN IMMEDIATE transaction that changes both
-  copies and raises their sequence; a durable one is fsync'd in both WALs, and takes the
-  store's lock file first (so no repair of another process runs between its checks and its
-  commit). After a failed write the connection is dropped and the next write reconnects.
+  copies and raises their sequence; a durable one is fsync'd in both WALs. Every write
+  holds the store's lock file for its whole transaction, and the open holds it while it
+  connects: no repair of another process runs between a write's checks and its commit,
+  and no process makes a new -shm (the old one deleted) while another still commits
+  through the old one (SQLite's own locks live in the -shm, so they cannot exclude it). After a failed write the connection is dropped and the next write reconnects.
 - Before every commit, and every ``watch_interval`` in the background, it checks that the
   paths still name the files it has open (six ``stat``s). If not — or a call met damaged
   pages and a check on a fresh connection confirms them, or the periodic verification finds
@@ -169,7 +171,10 @@ class Writer:
                     unreadable[name] = str(exc)     # set aside by recover, before SQLite touches it
         if self.path.exists() and self.copy.exists() and not unreadable:
             try:
-                self._connect(check=self.check_at_open, compare=True)
+                # under the lock file: opening may make a new -shm (the old one deleted), whose
+                # index must be built after the commit of a process still on the old one
+                with self.lock.held(self.lock_wait):
+                    self._connect(check=self.check_at_open, compare=True)
                 if self.check_at_open:
                     self.checked.set()
                 else:
@@ -323,15 +328,17 @@ class Writer:
             try:
                 if self.w is None:
                     self.open() if self.ident is None else self._reconnect()
-                if durable:
-                    self.lock.acquire(self.busy_timeout)
+                # every write holds the lock file for its whole transaction: SQLite's own locks
+                # live in the -shm, so a process still on a deleted -shm and one on a new -shm
+                # do not exclude each other; the identity check before COMMIT only helps if
+                # nobody can make a new -shm between it and the commit
+                self.lock.acquire(self.busy_timeout)
                 try:
                     result = sf.txn(self.w, lambda c: _both(c, op, now, args, durable), durable=durable,
                                     before_commit=self.check_identity, schemas=copies.SCHEMAS,
                                     patience=self.busy_timeout)
                 finally:
-                    if durable:
-                        self.lock.release()
+                    self.lock.release()
                 self.dirty = self.dirty or not durable
                 return result
             except Exception as exc:
@@ -522,8 +529,9 @@ class Writer:
                 if self.state not in (State.SURE, State.SUSPECT) or self.w is None:
                     break
                 try:
-                    n = sf.txn(self.w, lambda c: copies.delete_expired(c, now, batch), durable=False,
-                               before_commit=self.check_identity, patience=self.busy_timeout)
+                    with self.lock.held(self.busy_timeout):
+                        n = sf.txn(self.w, lambda c: copies.delete_expired(c, now, batch), durable=False,
+                                   before_commit=self.check_identity, patience=self.busy_timeout)
                 except (sqlite3.Error, OSError) as exc:
                     if not sf.is_fault(exc):
                         raise

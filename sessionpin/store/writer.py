@@ -326,14 +326,15 @@ class Writer:
             if self.state is State.UNSURE:
                 raise Unsure(f"not sure of its file: {self.why}; repairing")
             try:
-                if self.w is None:
-                    self.open() if self.ident is None else self._reconnect()
-                # every write holds the lock file for its whole transaction: SQLite's own locks
-                # live in the -shm, so a process still on a deleted -shm and one on a new -shm
-                # do not exclude each other; the identity check before COMMIT only helps if
-                # nobody can make a new -shm between it and the commit
+                # every write holds the lock file for its whole transaction (and a reconnect
+                # before it, which may make a new -shm): SQLite's own locks live in the -shm,
+                # so a process still on a deleted -shm and one on a new -shm do not exclude
+                # each other; the identity check before COMMIT only helps if nobody can make
+                # a new -shm between it and the commit
                 self.lock.acquire(self.busy_timeout)
                 try:
+                    if self.w is None:
+                        self.open() if self.ident is None else self._reconnect()
                     result = sf.txn(self.w, lambda c: _both(c, op, now, args, durable), durable=durable,
                                     before_commit=self.check_identity, schemas=copies.SCHEMAS,
                                     patience=self.busy_timeout)

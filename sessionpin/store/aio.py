@@ -95,6 +95,7 @@ class Lane:
 
     def __init__(self, name: str, batch: bool) -> None:
         self.batch = batch
+        self.outstanding = 0      # calls queued or running, not yet answered (counted on the loop)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -102,8 +103,13 @@ class Lane:
     def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        self.outstanding += 1
+        fut.add_done_callback(self._answered)
         self._queue.put((loop, fut, fn, args, kw))
         return fut
+
+    def _answered(self, _: asyncio.Future) -> None:
+        self.outstanding -= 1
 
     def _drain(self, pending: deque) -> None:
         while True:
@@ -157,9 +163,11 @@ class Threaded:
         self._closed = False
         self._handles = [1]                  # open handles on this backend (``share``), one list for all
         self._now_reads: frozenset[str] = frozenset(getattr(backend, "now_reads", ()))
+        self._now_writes: frozenset[str] = frozenset(getattr(backend, "now_writes", ()))
         self._now_after = 0.0                # monotonic: reads on the loop resume then (after a slow one)
         self._opening: asyncio.Future | None = None
         self.now_reads = self.slow_reads = 0     # answered on the loop; of them, slow (tests, the bench)
+        self.now_writes = 0                      # writes made on the loop (tests, the bench)
 
     async def _read(self, name: str, *args: Any, **kw: Any) -> Any:
         if name in self._now_reads and not kw and time.monotonic() >= self._now_after:
@@ -175,6 +183,22 @@ class Threaded:
                     self.slow_reads += 1
                     self._now_after = time.monotonic() + COOL_OFF
         return await self._call(self._readers, getattr(self.backend, name), *args, **kw)
+
+    async def _write(self, name: str, *args: Any, **kw: Any) -> Any:
+        if (name in self._now_writes and not kw.get("durable") and not self._writer.outstanding
+                and time.monotonic() >= self._now_after):
+            disk, t = _disk_reads(), time.perf_counter()
+            try:
+                result = self.backend.write_now(name, *args, **kw)    # type: ignore[attr-defined]
+                self.now_writes += 1
+                return result
+            except WouldBlock:
+                pass
+            finally:
+                if _disk_reads() != disk if disk is not None else time.perf_counter() - t > SLOW_READ:
+                    self.slow_reads += 1
+                    self._now_after = time.monotonic() + COOL_OFF
+        return await self._call(self._writer, getattr(self.backend, name), *args, **kw)
 
     def _open_now(self) -> None:
         """Have the reader thread open this thread's never-waiting connection (once at a time)."""
@@ -254,7 +278,7 @@ def _threaded(name: str, read: bool):
             return await self._read(name, *args, **kw)
     else:
         async def method(self: Threaded, *args: Any, **kw: Any) -> Any:
-            return await self._call(self._writer, getattr(self.backend, name), *args, **kw)
+            return await self._write(name, *args, **kw)
     method.__name__ = name
     return method
 

@@ -93,7 +93,10 @@ class FileStore:
     def _write(self, op: Callable, *args: Any, durable: bool = False):
         k = self._writer
         try:
-            result = k.write(op, args, self._clock(), durable)
+            if getattr(self._local, "now", False):      # (``write_now``: never durable)
+                result = k.write_now(op, args, self._clock())
+            else:
+                result = k.write(op, args, self._clock(), durable)
         except UnicodeEncodeError as exc:   # a lone surrogate: SQLite takes only UTF-8
             raise StoreError(f"key or value is not valid Unicode text: {exc.reason}") from None
         except Exception as exc:
@@ -145,6 +148,26 @@ class FileStore:
 
     def apply(self, checks: Sequence[Check], writes: Sequence[Write], *, durable: bool = False) -> bool:
         return self._write(ops.op_apply, list(checks), list(writes), durable=durable)
+
+    # what ``write_now`` makes on the caller's thread: small writes (an ``apply`` up to
+    # ``NOW_RECORDS`` records); never a durable one (it fsyncs), never ``zremrange`` (unbounded)
+    now_writes = frozenset({"set", "cas", "delete", "expire", "incr", "hset", "hsetnx", "hdel", "hincr",
+                            "zadd", "zrem", "apply"})
+    NOW_RECORDS = 256
+
+    def write_now(self, name: str, *args: Any, **kw: Any) -> Any:
+        """The ordinary write ``name(*args, **kw)`` made on this thread if it need not wait;
+        ``WouldBlock`` otherwise, nothing written (the caller writes on a thread that may
+        wait). A fault or damage raises as the write itself says it."""
+        if name not in self.now_writes or kw.get("durable"):
+            raise WouldBlock(name)
+        if name == "apply" and (len(args) != 2 or len(args[0]) + len(args[1]) > self.NOW_RECORDS):
+            raise WouldBlock("a large apply")
+        self._local.now = True
+        try:
+            return getattr(self, name)(*args, **kw)
+        finally:
+            self._local.now = False
 
     # == reads ========================================================================
     def _reader(self) -> sqlite3.Connection:

@@ -68,6 +68,32 @@ class FileLock:
             os.close(self._fd)            # the path names another file now: lock that one
             self._fd = None
 
+    def try_acquire(self) -> bool:
+        """Take it if nobody holds it (no waiting at all); whether it was taken."""
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return True
+        if not self._threads.acquire(blocking=False):
+            return False
+        try:
+            if self._fd is None:
+                self._fd = safefile.open_file(self.path, os.O_RDWR | os.O_CREAT)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._threads.release()
+                return False
+            if not same_file(self.path, self._fd):      # replaced: the waiting path sorts it out
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                self._threads.release()
+                return False
+        except BaseException:
+            self._threads.release()
+            raise
+        self._owner, self._depth = me, 1
+        return True
+
     @contextlib.contextmanager
     def held(self, timeout: float) -> Iterator[None]:
         self.acquire(timeout)

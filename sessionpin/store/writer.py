@@ -46,12 +46,16 @@ from typing import Any, Callable
 
 from . import copies, safefile
 from . import sqlitefile as sf
-from .base import StoreError
+from .base import StoreError, WouldBlock
 from .copies import Identity
 from .filelock import FileLock
 
 log = logging.getLogger("sessionpin.store.file")
 
+WRITER_BUSY_MS = 20   # the writer connection's own busy timeout (its transaction's loop waits longer)
+AUTOCHECKPOINT = 1000 # pages (SQLite's default): a commit leaving a WAL this long checkpoints it
+WAL_LIMIT = 16 << 20  # bytes: a WAL reset after a checkpoint is cut back to this (journal_size_limit)
+WAL_GUARD = 32 << 20  # bytes: a WAL this large (checkpoints are not keeping up) takes no write on the loop
 HISTORY = 20          # the last repairs kept in both files' meta table (for doctor)
 VERIFY_SHARE = 50     # the verification waits this many times as long as it took
 
@@ -127,6 +131,7 @@ class Writer:
         self.gen = 0                                   # readers reopen when it moves
         self.dirty = False
         self.next_verify = 0.0
+        self.loop_commits = 0                          # writes made on the event loop since the last checkpoint
         self.last_repair: dict | None = None
         self.repairs: list = []
         self.pending: list[str] = []                   # repairs to record once there is a file for them
@@ -274,11 +279,13 @@ class Writer:
                 copies.attach(conn, self.copy)
                 conn.execute("PRAGMA copy.journal_mode = WAL")
                 conn.execute("PRAGMA copy.synchronous = NORMAL")
+                for schema in copies.SCHEMAS:       # (so a WAL that grew once does not look full for ever)
+                    conn.execute(f"PRAGMA {schema}.journal_size_limit = {WAL_LIMIT}")
                 copies.track(conn)
                 # BEGIN IMMEDIATE takes two files' write locks: SQLite's busy handler sleeps up to
                 # 100 ms between tries, and under contention a writer that sleeps that long
                 # rarely finds both free; the txn's own loop tries again every millisecond
-                conn.execute("PRAGMA busy_timeout = 20")
+                conn.execute(f"PRAGMA busy_timeout = {WRITER_BUSY_MS}")
                 why = copies.check(conn, "copy") if check else None
                 if why is None and compare and (not found or copies.seq(conn) != copies.seq(conn, "copy")):
                     why = "one is behind the other"
@@ -349,6 +356,89 @@ class Writer:
                     self.suspect()
                 raise
 
+    def write_now(self, op: Callable, args: tuple, now: float):
+        """An ordinary write made on the caller's thread (the event loop's) when nothing would
+        make it wait; ``WouldBlock`` otherwise, nothing written, and the caller writes on the
+        writer thread. It would wait for: this process's writer (another thread holds
+        ``wlock``), the lock file (another process's write or repair), SQLite's write lock
+        (busy timeout 0 here), a checkpoint (the autocheckpoint is off for this commit, and a
+        WAL at its size goes to the thread, whose commit checkpoints it), or a store not SURE.
+        Faults and damage are handled as ``write`` handles them."""
+        if self.state is not State.SURE or self.w is None:
+            raise WouldBlock("the store is not sure of its file, or not open")
+        if not self.wlock.acquire(blocking=False):
+            raise WouldBlock("the writer is busy")
+        try:
+            if self.state is not State.SURE or self.w is None:
+                raise WouldBlock("the store is not sure of its file, or not open")
+            if not self.lock.try_acquire():
+                raise WouldBlock("the lock file is held")
+            try:
+                if self._wal_size() >= WAL_GUARD:
+                    raise WouldBlock("the WAL waits for its checkpoint")   # the thread's commit makes it
+                conn = self.w
+                conn.execute("PRAGMA busy_timeout = 0")
+                conn.execute("PRAGMA wal_autocheckpoint = 0")
+                try:
+                    result = sf.txn(conn, lambda c: _both(c, op, now, args, False), durable=False,
+                                    before_commit=self.check_identity, schemas=copies.SCHEMAS)
+                except sqlite3.OperationalError as exc:
+                    if sf.code(exc) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                        raise WouldBlock(str(exc)) from exc
+                    raise
+                finally:
+                    try:
+                        conn.execute(f"PRAGMA busy_timeout = {WRITER_BUSY_MS}")
+                        conn.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT}")
+                    except sqlite3.Error:
+                        pass
+            finally:
+                self.lock.release()
+            self.dirty = True
+            self.loop_commits += 1              # the background thread checkpoints them, not the loop
+            return result
+        except WouldBlock:
+            raise
+        except Exception as exc:
+            if sf.is_fault(exc) and not isinstance(exc, Unsure):
+                self._after_fault()
+            if sf.is_damage(exc):
+                self.suspect()
+            raise
+        finally:
+            self.wlock.release()
+
+    def _wal_size(self) -> int:
+        """The larger WAL's size in bytes (0: none)."""
+        size = 0
+        for wal in (f"{self.path}-wal", f"{self.copy}-wal"):
+            try:
+                size = max(size, os.stat(wal).st_size)
+            except FileNotFoundError:
+                continue
+        return size
+
+    def checkpoint(self) -> None:
+        """Checkpoint both WALs if a write on the event loop committed since the last time
+        (background thread, with the flush): those commits' own autocheckpoint is off, so that
+        no commit on the loop copies pages and fsyncs. PASSIVE: it waits for no reader and no
+        writer; what it cannot copy now, a later one does."""
+        if self.state is not State.SURE or not self.loop_commits:
+            return
+        self.loop_commits = 0
+        with self.wlock:
+            if self.state is not State.SURE or self.w is None:
+                return
+            try:
+                with self.lock.held(self.busy_timeout):
+                    self.check_identity()       # never into a file that is no longer the store's
+                    for schema in copies.SCHEMAS:
+                        self.w.execute(f"PRAGMA {schema}.wal_checkpoint(PASSIVE)").fetchall()
+            except (sqlite3.Error, OSError) as exc:
+                if not sf.is_fault(exc):
+                    raise
+                log.debug("store %s: checkpoint failed: %s", self.path, exc)
+
     def _after_fault(self) -> None:
         """Drop the writer connection (the next write opens a fresh one) — unless the paths
         no longer name its files: then it may hold what the repair rebuilds from. Dropped, it
@@ -411,6 +501,7 @@ class Writer:
                 now = time.monotonic()
                 if now >= next_flush:
                     next_flush = now + self.flush_interval
+                    self.checkpoint()
                     self.flush()
                 if now >= next_sweep:
                     next_sweep = now + self.sweep_interval

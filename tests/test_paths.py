@@ -207,3 +207,18 @@ def test_unrouted_names_the_part_before_an_endpoint_scope_does_not_take(path, pr
 @pytest.mark.parametrize("path", ["/v1/threads/x/messages", "/v1/messages/", "/x/v1/models", "/v1/../v1/messages"])
 def test_an_unknown_prefix_still_wants_an_exact_endpoint(path):
     assert not paths.scope("POST", path, None).inference
+
+
+def test_a_short_target_is_remembered_and_a_long_one_is_not():
+    """Issue 22: a request is scoped four times (connect check, body limit, router, rewrite
+    plan); an agent's few targets are worked out once. A hostile client's long targets are
+    not kept (memory)."""
+    paths._memo.cache_clear()
+    a = paths.scope("POST", "/v1/messages?beta=true", "")
+    assert paths.scope("POST", "/v1/messages?beta=true", "") is a and a.api == "anthropic-messages"
+    assert paths._memo.cache_info().hits == 1
+    long = "/v1/messages?" + "x" * paths.MEMO_PATH
+    assert paths.scope("POST", long, "").api == "anthropic-messages"
+    assert paths._memo.cache_info().currsize == 1                  # the long one not kept
+    assert paths.scope("post", "/v1/messages", "").inference      # the method as sent: its own entry
+    assert paths.scope("GET", "/v1/messages", "").api == "other"

@@ -47,6 +47,7 @@ Pure: strings in, a value out.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -143,7 +144,21 @@ def unsafe(path: str) -> str | None:
 def scope(method: str, path: str, prefix: str | None = "") -> Scope:
     """What a request to a server with this path prefix ("" or "/api/anthropic", no
     trailing slash) is: an inference api, "other", or refused (see the module's rules).
-    ``prefix=None``: no server is known at the request's origin."""
+    ``prefix=None``: no server is known at the request's origin.
+
+    Remembered for the last ``MEMO`` short targets: a request is scoped by the connect check,
+    the body limit, the router and its rewrite plan (four times, ~5 µs each), and an agent
+    sends the same few targets all day. A long target is worked out each time (a hostile
+    client's paths must not fill memory)."""
+    if len(path) <= MEMO_PATH:
+        return _memo(method, path, prefix)
+    return _scope(method, path, prefix)
+
+
+MEMO, MEMO_PATH = 1024, 512
+
+
+def _scope(method: str, path: str, prefix: str | None) -> Scope:
     if method.strip().upper() != "POST":
         return Scope(OTHER)
     why = unsafe(path)
@@ -161,6 +176,9 @@ def scope(method: str, path: str, prefix: str | None = "") -> Scope:
                                           or (prefix is not None and before[: -len(VERSION)] == prefix))):
         return Scope(api, endpoint=endpoint + sep + query)
     return Scope(OTHER)
+
+
+_memo = functools.lru_cache(maxsize=MEMO)(_scope)
 
 
 def api_of_path(method: str, path: str) -> str:

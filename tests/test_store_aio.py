@@ -403,3 +403,23 @@ async def test_a_write_on_the_loop_never_checkpoints_there(tmp_path):
         assert lane.names == ["set"]
     finally:
         await store.close()
+
+
+async def test_a_write_given_up_on_still_holds_back_the_writes_after_it(tmp_path):
+    """A caller that stops waiting (cancelled) does not let later writes pass its write on the
+    loop: the thread has not made it yet, and it could overwrite theirs."""
+    store = await opened(tmp_path)
+    release = threading.Event()
+    try:
+        held = store._writer.call(release.wait, 10)
+        held.cancel()                                   # nobody waits for it any more
+        lane = WriterCalls(store)
+        second = asyncio.ensure_future(store.set("k", "after"))
+        await asyncio.sleep(0.05)
+        assert lane.names == ["set"] and not second.done()     # queued behind it, not made on the loop
+        release.set()
+        assert await second is True and await store.get("k") == "after"
+        assert store._writer.outstanding == 0
+    finally:
+        release.set()
+        await store.close()

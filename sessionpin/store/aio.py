@@ -62,15 +62,16 @@ def _disk_reads() -> int | None:
     return r.ru_inblock + r.ru_majflt
 
 
-def _answer(answers: dict[asyncio.AbstractEventLoop, list]) -> None:
+def _answer(answers: dict[asyncio.AbstractEventLoop, list], lane: "Lane") -> None:
     for loop, done in answers.items():
         try:
-            loop.call_soon_threadsafe(_settle, done)
+            loop.call_soon_threadsafe(_settle, done, lane)
         except RuntimeError:          # the caller's loop is closed: nobody waits
             pass
 
 
-def _settle(done: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+def _settle(done: list[tuple[asyncio.Future, Any, BaseException | None]], lane: "Lane") -> None:
+    lane.outstanding -= len(done)     # answered (a caller that gave up waiting counts until now)
     for fut, result, error in done:
         if fut.cancelled():
             continue
@@ -95,7 +96,7 @@ class Lane:
 
     def __init__(self, name: str, batch: bool) -> None:
         self.batch = batch
-        self.outstanding = 0      # calls queued or running, not yet answered (counted on the loop)
+        self.outstanding = 0      # calls queued or running, not yet answered on the loop
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -104,12 +105,8 @@ class Lane:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self.outstanding += 1
-        fut.add_done_callback(self._answered)
         self._queue.put((loop, fut, fn, args, kw))
         return fut
-
-    def _answered(self, _: asyncio.Future) -> None:
-        self.outstanding -= 1
 
     def _drain(self, pending: deque) -> None:
         while True:
@@ -135,7 +132,7 @@ class Lane:
             self._drain(pending)
             item = self._next(pending)
             if item is None:
-                _answer(answers)
+                _answer(answers, self)
                 return
             loop, fut, fn, args, kw = item
             try:
@@ -143,7 +140,7 @@ class Lane:
             except BaseException as e:   # handed to the caller, whatever it is
                 answers.setdefault(loop, []).append((fut, None, e))
             if not self.batch or (not pending and self._queue.empty()):
-                _answer(answers)
+                _answer(answers, self)
                 answers = {}
 
     def stop(self, wait: bool) -> None:

@@ -413,10 +413,19 @@ s.close()
 """
 
 INCRER = r"""
-import sys
+import sys, time
+from sessionpin.store import StoreUnavailable
 from sessionpin.store.file import FileStore
 s = FileStore(sys.argv[1])
-print("incr", s.incr("shared"), flush=True)
+deadline = time.monotonic() + 20
+while True:                  # refused while a process repairs what the deletion left: try again
+    try:
+        print("incr", s.incr("shared"), flush=True)
+        break
+    except StoreUnavailable:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
 s.close()
 """
 

@@ -307,12 +307,15 @@ class Writer:
         self.gen += 1                               # readers opened meanwhile open afresh
 
     def drop_writer(self) -> None:
+        # its files may have been replaced (or its -shm: another process then has another
+        # wal-index over the same -wal): closing must not checkpoint into, and delete, the
+        # -wal and -shm of the files now at the paths
+        stale = self.state is State.UNSURE or (
+            self.ident is not None and self.ident.differs(Identity.of(self.path)) is not None)
         for conn in (self.w, self.parked):
             if conn is not None:
                 try:
-                    # its files may have been replaced: closing must not checkpoint into (and
-                    # delete) the -wal of the file now at the path
-                    conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, self.state is State.UNSURE)
+                    conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, stale)
                     conn.close()
                 except sqlite3.Error:
                     pass

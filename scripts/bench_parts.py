@@ -25,6 +25,13 @@ Variants (``make_addons(without=...)``, options):
   bare       without both and without the OpenCode id pool
   quiet      full, ``sessionpin_decision_log=off``
   noop       plain mitmdump with a script whose ``request`` hook does nothing (the cost of a script)
+One piece of the full router taken out (a monkeypatch in the variant's script: to measure it,
+never a way to run):
+  threadwrites    every store write on the writer thread (``FileStore.now_writes`` empty: as before
+                  issue 22's writes on the loop)
+  noroot          no lineage root read per request with history
+  noshape         no prompt shape per answered turn (the ledger)
+  noledgerwrites  the ledger's turns not written
 The difference between two variants' CPU per request, in one run, is what the part costs.
 """
 
@@ -46,10 +53,18 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_proxy as BP  # noqa: E402
 from e2e.harness import Client, FakeServer, Mitmdump, TestCA, toml_config  # noqa: E402
 
+_FULL = "from sessionpin.proxy import make_addons\naddons = make_addons()\n"
 SCRIPTS = {
     "nolin": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage',))\n",
     "noledger": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('ledger',))\n",
     "bare": "from sessionpin.proxy import make_addons\naddons = make_addons([], without=('lineage', 'ledger'))\n",
+    # one piece taken out of the full router, to measure it (never how it should run)
+    "threadwrites": "from sessionpin.store.file import FileStore\nFileStore.now_writes = frozenset()\n" + _FULL,
+    "noroot": "from sessionpin.proxy import lineagewatch\n"
+              "lineagewatch.LineageWatch._request_root = lambda self, flow, state: None\n" + _FULL,
+    "noshape": "from sessionpin.reader import promptshape\npromptshape.shape = lambda *a, **k: None\n" + _FULL,
+    "noledgerwrites": "from sessionpin.proxy import ledgerwatch\n"
+                      "ledgerwatch.LedgerWatch._queue = lambda self, *a, **k: None\n" + _FULL,
 }
 OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}}
 NOOP = "def request(flow):\n    pass\n"
@@ -159,13 +174,13 @@ def main() -> None:
 
     print(f"{args.clients} clients, {args.size} {args.shape} turns, {args.rounds} phases of {args.seconds:g} s "
           f"per proxy; medians")
-    print(f"{'proxy':10} {'req/s':>7} {'cpu/req ms':>11} {'main':>6} {'others':>7} {'vs plain':>9}")
+    print(f"{'proxy':14} {'req/s':>7} {'cpu/req ms':>11} {'main':>6} {'others':>7} {'vs plain':>9}")
     plain = statistics.median(x[1] for x in rows["plain"])
     for name, got in rows.items():
         rate = statistics.median(x[0] for x in got)
         cpu = statistics.median(x[1] for x in got)
         main_ms = statistics.median(x[2] for x in got)
-        print(f"{name:10} {rate:7.0f} {cpu:11.2f} {main_ms:6.2f} {cpu - main_ms:7.2f} {cpu - plain:+9.2f}")
+        print(f"{name:14} {rate:7.0f} {cpu:11.2f} {main_ms:6.2f} {cpu - main_ms:7.2f} {cpu - plain:+9.2f}")
 
 
 if __name__ == "__main__":

@@ -514,6 +514,27 @@ def test_fingerprint_is_only_a_hash():
     int(f.session[3:], 16)
 
 
+def test_a_remembered_system_prompt_gives_the_fingerprint_worked_out_afresh():
+    """Issue 22: pi's system prompt has its dates taken out once per text (the regex cost
+    ~0.4 ms a request), not once per request — the fingerprint is the same either way (pins
+    are kept by it), and a prompt over the bound is worked out each time, not remembered."""
+    from sessionpin.reader import sessions
+    system = "You are pi. Current date: 2026-12-03. Today is Thursday, Dec 3rd 2026, 14:05 UTC."
+    body = pi_chat({"role": "user", "content": "fix it"}, system=system)
+    sessions._undated.cache_clear()
+    first = read("POST", "/v1/chat/completions", [], body).session
+    again = read("POST", "/v1/chat/completions", [], body).session
+    assert first == again and sessions._undated.cache_info().hits >= 1
+    other_day = pi_chat({"role": "user", "content": "fix it"}, system=system.replace("12-03", "12-04"))
+    assert read("POST", "/v1/chat/completions", [], other_day).session == first
+    sessions._undated.cache_clear()
+    assert read("POST", "/v1/chat/completions", [], body).session == first      # afresh: the same
+    big = system + " pad" * (sessions.UNDATED_MEMO_CHARS // 4)
+    sessions._undated.cache_clear()
+    read("POST", "/v1/chat/completions", [], pi_chat({"role": "user", "content": "fix it"}, system=big))
+    assert sessions._undated.cache_info().currsize == 0
+
+
 def test_fingerprint_ignores_cache_control_moves_block_vs_string_and_billing_line():
     one = cc_body(line=True, tools=True)
     one["system"][0] = billing(" cc_prev_req=req_1;")

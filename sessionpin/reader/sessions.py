@@ -13,6 +13,7 @@ Rules it keeps (docs/facts.md):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 
@@ -197,13 +198,26 @@ _DATE_TIME = re.compile(
 )
 
 
+# A client sends the same system prompt on every request of a process: its dates are taken out
+# once (the regex tries six alternatives at every character: ~0.4 ms for pi's 5 KB prompt, on
+# every request). The last few prompts are remembered, only those of up to 128 Ki characters
+# (what a hostile client's prompts can hold in memory: 16 × 2 × 128 Ki).
+UNDATED_MEMO, UNDATED_MEMO_CHARS = 16, 128 * 1024
+
+
+@functools.lru_cache(maxsize=UNDATED_MEMO)
+def _undated(text: str) -> str:
+    return _DATE_TIME.sub("<date>", text)
+
+
 def fingerprint(b: wire.Body) -> str | None:
     """``fp:`` + blake2b-128 of the normalised opening (system prompt and first user
     message). None when the body has neither."""
     system, user = opening(b)
     if not system and not user:
         return None
-    system = [_DATE_TIME.sub("<date>", text) for text in system]
+    system = [_undated(text) if len(text) <= UNDATED_MEMO_CHARS else _DATE_TIME.sub("<date>", text)
+              for text in system]
     payload = "\x1e".join(system) + "\x1d" + "\x1e".join(user)
     digest = hashlib.blake2b(payload.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
     return FINGERPRINT_PREFIX + digest

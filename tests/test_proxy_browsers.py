@@ -97,3 +97,26 @@ async def test_an_allowed_origin_is_routed(proxy):
 async def test_an_allowed_origin_must_be_an_origin(proxy, bad):
     with pytest.raises(exceptions.OptionsError, match="sessionpin_allow_origins"):
         proxy.tctx.configure(_guard(proxy), sessionpin_allow_origins=[bad])
+
+
+def test_the_headers_read_for_a_page_are_those_a_whole_decode_gives():
+    """Issue 22: only names holding "origin" or "sec-fetch-site" are decoded; what
+    ``from_web_page`` says is the same as from every header decoded (a name with spaces or
+    other whitespace around it, any case, a value not UTF-8)."""
+    from mitmproxy import http as mhttp
+    from sessionpin.decision import headers as H
+    from sessionpin.proxy.browsers import _page_headers
+    cases = [
+        [(b"Origin", b"https://evil.example")],
+        [(b" origin\x1c", b"https://evil.example")],
+        [(b"SEC-FETCH-SITE", b"cross-site"), (b"x-api-key", b"k")],
+        [(b"sec-fetch-site", b"none"), (b"content-type", b"application/json")],
+        [(b"origin", b"\xff\xfe"), (b"Origin", b"https://second")],
+        [(b"x-origin-note", b"a"), (b"user-agent", b"claude-cli/2")],
+        [],
+    ]
+    for fields in cases:
+        h = mhttp.Headers(fields)
+        for allowed in ((), ("https://evil.example",)):
+            assert H.from_web_page(_page_headers(h.fields), allowed) == \
+                H.from_web_page(h.items(multi=True), allowed), fields

@@ -70,7 +70,7 @@ class PageGuard:
         if flow.response or flow.error or not flow.live or flow.request.stream:
             return
         req = flow.request
-        why = headers.from_web_page(req.headers.items(multi=True), self.allowed)
+        why = headers.from_web_page(_page_headers(req.headers.fields), self.allowed)
         if why is None or not self._guarded(flow):
             return
         # the error format its API reads, by the router's own rule (config.Config.scope)
@@ -95,3 +95,16 @@ class PageGuard:
         if req.path.startswith(INTERNAL_PREFIX):
             return True
         return self.config.config.server_for(req.scheme, req.host, req.port, req.path) is not None
+
+
+def _page_headers(fields) -> list[tuple[str, str]]:
+    """The headers ``from_web_page`` may read, decoded as mitmproxy decodes them; the rest of a
+    request's ~25 headers are not decoded at all (a str per name and value, every request).
+    A superset: every name that holds the bytes of one it reads, whatever surrounds them
+    (``from_web_page`` strips and compares as before; no other character lowers to these)."""
+    out = []
+    for n, v in fields:
+        low = n.lower()
+        if b"origin" in low or b"sec-fetch-site" in low:
+            out.append((n.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape")))
+    return out

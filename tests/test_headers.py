@@ -286,3 +286,19 @@ def test_an_allowed_origin_passes_and_only_it():
 def test_a_web_page_header_value_is_shown_short_and_printable():
     why = headers.from_web_page([("Origin", "https://x.example/\x1b[2J" + "a" * 300)])
     assert why.isprintable() and len(why) < 100
+
+
+def test_a_header_value_is_judged_once_and_a_long_one_each_time():
+    """Issue 22: an agent's header values repeat on every request; their key check is
+    remembered (short values only), with the same verdicts."""
+    from sessionpin.decision import headers as H
+    H._clean_memo.cache_clear()
+    key_like = "sk-ant-api03-" + "aB3dE5gH7jK9mN1pQ3rS5tU7vW9xY1z" * 2
+    hs = [("user-agent", "claude-cli/2.1.332 (external, cli)"), ("x-stainless-retry-count", key_like),
+          ("x-claude-code-session-id", "2f732b12-0d37-4b7f-a05c-01c6aa4e6937")]
+    first = H.dropped_for_move(hs)
+    assert H.dropped_for_move(hs) == first == ("x-stainless-retry-count",)
+    assert H._clean_memo.cache_info().hits == 3
+    long = [("x-stainless-note", "a " * 400 + key_like)]
+    assert H.dropped_for_move(long) == ("x-stainless-note",)
+    assert H._clean_memo.cache_info().currsize == 3                  # the long one not kept

@@ -86,10 +86,19 @@ def allowed(name: str) -> bool:
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")   # a tab is a value's own
 
 
-def _clean_value(value: str) -> bool:
+def _clean(value: str) -> bool:
     if _CONTROL.search(value):
         return False   # an obs-folded or smuggled line
     return not contains_key(value)
+
+
+# An agent sends the same header values on every request (its version, betas, session id):
+# judged once. Short values only, a bounded number (what a client's values can hold in memory).
+_clean_memo = functools.lru_cache(maxsize=1024)(_clean)
+
+
+def _clean_value(value: str) -> bool:
+    return _clean_memo(value) if len(value) <= 512 else _clean(value)
 
 
 def dropped_for_move(headers: Iterable[tuple[str, str]], keep: Iterable[str] = ()) -> tuple[str, ...]:

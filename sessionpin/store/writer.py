@@ -353,10 +353,7 @@ class Writer:
                 self.dirty = self.dirty or not durable
                 return result
             except Exception as exc:
-                if sf.is_fault(exc) and not isinstance(exc, Unsure):
-                    self._after_fault()
-                if sf.is_damage(exc):
-                    self.suspect()
+                self._failed(exc)
                 raise
 
     def write_now(self, op: Callable, args: tuple, now: float):
@@ -365,8 +362,8 @@ class Writer:
         writer thread. It would wait for: this process's writer (another thread holds
         ``wlock``), the lock file (another process's write or repair), SQLite's write lock
         (busy timeout 0 here), a checkpoint (the autocheckpoint is off for this commit, and a
-        WAL at its size goes to the thread, whose commit checkpoints it), or a store not SURE.
-        Faults and damage are handled as ``write`` handles them."""
+        WAL past ``WAL_GUARD`` goes to the thread, whose commit checkpoints it), or a store not
+        SURE. Faults and damage are handled as ``write`` handles them."""
         if self.state is not State.SURE or self.w is None:
             raise WouldBlock("the store is not sure of its file, or not open")
         if not self.wlock.acquire(blocking=False):
@@ -403,10 +400,7 @@ class Writer:
         except WouldBlock:
             raise
         except Exception as exc:
-            if sf.is_fault(exc) and not isinstance(exc, Unsure):
-                self._after_fault()
-            if sf.is_damage(exc):
-                self.suspect()
+            self._failed(exc)
             raise
         finally:
             self.wlock.release()
@@ -441,6 +435,14 @@ class Writer:
                 if not sf.is_fault(exc):
                     raise
                 log.debug("store %s: checkpoint failed: %s", self.path, exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """What a failed write leaves (wlock held): a fault drops the writer connection (or
+        notices the paths changed), damage has the pages checked."""
+        if sf.is_fault(exc) and not isinstance(exc, Unsure):
+            self._after_fault()
+        if sf.is_damage(exc):
+            self.suspect()
 
     def _after_fault(self) -> None:
         """Drop the writer connection (the next write opens a fresh one) — unless the paths

@@ -75,3 +75,31 @@ def test_the_lock_follows_a_replaced_file(tmp_path):
     assert _try(a)
     a.close()
     b.close()
+
+
+def test_trying_the_lock_never_waits(tmp_path):
+    """``try_acquire`` (a write on the event loop): taken when free, at once False when another
+    process or another thread holds it, again by the thread that holds it."""
+    path = tmp_path / "s.lock"
+    lock = FileLock(path)
+    assert lock.try_acquire() is True and lock.try_acquire() is True     # and again, nested
+    got = []
+    t = threading.Thread(target=lambda: got.append(lock.try_acquire()))
+    t.start()
+    t.join()
+    assert got == [False]                                    # another thread: no wait
+    lock.release()
+    lock.release()
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), "0.5"], text=True, stdout=subprocess.PIPE,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert p.stdout.readline() == "held\n"
+        t0 = time.monotonic()
+        assert lock.try_acquire() is False and time.monotonic() - t0 < 0.1   # another process: no wait
+        lock.acquire(5)                                      # (the waiting path still works after)
+        lock.release()
+    finally:
+        p.wait(timeout=10)
+    assert lock.try_acquire() is True
+    lock.release()
+    lock.close()

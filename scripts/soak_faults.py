@@ -175,11 +175,14 @@ def cc_request(session: str, continuation: bool, stream: bool) -> Req:
     user = {"role": "user", "content": [{"type": "text", "text": f"Fix the failing test. {PROMPT}"}]}
     messages = [user]
     if continuation:
+        # the ids and the signature a real answer has, its own: conversations whose histories
+        # were byte for byte the same would share their lineage root (each one another's fork)
+        tool, sig = f"toolu_01{session.replace('-', '')[:22]}", "EqQBCkYIBxgCKkB0" + session.replace("-", "")
         messages += [
             {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "Look at the test first.", "signature": "EqQBCkYIBxgCKkB0c2ln"},
-                {"type": "tool_use", "id": "toolu_01A", "name": "Bash", "input": {"command": "pytest -x"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A", "content": "1 failed"}]},
+                {"type": "thinking", "thinking": "Look at the test first.", "signature": sig},
+                {"type": "tool_use", "id": tool, "name": "Bash", "input": {"command": "pytest -x"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool, "content": "1 failed"}]},
         ]
     else:
         headers.append(("x-claude-code-prompt-id", str(uuid.uuid4())))
@@ -205,9 +208,10 @@ def codex_request(session: str, continuation: bool, stream: bool) -> Req:
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"hello {PROMPT}"}]},
     ]
     if continuation:
+        call = f"call_{session.replace('-', '')[:24]}"      # its own, as a real answer's (see cc_request)
         items += [{"type": "reasoning", "summary": []},
-                  {"type": "function_call", "name": "shell", "arguments": "{}", "call_id": "c"},
-                  {"type": "function_call_output", "call_id": "c", "output": "hi"}]
+                  {"type": "function_call", "name": "shell", "arguments": "{}", "call_id": call},
+                  {"type": "function_call_output", "call_id": call, "output": "hi"}]
     body = {"model": "gpt-5-codex", "instructions": "You are Codex.", "input": items,
             "tools": [{"type": "function", "name": "shell"}], "stream": stream, "prompt_cache_key": session}
     return Req("/v1/responses", headers, json.dumps(body).encode())

@@ -25,6 +25,8 @@ import socket
 import subprocess
 import tempfile
 import time
+
+import ports  # tests/ports.py
 from pathlib import Path
 
 import redis
@@ -69,9 +71,7 @@ def _die_with_parent() -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()      # below the ephemeral range: free again at a restart
 
 
 def unique_prefix() -> str:

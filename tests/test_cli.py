@@ -18,6 +18,7 @@ from sessionpin.config import config
 from sessionpin.records import pins
 from sessionpin.cli import common, context, launch, look, proxies
 from sessionpin.store import open_store
+import ports  # tests/ports.py: a port that is free again at a restart
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,9 +41,7 @@ server = "glm"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()      # below the ephemeral range: free again at a restart
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from sessionpin.serverpools import members, quota
 from sessionpin.records import pins
 from sessionpin.cli import launch, proxies
 from sessionpin.store import open_store
+import ports  # tests/ports.py: a port that is free again at a restart
 
 CONFIG = '''\
 [servers.anthropic]
@@ -41,9 +42,7 @@ server = "anthropic"   # for now
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()      # below the ephemeral range: free again at a restart
 
 
 @pytest.fixture

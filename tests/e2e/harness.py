@@ -92,6 +92,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+import ports  # tests/ports.py: a port that is free again at a restart
+
 REPO = Path(__file__).resolve().parents[2]
 ROUTE_SCRIPT = REPO / "addons" / "route.py"
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
@@ -101,10 +103,9 @@ Headers = list[tuple[str, str]]
 
 
 def free_port() -> int:
-    """A port that was free a moment ago (for a second mitmdump mode: two modes cannot both use -p 0)."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    """A port that was free a moment ago (for a second mitmdump mode: two modes cannot both use -p 0),
+    outside the ephemeral range, so that a restart finds it free (``tests/ports.py``)."""
+    return ports.free_port()
 
 
 # --------------------------------------------------------------------------- test CA

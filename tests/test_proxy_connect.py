@@ -15,11 +15,8 @@ from shellkit import CONFIG, SESSION, flow, start
 
 
 def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    import ports
+    return ports.free_port()        # below the ephemeral range: nobody else takes it meanwhile
 
 
 @pytest.fixture

@@ -522,11 +522,8 @@ async def test_a_large_bodys_lineage_is_read_off_the_event_loop(proxy, monkeypat
 async def test_a_codex_websocket_to_a_dead_server_is_refused_so_codex_falls_back_at_once(cfg_path):
     """Codex reconnects a refused upgrade five times before its HTTPS fallback, unless the answer
     is 426 (measured with Codex 0.171: docs/traffic.md); its POST then gets the 400 Codex does not retry."""
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead = s.getsockname()[1]
-    s.close()
+    import ports
+    dead = ports.free_port()        # nobody listens there (below the ephemeral range: nobody will)
     cfg_path.write_text(CODEX_CONFIG.replace("https://alt.example", f"https://127.0.0.1:{dead}"))
     proxy = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=0)
     try:
@@ -544,11 +541,8 @@ async def test_codex_s_https_refusal_is_the_400_it_shows_at_once(cfg_path):
     """Codex's turn loop retries a 424 five times (~7 s more before the error shows: measured
     with Codex 0.171, docs/traffic.md) and stops at a 400, showing its body as it came: its
     no-retry answer is a 400 whose body is the message in plain text."""
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead = s.getsockname()[1]
-    s.close()
+    import ports
+    dead = ports.free_port()        # nobody listens there (below the ephemeral range: nobody will)
     cfg_path.write_text(CODEX_CONFIG.replace("https://alt.example", f"https://127.0.0.1:{dead}"))
     proxy = start(cfg_path, sessionpin_connect_check=True, sessionpin_connect_retry_ms=0)
     try:

@@ -446,7 +446,15 @@ class FakeServer:
     def start(self) -> FakeServer:
         if self._server is not None:
             return self
-        self._server = _TLSServer(self, (LOOPBACK, self.port), self._context)
+        # kept across restarts: drawn below the ephemeral range, so it is still free at one
+        for _ in range(20 if not self.port else 0):
+            try:
+                self._server = _TLSServer(self, (LOOPBACK, ports.free_port()), self._context)
+                break
+            except OSError:             # taken since it was found free: another
+                continue
+        if self._server is None:
+            self._server = _TLSServer(self, (LOOPBACK, self.port), self._context)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05},

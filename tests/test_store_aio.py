@@ -121,16 +121,17 @@ async def test_an_error_reaches_its_caller_and_the_lane_goes_on():
 # -- a single key's read on the caller's loop (file store: no thread hop) ------------------
 
 class LaneCalls:
-    """Counts what a facade sends to its reader thread."""
+    """Counts what a facade sends to one of its threads (its reader's, or ``writer=True``)."""
 
-    def __init__(self, store: aio.Threaded) -> None:
+    def __init__(self, store: aio.Threaded, writer: bool = False) -> None:
         self.names: list[str] = []
-        real = store._readers.call
+        lane = store._writer if writer else store._readers
+        real = lane.call
 
         def call(fn, *args, **kw):
             self.names.append(getattr(fn, "__name__", "?"))
             return real(fn, *args, **kw)
-        store._readers.call = call
+        lane.call = call
 
 
 async def opened(tmp_path, name="state.db"):
@@ -274,17 +275,8 @@ def test_close_now_of_shared_handles_closes_the_backend_once_with_the_last():
 
 # -- an ordinary write on the caller's loop (file store: no thread hop, no GIL ping-pong) ----
 
-class WriterCalls:
-    """Counts what a facade sends to its writer thread."""
-
-    def __init__(self, store: aio.Threaded) -> None:
-        self.names: list[str] = []
-        real = store._writer.call
-
-        def call(fn, *args, **kw):
-            self.names.append(getattr(fn, "__name__", "?"))
-            return real(fn, *args, **kw)
-        store._writer.call = call
+def WriterCalls(store: aio.Threaded) -> LaneCalls:
+    return LaneCalls(store, writer=True)
 
 
 async def test_an_ordinary_write_is_made_on_the_loop_and_a_durable_one_on_the_thread(tmp_path):

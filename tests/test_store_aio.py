@@ -383,7 +383,11 @@ async def test_a_write_on_the_loop_never_checkpoints_there(tmp_path):
         k.w.set_trace_callback(None)
         assert "PRAGMA wal_autocheckpoint = 0" in seen and any(x.startswith("COMMIT") for x in seen)
         assert k.w.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == W.AUTOCHECKPOINT   # restored
-        k.loop_commits = max(k.loop_commits, 1)           # (the background thread may have been first)
+        import time
+        k.loop_commits, k.checkpointed = max(k.loop_commits, 1), time.monotonic()
+        k.checkpoint()                                    # not yet due: one commit, just now
+        assert k.loop_commits >= 1
+        k.loop_commits = W.CHECKPOINT_COMMITS             # due: as many commits as call for one
         k.checkpoint()                                    # what the background thread does
         assert k.loop_commits == 0
         busy, frames, done = k.w.execute("PRAGMA main.wal_checkpoint(PASSIVE)").fetchone()

@@ -56,6 +56,8 @@ WRITER_BUSY_MS = 20   # the writer connection's own busy timeout (its transactio
 AUTOCHECKPOINT = 1000 # pages (SQLite's default): a commit leaving a WAL this long checkpoints it
 WAL_LIMIT = 16 << 20  # bytes: a WAL reset after a checkpoint is cut back to this (journal_size_limit)
 WAL_GUARD = 32 << 20  # bytes: a WAL this large (checkpoints are not keeping up) takes no write on the loop
+CHECKPOINT_COMMITS = 64   # the loop's commits that call for a checkpoint at the next flush
+CHECKPOINT_EVERY = 5.0    # seconds: at most this long between a loop commit and its checkpoint
 HISTORY = 20          # the last repairs kept in both files' meta table (for doctor)
 VERIFY_SHARE = 50     # the verification waits this many times as long as it took
 
@@ -132,6 +134,7 @@ class Writer:
         self.dirty = False
         self.next_verify = 0.0
         self.loop_commits = 0                          # writes made on the event loop since the last checkpoint
+        self.checkpointed = time.monotonic()           # when the last one was made
         self.last_repair: dict | None = None
         self.repairs: list = []
         self.pending: list[str] = []                   # repairs to record once there is a file for them
@@ -415,14 +418,20 @@ class Writer:
                 continue
         return size
 
-    def checkpoint(self) -> None:
-        """Checkpoint both WALs if a write on the event loop committed since the last time
-        (background thread, with the flush): those commits' own autocheckpoint is off, so that
-        no commit on the loop copies pages and fsyncs. PASSIVE: it waits for no reader and no
-        writer; what it cannot copy now, a later one does."""
+    def checkpoint(self, force: bool = False) -> None:
+        """Checkpoint both WALs for the writes made on the event loop (background thread, with
+        the flush): those commits' own autocheckpoint is off, so that no commit on the loop
+        copies pages and fsyncs. Not at every flush (a checkpoint fsyncs both files: twice a
+        second was more disk work than SQLite's own every 1,000 pages) but once
+        ``CHECKPOINT_COMMITS`` such commits were made, or ``CHECKPOINT_EVERY`` seconds after the
+        last checkpoint if any was. PASSIVE: it waits for no reader and no writer; what it
+        cannot copy now, a later one does."""
         if self.state is not State.SURE or not self.loop_commits:
             return
-        self.loop_commits = 0
+        now = time.monotonic()
+        if not force and self.loop_commits < CHECKPOINT_COMMITS and now - self.checkpointed < CHECKPOINT_EVERY:
+            return
+        self.loop_commits, self.checkpointed = 0, now
         with self.wlock:
             if self.state is not State.SURE or self.w is None:
                 return

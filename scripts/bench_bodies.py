@@ -4,7 +4,8 @@
     .venv/bin/python scripts/bench_bodies.py [--agent claude-code] [--min-kb 20] [--tree DIR]
 
 Every recorded request (``tests/fixtures/traffic/AGENT/*.json``) of at least ``--min-kb``:
-the facts reader (``facts.read``), the model's span (``rewrite.model_span``), the lineage root
+the facts reader (``facts.read``), the model's rename as the router makes it after the facts
+(``rewrite.replace_model`` with the span the facts found, or none: then it looks), the lineage root
 (``lineage.chain(turns=1)``), the prompt shape (``promptshape.shape``, with the ledger's
 cache of digests warm: a conversation's next turn), µs per call, the best of 5 runs of 50
 calls (``time.thread_time``). ``--tree DIR``: that tree's ``sessionpin`` instead of this one's
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def best(fn, n: int = 50) -> float:
     try:
         fn()
-    except Exception:           # (a body without a top-level model has no span: not timed)
+    except Exception:           # (a body without a top-level model is not renamed: not timed)
         return 0.0
     times = []
     for _ in range(5):
@@ -48,7 +49,7 @@ def main() -> None:
     from sessionpin.reader import facts as F, promptshape
 
     print(f"sessionpin from {Path(F.__file__).resolve().parents[2]}")
-    print(f"{'request':44} {'KB':>4} {'facts':>7} {'span':>7} {'root':>7} {'shape':>7}  µs")
+    print(f"{'request':44} {'KB':>4} {'facts':>7} {'rename':>7} {'root':>7} {'shape':>7}  µs")
     totals = [0.0] * 4
     for p in sorted((ROOT / "tests/fixtures/traffic" / args.agent).glob("*.json")):
         rec = json.loads(p.read_text())
@@ -65,7 +66,7 @@ def main() -> None:
         seen: dict = {}
         promptshape.shape(raw, api, "", seen)
         got = [best(lambda: F.read(rec.get("method", "POST"), rec["url"], hdrs, raw, None)),
-               best(lambda: rewrite.model_span(raw)),
+               best(lambda: rewrite.replace_model(raw, f.model, "glm-4.6", f.model_span)),
                best(lambda: lineage.chain(raw, api, turns=1)),
                best(lambda: promptshape.shape(raw, api, "", seen))]
         totals = [a + b for a, b in zip(totals, got)]

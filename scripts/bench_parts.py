@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--shape", default="opening", choices=BP.SHAPES)
     ap.add_argument("--variants", default="full,nolin,noledger,bare,quiet", help=f"from {', '.join(KNOWN)}")
     ap.add_argument("--spy", type=Path, help="record each variant's first phase with py-spy --gil into DIR")
+    ap.add_argument("--syscalls", type=Path, help="count each variant's first-phase system calls (strace -c -f) "
+                                                  "into DIR/VARIANT.strace, with its request count")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     if not set(variants) <= set(KNOWN):
@@ -157,9 +159,20 @@ def main() -> None:
                              "--format", "raw", "-o", str(args.spy / f"{name}.raw"), "-d", str(int(args.seconds)),
                              "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                         time.sleep(0.3)
+                    tracer = None
+                    if args.syscalls and r == 0:
+                        args.syscalls.mkdir(parents=True, exist_ok=True)
+                        tracer = subprocess.Popen(
+                            ["strace", "-c", "-f", "-p", str(pid), "-o", str(args.syscalls / f"{name}.strace")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        time.sleep(0.5)
                     before_cpu = thread_cpu(pid)
                     n = clients[name].run_for(args.seconds)
                     after_cpu = thread_cpu(pid)
+                    if tracer is not None:
+                        tracer.terminate()
+                        tracer.wait()
+                        (args.syscalls / f"{name}.requests").write_text(str(n))
                     if spy is not None:
                         spy.wait()
                         (args.spy / f"{name}.requests").write_text(str(n))

@@ -894,7 +894,9 @@ def test_large_bodies_read_in_parts_agree_with_the_whole_body(monkeypatch, name,
         start, end = fast.model_span
         assert json.loads(data[start:end]) == fast.model
         assert rewrite.model_span(data) == fast.model_span
-    assert msgspec.structs.replace(fast, model_span=None) == whole
+    assert msgspec.structs.replace(fast, model_span=None) == msgspec.structs.replace(whole, model_span=None)
+    if whole.model_span is not None:      # the whole read finds it too, from its one decode
+        assert rewrite.model_span(data) == whole.model_span
     assert whole.parsed
 
 
@@ -962,7 +964,9 @@ def test_recordings_made_large_read_the_same_in_parts(monkeypatch, path):
             fast = read(fx["method"], fx["url"], fx["headers"], data, "identity")
             m.setattr(facts.largebody, "FAST_MIN", 1 << 62)
             whole = read(fx["method"], fx["url"], fx["headers"], data, "identity")
-        assert msgspec.structs.replace(fast, model_span=None) == whole
+        assert msgspec.structs.replace(fast, model_span=None) == msgspec.structs.replace(whole, model_span=None)
+    if whole.model_span is not None:      # the whole read finds it too, from its one decode
+        assert rewrite.model_span(data) == whole.model_span
         if fast.model_span is not None:
             assert rewrite.model_span(data) == fast.model_span
 
@@ -1024,3 +1028,23 @@ def test_header_map_of_bytes_fields_reads_as_the_text_path():
             slow[key] = text(value).strip()
     assert facts.header_map(fields) == slow
     assert slow["x-bad-value"] == "caf\\xe9" and slow["user-agent"] == "claude-cli/2.1" and slow["x-a"] == "1"
+
+
+def test_a_model_span_the_parts_read_found_before_it_gave_up_is_not_kept(monkeypatch):
+    """A second top-level model after the messages (same value) sends a large body to the
+    whole read; the span the parts' read had found for the first must not survive it — a
+    rename there would leave the last model, the one a server reads, unmapped."""
+    monkeypatch.setattr(facts.largebody, "FAST_MIN", 0)
+    data = (b'{"model":"claude-opus-4-5","messages":[{"role":"user","content":"' + b"x" * 2000
+            + b'"}],"model":"claude-opus-4-5"}')
+    f = read("POST", "https://api.anthropic.com/v1/messages", [("user-agent", "claude-cli/2")], data)
+    assert f.model == "claude-opus-4-5" and f.model_span is None
+    with pytest.raises(rewrite.ModelNotFound):
+        rewrite.replace_model(data, f.model, "glm-4.6", f.model_span)
+
+
+def test_a_body_read_field_by_field_says_where_the_model_is_from_that_decode():
+    # metadata of the wrong type: the typed read fails, the raw members are decoded one by one
+    data = b'{"model": "claude-opus-4-5", "messages": [{"role": "user", "content": "hi"}], "metadata": 7}'
+    f = read("POST", "https://api.anthropic.com/v1/messages", [("user-agent", "claude-cli/2")], data)
+    assert data[slice(*f.model_span)] == b'"claude-opus-4-5"'

@@ -41,6 +41,7 @@ import msgspec
 from ..reader import facts as F
 from . import headers as H
 from ..reader import paths
+from ..reader.modelspan import ModelNotFound, _decode_str, _laid_out, _walk, model_span  # noqa: F401 (its API)
 from ..config.config import Config, Server
 from .ladder import Decision
 from ..config.redact import scrub
@@ -76,10 +77,6 @@ class Changes:
     body: bytes | None = None                   # the new decoded body, when the model changed
     model: tuple[str, str] | None = None        # (as sent, as forwarded)
     refuse: str | None = None                   # why the request must not be sent (502)
-
-
-class ModelNotFound(ValueError):
-    """The body's top-level model could not be located byte for byte."""
 
 
 def auth_style(server: Server, request: RequestView) -> str:
@@ -162,135 +159,6 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
     return Changes(scheme, host, port, path, drop, add, body, model)
 
 
-_WS = b" \t\r\n"
-_decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_decode_str = msgspec.json.Decoder(str)
-_encode = msgspec.json.encode
-
-
-def model_span(body: bytes) -> tuple[int, int]:
-    """The byte span of the top-level "model" value (the quotes included).
-
-    The body is decoded once (in C) into its top-level keys and raw values; then a walk
-    over just those keys finds where each value starts, and a raw value's length says
-    where it ends, so the cost does not grow with the size of messages.
-    """
-    try:
-        top = _decode_top.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ModelNotFound(f"body is not a JSON object ({e})") from None
-    except RecursionError:
-        raise ModelNotFound("body nested too deeply") from None
-    if "model" not in top:
-        raise ModelNotFound("no top-level model")
-    if not bytes(top["model"]).startswith(b'"'):
-        raise ModelNotFound("the model is not a string")
-    span = _laid_out(body, top)
-    return span if span is not None else _walk(body, top)
-
-
-# The layouts serialisers write: compact (JavaScript's JSON.stringify, serde, Go) and Python's
-# ``json.dumps`` default; each has one separator of each kind and no other space between tokens.
-_LAYOUTS = ((b",", b":"), (b", ", b": "))
-
-
-def _laid_out(body: bytes, top: dict) -> tuple[int, int] | None:
-    """The fast path of ``model_span``: when ``body`` is ``top``'s members in order, each key
-    as the encoder writes it, laid out as one of ``_LAYOUTS``, the model's span; else None
-    (``_walk`` reads the body's own layout). It checks the same things ``_walk`` does at the
-    same places (each key, each separator, each value's ends, the closing brace at the end),
-    so what it accepts ``_walk`` accepts with the same span: it only skips reading the keys
-    and the spaces between tokens."""
-    n = len(body)
-    if n < 2 or body[0] != 0x7B or body[-1] != 0x7D:
-        return None
-    for comma, colon in _LAYOUTS:
-        i, span, sep = 1, None, b""
-        for name, raw in top.items():
-            if sep and not body.startswith(sep, i):
-                break
-            i += len(sep)
-            key = _encode(name)
-            if not body.startswith(key, i):
-                break
-            i += len(key)
-            if not body.startswith(colon, i):
-                break
-            i += len(colon)
-            value = memoryview(raw)
-            if not _same_ends(body, i, value):
-                break
-            if name == "model":
-                span = (i, i + len(value))
-            i += len(value)
-            sep = comma
-        else:
-            if i == n - 1 and span is not None:
-                return span
-    return None
-
-
-def _walk(body: bytes, top: dict) -> tuple[int, int]:
-    n = len(body)
-    i = _skip(body, 0)
-    if i >= n or body[i] != 0x7B:  # {
-        raise ModelNotFound("body is not a JSON object")
-    i += 1
-    span = None
-    seen = 0
-    ws = _WS
-    for _ in range(len(top) + 1):
-        while i < n and body[i] in ws:
-            i += 1
-        if i < n and body[i] == 0x7D:  # }
-            break
-        if i >= n or body[i] != 0x22:
-            raise ModelNotFound("unexpected bytes in the body")
-        j = _string_end(body, i)
-        name = body[i + 1:j - 1]
-        # a key without escapes is its bytes (the decoder above checked them: UTF-8, no control)
-        name = _decode_str.decode(body[i:j]) if b"\\" in name else name.decode()
-        i = j
-        while i < n and body[i] in ws:
-            i += 1
-        if i >= n or body[i] != 0x3A:  # :
-            raise ModelNotFound("unexpected bytes in the body")
-        i += 1
-        while i < n and body[i] in ws:
-            i += 1
-        raw = top.get(name)
-        # The value here must be the raw value the decoder kept for this key. Its ends
-        # are compared (a full compare would copy megabytes of messages): with unique
-        # keys they always match; a duplicate key misaligns the walk, which shows here
-        # or in the key count and closing brace checked below.
-        if raw is None or not _same_ends(body, i, memoryview(raw)):
-            # a duplicate key (the decoder kept the last) or an unexpected layout
-            raise ModelNotFound("duplicate top-level keys")
-        size = len(raw)
-        if name == "model":
-            span = (i, i + size)
-        seen += 1
-        i += size
-        while i < n and body[i] in ws:
-            i += 1
-        if i < n and body[i] == 0x2C:  # ,
-            i += 1
-    if seen != len(top) or span is None or i >= n or body[i] != 0x7D or _skip(body, i + 1) != n:
-        raise ModelNotFound("duplicate top-level keys")
-    return span
-
-
-def _same_ends(body: bytes, i: int, raw: memoryview, k: int = 64) -> bool:
-    """Whether ``raw`` (not empty) is at ``body[i:]``: whole when short, else its first and
-    last ``k`` bytes (compared in place: no copy)."""
-    size = len(raw)
-    if not size or i + size > len(body):
-        return False
-    if size <= 2 * k:
-        return body.startswith(raw, i)
-    return body.startswith(raw[:k], i) and body.startswith(raw[size - k:], i + size - k)
-
-
 def replace_model(body: bytes, old: str, new: str, span: tuple[int, int] | None = None) -> bytes:
     """``body`` with its top-level model ``old`` renamed ``new``, every other byte as sent.
     ``span`` is where the reader found the model (facts.model_span: it walked the body's
@@ -308,23 +176,3 @@ def replace_model(body: bytes, old: str, new: str, span: tuple[int, int] | None 
     return b"".join((view[:start], msgspec.json.encode(new), view[end:]))
 
 
-def _skip(body: bytes, i: int) -> int:
-    n = len(body)
-    while i < n and body[i] in _WS:
-        i += 1
-    return i
-
-
-def _string_end(body: bytes, i: int) -> int:
-    """Index just past the JSON string starting at body[i] (a quote)."""
-    j = i + 1
-    while True:
-        j = body.find(b'"', j)
-        if j < 0:
-            raise ModelNotFound("unterminated string")
-        k = j - 1
-        while body[k] == 0x5C:  # count the backslashes before the quote
-            k -= 1
-        if (j - 1 - k) % 2 == 0:
-            return j + 1
-        j += 1

@@ -1,7 +1,7 @@
 """The parts of an inference request body that the facts need, as msgspec structs.
 
 Rules this module keeps:
-- Decode only what a fact needs: model, stream, system / instructions, tools (counted, not
+- Decode only what a fact needs: model, stream, system / instructions, tools (whether any, not
   read), metadata.user_id, prompt_cache_key, previous_response_id, and for every message or
   input item only its ``role`` and ``type``. Message contents stay ``msgspec.Raw`` (skipped,
   not built), so a long conversation costs a scan, not a tree of Python objects.
@@ -67,7 +67,7 @@ class Body(Struct):
     instructions: Content = None          # Responses: the system prompt
     messages: list[Message] | None = None
     input: str | list[Message] | None = None  # Responses
-    tools: list[Raw] | None = None
+    tools: list[Raw] | None = None        # read only as "any or none" (``any_items``: the array whole, as one item)
     metadata: Metadata | None = None
     prompt_cache_key: str | None = None
     previous_response_id: str | None = None
@@ -102,12 +102,36 @@ def decode_fields(fields: dict[str, msgspec.Raw]) -> tuple[dict[str, object], st
         raw = fields.get(name)
         if raw is None:
             continue
-        count(len(raw))
         try:
+            if name == "tools":
+                values[name] = any_items(raw)
+                continue
+            count(len(raw))
             values[name] = decoder.decode(raw)
         except (msgspec.DecodeError, RecursionError):
             bad.append(name)
     return values, ("wrong shape: " + ", ".join(bad)) if bad else ""
+
+
+def any_items(raw: msgspec.Raw) -> list[Raw] | None:
+    """``tools`` from the top level's raw member, where only whether there are any is read
+    (``turns.has_tools``): told by the array's first bytes (the top level was decoded, so the
+    value is well-formed JSON), not by a second scan of every tool's schema (92 KB in a
+    Claude Code request, 35 µs). A non-empty array is kept whole, as one item; anything but an
+    array or null is the wrong type, as the typed read says."""
+    view = memoryview(raw)
+    n = len(view)
+    if n and view[0] == 0x5B:       # [
+        i = 1
+        while i < n and view[i] in _WS:
+            i += 1
+        return [] if i < n and view[i] == 0x5D else [raw]
+    if view == b"null":
+        return None
+    raise msgspec.ValidationError("Expected `array | null`")
+
+
+_WS = b" \t\r\n"
 
 
 class Steps:

@@ -162,3 +162,28 @@ def test_markers_in_a_real_system_prompt_are_removed_as_the_regex_removes_them()
         body = json.loads(p.read_text())["body"]
         raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
         assert promptshape._unmarked(raw) == promptshape._MARKER.sub(b"", raw), p.name
+
+
+def test_tools_and_system_remembered_give_the_digests_worked_out_afresh(monkeypatch):
+    """The tools array and the system prompt, the same bytes every turn, are remembered with
+    their digests (``_digest_whole``); a different array of the same length is not taken for
+    the remembered one, and what is remembered is bounded in number and size."""
+    monkeypatch.setattr(promptshape, "_whole", [])
+    tools = [{"name": "t%d" % i, "input_schema": {"type": "object"}} for i in range(50)]
+    body = {"model": "m", "system": "sys " * 300, "tools": tools,
+            "messages": [{"role": "user", "content": "hi"}]}
+    first = shape(json.dumps(body).encode(), F.ANTHROPIC_MESSAGES)
+    again = shape(json.dumps(body).encode(), F.ANTHROPIC_MESSAGES)
+    monkeypatch.setattr(promptshape, "_whole", [])
+    fresh = shape(json.dumps(body).encode(), F.ANTHROPIC_MESSAGES)
+    assert first == again == fresh and first.tools and first.system
+    other = json.loads(json.dumps(body))
+    other["tools"][7]["name"] = "u7"                     # same length, one byte apart
+    changed = shape(json.dumps(other).encode(), F.ANTHROPIC_MESSAGES)
+    assert changed.tools_len == first.tools_len and changed.tools != first.tools
+    assert changed.system == first.system
+    for i in range(3 * promptshape.WHOLE_MEMO):
+        promptshape._digest_whole(b"x" * i)
+    promptshape._digest_whole(b"y" * (promptshape.WHOLE_MEMO_MAX + 1))
+    assert len(promptshape._whole) == promptshape.WHOLE_MEMO
+    assert all(len(raw) <= promptshape.WHOLE_MEMO_MAX for raw, _ in promptshape._whole)

@@ -125,6 +125,30 @@ def _message_digest(raw: bytes | Raw, seen: Seen | None) -> tuple[str, int]:
     return got
 
 
+# The tools array and the system prompt: the same bytes on every turn of a client process
+# (Claude Code's 92 KB of tool schemas), so the last few are remembered with their digest and
+# found again by their length then a compare (memcmp: a few µs) — the marker cut and the CRC
+# cost 50 µs a turn. Memory only; bounded in number and size.
+WHOLE_MEMO = 16
+WHOLE_MEMO_MAX = 1 << 20
+_whole: list[tuple[bytes, tuple[str, int]]] = []      # most recent first
+
+
+def _digest_whole(raw: bytes) -> tuple[str, int]:
+    """``_digest(raw)`` of a tools array or a system prompt, remembered."""
+    n = len(raw)
+    for i, (known, got) in enumerate(_whole):
+        if len(known) == n and known == raw:
+            if i:
+                _whole.insert(0, _whole.pop(i))
+            return got
+    got = _digest(raw)
+    if n <= WHOLE_MEMO_MAX:
+        _whole.insert(0, (raw, got))
+        del _whole[WHOLE_MEMO:]
+    return got
+
+
 def _unmarked(raw: bytes) -> bytes:
     """``_MARKER.sub(b"", raw)``, found by the key's bytes: the regex, which begins with
     optional parts, tries every position of the text and every run of spaces in it (5 ms
@@ -232,8 +256,8 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
         items = items[lead:]
     if max_items is not None and len(items) > max_items:
         return None
-    tools, tools_len = _digest(bytes(b.tools)) if len(b.tools) and bytes(b.tools) != b"null" else ("", 0)
-    sys_d, sys_len = _digest(b"\x00".join(system)) if system else ("", 0)
+    tools, tools_len = _digest_whole(bytes(b.tools)) if len(b.tools) and bytes(b.tools) != b"null" else ("", 0)
+    sys_d, sys_len = _digest_whole(b"\x00".join(system)) if system else ("", 0)
     digests, lengths = [], []
     for raw in items:
         d, n = _message_digest(raw, seen)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What reading a real request body costs, per part, on the recorded traffic (issue 22).
 
-    .venv/bin/python scripts/bench_bodies.py [--agent claude-code] [--min-kb 20] [--tree DIR]
+    .venv/bin/python scripts/bench_bodies.py [--agent claude-code] [--min-kb 20] [--tree DIR] [--renames]
 
 Every recorded request (``tests/fixtures/traffic/AGENT/*.json``) of at least ``--min-kb``:
 the facts reader (``facts.read``), the model's rename as the router makes it after the facts
@@ -9,7 +9,9 @@ the facts reader (``facts.read``), the model's rename as the router makes it aft
 (``lineage.chain(turns=1)``), the prompt shape (``promptshape.shape``, with the ledger's
 cache of digests warm: a conversation's next turn), µs per call, the best of 5 runs of 50
 calls (``time.thread_time``). ``--tree DIR``: that tree's ``sessionpin`` instead of this one's
-(a before/after in two runs, e.g. a ``git worktree`` of an earlier commit).
+(a before/after in two runs, e.g. a ``git worktree`` of an earlier commit). ``--renames``: the
+facts read as the router reads them under a config with a model map (``locate_model``: the
+model's span found by the facts' own decode; a tree without it reads as before).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--agent", default="claude-code")
     ap.add_argument("--min-kb", type=int, default=20)
     ap.add_argument("--tree", type=Path, help="another tree's sessionpin (before/after)")
+    ap.add_argument("--renames", action="store_true", help="facts read for a config with a model map")
     args = ap.parse_args()
     sys.path.insert(0, str((args.tree or ROOT).resolve()))
     from sessionpin.decision import rewrite
@@ -61,11 +64,16 @@ def main() -> None:
             continue
         headers = rec["headers"].items() if isinstance(rec["headers"], dict) else rec["headers"]
         hdrs = [(k.encode(), v.encode()) for k, v in headers]
-        f = F.read(rec.get("method", "POST"), rec["url"], hdrs, raw, None)
+        kw = {"locate_model": True} if args.renames else {}
+        try:
+            f = F.read(rec.get("method", "POST"), rec["url"], hdrs, raw, None, **kw)
+        except TypeError:       # a tree before ``locate_model``
+            kw = {}
+            f = F.read(rec.get("method", "POST"), rec["url"], hdrs, raw, None)
         api = f.api
         seen: dict = {}
         promptshape.shape(raw, api, "", seen)
-        got = [best(lambda: F.read(rec.get("method", "POST"), rec["url"], hdrs, raw, None)),
+        got = [best(lambda: F.read(rec.get("method", "POST"), rec["url"], hdrs, raw, None, **kw)),
                best(lambda: rewrite.replace_model(raw, f.model, "glm-4.6", f.model_span)),
                best(lambda: lineage.chain(raw, api, turns=1)),
                best(lambda: promptshape.shape(raw, api, "", seen))]

@@ -31,7 +31,10 @@ way: the lineage's cost is the difference between the two routers' ratios in one
 usage read as it streams, the request's prompt shape after it, the ledger's store writes).
 Two body shapes: ``opening`` (the issue's measure: the bulk is the opening user message, the part
 the reader must read for the conversation's fingerprint) and ``history`` (the bulk is tool results
-later in the conversation, as in a long Claude Code session; the reader skips it).
+later in the conversation, as in a long Claude Code session; the reader skips it); and
+``recorded`` (``--shapes recorded``, ``bench_parts.py --shape recorded``): a recorded Claude Code
+continuation as the client sent it, 115 KB of which 92 KB are tool schemas (what real traffic
+makes every part read; the sizes are then ignored).
 
 First byte: a streamed response whose upstream pauses after its first event. The router against
 mitmdump with a one-line addon that only turns streaming on (and plain mitmdump, which buffers the
@@ -82,13 +85,30 @@ NO_LEDGER = "from sessionpin.proxy import make_addons\naddons = make_addons(with
 SIZES = {"10KB": 10 * 1024, "1MB": 1024 * 1024, "8MB": 8 * 1024 * 1024}
 
 
-SHAPES = ("opening", "history")
+SHAPES = ("opening", "history", "recorded")
 RESULT = 32 * 1024   # one tool result in the ``history`` shape
 KEEP_ALIVE_PAUSE_MS = 100
 
 
+def recorded(session: str, stream: bool = False) -> bytes:
+    """A recorded Claude Code continuation as its client sent it (115 KB: 92 KB of tool schemas,
+    a system prompt with cache marks, a short history; compact JSON), under ``session``."""
+    doc = json.loads(RECORDED.read_text())["body"]
+    meta = json.loads(doc["metadata"]["user_id"])
+    meta["session_id"] = session
+    doc["metadata"]["user_id"] = json.dumps(meta, separators=(",", ":"))
+    doc["stream"] = stream
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+RECORDED = ROOT / "tests/fixtures/traffic/claude-code/interactive-06-continuation.json"
+
+
 def body(kind: str, session: str, size: int, stream: bool = False, shape: str = "opening") -> bytes:
-    """A Claude Code request of about ``size`` bytes; ``shape`` says where the bulk is."""
+    """A Claude Code request of about ``size`` bytes; ``shape`` says where the bulk is
+    (``recorded``: a real continuation, whatever the size)."""
+    if shape == "recorded" and kind == "continuation":
+        return recorded(session, stream)
     billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.e4b; cc_entrypoint=cli;"}
     tools = [{"name": "Bash", "description": "Run a command.",
               "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]

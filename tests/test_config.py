@@ -279,3 +279,11 @@ def test_scope_is_the_server_a_request_addresses_and_its_path_under_that_base(ho
     source, scope = cfg.scope("POST", "https", host, 443, path)
     assert (source.name if source else None) == server and scope.api == api
     assert cfg.scope("GET", "https", host, 443, path)[1].api == "other"
+
+
+def test_a_config_renames_when_a_server_has_a_model_map_or_there_is_a_pool():
+    """``renames``: the reader then says where the model lies (a pool pin keeps its member's map)."""
+    assert not config.parse('[servers.a]\nurl = "https://a"\n').renames
+    assert config.parse('[servers.a]\nurl = "https://a"\nmodels = {"claude-*" = "glm-4.6"}\n').renames
+    assert config.parse('[servers.a]\nurl = "https://a"\n[servers.b]\nurl = "https://b"\n'
+                        '[pools.p]\nmembers = ["a", "b"]\n').renames

@@ -632,9 +632,10 @@ def test_explicit_content_encoding_outranks_the_header():
 # ---------------------------------------------------------------- bad input
 
 
-def _bad(body, encoding=None, headers=()):
+def _bad(body, encoding=None, headers=(), locate_model=False):
     return read("POST", MESSAGES, [("User-Agent", CC_UA), ("X-Claude-Code-Session-Id", CC_SID),
-                                  ("x-claude-code-request-class", "main"), *headers], body, encoding)
+                                  ("x-claude-code-request-class", "main"), *headers], body, encoding,
+                locate_model=locate_model)
 
 
 @pytest.mark.parametrize(
@@ -661,8 +662,9 @@ def _bad(body, encoding=None, headers=()):
         (b"{\"model\": \"\xff\"}", None, "not JSON"),
     ],
 )
-def test_bad_body_gives_unparsed_facts_with_the_header_facts(body, encoding, reason):
-    f = _bad(body, encoding)
+@pytest.mark.parametrize("locate_model", [False, True], ids=["typed", "members"])
+def test_bad_body_gives_unparsed_facts_with_the_header_facts(body, encoding, reason, locate_model):
+    f = _bad(body, encoding, locate_model=locate_model)
     assert (f.parsed, f.reason, f.turn) == (False, reason, facts.UNKNOWN_TURN)
     assert (f.api, f.agent, f.session) == (facts.ANTHROPIC_MESSAGES, facts.CLAUDE_CODE, CC_SID)
 
@@ -1048,3 +1050,21 @@ def test_a_body_read_field_by_field_says_where_the_model_is_from_that_decode():
     data = b'{"model": "claude-opus-4-5", "messages": [{"role": "user", "content": "hi"}], "metadata": 7}'
     f = read("POST", "https://api.anthropic.com/v1/messages", [("user-agent", "claude-cli/2")], data)
     assert data[slice(*f.model_span)] == b'"claude-opus-4-5"'
+
+
+@pytest.mark.parametrize("path", list(_inference_recordings()), ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize("layout", [(",", ":"), (", ", ": "), None], ids=["compact", "python", "indented"])
+def test_recordings_read_as_members_say_the_same_and_where_the_model_is(path, layout):
+    """``locate_model`` (a config with a model map): a Claude Code or OpenCode body read as raw
+    members then each field gives the same facts as the typed read, and the span the rename
+    would find; the others are read typed, as without a model map."""
+    fx = json.loads(path.read_text())
+    data = (json.dumps(fx["body"], indent=1) if layout is None
+            else json.dumps(fx["body"], separators=layout, ensure_ascii=False)).encode()
+    typed = read(fx["method"], fx["url"], fx["headers"], data, "identity")
+    members = read(fx["method"], fx["url"], fx["headers"], data, "identity", locate_model=True)
+    assert msgspec.structs.replace(members, model_span=None) == msgspec.structs.replace(typed, model_span=None)
+    if members.agent in (facts.CLAUDE_CODE, facts.OPENCODE) and members.model is not None and typed.model_span is None:
+        assert members.model_span == rewrite.model_span(data)     # their bodies are mostly tools: found here
+    elif typed.model_span is None:
+        assert members.model_span is None                          # Codex's, pi's: by the rename, if one comes

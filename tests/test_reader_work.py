@@ -115,7 +115,14 @@ def test_the_whole_reader_does_bounded_work_per_byte_and_reads_as_the_whole_body
         n = steps(lambda: parts.append(facts.read("POST", url, headers, body)))
         mp.setattr(largebody, "FAST_MIN", 1 << 62)    # and whole
         whole = facts.read("POST", url, headers, body)
+        # and whole as raw members (a model map's config; Claude Code's bodies are read so)
+        cc = [("user-agent", "claude-cli/2.1")]
+        members = []
+        m = steps(lambda: members.append(facts.read("POST", url, cc, body, locate_model=True)))
+        typed = facts.read("POST", url, cc, body)
     assert n <= K * len(body) + C, f"{n / len(body):.1f} steps per byte"
+    assert m <= K * len(body) + C, f"{m / len(body):.1f} steps per byte"
+    assert msgspec.structs.replace(members[0], model_span=None) == msgspec.structs.replace(typed, model_span=None)
     if whole.parsed:   # the parts never read what lies past the first messages (docs/facts.md)
         assert [msgspec.structs.replace(p, model_span=None) for p in parts] == [msgspec.structs.replace(whole, model_span=None)]
 

@@ -22,6 +22,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 import os
@@ -141,6 +142,12 @@ class Config:
     servers: dict[str, Server] = field(default_factory=dict)
     agents: dict[str, Agent] = field(default_factory=dict)
     pools: dict[str, Pool] = field(default_factory=dict)
+
+    @functools.cached_property
+    def renames(self) -> bool:
+        """Whether a request may have its model renamed (a server's model map, or a pool's
+        member's, which a pin keeps): the reader then says where the model lies."""
+        return bool(self.pools) or any(s.models for s in self.servers.values())
 
     def server_for(self, scheme: str, host: str, port: int, path: str) -> Server | None:
         """The configured server a request addresses: at its origin, the longest prefix the

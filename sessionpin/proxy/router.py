@@ -177,7 +177,8 @@ class Router:
         raw, encoding = req.raw_content, _content_encoding(req)
         if raw is not None and read_apart(raw, encoding):
             return await self.bodies.facts(req.method, req.url, req.headers.fields, raw, encoding, api)
-        return F.read(req.method, req.url, req.headers.fields, raw, encoding, api=api)
+        return F.read(req.method, req.url, req.headers.fields, raw, encoding, api=api,
+                      locate_model=self.config.config.renames)
 
     async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:
         cfg = self.config.config

@@ -33,6 +33,9 @@ never a way to run):
   noshape         no prompt shape per answered turn (the ledger)
   noledgerwrites  the ledger's turns not written
 The difference between two variants' CPU per request, in one run, is what the part costs.
+``--against DIR`` adds the variant ``against``: the full router of DIR's ``sessionpin`` (a
+``git worktree`` of an earlier commit), so a change is measured before/after in one run.
+``--syscalls DIR`` counts each variant's system calls in its first phase (``strace -c -f``).
 """
 
 from __future__ import annotations
@@ -94,11 +97,16 @@ def main() -> None:
     ap.add_argument("--shape", default="opening", choices=BP.SHAPES)
     ap.add_argument("--variants", default="full,nolin,noledger,bare,quiet", help=f"from {', '.join(KNOWN)}")
     ap.add_argument("--spy", type=Path, help="record each variant's first phase with py-spy --gil into DIR")
+    ap.add_argument("--against", type=Path, help="add a variant 'against': the full router of another tree's "
+                                                 "sessionpin (e.g. a git worktree of an earlier commit), side by side")
     ap.add_argument("--syscalls", type=Path, help="count each variant's first-phase system calls (strace -c -f) "
                                                   "into DIR/VARIANT.strace, with its request count")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    if not set(variants) <= set(KNOWN):
+    if args.against:
+        SCRIPTS["against"] = f"import sys\nsys.path.insert(0, {str(args.against.resolve())!r})\n" + _FULL
+        variants.append("against")
+    if not set(variants) <= set(KNOWN) | {"against"}:
         ap.error(f"--variants: choose from {', '.join(KNOWN)}")
     size = BP.SIZES[args.size]
 

@@ -187,3 +187,22 @@ def test_tools_and_system_remembered_give_the_digests_worked_out_afresh(monkeypa
     promptshape._digest_whole(b"y" * (promptshape.WHOLE_MEMO_MAX + 1))
     assert len(promptshape._whole) == promptshape.WHOLE_MEMO
     assert all(len(raw) <= promptshape.WHOLE_MEMO_MAX for raw, _ in promptshape._whole)
+
+
+def test_a_shape_from_the_raw_members_is_the_shape_of_the_body():
+    """``members`` (the facts reader's decode of the body's top level): every recorded request's
+    shape, and a body with a field of the wrong type (no shape either way)."""
+    from sessionpin.reader import wire
+    n = 0
+    for path in sorted(TRAFFIC.glob("*/*.json")):
+        fx = json.loads(path.read_text())
+        if not isinstance(fx.get("body"), dict):
+            continue
+        api = F.api_of(fx["method"], fx["url"])
+        data = json.dumps(fx["body"], separators=(",", ":")).encode()
+        assert shape(data, api, members=wire.loose_decoder.decode(data)) == shape(data, api), path.name
+        n += 1
+    assert n > 50
+    bad = b'{"model": 5, "messages": []}'
+    assert shape(bad, F.ANTHROPIC_MESSAGES) is None
+    assert shape(bad, F.ANTHROPIC_MESSAGES, members=wire.loose_decoder.decode(bad)) is None

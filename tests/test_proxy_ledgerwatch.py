@@ -493,3 +493,32 @@ async def test_over_max_behind_the_answer_waits_for_its_read_as_before(proxy, mo
     assert asyncio.iscoroutine(got) and not watch._behind
     await got
     assert g.metadata["sessionpin"]["ledger"]["input"] == 9203
+
+
+async def test_a_turns_shape_is_read_from_the_members_the_router_decoded(proxy, monkeypatch):
+    """Issue 22, the body decoded once: a Claude Code turn's prompt shape is read from the raw
+    members the router's facts read made (``perflow.BODY``), the model as it was sent (renamed),
+    and is the shape of the body as sent. A body another addon changed after the router is
+    read afresh."""
+    from sessionpin.proxy import perflow
+    from sessionpin.reader import facts as F
+    given = []
+    real = ledgerwatch.promptshape.shape
+    monkeypatch.setattr(ledgerwatch.promptshape, "shape",
+                        lambda *a, **k: given.append(k.get("members")) or real(*a, **k))
+    f = flow("opening")
+    await proxy.send(f)
+    await answer(proxy, f, sse_with_usage(read=0, write=9000))
+    g = flow("continuation")
+    await proxy.send(g)
+    sent = g.request.raw_content
+    assert b'"glm-4.6"' in sent and isinstance(g.metadata.get(perflow.BODY), perflow.Body)
+    await answer(proxy, g, sse_with_usage(read=9000, write=200, msg="msg_2"))
+    assert given[-1] is not None                                   # the router's members, not a decode
+    kept = watch_of(proxy)._lanes[(SESSION, "main")][1]
+    assert kept == real(sent, F.ANTHROPIC_MESSAGES) and kept.model == "glm-4.6"
+    h = flow("continuation")
+    await proxy.send(h)
+    h.request.content = h.request.raw_content.replace(b'"max_tokens": 5', b'"max_tokens": 6')
+    await answer(proxy, h, sse_with_usage(read=9000, write=200, msg="msg_3"))
+    assert given[-1] is None                                       # changed since: read from the body

@@ -38,6 +38,8 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from mitmproxy import exceptions
 
+from . import perflow
+
 log = logging.getLogger("sessionpin")
 
 _THROUGH = (exceptions.OptionsError, exceptions.AddonHalt)
@@ -172,10 +174,10 @@ class Sessionpin:
                 _failed(fn, "responseheaders")
 
     def response(self, flow) -> Awaitable[None] | None:
-        return _sync(self._response, "response", flow)
+        return _dropping_body(_sync(self._response, "response", flow), flow)
 
     def error(self, flow) -> Awaitable[None] | None:
-        return _sync(self._error, "error", flow)
+        return _dropping_body(_sync(self._error, "error", flow), flow)
 
     def websocket_start(self, flow) -> None:
         _one(self.ledger.websocket_start, "websocket_start", flow)
@@ -256,6 +258,21 @@ def _sync(fns: Sequence[Callable[..., Any]], hook: str, *args: Any) -> Awaitable
         if got is not None and inspect.isawaitable(got):
             return _rest(got, fns[i], fns[i + 1:], hook, args)
     return None
+
+
+def _dropping_body(got: Awaitable[None] | None, flow) -> Awaitable[None] | None:
+    """The router's body members (``perflow.BODY``: for the parts after it) go once every part
+    took the flow's response or error — at once, or after what is awaited."""
+    if got is None:
+        flow.metadata.pop(perflow.BODY, None)
+        return None
+
+    async def then() -> None:
+        try:
+            await got
+        finally:
+            flow.metadata.pop(perflow.BODY, None)
+    return then()
 
 
 async def _rest(first: Awaitable[Any], owner: Callable[..., Any], fns: Sequence[Callable[..., Any]], hook: str,

@@ -8,7 +8,9 @@ it), and a part's own working state (a stream reader, a prepared answer) under i
 Rules this module keeps:
 - A part's working state is a ``FlowState``: a copy of the flow (mitmproxy's ``get_state``,
   used to save, duplicate or replay it) holds None in its place, never a live reader or a
-  future, and no part reads another part's key.
+  future, and no part reads another part's key — but the router's ``BODY``, which it makes
+  for the readers after it (the body decoded once, issue 22); the bundle removes it once the
+  flow's response or error hooks have all run.
 - Nothing is kept by flow id anywhere in the shell: what a part knows of a flow goes when
   mitmproxy lets go of the flow, whatever ends it.
 """
@@ -23,6 +25,7 @@ LEDGER = "sessionpin.ledger_read"           # ledgerwatch: this flow's usage rea
 HELD = "sessionpin.held"            # limits: a body of unknown length, pointed at the sink
 SINK = "sessionpin.sink"            # limits: the token of this flow's prepared 413
 WS_KEPT = "sessionpin.ws_kept"      # wsbounds: bytes this socket's kept messages cost
+BODY = "sessionpin.body"            # router: the request body's top level as the facts read it (``Body``)
 
 
 class FlowState:
@@ -32,3 +35,20 @@ class FlowState:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None
+
+
+class Body(FlowState):
+    """The request body's top level as raw members, decoded once by the facts reader (views of
+    the body as read), kept for the parts that read the same body after it (the ledger's
+    prompt shape). ``sent``: the body as it left (the model renamed: ``members`` says the new
+    name); a reader takes the members only while the flow's body is still that object — any
+    later change of the body (another addon's) and it decodes the body itself."""
+
+    __slots__ = ("members", "sent")
+
+    def __init__(self, members: dict[str, Any]) -> None:
+        self.members = members
+        self.sent: bytes | None = None
+
+    def of(self, body: bytes | None) -> dict[str, Any] | None:
+        return self.members if body is not None and body is self.sent else None

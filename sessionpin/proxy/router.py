@@ -47,6 +47,7 @@ import time
 from collections import Counter
 from typing import Any, Mapping
 
+import msgspec
 from mitmproxy import ctx, http
 from mitmproxy.net.http import url
 
@@ -55,7 +56,7 @@ from ..records import lineindex, pins
 from ..reader import facts as F
 from ..reader.ids import short
 from ..store import StoreError
-from . import websocket
+from . import perflow, websocket
 from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DecisionLog
@@ -144,7 +145,7 @@ class Router:
             if not scope.inference and source is not None and req.method == "POST":
                 self.metrics.unrouted.note(source, req.method, req.path)   # said once, never silent
             if scope.inference:
-                facts = await self._facts(req, scope.api)
+                facts = await self._facts(req, scope.api, flow)
                 decision = await self._route(flow, facts, source)
             elif websocket.is_upgrade(req):
                 decision = await self._websocket(flow)
@@ -170,15 +171,20 @@ class Router:
                     self._refuse(flow, facts, refusal)
                     return
 
-    async def _facts(self, req: http.Request, api: str | None) -> F.Facts:
+    async def _facts(self, req: http.Request, api: str | None, flow: http.HTTPFlow | None = None) -> F.Facts:
         """The request's facts: read here for a small body (no hop: most requests are a few KB),
         in the body reader's process for a large one (never on the event loop, nor on a thread,
-        which would hold the GIL in the same long C calls)."""
+        which would hold the GIL in the same long C calls). The body's top level, when the read
+        made it as raw members, is kept in ``flow`` for the readers after it (``perflow.Body``)."""
         raw, encoding = req.raw_content, _content_encoding(req)
         if raw is not None and read_apart(raw, encoding):
             return await self.bodies.facts(req.method, req.url, req.headers.fields, raw, encoding, api)
-        return F.read(req.method, req.url, req.headers.fields, raw, encoding, api=api,
-                      locate_model=self.config.config.renames)
+        members: list | None = [] if flow is not None else None
+        facts = F.read(req.method, req.url, req.headers.fields, raw, encoding, api=api,
+                       locate_model=self.config.config.renames, members=members)
+        if members:
+            flow.metadata[perflow.BODY] = perflow.Body(members[0])   # type: ignore[union-attr]
+        return facts
 
     async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:
         cfg = self.config.config
@@ -301,6 +307,11 @@ class Router:
         changes = effect.changes if isinstance(effect, route.Forward) else None
         if changes is not None:
             _apply(flow.request, changes)
+        body = flow.metadata.get(perflow.BODY)
+        if body is not None:            # the body as it leaves, for the readers after it
+            if changes is not None and changes.model is not None:
+                body.members = {**body.members, "model": msgspec.Raw(msgspec.json.encode(changes.model[1]))}
+            body.sent = flow.request.raw_content
         for after in s.after:
             self._later(after)
         self._decided(flow, state, changes)

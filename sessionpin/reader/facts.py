@@ -73,14 +73,17 @@ def read(
     *,
     api: str | None = None,
     locate_model: bool = False,
+    members: list[dict[str, msgspec.Raw]] | None = None,
 ) -> Facts:
     """The facts of one request. Never raises. ``api``: what the router's ``paths.scope``
     said, which knows the server's base (``/api/paas/v4/chat/completions`` is chat at a
     server written ``…/api/paas/v4``); by default the api of the path alone.
     ``locate_model``: the model may be renamed (the config has a model map), so say where it
-    lies (``Facts.model_span``) from the one decode of the body."""
+    lies (``Facts.model_span``) from the one decode of the body. ``members`` (a list the caller
+    owns): receives the body's top level as raw members when the read made them (a Claude Code
+    or OpenCode body), for later readers of the same body (the prompt shape)."""
     try:
-        return _read(method, url, headers, body, content_encoding, api, locate_model)
+        return _read(method, url, headers, body, content_encoding, api, locate_model, members)
     except Exception as e:  # pragma: no cover - a last resort; the property tests look for it
         try:
             api, agent = api_of(_text(method), _text(url)), agent_of(header_map(headers))
@@ -117,7 +120,7 @@ def read_upgrade(url: str | bytes, headers: object) -> Facts:
                      reason=f"internal error: {type(e).__name__}")
 
 
-def _read(method, url, headers, body, content_encoding, api=None, locate_model=False) -> Facts:
+def _read(method, url, headers, body, content_encoding, api=None, locate_model=False, members=None) -> Facts:
     h = header_map(headers)
     if api is None:
         api = api_of(_text(method), _text(url))
@@ -133,12 +136,14 @@ def _read(method, url, headers, body, content_encoding, api=None, locate_model=F
     if not problem:
         # pi and Codex may name their session only in the body's prompt_cache_key (pi is
         # known by its prompt, so an unknown agent may be pi): only they need it looked for.
-        # Where the model lies is found from the facts' own decode for the agents whose bodies
-        # are mostly what the facts do not read (Claude Code's and OpenCode's tool schemas: the
-        # raw members skim them once); Codex's and pi's are mostly their history, which that
-        # read would decode twice — theirs is found by the rename, if one comes (issue 22).
+        # Claude Code's and OpenCode's bodies are mostly what the facts do not read (tool
+        # schemas): read as raw members, skimmed once, they give the model's span and the members
+        # the prompt shape reads later without a decode of its own. Codex's and pi's are mostly
+        # their history, which that read would decode twice: read typed (issue 22).
+        by_members = (locate_model or members is not None) and agent in (CLAUDE_CODE, OPENCODE)
         parsed_body, problem = parse_body(data, api, cache_key=agent in (PI, CODEX, UNKNOWN_AGENT), spans=spans,
-                                          locate_model=locate_model and agent in (CLAUDE_CODE, OPENCODE))
+                                          locate_model=by_members and locate_model,
+                                          members=members if by_members else None)
     b = parsed_body if parsed_body is not None else wire.Body()
     ok = not problem
 
@@ -252,11 +257,13 @@ _FLAVOUR = {
 
 def parse_body(data: bytes, api: str | None = None, cache_key: bool = True,
                spans: dict[str, tuple[int, int]] | None = None,
-               locate_model: bool = False) -> tuple[wire.Body | None, str]:
+               locate_model: bool = False,
+               members: list[dict[str, msgspec.Raw]] | None = None) -> tuple[wire.Body | None, str]:
     """The body's facts fields, and "" or why some could not be read. A large body of a
     known api is read in parts (``largebody.fast_decode``, which fills ``spans`` with the
     byte spans of the top-level members it read first); anything odd reads it whole — as raw
-    members, then each field, when ``locate_model`` asks where the model lies (``_members``)."""
+    members, then each field, when ``locate_model`` asks where the model lies or ``members``
+    wants them (``_members``)."""
     if not data.strip():
         return None, "empty body"
     if len(data) >= largebody.FAST_MIN and api in _FLAVOUR:
@@ -268,21 +275,23 @@ def parse_body(data: bytes, api: str | None = None, cache_key: bool = True,
             return fast
     if spans:
         spans.clear()           # what the parts' read found before it gave up is not this read's
-    if locate_model and spans is not None:
-        got = _members(data, spans)
+    if locate_model or members is not None:
+        got = _members(data, spans if locate_model else None, members)
         if got is not None:
             return got
     return _whole(data, spans)
 
 
-def _members(data: bytes, spans: dict[str, tuple[int, int]]) -> tuple[wire.Body, str] | None:
-    """The body as raw top-level members, then each facts field: the fields and where the
-    model lies from one decode (``modelspan`` given the members: the rename then reads the body
-    no more; from scratch it costs as much as this whole read). A typed decode of the whole is
-    cheaper when no rename follows (a body's messages are decoded once, not skimmed then
-    decoded: Codex's 75 KB ``input`` 30 µs vs 58), so this read is only asked for when one may.
-    None (anything odd: a field that does not decode, not an object…): ``_whole`` reads it
-    and says what is wrong as it always did."""
+def _members(data: bytes, spans: dict[str, tuple[int, int]] | None,
+             out: list[dict[str, msgspec.Raw]] | None) -> tuple[wire.Body, str] | None:
+    """The body as raw top-level members, then each facts field: the fields, where the model
+    lies (``spans``: the rename then reads the body no more; from scratch that costs as much as
+    this whole read), and the members themselves (``out``: the prompt shape reads them instead
+    of the body). For bodies mostly made of what the facts do not read (tool schemas); a
+    typed decode of the whole is cheaper for one mostly made of history, decoded once instead
+    of skimmed then decoded (Codex's 75 KB ``input``: 30 µs vs 58). None (anything odd: a
+    field that does not decode, not an object…): ``_whole`` reads it and says what is wrong
+    as it always did."""
     wire.count(len(data))
     try:
         fields = wire.loose_decoder.decode(data)
@@ -291,7 +300,9 @@ def _members(data: bytes, spans: dict[str, tuple[int, int]]) -> tuple[wire.Body,
     values, problem = wire.decode_fields(fields)
     if problem:
         return None
-    if isinstance(values.get("model"), str):
+    if out is not None:
+        out.append(fields)
+    if spans is not None and isinstance(values.get("model"), str):
         try:
             spans["model"] = modelspan.model_span(data, fields)
         except modelspan.ModelNotFound:

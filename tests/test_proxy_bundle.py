@@ -185,12 +185,26 @@ async def test_a_parts_state_in_a_flow_goes_with_the_flow_and_no_copy_carries_it
         await p.send(f)
         f.response = tutils.tresp(headers=[(b"content-type", b"text/event-stream")])
         p.bundle.responseheaders(f)
-        assert perflow.LINEAGE in f.metadata and perflow.LEDGER in f.metadata
+        assert perflow.LINEAGE in f.metadata and perflow.LEDGER in f.metadata and perflow.BODY in f.metadata
         copied = f.copy()                       # mitmproxy's duplicate, replay and save copy the metadata
         assert copied.metadata[perflow.LINEAGE] is None and copied.metadata[perflow.LEDGER] is None
+        assert copied.metadata[perflow.BODY] is None
         assert copied.metadata["sessionpin"]["session"] == SESSION
         await _settle(p.bundle.response(f))
         assert not {k for k in f.metadata if k.startswith("sessionpin.")}
+    finally:
+        p.close()
+
+
+async def test_the_routers_body_members_go_with_an_error_too(cfg_path):
+    p = start(cfg_path)
+    try:
+        f = flow()
+        await p.send(f)
+        assert perflow.BODY in f.metadata        # the facts' decode of the body, for the ledger
+        f.error = tflow.terr()
+        await _settle(p.bundle.error(f))
+        assert perflow.BODY not in f.metadata
     finally:
         p.close()
 

@@ -5,7 +5,7 @@ answer a buffered Anthropic JSON message as the e2e fake server sends it. No TLS
 what sessionpin costs a turn, and how many store operations it makes.
 
     .venv/bin/python scripts/bench_turn.py [--size 10KB] [--turns 2000] [--rounds 3]
-                                           [--variants full,nolin,noledger,bare]
+                                           [--variants full,nolin,noledger,bare] [--shape recorded] [--tree DIR]
 
 Per variant (``make_addons(without=...)``; ``bare``: without both and the OpenCode id pool),
 best of ``--rounds``: CPU per turn of this process's event-loop thread and of all its other
@@ -14,6 +14,9 @@ sessions round robin, each one's hooks awaited in order, then every background e
 out (``settle``) inside the timed span; and the store operations per turn, counted at the file
 store (``_read``: reads; ``_write``: writes, ``apply`` and its records among them; writes on
 the loop: those the facade made without a hop to the writer thread).
+``--shape recorded``: every turn a recorded 115 KB Claude Code continuation (``bench_proxy.recorded``:
+92 KB of tool schemas) instead of ``--size`` of opening text. ``--tree DIR``: that tree's
+``sessionpin`` (a ``git worktree`` of an earlier commit: before/after in two runs).
 Linux only.
 """
 
@@ -33,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
+if "--tree" in sys.argv[:-1]:        # before anything imports sessionpin
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--tree") + 1]).resolve()))
 
 from mitmproxy import http  # noqa: E402
 from mitmproxy.test import taddons  # noqa: E402
@@ -141,7 +146,7 @@ async def run_variant(name: str, args, counted: Counted) -> tuple[float, float, 
                 f = BH.make_flow(s, BP.body("opening", s, 1024))
                 await bundle.request(f)
             await settle(p)
-            payloads = [BP.body("continuation", s, size) for s in sessions]
+            payloads = [BP.body("continuation", s, size, shape=args.shape) for s in sessions]
             await turns(p, sessions, payloads, 0, 16)
             await settle(p)
             main = __import__("threading").get_native_id()
@@ -172,9 +177,13 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="full,nolin,noledger,bare")
+    ap.add_argument("--shape", default="opening", choices=BP.SHAPES)
+    ap.add_argument("--tree", type=Path, help="another tree's sessionpin (read before any import)")
     args = ap.parse_args()
     counted = Counted()
-    print(f"{args.size} pinned turns, {args.turns} per round, best of {args.rounds}; CPU ms per turn")
+    from sessionpin import __file__ as where
+    print(f"sessionpin from {Path(where).resolve().parents[1].name}; {args.size if args.shape != 'recorded' else 'recorded'} "
+          f"pinned turns, {args.turns} per round, best of {args.rounds}; CPU ms per turn")
     print(f"{'variant':10} {'loop':>6} {'others':>7} {'total':>6}  store operations per turn")
 
     async def every() -> None:         # one loop for all (a closed loop's master would still log)

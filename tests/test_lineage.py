@@ -452,3 +452,25 @@ def test_a_history_within_the_budget_has_the_root_it_had():
     assert len(body) > lw.FAST_MIN
     walked = lineage.chain(body, facts.ANTHROPIC_MESSAGES, turns=1)
     assert walked.keys and walked.keys[0] == lineage.chain(body, facts.ANTHROPIC_MESSAGES).keys[0]
+
+
+def test_a_chain_from_the_raw_members_is_the_chain_of_the_body():
+    """``members`` (the facts reader's decode of the body's top level, issue 22): every recorded
+    request's chain, whole and its first turn, as from the body; a history of the wrong type
+    read leniently the same way."""
+    from sessionpin.reader import wire
+    n = 0
+    for path in sorted((Path(__file__).parent / "fixtures" / "traffic").glob("*/*.json")):
+        fx = json.loads(path.read_text())
+        if not isinstance(fx.get("body"), dict):
+            continue
+        api = facts.api_of(fx["method"], fx["url"])
+        data = json.dumps(fx["body"], separators=(",", ":")).encode()
+        members = wire.loose_decoder.decode(data)
+        for turns in (1, None):
+            assert lineage.chain(data, api, turns, members=members) == lineage.chain(data, api, turns), path.name
+        n += 1
+    assert n > 50
+    odd = b'{"model":"m","messages":[{"role":"user","content":"hi"},7,{"role":"assistant","content":"ok"}]}'
+    got = lineage.chain(odd, facts.ANTHROPIC_MESSAGES, members=wire.loose_decoder.decode(odd))
+    assert got == lineage.chain(odd, facts.ANTHROPIC_MESSAGES) and got.keys

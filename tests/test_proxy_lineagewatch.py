@@ -427,3 +427,22 @@ async def test_the_roots_recorded_lately_are_bounded(monkeypatch):
         assert await store.get(lineindex.root_key("claude-code", f"{0:032x}")) == "s0"
     finally:
         await store.close()
+
+
+async def test_a_continuations_root_is_read_from_the_members_the_router_decoded(proxy, monkeypatch):
+    """Issue 22, the body decoded once: the root of a Claude Code continuation is read from the
+    raw members the router's facts read made (its history's bytes only, on the reads' thread),
+    and is the root of the body as sent."""
+    given = []
+    real = lineage.chain
+    monkeypatch.setattr(lineagewatch.lineage, "chain", lambda *a, **k: given.append(k.get("members")) or real(*a, **k))
+    f = flow()
+    await proxy.send(f)
+    await answer(proxy, f, SSE[:-1])
+    g = flow("continuation")
+    await proxy.send(g)
+    await answer(proxy, g)
+    await watch_of(proxy).settled()
+    assert given and given[-1] is not None
+    root = real(g.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
+    assert await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION

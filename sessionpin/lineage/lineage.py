@@ -44,6 +44,7 @@ import re
 from typing import Iterable
 
 import msgspec
+from msgspec import Raw
 
 from ..reader import facts
 from . import lineage_wire as lw
@@ -231,16 +232,19 @@ _FLAVOUR = {facts.ANTHROPIC_MESSAGES: "anthropic", facts.ANTHROPIC_COUNT_TOKENS:
             facts.OPENAI_CHAT: "chat", facts.OPENAI_RESPONSES: "responses"}
 
 
-def chain(body: bytes | None, api: str, turns: int | None = None, content_encoding: str = "") -> Chain:
+def chain(body: bytes | None, api: str, turns: int | None = None, content_encoding: str = "",
+          members: dict[str, Raw] | None = None) -> Chain:
     """The hash chain of a request body's history (decoded body; or give its content-encoding).
-    ``turns``: stop after that many model runs (None: read it all). Never raises."""
+    ``turns``: stop after that many model runs (None: read it all). ``members``: the body's top
+    level as raw members, decoded already (the facts reader's: ``perflow.Body``), read instead
+    of the body. Never raises."""
     try:
-        return _chain(body, api, turns, content_encoding)
+        return _chain(body, api, turns, content_encoding, members)
     except Exception as e:  # pragma: no cover - a last resort; the property tests look for it
         return Chain(parsed=False, reason=f"internal error: {type(e).__name__}")
 
 
-def _chain(body, api, turns, content_encoding) -> Chain:
+def _chain(body, api, turns, content_encoding, members=None) -> Chain:
     flavour = _FLAVOUR.get(api)
     if flavour is None:
         return Chain(parsed=False, reason="not an inference api")
@@ -248,13 +252,14 @@ def _chain(body, api, turns, content_encoding) -> Chain:
     if problem:
         return Chain(parsed=False, reason=problem)
     try:
-        return _chain_of(data, flavour, turns)
+        return _chain_of(data, flavour, turns, members)
     except lw.OverBudget:
         return Chain(parsed=False, reason=OVER_BUDGET)
 
 
-def _chain_of(data: bytes, flavour: str, turns: int | None) -> Chain:
-    items, previous = lw.history(data, flavour, whole=turns is None, budget=None if turns is None else TURNS_BUDGET)
+def _chain_of(data: bytes, flavour: str, turns: int | None, members: dict[str, Raw] | None = None) -> Chain:
+    items, previous = lw.history(data, flavour, whole=turns is None, budget=None if turns is None else TURNS_BUDGET,
+                                 members=members)
     if items is None:
         return Chain(parsed=False, reason="no history")
     if isinstance(items, str):  # Responses: the whole input is one user text

@@ -207,13 +207,14 @@ def walk(data: bytes, key: bytes, budget: Budget | None = None) -> Iterator[Item
     return items()
 
 
-def history(data: bytes, flavour: str, whole: bool,
-            budget: Budget | None = None) -> tuple[Iterator[Item] | str | None, str | None]:
+def history(data: bytes, flavour: str, whole: bool, budget: Budget | None = None,
+            members: dict[str, Raw] | None = None) -> tuple[Iterator[Item] | str | None, str | None]:
     """(the items, or a Responses string input; the body's previous_response_id). ``whole``:
     decode the body at once (contents skipped); else a large body is walked item by item (its
     previous_response_id is then not looked for: the facts reader has it). With a ``budget``
     (not whole), a body larger than it that cannot be walked raises ``OverBudget`` rather than
-    be decoded at once."""
+    be decoded at once. ``members``: the body's top level as raw members, decoded already: a
+    body read at once is read from them (its history's bytes only), not decoded again."""
     key = b"input" if flavour == "responses" else b"messages"
     if not whole and len(data) >= FAST_MIN:
         items = walk(data, key, budget)
@@ -222,9 +223,9 @@ def history(data: bytes, flavour: str, whole: bool,
         if budget is not None and len(data) > budget.size:
             raise OverBudget
     try:
-        h = _history.decode(data)
+        h = _history_of(members) if members is not None else _history.decode(data)
     except msgspec.ValidationError:
-        h = _lenient_history(data, key.decode())
+        h = _lenient_history(data, key.decode(), members)
     except (msgspec.DecodeError, RecursionError):
         return None, None
     if h is None:
@@ -236,11 +237,28 @@ def history(data: bytes, flavour: str, whole: bool,
     return (iter(items) if items is not None else None), prev
 
 
-def _lenient_history(data: bytes, key: str) -> History | None:
-    try:
-        fields = _loose.decode(data)
-    except (msgspec.DecodeError, RecursionError):
-        return None
+_history_members = {"messages": msgspec.json.Decoder(list[Item] | None),
+                    "input": msgspec.json.Decoder(str | list[Item] | None),
+                    "previous_response_id": msgspec.json.Decoder(str | None)}
+
+
+def _history_of(members: dict[str, Raw]) -> History:
+    """``_history.decode(data)`` from the body's raw members: the same fields, of the same types
+    (one of a wrong type raises ``ValidationError``, as the whole decode does)."""
+    h = History()
+    for name, decoder in _history_members.items():
+        raw = members.get(name)
+        if raw is not None:
+            setattr(h, name, decoder.decode(raw))
+    return h
+
+
+def _lenient_history(data: bytes, key: str, fields: dict[str, Raw] | None = None) -> History | None:
+    if fields is None:
+        try:
+            fields = _loose.decode(data)
+        except (msgspec.DecodeError, RecursionError):
+            return None
     h = History()
     try:
         h.previous_response_id = msgspec.json.decode(fields.get("previous_response_id", b"null"), type=str | None)

@@ -195,7 +195,7 @@ class LedgerWatch:
             if read.usage is not None and raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
                 large = self._large(flow, w, read, ended, raw, encoding)      # never on the event loop
                 return large if self._beside(w.session, flow, large) is None else None
-            shape = (promptshape.shape(raw, w.api, encoding, self._digests, members=_sent_members(flow))
+            shape = (promptshape.shape(raw, w.api, encoding, self._digests, members=perflow.sent_members(flow))
                      if read.usage is not None else None)
             if w.session in self._behind:          # its conversation's previous turn is still read: after it
                 later = self._turn_later(flow, w, read, shape, ended)
@@ -259,7 +259,7 @@ class LedgerWatch:
                     if raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
                         large = self._large(flow, w, read, time.time(), raw, encoding, cut=True)
                         return large if self._beside(w.session, flow, large) is None else None
-                    shape = promptshape.shape(raw, w.api, encoding, self._digests, members=_sent_members(flow))
+                    shape = promptshape.shape(raw, w.api, encoding, self._digests, members=perflow.sent_members(flow))
                     if w.session in self._behind:    # its conversation's previous turn is still read: after it
                         later = self._turn_later(flow, w, read, shape, time.time(), cut=True)
                         return later if self._beside(w.session, flow, later) is None else None
@@ -504,10 +504,3 @@ async def _after(before: asyncio.Task | None, work, flow: http.HTTPFlow) -> None
             ctx.master.addons.trigger(hooks.UpdateHook([flow]))
     except Exception:               # no master (tests without one): nobody to tell
         pass
-
-
-def _sent_members(flow: http.HTTPFlow) -> dict | None:
-    """The request body's raw members the router's facts read made (``perflow.BODY``), while
-    the flow's body is still the one it sent: the shape then decodes nothing of its own."""
-    body = flow.metadata.get(perflow.BODY)
-    return body.of(flow.request.raw_content) if body is not None else None

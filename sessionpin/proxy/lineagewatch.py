@@ -83,9 +83,10 @@ def _head(body: bytes, api: str, encoding: str) -> str | None:
     return lineage.chain(body, api, turns=1, content_encoding=encoding).head
 
 
-def _root(body: bytes, api: str, encoding: str) -> str | None:
-    """The root key of a history: the state after its first model run."""
-    keys = lineage.chain(body, api, turns=1, content_encoding=encoding).keys
+def _root(body: bytes, api: str, encoding: str, members: dict | None = None) -> str | None:
+    """The root key of a history: the state after its first model run (``members``: the
+    router's decode of the body's top level, read instead of the body)."""
+    keys = lineage.chain(body, api, turns=1, content_encoding=encoding, members=members).keys
     return keys[0] if keys else None
 
 
@@ -163,7 +164,7 @@ class LineageWatch:
         body = req.raw_content
         if not body:
             return None
-        args = (body, state.request.facts.api, req.headers.get("content-encoding", ""))
+        args = (body, state.request.facts.api, req.headers.get("content-encoding", ""), perflow.sent_members(flow))
         if len(body) < HOLD_FROM:
             return self.reads.submit(len(body), _root, *args)
         held = asyncio.get_running_loop().create_future()

@@ -52,3 +52,10 @@ class Body(FlowState):
 
     def of(self, body: bytes | None) -> dict[str, Any] | None:
         return self.members if body is not None and body is self.sent else None
+
+
+def sent_members(flow: Any) -> dict[str, Any] | None:
+    """The router's raw members of the flow's request body (``BODY``), while the body is still
+    the one it sent; else None (the reader decodes the body itself)."""
+    body = flow.metadata.get(BODY)
+    return body.of(flow.request.raw_content) if body is not None else None

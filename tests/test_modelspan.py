@@ -72,3 +72,15 @@ def test_a_top_level_handed_in_refuses_what_the_body_refuses(body):
     top = modelspan._decode_top.decode(body)
     with pytest.raises(ModelNotFound):
         modelspan.model_span(body, top)
+
+
+@pytest.mark.parametrize("pad", [b" ", b"\t", b"\r\n", b" \n\t\r" * 4, b" " * (1 << 20)])
+def test_whitespace_anywhere_between_members_is_walked_to_the_same_span(pad):
+    """The walk skips whitespace with a search in C (a body padded with megabytes of spaces
+    cost a Python step per byte on the event loop): every place a space may go."""
+    parts = [b"{", b'"x"', b":", b"1", b",", b'"model"', b":", b'"claude-opus-4-5"', b",", b'"m"', b":", b"[]", b"}"]
+    body = pad + pad.join(parts) + pad
+    start, end = modelspan.model_span(body)
+    assert body[start:end] == b'"claude-opus-4-5"'
+    with pytest.raises(ModelNotFound):     # and a duplicate behind the padding is still refused
+        modelspan.model_span(body[:-len(pad) - 1] + b"," + pad + b'"model":"a"}')

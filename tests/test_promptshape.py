@@ -206,3 +206,12 @@ def test_a_shape_from_the_raw_members_is_the_shape_of_the_body():
     bad = b'{"model": 5, "messages": []}'
     assert shape(bad, F.ANTHROPIC_MESSAGES) is None
     assert shape(bad, F.ANTHROPIC_MESSAGES, members=wire.loose_decoder.decode(bad)) is None
+
+
+def test_a_marker_behind_megabytes_of_spaces_is_cut_in_c_time():
+    """The spaces before a ``cache_control`` key are stepped over in doubling windows stripped in
+    C, not a Python step per byte (4 MiB: 0.25 s on the event loop); the same cut."""
+    pad = b" \t\n" * (1 << 18)
+    msg = b'{"role":"user","content":[{"type":"text","text":"hi",' + pad + b'"cache_control":{"type":"ephemeral"}}]}'
+    assert promptshape._unmarked(msg) == b'{"role":"user","content":[{"type":"text","text":"hi"}]}'
+    assert promptshape._back_over_space(b"ab   ", 5, 0) == 2 and promptshape._back_over_space(b"   ", 3, 1) == 1

@@ -137,9 +137,12 @@ _WS = b" \t\r\n"
 
 
 def _skip_ws(data: bytes, i: int) -> int:
-    while i < len(data) and data[i] in _WS:
-        i += 1
-    return i
+    """Past the spaces at ``i``, found by a regular expression (in C: a history padded with
+    megabytes of spaces between its items was a Python step per byte, 0.6 s for 8 MiB)."""
+    return _WS_RUN.match(data, i).end()
+
+
+_WS_RUN = re.compile(rb"[ \t\r\n]*")
 
 
 def _array_start(data: bytes, key: bytes) -> int:

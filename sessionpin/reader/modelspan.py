@@ -11,6 +11,8 @@ be located exactly (duplicate top-level keys, not an object, not a string) raise
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 
@@ -18,7 +20,6 @@ class ModelNotFound(ValueError):
     """The body's top-level model could not be located byte for byte."""
 
 
-_WS = b" \t\r\n"
 _decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _decode_str = msgspec.json.Decoder(str)
 _encode = msgspec.json.encode
@@ -99,10 +100,8 @@ def _walk(body: bytes, top: dict) -> tuple[int, int]:
     i += 1
     span = None
     seen = 0
-    ws = _WS
     for _ in range(len(top) + 1):
-        while i < n and body[i] in ws:
-            i += 1
+        i = _skip(body, i)
         if i < n and body[i] == 0x7D:  # }
             break
         if i >= n or body[i] != 0x22:
@@ -112,13 +111,11 @@ def _walk(body: bytes, top: dict) -> tuple[int, int]:
         # a key without escapes is its bytes (the decoder above checked them: UTF-8, no control)
         name = _decode_str.decode(body[i:j]) if b"\\" in name else name.decode()
         i = j
-        while i < n and body[i] in ws:
-            i += 1
+        i = _skip(body, i)
         if i >= n or body[i] != 0x3A:  # :
             raise ModelNotFound("unexpected bytes in the body")
         i += 1
-        while i < n and body[i] in ws:
-            i += 1
+        i = _skip(body, i)
         raw = top.get(name)
         # The value here must be the raw value the decoder kept for this key. Its ends
         # are compared (a full compare would copy megabytes of messages): with unique
@@ -132,8 +129,7 @@ def _walk(body: bytes, top: dict) -> tuple[int, int]:
             span = (i, i + size)
         seen += 1
         i += size
-        while i < n and body[i] in ws:
-            i += 1
+        i = _skip(body, i)
         if i < n and body[i] == 0x2C:  # ,
             i += 1
     if seen != len(top) or span is None or i >= n or body[i] != 0x7D or _skip(body, i + 1) != n:
@@ -155,10 +151,14 @@ def _same_ends(body: bytes, i: int, raw: memoryview, k: int = 64) -> bool:
 
 
 def _skip(body: bytes, i: int) -> int:
-    n = len(body)
-    while i < n and body[i] in _WS:
-        i += 1
-    return i
+    """The index of the first byte at or after ``i`` that is not JSON whitespace (``len(body)``:
+    none) — found by a regular expression, in C: a body padded with megabytes of spaces
+    between its members cost a Python step per byte on the event loop (0.4 s for 8 MiB)."""
+    m = _NOT_WS.search(body, i)
+    return m.start() if m is not None else len(body)
+
+
+_NOT_WS = re.compile(rb"[^ \t\r\n]")
 
 
 def _string_end(body: bytes, i: int) -> int:

@@ -13,6 +13,8 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 from msgspec import Raw, Struct
 
@@ -120,18 +122,15 @@ def any_items(raw: msgspec.Raw) -> list[Raw] | None:
     Claude Code request, 35 µs). A non-empty array is kept whole, as one item; anything but an
     array or null is the wrong type, as the typed read says."""
     view = memoryview(raw)
-    n = len(view)
-    if n and view[0] == 0x5B:       # [
-        i = 1
-        while i < n and view[i] in _WS:
-            i += 1
-        return [] if i < n and view[i] == 0x5D else [raw]
+    if len(view) and view[0] == 0x5B:       # [
+        first = _NOT_WS.search(view, 1)   # in C: a hostile array of megabytes of spaces is no loop
+        return [] if first is not None and first.group() == b"]" else [raw]
     if view == b"null":
         return None
     raise msgspec.ValidationError("Expected `array | null`")
 
 
-_WS = b" \t\r\n"
+_NOT_WS = re.compile(rb"[^ \t\r\n]")
 
 
 class Steps:

@@ -84,3 +84,13 @@ def test_whitespace_anywhere_between_members_is_walked_to_the_same_span(pad):
     assert body[start:end] == b'"claude-opus-4-5"'
     with pytest.raises(ModelNotFound):     # and a duplicate behind the padding is still refused
         modelspan.model_span(body[:-len(pad) - 1] + b"," + pad + b'"model":"a"}')
+
+
+@pytest.mark.parametrize("key", ["a\\", "\\\\", 'q"q', '\\"', "\\" * 5 + '"', "\\" * (1 << 20)])
+def test_keys_of_escaped_backslashes_and_quotes_are_walked_to_the_same_span(key):
+    """A key's closing quote is told by the backslashes before each quote, counted in C (a key
+    of megabytes of them was a Python step per byte)."""
+    body = b"{ " + json.dumps(key).encode() + b': 1 , "model" : "claude-opus-4-5" }'
+    start, end = modelspan.model_span(body)
+    assert body[start:end] == b'"claude-opus-4-5"'
+    assert modelspan._backslashes_before(b'x\\\\\\"', 4, 0) == 3

@@ -168,9 +168,19 @@ def _string_end(body: bytes, i: int) -> int:
         j = body.find(b'"', j)
         if j < 0:
             raise ModelNotFound("unterminated string")
-        k = j - 1
-        while body[k] == 0x5C:  # count the backslashes before the quote
-            k -= 1
-        if (j - 1 - k) % 2 == 0:
+        if _backslashes_before(body, j, i) % 2 == 0:
             return j + 1
         j += 1
+
+
+def _backslashes_before(body: bytes, j: int, floor: int) -> int:
+    """How many backslashes end ``body[floor:j]``: counted in doubling windows stripped in C (a
+    key of megabytes of escaped backslashes was a Python step per byte: 0.2 s for 4 MiB)."""
+    i, width = j, 16
+    while i > floor:
+        lo = max(floor, i - width)
+        kept = len(body[lo:i].rstrip(b"\\"))
+        if kept:
+            return j - lo - kept
+        i, width = lo, width * 2
+    return j - floor

@@ -666,6 +666,9 @@ def test_the_content_encoding_read_off_the_fields_is_what_the_header_api_says(fi
     (b"", 0), (b"{", 0), (b"{", 1), (b"{{", 1), (b"x{y{z{", 3), (b"x{y{z{", 2), (b'{"a":{}}' * 5000, 10_000),
     (b'{"a":{}}' * 5000, 9_999), (b"{}" * 30_000, 20_000), (b"no braces at all" * 1000, 0), (b"{" * 20_001, 20_000),
     (b"{" * 20_000, 20_000),
+    # across the 64 KiB slices it counts in
+    (b"x" * (64 * 1024 - 1) + b"{{" + b"y" * 70_000 + b"{", 2), (b"x" * (64 * 1024 - 1) + b"{{" + b"y" * 70_000 + b"{", 3),
+    (b"{}" * 100_000, 99_999), (b"{}" * 100_000, 100_000), (b"x" * 300_000 + b"{", 0),
 ])
 def test_more_than_counts_as_bytes_count_does(raw, limit):
     """Issue 22: the large-body test ``read_apart`` counts objects with ``replace`` (memchr,

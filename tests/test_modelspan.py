@@ -93,4 +93,3 @@ def test_keys_of_escaped_backslashes_and_quotes_are_walked_to_the_same_span(key)
     body = b"{ " + json.dumps(key).encode() + b': 1 , "model" : "claude-opus-4-5" }'
     start, end = modelspan.model_span(body)
     assert body[start:end] == b'"claude-opus-4-5"'
-    assert modelspan._backslashes_before(b'x\\\\\\"', 4, 0) == 3

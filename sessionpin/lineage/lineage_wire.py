@@ -31,6 +31,7 @@ import msgspec
 from msgspec import Raw, Struct
 
 from ..reader import largebody
+from ..reader.scan import skip_ws
 from ..reader.wire import count
 
 
@@ -133,16 +134,6 @@ def _lenient(raws: list[Raw]) -> Iterator[Item]:
 
 
 FAST_MIN = 256 * 1024
-_WS = b" \t\r\n"
-
-
-def _skip_ws(data: bytes, i: int) -> int:
-    """Past the spaces at ``i``, found by a regular expression (in C: a history padded with
-    megabytes of spaces between its items was a Python step per byte, 0.6 s for 8 MiB)."""
-    return _WS_RUN.match(data, i).end()
-
-
-_WS_RUN = re.compile(rb"[ \t\r\n]*")
 
 
 def _array_start(data: bytes, key: bytes) -> int:
@@ -175,7 +166,7 @@ def walk(data: bytes, key: bytes, budget: Budget | None = None) -> Iterator[Item
 
     def items() -> Iterator[Item]:
         view = memoryview(data)
-        i = _skip_ws(data, s)
+        i = skip_ws(data, s)
         if i < len(data) and data[i] == ord("]"):
             return
         n = 0
@@ -202,10 +193,10 @@ def walk(data: bytes, key: bytes, budget: Budget | None = None) -> Iterator[Item
             n += 1
             if one is not None:
                 yield one
-            j = _skip_ws(data, end)
+            j = skip_ws(data, end)
             if j >= len(data) or data[j] != ord(","):
                 return
-            i = _skip_ws(data, j + 1)
+            i = skip_ws(data, j + 1)
 
     return items()
 

@@ -32,11 +32,11 @@ from msgspec import Raw
 
 import re
 
+from . import scan
 from .wire import STEPS, Body, Message, count, decode_fields, is_history, loose_decoder
 
 FAST_MIN = 256 * 1024
-_WS = b" \t\r\n"
-_WS_RUN = re.compile(rb"[ \t\r\n]*")
+_WS = scan.WS
 # msgspec's message for a complete value followed by more text; its offset is one past the
 # first byte after the value (checked by tests/test_wire.py against the installed msgspec).
 _TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
@@ -90,23 +90,17 @@ def _decode(decoder: msgspec.json.Decoder, buf) -> tuple[object, int]:
 
 
 def _skip_ws(data: bytes, i: int) -> int:
-    j = _WS_RUN.match(data, i).end()
+    j = scan.skip_ws(data, i)
     count(j - i + 1)
     return j
 
 
 def _skip_ws_back(data: bytes, i: int) -> int:
-    """The index of the last non-space byte at or before i (-1 if none). Windows that double,
-    so a long run of spaces costs C-speed copies, not a Python loop per byte."""
-    width = 16
-    while i >= 0:
-        lo = max(0, i + 1 - width)
-        kept = data[lo:i + 1].rstrip(_WS)
-        count(i + 1 - lo)
-        if kept:
-            return lo + len(kept) - 1
-        i, width = lo - 1, width * 2
-    return -1
+    """The index of the last non-space byte at or before i (-1 if none), found in C
+    (``scan.back_over``: a long run of spaces is no Python loop per byte)."""
+    j = scan.back_over(data, _WS, i + 1)
+    count(2 * (i + 1 - j) + 1)        # the doubling windows read about twice the run
+    return j - 1
 
 
 def _find(data: bytes, needle: bytes, lo: int, hi: int, last: bool) -> int:

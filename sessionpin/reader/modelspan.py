@@ -11,9 +11,9 @@ be located exactly (duplicate top-level keys, not an object, not a string) raise
 
 from __future__ import annotations
 
-import re
-
 import msgspec
+
+from .scan import back_over, skip_ws
 
 
 class ModelNotFound(ValueError):
@@ -94,14 +94,14 @@ def _laid_out(body: bytes, top: dict) -> tuple[int, int] | None:
 
 def _walk(body: bytes, top: dict) -> tuple[int, int]:
     n = len(body)
-    i = _skip(body, 0)
+    i = skip_ws(body, 0)
     if i >= n or body[i] != 0x7B:  # {
         raise ModelNotFound("body is not a JSON object")
     i += 1
     span = None
     seen = 0
     for _ in range(len(top) + 1):
-        i = _skip(body, i)
+        i = skip_ws(body, i)
         if i < n and body[i] == 0x7D:  # }
             break
         if i >= n or body[i] != 0x22:
@@ -111,11 +111,11 @@ def _walk(body: bytes, top: dict) -> tuple[int, int]:
         # a key without escapes is its bytes (the decoder above checked them: UTF-8, no control)
         name = _decode_str.decode(body[i:j]) if b"\\" in name else name.decode()
         i = j
-        i = _skip(body, i)
+        i = skip_ws(body, i)
         if i >= n or body[i] != 0x3A:  # :
             raise ModelNotFound("unexpected bytes in the body")
         i += 1
-        i = _skip(body, i)
+        i = skip_ws(body, i)
         raw = top.get(name)
         # The value here must be the raw value the decoder kept for this key. Its ends
         # are compared (a full compare would copy megabytes of messages): with unique
@@ -129,10 +129,10 @@ def _walk(body: bytes, top: dict) -> tuple[int, int]:
             span = (i, i + size)
         seen += 1
         i += size
-        i = _skip(body, i)
+        i = skip_ws(body, i)
         if i < n and body[i] == 0x2C:  # ,
             i += 1
-    if seen != len(top) or span is None or i >= n or body[i] != 0x7D or _skip(body, i + 1) != n:
+    if seen != len(top) or span is None or i >= n or body[i] != 0x7D or skip_ws(body, i + 1) != n:
         raise ModelNotFound("duplicate top-level keys")
     return span
 
@@ -150,17 +150,6 @@ def _same_ends(body: bytes, i: int, raw: memoryview, k: int = 64) -> bool:
 
 
 
-def _skip(body: bytes, i: int) -> int:
-    """The index of the first byte at or after ``i`` that is not JSON whitespace (``len(body)``:
-    none) — found by a regular expression, in C: a body padded with megabytes of spaces
-    between its members cost a Python step per byte on the event loop (0.4 s for 8 MiB)."""
-    m = _NOT_WS.search(body, i)
-    return m.start() if m is not None else len(body)
-
-
-_NOT_WS = re.compile(rb"[^ \t\r\n]")
-
-
 def _string_end(body: bytes, i: int) -> int:
     """Index just past the JSON string starting at body[i] (a quote)."""
     j = i + 1
@@ -168,19 +157,6 @@ def _string_end(body: bytes, i: int) -> int:
         j = body.find(b'"', j)
         if j < 0:
             raise ModelNotFound("unterminated string")
-        if _backslashes_before(body, j, i) % 2 == 0:
+        if (j - back_over(body, b"\\", j, i)) % 2 == 0:   # the backslashes before it, counted in C
             return j + 1
         j += 1
-
-
-def _backslashes_before(body: bytes, j: int, floor: int) -> int:
-    """How many backslashes end ``body[floor:j]``: counted in doubling windows stripped in C (a
-    key of megabytes of escaped backslashes was a Python step per byte: 0.2 s for 4 MiB)."""
-    i, width = j, 16
-    while i > floor:
-        lo = max(floor, i - width)
-        kept = len(body[lo:i].rstrip(b"\\"))
-        if kept:
-            return j - lo - kept
-        i, width = lo, width * 2
-    return j - floor

@@ -40,11 +40,12 @@ from msgspec import Raw
 
 from . import facts
 from .encodings import decode_body
+from .scan import back_over
 
 _MARKER = re.compile(rb',?\s*"cache_control"\s*:\s*\{[^{}]*\}')    # what ``_unmarked`` removes
 _MARKER_KEY = b'"cache_control"'
 _MARKER_REST = re.compile(rb'\s*:\s*\{[^{}]*\}')
-_SPACE_BYTES = b" \t\n\r\x0b\x0c"    # the regex's \s, for bytes
+_SPACE = b" \t\n\r\x0b\x0c"    # the regex's \s, for bytes
 # a message whose content list begins with a text block (the only kind ``_canonical`` may
 # change): matched at its start, so other messages cost nothing more
 _TEXT_FIRST = re.compile(rb'\{\s*(?:"role"\s*:\s*"[a-z]*"\s*,\s*)?"content"\s*:\s*\[\s*\{\s*"type"\s*:\s*"text"')
@@ -161,7 +162,7 @@ def _unmarked(raw: bytes) -> bytes:
         if m is None:
             p = raw.find(_MARKER_KEY, p + 1)
             continue
-        start = _back_over_space(raw, p, done)     # back over the ``\s*`` and the ``,?`` before the key
+        start = back_over(raw, _SPACE, p, done)   # back over the ``\s*`` (in C) and the ``,?`` before the key
         if start > done and raw[start - 1] == 0x2C:
             start -= 1
         out.append(raw[done:start])
@@ -171,20 +172,6 @@ def _unmarked(raw: bytes) -> bytes:
         return raw
     out.append(raw[done:])
     return b"".join(out)
-
-
-def _back_over_space(raw: bytes, i: int, floor: int) -> int:
-    r"""The index after the last byte before ``i`` (and from ``floor``) that is not a regex
-    ``\s``: ``floor`` if none. Windows that double, each stripped in C — megabytes of spaces
-    before a key cost copies, not a Python step per byte (0.25 s for 4 MiB)."""
-    width = 16
-    while i > floor:
-        lo = max(floor, i - width)
-        kept = raw[lo:i].rstrip(_SPACE_BYTES)
-        if kept:
-            return lo + len(kept)
-        i, width = lo, width * 2
-    return floor
 
 
 def _digest(raw: bytes, message: bool = False) -> tuple[str, int]:

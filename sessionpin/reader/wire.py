@@ -13,10 +13,10 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-import re
-
 import msgspec
 from msgspec import Raw, Struct
+
+from .scan import skip_ws
 
 # A Raw that was not in the body (a real JSON value is never empty).
 ABSENT = Raw(b"")
@@ -123,14 +123,11 @@ def any_items(raw: msgspec.Raw) -> list[Raw] | None:
     array or null is the wrong type, as the typed read says."""
     view = memoryview(raw)
     if len(view) and view[0] == 0x5B:       # [
-        first = _NOT_WS.search(view, 1)   # in C: a hostile array of megabytes of spaces is no loop
-        return [] if first is not None and first.group() == b"]" else [raw]
+        first = skip_ws(view, 1)          # in C: a hostile array of megabytes of spaces is no loop
+        return [] if first < len(view) and view[first] == 0x5D else [raw]
     if view == b"null":
         return None
     raise msgspec.ValidationError("Expected `array | null`")
-
-
-_NOT_WS = re.compile(rb"[^ \t\r\n]")
 
 
 class Steps:

@@ -486,3 +486,43 @@ def test_a_history_padded_with_spaces_between_its_items_has_the_same_chain():
     assert len(padded) >= lw.FAST_MIN
     for turns in (1, None):
         assert lineage.chain(padded, facts.ANTHROPIC_MESSAGES, turns).keys == lineage.chain(plain, facts.ANTHROPIC_MESSAGES, turns).keys
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=40) | st.sampled_from(["", " ", "\n\t", "é" * 70_000, "x" * 70_000 + " ",
+                                                         "a" * 65_536, " " + "b" * 140_000 + "\n", "\ud800" * 3]),
+                max_size=5), st.sampled_from([b"u", b"r"]))
+def test_texts_hashed_in_pieces_give_the_digests_of_the_whole(texts, tag):
+    """Issue 22: a long text is hashed in pieces (no copy of the whole); the digests (kept in
+    stores for 30 days) are those of the whole text, as before."""
+    import hashlib
+    want = hashlib.blake2b(digest_size=16)
+    got = hashlib.blake2b(digest_size=16)
+    for t in texts:
+        data = t.encode("utf-8", "surrogatepass")
+        want.update(tag + len(data).to_bytes(4, "big") + data)
+        lineage._update_tagged(got, tag, t)
+    assert got.digest() == want.digest()
+    old = hashlib.blake2b(digest_size=16)          # TextDigest as it was: held + body in one update
+    started, held = False, ""
+    for t in texts:
+        if not t:
+            continue
+        if not started:
+            t = t.lstrip()
+            if not t:
+                continue
+            started = True
+        body = t.rstrip()
+        if body:
+            old.update((held + body).encode("utf-8", "surrogatepass"))
+            held = t[len(body):]
+        else:
+            held += t
+        if len(held) > lineage.TextDigest.HOLD:
+            old.update(held.encode("utf-8", "surrogatepass"))
+            held = ""
+    d = lineage.TextDigest()
+    for t in texts:
+        d.feed(t)
+    assert d.digest() == old.digest()

@@ -526,3 +526,55 @@ def test_texts_hashed_in_pieces_give_the_digests_of_the_whole(texts, tag):
     for t in texts:
         d.feed(t)
     assert d.digest() == old.digest()
+
+
+def _history_body(items: list[dict], pad: int = 0, sep: str = ",") -> bytes:
+    big = {"role": "user", "content": "p" * pad} if pad else None
+    msgs = ([big] if big else []) + items
+    return (b'{"model":"m","messages":[' + sep.join(json.dumps(m) for m in msgs).encode() + b'],"stream":true}')
+
+
+_ITEMS = st.lists(st.fixed_dictionaries({
+    "role": st.sampled_from(["user", "assistant"]),
+    "content": st.one_of(st.text(max_size=30), st.just([{"type": "tool_use", "id": "toolu_1", "name": "x", "input": {}}]),
+                         st.just([{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}]))}),
+    min_size=1, max_size=6)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_ITEMS, _ITEMS, st.sampled_from(["append", "edit", "role", "space", "none"]), st.integers(0, 10), st.sampled_from([",", ", "]))
+def test_a_root_proven_by_its_first_bytes_is_the_chains_root(first, more, change, at, sep):
+    """``root_of`` with the previous request's proof (``FirstRun``) gives exactly the root
+    ``chain`` reads, whatever the next request changed: appended items, an item edited or given
+    another role, spaces added — the proof is taken only when the history's first bytes through
+    the item that ended the first model run are the same."""
+    api = facts.ANTHROPIC_MESSAGES
+    body = _history_body(first, pad=lw.FAST_MIN, sep=sep)
+    root, proof = lineage.root_of(body, api)
+    assert root == (lineage.chain(body, api, turns=1).keys or (None,))[0]
+    items = list(first)
+    if change == "append":
+        items += more
+    elif change == "edit" and items:
+        k = at % len(items)
+        items[k] = {**items[k], "content": "edited"}
+    elif change == "role" and items:
+        k = at % len(items)
+        items[k] = {**items[k], "role": "assistant" if items[k]["role"] == "user" else "user"}
+    nxt = _history_body(items, pad=lw.FAST_MIN, sep=sep)
+    if change == "space":
+        nxt = nxt.replace(b"},{", b"}, {", 1 + at % 3)
+    got, again = lineage.root_of(nxt, api, known=proof)
+    assert got == (lineage.chain(nxt, api, turns=1).keys or (None,))[0]
+    if proof is not None and nxt.startswith(body[:len(body) - 16]) and change in ("append", "none"):
+        assert again is proof                    # taken: nothing read again
+
+
+def test_a_proof_is_made_only_for_a_walked_history_whose_first_run_ended():
+    api = facts.ANTHROPIC_MESSAGES
+    user, model = {"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}
+    assert lineage.root_of(_history_body([model, user], pad=lw.FAST_MIN), api)[1] is not None
+    assert lineage.root_of(_history_body([model]), api)[1] is None          # small: read at once
+    root, proof = lineage.root_of(_history_body([model], pad=lw.FAST_MIN), api)
+    assert root is not None and proof is None                               # its first run has not ended
+    assert lineage.root_of(_history_body([user], pad=lw.FAST_MIN), api) == (None, None)

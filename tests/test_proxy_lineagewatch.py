@@ -446,3 +446,44 @@ async def test_a_continuations_root_is_read_from_the_members_the_router_decoded(
     assert given and given[-1] is not None
     root = real(g.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
     assert await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
+
+
+async def test_a_long_conversations_root_is_proven_by_its_first_bytes_not_read_again(proxy, monkeypatch):
+    """Issue 22: a conversation opened with a megabyte message had its root decoded and hashed
+    again on every continuation (~2.2 ms on the reads' thread). Its first continuation's root
+    leaves a proof (the history's bytes through the item that ended the first model run); the
+    next continuation whose history begins with those bytes has that root without a read — and
+    records the same root, anchors and all."""
+    from shellkit import body as make_body
+    calls = []
+    real = lineage.chain
+    monkeypatch.setattr(lineagewatch.lineage, "chain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    big = "x" * (300 * 1024)
+
+    def turn(extra: list) -> bytes:
+        doc = json.loads(make_body("continuation"))
+        doc["messages"][0]["content"] = big
+        doc["messages"] += extra
+        return json.dumps(doc).encode()
+    f = flow()
+    await proxy.send(f)
+    await answer(proxy, f, SSE[:-1])
+    watch = watch_of(proxy)
+    g = flow("continuation", content=turn([]))
+    await proxy.send(g)
+    await answer(proxy, g)
+    await watch.settled()
+    assert calls == [1]                                # read once, a proof kept
+    h = flow("continuation", content=turn([{"role": "assistant", "content": "more"}, {"role": "user", "content": "go"}]))
+    await proxy.send(h)
+    await answer(proxy, h)
+    await watch.settled()
+    await flushed(watch)
+    assert calls == [1]                                # proven by its first bytes: not read again
+    root = real(h.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
+    assert await root_recorded(proxy, root)
+    edited = flow("continuation", content=turn([]).replace(b"xxxx", b"xxxy", 1))    # the first message edited
+    await proxy.send(edited)
+    await answer(proxy, edited)
+    await watch.settled()
+    assert calls == [1, 1]                             # not the proven bytes: read again

@@ -188,7 +188,7 @@ def test_a_long_user_id_is_not_searched(monkeypatch):
 
 # ---------------------------------------------------------------- every other head search
 # The lineage reader (lineage_wire) finds a large body's history and its links by the same
-# kind of search: the array's start (``_array_start``), the members around it
+# kind of search: the array's start (``array_start``), the members around it
 # (``top_fields``), and the items one by one (``walk``). Its head search once decoded the text
 # before each look-alike key it met: quadratic (a 60 KB head of ``{"messages":0}`` took 1 s,
 # 1.2 MB would have taken minutes). It now walks the head as the large-body reader does.
@@ -230,7 +230,7 @@ def lineage_reads(flavour: str, body: bytes) -> None:
 
 def _lineage_reads(flavour: str, body: bytes) -> None:
     key = b"input" if flavour == "responses" else b"messages"
-    lineage_wire._array_start(body, key)
+    lineage_wire.array_start(body, key)
     lineage_wire.top_fields(body, ("system", "diagnostics", "previous_response_id", "client_metadata"), key)
     items = lineage_wire.walk(body, key)
     if items is not None:

@@ -136,7 +136,7 @@ def _lenient(raws: list[Raw]) -> Iterator[Item]:
 FAST_MIN = 256 * 1024
 
 
-def _array_start(data: bytes, key: bytes) -> int:
+def array_start(data: bytes, key: bytes) -> int:
     """The position just after the ``[`` of the top-level ``"key": [``, or -1. The members
     before it are walked one at a time from the opening brace (``largebody.head_members``:
     each byte scanned once), so look-alike keys nested before it cost nothing extra."""
@@ -153,12 +153,14 @@ class Budget(Struct, frozen=True):
     items: int           # items read
 
 
-def walk(data: bytes, key: bytes, budget: Budget | None = None) -> Iterator[Item] | None:
+def walk(data: bytes, key: bytes, budget: Budget | None = None, ends: list[int] | None = None) -> Iterator[Item] | None:
     """The items of the top-level array ``key`` one by one, reading only as far as the caller
     iterates; None when the body does not look like ``{..., "key": [...], ...}``. A body that
     turns out malformed further on ends the iteration early (the caller sees fewer items).
-    With a ``budget``, iterating past it raises ``OverBudget``."""
-    s = _array_start(data, key)
+    With a ``budget``, iterating past it raises ``OverBudget``. ``ends``: receives, before each
+    item is yielded, the offset just past it (the bytes from ``array_start`` to there are what
+    the items read so far were parsed from)."""
+    s = array_start(data, key)
     if s == -1:
         return None
     stop = len(data) if budget is None else min(len(data), s + budget.size)
@@ -192,6 +194,8 @@ def walk(data: bytes, key: bytes, budget: Budget | None = None) -> Iterator[Item
             one = item(view[i:end])
             n += 1
             if one is not None:
+                if ends is not None:
+                    ends.append(end)
                 yield one
             j = skip_ws(data, end)
             if j >= len(data) or data[j] != ord(","):
@@ -202,16 +206,18 @@ def walk(data: bytes, key: bytes, budget: Budget | None = None) -> Iterator[Item
 
 
 def history(data: bytes, flavour: str, whole: bool, budget: Budget | None = None,
-            members: dict[str, Raw] | None = None) -> tuple[Iterator[Item] | str | None, str | None]:
+            members: dict[str, Raw] | None = None,
+            ends: list[int] | None = None) -> tuple[Iterator[Item] | str | None, str | None]:
     """(the items, or a Responses string input; the body's previous_response_id). ``whole``:
     decode the body at once (contents skipped); else a large body is walked item by item (its
     previous_response_id is then not looked for: the facts reader has it). With a ``budget``
     (not whole), a body larger than it that cannot be walked raises ``OverBudget`` rather than
     be decoded at once. ``members``: the body's top level as raw members, decoded already: a
-    body read at once is read from them (its history's bytes only), not decoded again."""
+    body read at once is read from them (its history's bytes only), not decoded again.
+    ``ends``: a walked body's item ends (``walk``); left empty when the body is read at once."""
     key = b"input" if flavour == "responses" else b"messages"
     if not whole and len(data) >= FAST_MIN:
-        items = walk(data, key, budget)
+        items = walk(data, key, budget, ends)
         if items is not None:
             return items, None
         if budget is not None and len(data) > budget.size:

@@ -354,7 +354,7 @@ def _root_of(body, api, content_encoding, members, known) -> tuple[str | None, F
     key = b"input" if flavour == "responses" else b"messages"
     if known is not None and known.api == api and len(data) >= lw.FAST_MIN:
         s = lw.array_start(data, key)
-        if s != -1 and memoryview(data)[s:s + len(known.prefix)] == known.prefix:
+        if s != -1 and bytes(data).startswith(known.prefix, s):   # memcmp (a memoryview's == goes byte by byte)
             return known.root, known
     ends: list[int] = []
     c = chain(data, api, turns=1, members=members, ends=ends)

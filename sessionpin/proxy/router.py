@@ -559,7 +559,7 @@ def read_apart(raw: bytes, encoding: str | None) -> bool:
     number of JSON objects a whole-body decode builds and frees (a million tiny messages: a
     second and more), not the bytes: an ordinary history of 1 MB has a few thousand and is read
     here in about a millisecond, faster than the trip to the process. So: from 256 KiB, a body
-    with more than 20,000 objects (``_more_than``: ~0.03 ms per MB), a compressed one
+    with more than 20,000 objects (``_more_than``: ~0.09 ms per MB), a compressed one
     (its objects cannot be counted before it is inflated), and any from 8 MiB go there."""
     n = len(raw)
     if n < FACTS_OFF_LOOP_MIN:

@@ -140,9 +140,9 @@ def _read(method, url, headers, body, content_encoding, api=None, locate_model=F
         # schemas): read as raw members, skimmed once, they give the model's span and the members
         # the prompt shape reads later without a decode of its own. Codex's and pi's are mostly
         # their history, which that read would decode twice: read typed (issue 22).
-        by_members = (locate_model or members is not None) and agent in (CLAUDE_CODE, OPENCODE)
+        by_members = agent in (CLAUDE_CODE, OPENCODE)
         parsed_body, problem = parse_body(data, api, cache_key=agent in (PI, CODEX, UNKNOWN_AGENT), spans=spans,
-                                          locate_model=by_members and locate_model,
+                                          locate_model=locate_model and by_members,
                                           members=members if by_members else None)
     b = parsed_body if parsed_body is not None else wire.Body()
     ok = not problem

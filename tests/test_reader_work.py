@@ -274,3 +274,24 @@ def test_the_lineage_reader_still_finds_what_it_found():
     assert lineage_wire.walk(b'{"a":{"messages":[1]}}', b"messages") is None
     deep = b'{"messages":[' + b"[" * 20000 + b"]" * 20000 + b"]}"
     assert list(lineage_wire.walk(deep, b"messages")) == []
+
+
+def test_a_model_property_in_the_tool_schemas_costs_no_failed_try():
+    """Claude Code's Agent tool schema has a ``"model"`` property, after the messages: the search
+    for a second top-level model runs last, past the tail already decoded, so it is passed over
+    (no decode that fails there, no copy of the body for the tries after it): about one scan of
+    the history and the tail's decode, and the same facts as the whole read."""
+    tools = [{"name": "Agent", "input_schema": {"type": "object", "properties": {
+        "subagent_type": {"type": "string"}, "model": {"type": "string", "enum": ["sonnet", "opus"]}}}}]
+    history = [{"role": "user", "content": "go"}]
+    for i in range(300):
+        history += [{"role": "assistant", "content": [{"type": "text", "text": f"step {i} " + "y" * 900}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": "x" * 900}]}]
+    body = json.dumps({"model": "claude-opus-4-5", "messages": history, "system": "s", "tools": tools,
+                       "metadata": {"user_id": "u"}, "max_tokens": 64, "stream": True},
+                      separators=(",", ":")).encode()
+    assert len(body) > largebody.FAST_MIN
+    got = []
+    n = steps(lambda: got.append(largebody.fast_decode(body, "anthropic", cache_key=False)))
+    assert got[0] is not None and got[0][0].model == "claude-opus-4-5" and got[0][0].stream is True
+    assert n <= 1.3 * len(body), f"{n / len(body):.2f} steps per byte"

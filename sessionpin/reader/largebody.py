@@ -356,7 +356,10 @@ def _fast_decode(data: bytes, flavour: str, cache_key: bool,
     needed = NEEDED[flavour]
     if cache_key and CACHE_KEY not in needed:
         needed += (CACHE_KEY,)
-    tail = tail_members(data, [n for n in needed if n not in head or n == "model"], array_start)
+    # "model" is looked for last: by then the tail found for the other keys is decoded whole,
+    # and a "model" nested in it (Claude Code's Agent tool schema has one) is passed over
+    # without a decode that fails, or a copy of the body for the tries after it.
+    tail = tail_members(data, [n for n in needed if n not in head and n != "model"] + ["model"], array_start)
     if tail is None:
         return None   # look-alikes cost more than the whole read: let it decide
     if tail.keys() & head.keys():

@@ -44,6 +44,7 @@ from . import Manager, manager_of, report
 from .options import OPTIONS, PoolConfig, parse
 from .service import HEADER, PoolService, Route, scope_of
 from .upstream import UPSTREAM_OPTIONS
+from ..reader import headerview
 from ..decision.steps import Refuse
 
 log = logging.getLogger(__name__)
@@ -113,14 +114,14 @@ class PoolParticipant:
         if facts is None:
             from ..reader import facts as F
             facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
-                           req.headers.get("content-encoding"))
+                           headerview.get(req.headers, "content-encoding", None))
         route = await svc.route(req.method, req.url, req.headers, session=facts.session, model=facts.model,
                                 opening=not facts.has_history)
         if route is None:
             return None
         if isinstance(route, Refuse):
             return route
-        if req.headers.get(HEADER) != route.routed_id:
+        if headerview.get(req.headers, HEADER, None) != route.routed_id:
             req.headers[HEADER] = route.routed_id
         flow.metadata[META] = {"key": route.key, "id": route.routed_id, "how": route.how,
                                "provider": route.provider, "model": route.model, "origin": route.origin,

@@ -53,6 +53,7 @@ from .exposition import family, joined
 from .otelspans import KINDS as OTEL_KINDS
 from .otelspans import Spans
 from . import perflow
+from ..reader import headerview
 from .offprocess import BodyProcess
 from .perflow import FlowState
 from .participants import Participant
@@ -166,8 +167,8 @@ class LedgerWatch:
             if w is None:
                 return
             resp = flow.response
-            sse = "text/event-stream" in resp.headers.get("content-type", "").lower()
-            w.reader = UsageReader(w.api, resp.headers.get("content-encoding", ""), whole=not sse)
+            sse = "text/event-stream" in headerview.get(resp.headers, "content-type").lower()
+            w.reader = UsageReader(w.api, headerview.get(resp.headers, "content-encoding"), whole=not sse)
             if callable(resp.stream):
                 resp.stream = _Tee(resp.stream, w.reader)
             elif resp.stream:
@@ -191,7 +192,7 @@ class LedgerWatch:
             read = w.reader.result()
             ended = time.time()                                   # the answer just ended
             req = flow.request
-            raw, encoding = req.raw_content, req.headers.get("content-encoding", "")
+            raw, encoding = req.raw_content, headerview.get(req.headers, "content-encoding")
             if read.usage is not None and raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
                 large = self._large(flow, w, read, ended, raw, encoding)      # never on the event loop
                 return large if self._beside(w.session, flow, large) is None else None
@@ -255,7 +256,7 @@ class LedgerWatch:
             try:
                 read = w.reader.result()
                 if read.usage is not None:
-                    raw, encoding = flow.request.raw_content, flow.request.headers.get("content-encoding", "")
+                    raw, encoding = flow.request.raw_content, headerview.get(flow.request.headers, "content-encoding")
                     if raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
                         large = self._large(flow, w, read, time.time(), raw, encoding, cut=True)
                         return large if self._beside(w.session, flow, large) is None else None
@@ -323,7 +324,7 @@ class LedgerWatch:
         if not websocket and (resp is None or not 200 <= resp.status_code < 300):
             return None
         server = meta.get("target") or meta.get("source") or flow.request.pretty_host
-        headers = {k: flow.request.headers.get(k, "") for k in ("x-claude-code-agent-id", "thread-id")}
+        headers = {k: headerview.get(flow.request.headers, k) for k in ("x-claude-code-agent-id", "thread-id")}
         lane = ledger.lane_of(meta["agent"], meta.get("turn"), None, headers)
         if lane.startswith("side:"):
             lane = "side"     # refined by the answer's model

@@ -40,6 +40,7 @@ from mitmproxy import ctx, exceptions, http
 from ..decision import answers, headers
 from ..reader import facts as F
 from . import perflow
+from ..reader import headerview
 from .configwatch import ConfigWatch
 from .perflow import FlowState
 
@@ -113,7 +114,7 @@ class BodyLimit:
         if req.method != "POST":
             return
         limit = max(1, ctx.options.sessionpin_max_body_mb) * MIB
-        length = req.headers.get("content-length")
+        length = headerview.get(req.headers, "content-length", None)
         if length is not None and not F.body_too_large(length, limit):
             return                          # the common case: judged by its length, nothing more
         scope = self.config.config.scope(req.method, req.scheme, req.host, req.port, req.path)[1]
@@ -222,7 +223,7 @@ class BodyLimit:
 
 
 def _message(flow: http.HTTPFlow, limit: int) -> str:
-    size = flow.request.headers.get("content-length")
+    size = headerview.get(flow.request.headers, "content-length", None)
     what = f"body ({size} bytes) is over" if size is not None else "body (sent without a length) grew past"
     return (f"sessionpin: this request's {what} the proxy's limit of {limit // MIB} MiB "
             f"(sessionpin_max_body_mb); it was not sent anywhere.")

@@ -66,6 +66,7 @@ from ..lineage.lineage_stream import StreamReader
 from ..decision.route import State
 from ..store.base import Write
 from . import perflow
+from ..reader import headerview
 from .offloop import OffLoop
 from .perflow import FlowState
 from .storeruntime import StoreRuntime
@@ -200,7 +201,7 @@ class LineageWatch:
         if not body:
             return None
         args = ((state.request.facts.agent, state.session or ""), body, state.request.facts.api,
-                req.headers.get("content-encoding", ""), perflow.sent_members(flow))
+                headerview.get(req.headers, "content-encoding"), perflow.sent_members(flow))
         if len(body) < HOLD_FROM:
             return self.reads.submit(len(body), self._proofs.root, *args)
         held = asyncio.get_running_loop().create_future()
@@ -246,12 +247,12 @@ class LineageWatch:
             del flow.metadata[perflow.LINEAGE]
             return
         if w.agent == F.CLAUDE_CODE:
-            request_id = resp.headers.get("request-id")
+            request_id = headerview.get(resp.headers, "request-id", None)
             if request_id and F.clean_id(request_id):
                 w.anchors.append("req:" + request_id.strip())
-        if w.opening and "text/event-stream" in resp.headers.get("content-type", "").lower():
+        if w.opening and "text/event-stream" in headerview.get(resp.headers, "content-type").lower():
             # (the router turned streaming on; the reader streams it the same, and reads it)
-            w.reader = StreamReader(w.api, resp.headers.get("content-encoding", ""))
+            w.reader = StreamReader(w.api, headerview.get(resp.headers, "content-encoding"))
             resp.stream = w.reader
 
     def response(self, flow: http.HTTPFlow) -> None:
@@ -264,7 +265,7 @@ class LineageWatch:
             req = flow.request
             body = req.raw_content
             if answer.complete and not answer.overflow and body:
-                fut = self.reads.submit(len(body), _head, body, w.api, req.headers.get("content-encoding", ""))
+                fut = self.reads.submit(len(body), _head, body, w.api, headerview.get(req.headers, "content-encoding"))
 
                 def answered(head: str | None) -> None:
                     root = lineage.extend(head, answer.digest) if head is not None else None

@@ -57,6 +57,7 @@ from ..reader import facts as F
 from ..reader.ids import short
 from ..store import StoreError
 from . import perflow, websocket
+from ..reader import headerview
 from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DecisionLog
@@ -214,7 +215,7 @@ class Router:
             self.metrics.pin_writes += 1
         if isinstance(effect, route.ReadLineage):
             req = flow.request
-            raw, encoding = req.raw_content, req.headers.get("content-encoding", "")
+            raw, encoding = req.raw_content, headerview.get(req.headers, "content-encoding")
             if raw is not None and len(raw) >= OFF_LOOP_MIN:      # never on the event loop
                 return await self.reads.run(route.lineage_of, req.headers.fields, raw, encoding,
                                             state.request.facts.api)
@@ -433,10 +434,10 @@ class Router:
         if route.redirect_refused(resp.status_code, flow.metadata.get("sessionpin")):
             return   # buffered: ``response`` answers it instead
         if not resp.stream:
-            ctype = resp.headers.get("content-type", "").lower()
+            ctype = headerview.get(resp.headers, "content-type").lower()
             if any(t in ctype for t in STREAM_TYPES):
                 resp.stream = True
-            elif "sessionpin" in flow.metadata and "content-length" not in resp.headers \
+            elif "sessionpin" in flow.metadata and not headerview.has(resp.headers, "content-length") \
                     and not flow.metadata["sessionpin"].get("refused"):
                 resp.stream = True
         for p in self.participants:
@@ -550,8 +551,7 @@ def _apply(req: http.Request, c: rewrite.Changes) -> None:
 def _content_encoding(req: http.Request) -> str | None:
     """``req.headers.get("content-encoding")`` read off the fields in one pass (the header API
     costs a lookup through its mapping layers): every value of the name joined by ", ", or None."""
-    values = [v for n, v in req.headers.fields if n.lower() == b"content-encoding"]
-    return b", ".join(values).decode("utf-8", "surrogateescape") if values else None
+    return headerview.get(req.headers, "content-encoding", None)  # type: ignore[arg-type]
 
 
 def read_apart(raw: bytes, encoding: str | None) -> bool:

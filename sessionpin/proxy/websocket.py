@@ -36,6 +36,7 @@ from ..reader import facts as F
 from ..config.config import Config, Server, map_model
 from ..reader.ids import short
 from ..decision.route import State
+from ..reader import headerview
 
 log = logging.getLogger("sessionpin")
 MODELS = "socket_models"     # the flow metadata's key for a socket's model map
@@ -44,7 +45,7 @@ TURN = "response.create"     # the client message that opens a turn
 
 
 def is_upgrade(req: http.Request) -> bool:
-    return req.method == "GET" and "websocket" in req.headers.get("upgrade", "").lower()
+    return req.method == "GET" and "websocket" in headerview.get(req.headers, "upgrade").lower()
 
 
 def upgrade_facts(config: Config, req: http.Request) -> tuple[F.Facts, Server | None] | None:

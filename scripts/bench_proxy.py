@@ -34,7 +34,9 @@ the reader must read for the conversation's fingerprint) and ``history`` (the bu
 later in the conversation, as in a long Claude Code session; the reader skips it); and
 ``recorded`` (``--shapes recorded``, ``bench_parts.py --shape recorded``): a recorded Claude Code
 continuation as the client sent it, 115 KB of which 92 KB are tool schemas (what real traffic
-makes every part read; the sizes are then ignored).
+makes every part read; the sizes are then ignored); ``grown``: that recorded continuation with
+its real messages repeated to about the size (a long Claude Code conversation: real tool schemas,
+among them the Agent tool's ``model`` property, real tool calls and results).
 
 First byte: a streamed response whose upstream pauses after its first event. The router against
 mitmdump with a one-line addon that only turns streaming on (and plain mitmdump, which buffers the
@@ -85,7 +87,7 @@ NO_LEDGER = "from sessionpin.proxy import make_addons\naddons = make_addons(with
 SIZES = {"10KB": 10 * 1024, "1MB": 1024 * 1024, "8MB": 8 * 1024 * 1024}
 
 
-SHAPES = ("opening", "history", "recorded")
+SHAPES = ("opening", "history", "recorded", "grown")
 RESULT = 32 * 1024   # one tool result in the ``history`` shape
 KEEP_ALIVE_PAUSE_MS = 100
 
@@ -104,11 +106,26 @@ def recorded(session: str, stream: bool = False) -> bytes:
 RECORDED = ROOT / "tests/fixtures/traffic/claude-code/interactive-06-continuation.json"
 
 
+def grown(session: str, size: int, stream: bool = False) -> bytes:
+    """The recorded continuation (``recorded``) with its messages after the first repeated, in
+    order, until the body is about ``size`` bytes (at least the recorded one): a long
+    conversation as Claude Code sends it."""
+    doc = json.loads(recorded(session, stream))
+    messages = doc["messages"]
+    repeat, left = messages[1:], size - len(json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode())
+    each = len(json.dumps(repeat, separators=(",", ":"), ensure_ascii=False).encode())
+    for _ in range(max(0, left // max(each, 1))):
+        messages += repeat
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def body(kind: str, session: str, size: int, stream: bool = False, shape: str = "opening") -> bytes:
     """A Claude Code request of about ``size`` bytes; ``shape`` says where the bulk is
     (``recorded``: a real continuation, whatever the size)."""
     if shape == "recorded" and kind == "continuation":
         return recorded(session, stream)
+    if shape == "grown" and kind == "continuation":
+        return grown(session, size, stream)
     billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.e4b; cc_entrypoint=cli;"}
     tools = [{"name": "Bash", "description": "Run a command.",
               "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]

@@ -18,27 +18,32 @@ from __future__ import annotations
 from typing import Any
 
 _MEMO = 4                       # a request and its response, and the flow beside them
-_memo: list[tuple[tuple, dict[bytes, str]]] = []     # most recent first
+_memo: list[tuple[tuple, dict[bytes, bytes]]] = []     # most recent first
 
 
-def _view(headers: Any) -> dict[bytes, str]:
+def _view(headers: Any) -> dict[bytes, bytes]:
+    """Lower-case name -> value (a repeated name's values joined by ", "), in C loops but one
+    comprehension: most messages repeat no name."""
     fields = headers.fields
     for held, view in _memo:
         if held is fields:
             return view
-    values: dict[bytes, list[bytes]] = {}
-    for name, value in fields:
-        values.setdefault(name.lower(), []).append(value)
-    view = {k: (v[0] if len(v) == 1 else b", ".join(v)).decode("utf-8", "surrogateescape")
-            for k, v in values.items()}
+    names = [n.lower() for n, _ in fields]
+    view = dict(zip(names, [v for _, v in fields]))
+    if len(view) != len(names):             # a name said twice: its values folded, in order
+        folded: dict[bytes, list[bytes]] = {}
+        for name, (_, value) in zip(names, fields):
+            folded.setdefault(name, []).append(value)
+        view = {k: b", ".join(v) for k, v in folded.items()}
     _memo.insert(0, (fields, view))
     del _memo[_MEMO:]
     return view
 
 
-def get(headers: Any, name: str, default: str = "") -> str:
+def get(headers: Any, name: str, default: Any = "") -> Any:
     """``headers.get(name, default)`` (``name`` in lower case)."""
-    return _view(headers).get(name.encode(), default)
+    value = _view(headers).get(name.encode())
+    return default if value is None else value.decode("utf-8", "surrogateescape")
 
 
 def has(headers: Any, name: str) -> bool:

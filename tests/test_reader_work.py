@@ -295,3 +295,17 @@ def test_a_model_property_in_the_tool_schemas_costs_no_failed_try():
     n = steps(lambda: got.append(largebody.fast_decode(body, "anthropic", cache_key=False)))
     assert got[0] is not None and got[0][0].model == "claude-opus-4-5" and got[0][0].stream is True
     assert n <= 1.3 * len(body), f"{n / len(body):.2f} steps per byte"
+
+
+def test_a_long_opening_message_is_scanned_once():
+    """A short conversation whose first message is most of the body (a file pasted into the
+    prompt, and its first answer): the walk reaches the end of the messages and reads the
+    tail from there — no search from the body's end over the long message again."""
+    body = json.dumps({"model": "claude-opus-4-5", "messages": [
+        {"role": "user", "content": "x" * (1 << 20)}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "and now?"}]}],
+        "system": "s", "tools": [], "metadata": {"user_id": "u"}, "max_tokens": 64, "stream": True}).encode()
+    got = []
+    n = steps(lambda: got.append(largebody.fast_decode(body, "anthropic", cache_key=True)))
+    assert got[0] is not None and got[0][0].model == "claude-opus-4-5" and len(got[0][0].messages) == 3
+    assert n <= 1.1 * len(body), f"{n / len(body):.2f} steps per byte"

@@ -86,6 +86,42 @@ def test_fast_decode_reads_the_head_first_messages_and_tail():
     assert [m.role for m in body.messages] == ["user", "assistant"]  # stopped once both were known
 
 
+def test_fast_decode_walks_on_past_a_long_opening_message_a_few_items():
+    """The items the facts need were most of the body (a long first message): the walk goes on
+    a few items (MORE_ITEMS), in case the array ends there; a longer one is searched from the end."""
+    long_first = b'{"role":"user","content":"' + b"q" * 20000 + b'"}'
+    for n_after, walked in ((1, 3), (12, 2 + largebody.MORE_ITEMS)):
+        items = [long_first, b'{"role":"assistant","content":"x"}']
+        items += [b'{"role":"%s","content":"y"}' % r for r in [b"user", b"assistant"] * 6][:n_after]
+        data = b'{"model":"m","messages":[' + b",".join(items) + b'],"tools":[{"name":"stream"}],"stream":true}'
+        body, problem = largebody.fast_decode(data, "anthropic")
+        assert problem == "" and body.model == "m" and body.stream is True and len(body.tools) == 1
+        assert len(body.messages) == walked
+
+
+@pytest.mark.parametrize("after", [b"}", b' , "stream" : true , "model":"m"}', b',"stream":true,"x":{"model":"z"}}',
+                                   b', "stream": true} ', b"]", b', "stream": true', b",}", b'}{"model":"z"}'])
+def test_the_tail_read_from_where_the_array_ended_is_the_whole_reads(after, monkeypatch):
+    """An array the walk reached the end of: the members after it read from there — the same
+    answer as the search from the end (MORE_ITEMS = 0: the walk stops where the facts are
+    known) and, when the body is JSON, as the whole read (a second top-level model, a nested
+    look-alike, odd text after)."""
+    data = (b'{"model":"m","messages":[{"role":"user","content":"' + b"q" * 1000 + b'"},'
+            b'{"role":"assistant","content":"a"}]' + after)
+    got = largebody.fast_decode(data, "anthropic")
+    monkeypatch.setattr(largebody, "MORE_ITEMS", 0)
+    searched = largebody.fast_decode(data, "anthropic")
+    assert (got is None) == (searched is None)
+    if got is None:
+        return                                     # the whole read decides, as before
+    assert (got[0].model, got[0].stream, got[1]) == (searched[0].model, searched[0].stream, searched[1])
+    try:
+        whole = msgspec.json.decode(data, type=wire.Body)
+    except msgspec.DecodeError:
+        return                                     # not JSON: what the parts do not prove (docs/facts.md)
+    assert (got[0].model, got[0].stream) == (whole.model, whole.stream)
+
+
 @pytest.mark.parametrize(
     "data",
     [

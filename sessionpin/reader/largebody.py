@@ -9,7 +9,8 @@ and leaves the middle alone:
   2. the first messages, one at a time, each walked member by member (one scan of each
      byte), until an assistant turn (history) and the first user message (fingerprint)
      are both known - or the array ends;
-  3. the tail: the top-level members after the messages array, found by key.
+  3. the tail: the top-level members after the messages array, decoded from the array's
+     end when the walk reached it (a short conversation), else found by key.
 Every part is proved top-level with msgspec, not guessed: the head is walked from the
 opening brace; in JSON a quote preceded by ``,`` is never inside a string, and a slice
 that decodes as one complete object (``{`` + the text after a comma) can only start at
@@ -56,6 +57,11 @@ CACHE_KEY = "prompt_cache_key"
 # (per-member overhead is Python's, so it is capped, not just linear).
 HEAD_MEMBERS = 64
 FIRST_ITEMS = 256
+# Items walked past the ones the facts need when those were most of the body (a long opening
+# message), in case the array ends there: its tail is then read from its end, not searched for
+# from the body's end (the long message scanned once, not twice). Not for a long history: its
+# first items are a sliver of it, and walking more would cost ~20 µs an item for nothing.
+MORE_ITEMS = 4
 # Failed tail tries may scan this many times the body before the whole read takes over.
 TAIL_BUDGET = 1
 
@@ -299,6 +305,24 @@ def tail_members(data: bytes, names, array_start: int) -> dict[str, Raw] | None:
     return tail
 
 
+def _after_array(data: bytes, end: int, names) -> dict[str, Raw] | None:
+    """The members ``names`` of those after the array whose ``]`` is at ``end`` (the walk
+    reached it, so this is the top level: no search, no proof needed); None when the text
+    after it is not ``}`` or ``, members}`` (the search from the end then decides, as before)."""
+    i = _skip_ws(data, end + 1)
+    if i >= len(data):
+        return None
+    if data[i] == ord("}"):
+        return {} if _skip_ws(data, i + 1) == len(data) else None
+    if data[i] != ord(","):
+        return None
+    count(len(data) - i)
+    members, _ = _decode(loose_decoder, b"{" + data[i + 1:])
+    if not isinstance(members, dict):
+        return None
+    return {k: v for k, v in members.items() if k in names}
+
+
 def fast_decode(data: bytes, flavour: str, cache_key: bool = True,
                 spans: dict[str, tuple[int, int]] | None = None) -> tuple[Body, str] | None:
     """A large body's facts fields without reading its message contents; None to fall back.
@@ -324,13 +348,23 @@ def _fast_decode(data: bytes, flavour: str, cache_key: bool,
     if array_start >= len(data) or data[array_start] != ord("["):
         return None
     # 2. the first messages, each walked member by member (``_item``): one scan of the
-    # element, whatever its text holds.
+    # element, whatever its text holds. Past the ones the facts need, up to ``MORE_ITEMS``
+    # more: a short conversation's array (an opening of one long message, its first answer)
+    # then ends in the walk, and its tail is read from where the array ends (step 3).
     messages: list[Message] = []
     s = _skip_ws(data, array_start + 1)
-    ended = s < len(data) and data[s] == ord("]")
+    end = s if s < len(data) and data[s] == ord("]") else -1     # the array's "]", once walked to it
     history = first_user = False
     view = memoryview(data)
-    while not ended and not (history and first_user):
+    more = MORE_ITEMS
+    while end == -1:
+        if history and first_user:
+            # on only while the items walked are most of the array's bytes and beyond: then
+            # what is left is a few short items and the tail (a long history's first items are
+            # a sliver of it, and walking more of them would cost more than the search)
+            if more == 0 or 2 * (s - array_start) < len(data) - array_start:
+                break
+            more -= 1
         if s >= len(data) or data[s] != ord("{") or len(messages) >= FIRST_ITEMS:
             return None
         got = _item(data, view, s)
@@ -344,22 +378,26 @@ def _fast_decode(data: bytes, flavour: str, cache_key: bool,
         if after >= len(data):
             return None
         if data[after] == ord("]"):
-            ended = True
+            end = after
         elif data[after] == ord(","):
             s = _skip_ws(data, after + 1)
         else:
             return None
-    # 3. the tail: each needed key not in the head, found from the end and proved top-level.
-    # "model" is looked for even when the head has it: a second top-level model after the
-    # messages (the whole read takes the last) must send the body to the whole read, since
-    # a model rename trusts the head's span (facts.model_span).
+    # 3. the tail: each needed key not in the head. "model" is looked for even when the head
+    # has it: a second top-level model after the messages (the whole read takes the last)
+    # must send the body to the whole read, since a model rename trusts the head's span
+    # (facts.model_span).
     needed = NEEDED[flavour]
     if cache_key and CACHE_KEY not in needed:
         needed += (CACHE_KEY,)
     # "model" is looked for last: by then the tail found for the other keys is decoded whole,
     # and a "model" nested in it (Claude Code's Agent tool schema has one) is passed over
     # without a decode that fails, or a copy of the body for the tries after it.
-    tail = tail_members(data, [n for n in needed if n not in head and n != "model"] + ["model"], array_start)
+    names = [n for n in needed if n not in head and n != "model"] + ["model"]
+    tail = _after_array(data, end, names) if end != -1 else None
+    if tail is None:
+        # where the array ends is not known: each key found from the end, proved top-level
+        tail = tail_members(data, names, array_start)
     if tail is None:
         return None   # look-alikes cost more than the whole read: let it decide
     if tail.keys() & head.keys():

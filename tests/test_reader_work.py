@@ -309,3 +309,21 @@ def test_a_long_opening_message_is_scanned_once():
     n = steps(lambda: got.append(largebody.fast_decode(body, "anthropic", cache_key=True)))
     assert got[0] is not None and got[0][0].model == "claude-opus-4-5" and len(got[0][0].messages) == 3
     assert n <= 1.1 * len(body), f"{n / len(body):.2f} steps per byte"
+
+
+@pytest.mark.parametrize("lookalike", [b'"model"', b'{"model":1}', b'{"a":1,"model":1}', b'"stream"'])
+def test_many_look_alikes_cost_a_bounded_number_of_python_steps(lookalike, monkeypatch):
+    """Tens of thousands of a needed name's quoted text (values, nested keys) in a body of few
+    objects, read on the event loop: each find is a few µs of Python, so the tail search gives
+    up after ``TAIL_HITS`` of them and the whole read (one decode in C) decides — the same facts."""
+    calls = []
+    real = largebody._find
+    monkeypatch.setattr(largebody, "_find", lambda *a, **k: calls.append(1) or real(*a, **k))
+    body = (b'{"model":"m","messages":[{"role":"user","content":"go"},{"role":"assistant","content":"ok"},'
+            b'{"role":"user","content":[{"type":"text","text":"t","x":[' + b",".join([lookalike] * 40000)
+            + b']}]}],"system":"s","tools":[],"metadata":{"user_id":"u"},"stream":true}')
+    assert len(body) > largebody.FAST_MIN
+    largebody.fast_decode(body, "anthropic", cache_key=False)
+    assert len(calls) <= 300          # TAIL_HITS (256) and the few finds before them
+    got = facts.read("POST", "https://api.anthropic.com/v1/messages", [("user-agent", "claude-cli/2.1")], body)
+    assert got.parsed and got.model == "m" and got.stream is True

@@ -52,8 +52,8 @@ def model_span(body: bytes, top: dict[str, msgspec.Raw] | None = None) -> tuple[
 # The layouts serialisers write: compact (JavaScript's JSON.stringify, serde, Go) and Python's
 # ``json.dumps`` default; each has one separator of each kind and no other space between tokens.
 _LAYOUTS = ((b",", b":"), (b", ", b": "))
-# Each layout's member heads (the key as the encoder writes it, then the colon), by key: the
-# same dozen keys on every request. Bounded: a body's own keys are the client's.
+# Each layout's member heads (the separator, the key as the encoder writes it, then the colon),
+# by key: the same dozen keys on every request. Bounded: a body's own keys are the client's.
 _HEADS: tuple[dict[str, bytes], dict[str, bytes]] = ({}, {})
 _HEADS_MAX = 512
 
@@ -71,29 +71,36 @@ def _laid_out(body: bytes, top: dict) -> tuple[int, int] | None:
         return None
     first = _encode(next(iter(top)))
     layout = 1 if body.startswith(b": ", 1 + len(first)) else 0
-    comma, colon = _LAYOUTS[layout]
+    comma = len(_LAYOUTS[layout][0])
     heads = _HEADS[layout]
-    i, span, sep = 1, None, b""
+    # each member's head with the separator before it (one compare per member); the first
+    # member's without it
+    i, span = 1 - comma, None
     for name, raw in top.items():
-        if sep:
-            if not body.startswith(sep, i):
-                return None
-            i += len(sep)
         head = heads.get(name)
         if head is None:
-            head = _encode(name) + colon
+            head = _LAYOUTS[layout][0] + _encode(name) + _LAYOUTS[layout][1]
             if len(heads) < _HEADS_MAX:
                 heads[name] = head
-        if not body.startswith(head, i):
-            return None
-        i += len(head)
+        if i < 1:
+            if not body.startswith(head[comma:], 1):
+                return None
+            i = 1 + len(head) - comma
+        else:
+            if not body.startswith(head, i):
+                return None
+            i += len(head)
         size = len(raw)
-        if not (body.startswith(raw, i) if 0 < size <= 128 else _same_ends(body, i, memoryview(raw))):
-            return None
+        if size <= 128:
+            if not size or not body.startswith(raw, i):
+                return None
+        else:       # its ends, compared in place (a full compare would copy megabytes)
+            view = memoryview(raw)
+            if not (body.startswith(view[:64], i) and body.startswith(view[size - 64:], i + size - 64)):
+                return None
         if name == "model":
             span = (i, i + size)
         i += size
-        sep = comma
     return span if i == n - 1 and span is not None else None
 
 

@@ -21,6 +21,7 @@ def test_the_same_answers_as_mitmproxy(pairs):
         assert headerview.get(h, name) == h.get(name, "")
         assert headerview.get(h, name, None) == h.get(name)
         assert headerview.has(h, name) == (name in h)
+    assert headerview.pairs(h) == tuple(h.items(multi=True))
 
 
 def test_a_change_to_the_headers_is_seen():

@@ -206,7 +206,7 @@ class Router:
             body = None
             if effect.body:     # as sent when it has no content-encoding (what get_content would return)
                 body = req.get_content(strict=False) if _content_encoding(req) else req.raw_content
-            return route.Planned(route.plan(state, effect, lambda: tuple(req.headers.items(multi=True)), body))
+            return route.Planned(route.plan(state, effect, lambda: headerview.pairs(req.headers), body))
         if isinstance(effect, route.CheckReachable):
             where = (effect.host, effect.port)
             self.connect.moved_to(where, effect.target)

@@ -520,8 +520,8 @@ def _apply(req: http.Request, c: rewrite.Changes) -> None:
     if c.path != req.path:
         req.path = c.path
     length = None
-    if c.body is not None and not any(n.lower() in (b"content-encoding", b"transfer-encoding")
-                                      for n, _ in req.headers.fields):
+    if c.body is not None and not (headerview.has(req.headers, "content-encoding")
+                                   or headerview.has(req.headers, "transfer-encoding")):
         length = str(len(c.body)).encode()
     if hostport is not None or c.drop_headers or c.set_headers or length is not None:
         drop = {n.lower().encode("latin-1") for n in c.drop_headers}

@@ -232,3 +232,18 @@ def test_a_head_member_followed_by_megabytes_of_spaces_has_its_exact_span():
     spans: dict = {}
     body, _ = largebody.fast_decode(data, "anthropic", True, spans)
     assert body.model == "claude-opus-4-5" and data[slice(*spans["model"])] == b'"claude-opus-4-5"'
+
+
+@pytest.mark.parametrize("odd", [b'{"role":5,"content":"y"}', b'"text"', b'{"role":"user","content":"y"} {'])
+def test_an_odd_item_past_what_the_facts_need_is_left_unread_as_before(odd, monkeypatch):
+    """The walk past the items the facts need (a long first message) meets an odd item: it is
+    left unread and the tail searched for, as when the walk stopped where the facts were known
+    — not sent to the whole read, which would say the body has a wrong shape."""
+    data = (b'{"model":"m","messages":[{"role":"user","content":"' + b"q" * 20000 + b'"},'
+            b'{"role":"assistant","content":"a"},' + odd + b'],"stream":true}')
+    got = largebody.fast_decode(data, "anthropic")
+    monkeypatch.setattr(largebody, "MORE_ITEMS", 0)
+    before = largebody.fast_decode(data, "anthropic")
+    assert got is not None and before is not None
+    assert (got[0].model, got[0].stream, got[1], len(got[0].messages)) == ("m", True, "", 2) \
+        == (before[0].model, before[0].stream, before[1], len(before[0].messages))

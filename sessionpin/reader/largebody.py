@@ -373,31 +373,30 @@ def _fast_decode(data: bytes, flavour: str, cache_key: bool,
     view = memoryview(data)
     more = MORE_ITEMS
     while end == -1:
-        if history and first_user:
+        extra = history and first_user     # an item past those the facts need
+        if extra:
             # on only while the items walked are most of the array's bytes and beyond: then
             # what is left is a few short items and the tail (a long history's first items are
             # a sliver of it, and walking more of them would cost more than the search)
             if more == 0 or 2 * (s - array_start) < len(data) - array_start:
                 break
             more -= 1
-        if s >= len(data) or data[s] != ord("{") or len(messages) >= FIRST_ITEMS:
-            return None
-        got = _item(data, view, s)
-        if got is None:
+        got = None
+        if s < len(data) and data[s] == ord("{") and len(messages) < FIRST_ITEMS:
+            got = _item(data, view, s)
+        if got is None or got[1] >= len(data) or data[got[1]] not in b",]":
+            if extra:
+                break     # an item the facts need not read: left unread, as it always was
             return None   # odd, or a wrong type: the whole-body read names the field
         msg, after = got
         messages.append(msg)  # type: ignore[arg-type]
         # the same test the facts apply: Responses items by type, messages by role
         history = history or (is_history(msg) if flavour == "responses" else msg.role == "assistant")  # type: ignore[union-attr]
         first_user = first_user or msg.role == "user"  # type: ignore[union-attr]
-        if after >= len(data):
-            return None
         if data[after] == ord("]"):
             end = after
-        elif data[after] == ord(","):
-            s = _skip_ws(data, after + 1)
         else:
-            return None
+            s = _skip_ws(data, after + 1)
     # 3. the tail: each needed key not in the head. "model" is looked for even when the head
     # has it: a second top-level model after the messages (the whole read takes the last)
     # must send the body to the whole read, since a model rename trusts the head's span

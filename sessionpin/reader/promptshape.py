@@ -135,14 +135,16 @@ WHOLE_MEMO_MAX = 1 << 20
 _whole: list[tuple[bytes, tuple[str, int]]] = []      # most recent first
 
 
-def _digest_whole(raw: bytes) -> tuple[str, int]:
-    """``_digest(raw)`` of a tools array or a system prompt, remembered."""
+def _digest_whole(raw: bytes | memoryview) -> tuple[str, int]:
+    """``_digest(raw)`` of a tools array or a system prompt, remembered. ``raw`` may be a view
+    of the body: it is copied only when it is new (92 KB of tool schemas a turn, otherwise)."""
     n = len(raw)
     for i, (known, got) in enumerate(_whole):
-        if len(known) == n and known == raw:
+        if len(known) == n and known.startswith(raw):     # (a memoryview's == is a Python-speed compare)
             if i:
                 _whole.insert(0, _whole.pop(i))
             return got
+    raw = bytes(raw)
     got = _digest(raw)
     if n <= WHOLE_MEMO_MAX:
         _whole.insert(0, (raw, got))
@@ -202,6 +204,18 @@ def _canonical(raw: bytes) -> bytes:
     return _encode(fields)
 
 
+def _opens_list(raw: memoryview) -> bool:
+    """``raw.lstrip().startswith(b"[")`` without copying it (a Raw member begins at its value;
+    spaces before it only if a body is hand-made)."""
+    head = bytes(raw[:64]).lstrip()
+    return head.startswith(b"[") if head or len(raw) <= 64 else bytes(raw).lstrip().startswith(b"[")
+
+
+def _present(raw: memoryview) -> bool:
+    """A member that is there and not null."""
+    return len(raw) > 0 and not (len(raw) == 4 and raw.tobytes() == b"null")
+
+
 def _role_of(raw: bytes) -> str | None:
     try:
         return _role.decode(raw).role
@@ -257,18 +271,19 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
     items: list = []                # Raw views of the body (or bytes)
     system: list[bytes] = []
     if api == facts.OPENAI_RESPONSES:
-        if len(b.instructions) and bytes(b.instructions) != b"null":
-            system.append(bytes(b.instructions))
-        raw = bytes(b.input)
-        if raw.lstrip().startswith(b"["):
+        instructions = memoryview(b.instructions)
+        if _present(instructions):
+            system.append(instructions)
+        raw = memoryview(b.input)
+        if _opens_list(raw):
             items = list(_items.decode(raw))
-        elif raw and raw != b"null":
+        elif _present(raw):
             items = [raw]
     else:
-        raw = bytes(b.system)
-        if raw.lstrip().startswith(b"["):
-            system += [block for block in (bytes(r) for r in _items.decode(raw)) if _BILLING not in block[:200]]
-        elif raw and raw != b"null":
+        raw = memoryview(b.system)        # views of the body: nothing copied but what is hashed
+        if _opens_list(raw):
+            system += [block for block in _items.decode(raw) if _BILLING not in bytes(memoryview(block)[:200])]
+        elif _present(raw):
             system.append(raw)
         items = list(b.messages or ())
     if api != facts.ANTHROPIC_MESSAGES:
@@ -279,7 +294,8 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
         items = items[lead:]
     if max_items is not None and len(items) > max_items:
         return None
-    tools, tools_len = _digest_whole(bytes(b.tools)) if len(b.tools) and bytes(b.tools) != b"null" else ("", 0)
+    tools = memoryview(b.tools)
+    tools, tools_len = _digest_whole(tools) if _present(tools) else ("", 0)
     sys_d, sys_len = _digest_whole(b"\x00".join(system)) if system else ("", 0)
     digests, lengths = [], []
     for raw in items:

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 import msgspec
 
-from . import encodings, largebody, modelspan, paths, wire
+from . import encodings, knownvalues, largebody, modelspan, paths, wire
 from .encodings import MAX_BODY, MAX_REQUEST_BODY, body_too_large, decode_body  # noqa: F401 (the reader's API)
 # The names, session and turn rules live in their own modules; facts re-exports them.
 from .kinds import (AGENTS, ANTHROPIC_COUNT_TOKENS, ANTHROPIC_MESSAGES, BILLING_PREFIX, CLAUDE_CODE,  # noqa: F401
@@ -292,9 +292,8 @@ def _members(data: bytes, spans: dict[str, tuple[int, int]] | None,
     of skimmed then decoded (Codex's 75 KB ``input``: 30 µs vs 58). None (anything odd: a
     field that does not decode, not an object…): ``_whole`` reads it and says what is wrong
     as it always did."""
-    wire.count(len(data))
     try:
-        fields = wire.loose_decoder.decode(data)
+        fields = knownvalues.members(data)      # the tool schemas sent again: compared, not skimmed
     except (msgspec.DecodeError, RecursionError):
         return None
     values, problem = wire.decode_fields(fields)

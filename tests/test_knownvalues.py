@@ -1,0 +1,138 @@
+"""A body's top level with a remembered long value passed over: always the whole decode's answer."""
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from sessionpin.reader import knownvalues as K
+from sessionpin.reader import wire
+
+TRAFFIC = Path(__file__).parent / "fixtures" / "traffic"
+TOOLS = [{"name": f"tool{i}", "description": "does a thing " * 40,
+          "input_schema": {"type": "object", "properties": {"model": {"type": "string"}}}} for i in range(40)]
+TOOLS_RAW = json.dumps(TOOLS, separators=(",", ":")).encode()
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    saved = list(K._known)
+    K._known.clear()
+    yield
+    K._known[:] = saved
+
+
+def as_bytes(fields):
+    return [(k, bytes(v)) for k, v in fields.items()]
+
+
+def same_as_whole(data: bytes):
+    """``members(data)`` against the whole decode: the same members in the same order, or the
+    same error."""
+    try:
+        want = as_bytes(wire.loose_decoder.decode(data))
+    except msgspec.DecodeError as e:
+        with pytest.raises(msgspec.DecodeError) as got:
+            K.members(data)
+        assert str(got.value) == str(e)
+        return None
+    got = as_bytes(K.members(data))
+    assert got == want
+    assert all(K._TOKEN not in v for _, v in got)
+    return got
+
+
+def body(**extra) -> bytes:
+    b = {"model": "claude-x", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **extra}
+    return json.dumps(b, separators=(",", ":")).encode()
+
+
+def test_the_tools_sent_again_are_compared_not_skimmed():
+    first = body()
+    same_as_whole(first)
+    assert K._known == [TOOLS_RAW]
+    nxt = body(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    same_as_whole(nxt)
+    wire.STEPS.n = 0
+    K.members(nxt)
+    # the decode read what is not the tools (the compare and the search are memcmp and a find)
+    assert wire.STEPS.n < len(nxt) - len(TOOLS_RAW) + 200
+
+
+def test_every_recording_in_a_row_reads_as_its_whole_decode():
+    """Claude Code's, opencode's, Codex's and pi's recorded requests, one after the other (each
+    remembered value met again by the next), and each re-encoded with spaces."""
+    n = 0
+    for path in sorted(TRAFFIC.glob("*/*.json")):
+        fx = json.loads(path.read_text())
+        if not isinstance(fx.get("body"), dict):
+            continue
+        for data in (json.dumps(fx["body"], separators=(",", ":")).encode(), json.dumps(fx["body"]).encode()):
+            same_as_whole(data)
+            same_as_whole(data)
+            n += 1
+    assert n > 100
+    assert K._known, "the recordings' tool schemas were remembered"
+
+
+def test_the_same_bytes_inside_a_message_are_not_taken_for_the_member():
+    K.members(body())
+    inner = json.loads(body())
+    inner["messages"].append({"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "x", "input": {"tools": TOOLS}}]})
+    # found first inside the message, so the member is read the long way; never a wrong member
+    nested_first = json.dumps(inner, separators=(",", ":")).encode()
+    assert nested_first.find(TOOLS_RAW) < nested_first.rfind(TOOLS_RAW)
+    same_as_whole(nested_first)
+    # only inside a message, no top-level tools at all
+    del inner["tools"]
+    same_as_whole(json.dumps(inner, separators=(",", ":")).encode())
+    # inside a string (escaped): never found
+    same_as_whole(json.dumps({"model": "m", "messages": [{"role": "user", "content": TOOLS_RAW.decode()}]}).encode())
+
+
+def test_duplicate_keys_read_as_the_whole_decode_reads_them():
+    K.members(body())
+    other = b'[{"name":"other"}]'
+    tail = b'{"model":"m","messages":[]'
+    same_as_whole(tail + b',"tools":' + TOOLS_RAW + b',"tools":' + other + b"}")
+    same_as_whole(tail + b',"tools":' + other + b',"tools":' + TOOLS_RAW + b"}")
+    same_as_whole(tail + b',"tools":' + TOOLS_RAW + b',"tools":' + TOOLS_RAW + b"}")
+
+
+def test_a_bad_body_says_what_the_whole_decode_says():
+    K.members(body())
+    good = body()
+    for bad in (good[:-1], good + b"x", good.replace(b'"hi"', b'"hi'), b"[" + good + b"]",
+                good.replace(b'"model":"claude-x"', b'"model":claude-x'),
+                b"{" + b'"a":' + TOOLS_RAW[:-1] + b"}", TOOLS_RAW + TOOLS_RAW):
+        same_as_whole(bad)
+
+
+def test_the_value_inside_a_string_or_under_another_name_reads_as_the_whole_decode():
+    value = b'["' + b"a" * K.MIN_SIZE + b'","b"]'
+    K.remember({"tools": msgspec.Raw(value)})
+    # its text inside a string is escaped: never found there
+    same_as_whole(b'{"x":' + json.dumps(value.decode()).encode() + b',"tools":' + value + b"}")
+    # found first as another member's value: that member is passed over, the tools read
+    same_as_whole(b'{"x":' + value + b',"tools":' + value + b"}")
+    # a string that closes where the value's first bytes begin cannot go on as JSON
+    same_as_whole(b'{"x":"' + value[2:] + b',"tools":' + value + b"}")
+
+
+def test_remembered_values_are_few_and_bounded():
+    for i in range(K.COUNT + 3):
+        tools = TOOLS + [{"name": f"extra{i}"}]
+        K.members(json.dumps({"model": "m", "tools": tools}).encode())
+    assert len(K._known) == K.COUNT
+    K.remember({"tools": msgspec.Raw(b"[" + b" " * 10 + b"]")})        # short: not worth it
+    K.remember({"tools": msgspec.Raw(b"[" + b" " * (K.MAX_SIZE + 1) + b"]")})
+    assert len(K._known) == K.COUNT and all(K.MIN_SIZE <= len(v) <= K.MAX_SIZE for v in K._known)
+
+
+def test_the_token_is_unguessable_and_never_leaves():
+    assert len(K._TOKEN) > 32 and K._TOKEN.startswith(b'"') and K._TOKEN.endswith(b'"')
+    K.members(body())
+    got = K.members(body())
+    assert bytes(got["tools"]) == TOOLS_RAW

@@ -136,3 +136,20 @@ def test_the_token_is_unguessable_and_never_leaves():
     K.members(body())
     got = K.members(body())
     assert bytes(got["tools"]) == TOOLS_RAW
+
+
+def test_a_large_body_s_tail_passes_over_the_tools_too():
+    """``largebody`` decodes a large body's tail (the tools after the messages): the same facts
+    with the schemas remembered, fewer bytes read."""
+    from sessionpin.reader import largebody
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x" * 3000} for i in range(120)]
+    data = body(messages=history, metadata={"user_id": "u"}, max_tokens=5)
+    assert len(data) >= largebody.FAST_MIN
+    wire.STEPS.n = 0
+    cold = largebody.fast_decode(data, "anthropic")
+    cold_steps = wire.STEPS.n
+    assert K._known == [TOOLS_RAW]
+    wire.STEPS.n = 0
+    warm = largebody.fast_decode(data, "anthropic")
+    assert warm == cold and cold is not None
+    assert wire.STEPS.n <= cold_steps - len(TOOLS_RAW) + 200

@@ -41,18 +41,25 @@ _known: list[bytes] = []      # most recent first
 
 def members(data: bytes) -> dict[str, msgspec.Raw]:
     """``wire.loose_decoder.decode(data)``, the same answer and the same errors."""
-    if _known:
-        for i, value in enumerate(_known):
-            if len(value) < len(data):
-                got = _passed_over(data, value)
-                if got is not None:
-                    if i:
-                        _known.insert(0, _known.pop(i))
-                    return got
-    wire.count(len(data))
-    fields = wire.loose_decoder.decode(data)
-    remember(fields)
+    fields = passed_over(data)
+    if fields is None:
+        wire.count(len(data))
+        fields = wire.loose_decoder.decode(data)
+        remember(fields)
     return fields
+
+
+def passed_over(data: bytes) -> dict[str, msgspec.Raw] | None:
+    """``data``'s top level read with a remembered value passed over; None when none is in it
+    where a member's value stands (or the text does not parse): the caller decodes it whole."""
+    for i, value in enumerate(_known):
+        if len(value) < len(data):
+            got = _passed_over(data, value)
+            if got is not None:
+                if i:
+                    _known.insert(0, _known.pop(i))
+                return got
+    return None
 
 
 def remember(fields: dict[str, msgspec.Raw]) -> None:
@@ -73,7 +80,7 @@ def remember(fields: dict[str, msgspec.Raw]) -> None:
 
 def _passed_over(data: bytes, value: bytes) -> dict[str, msgspec.Raw] | None:
     at = data.find(value[:_HEAD])
-    if at < 0 or not data.startswith(value, at):
+    if at < 0 or not data.startswith(value, at):    # (memcmp; a memoryview's != is per byte)
         return None
     view = memoryview(data)
     stand_in = b"".join((view[:at], _TOKEN, view[at + len(value):]))

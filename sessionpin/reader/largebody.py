@@ -33,7 +33,7 @@ from msgspec import Raw
 
 import re
 
-from . import scan
+from . import knownvalues, scan
 from .wire import STEPS, Body, Message, count, decode_fields, is_history, loose_decoder
 
 FAST_MIN = 256 * 1024
@@ -102,6 +102,18 @@ def _decode(decoder: msgspec.json.Decoder, buf) -> tuple[object, int]:
         raise
     count(len(buf))
     return value, -1
+
+
+def _decode_members(buf: bytes) -> tuple[dict[str, Raw] | None, int]:
+    """``_decode(loose_decoder, buf)`` for a body's tail: a long member sent again (Claude
+    Code's tool schemas, after the messages) compared instead of skimmed (``knownvalues``)."""
+    members = knownvalues.passed_over(buf)
+    if members is not None:
+        return members, -1
+    members, k = _decode(loose_decoder, buf)
+    if isinstance(members, dict):
+        knownvalues.remember(members)
+    return members, k
 
 
 def _skip_ws(data: bytes, i: int) -> int:
@@ -301,7 +313,7 @@ def tail_members(data: bytes, names, array_start: int) -> dict[str, Raw] | None:
                     # usually the first try is the real tail: copying just it is cheapest
                     count(len(data) - comma)
                     before = STEPS.n
-                    members, _ = _decode(loose_decoder, b"{" + data[comma + 1:])
+                    members, _ = _decode_members(b"{" + data[comma + 1:])
                     if members is None:
                         failed += STEPS.n - before
                         count(len(data))
@@ -332,7 +344,7 @@ def _after_array(data: bytes, end: int, names) -> dict[str, Raw] | None:
     if data[i] != ord(","):
         return None
     count(len(data) - i)
-    members, _ = _decode(loose_decoder, b"{" + data[i + 1:])
+    members, _ = _decode_members(b"{" + data[i + 1:])
     if not isinstance(members, dict):
         return None
     return {k: v for k, v in members.items() if k in names}

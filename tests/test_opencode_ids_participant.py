@@ -79,6 +79,25 @@ async def test_requests_elsewhere_and_the_off_switch_are_left_alone(wired):
     assert "x-opencode-session" not in g.request.headers
 
 
+async def test_the_gateway_host_check_follows_the_configured_gateways(wired):
+    """The cheap host check before the scope's: a gateway's host in any case routes, a new
+    gateway list takes effect at once (a self-hosted gateway on its own port), others not."""
+    p, opts, tctx, _ = wired
+    pi = [("user-agent", "pi"), ("authorization", "Bearer k")]
+    f = flow(pi, host="OpenCode.AI")
+    await p.request(f)
+    assert f.metadata[META]["how"] == "fresh"
+    tctx.configure(opts, sessionpin_pool_gateways="https://gw.example.test:8443")
+    for host, routed in (("opencode.ai", False), ("gw.example.test", False), ("GW.example.test", False)):
+        g = flow(pi, host=host)
+        await p.request(g)
+        assert (META in g.metadata) is routed, host
+    h = flow(pi, host="gw.example.test")
+    h.request.port = 8443
+    await p.request(h)
+    assert h.metadata[META]["how"] in ("fresh", "binding")
+
+
 async def test_pi_shaped_request_gets_a_session_header(wired):
     p, *_ = wired
     f = flow([("user-agent", "pi"), ("authorization", "Bearer k")],

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 from . import Manager, manager_of, report
 from .options import OPTIONS, PoolConfig, parse
@@ -61,6 +62,7 @@ class PoolParticipant:
         self.service: PoolService | None = None
         self._running = False
         self._observing: set[asyncio.Task] = set()   # referenced until done, so none is collected mid-way
+        self._hosts: tuple[PoolConfig, frozenset[str]] | None = None   # the gateways' hosts, for that config
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -111,6 +113,9 @@ class PoolParticipant:
         if svc is None or not svc.cfg.enabled or flow.response is not None:
             return None
         req = flow.request
+        host = getattr(req, "host", None)     # (a request of its own tests' may carry just a url)
+        if isinstance(host, str) and not self._gateway_host(svc.cfg, host):
+            return None         # (the scope's test below builds the URL and parses it: ~10 µs a request)
         if facts is None:
             from ..reader import facts as F
             facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
@@ -130,6 +135,23 @@ class PoolParticipant:
         flow.comment = f"{flow.comment}\n{note}" if flow.comment else note
         log.info("sessionpin pool: %s %s -> %s (%s)", route.provider, route.model, route.routed_id[:8], route.how)
         return None
+
+    def _gateway_host(self, cfg: PoolConfig, host: str) -> bool:
+        """Could a request to ``host`` be in the pool's scope? (a gateway's origin names its
+        host: ``scope_of`` decides the rest)."""
+        known = self._hosts
+        if known is None or known[0] is not cfg:
+            names = set()
+            for origin in cfg.gateways:
+                try:
+                    name = urlsplit(origin).hostname
+                except ValueError:
+                    name = None
+                if name is None:
+                    return True           # an origin we cannot name a host of: ask scope_of
+                names.add(name)
+            known = self._hosts = (cfg, frozenset(names))
+        return host.lower().strip("[]") in known[1]
 
     def responseheaders(self, flow) -> asyncio.Task | None:
         """Start observing a pooled response; returns the task (None when nothing is observed)."""

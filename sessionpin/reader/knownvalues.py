@@ -57,7 +57,7 @@ def passed_over(data: bytes) -> dict[str, msgspec.Raw] | None:
             got = _passed_over(data, value)
             if got is not None:
                 if i:
-                    _known.insert(0, _known.pop(i))
+                    _first(value)
                 return got
     return None
 
@@ -72,10 +72,19 @@ def remember(fields: dict[str, msgspec.Raw]) -> None:
         if not MIN_SIZE <= len(view) <= MAX_SIZE:
             continue
         value = view.tobytes()
-        if value in _known:          # (a compare of equal lengths only)
-            continue
-        _known.insert(0, value)
-        del _known[COUNT:]
+        if value not in _known:      # (a compare of equal lengths only)
+            _known.insert(0, value)
+            del _known[COUNT:]
+
+
+def _first(value: bytes) -> None:
+    # Readers on other threads (a large body's) may move or add one at the same time: each
+    # list operation is atomic, and a value gone meanwhile is simply not moved.
+    try:
+        _known.remove(value)
+    except ValueError:
+        return
+    _known.insert(0, value)
 
 
 def _passed_over(data: bytes, value: bytes) -> dict[str, msgspec.Raw] | None:

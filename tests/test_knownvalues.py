@@ -153,3 +153,19 @@ def test_a_large_body_s_tail_passes_over_the_tools_too():
     warm = largebody.fast_decode(data, "anthropic")
     assert warm == cold and cold is not None
     assert wire.STEPS.n <= cold_steps - len(TOOLS_RAW) + 200
+
+
+def test_a_body_without_any_remembered_value_is_searched_at_most_twice():
+    """Each miss is a find over the body: a client whose schemas change every request costs at
+    most ``TRIES`` of them, not one per remembered value."""
+    for i in range(K.COUNT):
+        K.remember({"tools": msgspec.Raw(json.dumps(TOOLS + [{"name": f"v{i}"}], separators=(",", ":")).encode())})
+    finds = []
+
+    class Counted(bytes):
+        def find(self, *a):
+            finds.append(a)
+            return super().find(*a)
+    data = Counted(body(tools=TOOLS + [{"name": "new"}]))
+    assert K.passed_over(data) is None
+    assert len(finds) == K.TRIES < K.COUNT

@@ -18,7 +18,8 @@ Why the answer is the decode's, byte for byte:
   end), the token is not a top-level member's whole value, or the text no longer parses: the
   body is decoded whole, as before — and so is anything odd (a duplicate key whose last value
   is not the token, a body that is not JSON: its own decode says what is wrong).
-Memory only: a handful of values, the most recent first, each bounded in size.
+Memory only: a handful of values, the most recent first, each bounded in size. A body holding
+none of them costs at most ``TRIES`` finds over it (memchr speed: a tenth of the decode's).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import msgspec
 from . import wire
 
 MIN_SIZE = 16 * 1024          # a value this long is worth remembering (the search costs ~µs a body)
-MAX_SIZE = 4 * 1024 * 1024
+MAX_SIZE = 1024 * 1024        # (four of them: 4 MB at most, whatever a client sends)
 COUNT = 4                     # remembered values (a proxy serves a few client versions at a time)
 NAMES = frozenset({"tools"})  # members sent unchanged turn after turn (the system prompt is not:
                               # Claude Code's carries a billing line new on every request)
+TRIES = 2                     # searches a body at most (a miss costs a find over it: ~0.1 ms per MB)
 _HEAD = 64                    # bytes searched for: the rest is compared where they are found
 _TOKEN = b'"sessionpin-known-' + os.urandom(16).hex().encode() + b'"'
 _known: list[bytes] = []      # most recent first
@@ -52,6 +54,7 @@ def members(data: bytes) -> dict[str, msgspec.Raw]:
 def passed_over(data: bytes) -> dict[str, msgspec.Raw] | None:
     """``data``'s top level read with a remembered value passed over; None when none is in it
     where a member's value stands (or the text does not parse): the caller decodes it whole."""
+    tries = TRIES
     for i, value in enumerate(_known):
         if len(value) < len(data):
             got = _passed_over(data, value)
@@ -59,6 +62,9 @@ def passed_over(data: bytes) -> dict[str, msgspec.Raw] | None:
                 if i:
                     _first(value)
                 return got
+            tries -= 1
+            if not tries:
+                break
     return None
 
 

@@ -5,7 +5,7 @@ answer a buffered Anthropic JSON message as the e2e fake server sends it. No TLS
 what sessionpin costs a turn, and how many store operations it makes.
 
     .venv/bin/python scripts/bench_turn.py [--size 10KB] [--turns 2000] [--rounds 3]
-                                           [--variants full,nolin,noledger,bare] [--shape recorded] [--tree DIR]
+                                           [--variants full,nolin,noledger,bare] [--shape recorded] [--tree DIR] [--hooks]
 
 Per variant (``make_addons(without=...)``; ``bare``: without both and the OpenCode id pool),
 best of ``--rounds``: CPU per turn of this process's event-loop thread and of all its other
@@ -14,6 +14,9 @@ sessions round robin, each one's hooks awaited in order, then every background e
 out (``settle``) inside the timed span; and the store operations per turn, counted at the file
 store (``_read``: reads; ``_write``: writes, ``apply`` and its records among them; writes on
 the loop: those the facade made without a hop to the writer thread).
+``--hooks``: also each hook's thread CPU per turn (``time.thread_time_ns`` around each call, the
+awaited part included; the median over every round's turns) — the figure that decided the
+issue's sixth and seventh rounds (``--tree`` before/after, alternated).
 ``--shape recorded``: every turn a recorded 115 KB Claude Code continuation (``bench_proxy.recorded``:
 92 KB of tool schemas) instead of ``--size`` of opening text. ``--tree DIR``: that tree's
 ``sessionpin`` (a ``git worktree`` of an earlier commit: before/after in two runs).
@@ -27,6 +30,7 @@ import asyncio
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -94,17 +98,32 @@ class Counted:
         return counted
 
 
-async def turns(p, sessions, payloads, start: int, n: int) -> None:
+HOOKS = ("requestheaders", "request", "responseheaders", "response")
+
+
+async def turns(p, sessions, payloads, start: int, n: int, hooks: dict[str, list[int]] | None = None) -> None:
+    """``n`` turns; ``hooks``: receives each hook's thread CPU time (ns) per turn (the awaited
+    part of an async hook included; what it leaves to background tasks not)."""
+    clock = time.thread_time_ns
     for i in range(start, start + n):
         s = i % len(sessions)
         f = BH.make_flow(sessions[s], payloads[s])
+        t0 = clock()
         p.bundle.requestheaders(f)
+        t1 = clock()
         await p.bundle.request(f)
+        t2 = clock()
         f.response = answer(i)
+        t3 = clock()
         p.bundle.responseheaders(f)
+        t4 = clock()
         got = p.bundle.response(f)
         if got is not None:
             await got
+        t5 = clock()
+        if hooks is not None:
+            for name, took in zip(HOOKS, (t1 - t0, t2 - t1, t4 - t3, t5 - t4)):
+                hooks[name].append(took)
 
 
 async def settle(p) -> None:
@@ -122,7 +141,7 @@ async def settle(p) -> None:
             await got
 
 
-async def run_variant(name: str, args, counted: Counted) -> tuple[float, float, dict]:
+async def run_variant(name: str, args, counted: Counted) -> tuple[float, float, dict, dict]:
     import shellkit
     from sessionpin.proxy import make_addons
     from mitmproxy import hooks
@@ -150,6 +169,7 @@ async def run_variant(name: str, args, counted: Counted) -> tuple[float, float, 
             await turns(p, sessions, payloads, 0, 16)
             await settle(p)
             main = __import__("threading").get_native_id()
+            per_hook = {h: [] for h in HOOKS} if args.hooks else None
             best = None
             for r in range(args.rounds):
                 gc.collect()
@@ -157,7 +177,7 @@ async def run_variant(name: str, args, counted: Counted) -> tuple[float, float, 
                 store = p.runtime.store
                 on_loop = getattr(store, "now_writes", 0)
                 before = thread_cpu()
-                await turns(p, sessions, payloads, 100 + r * args.turns, args.turns)
+                await turns(p, sessions, payloads, 100 + r * args.turns, args.turns, per_hook)
                 await settle(p)
                 after = thread_cpu()
                 counted.counts["writes on the loop"] = getattr(store, "now_writes", 0) - on_loop
@@ -166,7 +186,8 @@ async def run_variant(name: str, args, counted: Counted) -> tuple[float, float, 
                 ops = {k: v / args.turns for k, v in counted.counts.items()}
                 if best is None or loop + others < best[0] + best[1]:
                     best = (loop, others, ops)
-            return best
+            medians = {h: statistics.median(v) / 1e3 for h, v in per_hook.items()} if per_hook else {}
+            return (*best, medians)
         finally:
             p.close()
 
@@ -179,6 +200,8 @@ def main() -> None:
     ap.add_argument("--variants", default="full,nolin,noledger,bare")
     ap.add_argument("--shape", default="opening", choices=BP.SHAPES)
     ap.add_argument("--tree", type=Path, help="another tree's sessionpin (read before any import)")
+    ap.add_argument("--hooks", action="store_true",
+                    help="also each hook's thread CPU per turn, µs (median over every round's turns)")
     args = ap.parse_args()
     counted = Counted()
     from sessionpin import __file__ as where
@@ -188,9 +211,12 @@ def main() -> None:
 
     async def every() -> None:         # one loop for all (a closed loop's master would still log)
         for name in args.variants.split(","):
-            loop, others, ops = await run_variant(name, args, counted)
+            loop, others, ops, medians = await run_variant(name, args, counted)
             said = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ops.items()))
             print(f"{name:10} {loop:6.3f} {others:7.3f} {loop + others:6.3f}  {said}", flush=True)
+            if medians:
+                print(f"{'':10} hooks, µs per turn: " + ", ".join(f"{h} {v:.0f}" for h, v in medians.items())
+                      + f"; the four {sum(medians.values()):.0f}", flush=True)
     asyncio.run(every())
 
 

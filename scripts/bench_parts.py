@@ -10,8 +10,8 @@ upstream (the router's clients address another configured origin: the full rewri
 The proxies take turns in phases of ``--seconds`` (the order reversed every round). Reported per
 variant, the median over the rounds: requests per second, and the proxy's CPU per request (user +
 system, from ``/proc/<pid>/task/*/stat``) split into the event loop's thread ("main": mitmproxy
-and every hook) and all other threads (the store's writer, reader and background threads, the
-lineage reads' thread). Linux only.
+and every hook) and all other threads and processes (the store's writer, reader and background
+threads, the lineage reads' thread, the body reader process). Linux only.
 
 Why not py-spy alone: py-spy counts a thread waiting in a queue or for the GIL as busy, so the
 store's threads looked like a third of the router's CPU; ``/proc`` says what each thread used.
@@ -75,8 +75,9 @@ KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop")
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of ``pid`` so far."""
-    out: dict[int, float] = {}
+    """CPU seconds (user + system) of each thread of ``pid`` so far, and under the key 0 those of
+    the processes it started (the router's body reader: counted with the proxy's work)."""
+    out: dict[int, float] = {0: BP.children_cpu(pid)}
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:

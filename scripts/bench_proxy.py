@@ -15,7 +15,8 @@ name: the full rewrite). Each client's first request is its session's opening tu
 pin) and is not timed; the timed ones are turns of pinned sessions. Plain and router alternate
 request by request (a step = one request on each connection), so load from other processes on a
 shared machine hits both alike. Reported: the median latency of each and the ratio router / plain, and each proxy's CPU time per
-request (its process's user + system time over the timed steps, from /proc; Linux only), which
+request (its process's user + system time over the timed steps, with the processes it started —
+the router's body reader —, from /proc; Linux only), which
 load from other processes moves far less than latency (it counts in clock ticks, usually 10 ms:
 --quick runs too few requests for it to mean much).
 ``--redis`` adds a third proxy to the latency table: the same router with its pins in Redis (a
@@ -301,12 +302,59 @@ def ms(x: float) -> str:
     return f"{x * 1000:8.1f}"
 
 
-def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU time of a process so far (Linux /proc), or None."""
+def _stat_cpu(pid: int, children: bool = False) -> float:
+    """User + system CPU seconds of a process so far (``children``: with its waited-for children's)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (Linux /proc: each thread's ``children``)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def children_cpu(pid: int) -> float:
+    """CPU seconds of the processes a proxy started (the router's body reader): the live ones'
+    and those it waited for. Counted with the proxy's own: they do its work."""
+    total = 0.0
+    for kid in descendants(pid):
+        try:
+            total += _stat_cpu(kid)
+        except (OSError, ValueError, IndexError):
+            pass                  # ended meanwhile: counted in its parent's children's time
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process so far, with the processes it started (the router's
+    body reader: its reads are the proxy's work), from Linux /proc; or None."""
+    if pid is None:
+        return None
+    try:
+        return _stat_cpu(pid) + children_cpu(pid)
     except (OSError, ValueError, IndexError, TypeError):
         return None
 
@@ -316,8 +364,8 @@ def latency(via: dict, pids: dict[str, int | None], sizes: dict[str, int], shape
     """Median latency ratio router / plain per (shape, body, clients); prints a table.
     ``routers``: "router" (the file store) and, with --redis, "redis" (the same router on Redis).
 
-    Also each proxy's CPU time per timed request (its process's user + system time over the
-    timed steps): latency on a shared machine is noisy, the CPU a proxy spends is not."""
+    Also each proxy's CPU time per timed request (its process's and its children's user + system
+    time over the timed steps): latency on a shared machine is noisy, the CPU a proxy spends is not."""
     ratios: dict[tuple, float] = {}
     names = ("plain", *routers)
     head = "".join(f" {name + ' ms':>9} {'ratio':>6}" for name in routers)

@@ -443,39 +443,6 @@ async def test_a_buffered_answer_is_not_held_for_its_large_requests_shape(proxy,
     assert (await ledger.load(proxy.store, SESSION)).turns == 2
 
 
-async def test_an_ordinary_large_requests_shape_is_read_here_beside_its_answer(proxy, monkeypatch):
-    """Issue 22, eighth round: a large body the router reads in the proxy (a history of a few
-    thousand messages, ``offprocess.read_apart`` false) has its shape read in the proxy too —
-    the trip to the body reader cost the loop ~1 ms per MB in pipe writes and the process a
-    whole read more — still beside its answer (the hook returns nothing to wait for), and it is
-    the shape the process would give."""
-    from sessionpin.decision import bodyreader
-    from sessionpin.proxy.offprocess import read_apart
-    from sessionpin.reader import facts as F
-    watch = watch_of(proxy)
-    asked = []
-    real = watch.bodies.shape
-
-    async def counted(*a):
-        asked.append(len(a[0]))
-        return await real(*a)
-    monkeypatch.setattr(watch.bodies, "shape", counted)
-    f = flow("opening")
-    await proxy.send(f)
-    await answer(proxy, f, sse_with_usage(read=0, write=9000))
-    long = b'{"role":"user","content":"' + b"x" * 4000 + b'"},{"role":"assistant","content":"ok"},'
-    g = flow("continuation", content=body("continuation").replace(b'"messages": [', b'"messages": [' + long * 200, 1))
-    assert len(g.request.content) >= ledgerwatch.SHAPE_OFF_LOOP_MIN and not read_apart(g.request.content, None)
-    await proxy.send(g)
-    _json_answer(g, "msg_2", read=9000, write=200)
-    assert await _respond(proxy, g) is None                     # the answer is not held
-    await flushed(watch)
-    assert g.metadata["sessionpin"]["ledger"]["input"] == 9203 and asked == []
-    kept = watch._lanes[(SESSION, "main")][1]
-    sent = g.request.raw_content
-    assert kept == bodyreader.shape_of(sent, F.ANTHROPIC_MESSAGES, "") and len(kept.messages) == 403
-
-
 async def test_a_conversations_turns_are_taken_in_the_order_their_answers_ended(proxy, monkeypatch):
     """A turn read beside its answer (a large request) is still being read when the next turn of
     its conversation is answered: the next waits behind it, so each turn is compared with the

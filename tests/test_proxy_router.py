@@ -628,10 +628,14 @@ async def test_a_large_body_of_few_objects_is_read_here_and_one_of_many_apart(pr
     to the body reader costs more than the read — while a compressed body, one of more than
     20,000 objects, and any from 8 MiB go to the process."""
     from sessionpin.proxy import router as router_module
-    from sessionpin.proxy.offprocess import read_apart
+    from sessionpin.proxy.router import read_apart
     long = b'{"role":"user","content":"' + b"x" * 4000 + b'"},'
     few = body("continuation").replace(b'"messages": [', b'"messages": [' + long * 270, 1)
-    assert len(few) >= 1024 * 1024 and not read_apart(few, None)     # (the rule: test_proxy_offprocess.py)
+    assert len(few) >= 1024 * 1024 and not read_apart(few, None) and not read_apart(few, "identity")
+    assert read_apart(few, "gzip")
+    assert read_apart(b'{"a":' + b" " * (8 * 1024 * 1024) + b"1}", None)
+    many = body("continuation").replace(b'"messages": [', b'"messages": [' + b'{"role":"user","content":"x"},' * 20_001, 1)
+    assert read_apart(many, None) and not read_apart(many[:200_000], None)
     calls = []
     real = router_module.F.read
     monkeypatch.setattr(router_module.F, "read", lambda *a, **k: calls.append(len(a[3] or b"")) or real(*a, **k))
@@ -656,3 +660,18 @@ def test_the_content_encoding_read_off_the_fields_is_what_the_header_api_says(fi
     assert _content_encoding(req) == req.headers.get("content-encoding")
     body = req.get_content(strict=False) if _content_encoding(req) else req.raw_content
     assert body == req.get_content(strict=False)
+
+
+@pytest.mark.parametrize("raw, limit", [
+    (b"", 0), (b"{", 0), (b"{", 1), (b"{{", 1), (b"x{y{z{", 3), (b"x{y{z{", 2), (b'{"a":{}}' * 5000, 10_000),
+    (b'{"a":{}}' * 5000, 9_999), (b"{}" * 30_000, 20_000), (b"no braces at all" * 1000, 0), (b"{" * 20_001, 20_000),
+    (b"{" * 20_000, 20_000),
+    # across the 64 KiB slices it counts in
+    (b"x" * (64 * 1024 - 1) + b"{{" + b"y" * 70_000 + b"{", 2), (b"x" * (64 * 1024 - 1) + b"{{" + b"y" * 70_000 + b"{", 3),
+    (b"{}" * 100_000, 99_999), (b"{}" * 100_000, 100_000), (b"x" * 300_000 + b"{", 0),
+])
+def test_more_than_counts_as_bytes_count_does(raw, limit):
+    """Issue 22: the large-body test ``read_apart`` counts objects with ``replace`` (memchr,
+    stopping after ``limit + 1``) instead of ``bytes.count``: the same answer at every boundary."""
+    from sessionpin.proxy.router import _more_than
+    assert _more_than(raw, b"{", limit) is (raw.count(b"{") > limit)

@@ -6,19 +6,14 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   answer as it passes (the reader is chained after any stream callable already set, every
   chunk returned unchanged and undelayed), a buffered one from its body once complete, and
   Codex's socket from each server message (one turn per ``response.completed``).
-- After the answer, the request's prompt shape is read (``promptshape.shape``, digests only)
-  and the turn is assessed against the previous turn of its lane: this proxy's memory first,
-  else the lane's last turn in the store (another proxy's, or before a restart). From
-  ``SHAPE_OFF_LOOP_MIN`` the shape is read beside the answer (below): in the router's body
-  reader process, ``offprocess.BodyProcess``, for the bodies the router's facts go there for
-  (``offprocess.read_apart``: a digest per message of a two-million-message history held every
-  other client for seconds; past ``bodyreader.MAX_SHAPE_ITEMS`` messages there is no shape);
-  here for an ordinary history (a few thousand messages: ~1 ms per MB with the digests
-  remembered, where the trip to the process cost the loop as much in pipe writes, and the
-  process a whole read more).
+- After the answer, the request's prompt shape is read (``promptshape.shape``, digests only;
+  from ``SHAPE_OFF_LOOP_MIN`` in the router's body reader process, ``offprocess.BodyProcess``:
+  a digest per message of a two-million-message history held every other client for
+  seconds; past ``bodyreader.MAX_SHAPE_ITEMS`` messages there is no shape) and the turn is assessed against the previous turn of its lane: this proxy's memory first,
+  else the lane's last turn in the store (another proxy's, or before a restart).
 - **A buffered answer is never held for the ledger** (issue 22): mitmproxy sends a buffered
   response on only once every ``response`` hook has returned, and a large request's shape read
-  (then always in the body process) cost each such answer milliseconds (1 MB: the router's latency 1.3-1.7 ×
+  in the body process cost each such answer milliseconds (1 MB: the router's latency 1.3-1.7 ×
   plain mitmdump's with it, 1.0-1.4 × without). That read runs beside the answer
   (``_behind``): a conversation's turns are still taken in the order their answers ended (a
   turn whose conversation has one being read waits behind it, so each is compared with the
@@ -59,13 +54,13 @@ from .otelspans import KINDS as OTEL_KINDS
 from .otelspans import Spans
 from . import perflow
 from ..reader import headerview
-from .offprocess import BodyProcess, read_apart
+from .offprocess import BodyProcess
 from .perflow import FlowState
 from .participants import Participant
 from .storeruntime import StoreRuntime
 
 log = logging.getLogger("sessionpin")
-SHAPE_OFF_LOOP_MIN = 256 * 1024   # bytes: from here a request's prompt shape is read beside its answer
+SHAPE_OFF_LOOP_MIN = 256 * 1024   # bytes: a request's prompt shape is read in the body reader's process from here
 MAX_BEHIND = 64                     # conversations whose turn is read beside its answer, at most
 
 MAX_LANES = 2_000
@@ -183,9 +178,8 @@ class LedgerWatch:
             log.exception("sessionpin: ledger: cannot watch a response")
 
     def response(self, flow: http.HTTPFlow):
-        """Sync for every answer but one whose request is large: its shape is read beside the
-        answer (``_large``), or, past ``MAX_BEHIND``, the hook returns that awaitable (mitmproxy
-        awaits it)."""
+        """Sync for every answer but one whose request is large: its shape is read in the body
+        reader's process and the hook returns that awaitable (mitmproxy awaits it)."""
         w = flow.metadata.pop(perflow.LEDGER, None)
         if w is None or w.reader is None:
             self._request_span(flow, None)
@@ -215,15 +209,9 @@ class LedgerWatch:
 
     async def _large(self, flow: http.HTTPFlow, w: _Watched, read: Read, ended: float, raw: bytes,
                      encoding: str, cut: bool = False) -> None:
-        """A large request's turn: its shape read in the body reader's process when the router's
-        facts would be (``read_apart``), else here — run as a task after the answer went on
-        (``_beside``), so holding the loop a millisecond a MB delays no answer."""
         try:
             assert self.bodies is not None
-            if read_apart(raw, encoding):
-                shape = await self.bodies.shape(raw, w.api, encoding)
-            else:
-                shape = promptshape.shape(raw, w.api, encoding, self._digests, members=perflow.sent_members(flow))
+            shape = await self.bodies.shape(raw, w.api, encoding)
             self._turn(flow, w, read, shape, ended, cut=cut)
         except Exception:
             log.exception("sessionpin: ledger: cannot read an answer's usage")

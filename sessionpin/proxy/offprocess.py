@@ -37,11 +37,6 @@ log = logging.getLogger("sessionpin")
 
 CHUNK = 256 * 1024          # bytes written to the pipe per await
 TIMEOUT = 60.0              # seconds one body may take (45 MiB of tiny messages: 3-10 s on a loaded 2-core machine)
-# Which bodies the process reads (``read_apart``): the router's facts and the ledger's shapes alike
-APART_MIN = 256 * 1024      # bytes: from here a body may go (a whole-body decode of tiny messages:
-                            # ~70 ms per MiB on this loaded machine)
-INLINE_ITEMS = 20_000       # JSON objects: a plain body with fewer is read in the proxy (~10 ms at most)
-INLINE_MAX = 8 * 1024 * 1024  # bytes: from here a body always goes
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 T = TypeVar("T")
 
@@ -154,37 +149,3 @@ def _unread(method: str, url: str, headers: Any, encoding: str, api: str | None,
     # an empty body is unreadable to the turn rules: a turn that needs the history is unknown
     return msgspec.structs.replace(facts, parsed=False, reason=f"{why}; {facts.reason}")
 
-
-def read_apart(raw: bytes, encoding: str | None) -> bool:
-    """Whether a body is read in the body reader's process (its facts for the router, its prompt's
-    shape for the ledger) rather than in the proxy. What holds the loop is the
-    number of JSON objects a whole-body decode builds and frees (a million tiny messages: a
-    second and more), not the bytes: an ordinary history of 1 MB has a few thousand and is read
-    here in about a millisecond, faster than the trip to the process. So: from 256 KiB, a body
-    with more than 20,000 objects (``_more_than``: ~0.09 ms per MB), a compressed one
-    (its objects cannot be counted before it is inflated), and any from 8 MiB go there."""
-    n = len(raw)
-    if n < APART_MIN:
-        return False
-    if n >= INLINE_MAX or (encoding and encoding.strip().lower() not in ("", "identity")):
-        return True
-    return _more_than(raw, b"{", INLINE_ITEMS)
-
-
-def _more_than(raw: bytes, byte: bytes, limit: int) -> bool:
-    """``raw.count(byte) > limit``, at memchr's speed: ``count`` of one byte walks the bytes one
-    at a time (0.3 ms per MB here, more than reading a history's facts), ``replace`` finds
-    them with memchr and stops after the ``limit + 1``-th. In slices of ``_SLICE``: a replace of
-    the whole body made a fresh copy of it, a megabyte's pages faulted in anew on every request
-    (0.34 ms per MB beside the proxy's other allocations; 0.09 ms in slices that reuse their
-    memory)."""
-    left = limit + 1
-    for lo in range(0, len(raw), _SLICE):
-        part = raw[lo:lo + _SLICE]
-        left -= len(part) - len(part.replace(byte, b"", left))
-        if left <= 0:
-            return True
-    return False
-
-
-_SLICE = 64 * 1024

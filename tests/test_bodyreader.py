@@ -90,3 +90,31 @@ def test_a_shape_is_promptshapes_up_to_a_bound_of_messages():
         assert B.decode_shape(out.getvalue()[B.HEAD_LEN:]) == promptshape.shape(body, F.ANTHROPIC_MESSAGES)
     assert B.shape_of(tiny(B.MAX_SHAPE_ITEMS), F.ANTHROPIC_MESSAGES, "") is None     # one more than the bound
     assert len(B.shape_of(tiny(B.MAX_SHAPE_ITEMS - 2), F.ANTHROPIC_MESSAGES, "").messages) == B.MAX_SHAPE_ITEMS
+
+
+def test_the_shapes_of_one_conversations_turns_reuse_the_digests_of_the_messages_sent_again(monkeypatch):
+    """Issue 22: each turn of a conversation sends its whole history again; the process keeps
+    the digests it worked out (as the ledger does in the proxy), so a turn digests only its new
+    messages — and its shape is the one worked out afresh."""
+    from sessionpin.reader import promptshape
+    digests = []
+    real = promptshape._digest
+    monkeypatch.setattr(promptshape, "_digest", lambda raw, message=False: digests.append(message) or real(raw, message))
+    first = tiny(300)
+    second = first.replace(b'{"role":"user","content":"more"}]',
+                           b'{"role":"user","content":"more"},{"role":"assistant","content":"sure"}]')
+    assert second != first
+    bodies = (first, second, b"garbage", first)
+    inp = io.BytesIO(b"".join(B.request_head("", "", [], "", F.ANTHROPIC_MESSAGES, len(b), B.SHAPE) + b
+                              for b in bodies))
+    out = io.BytesIO()
+    B.serve(inp, out)
+    data, shapes = out.getvalue(), []
+    while data:
+        n = int.from_bytes(data[:B.HEAD_LEN], "big")
+        shapes.append(B.decode_shape(data[B.HEAD_LEN:B.HEAD_LEN + n]))
+        data = data[B.HEAD_LEN + n:]
+    monkeypatch.setattr(promptshape, "_digest", real)
+    assert shapes == [promptshape.shape(b, F.ANTHROPIC_MESSAGES) for b in bodies]
+    # the first turn's messages: 300 tiny ones alike, "ok" and "more"; the second: only "sure" is new
+    assert digests.count(True) == 3 + 1

@@ -11,7 +11,8 @@ Rules it keeps:
 - Pure: bytes in, plain data out. ``facts_of``: the same facts ``facts.read`` gives, plus the
   model's span in the decoded body when the reader did not find it itself (so a model rename
   does not decode the body again on the event loop). ``shape_of``: ``promptshape.shape`` (the
-  ledger's, after the answer: a digest per message, in Python), None past ``MAX_SHAPE_ITEMS``
+  ledger's, after the answer: a digest per message, in Python, each remembered for the next
+  bodies by their length, CRC and ends as the ledger does), None past ``MAX_SHAPE_ITEMS``
   messages — a history that long is compared with nothing (its digests would cost the proxy
   tens of MB to keep and to take back; real sessions have a few thousand messages).
 - The protocol is framed and one request at a time (stdin → stdout):
@@ -64,9 +65,11 @@ def decode_shape(data: bytes) -> promptshape.Shape | None:
     return _shape_decoder.decode(data)
 
 
-def shape_of(body: bytes | None, api: str, encoding: str) -> promptshape.Shape | None:
-    """``promptshape.shape``, or None when it has more than ``MAX_SHAPE_ITEMS`` messages."""
-    return promptshape.shape(body, api, encoding, max_items=MAX_SHAPE_ITEMS)
+def shape_of(body: bytes | None, api: str, encoding: str,
+             seen: promptshape.Seen | None = None) -> promptshape.Shape | None:
+    """``promptshape.shape``, or None when it has more than ``MAX_SHAPE_ITEMS`` messages.
+    ``seen``: the digests of messages worked out for earlier bodies (``serve`` keeps them)."""
+    return promptshape.shape(body, api, encoding, seen, max_items=MAX_SHAPE_ITEMS)
 
 
 def decode_answer(data: bytes) -> F.Facts:
@@ -100,7 +103,10 @@ def _read_exactly(inp: BinaryIO, n: int) -> bytes | None:
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    """Answer requests until the input ends (or is not this protocol)."""
+    """Answer requests until the input ends (or is not this protocol). The message digests
+    worked out are kept for the next shapes (a conversation's every turn sends its history
+    again: the ledger's own memo, here; bounded by ``promptshape.SEEN_BOUND``)."""
+    seen: promptshape.Seen = {}
     while True:
         size = _read_exactly(inp, HEAD_LEN)
         if size is None:
@@ -120,7 +126,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         except msgspec.DecodeError:
             return
         if task == SHAPE:
-            answer = shape_of(body, api or "", encoding) if api else None
+            answer = shape_of(body, api or "", encoding, seen) if api else None
         else:
             answer = facts_of(method, url, headers, body, encoding, api)
         out.write(encode_answer(answer))

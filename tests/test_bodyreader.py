@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -118,3 +119,30 @@ def test_the_shapes_of_one_conversations_turns_reuse_the_digests_of_the_messages
     assert shapes == [promptshape.shape(b, F.ANTHROPIC_MESSAGES) for b in bodies]
     # the first turn's messages: 300 tiny ones alike, "ok" and "more"; the second: only "sure" is new
     assert digests.count(True) == 3 + 1
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd (Linux only)")
+def test_with_a_shared_file_the_body_is_read_from_it_and_a_length_it_has_not_ends_the_process():
+    """``--shared FD``: the pipe carries the heads only, each body is at the start of the
+    file; a request saying more bytes than the file holds (or an absurd length) gets no answer
+    and ends the process, as a body cut short on the pipe does."""
+    fd = os.memfd_create("test-body")
+    try:
+        body = tiny(500)
+        os.pwrite(fd, body, 0)
+        out = io.BytesIO()
+        B.serve(io.BytesIO(B.request_head("POST", URL, HEADERS, "", None, len(body)) * 2), out, shared=fd)
+        data, answers = out.getvalue(), []
+        while data:
+            n = int.from_bytes(data[:B.HEAD_LEN], "big")
+            answers.append(B.decode_answer(data[B.HEAD_LEN:B.HEAD_LEN + n]))
+            data = data[B.HEAD_LEN + n:]
+        want = F.read("POST", URL, HEADERS, body, "")
+        assert len(answers) == 2 and all((a.turn, a.session, a.parsed) == (want.turn, want.session, want.parsed)
+                                          for a in answers)
+        for n in (len(body) + 1, B.MAX_SHARED + 1, 2 ** 63):
+            out = io.BytesIO()
+            B.serve(io.BytesIO(B.request_head("POST", URL, HEADERS, "", None, n)), out, shared=fd)
+            assert out.getvalue() == b""
+    finally:
+        os.close(fd)

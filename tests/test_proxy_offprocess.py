@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
+
+import pytest
 
 from sessionpin.reader import facts as F
 from sessionpin.proxy.offprocess import BodyProcess
@@ -101,5 +104,49 @@ async def test_a_child_that_answers_garbage_is_replaced_and_the_body_taken_as_un
         assert not got.parsed and "reader process failed (" in got.reason and reader._proc is None
         reader.command = real
         assert (await reader.facts("POST", URL, HEADERS, tiny(2), None, None)).parsed
+    finally:
+        reader.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd (Linux only)")
+async def test_bodies_go_through_the_shared_memory_file_and_a_large_ones_pages_are_given_back(monkeypatch):
+    """Issue 22: the body is copied into a memory file the child reads, not written down the
+    pipe (~1 ms of the event loop per MB); the pipe carries the heads only. Bodies larger than
+    a copy's chunk arrive whole; the file keeps no more than ``SHARED_KEEP`` after a body."""
+    from sessionpin.proxy import offprocess
+    monkeypatch.setattr(offprocess, "SHARED_CHUNK", 64 * 1024)          # several copies a body
+    monkeypatch.setattr(offprocess, "SHARED_KEEP", 1024 * 1024)
+    piped: list[int] = []
+    real_write = asyncio.StreamWriter.write
+    monkeypatch.setattr(asyncio.StreamWriter, "write", lambda self, data: piped.append(len(data)) or real_write(self, data))
+    reader = BodyProcess()
+    try:
+        for body in (tiny(3), tiny(60_000), tiny(2), b"garbage"):
+            got = await reader.facts("POST", URL, HEADERS, body, None, None)
+            want = F.read("POST", URL, HEADERS, body, None)
+            assert (got.turn, got.session, got.has_history, got.parsed, got.reason) == \
+                (want.turn, want.session, want.has_history, want.parsed, want.reason)
+            size = os.fstat(reader._shared).st_size
+            assert size == (0 if len(body) > offprocess.SHARED_KEEP else max(size, len(body)))
+        assert reader._shared is not None and (reader.reads, reader.started, reader.failures) == (4, 1, 0)
+        assert len(piped) == 4 and max(piped) < 1024                    # a head a body, nothing more
+        fd = reader._shared
+    finally:
+        reader.close()
+    assert reader._shared is None
+    with pytest.raises(OSError):
+        os.fstat(fd)                                                     # closed with the reader
+
+
+async def test_without_shared_memory_the_bodies_go_down_the_pipe(monkeypatch):
+    def no_memfd(*a, **k):
+        raise OSError("not here")
+    monkeypatch.setattr(os, "memfd_create", no_memfd, raising=False)
+    reader = BodyProcess()
+    try:
+        for body in (tiny(3), tiny(60_000)):
+            got = await reader.facts("POST", URL, HEADERS, body, None, None)
+            assert got.parsed and got.turn == F.read("POST", URL, HEADERS, body, None).turn
+        assert reader._shared is None and reader.reads == 2
     finally:
         reader.close()

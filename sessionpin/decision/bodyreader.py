@@ -19,6 +19,11 @@ Rules it keeps:
     request: 4-byte big-endian length + msgpack [task, method, url, headers, encoding, api],
              then 8-byte big-endian length + the raw body; task is "facts" or "shape"
     answer:  4-byte big-endian length + msgpack of the Facts (or the Shape, or nil)
+  Started with ``--shared FD`` (Linux: an anonymous memory file, ``offprocess``), the body
+  is not on the pipe but at the start of that file, its length in the request: the proxy
+  writes it there with one copy (a pipe cost the proxy's event loop ~1 ms per MB: sixteen
+  writes a MB, each a wakeup, and asyncio's buffer moved behind them). One request at a
+  time, so one region; the proxy writes the next body only after this one's answer.
 - Nothing of a body leaves the process but its facts (hashes, names); nothing is logged.
 - ``serve`` stops at the end of its input: the proxy ends it by closing the pipe.
 
@@ -27,6 +32,7 @@ Run as ``python -m sessionpin.decision.bodyreader`` (``sessionpin.proxy.offproce
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, BinaryIO
 
@@ -41,6 +47,7 @@ BODY_LEN = 8
 MAX_HEAD = 1024 * 1024       # method, url, headers: far above what mitmproxy takes in a head
 MAX_SHAPE_ITEMS = 50_000     # messages a shape digests at most (a 1 MiB body holds ~35,000 tiny ones)
 FACTS, SHAPE = "facts", "shape"
+MAX_SHARED = 1 << 32         # bytes a request may say its shared body has (the proxy takes 64 MiB at most)
 
 _encoder = msgspec.msgpack.Encoder()
 _head_decoder = msgspec.msgpack.Decoder(tuple[str, str, str, list[tuple[bytes, bytes]], str, str | None])
@@ -102,8 +109,19 @@ def _read_exactly(inp: BinaryIO, n: int) -> bytes | None:
     return data
 
 
-def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    """Answer requests until the input ends (or is not this protocol). The message digests
+def _read_shared(fd: int, n: int) -> bytes | None:
+    if n > MAX_SHARED:
+        return None
+    try:
+        data = os.pread(fd, n, 0)
+    except (OSError, OverflowError, MemoryError):
+        return None
+    return data if len(data) == n else None
+
+
+def serve(inp: BinaryIO, out: BinaryIO, shared: int | None = None) -> None:
+    """Answer requests until the input ends (or is not this protocol); ``shared``: the file
+    descriptor the bodies are in (``--shared``), else they follow their heads. The message digests
     worked out are kept for the next shapes (a conversation's every turn sends its history
     again: the ledger's own memo, here; bounded by ``promptshape.SEEN_BOUND``)."""
     seen: promptshape.Seen = {}
@@ -118,7 +136,8 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         body_len = _read_exactly(inp, BODY_LEN)
         if head is None or body_len is None:
             return
-        body = _read_exactly(inp, int.from_bytes(body_len, "big"))
+        n = int.from_bytes(body_len, "big")
+        body = _read_exactly(inp, n) if shared is None else _read_shared(shared, n)
         if body is None:
             return
         try:
@@ -139,4 +158,5 @@ def _b(v: str | bytes) -> bytes:
 
 
 if __name__ == "__main__":   # pragma: no cover - run by the proxy, tested through it
-    serve(sys.stdin.buffer, sys.stdout.buffer)
+    serve(sys.stdin.buffer, sys.stdout.buffer,
+          int(sys.argv[2]) if len(sys.argv) == 3 and sys.argv[1] == "--shared" else None)

@@ -495,6 +495,30 @@ async def test_over_max_behind_the_answer_waits_for_its_read_as_before(proxy, mo
     assert g.metadata["sessionpin"]["ledger"]["input"] == 9203
 
 
+async def test_over_the_bytes_held_beside_answers_the_answer_waits_for_its_read(proxy, monkeypatch):
+    """Issue 22: turns read beside their answers each keep their flow's body until read; reads
+    slower than the requests came (a steady 1 MB load, the body reader behind) kept them all —
+    the proxy grew by 150 MB every 3 s. Past ``MAX_BEHIND_BYTES`` the answer waits for its read
+    (the hook gives mitmproxy the read to await); the turn lands as before, and the count of
+    bytes held goes back to nothing."""
+    monkeypatch.setattr(ledgerwatch, "MAX_BEHIND_BYTES", 1024)
+    watch = watch_of(proxy)
+    g = await _large_turn_answered(proxy)
+    got = await _respond(proxy, g)
+    assert isinstance(got, asyncio.Task) and watch.waited == 1
+    assert watch.behind_bytes == len(g.request.raw_content)
+    await got
+    await asyncio.sleep(0)                     # (the done callback)
+    assert g.metadata["sessionpin"]["ledger"]["input"] == 9203 and watch.behind_bytes == 0
+    monkeypatch.setattr(ledgerwatch, "MAX_BEHIND_BYTES", 1 << 30)
+    h = flow("continuation", content=_large_continuation(40_001))
+    await proxy.send(h)
+    _json_answer(h, "msg_3", read=9200, write=30)
+    assert await _respond(proxy, h) is None and watch.waited == 1   # within the bound: beside, as before
+    await flushed(watch)
+    assert watch.behind_bytes == 0 and (await ledger.load(proxy.store, SESSION)).turns == 3
+
+
 async def test_a_turns_shape_is_read_from_the_members_the_router_decoded(proxy, monkeypatch):
     """Issue 22, the body decoded once: a Claude Code turn's prompt shape is read from the raw
     members the router's facts read made (``perflow.BODY``), the model as it was sent (renamed),

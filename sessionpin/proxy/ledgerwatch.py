@@ -18,8 +18,10 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   (``_behind``): a conversation's turns are still taken in the order their answers ended (a
   turn whose conversation has one being read waits behind it, so each is compared with the
   one before it), and mitmweb is told the flow changed once its comment has the figures. At
-  most ``MAX_BEHIND`` conversations' reads run so; beyond that the answer waits for its read
-  as before (what a flood of large requests holds stays bounded).
+  most ``MAX_BEHIND`` conversations' reads run so, holding at most ``MAX_BEHIND_BYTES`` of
+  requests; beyond either the answer waits for its read as before (what a flood of large
+  requests holds stays bounded: without the bytes' bound, reads slower than the requests came
+  kept every waiting request's body — a 1 MB load grew the proxy by 150 MB every 3 s).
 - The flow's comment gains the turn's tokens and cache read (``… | in 12.3k out 420 cache 97%``,
   and the miss's reason; a socket's comment, its latest turn's); the metadata gains ``ledger``.
 - Records are written in batches off the request path, a fraction of a second after the first,
@@ -62,6 +64,7 @@ from .storeruntime import StoreRuntime
 log = logging.getLogger("sessionpin")
 SHAPE_OFF_LOOP_MIN = 256 * 1024   # bytes: a request's prompt shape is read in the body reader's process from here
 MAX_BEHIND = 64                     # conversations whose turn is read beside its answer, at most
+MAX_BEHIND_BYTES = 256 * 1024 * 1024   # request bytes held by turns read beside their answers, at most
 
 MAX_LANES = 2_000
 MAX_PENDING = 10_000
@@ -129,6 +132,8 @@ class LedgerWatch:
         self._otel = ""
         self.bodies: BodyProcess | None = None   # the router's body reader (make_addons): a large prompt's shape
         self._behind: dict[str, asyncio.Task] = {}   # session -> its last turn still being read beside its answer
+        self.behind_bytes = 0            # the request bytes those turns hold
+        self.waited = 0                  # answers held for their reading, over MAX_BEHIND_BYTES
 
     # ---- options ----------------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -195,12 +200,12 @@ class LedgerWatch:
             raw, encoding = req.raw_content, headerview.get(req.headers, "content-encoding")
             if read.usage is not None and raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
                 large = self._large(flow, w, read, ended, raw, encoding)      # never on the event loop
-                return large if self._beside(w.session, flow, large) is None else None
+                return self._beside(w.session, flow, large, len(raw))
             shape = (promptshape.shape(raw, w.api, encoding, self._digests, members=perflow.sent_members(flow))
                      if read.usage is not None else None)
             if w.session in self._behind:          # its conversation's previous turn is still read: after it
                 later = self._turn_later(flow, w, read, shape, ended)
-                return later if self._beside(w.session, flow, later) is None else None
+                return self._beside(w.session, flow, later, len(raw or b""))
             self._turn(flow, w, read, shape, ended)
         except Exception:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
@@ -226,21 +231,30 @@ class LedgerWatch:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
         self._request_span(flow, None if not cut else flow.error.msg if flow.error else "error")
 
-    def _beside(self, session: str, flow: http.HTTPFlow, work) -> asyncio.Task | None:
-        """Run ``work`` (a turn's reading) beside its answer, after its conversation's turn being
-        read (if any); None, with ``work`` not started, when ``MAX_BEHIND`` are running: the
-        caller hands it to mitmproxy, and the answer waits for it."""
+    def _beside(self, session: str, flow: http.HTTPFlow, work, size: int):
+        """Run ``work`` (a turn's reading, of a request of ``size`` bytes) beside its answer, after
+        its conversation's turn being read (if any). Returns what the hook gives mitmproxy: None,
+        the answer goes on; or what the answer waits for — ``work`` itself, not started, when
+        ``MAX_BEHIND`` conversations are being read; the reading's task, when the requests being
+        read beside their answers hold more than ``MAX_BEHIND_BYTES`` (reads slower than the
+        requests come: each waiting one keeps its flow's body, so the answers then wait, and
+        what is held stays bounded)."""
         before = self._behind.get(session)
         if before is None and len(self._behind) >= MAX_BEHIND:
-            return None
+            return work
         task = asyncio.get_running_loop().create_task(_after(before, work, flow))
         self._behind[session] = task
+        self.behind_bytes += size
 
         def gone(t: asyncio.Task) -> None:
+            self.behind_bytes -= size
             if self._behind.get(session) is t:
                 del self._behind[session]
         task.add_done_callback(gone)
-        return task
+        if not task.done() and self.behind_bytes > MAX_BEHIND_BYTES:
+            self.waited += 1
+            return task
+        return None
 
     async def settled(self) -> None:
         """Wait for the turns being read beside their answers (tests, shutdown)."""
@@ -259,11 +273,11 @@ class LedgerWatch:
                     raw, encoding = flow.request.raw_content, headerview.get(flow.request.headers, "content-encoding")
                     if raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
                         large = self._large(flow, w, read, time.time(), raw, encoding, cut=True)
-                        return large if self._beside(w.session, flow, large) is None else None
+                        return self._beside(w.session, flow, large, len(raw))
                     shape = promptshape.shape(raw, w.api, encoding, self._digests, members=perflow.sent_members(flow))
                     if w.session in self._behind:    # its conversation's previous turn is still read: after it
                         later = self._turn_later(flow, w, read, shape, time.time(), cut=True)
-                        return later if self._beside(w.session, flow, later) is None else None
+                        return self._beside(w.session, flow, later, len(raw or b""))
                     self._turn(flow, w, read, shape, time.time(), cut=True)
             except Exception:
                 log.exception("sessionpin: ledger: cannot read a cut answer's usage")

@@ -25,6 +25,8 @@ Variants (``make_addons(without=...)``, options):
   bare       without both and without the OpenCode id pool
   quiet      full, ``sessionpin_decision_log=off``
   noop       plain mitmdump with a script whose ``request`` hook does nothing (the cost of a script)
+  nooplimit  noop with ``stream_large_bodies`` as the router sets it (``sessionpin_max_body_mb``):
+             mitmproxy's own body-size check on every chunk of a body
 One piece of the full router taken out (a monkeypatch in the variant's script: to measure it,
 never a way to run):
   threadwrites    every store write on the writer thread (``FileStore.now_writes`` empty: as before
@@ -54,6 +56,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_proxy as BP  # noqa: E402
+from sessionpin.reader import facts as F  # noqa: E402
 from e2e.harness import Client, FakeServer, Mitmdump, TestCA, toml_config  # noqa: E402
 
 _FULL = "from sessionpin.proxy import make_addons\naddons = make_addons()\n"
@@ -71,7 +74,7 @@ SCRIPTS = {
 }
 OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}}
 NOOP = "def request(flow):\n    pass\n"
-KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop")
+KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit")
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -126,9 +129,11 @@ def main() -> None:
         procs: dict[str, tuple[Mitmdump, str]] = {"plain": (Mitmdump(tmp / "plain", script=None, options=trust),
                                                             upstream.url)}
         for name in variants:
-            if name == "noop":
+            if name in ("noop", "nooplimit"):
                 (tmp / "noop.py").write_text(NOOP)
-                procs[name] = (Mitmdump(tmp / name, script=tmp / "noop.py", options=trust), upstream.url)
+                limit = {"stream_large_bodies": f"{F.MAX_REQUEST_BODY // (1024 * 1024)}m"} if name == "nooplimit" else {}
+                procs[name] = (Mitmdump(tmp / name, script=tmp / "noop.py", options={**trust, **limit}),
+                               upstream.url)
                 continue
             m = Mitmdump.router(tmp / name, ca, config, env={BP.KEY_ENV: BP.UPSTREAM_KEY},
                                 options=OPTIONS.get(name))
@@ -153,7 +158,7 @@ def main() -> None:
                 upstream.keep_bodies = False
                 if not got or dict((k.lower(), v) for k, v in got[-1].headers).get("x-api-key") != BP.UPSTREAM_KEY:
                     raise SystemExit("the router did not route to the upstream with its key")
-            rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in procs}
+            rows: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in procs}
             for r in range(args.rounds):
                 order = list(procs) if r % 2 == 0 else list(procs)[::-1]
                 for name in order:
@@ -187,22 +192,28 @@ def main() -> None:
                         (args.spy / f"{name}.requests").write_text(str(n))
                     used = {t: after_cpu[t] - before_cpu.get(t, 0.0) for t in after_cpu}
                     total, loop = sum(used.values()), used.get(pid, 0.0)
-                    rows[name].append((n / args.seconds, total / n * 1000, loop / n * 1000))
+                    rows[name].append((n / args.seconds, total / n * 1000, loop / n * 1000, used.get(0, 0.0) / n * 1000))
             for c in clients.values():
                 c.close()
+            for name, (m, _) in procs.items():       # a body reader failing is work redone: say so
+                lost = sum("body reader process did not read" in line for line in m._lines)
+                if lost:
+                    print(f"{name}: the body reader process failed {lost} times")
         finally:
             for m, _ in procs.values():
                 m.stop()
 
     print(f"{args.clients} clients, {args.size} {args.shape} turns, {args.rounds} phases of {args.seconds:g} s "
           f"per proxy; medians")
-    print(f"{'proxy':14} {'req/s':>7} {'cpu/req ms':>11} {'main':>6} {'others':>7} {'vs plain':>9}")
+    print(f"{'proxy':14} {'req/s':>7} {'cpu/req ms':>11} {'main':>6} {'others':>7} {'of them, processes':>19} "
+          f"{'vs plain':>9}")
     plain = statistics.median(x[1] for x in rows["plain"])
     for name, got in rows.items():
         rate = statistics.median(x[0] for x in got)
         cpu = statistics.median(x[1] for x in got)
         main_ms = statistics.median(x[2] for x in got)
-        print(f"{name:14} {rate:7.0f} {cpu:11.2f} {main_ms:6.2f} {cpu - main_ms:7.2f} {cpu - plain:+9.2f}")
+        kids = statistics.median(x[3] for x in got)
+        print(f"{name:14} {rate:7.0f} {cpu:11.2f} {main_ms:6.2f} {cpu - main_ms:7.2f} {kids:19.2f} {cpu - plain:+9.2f}")
 
 
 if __name__ == "__main__":

@@ -150,3 +150,25 @@ async def test_without_shared_memory_the_bodies_go_down_the_pipe(monkeypatch):
         assert reader._shared is None and reader.reads == 2
     finally:
         reader.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd (Linux only)")
+async def test_a_shared_file_that_cannot_take_a_body_gives_the_pipe_to_the_next_child(monkeypatch):
+    """A write into the shared file that fails (no memory for it) fails that body as a child
+    failure does (read without it), and the bodies after it go down a new child's pipe."""
+    from sessionpin.proxy import offprocess
+    reader = BodyProcess()
+    real = os.pwrite
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+    try:
+        assert (await reader.facts("POST", URL, HEADERS, tiny(2), None, None)).parsed and reader._shared is not None
+        monkeypatch.setattr(offprocess.os, "pwrite", full)
+        lost = await reader.facts("POST", URL, HEADERS, tiny(3), None, None)
+        assert not lost.parsed and "reader process failed" in lost.reason and reader._shared is None
+        monkeypatch.setattr(offprocess.os, "pwrite", real)
+        again = await reader.facts("POST", URL, HEADERS, tiny(3), None, None)
+        assert again.parsed and (reader.started, reader.failures) == (2, 1)
+    finally:
+        reader.close()

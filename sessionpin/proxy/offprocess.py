@@ -115,7 +115,11 @@ class BodyProcess:
             for i in range(0, len(view), SHARED_CHUNK):
                 if i:
                     await asyncio.sleep(0)          # the loop's other clients between copies
-                os.pwrite(shared, view[i:i + SHARED_CHUNK], i)
+                try:
+                    os.pwrite(shared, view[i:i + SHARED_CHUNK], i)
+                except OSError:
+                    self._drop_shared()     # (no memory for it): the pipe from the next child on
+                    raise
             w.write(bodyreader.request_head(method, url, headers, encoding, api, len(raw), task))
         else:
             w.write(bodyreader.request_head(method, url, headers, encoding, api, len(raw), task))
@@ -156,11 +160,14 @@ class BodyProcess:
         if proc is not None:
             _end(proc)
 
-    def close(self) -> None:
-        self._kill()
+    def _drop_shared(self) -> None:
         shared, self._shared = self._shared, None
         if shared is not None:
             os.close(shared)
+
+    def close(self) -> None:
+        self._kill()
+        self._drop_shared()
 
 
 def _end(proc: asyncio.subprocess.Process) -> None:

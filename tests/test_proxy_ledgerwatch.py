@@ -519,6 +519,28 @@ async def test_over_the_bytes_held_beside_answers_the_answer_waits_for_its_read(
     assert watch.behind_bytes == 0 and (await ledger.load(proxy.store, SESSION)).turns == 3
 
 
+async def test_a_turns_shape_being_read_does_not_hold_a_requests_facts(proxy, monkeypatch):
+    """Issue 22: the router's facts of a large body (on the request's path) and the ledger's
+    shapes (after answers) went to one body reader, a request at a time: a request waited
+    behind every turn's shape queued before it — up to the reader's timeout for a hostile body.
+    Each has its own reader; with the ledger's stuck, a large request is still routed."""
+    watch = watch_of(proxy)
+    assert watch.bodies is not proxy.router.bodies
+    gate = asyncio.Event()
+
+    async def stuck(*a):
+        await gate.wait()
+        return None
+    monkeypatch.setattr(watch.bodies, "_ask", stuck)
+    g = await _large_turn_answered(proxy)                 # 40,000 tiny messages: read apart
+    assert await _respond(proxy, g) is None                # its shape's read is stuck beside it
+    h = flow("continuation", content=_large_continuation(40_002))
+    await asyncio.wait_for(proxy.send(h), 10)
+    assert h.metadata["sessionpin"]["rule"] == "pinned" and proxy.router.bodies.reads >= 2
+    gate.set()
+    await flushed(watch)
+
+
 async def test_a_turns_shape_is_read_from_the_members_the_router_decoded(proxy, monkeypatch):
     """Issue 22, the body decoded once: a Claude Code turn's prompt shape is read from the raw
     members the router's facts read made (``perflow.BODY``), the model as it was sent (renamed),

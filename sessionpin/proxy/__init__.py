@@ -56,6 +56,7 @@ from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .defaults import DecisionLog, Defaults
 from .limits import BodyLimit
+from .offprocess import BodyProcess
 from .participants import Participant
 from .ledgerwatch import LedgerMetrics, LedgerWatch
 from .lineagewatch import LineageWatch
@@ -92,7 +93,9 @@ def make_addons(participants: list[Participant] | None = None, env=None, *, with
     participants = [LedgerMetrics(ledger), *participants, allocations]
     status = StatusEndpoints(config, runtime, connect, metrics, participants, env)
     router = Router(config, runtime, connect, metrics, participants, env, allocations, decisions)
-    ledger.bodies = router.bodies     # one body reader process: the router's facts, the ledger's shapes
+    # the ledger's body reader is its own: a request's facts (on its path) never wait behind a
+    # turn's shape (after its answer; a hostile body's up to the reader's timeout)
+    ledger.bodies = BodyProcess()
     watch = LineageWatch(runtime)
     metrics.lineage = watch.counts
     router.lineage = None if "lineage" in without else watch

@@ -7,7 +7,7 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   chunk returned unchanged and undelayed), a buffered one from its body once complete, and
   Codex's socket from each server message (one turn per ``response.completed``).
 - After the answer, the request's prompt shape is read (``promptshape.shape``, digests only;
-  from ``SHAPE_OFF_LOOP_MIN`` in the router's body reader process, ``offprocess.BodyProcess``:
+  from ``SHAPE_OFF_LOOP_MIN`` in a body reader process of its own, ``offprocess.BodyProcess``:
   a digest per message of a two-million-message history held every other client for
   seconds; past ``bodyreader.MAX_SHAPE_ITEMS`` messages there is no shape) and the turn is assessed against the previous turn of its lane: this proxy's memory first,
   else the lane's last turn in the store (another proxy's, or before a restart).
@@ -130,7 +130,7 @@ class LedgerWatch:
         self._digests: promptshape.Seen = {}   # message digests already worked out (bounded)
         self.spans: Spans | None = None      # OpenTelemetry, when sessionpin_otel names an exporter
         self._otel = ""
-        self.bodies: BodyProcess | None = None   # the router's body reader (make_addons): a large prompt's shape
+        self.bodies: BodyProcess | None = None   # a body reader of its own (make_addons): a large prompt's shape
         self._behind: dict[str, asyncio.Task] = {}   # session -> its last turn still being read beside its answer
         self.behind_bytes = 0            # the request bytes those turns hold
         self.waited = 0                  # answers held for their reading, over MAX_BEHIND_BYTES
@@ -164,6 +164,8 @@ class LedgerWatch:
         if self.spans is not None:
             self.spans.shutdown()
             self.spans = None
+        if self.bodies is not None:
+            self.bodies.close()
 
     # ---- hooks ------------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:

@@ -1,6 +1,7 @@
 """BodyProcess: a large request's facts (the router's) and its prompt's shape (the ledger's,
 after the answer) read by ``sessionpin.decision.bodyreader`` in a process of its own, so that no body
-holds mitmproxy's event loop (issue 20: no body costs other clients more than ~100 ms).
+holds mitmproxy's event loop (issue 20: no body costs other clients more than ~100 ms). The
+router and the ledger have one each: a request's facts never wait behind a turn's shape.
 
 Why not a thread (``offloop.OffLoop``): the long parts of reading a body are single C calls
 holding the GIL (a whole-body msgspec decode, freeing two million objects); a thread running

@@ -32,12 +32,17 @@ def ask(*requests: tuple[bytes, str]) -> list[F.Facts]:
                               for body, enc in requests))
     out = io.BytesIO()
     B.serve(inp, out)
-    data, answers = out.getvalue(), []
+    return answers(out.getvalue(), B.decode_answer)
+
+
+def answers(data: bytes, decode) -> list:
+    """The framed answers ``serve`` wrote, decoded."""
+    got = []
     while data:
         n = int.from_bytes(data[:B.HEAD_LEN], "big")
-        answers.append(B.decode_answer(data[B.HEAD_LEN:B.HEAD_LEN + n]))
+        got.append(decode(data[B.HEAD_LEN:B.HEAD_LEN + n]))
         data = data[B.HEAD_LEN + n:]
-    return answers
+    return got
 
 
 @pytest.mark.parametrize("body", [
@@ -110,11 +115,7 @@ def test_the_shapes_of_one_conversations_turns_reuse_the_digests_of_the_messages
                               for b in bodies))
     out = io.BytesIO()
     B.serve(inp, out)
-    data, shapes = out.getvalue(), []
-    while data:
-        n = int.from_bytes(data[:B.HEAD_LEN], "big")
-        shapes.append(B.decode_shape(data[B.HEAD_LEN:B.HEAD_LEN + n]))
-        data = data[B.HEAD_LEN + n:]
+    shapes = answers(out.getvalue(), B.decode_shape)
     monkeypatch.setattr(promptshape, "_digest", real)
     assert shapes == [promptshape.shape(b, F.ANTHROPIC_MESSAGES) for b in bodies]
     # the first turn's messages: 300 tiny ones alike, "ok" and "more"; the second: only "sure" is new
@@ -132,14 +133,10 @@ def test_with_a_shared_file_the_body_is_read_from_it_and_a_length_it_has_not_end
         os.pwrite(fd, body, 0)
         out = io.BytesIO()
         B.serve(io.BytesIO(B.request_head("POST", URL, HEADERS, "", None, len(body)) * 2), out, shared=fd)
-        data, answers = out.getvalue(), []
-        while data:
-            n = int.from_bytes(data[:B.HEAD_LEN], "big")
-            answers.append(B.decode_answer(data[B.HEAD_LEN:B.HEAD_LEN + n]))
-            data = data[B.HEAD_LEN + n:]
+        got = answers(out.getvalue(), B.decode_answer)
         want = F.read("POST", URL, HEADERS, body, "")
-        assert len(answers) == 2 and all((a.turn, a.session, a.parsed) == (want.turn, want.session, want.parsed)
-                                          for a in answers)
+        assert len(got) == 2 and all((a.turn, a.session, a.parsed) == (want.turn, want.session, want.parsed)
+                                      for a in got)
         for n in (len(body) + 1, B.MAX_SHARED + 1, 2 ** 63):
             out = io.BytesIO()
             B.serve(io.BytesIO(B.request_head("POST", URL, HEADERS, "", None, n)), out, shared=fd)

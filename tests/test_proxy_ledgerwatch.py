@@ -490,7 +490,7 @@ async def test_over_max_behind_the_answer_waits_for_its_read_as_before(proxy, mo
     watch = watch_of(proxy)
     g = await _large_turn_answered(proxy)
     got = await _respond(proxy, g)
-    assert asyncio.iscoroutine(got) and not watch._behind
+    assert asyncio.iscoroutine(got) and not watch._behind and watch.waited == 1
     await got
     assert g.metadata["sessionpin"]["ledger"]["input"] == 9203
 
@@ -506,6 +506,7 @@ async def test_over_the_bytes_held_beside_answers_the_answer_waits_for_its_read(
     g = await _large_turn_answered(proxy)
     got = await _respond(proxy, g)
     assert isinstance(got, asyncio.Task) and watch.waited == 1
+    assert "sessionpin_ledger_answers_held_total 1" in watch.metrics()
     assert watch.behind_bytes == len(g.request.raw_content)
     await got
     await asyncio.sleep(0)                     # (the done callback)

@@ -133,7 +133,7 @@ class LedgerWatch:
         self.bodies: BodyProcess | None = None   # a body reader of its own (make_addons): a large prompt's shape
         self._behind: dict[str, asyncio.Task] = {}   # session -> its last turn still being read beside its answer
         self.behind_bytes = 0            # the request bytes those turns hold
-        self.waited = 0                  # answers held for their reading, over MAX_BEHIND_BYTES
+        self.waited = 0                  # answers held for their reading, over either bound
 
     # ---- options ----------------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -243,6 +243,7 @@ class LedgerWatch:
         what is held stays bounded)."""
         before = self._behind.get(session)
         if before is None and len(self._behind) >= MAX_BEHIND:
+            self.waited += 1
             return work
         task = asyncio.get_running_loop().create_task(_after(before, work, flow))
         self._behind[session] = task
@@ -482,6 +483,9 @@ class LedgerWatch:
                ("agent", "server"), sorted(self.within.items()))
         family(out, "sessionpin_ledger_dropped_total", "counter", "Ledger records not written (store failing or "
                "too many waiting).", (), [((), self.dropped)])
+        family(out, "sessionpin_ledger_answers_held_total", "counter", "Answers held until their turn's prompt "
+               "shape was read: too many turns were waiting to be read beside their answers.", (),
+               [((), self.waited)])
         return joined(out)
 
 

@@ -54,10 +54,10 @@ def main() -> None:
                         await reader.shape(bodies[i % 8], api, None)
                 await one(0)                       # starts the child
                 pid = reader._proc.pid
-                child0, loop0 = BP._stat_cpu(pid), time.thread_time()
+                child0, loop0 = BP.process_cpu(pid)[0], time.thread_time()
                 for i in range(args.bodies):
                     await one(i)
-                child1, loop1 = BP._stat_cpu(pid), time.thread_time()
+                child1, loop1 = BP.process_cpu(pid)[0], time.thread_time()
                 if reader.failures:
                     raise SystemExit(f"the body reader failed {reader.failures} times")
                 return (loop1 - loop0) / args.bodies * 1e3, (child1 - child0) / args.bodies * 1e3

@@ -302,12 +302,12 @@ def ms(x: float) -> str:
     return f"{x * 1000:8.1f}"
 
 
-def _stat_cpu(pid: int, children: bool = False) -> float:
-    """User + system CPU seconds of a process so far (``children``: with its waited-for children's)."""
+def process_cpu(pid: int) -> tuple[float, float]:
+    """User + system CPU seconds of a process so far, and those of its children it waited for."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
-    return ticks / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
 
 
 def descendants(pid: int) -> list[int]:
@@ -336,13 +336,11 @@ def children_cpu(pid: int) -> float:
     total = 0.0
     for kid in descendants(pid):
         try:
-            total += _stat_cpu(kid)
+            total += process_cpu(kid)[0]
         except (OSError, ValueError, IndexError):
             pass                  # ended meanwhile: counted in its parent's children's time
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+        total += process_cpu(pid)[1]
     except (OSError, ValueError, IndexError):
         pass
     return total
@@ -354,7 +352,7 @@ def cpu_seconds(pid: int | None) -> float | None:
     if pid is None:
         return None
     try:
-        return _stat_cpu(pid) + children_cpu(pid)
+        return process_cpu(pid)[0] + children_cpu(pid)
     except (OSError, ValueError, IndexError, TypeError):
         return None
 

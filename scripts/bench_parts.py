@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_parts.py [--seconds 6] [--rounds 3] [--clients 8] [--size 10KB]
                                             [--variants full,nolin,noledger,bare,quiet] [--spy DIR]
+                                            [--spy-rate 250]
 
 Plain mitmdump and the router with parts left out, each its own mitmdump on one local TLS
 upstream (the router's clients address another configured origin: the full rewrite, as in
@@ -27,6 +28,11 @@ Variants (``make_addons(without=...)``, options):
   noop       plain mitmdump with a script whose ``request`` hook does nothing (the cost of a script)
   nooplimit  noop with ``stream_large_bodies`` as the router sets it (``sessionpin_max_body_mb``):
              mitmproxy's own body-size check on every chunk of a body
+  floor      not sessionpin: the least any Python router must do for a pinned turn, in one plain
+             ``request`` hook (``FLOOR``: the body's top level decoded, one SQLite read, the host,
+             path, key and model rewritten); what is above it is sessionpin's own
+  plainmalloc, fullmalloc  plain mitmdump and the full router with glibc told to keep freed
+             memory (``MALLOC``: a large body's pages reused, not faulted in anew)
 One piece of the full router taken out (a monkeypatch in the variant's script: to measure it,
 never a way to run):
   threadwrites    every store write on the writer thread (``FileStore.now_writes`` empty: as before
@@ -34,6 +40,8 @@ never a way to run):
   noroot          no lineage root read per request with history
   noshape         no prompt shape per answered turn (the ledger)
   noledgerwrites  the ledger's turns not written
+  afteranswer     the lineage and ledger watches' ``response`` run just after the answer left
+                  (``call_soon``), not before it is sent
 The difference between two variants' CPU per request, in one run, is what the part costs.
 ``--against DIR`` adds the variant ``against``: the full router of DIR's ``sessionpin`` (a
 ``git worktree`` of an earlier commit), so a change is measured before/after in one run.
@@ -44,11 +52,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,12 +79,56 @@ SCRIPTS = {
     "noroot": "from sessionpin.proxy import lineagewatch\n"
               "lineagewatch.LineageWatch._request_root = lambda self, flow, state: None\n" + _FULL,
     "noshape": "from sessionpin.reader import promptshape\npromptshape.shape = lambda *a, **k: None\n" + _FULL,
+    "afteranswer": "import asyncio\nfrom sessionpin.proxy import perflow\n" + _FULL + (
+        "_b = addons[0]\n_late = (_b.lineage.response, _b.ledger.response)\n"
+        "_b._response = tuple(f for f in _b._response if f not in _late)\n"
+        "_orig = _b.response\n"
+        "def _later(flow, body):\n"
+        "    if body is not None:\n"
+        "        flow.metadata[perflow.BODY] = body\n"
+        "    for f in _late:\n"
+        "        f(flow)\n"
+        "    flow.metadata.pop(perflow.BODY, None)\n"
+        "def _resp(flow):\n"
+        "    body = flow.metadata.get(perflow.BODY)\n"
+        "    got = _orig(flow)\n"
+        "    asyncio.get_running_loop().call_soon(_later, flow, body)\n"
+        "    return got\n"
+        "_b.response = _resp\n"),
     "noledgerwrites": "from sessionpin.proxy import ledgerwatch\n"
                       "ledgerwatch.LedgerWatch._queue = lambda self, *a, **k: None\n" + _FULL,
 }
 OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}}
+# The least a router must do for a pinned turn, written plainly (not sessionpin): the body's top
+# level decoded (msgspec, as the facts do), the session from its header, its pin read from SQLite
+# (one indexed SELECT on a file in WAL mode), then the host, path, key and model rewritten. What
+# any Python addon doing this work costs, against which sessionpin's own extra is measured.
+FLOOR = """\
+import sqlite3, msgspec
+from mitmproxy import http
+_db = sqlite3.connect({db!r}, isolation_level=None, check_same_thread=False)
+_raw = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_NEW = b'"glm-4.6"'
+
+def request(flow: http.HTTPFlow) -> None:
+    req = flow.request
+    session = req.headers.get("x-claude-code-session-id", "")
+    raw = req.raw_content or b""
+    members = _raw.decode(raw)
+    row = _db.execute("SELECT value FROM pins WHERE key = ?", (session,)).fetchone()
+    if row is None or row[0] != "up":
+        _db.execute("INSERT OR REPLACE INTO pins VALUES (?, ?)", (session, "up"))
+    model = bytes(members["model"])
+    at = raw.find(model)
+    req.scheme, req.host, req.port = "https", {host!r}, {port}
+    req.path = {prefix!r} + req.path
+    req.headers["x-api-key"] = {key!r}
+    req.content = raw[:at] + _NEW + raw[at + len(model):]
+"""
 NOOP = "def request(flow):\n    pass\n"
-KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit")
+# glibc's malloc told to keep its freed memory (a large body's pages reused, not faulted in anew)
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "floor", "plainmalloc", "fullmalloc")
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -103,6 +157,7 @@ def main() -> None:
     ap.add_argument("--spy", type=Path, help="record each variant's first phase with py-spy --gil into DIR")
     ap.add_argument("--against", type=Path, help="add a variant 'against': the full router of another tree's "
                                                  "sessionpin (e.g. a git worktree of an earlier commit), side by side")
+    ap.add_argument("--spy-rate", type=int, default=250, help="py-spy's samples per second (--spy)")
     ap.add_argument("--syscalls", type=Path, help="count each variant's first-phase system calls (strace -c -f) "
                                                   "into DIR/VARIANT.strace, with its request count")
     args = ap.parse_args()
@@ -129,13 +184,27 @@ def main() -> None:
         procs: dict[str, tuple[Mitmdump, str]] = {"plain": (Mitmdump(tmp / "plain", script=None, options=trust),
                                                             upstream.url)}
         for name in variants:
+            if name == "plainmalloc":
+                procs[name] = (Mitmdump(tmp / name, script=None, options=trust, env=MALLOC), upstream.url)
+                continue
+            if name == "floor":
+                db = tmp / "floor.db"
+                with sqlite3.connect(db) as c:
+                    c.execute("PRAGMA journal_mode = WAL")
+                    c.execute("CREATE TABLE pins (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID")
+                up = urllib.parse.urlsplit(upstream.url)
+                (tmp / "floor.py").write_text(FLOOR.format(db=str(db), host=up.hostname, port=up.port,
+                                                           prefix=up.path.rstrip("/"), key=BP.UPSTREAM_KEY))
+                procs[name] = (Mitmdump(tmp / name, script=tmp / "floor.py", options=trust), origin.origin)
+                continue
             if name in ("noop", "nooplimit"):
                 (tmp / "noop.py").write_text(NOOP)
                 limit = {"stream_large_bodies": f"{F.MAX_REQUEST_BODY // (1024 * 1024)}m"} if name == "nooplimit" else {}
                 procs[name] = (Mitmdump(tmp / name, script=tmp / "noop.py", options={**trust, **limit}),
                                upstream.url)
                 continue
-            m = Mitmdump.router(tmp / name, ca, config, env={BP.KEY_ENV: BP.UPSTREAM_KEY},
+            m = Mitmdump.router(tmp / name, ca, config,
+                                env={BP.KEY_ENV: BP.UPSTREAM_KEY, **(MALLOC if name == "fullmalloc" else {})},
                                 options=OPTIONS.get(name))
             if name in SCRIPTS:
                 (tmp / f"{name}.py").write_text(SCRIPTS[name])
@@ -150,14 +219,16 @@ def main() -> None:
                 clients[name].load(size, args.shape)
                 for _ in range(5):
                     clients[name].step()        # warm-up, not counted
-            if "full" in procs:      # is the router routing? (else nothing is measured)
+            for name in ("full", "floor"):      # routing? (else nothing is measured)
+                if name not in procs:
+                    continue
                 upstream.keep_bodies = True
                 before = len(upstream.received())
-                clients["full"].step()
+                clients[name].step()
                 got = upstream.received()[before:]
                 upstream.keep_bodies = False
                 if not got or dict((k.lower(), v) for k, v in got[-1].headers).get("x-api-key") != BP.UPSTREAM_KEY:
-                    raise SystemExit("the router did not route to the upstream with its key")
+                    raise SystemExit(f"{name} did not route to the upstream with its key")
             rows: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in procs}
             for r in range(args.rounds):
                 order = list(procs) if r % 2 == 0 else list(procs)[::-1]
@@ -169,7 +240,7 @@ def main() -> None:
                     if args.spy and r == 0:
                         args.spy.mkdir(parents=True, exist_ok=True)
                         spy = subprocess.Popen(
-                            [str(Path(sys.executable).with_name("py-spy")), "record", "--gil", "-r", "250",
+                            [str(Path(sys.executable).with_name("py-spy")), "record", "--gil", "-r", str(args.spy_rate),
                              "--format", "raw", "-o", str(args.spy / f"{name}.raw"), "-d", str(int(args.seconds)),
                              "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                         time.sleep(0.3)

@@ -457,3 +457,15 @@ def test_the_plan_reads_headers_only_for_a_move_and_plans_the_same(pinned_on, mo
     else:
         assert (lazy.host, lazy.path, lazy.drop_headers, lazy.set_headers) == (
             "api.anthropic.com", "/v1/messages?beta=true", (), ())
+
+
+def test_the_plain_data_of_a_step_is_frozen_and_a_request_never_shows_its_keys():
+    # (frozen msgspec structs since issue 22's ninth round: a request makes a dozen of them)
+    secret = "sk-test-never-shown-0123456789"
+    r = route.Request(facts=facts(), source=ANTHROPIC, config=CONFIG, now=1.0, env={"GLM_KEY": secret})
+    assert secret not in repr(r) and "GLM_KEY" not in repr(r) and "now=1.0" in repr(r)
+    s = route.begin(r)
+    for value in (r, s, s.effect, s.state.loaded, route.PinRead(Loaded(None, None))):
+        with pytest.raises(AttributeError):
+            value.session = "other"         # type: ignore[misc]
+    assert route.ReadPin("a") == route.ReadPin("a") != route.ReadTitle("a")

@@ -50,7 +50,8 @@ one exception and rule 7's forks (tests/test_route.py holds this as a property).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+import msgspec
 
 from ..reader import facts as F
 from .answers import NO_RETRY_STATUS
@@ -96,8 +97,7 @@ class Rule(enum.StrEnum):
     STORE_UNREADABLE = "store-unreadable"
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(msgspec.Struct, frozen=True):
     target: str | None           # configured server name; None: leave the request alone
     pin_action: str              # create | renew | none
     rule: Rule                   # short rule id, stable (metrics, metadata)

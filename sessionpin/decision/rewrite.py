@@ -33,7 +33,6 @@ and returns ``Changes``; the addon applies them all or none. Rules it keeps:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping
 
 import msgspec
@@ -50,8 +49,7 @@ from ..config.redact import scrub
 AGENT_CREDENTIALS = ("x-api-key", "authorization")
 
 
-@dataclass(frozen=True)
-class RequestView:
+class RequestView(msgspec.Struct, frozen=True):
     """What rewriting needs to know about a request (all plain data)."""
     scheme: str
     host: str
@@ -66,8 +64,7 @@ class RequestView:
                                                 # (facts.reason when not facts.parsed), else None
 
 
-@dataclass(frozen=True)
-class Changes:
+class Changes(msgspec.Struct, frozen=True):
     scheme: str
     host: str
     port: int

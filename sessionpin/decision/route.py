@@ -89,7 +89,6 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 from urllib.parse import unquote
 
@@ -197,8 +196,7 @@ class State(msgspec.Struct, frozen=True):
     missed: frozenset[str] = frozenset()   # soft pool members missed
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(msgspec.Struct, frozen=True):
     state: State
     effect: Effect
     after: tuple[After, ...] = ()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import msgspec
@@ -70,8 +69,7 @@ class Pin(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     why: str = ""
 
 
-@dataclass(frozen=True)
-class Loaded:
+class Loaded(msgspec.Struct, frozen=True):
     """A pin as read, with the exact text it was read from (what compare-and-set compares)."""
     pin: Pin | None
     raw: str | None

@@ -464,6 +464,7 @@ def test_the_plain_data_of_a_step_is_frozen_and_a_request_never_shows_its_keys()
     secret = "sk-test-never-shown-0123456789"
     r = route.Request(facts=facts(), source=ANTHROPIC, config=CONFIG, now=1.0, env={"GLM_KEY": secret})
     assert secret not in repr(r) and "GLM_KEY" not in repr(r) and "now=1.0" in repr(r)
+    assert "env" not in dict(r.__rich_repr__())         # (msgspec's own would yield every field)
     s = route.begin(r)
     for value in (r, s, s.effect, s.state.loaded, route.PinRead(Loaded(None, None))):
         with pytest.raises(AttributeError):

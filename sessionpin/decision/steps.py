@@ -38,9 +38,13 @@ class Request(msgspec.Struct, frozen=True):
     upgrade: bool = False        # a WebSocket upgrade (no body: its messages' models are renamed as they pass)
     env: Mapping[str, str] = MappingProxyType({})   # where the servers' keys are (never shown: ``__repr__``)
 
+    def __rich_repr__(self):
+        for name in self.__struct_fields__:
+            if name != "env":
+                yield name, getattr(self, name)
+
     def __repr__(self) -> str:
-        shown = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__struct_fields__ if n != "env")
-        return f"Request({shown})"
+        return f"Request({', '.join(f'{n}={v!r}' for n, v in self.__rich_repr__())})"
 
 
 # ---- effects ----------------------------------------------------------------------------

@@ -53,6 +53,23 @@ async def test_a_moved_request_to_a_server_that_is_down_gets_an_error_naming_it(
     assert (await pins.load(proxy.store, SESSION)).pin.server == "glm"
 
 
+async def test_the_check_turned_off_while_running_holds_from_the_next_request(proxy, cfg_path):
+    """The option is read when it changes (``configure``), not per request: off, a moved
+    request to a server that is down is not checked (mitmproxy says what it says); on again,
+    it is."""
+    down = free_port()
+    cfg_path.write_text(CONFIG.replace("https://api.z.ai/api/anthropic", f"https://127.0.0.1:{down}/api/anthropic"))
+    proxy.reload()
+    proxy.tctx.options.update(sessionpin_connect_check=False)
+    f = flow()
+    await proxy.send(f)
+    assert f.response is None and f.request.port == down, "not checked: sent on"
+    proxy.tctx.options.update(sessionpin_connect_check=True)
+    f = flow()
+    await proxy.send(f)
+    assert f.response is not None and f.response.status_code == 424
+
+
 async def test_a_server_requests_were_moved_to_is_named_by_server_connect(proxy):
     r = proxy.connect
     listening = socket.socket()

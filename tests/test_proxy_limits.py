@@ -45,6 +45,27 @@ def test_another_stream_large_bodies_is_refused(proxy):
     assert proxy.tctx.options.stream_large_bodies == "64m"
 
 
+def test_a_new_limit_holds_from_the_next_request(proxy):
+    """The limit is read when the option changes (``configure``), not per request: a change
+    made while the proxy runs holds at once, both ways."""
+    b = _limit(proxy)
+    proxy.tctx.options.add_option("stream_large_bodies", Optional[str], None, "proxyserver's")
+    b._port = 9          # as if its sink listened
+    two_mib = str(2 * 1024 * 1024).encode()
+    proxy.tctx.configure(b, sessionpin_max_body_mb=1)
+    over = _over(two_mib)
+    b.requestheaders(over)
+    assert over.request.stream, "2 MiB over a 1 MiB limit: to the sink"
+    proxy.tctx.configure(b, sessionpin_max_body_mb=4)
+    under = _over(two_mib)
+    b.requestheaders(under)
+    assert not under.request.stream and not b._answers.keys() - {over.metadata.get(perflow.SINK)}
+    proxy.tctx.configure(b, sessionpin_max_body_mb=1)
+    again = _over(two_mib)
+    b.requestheaders(again)
+    assert again.request.stream
+
+
 # --------------------------------------------------------------------------- nothing outlives its flow (issue 20)
 
 def _over(length=b"999999999", path=b"/v1/messages", host="api.anthropic.com"):

@@ -258,6 +258,17 @@ def parse(text: str, path: str | None = None) -> Config:
 
 def map_model(models: Iterable[tuple[str, str]], model: str) -> str:
     """``model`` renamed by a model map (``Server.models``): the first matching glob's name."""
+    if type(models) is tuple:       # a server's map (hashable): asked twice a request, the same few models
+        return _mapped(models, model)
+    return _map(models, model)
+
+
+@functools.lru_cache(maxsize=1024)   # bounded: a model name is the client's
+def _mapped(models: tuple[tuple[str, str], ...], model: str) -> str:
+    return _map(models, model)
+
+
+def _map(models: Iterable[tuple[str, str]], model: str) -> str:
     for pattern, name in models:
         if fnmatch.fnmatchcase(model, pattern):
             return name

@@ -78,8 +78,8 @@ class Sessionpin:
         # hook -> the parts' methods it calls, in order
         self._load = (d.load, c.load, rt.load, cc.load, bl.load, pg.load, r.load, wb.load, lg.load,
                       *(p.load for p in opt), al.load)
-        self._configure = (d.configure, c.configure, rt.configure, bl.configure, pg.configure, wb.configure,
-                           lg.configure, *(p.configure for p in opt))
+        self._configure = (d.configure, c.configure, rt.configure, cc.configure, bl.configure, pg.configure,
+                           wb.configure, lg.configure, *(p.configure for p in opt))
         self._running = (c.running, rt.running, bl.running, *(p.running for p in ps))
         self._done = (d.done, c.done, rt.done, cc.done, bl.done, r.done, lw.done, wb.done, lg.done,
                       *(p.done for p in ps))

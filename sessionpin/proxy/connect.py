@@ -67,6 +67,9 @@ class ConnectCheck:
         self._checks: dict[tuple[str, Address], tuple[float, asyncio.Task]] = {}
         self.via_proxy: set[str] = set()             # clients of an upstream: listener
         self.down: dict[Address, float] = {}         # address -> when it failed a whole budget (monotonic)
+        # ``sessionpin_connect_check`` as ``configure`` last saw it (reading ``ctx.options``
+        # deep-copies the value: ~1 µs, twice a request); None until then (a bare part in a test)
+        self._on: bool | None = None
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -79,6 +82,13 @@ class ConnectCheck:
             "sessionpin: how long a server requests were moved to may refuse connections (a restart, a blip) "
             "before the agent is told it cannot be reached; 0: tell at once.",
         )
+
+    def configure(self, updated: set[str]) -> None:
+        if "sessionpin_connect_check" in updated:
+            self._on = bool(ctx.options.sessionpin_connect_check)
+
+    def _checking(self) -> bool:
+        return self._on if self._on is not None else bool(ctx.options.sessionpin_connect_check)
 
     def done(self) -> None:
         for _, task in self._checks.values():
@@ -114,7 +124,7 @@ class ConnectCheck:
             self._start(flow.client_conn.id)
 
     def _start(self, client: str) -> None:
-        if not self.moved or not ctx.options.sessionpin_connect_check or client in self.via_proxy:
+        if not self.moved or not self._checking() or client in self.via_proxy:
             return
         now = time.monotonic()
         for key in [k for k, (t, task) in self._checks.items() if now - t > FRESH and task.done()]:
@@ -132,7 +142,7 @@ class ConnectCheck:
         """None when ``address`` is up (or need not be checked), else why it is not.
         ``ride_out=False``: no budget for a blip (a soft pool's member: another one takes it)."""
         addr = (address[0].lower(), address[1])
-        if not ctx.options.sessionpin_connect_check or self.open[addr] > 0 or client in self.via_proxy:
+        if not self._checking() or self.open[addr] > 0 or client in self.via_proxy:
             return None
         err = await self._check(client, addr, keep=True)
         if err is not None and ride_out:
@@ -185,7 +195,7 @@ class ConnectCheck:
     # ---- mitmproxy's connections ------------------------------------------------------------
     async def server_connect(self, data) -> None:
         server = data.server
-        if not server.address or server.error or server.via is not None or not ctx.options.sessionpin_connect_check:
+        if not server.address or server.error or server.via is not None or not self._checking():
             return
         addr = (str(server.address[0]).lower(), server.address[1])
         name = self.moved.get(addr)

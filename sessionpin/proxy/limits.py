@@ -70,6 +70,9 @@ class BodyLimit:
         # length keeps what to put back if it ends within the limit (``perflow.HELD``)
         self._answers: dict[str, tuple[int, bytes, dict[str, str]]] = {}
         self.refused = 0
+        # bytes: ``sessionpin_max_body_mb`` as ``configure`` last saw it (reading ``ctx.options``
+        # deep-copies the value: ~1 µs on every request); None until then (a bare part in a test)
+        self._limit: int | None = None
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -79,6 +82,8 @@ class BodyLimit:
         )
 
     def configure(self, updated: set[str]) -> None:
+        if "sessionpin_max_body_mb" in updated:
+            self._limit = max(1, ctx.options.sessionpin_max_body_mb) * MIB
         if not ({"sessionpin_max_body_mb", "stream_large_bodies"} & updated) \
                 or "stream_large_bodies" not in ctx.options:
             return
@@ -113,7 +118,7 @@ class BodyLimit:
         req = flow.request
         if req.method != "POST":
             return
-        limit = max(1, ctx.options.sessionpin_max_body_mb) * MIB
+        limit = self._limit_bytes()
         length = headerview.get(req.headers, "content-length", None)
         if length is not None and not F.body_too_large(length, limit):
             return                          # the common case: judged by its length, nothing more
@@ -137,12 +142,17 @@ class BodyLimit:
         if held is None:
             return
         if flow.request.stream:     # it grew past the limit: mitmproxy streamed it to the sink
-            self._refuse(flow, _message(flow, max(1, ctx.options.sessionpin_max_body_mb) * MIB))
+            self._refuse(flow, _message(flow, self._limit_bytes()))
             return
         self._forget(flow)              # it ended within the limit: as it came, for the router
         req = flow.request
         req.scheme, req.host, req.port = held.scheme, held.host, held.port
         req.headers = held.headers
+
+    def _limit_bytes(self) -> int:
+        if self._limit is not None:
+            return self._limit
+        return max(1, ctx.options.sessionpin_max_body_mb) * MIB
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._forget(flow)

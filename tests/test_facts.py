@@ -889,6 +889,8 @@ def test_large_bodies_read_in_parts_agree_with_the_whole_body(monkeypatch, name,
     fast_decoded = facts.largebody.fast_decode(data, facts._FLAVOUR[facts.api_of("POST", url)])
     assert fast_decoded is not None, "the large-body path fell back"
     fast = read("POST", url, headers, data)
+    # the router's read of the parts alone (``read_parts``) says the same, span included
+    assert facts.read_parts("POST", url, headers, data, objects=10**9) == fast
     monkeypatch.setattr(facts.largebody, "FAST_MIN", 1 << 62)
     whole = read("POST", url, headers, data)
     # the parts read also says where the model is, so a rename needs no second read
@@ -964,6 +966,8 @@ def test_recordings_made_large_read_the_same_in_parts(monkeypatch, path):
         assert facts.largebody.fast_decode(data, flavour) is not None, "fell back"
         with monkeypatch.context() as m:
             fast = read(fx["method"], fx["url"], fx["headers"], data, "identity")
+            parts = facts.read_parts(fx["method"], fx["url"], fx["headers"], data, objects=10**9)
+            assert parts == (fast if len(data) >= facts.largebody.FAST_MIN else None)
             m.setattr(facts.largebody, "FAST_MIN", 1 << 62)
             whole = read(fx["method"], fx["url"], fx["headers"], data, "identity")
         assert msgspec.structs.replace(fast, model_span=None) == msgspec.structs.replace(whole, model_span=None)
@@ -1068,3 +1072,28 @@ def test_recordings_read_as_members_say_the_same_and_where_the_model_is(path, la
         assert members.model_span == rewrite.model_span(data)     # their bodies are mostly tools: found here
     elif typed.model_span is None:
         assert members.model_span is None                          # Codex's, pi's: by the rename, if one comes
+
+
+def test_read_parts_tells_only_what_its_parts_tell_within_its_bound():
+    """``read_parts`` (the router's read of a large body on its event loop): None for a body
+    below the parts' threshold, one whose parts do not tell its facts (no answer among its
+    first messages), or one whose parts would build more objects than its bound; else the
+    facts ``read`` gives."""
+    item = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}
+    answer = {"role": "assistant", "content": "a"}
+    url, h = "https://api.anthropic.com/v1/messages", [("User-Agent", CC_UA)]
+
+    def data(messages, **more):
+        return json.dumps({"model": "claude-opus-4-1", "messages": messages, **more}).encode()
+    small = data([{"role": "user", "content": "hi"}, answer])
+    assert facts.read_parts("POST", url, h, small, objects=10**9) is None
+    told = data([{"role": "user", "content": "hi"}, answer] + [item] * 5_000)
+    assert len(told) >= facts.largebody.FAST_MIN and told.count(b"{") > 10_000
+    assert facts.read_parts("POST", url, h, told, objects=10) == read("POST", url, h, told)
+    untold = data([item] * 5_000 + [answer])          # its first answer past the first items
+    assert facts.read_parts("POST", url, h, untold, objects=10**9) is None
+    system = [{"type": "text", "text": "s"}] * 30
+    held = data([{"role": "user", "content": "hi"}, answer] + [item] * 5_000, system=system)
+    assert facts.read_parts("POST", url, h, held, objects=30) == read("POST", url, h, held)
+    assert facts.read_parts("POST", url, h, held, objects=29) is None
+    assert facts.read_parts("POST", url, h, b"{" + told[1:-1], objects=10**9) is None     # not JSON

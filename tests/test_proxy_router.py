@@ -647,6 +647,63 @@ async def test_a_large_body_of_few_objects_is_read_here_and_one_of_many_apart(pr
     assert calls == [len(few)]
 
 
+def _history_of(item: bytes, n: int) -> bytes:
+    """A continuation whose history, after its first answer, holds ``n`` copies of ``item``."""
+    return body("continuation").replace(b'"content": "more"\n  }', b'"content": "more"\n  },' + (item + b",") * (n - 1)
+                                        + item, 1)
+
+
+async def test_a_long_history_of_many_objects_is_read_by_its_parts_here(proxy, monkeypatch):
+    """Issue 22: a real long session is thousands of small tool calls and results (more than
+    20,000 JSON objects in a few MB): its head, first messages and tail tell its facts, read
+    here in bounded work — no count of every byte, no trip to the body reader — and it is
+    decided and renamed as before."""
+    from sessionpin.proxy import router as router_module
+    item = b'{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"ok"}]}]}'
+    big = _history_of(item, 12_000)
+    assert len(big) >= 1024 * 1024 and big.count(b"{") > router_module.FACTS_INLINE_ITEMS
+    assert router_module.read_apart(big, None), "the whole read would go to the process"
+    trips, whole = [], []
+    monkeypatch.setattr(proxy.router.bodies, "facts", lambda *a, **k: trips.append(1))
+    real = router_module.F.read
+    monkeypatch.setattr(router_module.F, "read", lambda *a, **k: whole.append(1) or real(*a, **k))
+    f = flow("continuation", content=big)
+    await put(proxy, "glm")
+    await proxy.send(f)
+    assert trips == [] and whole == []
+    meta = f.metadata["sessionpin"]
+    assert meta["rule"] == "pinned" and meta["turn"] == "continuation" and f.request.host == "api.z.ai"
+    assert f.request.content == big.replace(b'"claude-opus-4-1"', b'"glm-4.6"')
+
+
+@pytest.mark.parametrize("where", ["system", "first message"])
+async def test_parts_holding_too_many_objects_still_go_to_the_body_reader(proxy, monkeypatch, where):
+    """What the parts' read decodes (the system prompt, the first messages' contents) is held
+    to the same bound as a whole read on the loop: more than 20,000 objects there, and the
+    body goes where a whole read of it would (the body reader's process)."""
+    from sessionpin.proxy import router as router_module
+    blocks = b"[" + b",".join([b'{"type":"text","text":"s"}'] * 21_000) + b"]"
+    base = _history_of(b'{"role":"user","content":"' + b"y" * 1000 + b'"}', 400)
+    if where == "system":
+        big = base.replace(b'"max_tokens": 5', b'"system": ' + blocks + b', "max_tokens": 5', 1)
+    else:
+        big = base.replace(b'"content": "hi"', b'"content": ' + blocks, 1)
+    assert len(big) >= 256 * 1024 and router_module.read_in_parts(big, None) and router_module.read_apart(big, None)
+    assert router_module.F.read_parts("POST", "https://api.anthropic.com/v1/messages", [], big, objects=10**6) \
+        is not None, "the parts tell its facts: only the bound sends it on"
+    trips = []
+
+    async def facts(*a, **k):
+        trips.append(1)
+        return router_module.F.read(*a[:5], api=a[5])
+    monkeypatch.setattr(proxy.router.bodies, "facts", facts)
+    f = flow("continuation", content=big)
+    await put(proxy, "glm")
+    await proxy.send(f)
+    assert trips == [1]
+    assert f.metadata["sessionpin"]["rule"] == "pinned" and f.request.host == "api.z.ai"
+
+
 @pytest.mark.parametrize("fields", [
     [], [(b"Content-Encoding", b"gzip")], [(b"content-encoding", b"gzip"), (b"x", b"y"), (b"CONTENT-ENCODING", b"br")],
     [(b"content-encoding", b"")], [(b"content-encoding", b"\xff")], [(b"content-encodings", b"gzip")],

@@ -93,6 +93,32 @@ def read(
                      reason=f"internal error: {type(e).__name__}")
 
 
+class _WholeNeeded(Exception):
+    """Only a whole read of the body can tell its facts (``read_parts``)."""
+
+
+def read_parts(
+    method: str | bytes,
+    url: str | bytes,
+    headers: Iterable[tuple[str | bytes, str | bytes]] | Any,
+    body: bytes,
+    *,
+    api: str | None = None,
+    objects: int,
+) -> Facts | None:
+    """The facts of a large body (from ``largebody.FAST_MIN``, not compressed) when its parts
+    tell them (``largebody.fast_decode``: the members before the messages, the first messages,
+    the members after them), building at most ``objects`` JSON objects; None when only a whole
+    read can tell them — the caller decides where that read runs. The parts' read does a
+    bounded number of Python steps and scans each byte a bounded number of times in C, whatever
+    the body holds: what it costs does not grow with the number of objects in the body, which
+    is what holds a whole read's event loop. Never raises (None)."""
+    try:
+        return _read(method, url, headers, body, "", api, True, None, parts_only=objects)
+    except Exception:       # _WholeNeeded, or anything odd: the whole read says what it says
+        return None
+
+
 def header_session(agent: str, headers: object) -> str | None:
     """The session a request names in its headers alone (no body read, no fingerprint):
     for requests that are not inference, like Codex's WebSocket upgrade, whose facts
@@ -120,7 +146,8 @@ def read_upgrade(url: str | bytes, headers: object) -> Facts:
                      reason=f"internal error: {type(e).__name__}")
 
 
-def _read(method, url, headers, body, content_encoding, api=None, locate_model=False, members=None) -> Facts:
+def _read(method, url, headers, body, content_encoding, api=None, locate_model=False, members=None,
+          parts_only: int | None = None) -> Facts:
     h = header_map(headers)
     if api is None:
         api = api_of(_text(method), _text(url))
@@ -143,7 +170,7 @@ def _read(method, url, headers, body, content_encoding, api=None, locate_model=F
         by_members = agent in (CLAUDE_CODE, OPENCODE)
         parsed_body, problem = parse_body(data, api, cache_key=agent in (PI, CODEX, UNKNOWN_AGENT), spans=spans,
                                           locate_model=locate_model and by_members,
-                                          members=members if by_members else None)
+                                          members=members if by_members else None, parts_only=parts_only)
     b = parsed_body if parsed_body is not None else wire.Body()
     ok = not problem
 
@@ -258,7 +285,8 @@ _FLAVOUR = {
 def parse_body(data: bytes, api: str | None = None, cache_key: bool = True,
                spans: dict[str, tuple[int, int]] | None = None,
                locate_model: bool = False,
-               members: list[dict[str, msgspec.Raw]] | None = None) -> tuple[wire.Body | None, str]:
+               members: list[dict[str, msgspec.Raw]] | None = None,
+               parts_only: int | None = None) -> tuple[wire.Body | None, str]:
     """The body's facts fields, and "" or why some could not be read. A large body of a
     known api is read in parts (``largebody.fast_decode``, which fills ``spans`` with the
     byte spans of the top-level members it read first); anything odd reads it whole — as raw
@@ -268,11 +296,13 @@ def parse_body(data: bytes, api: str | None = None, cache_key: bool = True,
         return None, "empty body"
     if len(data) >= largebody.FAST_MIN and api in _FLAVOUR:
         try:
-            fast = largebody.fast_decode(data, _FLAVOUR[api], cache_key, spans)
+            fast = largebody.fast_decode(data, _FLAVOUR[api], cache_key, spans, parts_only)
         except Exception:  # pragma: no cover - the whole-body path below is the safe one
             fast = None
         if fast is not None:
             return fast
+    if parts_only is not None:
+        raise _WholeNeeded("the parts do not tell")     # ``read_parts``: no whole read here
     if spans:
         spans.clear()           # what the parts' read found before it gave up is not this read's
     if locate_model or members is not None:

@@ -34,7 +34,7 @@ from msgspec import Raw
 import re
 
 from . import knownvalues, scan
-from .wire import STEPS, Body, Message, count, decode_fields, is_history, loose_decoder
+from .wire import ABSENT, STEPS, Body, Message, count, decode_fields, is_history, loose_decoder
 
 FAST_MIN = 256 * 1024
 _WS = scan.WS
@@ -351,17 +351,40 @@ def _after_array(data: bytes, end: int, names) -> dict[str, Raw] | None:
 
 
 def fast_decode(data: bytes, flavour: str, cache_key: bool = True,
-                spans: dict[str, tuple[int, int]] | None = None) -> tuple[Body, str] | None:
+                spans: dict[str, tuple[int, int]] | None = None, objects: int | None = None) -> tuple[Body, str] | None:
     """A large body's facts fields without reading its message contents; None to fall back.
-    ``spans`` (when given) receives the byte span of each top-level member read in the head."""
+    ``spans`` (when given) receives the byte span of each top-level member read in the head.
+    ``objects`` (when given): None as well when what the facts would decode of it (the system
+    prompt, the metadata, the contents of the messages walked) holds more JSON objects than
+    that — the router's bound on what a read on its event loop may build (``typed_objects``)."""
     try:
-        return _fast_decode(data, flavour, cache_key, spans)
+        return _fast_decode(data, flavour, cache_key, spans, objects)
     except RecursionError:   # msgspec's guard against deep nesting: the whole read says so
         return None
 
 
+# The top-level members the facts decode into Python values (the rest are kept raw, or are a
+# scalar): with the walked messages' contents, what a read of the parts builds objects from.
+TYPED = ("system", "instructions", "metadata")
+
+
+def typed_objects(fields: dict[str, Raw], messages: list[Message]) -> int:
+    """The JSON objects (``{``) in what the facts decode of a body read in parts: the members
+    ``TYPED`` and the contents of the messages walked. Counted as the router counts a whole
+    body's (``read_apart``): a proxy for the Python objects a decode builds."""
+    n = 0
+    for name in TYPED:
+        raw = fields.get(name)
+        if raw is not None:
+            n += bytes(raw).count(b"{")
+    for m in messages:
+        if m.content is not ABSENT:
+            n += bytes(m.content).count(b"{")
+    return n
+
+
 def _fast_decode(data: bytes, flavour: str, cache_key: bool,
-                 spans: dict[str, tuple[int, int]] | None) -> tuple[Body, str] | None:
+                 spans: dict[str, tuple[int, int]] | None, objects: int | None = None) -> tuple[Body, str] | None:
     array_key = "input" if flavour == "responses" else "messages"
     # 1. the head
     start = _skip_ws(data, 0)
@@ -429,6 +452,9 @@ def _fast_decode(data: bytes, flavour: str, cache_key: bool,
     if tail.keys() & head.keys():
         # a key both before and after the messages: which one counts is the whole read's call
         return None
-    values, problem = decode_fields({**tail, **head})
+    fields = {**tail, **head}
+    if objects is not None and typed_objects(fields, messages) > objects:
+        return None   # more to build than the caller's bound: it decides where the read runs
+    values, problem = decode_fields(fields)
     values["input" if flavour == "responses" else "messages"] = messages
     return Body(**values), problem

@@ -37,7 +37,9 @@ later in the conversation, as in a long Claude Code session; the reader skips it
 continuation as the client sent it, 115 KB of which 92 KB are tool schemas (what real traffic
 makes every part read; the sizes are then ignored); ``grown``: that recorded continuation with
 its real messages repeated to about the size (a long Claude Code conversation: real tool schemas,
-among them the Agent tool's ``model`` property, real tool calls and results).
+among them the Agent tool's ``model`` property, real tool calls and results); ``toolcalls``: the
+``history`` shape with results of a few bytes (a session of many small steps: more than 20,000
+JSON objects in a megabyte, which a whole read could not do on the event loop).
 
 First byte: a streamed response whose upstream pauses after its first event. The router against
 mitmdump with a one-line addon that only turns streaming on (and plain mitmdump, which buffers the
@@ -88,8 +90,9 @@ NO_LEDGER = "from sessionpin.proxy import make_addons\naddons = make_addons(with
 SIZES = {"10KB": 10 * 1024, "1MB": 1024 * 1024, "8MB": 8 * 1024 * 1024}
 
 
-SHAPES = ("opening", "history", "recorded", "grown")
+SHAPES = ("opening", "history", "recorded", "grown", "toolcalls")
 RESULT = 32 * 1024   # one tool result in the ``history`` shape
+SMALL_RESULT = 8     # one tool result in the ``toolcalls`` shape (many small objects: ~23,000 ``{`` per MB)
 KEEP_ALIVE_PAUSE_MS = 100
 
 
@@ -145,7 +148,9 @@ def body(kind: str, session: str, size: int, stream: bool = False, shape: str = 
     if shape == "opening" or kind != "continuation":
         messages[0]["content"] += "x" * (size - len(raw))
         return json.dumps(doc).encode()
-    # history: tool calls and their results (at most RESULT bytes each) fill the conversation
+    # history: tool calls and their results (at most RESULT bytes each) fill the conversation;
+    # toolcalls: the same with results of SMALL_RESULT bytes (a session of many small steps)
+    most = SMALL_RESULT if shape == "toolcalls" else RESULT
     left, i = size - len(raw), 1
     while left > 0:
         i += 1
@@ -153,7 +158,7 @@ def body(kind: str, session: str, size: int, stream: bool = False, shape: str = 
                                                   "input": {"command": f"cat part{i}.txt"}}]}
         result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": ""}]}
         overhead = len(json.dumps(call)) + len(json.dumps(result)) + 4
-        result["content"][0]["content"] = "y" * max(0, min(RESULT, left - overhead))
+        result["content"][0]["content"] = "y" * max(0, min(most, left - overhead))
         messages[-2:-2] = [call, result]
         left -= overhead + len(result["content"][0]["content"])
     return json.dumps(doc).encode()

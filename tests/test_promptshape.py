@@ -4,12 +4,13 @@ import gzip
 import json
 from pathlib import Path
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sessionpin.reader import facts as F
 from sessionpin.reader import promptshape
-from sessionpin.reader.promptshape import Difference, compare, shape
+from sessionpin.reader.promptshape import Difference, Shape, compare, repeated, shape
 
 TRAFFIC = Path(__file__).parent / "fixtures" / "traffic"
 
@@ -214,3 +215,34 @@ def test_a_marker_behind_megabytes_of_spaces_is_cut_in_c_time():
     pad = b" \t\n" * (1 << 18)
     msg = b'{"role":"user","content":[{"type":"text","text":"hi",' + pad + b'"cache_control":{"type":"ephemeral"}}]}'
     assert promptshape._unmarked(msg) == b'{"role":"user","content":[{"type":"text","text":"hi"}]}'
+
+
+def _repeated_one_by_one(prev, cur):
+    """``repeated`` as it was written first: a digest at a time."""
+    for i, d in enumerate(prev):
+        if i >= len(cur) or cur[i] != d:
+            return i
+    return len(prev)
+
+
+@given(st.lists(st.sampled_from("abc"), max_size=40), st.lists(st.sampled_from("abc"), max_size=40),
+       st.integers(0, 40))
+def test_repeated_is_a_digest_at_a_time(prev, cur, shared):
+    """``repeated`` (slices compared in C, halving) says what a loop over the digests says,
+    for any two histories, most sharing a prefix (``shared`` of ``prev``'s digests first)."""
+    cur = prev[:shared] + cur
+    prev, cur = tuple(prev), tuple(cur)
+    assert repeated(prev, cur) == _repeated_one_by_one(prev, cur)
+
+
+def test_a_long_history_is_compared_as_one_digest_at_a_time_would():
+    """10,000 messages: the same share and first difference as the loop gives (the
+    difference at every place it can be: first, middle, last, past the end)."""
+    prev = Shape(tools="t", tools_len=10, messages=tuple(f"d{i}" for i in range(10_000)), lengths=(3,) * 10_000)
+    for at in (0, 1, 4_999, 9_999):
+        cur = msgspec.structs.replace(prev, messages=prev.messages[:at] + ("x",) + prev.messages[at + 1:])
+        assert compare(prev, cur) == Difference(share=(10 + 3 * at) / prev.size, kind="messages", at=at)
+    shorter = msgspec.structs.replace(prev, messages=prev.messages[:7_000])
+    assert compare(prev, shorter) == Difference(share=(10 + 3 * 7_000) / prev.size, kind="messages", at=7_000)
+    longer = msgspec.structs.replace(prev, messages=prev.messages + ("y",))
+    assert compare(prev, longer) == Difference(share=1.0)

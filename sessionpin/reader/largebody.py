@@ -350,8 +350,8 @@ def _after_array(data: bytes, end: int, names) -> dict[str, Raw] | None:
     return {k: v for k, v in members.items() if k in names}
 
 
-def fast_decode(data: bytes, flavour: str, cache_key: bool = True,
-                spans: dict[str, tuple[int, int]] | None = None, objects: int | None = None) -> tuple[Body, str] | None:
+def fast_decode(data: bytes, flavour: str, cache_key: bool = True, spans: dict[str, tuple[int, int]] | None = None,
+                objects: int | None = None) -> tuple[Body, str] | None:
     """A large body's facts fields without reading its message contents; None to fall back.
     ``spans`` (when given) receives the byte span of each top-level member read in the head.
     ``objects`` (when given): None as well when what the facts would decode of it (the system

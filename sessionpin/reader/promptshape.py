@@ -319,8 +319,21 @@ def compare(prev: Shape, cur: Shape) -> Difference:
     done += prev.system_len
     if prev.partial or cur.partial:
         return Difference(share=1.0)      # the history lives on the server: assumed continued
-    for i, d in enumerate(prev.messages):
-        if i >= len(cur.messages) or cur.messages[i] != d:
-            return Difference(share=done / size, kind="messages", at=i)
-        done += prev.lengths[i]
-    return Difference(share=1.0)
+    at = repeated(prev.messages, cur.messages)
+    if at == len(prev.messages):
+        return Difference(share=1.0)
+    return Difference(share=(done + sum(prev.lengths[:at])) / size, kind="messages", at=at)
+
+
+def repeated(prev: tuple[str, ...], cur: tuple[str, ...]) -> int:
+    """How many of ``prev``'s digests ``cur`` repeats from the start (``len(prev)``: all of
+    them). Compared a slice at a time in C, halving: a digest at a time in Python was ~1 ms of
+    the event loop per 10,000 messages, on every turn of a long conversation."""
+    lo, hi = 0, min(len(prev), len(cur))     # prev[:lo] == cur[:lo], and not beyond hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if prev[lo:mid] == cur[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

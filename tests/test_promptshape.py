@@ -246,3 +246,59 @@ def test_a_long_history_is_compared_as_one_digest_at_a_time_would():
     assert compare(prev, shorter) == Difference(share=(10 + 3 * 7_000) / prev.size, kind="messages", at=7_000)
     longer = msgspec.structs.replace(prev, messages=prev.messages + ("y",))
     assert compare(prev, longer) == Difference(share=1.0)
+
+
+def _compact(b: bytes) -> bytes:
+    return json.dumps(json.loads(b), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def test_arrays_kept_between_requests_give_the_same_shape_and_digest_only_new_messages(monkeypatch):
+    """``Runs`` (the body reader's): each body's shape is the shape read afresh, through a
+    recorded conversation, its compaction, a second conversation between its turns, a body laid
+    out with spaces and one with no messages; and a continuing turn digests only the messages
+    its array does not share byte for byte with one kept (not one step per message)."""
+    names = ["interactive-04-opening.json", "interactive-05-tool-result.json", "interactive-06-continuation.json",
+             "interactive-08-tool-result.json", "interactive-09-continuation.json", "interactive-11-tool-result.json",
+             "interactive-19-compaction.json", "interactive-20-after-compaction.json"]
+    recorded = [_compact(json.dumps(json.loads((TRAFFIC / "claude-code" / n).read_text())["body"]).encode())
+                for n in names]
+    other = [_compact(turn(n, marker_at=n - 1)) for n in (3, 5, 7)]
+    spaced = turn(9, marker_at=8)                       # ", " and ": ": not compact
+    bodies = [recorded[0], other[0], *recorded[1:4], other[1], spaced, *recorded[4:], other[2],
+              _compact(body(model="m", messages=[])), _compact(body(model="m"))]
+    stepped = []
+    real = promptshape._message_digest
+    monkeypatch.setattr(promptshape, "_message_digest", lambda raw, seen: stepped.append(1) or real(raw, seen))
+    runs, seen = promptshape.Runs(), {}
+    before: dict[int, Shape] = {}
+    for b in bodies:
+        fresh = shape(b, F.ANTHROPIC_MESSAGES)
+        stepped.clear()
+        assert shape(b, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs) == fresh
+        for prev in before.values() if b is not spaced else ():      # (spaced: a message at a time)
+            if fresh.messages[:len(prev.messages) - 1] == prev.messages[:-1] and len(fresh.messages) > len(prev.messages):
+                # a continuing turn: its earlier messages (but the one whose mark moved) are not stepped over
+                assert len(stepped) <= len(fresh.messages) - len(prev.messages) + 1
+        before[len(before)] = fresh
+    assert len(runs.kept) <= promptshape.RUNS
+
+
+def test_a_long_compact_history_is_digested_once_then_only_its_new_messages(monkeypatch):
+    """11,000 messages: the second turn (two messages more, the mark moved) digests three."""
+    stepped = []
+    real = promptshape._message_digest
+    monkeypatch.setattr(promptshape, "_message_digest", lambda raw, seen: stepped.append(1) or real(raw, seen))
+    runs, seen = promptshape.Runs(), {}
+    first, second = _compact(turn(11_000, marker_at=10_999)), _compact(turn(11_002, marker_at=11_001))
+    assert shape(first, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs) == shape(first, F.ANTHROPIC_MESSAGES)
+    stepped.clear()
+    got = shape(second, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs)
+    assert len(stepped) == 3 and got == shape(second, F.ANTHROPIC_MESSAGES)
+
+
+def test_the_arrays_kept_are_bounded(monkeypatch):
+    monkeypatch.setattr(promptshape, "RUNS_BYTES", 4_000)
+    runs = promptshape.Runs()
+    for n in range(3, 40):
+        shape(_compact(turn(n)), F.ANTHROPIC_MESSAGES, runs=runs)
+        assert len(runs.kept) <= promptshape.RUNS and sum(len(r.array) for r in runs.kept) <= 4_000

@@ -72,11 +72,12 @@ def decode_shape(data: bytes) -> promptshape.Shape | None:
     return _shape_decoder.decode(data)
 
 
-def shape_of(body: bytes | None, api: str, encoding: str,
-             seen: promptshape.Seen | None = None) -> promptshape.Shape | None:
+def shape_of(body: bytes | None, api: str, encoding: str, seen: promptshape.Seen | None = None,
+             runs: promptshape.Runs | None = None) -> promptshape.Shape | None:
     """``promptshape.shape``, or None when it has more than ``MAX_SHAPE_ITEMS`` messages.
-    ``seen``: the digests of messages worked out for earlier bodies (``serve`` keeps them)."""
-    return promptshape.shape(body, api, encoding, seen, max_items=MAX_SHAPE_ITEMS)
+    ``seen``: the digests of messages worked out for earlier bodies, ``runs``: the messages
+    arrays shaped lately (``serve`` keeps both)."""
+    return promptshape.shape(body, api, encoding, seen, max_items=MAX_SHAPE_ITEMS, runs=runs)
 
 
 def decode_answer(data: bytes) -> F.Facts:
@@ -123,8 +124,11 @@ def serve(inp: BinaryIO, out: BinaryIO, shared: int | None = None) -> None:
     """Answer requests until the input ends (or is not this protocol); ``shared``: the file
     descriptor the bodies are in (``--shared``), else they follow their heads. The message digests
     worked out are kept for the next shapes (a conversation's every turn sends its history
-    again: the ledger's own memo, here; bounded by ``promptshape.SEEN_BOUND``)."""
+    again: the ledger's own memo, here; bounded by ``promptshape.SEEN_BOUND``), and the messages
+    arrays shaped lately, so that a repeated history is found by its bytes, not digest by digest
+    (``promptshape.Runs``)."""
     seen: promptshape.Seen = {}
+    runs = promptshape.Runs()
     while True:
         size = _read_exactly(inp, HEAD_LEN)
         if size is None:
@@ -145,7 +149,7 @@ def serve(inp: BinaryIO, out: BinaryIO, shared: int | None = None) -> None:
         except msgspec.DecodeError:
             return
         if task == SHAPE:
-            answer = shape_of(body, api or "", encoding, seen) if api else None
+            answer = shape_of(body, api or "", encoding, seen, runs) if api else None
         else:
             answer = facts_of(method, url, headers, body, encoding, api)
         out.write(encode_answer(answer))

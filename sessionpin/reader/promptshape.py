@@ -32,8 +32,10 @@ Rules it keeps:
 
 from __future__ import annotations
 
+import bisect
 import re
 import zlib
+from typing import NamedTuple
 
 import msgspec
 from msgspec import Raw
@@ -84,6 +86,17 @@ class _Body(msgspec.Struct):
     previous_response_id: str | None = None
 
 
+class _Flat(msgspec.Struct):
+    """``_Body`` with the messages array kept whole (``Runs``: its bytes are compared)."""
+    model: str | None = None
+    tools: Raw = Raw()
+    system: Raw = Raw()
+    instructions: Raw = Raw()
+    messages: Raw = Raw()
+    input: Raw = Raw()
+    previous_response_id: str | None = None
+
+
 class _Role(msgspec.Struct):
     role: str | None = None
 
@@ -94,6 +107,7 @@ class _Text(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _body = msgspec.json.Decoder(_Body)
+_flat = msgspec.json.Decoder(_Flat)
 _loose = msgspec.json.Decoder(dict[str, Raw])
 _one_text = msgspec.json.Decoder(list[_Text])
 _encode = msgspec.json.Encoder().encode
@@ -223,16 +237,101 @@ def _role_of(raw: bytes) -> str | None:
         return None
 
 
+# The message arrays shaped lately, kept by the body reader between bodies (``Runs``).
+RUNS = 8                    # arrays kept
+RUNS_BYTES = 64 << 20       # their bytes, at most
+
+
+class _Run(NamedTuple):
+    array: bytes                    # a messages array as sent, compact
+    ends: list[int]                 # where each message ends in it (exclusive)
+    digests: list[str]
+    lengths: list[int]
+
+
+class Runs:
+    """The messages arrays shaped lately, each with where its messages end and their digests.
+
+    A conversation's next turn sends its array again with a few messages more (and its cache
+    mark moved to the newest message). The longest byte prefix it shares with a kept array
+    (found by halving, each half one ``startswith``: memcmp's speed) holds that array's first
+    messages byte for byte, so their digests are taken back without a step per message — a
+    step each (~1.2 µs with ``Seen``) was 13 ms a turn for 11,000 messages. Only the new
+    messages are digested. For arrays laid out compactly (no space between items: what every
+    client sends), where each message's place follows from the lengths before it; any other
+    array is digested a message at a time, as before. Bounded: ``RUNS`` arrays, ``RUNS_BYTES``
+    bytes. Memory only; digests and lengths leave it, never a message."""
+
+    def __init__(self) -> None:
+        self.kept: list[_Run] = []          # most recent first
+
+    def take(self, array: bytes) -> tuple[list[str], list[int], list[int], list[Raw], int] | None:
+        """For ``array`` (a compact messages array): the digests, lengths and ends of the
+        messages a kept array gives back, the messages left to digest and where the first of
+        them begins; None when the array is not compact (digest it as before)."""
+        best: _Run | None = None
+        known = 0
+        for run in self.kept:
+            p = _common_prefix(run.array, array)
+            k = bisect.bisect_right(run.ends, p)
+            if k > known:
+                best, known = run, k
+        if best is None:
+            if array == b"[]":
+                return [], [], [], [], 1
+            items = _items.decode(array)
+            # compact: "[" + the items + a comma between each two + "]", not a byte more
+            if not items or sum(map(len, items)) + len(items) + 1 != len(array):
+                return None
+            return [], [], [], items, 1
+        at = best.ends[known - 1]
+        if at >= len(array):
+            return None
+        if array[at] == 0x5D and at == len(array) - 1:            # ]: nothing new
+            return best.digests[:known], best.lengths[:known], best.ends[:known], [], at
+        if array[at] != 0x2C:                                       # ,
+            return None
+        rest = b"[" + array[at + 1:]
+        items = _items.decode(rest)
+        if not items or sum(map(len, items)) + len(items) + 1 != len(rest):
+            return None
+        return best.digests[:known], best.lengths[:known], best.ends[:known], items, at + 1
+
+    def keep(self, array: bytes, ends: list[int], digests: list[str], lengths: list[int]) -> None:
+        if len(array) > RUNS_BYTES // 2:
+            return
+        self.kept.insert(0, _Run(array, ends, digests, lengths))
+        del self.kept[RUNS:]
+        while sum(len(r.array) for r in self.kept) > RUNS_BYTES:
+            self.kept.pop()
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``, by halving: each step one
+    ``startswith`` of a view (memcmp, nothing copied)."""
+    lo, hi = 0, min(len(a), len(b))
+    view = memoryview(a)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if b.startswith(view[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def shape(body: bytes | None, api: str, content_encoding: str = "", seen: Seen | None = None,
-          max_items: int | None = None, members: dict[str, Raw] | None = None) -> Shape | None:
+          max_items: int | None = None, members: dict[str, Raw] | None = None,
+          runs: Runs | None = None) -> Shape | None:
     """The request's shape; None when it cannot be read, or has more than ``max_items``
     messages (said before any is digested: a digest per message is the costly part).
     ``seen``: digests of messages already worked out, kept by the caller between requests
     (the same shape, faster: see ``_message_digest``). ``members``: the body's top level as
     raw members, decoded already (the facts reader's, as sent: ``perflow.Body``), read
-    instead of the body — one decode of the body fewer."""
+    instead of the body — one decode of the body fewer. ``runs``: the messages arrays shaped
+    lately, kept by the caller (``Runs``: a conversation's repeated messages digested once)."""
     try:
-        return _shape(body, api, content_encoding, seen, max_items, members)
+        return _shape(body, api, content_encoding, seen, max_items, members, runs)
     except Exception:
         return None
 
@@ -257,7 +356,8 @@ def _body_of(members: dict[str, Raw]) -> _Body:
 
 
 def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | None = None,
-           max_items: int | None = None, members: dict[str, Raw] | None = None) -> Shape | None:
+           max_items: int | None = None, members: dict[str, Raw] | None = None,
+           runs: Runs | None = None) -> Shape | None:
     if not body or api not in (facts.ANTHROPIC_MESSAGES, facts.OPENAI_CHAT, facts.OPENAI_RESPONSES):
         return None
     if members is not None:
@@ -267,8 +367,9 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
             body, why = decode_body(body, content_encoding)
             if why:
                 return None
-        b = _body.decode(body)
+        b = (_flat if runs is not None and api == facts.ANTHROPIC_MESSAGES else _body).decode(body)
     items: list = []                # Raw views of the body (or bytes)
+    known: tuple[list[str], list[int], list[int], int] | None = None   # what a kept array gave back
     system: list[bytes] = []
     if api == facts.OPENAI_RESPONSES:
         instructions = memoryview(b.instructions)
@@ -285,23 +386,41 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
             system += [block for block in _items.decode(raw) if _BILLING not in bytes(memoryview(block)[:200])]
         elif _present(raw):
             system.append(raw)
-        items = list(b.messages or ())
+        if isinstance(b, _Flat):
+            array = memoryview(b.messages)
+            if _present(array):
+                array = bytes(array)
+                took = runs.take(array)         # type: ignore[union-attr]
+                if took is None:
+                    items = list(_items.decode(array))
+                else:
+                    known = (took[0], took[1], took[2], took[4])
+                    items = took[3]
+        else:
+            items = list(b.messages or ())
     if api != facts.ANTHROPIC_MESSAGES:
         lead = 0
         while lead < len(items) and _role_of(items[lead]) in _LEADING:
             lead += 1
         system += items[:lead]
         items = items[lead:]
-    if max_items is not None and len(items) > max_items:
+    if max_items is not None and len(items) + (len(known[0]) if known else 0) > max_items:
         return None
     tools = memoryview(b.tools)
     tools, tools_len = _digest_whole(tools) if _present(tools) else ("", 0)
     sys_d, sys_len = _digest_whole(b"\x00".join(system)) if system else ("", 0)
-    digests, lengths = [], []
+    digests, lengths = (list(known[0]), list(known[1])) if known else ([], [])
     for raw in items:
         d, n = _message_digest(raw, seen)
         digests.append(d)
         lengths.append(n)
+    if known is not None:               # kept for the next turn: where each message ends
+        ends, at = list(known[2]), known[3]
+        for raw in items:
+            at += len(raw)
+            ends.append(at)
+            at += 1                     # the comma
+        runs.keep(array, ends, digests, lengths)     # type: ignore[union-attr]
     return Shape(model=b.model or "", tools=tools, tools_len=tools_len, system=sys_d, system_len=sys_len,
                  messages=tuple(digests), lengths=tuple(lengths), partial=bool(b.previous_response_id))
 

@@ -239,7 +239,7 @@ def _role_of(raw: bytes) -> str | None:
 
 # The message arrays shaped lately, kept by the body reader between bodies (``Runs``).
 RUNS = 8                    # arrays kept
-RUNS_BYTES = 64 << 20       # their bytes, at most
+RUNS_BYTES = 32 << 20       # their bytes, at most (a few conversations of a few MB each)
 
 
 class _Run(NamedTuple):

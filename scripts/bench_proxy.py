@@ -39,7 +39,9 @@ makes every part read; the sizes are then ignored); ``grown``: that recorded con
 its real messages repeated to about the size (a long Claude Code conversation: real tool schemas,
 among them the Agent tool's ``model`` property, real tool calls and results); ``toolcalls``: the
 ``history`` shape with results of a few bytes (a session of many small steps: more than 20,000
-JSON objects in a megabyte, which a whole read could not do on the event loop).
+JSON objects in a megabyte, which a whole read could not do on the event loop), written compactly
+as clients write their bodies (the other shapes keep ``json.dumps``' spaces, as their figures were
+measured).
 
 First byte: a streamed response whose upstream pauses after its first event. The router against
 mitmdump with a one-line addon that only turns streaming on (and plain mitmdump, which buffers the
@@ -161,6 +163,8 @@ def body(kind: str, session: str, size: int, stream: bool = False, shape: str = 
         result["content"][0]["content"] = "y" * max(0, min(most, left - overhead))
         messages[-2:-2] = [call, result]
         left -= overhead + len(result["content"][0]["content"])
+    if shape == "toolcalls":        # compact, as every client sends it (the other shapes keep their figures' layout)
+        return json.dumps(doc, separators=(",", ":")).encode()
     return json.dumps(doc).encode()
 
 

@@ -265,37 +265,29 @@ class Runs:
     def __init__(self) -> None:
         self.kept: list[_Run] = []          # most recent first
 
-    def take(self, array: bytes) -> tuple[list[str], list[int], list[int], list[Raw], int] | None:
-        """For ``array`` (a compact messages array): the digests, lengths and ends of the
-        messages a kept array gives back, the messages left to digest and where the first of
-        them begins; None when the array is not compact (digest it as before)."""
+    def take(self, array: bytes) -> tuple[list[str], list[int], list[int], list[Raw], int | None]:
+        """For ``array`` (a messages array): the digests, lengths and ends of the messages a
+        kept array gives back, the messages left to digest, and where the first of them begins;
+        that place None when the array is not compact (all its messages are left, and it is not
+        kept). Raises as ``_items.decode`` does when it is not an array."""
         best: _Run | None = None
         known = 0
         for run in self.kept:
-            p = _common_prefix(run.array, array)
-            k = bisect.bisect_right(run.ends, p)
+            k = bisect.bisect_right(run.ends, _common_prefix(run.array, array))
             if k > known:
                 best, known = run, k
-        if best is None:
-            if array == b"[]":
-                return [], [], [], [], 1
-            items = _items.decode(array)
-            # compact: "[" + the items + a comma between each two + "]", not a byte more
-            if not items or sum(map(len, items)) + len(items) + 1 != len(array):
-                return None
-            return [], [], [], items, 1
-        at = best.ends[known - 1]
-        if at >= len(array):
-            return None
-        if array[at] == 0x5D and at == len(array) - 1:            # ]: nothing new
-            return best.digests[:known], best.lengths[:known], best.ends[:known], [], at
-        if array[at] != 0x2C:                                       # ,
-            return None
-        rest = b"[" + array[at + 1:]
-        items = _items.decode(rest)
-        if not items or sum(map(len, items)) + len(items) + 1 != len(rest):
-            return None
-        return best.digests[:known], best.lengths[:known], best.ends[:known], items, at + 1
+        if best is not None:
+            at = best.ends[known - 1]
+            given = best.digests[:known], best.lengths[:known], best.ends[:known]
+            if at == len(array) - 1 and array[at] == 0x5D:         # ]: nothing new
+                return (*given, [], at)
+            if at < len(array) and array[at] == 0x2C:               # ,
+                rest = b"[" + array[at + 1:]
+                items = _items.decode(rest)
+                if _compact(items, len(rest)):
+                    return (*given, items, at + 1)
+        items = _items.decode(array)
+        return [], [], [], items, 1 if _compact(items, len(array)) else None
 
     def keep(self, array: bytes, ends: list[int], digests: list[str], lengths: list[int]) -> None:
         if len(array) > RUNS_BYTES // 2:
@@ -304,6 +296,13 @@ class Runs:
         del self.kept[RUNS:]
         while sum(len(r.array) for r in self.kept) > RUNS_BYTES:
             self.kept.pop()
+
+
+def _compact(items: list[Raw], size: int) -> bool:
+    """Whether an array of ``size`` bytes holding ``items`` is "[" + the items + one comma
+    between each two + "]", not a byte more: then each item's place follows from the lengths
+    before it (an array with any other byte, a space, does not add up)."""
+    return bool(items) and sum(map(len, items)) + len(items) + 1 == size
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -390,12 +389,9 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
             array = memoryview(b.messages)
             if _present(array):
                 array = bytes(array)
-                took = runs.take(array)         # type: ignore[union-attr]
-                if took is None:
-                    items = list(_items.decode(array))
-                else:
-                    known = (took[0], took[1], took[2], took[4])
-                    items = took[3]
+                given_d, given_l, given_e, items, start = runs.take(array)     # type: ignore[union-attr]
+                if start is not None:
+                    known = (given_d, given_l, given_e, start)
         else:
             items = list(b.messages or ())
     if api != facts.ANTHROPIC_MESSAGES:

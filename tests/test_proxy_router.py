@@ -676,6 +676,15 @@ async def test_a_long_history_of_many_objects_is_read_by_its_parts_here(proxy, m
     assert f.request.content == big.replace(b'"claude-opus-4-1"', b'"glm-4.6"')
 
 
+def test_what_is_read_by_its_parts_first():
+    """From 256 KiB up to 8 MiB, not compressed (a compressed body's parts are not its bytes,
+    and from 8 MiB even the parts' scans go to the body reader)."""
+    from sessionpin.proxy.router import read_in_parts
+    assert read_in_parts(b"x" * (256 * 1024), None) and read_in_parts(b"x" * (256 * 1024), " Identity ")
+    assert not read_in_parts(b"x" * (256 * 1024 - 1), None) and not read_in_parts(b"x" * (8 * 1024 * 1024), None)
+    assert not read_in_parts(b"x" * (256 * 1024), "gzip") and not read_in_parts(b"x" * (256 * 1024), "br")
+
+
 @pytest.mark.parametrize("where", ["system", "first message"])
 async def test_parts_holding_too_many_objects_still_go_to_the_body_reader(proxy, monkeypatch, where):
     """What the parts' read decodes (the system prompt, the first messages' contents) is held

@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import re
 import zlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import msgspec
 from msgspec import Raw
@@ -86,15 +86,9 @@ class _Body(msgspec.Struct):
     previous_response_id: str | None = None
 
 
-class _Flat(msgspec.Struct):
+class _Flat(_Body):
     """``_Body`` with the messages array kept whole (``Runs``: its bytes are compared)."""
-    model: str | None = None
-    tools: Raw = Raw()
-    system: Raw = Raw()
-    instructions: Raw = Raw()
-    messages: Raw = Raw()
-    input: Raw = Raw()
-    previous_response_id: str | None = None
+    messages: Raw = Raw()       # type: ignore[assignment]
 
 
 class _Role(msgspec.Struct):
@@ -308,15 +302,8 @@ def _compact(items: list[Raw], size: int) -> bool:
 def _common_prefix(a: bytes, b: bytes) -> int:
     """The length of the longest common prefix of ``a`` and ``b``, by halving: each step one
     ``startswith`` of a view (memcmp, nothing copied)."""
-    lo, hi = 0, min(len(a), len(b))
     view = memoryview(a)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if b.startswith(view[lo:mid], lo):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return _halving(min(len(a), len(b)), lambda lo, mid: b.startswith(view[lo:mid], lo))
 
 
 def shape(body: bytes | None, api: str, content_encoding: str = "", seen: Seen | None = None,
@@ -444,10 +431,17 @@ def repeated(prev: tuple[str, ...], cur: tuple[str, ...]) -> int:
     """How many of ``prev``'s digests ``cur`` repeats from the start (``len(prev)``: all of
     them). Compared a slice at a time in C, halving: a digest at a time in Python was ~1 ms of
     the event loop per 10,000 messages, on every turn of a long conversation."""
-    lo, hi = 0, min(len(prev), len(cur))     # prev[:lo] == cur[:lo], and not beyond hi
+    return _halving(min(len(prev), len(cur)), lambda lo, mid: prev[lo:mid] == cur[lo:mid])
+
+
+def _halving(most: int, same: Callable[[int, int], bool]) -> int:
+    """The length of a shared prefix of at most ``most`` items, found by halving: ``same(lo,
+    mid)`` says whether items ``lo`` to ``mid`` are shared, those before ``lo`` being so (one
+    compare in C each: ``repeated``'s digests, ``Runs``' bytes)."""
+    lo, hi = 0, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if prev[lo:mid] == cur[lo:mid]:
+        if same(lo, mid):
             lo = mid
         else:
             hi = mid - 1

@@ -1097,3 +1097,36 @@ def test_read_parts_tells_only_what_its_parts_tell_within_its_bound():
     assert facts.read_parts("POST", url, h, held, objects=30) == read("POST", url, h, held)
     assert facts.read_parts("POST", url, h, held, objects=29) is None
     assert facts.read_parts("POST", url, h, b"{" + told[1:-1], objects=10**9) is None     # not JSON
+
+
+def test_read_parts_of_a_mangled_large_body_is_none_or_what_read_says():
+    """Large bodies mangled at random (brackets, quotes, commas, a second model or system, bytes
+    cut or swapped): the parts' read either declines or says what ``read`` says. Seeded."""
+    import random
+    rnd = random.Random(7)
+    one = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok " * 20}]}
+    base = json.dumps({"model": "claude-opus-4-1", "messages": [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": "a"}] + [one] * 3_000, "system": "s",
+                       "metadata": {"user_id": "u"}, "stream": True}, separators=(",", ":")).encode()
+    assert len(base) >= facts.largebody.FAST_MIN
+    url, h = "https://api.anthropic.com/v1/messages", [("User-Agent", CC_UA), ("x-claude-code-session-id", "s-1")]
+    told = 0
+    for _ in range(150):
+        b = bytearray(base)
+        for _ in range(rnd.randint(1, 4)):
+            op, at = rnd.random(), rnd.randrange(len(b))
+            if op < 0.3:
+                b[at:at + 1] = rnd.choice([b"{", b"}", b"[", b"]", b",", b'"', b":", b" ", b"\\", b'"model":"x",'])
+            elif op < 0.5:
+                del b[at:at + rnd.randint(1, 50)]
+            elif op < 0.7:
+                b[at:at] = rnd.choice([b',"model":"y"', b',"system":"s"', b'{"a":1}', b"  ", b',"messages":[]'])
+            else:
+                j = rnd.randrange(len(b))
+                b[at:at + 10], b[j:j + 10] = b[j:j + 10], b[at:at + 10]
+        data = bytes(b)
+        got = facts.read_parts("POST", url, h, data, api=facts.ANTHROPIC_MESSAGES, objects=20_000)
+        if got is not None:
+            told += 1
+            assert got == read("POST", url, h, data, None, api=facts.ANTHROPIC_MESSAGES, locate_model=True)
+    assert told > 50, "most mangled bodies keep their head, first messages and tail readable"

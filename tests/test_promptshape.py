@@ -302,3 +302,37 @@ def test_the_arrays_kept_are_bounded(monkeypatch):
     for n in range(3, 40):
         shape(_compact(turn(n)), F.ANTHROPIC_MESSAGES, runs=runs)
         assert len(runs.kept) <= promptshape.RUNS and sum(len(r.array) for r in runs.kept) <= 4_000
+
+
+def test_arrays_kept_through_many_conversations_never_change_a_shape():
+    """Twelve conversations interleaved (turns grown, cut, edited, restarted; the cache mark on
+    the newest message; most bodies compact, some spaced, some with a space inside the array):
+    with the arrays kept, every shape is the shape read afresh. Seeded: the same run each time."""
+    import random
+    rnd = random.Random(11)
+
+    def msg(i):
+        c = {"type": "text", "text": f"m{i} " + "x" * rnd.randint(0, 30)}
+        return {"role": "user" if i % 2 == 0 else "assistant", "content": [c] if rnd.random() < 0.7 else c["text"]}
+    runs, seen = promptshape.Runs(), {}
+    convs = [[msg(i) for i in range(rnd.randint(1, 30))] for _ in range(12)]
+    for _ in range(400):
+        k = rnd.randrange(len(convs))
+        conv, r = convs[k], rnd.random()
+        if r < 0.6:
+            conv.extend(msg(len(conv) + j) for j in range(rnd.randint(1, 3)))
+        elif r < 0.7 and len(conv) > 2:
+            del conv[rnd.randrange(len(conv)):]
+        elif r < 0.8 and conv:
+            conv[rnd.randrange(len(conv))] = msg(999)
+        elif r < 0.85:
+            convs[k] = conv = [msg(0)]
+        doc = {"model": "m", "system": [{"type": "text", "text": "s"}], "messages": [dict(m) for m in conv]}
+        last = doc["messages"][-1] if conv else None
+        if last is not None and isinstance(last["content"], list) and rnd.random() < 0.8:
+            last["content"] = [dict(last["content"][0], cache_control={"type": "ephemeral"})]
+        raw = json.dumps(doc, separators=(",", ":") if rnd.random() < 0.85 else (", ", ": ")).encode()
+        if rnd.random() < 0.03:
+            raw = raw.replace(b'"messages":[', b'"messages":[ ', 1)
+        assert shape(raw, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs) == shape(raw, F.ANTHROPIC_MESSAGES)
+    assert len(runs.kept) == promptshape.RUNS

@@ -33,6 +33,11 @@ Variants (``make_addons(without=...)``, options):
              path, key and model rewritten); what is above it is sessionpin's own
   plainmalloc, fullmalloc  plain mitmdump and the full router with glibc told to keep freed
              memory (``MALLOC``: a large body's pages reused, not faulted in anew)
+  noopgc, fullgc  noop and the full router with Python's collector run less often (``GC``)
+  noophooks  a script taking every hook the bundle takes, each doing nothing (mitmproxy's dispatch)
+  floorspin  the floor and ~0.27 ms of one small loop (``SPIN``): does CPU spent in a hook cost
+             the proxy more than itself?
+  floorwide  the floor and as much CPU spread over ``WIDE_N`` distinct small functions (``WIDE``)
 One piece of the full router taken out (a monkeypatch in the variant's script: to measure it,
 never a way to run):
   threadwrites    every store write on the writer thread (``FileStore.now_writes`` empty: as before
@@ -42,6 +47,7 @@ never a way to run):
   noledgerwrites  the ledger's turns not written
   afteranswer     the lineage and ledger watches' ``response`` run just after the answer left
                   (``call_soon``), not before it is sent
+  batched         those ``response`` calls held and run together every 50 ms
 The difference between two variants' CPU per request, in one run, is what the part costs.
 ``--against DIR`` adds the variant ``against``: the full router of DIR's ``sessionpin`` (a
 ``git worktree`` of an earlier commit), so a change is measured before/after in one run.
@@ -70,6 +76,7 @@ from sessionpin.reader import facts as F  # noqa: E402
 from e2e.harness import Client, FakeServer, Mitmdump, TestCA, toml_config  # noqa: E402
 
 _FULL = "from sessionpin.proxy import make_addons\naddons = make_addons()\n"
+GC = (10_000, 20, 20)         # ``fullgc``/``noopgc``: Python's collector run less often (tried, issue 22)
 SCRIPTS = {
     "nolin": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage',))\n",
     "noledger": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('ledger',))\n",
@@ -95,6 +102,27 @@ SCRIPTS = {
         "    asyncio.get_running_loop().call_soon(_later, flow, body)\n"
         "    return got\n"
         "_b.response = _resp\n"),
+    "batched": "import asyncio\nfrom sessionpin.proxy import perflow\n" + _FULL + (
+        "_b = addons[0]\n_late = (_b.lineage.response, _b.ledger.response)\n"
+        "_b._response = tuple(f for f in _b._response if f not in _late)\n"
+        "_orig = _b.response\n_held = []\n"
+        "def _flush():\n"
+        "    held = _held[:]\n    _held.clear()\n"
+        "    for flow, body in held:\n"
+        "        if body is not None:\n"
+        "            flow.metadata[perflow.BODY] = body\n"
+        "        for f in _late:\n"
+        "            f(flow)\n"
+        "        flow.metadata.pop(perflow.BODY, None)\n"
+        "def _resp(flow):\n"
+        "    body = flow.metadata.get(perflow.BODY)\n"
+        "    got = _orig(flow)\n"
+        "    if not _held:\n"
+        "        asyncio.get_running_loop().call_later(0.05, _flush)\n"
+        "    _held.append((flow, body))\n"
+        "    return got\n"
+        "_b.response = _resp\n"),
+    "fullgc": f"import gc\ngc.set_threshold(*{GC!r})\n" + _FULL,
     "noledgerwrites": "from sessionpin.proxy import ledgerwatch\n"
                       "ledgerwatch.LedgerWatch._queue = lambda self, *a, **k: None\n" + _FULL,
 }
@@ -125,10 +153,28 @@ def request(flow: http.HTTPFlow) -> None:
     req.headers["x-api-key"] = {key!r}
     req.content = raw[:at] + _NEW + raw[at + len(model):]
 """
+# ``floorspin``: the floor and a fixed ~0.25 ms of a small pure-Python loop: does any CPU a hook
+# spends cost the proxy more than itself (mitmproxy's own code then slower), or only a wide one?
+SPIN = ("\ndef _spin(n=5400):\n    x = 0\n    for i in range(n):\n        x += i\n    return x\n"
+        "\n_floor = request\n\ndef request(flow):\n    _spin()\n    _floor(flow)\n")
+# ``floorwide``: the floor and about as much CPU as ``floorspin``'s, spread over ``WIDE_N`` distinct
+# small functions, each building a dict and a list of its own (code and data as wide as a router's turn)
+WIDE_N = 830
+WIDE = "".join(f"def _w{i}(x):\n    d = {{'a{i}': x, 'b': [x, {i}]}}\n    return (x * {i % 7 + 3} + len(d)) % {1000 + i}\n"
+               for i in range(WIDE_N)) + "_WIDE = (" + ", ".join(f"_w{i}" for i in range(WIDE_N)) + ",)\n" + (
+    "\ndef _wide():\n    x = 1\n    for f in _WIDE:\n        x = f(x)\n    return x\n"
+    "\n_floor = request\n\ndef request(flow):\n    _wide()\n    _floor(flow)\n")
 NOOP = "def request(flow):\n    pass\n"
+# ``noophooks``: every flow and connection hook the bundle takes, each doing nothing (``request``
+# and ``server_connect`` async, as the bundle's): what mitmproxy's dispatch of them costs
+NOOPHOOKS = "".join(f"def {h}(x):\n    pass\n" for h in (
+    "client_connected", "client_disconnected", "http_connect", "server_connected", "server_disconnected",
+    "server_connect_error", "requestheaders", "responseheaders", "response", "error")) + (
+    "async def request(flow):\n    pass\nasync def server_connect(data):\n    pass\n")
+NOOPGC = f"import gc\ngc.set_threshold(*{GC!r})\n" + NOOP
 # glibc's malloc told to keep its freed memory (a large body's pages reused, not faulted in anew)
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "floor", "plainmalloc", "fullmalloc")
+KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "noopgc", "noophooks", "floor", "floorspin", "floorwide", "plainmalloc", "fullmalloc")
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -187,20 +233,21 @@ def main() -> None:
             if name == "plainmalloc":
                 procs[name] = (Mitmdump(tmp / name, script=None, options=trust, env=MALLOC), upstream.url)
                 continue
-            if name == "floor":
-                db = tmp / "floor.db"
+            if name in ("floor", "floorspin", "floorwide"):
+                db = tmp / f"{name}.db"
                 with sqlite3.connect(db) as c:
                     c.execute("PRAGMA journal_mode = WAL")
                     c.execute("CREATE TABLE pins (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID")
                 up = urllib.parse.urlsplit(upstream.url)
-                (tmp / "floor.py").write_text(FLOOR.format(db=str(db), host=up.hostname, port=up.port,
-                                                           prefix=up.path.rstrip("/"), key=BP.UPSTREAM_KEY))
-                procs[name] = (Mitmdump(tmp / name, script=tmp / "floor.py", options=trust), origin.origin)
+                (tmp / f"{name}.py").write_text(FLOOR.format(db=str(db), host=up.hostname, port=up.port,
+                                                             prefix=up.path.rstrip("/"), key=BP.UPSTREAM_KEY)
+                                                + {"floorspin": SPIN, "floorwide": WIDE}.get(name, ""))
+                procs[name] = (Mitmdump(tmp / name, script=tmp / f"{name}.py", options=trust), origin.origin)
                 continue
-            if name in ("noop", "nooplimit"):
-                (tmp / "noop.py").write_text(NOOP)
+            if name in ("noop", "nooplimit", "noopgc", "noophooks"):
+                (tmp / f"{name}.py").write_text({"noopgc": NOOPGC, "noophooks": NOOPHOOKS}.get(name, NOOP))
                 limit = {"stream_large_bodies": f"{F.MAX_REQUEST_BODY // (1024 * 1024)}m"} if name == "nooplimit" else {}
-                procs[name] = (Mitmdump(tmp / name, script=tmp / "noop.py", options={**trust, **limit}),
+                procs[name] = (Mitmdump(tmp / name, script=tmp / f"{name}.py", options={**trust, **limit}),
                                upstream.url)
                 continue
             m = Mitmdump.router(tmp / name, ca, config,
@@ -219,7 +266,7 @@ def main() -> None:
                 clients[name].load(size, args.shape)
                 for _ in range(5):
                     clients[name].step()        # warm-up, not counted
-            for name in ("full", "floor"):      # routing? (else nothing is measured)
+            for name in ("full", "floor", "floorspin", "floorwide"):      # routing? (else nothing is measured)
                 if name not in procs:
                     continue
                 upstream.keep_bodies = True

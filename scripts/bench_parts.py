@@ -52,6 +52,8 @@ The difference between two variants' CPU per request, in one run, is what the pa
 ``--against DIR`` adds the variant ``against``: the full router of DIR's ``sessionpin`` (a
 ``git worktree`` of an earlier commit), so a change is measured before/after in one run.
 ``--syscalls DIR`` counts each variant's system calls in its first phase (``strace -c -f``).
+``--floor-in-process N`` only times the floor's hooks (``floor``, ``floorspin``, ``floorwide``) in
+this process, as ``bench_turn.py --hooks`` times the router's: what their figures here are for.
 """
 
 from __future__ import annotations
@@ -192,6 +194,28 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def floor_in_process(n: int, size: int, shape: str) -> None:
+    """The floor's ``request`` hook (and ``floorspin``'s, ``floorwide``'s) called on pinned turns
+    in this process, as ``bench_turn.py`` calls the router's: thread CPU per call, median µs."""
+    import bench_hook as BH
+    with tempfile.TemporaryDirectory(prefix="sessionpin-floor-") as tmp:
+        db = Path(tmp) / "floor.db"
+        with sqlite3.connect(db) as c:
+            c.execute("PRAGMA journal_mode = WAL")
+            c.execute("CREATE TABLE pins (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID")
+        payloads = [BP.body("continuation", f"s{i}", size, shape=shape) for i in range(8)]
+        for name, extra in (("floor", ""), ("floorspin", SPIN), ("floorwide", WIDE)):
+            ns: dict = {}
+            exec(FLOOR.format(db=str(db), host="127.0.0.1", port=9, prefix="/api", key="k") + extra, ns)
+            times = []
+            for i in range(n):
+                f = BH.make_flow(f"s{i % 8}", payloads[i % 8])
+                t = time.thread_time_ns()
+                ns["request"](f)
+                times.append(time.thread_time_ns() - t)
+            print(f"{name:10} {statistics.median(times[n // 8:]) / 1000:8.1f} µs a call (median of {n - n // 8})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=6.0, help="length of one phase")
@@ -206,7 +230,13 @@ def main() -> None:
     ap.add_argument("--spy-rate", type=int, default=250, help="py-spy's samples per second (--spy)")
     ap.add_argument("--syscalls", type=Path, help="count each variant's first-phase system calls (strace -c -f) "
                                                   "into DIR/VARIANT.strace, with its request count")
+    ap.add_argument("--floor-in-process", type=int, metavar="N",
+                    help="only time the floor's hook in this process, N calls on --size/--shape turns "
+                         "(thread CPU, median µs): the work the floor's figure through the proxy is for")
     args = ap.parse_args()
+    if args.floor_in_process:
+        floor_in_process(args.floor_in_process, BP.SIZES[args.size], args.shape)
+        return
     variants = [v for v in args.variants.split(",") if v]
     if args.against:
         SCRIPTS["against"] = f"import sys\nsys.path.insert(0, {str(args.against.resolve())!r})\n" + _FULL

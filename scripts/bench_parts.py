@@ -38,6 +38,8 @@ Variants (``make_addons(without=...)``, options):
   floorspin  the floor and ~0.27 ms of one small loop (``SPIN``): does CPU spent in a hook cost
              the proxy more than itself?
   floorwide  the floor and as much CPU spread over ``WIDE_N`` distinct small functions (``WIDE``)
+  floorawait the floor as an async hook that lets the loop turn once first (``AWAIT``)
+  barequiet  bare, ``sessionpin_decision_log=off``
 One piece of the full router taken out (a monkeypatch in the variant's script: to measure it,
 never a way to run):
   threadwrites    every store write on the writer thread (``FileStore.now_writes`` empty: as before
@@ -125,10 +127,11 @@ SCRIPTS = {
         "    return got\n"
         "_b.response = _resp\n"),
     "fullgc": f"import gc\ngc.set_threshold(*{GC!r})\n" + _FULL,
+    "barequiet": "from sessionpin.proxy import make_addons\naddons = make_addons([], without=('lineage', 'ledger'))\n",
     "noledgerwrites": "from sessionpin.proxy import ledgerwatch\n"
                       "ledgerwatch.LedgerWatch._queue = lambda self, *a, **k: None\n" + _FULL,
 }
-OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}}
+OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}, "barequiet": {"sessionpin_decision_log": "off"}}
 # The least a router must do for a pinned turn, written plainly (not sessionpin): the body's top
 # level decoded (msgspec, as the facts do), the session from its header, its pin read from SQLite
 # (one indexed SELECT on a file in WAL mode), then the host, path, key and model rewritten. What
@@ -166,6 +169,8 @@ WIDE = "".join(f"def _w{i}(x):\n    d = {{'a{i}': x, 'b': [x, {i}]}}\n    return
                for i in range(WIDE_N)) + "_WIDE = (" + ", ".join(f"_w{i}" for i in range(WIDE_N)) + ",)\n" + (
     "\ndef _wide():\n    x = 1\n    for f in _WIDE:\n        x = f(x)\n    return x\n"
     "\n_floor = request\n\ndef request(flow):\n    _wide()\n    _floor(flow)\n")
+# ``floorawait``: the floor as an async hook that lets the event loop turn once before its work
+AWAIT = "\nimport asyncio\n_sync = request\n\nasync def request(flow):\n    await asyncio.sleep(0)\n    _sync(flow)\n"
 NOOP = "def request(flow):\n    pass\n"
 # ``noophooks``: every flow and connection hook the bundle takes, each doing nothing (``request``
 # and ``server_connect`` async, as the bundle's): what mitmproxy's dispatch of them costs
@@ -176,7 +181,7 @@ NOOPHOOKS = "".join(f"def {h}(x):\n    pass\n" for h in (
 NOOPGC = f"import gc\ngc.set_threshold(*{GC!r})\n" + NOOP
 # glibc's malloc told to keep its freed memory (a large body's pages reused, not faulted in anew)
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "noopgc", "noophooks", "floor", "floorspin", "floorwide", "plainmalloc", "fullmalloc")
+KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "noopgc", "noophooks", "floor", "floorspin", "floorwide", "floorawait", "plainmalloc", "fullmalloc")
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -263,7 +268,7 @@ def main() -> None:
             if name == "plainmalloc":
                 procs[name] = (Mitmdump(tmp / name, script=None, options=trust, env=MALLOC), upstream.url)
                 continue
-            if name in ("floor", "floorspin", "floorwide"):
+            if name in ("floor", "floorspin", "floorwide", "floorawait"):
                 db = tmp / f"{name}.db"
                 with sqlite3.connect(db) as c:
                     c.execute("PRAGMA journal_mode = WAL")
@@ -271,7 +276,7 @@ def main() -> None:
                 up = urllib.parse.urlsplit(upstream.url)
                 (tmp / f"{name}.py").write_text(FLOOR.format(db=str(db), host=up.hostname, port=up.port,
                                                              prefix=up.path.rstrip("/"), key=BP.UPSTREAM_KEY)
-                                                + {"floorspin": SPIN, "floorwide": WIDE}.get(name, ""))
+                                                + {"floorspin": SPIN, "floorwide": WIDE, "floorawait": AWAIT}.get(name, ""))
                 procs[name] = (Mitmdump(tmp / name, script=tmp / f"{name}.py", options=trust), origin.origin)
                 continue
             if name in ("noop", "nooplimit", "noopgc", "noophooks"):
@@ -296,7 +301,7 @@ def main() -> None:
                 clients[name].load(size, args.shape)
                 for _ in range(5):
                     clients[name].step()        # warm-up, not counted
-            for name in ("full", "floor", "floorspin", "floorwide"):      # routing? (else nothing is measured)
+            for name in ("full", "floor", "floorspin", "floorwide", "floorawait"):      # routing? (else nothing is measured)
                 if name not in procs:
                     continue
                 upstream.keep_bodies = True

@@ -50,6 +50,7 @@ never a way to run):
   afteranswer     the lineage and ledger watches' ``response`` run just after the answer left
                   (``call_soon``), not before it is sent
   batched         those ``response`` calls held and run together every 50 ms
+  slowflush       the ledger's and the lineage's records flushed after 1 s (not 0.2 and 0.1 s)
 The difference between two variants' CPU per request, in one run, is what the part costs.
 ``--against DIR`` adds the variant ``against``: the full router of DIR's ``sessionpin`` (a
 ``git worktree`` of an earlier commit), so a change is measured before/after in one run.
@@ -128,6 +129,8 @@ SCRIPTS = {
         "_b.response = _resp\n"),
     "fullgc": f"import gc\ngc.set_threshold(*{GC!r})\n" + _FULL,
     "barequiet": "from sessionpin.proxy import make_addons\naddons = make_addons([], without=('lineage', 'ledger'))\n",
+    "slowflush": "from sessionpin.proxy import ledgerwatch, lineagewatch\n"
+                 "ledgerwatch.FLUSH_DELAY = lineagewatch.FLUSH_DELAY = 1.0\n" + _FULL,
     "noledgerwrites": "from sessionpin.proxy import ledgerwatch\n"
                       "ledgerwatch.LedgerWatch._queue = lambda self, *a, **k: None\n" + _FULL,
 }

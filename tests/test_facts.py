@@ -1099,6 +1099,24 @@ def test_read_parts_tells_only_what_its_parts_tell_within_its_bound():
     assert facts.read_parts("POST", url, h, b"{" + told[1:-1], objects=10**9) is None     # not JSON
 
 
+def test_read_parts_counts_no_objects_in_a_string_whatever_braces_it_holds():
+    """A string decodes to one ``str``: an opening of one long text full of braces (pasted
+    code, JSON) is read by its parts within the bound, and its braces are not counted byte by
+    byte; the same braces as objects (blocks) still count."""
+    url, h = "https://api.anthropic.com/v1/messages", [("User-Agent", CC_UA)]
+    text = "function f() { return {a: 1}; }\n" * 12_000            # 24,000 braces in one string
+    opening = json.dumps({"model": "claude-opus-4-1", "messages": [{"role": "user", "content": text}],
+                          "system": text}).encode()
+    assert len(opening) >= facts.largebody.FAST_MIN and opening.count(b"{") > 40_000
+    assert facts.read_parts("POST", url, h, opening, objects=20_000) == read("POST", url, h, opening)
+    blocks = [{"type": "text", "text": "x"}] * 21_000
+    as_objects = json.dumps({"model": "claude-opus-4-1", "messages": [{"role": "user", "content": blocks}],
+                             "system": "s" * 300_000}).encode()
+    assert len(as_objects) >= facts.largebody.FAST_MIN
+    assert facts.read_parts("POST", url, h, as_objects, objects=20_000) is None
+    assert facts.read_parts("POST", url, h, as_objects, objects=21_000) == read("POST", url, h, as_objects)
+
+
 def test_read_parts_of_a_mangled_large_body_is_none_or_what_read_says():
     """Large bodies mangled at random (brackets, quotes, commas, a second model or system, bytes
     cut or swapped): the parts' read either declines or says what ``read`` says. Seeded."""

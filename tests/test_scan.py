@@ -29,3 +29,19 @@ def test_long_runs_both_ways(n):
     assert scan.skip_ws(data, 1) == len(data) - 1
     assert scan.back_over(data, scan.WS, len(data) - 1) == 1
     assert scan.back_over(b"\\" * n, b"\\", n) == 0
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"{", b"x{y{z{", b'{"a":{}}' * 5000, b"no braces" * 1000,
+    b"x" * (64 * 1024 - 1) + b"{{" + b"y" * 70_000 + b"{",      # across the slices it counts in
+    b"{" * (64 * 1024 * 2 + 3),
+])
+def test_count_is_bytes_count_and_stops_past_its_limit(data):
+    """``scan.count`` (memchr's speed, in slices) says what ``bytes.count`` says, of bytes and of a
+    view; with a limit, more than it exactly when there are more than it."""
+    from sessionpin.reader.scan import count
+    want = data.count(b"{")
+    assert count(data, b"{") == want and count(memoryview(data)[1:], b"{") == data[1:].count(b"{")
+    for limit in {0, 1, 2, want - 1, want, want + 1} - {-1}:
+        assert (count(data, b"{", limit) > limit) is (want > limit)
+        assert count(data, b"{", limit) <= max(want, limit + 1)

@@ -60,7 +60,7 @@ from ..reader import facts as F
 from ..reader.ids import short
 from ..store import StoreError
 from . import perflow, websocket
-from ..reader import headerview
+from ..reader import headerview, scan
 from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DecisionLog
@@ -591,19 +591,6 @@ def read_apart(raw: bytes, encoding: str | None) -> bool:
 
 
 def _more_than(raw: bytes, byte: bytes, limit: int) -> bool:
-    """``raw.count(byte) > limit``, at memchr's speed: ``count`` of one byte walks the bytes one
-    at a time (0.3 ms per MB here, more than reading a history's facts), ``replace`` finds
-    them with memchr and stops after the ``limit + 1``-th. In slices of ``_SLICE``: a replace of
-    the whole body made a fresh copy of it, a megabyte's pages faulted in anew on every request
-    (0.34 ms per MB beside the proxy's other allocations; 0.09 ms in slices that reuse their
-    memory)."""
-    left = limit + 1
-    for lo in range(0, len(raw), _SLICE):
-        part = raw[lo:lo + _SLICE]
-        left -= len(part) - len(part.replace(byte, b"", left))
-        if left <= 0:
-            return True
-    return False
-
-
-_SLICE = 64 * 1024
+    """``raw.count(byte) > limit``, at memchr's speed and stopping after the ``limit + 1``-th
+    (``scan.count``: 0.09 ms per MB, where ``bytes.count`` of one byte took 0.3)."""
+    return scan.count(raw, byte, limit) > limit

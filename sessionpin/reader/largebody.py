@@ -387,11 +387,12 @@ def typed_objects(fields: dict[str, Raw], messages: list[Message]) -> int:
 
 def _objects_in(raw: Raw) -> int:
     """``{`` in a raw value (its first byte is the value's own: msgspec's and the walk's raw
-    values begin there); none in a string."""
+    values begin there); none in a string. Counted at memchr's speed (``scan.count``: Claude
+    Code's system prompt of 126 KB, 45 µs by ``bytes.count``, 6 by it)."""
     view = memoryview(raw)
     if not len(view) or view[0] == 0x22:        # "
         return 0
-    return bytes(view).count(b"{")
+    return scan.count(view, b"{")
 
 
 def _fast_decode(data: bytes, flavour: str, cache_key: bool,

@@ -31,3 +31,23 @@ def back_over(data: bytes, chars: bytes, i: int, floor: int = 0) -> int:
             return lo + kept
         i, width = lo, width * 2
     return floor
+
+
+_SLICE = 64 * 1024      # bytes counted at a time (a copy this size reuses its memory)
+
+
+def count(data: bytes | memoryview, byte: bytes, limit: int | None = None) -> int:
+    """``data.count(byte)`` for one byte, at memchr's speed: ``bytes.count`` of one byte walks
+    the bytes one at a time (0.3-0.4 ms per MB), ``replace`` finds them with memchr (a tenth of
+    that). In slices of ``_SLICE``: a replace of a megabyte made a fresh copy of it, its pages
+    faulted in anew on every call. ``limit``: stop once more than that are counted (the count
+    then returned is only known to be above it)."""
+    view = memoryview(data)
+    n = 0
+    for lo in range(0, len(view), _SLICE):
+        part = view[lo:lo + _SLICE].tobytes()
+        left = -1 if limit is None else limit + 1 - n
+        n += len(part) - len(part.replace(byte, b"", left))
+        if limit is not None and n > limit:
+            break
+    return n

@@ -105,7 +105,8 @@ def test_the_shapes_of_one_conversations_turns_reuse_the_digests_of_the_messages
     from sessionpin.reader import promptshape
     digests = []
     real = promptshape._digest
-    monkeypatch.setattr(promptshape, "_digest", lambda raw, message=False: digests.append(message) or real(raw, message))
+    monkeypatch.setattr(promptshape, "_digest",
+                        lambda raw, message=False, **kw: digests.append(message) or real(raw, message, **kw))
     first = tiny(300)
     second = first.replace(b'{"role":"user","content":"more"}]',
                            b'{"role":"user","content":"more"},{"role":"assistant","content":"sure"}]')

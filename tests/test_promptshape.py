@@ -111,8 +111,8 @@ def test_digests_kept_between_requests_give_the_same_shape_and_skip_repeated_mes
         bodies.append(json.dumps(d["body"], separators=(",", ":"), ensure_ascii=False).encode())
     worked = []
     digest = promptshape._digest
-    monkeypatch.setattr(promptshape, "_digest", lambda raw, message=False: worked.append(message) or
-                        digest(raw, message))
+    monkeypatch.setattr(promptshape, "_digest", lambda raw, message=False, **kw: worked.append(message) or
+                        digest(raw, message, **kw))
     seen: promptshape.Seen = {}
     before = None
     for i, b in enumerate(bodies):
@@ -125,6 +125,32 @@ def test_digests_kept_between_requests_give_the_same_shape_and_skip_repeated_mes
         before = cold
     worked.clear()
     assert shape(bodies[-1], F.ANTHROPIC_MESSAGES, seen=seen) is not None and worked.count(True) == 0
+
+
+def test_a_new_message_is_read_once_for_its_crc_unless_its_bytes_change(monkeypatch):
+    """A message seen for the first time: the CRC of its key is its digest's when no cache
+    mark is cut and its form is kept (one pass over its bytes, not two); a message with a mark,
+    or one text as blocks, is digested from its changed bytes — the same digests either way."""
+    import zlib
+    calls = []
+
+    class Counting:
+        @staticmethod
+        def crc32(data, *a):
+            calls.append(len(data))
+            return zlib.crc32(data, *a)
+    plain = json.dumps({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                     "content": "x" * 5000}]}).encode()
+    marked = json.dumps({"role": "user", "content": [{"type": "text", "text": "y" * 5000,
+                                                      "cache_control": {"type": "ephemeral"}}]}).encode()
+    one_text = json.dumps({"role": "user", "content": [{"type": "text", "text": "z" * 5000}]}).encode()
+    for raw, passes in ((plain, 1), (marked, 2), (one_text, 2)):
+        want = promptshape._digest(raw, message=True)
+        monkeypatch.setattr(promptshape, "zlib", Counting)
+        calls.clear()
+        assert promptshape._message_digest(msgspec.Raw(raw), {}) == want
+        monkeypatch.setattr(promptshape, "zlib", zlib)
+        assert len(calls) == passes, raw[:40]
 
 
 def test_the_digests_kept_are_bounded(monkeypatch):

@@ -127,7 +127,7 @@ def _message_digest(raw: bytes | Raw, seen: Seen | None) -> tuple[str, int]:
     k = (n, zlib.crc32(view), view[:32].tobytes(), view[n - 32:].tobytes() if n > 32 else b"")
     got = seen.get(k)
     if got is None:
-        got = seen[k] = _digest(bytes(raw), message=True)
+        got = seen[k] = _digest(bytes(raw), message=True, crc=k[1])
         if len(seen) > SEEN_BOUND:
             for old in list(seen)[:SEEN_BOUND // 2]:
                 del seen[old]
@@ -184,14 +184,19 @@ def _unmarked(raw: bytes) -> bytes:
     return b"".join(out)
 
 
-def _digest(raw: bytes, message: bool = False) -> tuple[str, int]:
+def _digest(raw: bytes, message: bool = False, crc: int | None = None) -> tuple[str, int]:
+    """``crc``: ``raw``'s CRC-32, when the caller has it (``_message_digest``'s key): a message
+    with no mark to cut and no other form is not read a second time for it (a new message of
+    1 MB: 0.45 ms)."""
     clean = _unmarked(raw)
     if message and _TEXT_FIRST.match(clean) is not None:
         clean = _canonical(clean)
     # CRC-32 and the length: a digest to compare a message with itself a turn later, not a
     # secret (it never leaves the proxy's memory; what is stored is a blake2b of the digests),
     # at a tenth of blake2b's cost on a multi-megabyte history.
-    return f"{zlib.crc32(clean):08x}{len(clean):x}", len(clean)
+    if clean is not raw or crc is None:
+        crc = zlib.crc32(clean)
+    return f"{crc:08x}{len(clean):x}", len(clean)
 
 
 def _canonical(raw: bytes) -> bytes:

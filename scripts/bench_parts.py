@@ -82,6 +82,18 @@ from e2e.harness import Client, FakeServer, Mitmdump, TestCA, toml_config  # noq
 
 _FULL = "from sessionpin.proxy import make_addons\naddons = make_addons()\n"
 GC = (10_000, 20, 20)         # ``fullgc``/``noopgc``: Python's collector run less often (tried, issue 22)
+# the lineage's and the ledger's ``response`` taken out of the bundle's, to be run later by
+# ``_later(flow, body)`` (``afteranswer``, ``batched``)
+_LATE = "import asyncio\nfrom sessionpin.proxy import perflow\n" + _FULL + (
+    "_b = addons[0]\n_late = (_b.lineage.response, _b.ledger.response)\n"
+    "_b._response = tuple(f for f in _b._response if f not in _late)\n"
+    "_orig = _b.response\n"
+    "def _later(flow, body):\n"
+    "    if body is not None:\n"
+    "        flow.metadata[perflow.BODY] = body\n"
+    "    for f in _late:\n"
+    "        f(flow)\n"
+    "    flow.metadata.pop(perflow.BODY, None)\n")
 SCRIPTS = {
     "nolin": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage',))\n",
     "noledger": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('ledger',))\n",
@@ -91,34 +103,19 @@ SCRIPTS = {
     "noroot": "from sessionpin.proxy import lineagewatch\n"
               "lineagewatch.LineageWatch._request_root = lambda self, flow, state: None\n" + _FULL,
     "noshape": "from sessionpin.reader import promptshape\npromptshape.shape = lambda *a, **k: None\n" + _FULL,
-    "afteranswer": "import asyncio\nfrom sessionpin.proxy import perflow\n" + _FULL + (
-        "_b = addons[0]\n_late = (_b.lineage.response, _b.ledger.response)\n"
-        "_b._response = tuple(f for f in _b._response if f not in _late)\n"
-        "_orig = _b.response\n"
-        "def _later(flow, body):\n"
-        "    if body is not None:\n"
-        "        flow.metadata[perflow.BODY] = body\n"
-        "    for f in _late:\n"
-        "        f(flow)\n"
-        "    flow.metadata.pop(perflow.BODY, None)\n"
+    "afteranswer": _LATE + (
         "def _resp(flow):\n"
         "    body = flow.metadata.get(perflow.BODY)\n"
         "    got = _orig(flow)\n"
         "    asyncio.get_running_loop().call_soon(_later, flow, body)\n"
         "    return got\n"
         "_b.response = _resp\n"),
-    "batched": "import asyncio\nfrom sessionpin.proxy import perflow\n" + _FULL + (
-        "_b = addons[0]\n_late = (_b.lineage.response, _b.ledger.response)\n"
-        "_b._response = tuple(f for f in _b._response if f not in _late)\n"
-        "_orig = _b.response\n_held = []\n"
+    "batched": _LATE + (
+        "_held = []\n"
         "def _flush():\n"
         "    held = _held[:]\n    _held.clear()\n"
         "    for flow, body in held:\n"
-        "        if body is not None:\n"
-        "            flow.metadata[perflow.BODY] = body\n"
-        "        for f in _late:\n"
-        "            f(flow)\n"
-        "        flow.metadata.pop(perflow.BODY, None)\n"
+        "        _later(flow, body)\n"
         "def _resp(flow):\n"
         "    body = flow.metadata.get(perflow.BODY)\n"
         "    got = _orig(flow)\n"

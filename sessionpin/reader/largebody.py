@@ -388,7 +388,7 @@ def typed_objects(fields: dict[str, Raw], messages: list[Message]) -> int:
 def _objects_in(raw: Raw) -> int:
     """``{`` in a raw value (its first byte is the value's own: msgspec's and the walk's raw
     values begin there); none in a string. Counted at memchr's speed (``scan.count``: Claude
-    Code's system prompt of 126 KB, 45 µs by ``bytes.count``, 6 by it)."""
+    Code's system prompt of 126 KB: 49 µs copied and counted by ``bytes.count``, 10 by it)."""
     view = memoryview(raw)
     if not len(view) or view[0] == 0x22:        # "
         return 0

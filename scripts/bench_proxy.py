@@ -106,7 +106,22 @@ def recorded(session: str, stream: bool = False) -> bytes:
     meta["session_id"] = session
     doc["metadata"]["user_id"] = json.dumps(meta, separators=(",", ":"))
     doc["stream"] = stream
+    _own_first_message(doc["messages"], session)
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _own_first_message(messages: list[dict], session: str) -> None:
+    """The session's name in its first user message: each conversation's history has a root of
+    its own, as real ones do (their tool call ids alone are unique). With one first exchange
+    shared by every session, the lineage watch rewrote that root's record for another session
+    on every turn — a store write per request that real traffic does not make."""
+    first = messages[0]
+    if isinstance(first["content"], str):
+        first["content"] = f"({session}) " + first["content"]
+        return
+    texts = [b for b in first["content"] if b.get("type") == "text"]
+    if texts:
+        texts[-1]["text"] = f"({session}) " + texts[-1]["text"]
 
 
 RECORDED = ROOT / "tests/fixtures/traffic/claude-code/interactive-06-continuation.json"
@@ -136,6 +151,7 @@ def body(kind: str, session: str, size: int, stream: bool = False, shape: str = 
     tools = [{"name": "Bash", "description": "Run a command.",
               "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
     messages: list[dict] = [{"role": "user", "content": "Fix the failing test. "}]
+    _own_first_message(messages, session)
     if kind == "continuation":
         messages += [
             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash",

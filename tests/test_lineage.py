@@ -541,15 +541,19 @@ _ITEMS = st.lists(st.fixed_dictionaries({
     min_size=1, max_size=6)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(_ITEMS, _ITEMS, st.sampled_from(["append", "edit", "role", "space", "none"]), st.integers(0, 10), st.sampled_from([",", ", "]))
-def test_a_root_proven_by_its_first_bytes_is_the_chains_root(first, more, change, at, sep):
+@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_ITEMS, _ITEMS, st.sampled_from(["append", "edit", "role", "space", "none", "head"]), st.integers(0, 10), st.sampled_from([",", ", "]),
+       st.sampled_from([0, lw.FAST_MIN]))
+def test_a_root_proven_by_its_first_bytes_is_the_chains_root(first, more, change, at, sep, pad):
     """``root_of`` with the previous request's proof (``FirstRun``) gives exactly the root
     ``chain`` reads, whatever the next request changed: appended items, an item edited or given
-    another role, spaces added — the proof is taken only when the history's first bytes through
-    the item that ended the first model run are the same."""
+    another role, spaces added, a member before the history changed — the proof is taken only
+    when the history's first bytes through the item that ended the first model run are the
+    same (the body's own first bytes then, or the history's found anew). A small history (read at once by
+    ``chain``) is proven the same as a walked one, and ``proven_root`` (the check alone, for the
+    event loop) proves nothing ``root_of`` would not."""
     api = facts.ANTHROPIC_MESSAGES
-    body = _history_body(first, pad=lw.FAST_MIN, sep=sep)
+    body = _history_body(first, pad=pad, sep=sep)
     root, proof = lineage.root_of(body, api)
     assert root == (lineage.chain(body, api, turns=1).keys or (None,))[0]
     items = list(first)
@@ -561,20 +565,40 @@ def test_a_root_proven_by_its_first_bytes_is_the_chains_root(first, more, change
     elif change == "role" and items:
         k = at % len(items)
         items[k] = {**items[k], "role": "assistant" if items[k]["role"] == "user" else "user"}
-    nxt = _history_body(items, pad=lw.FAST_MIN, sep=sep)
+    nxt = _history_body(items, pad=pad, sep=sep)
     if change == "space":
         nxt = nxt.replace(b"},{", b"}, {", 1 + at % 3)
+    if change == "head":
+        nxt = nxt.replace(b'{"model":"m",', b'{"model":"' + b"n" * (1 + at) + b'",', 1)
     got, again = lineage.root_of(nxt, api, known=proof)
     assert got == (lineage.chain(nxt, api, turns=1).keys or (None,))[0]
+    if proof is not None:
+        quick = lineage.proven_root(nxt, api, proof)
+        assert quick is None or quick == got
+        assert (quick is not None) == (again is proof)
     if proof is not None and nxt.startswith(body[:len(body) - 16]) and change in ("append", "none"):
         assert again is proof                    # taken: nothing read again
+    if proof is not None and change == "head":
+        assert again is proof                    # the history's own bytes: the same
 
 
-def test_a_proof_is_made_only_for_a_walked_history_whose_first_run_ended():
+def test_a_proof_is_made_only_for_a_history_whose_first_run_ended():
     api = facts.ANTHROPIC_MESSAGES
     user, model = {"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}
     assert lineage.root_of(_history_body([model, user], pad=lw.FAST_MIN), api)[1] is not None
-    assert lineage.root_of(_history_body([model]), api)[1] is None          # small: read at once
+    assert lineage.root_of(_history_body([model, user]), api)[1] is not None   # a small one too
+    assert lineage.root_of(_history_body([model]), api)[1] is None
     root, proof = lineage.root_of(_history_body([model], pad=lw.FAST_MIN), api)
     assert root is not None and proof is None                               # its first run has not ended
     assert lineage.root_of(_history_body([user], pad=lw.FAST_MIN), api) == (None, None)
+
+
+def test_a_small_history_whose_first_run_is_past_the_walks_budget_still_has_its_root():
+    """A small history is walked for its proof; one whose first model run ends past the walk's
+    budget of items is read at once, as before, and has its root (unproven), not none."""
+    api = facts.ANTHROPIC_MESSAGES
+    body = _history_body([{"role": "user"}] * (lineage.TURNS_BUDGET.items + 1)
+                         + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}])
+    assert len(body) < lw.FAST_MIN
+    expected = lineage.chain(body, api, turns=1).keys[0]
+    assert lineage.root_of(body, api) == (expected, None)

@@ -448,6 +448,50 @@ async def test_a_continuations_root_is_read_from_the_members_the_router_decoded(
     assert await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
 
 
+async def test_a_small_continuations_root_is_proven_on_the_loop_without_a_hop(proxy, monkeypatch):
+    """Issue 22: every continuation of a conversation of a few KB had its root read on the
+    reads' thread — a hop per request, for a read its first bytes prove. Its first
+    continuation is read there and leaves a proof; the next whose history begins with those
+    bytes is proven here (nothing submitted to the thread), with the same root recorded; one
+    whose first message changed goes to the thread again."""
+    calls, submitted = [], []
+    real = lineage.chain
+    monkeypatch.setattr(lineagewatch.lineage, "chain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    watch = watch_of(proxy)
+    real_submit = watch.reads.submit
+    monkeypatch.setattr(watch.reads, "submit", lambda *a: submitted.append(a[0]) or real_submit(*a))
+
+    from shellkit import body as make_body
+
+    def turn(extra: list, first: str = "Fix the failing test. ") -> bytes:
+        doc = json.loads(make_body("continuation"))
+        doc["messages"][0]["content"] = first
+        doc["messages"] += extra
+        return json.dumps(doc).encode()
+    f = flow()
+    await proxy.send(f)
+    await answer(proxy, f, SSE[:-1])
+    g = flow("continuation", content=turn([]))
+    await proxy.send(g)
+    await answer(proxy, g)
+    await watch.settled()
+    assert len(g.request.raw_content) < lineagewatch.HOLD_FROM
+    assert calls == [1] and len(submitted) == 1          # read on the thread once, a proof kept
+    h = flow("continuation", content=turn([{"role": "assistant", "content": "more"}, {"role": "user", "content": "go"}]))
+    await proxy.send(h)
+    await answer(proxy, h)
+    await watch.settled()
+    await flushed(watch)
+    assert calls == [1] and len(submitted) == 1          # proven here: no read, no hop
+    root = real(h.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
+    assert await root_recorded(proxy, root)
+    edited = flow("continuation", content=turn([], first="Fix the failing tests."))
+    await proxy.send(edited)
+    await answer(proxy, edited)
+    await watch.settled()
+    assert calls == [1, 1] and len(submitted) == 2       # not the proven bytes: read on the thread again
+
+
 async def test_a_long_conversations_root_is_proven_by_its_first_bytes_not_read_again(proxy, monkeypatch):
     """Issue 22: a conversation opened with a megabyte message had its root decoded and hashed
     again on every continuation (~2.2 ms on the reads' thread). Its first continuation's root

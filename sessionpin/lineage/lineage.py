@@ -260,18 +260,20 @@ _FLAVOUR = {facts.ANTHROPIC_MESSAGES: "anthropic", facts.ANTHROPIC_COUNT_TOKENS:
 
 
 def chain(body: bytes | None, api: str, turns: int | None = None, content_encoding: str = "",
-          members: dict[str, Raw] | None = None, ends: list[int] | None = None) -> Chain:
+          members: dict[str, Raw] | None = None, ends: list[int] | None = None,
+          walk_from: int = lw.FAST_MIN) -> Chain:
     """The hash chain of a request body's history (decoded body; or give its content-encoding).
     ``turns``: stop after that many model runs (None: read it all). ``members``: the body's top
     level as raw members, decoded already (the facts reader's: ``perflow.Body``), read instead
-    of the body. ``ends``: a walked history's item ends (``lineage_wire.walk``). Never raises."""
+    of the body. ``ends``: a walked history's item ends (``lineage_wire.walk``). ``walk_from``:
+    with ``turns``, a body this large or larger is walked item by item. Never raises."""
     try:
-        return _chain(body, api, turns, content_encoding, members, ends)
+        return _chain(body, api, turns, content_encoding, members, ends, walk_from)
     except Exception as e:  # pragma: no cover - a last resort; the property tests look for it
         return Chain(parsed=False, reason=f"internal error: {type(e).__name__}")
 
 
-def _chain(body, api, turns, content_encoding, members=None, ends=None) -> Chain:
+def _chain(body, api, turns, content_encoding, members=None, ends=None, walk_from=lw.FAST_MIN) -> Chain:
     flavour = _FLAVOUR.get(api)
     if flavour is None:
         return Chain(parsed=False, reason="not an inference api")
@@ -279,15 +281,15 @@ def _chain(body, api, turns, content_encoding, members=None, ends=None) -> Chain
     if problem:
         return Chain(parsed=False, reason=problem)
     try:
-        return _chain_of(data, flavour, turns, members, ends)
+        return _chain_of(data, flavour, turns, members, ends, walk_from)
     except lw.OverBudget:
         return Chain(parsed=False, reason=OVER_BUDGET)
 
 
 def _chain_of(data: bytes, flavour: str, turns: int | None, members: dict[str, Raw] | None = None,
-              ends: list[int] | None = None) -> Chain:
+              ends: list[int] | None = None, walk_from: int = lw.FAST_MIN) -> Chain:
     items, previous = lw.history(data, flavour, whole=turns is None, budget=None if turns is None else TURNS_BUDGET,
-                                 members=members, ends=ends)
+                                 members=members, ends=ends, walk_from=walk_from)
     if items is None:
         return Chain(parsed=False, reason="no history")
     if isinstance(items, str):  # Responses: the whole input is one user text
@@ -321,11 +323,12 @@ def _chain_of(data: bytes, flavour: str, turns: int | None, members: dict[str, R
 
 class FirstRun(msgspec.Struct, frozen=True):
     """What proves a history's root for its conversation's next request: the bytes the root was
-    read from — the history array from just after its ``[`` through the item that ended the
-    first model run — and that root."""
+    read from — the body from its first byte through the item that ended the first model run
+    (``first``; the history array's items begin at ``at``, just after its ``[``) — and that root."""
 
     api: str
-    prefix: bytes
+    first: bytes
+    at: int
     root: str
 
 
@@ -337,11 +340,38 @@ def root_of(body: bytes | None, api: str, content_encoding: str = "", members: d
     history that begins with the same bytes (compared in C: ~50 µs a megabyte) through the item
     that ended the first model run has that root — the same items, parsed the same way, end the
     same first run at the same item — and nothing is decoded or hashed again (a 1 MB opening's
-    root costs ~2.2 ms, every continuation). Never raises."""
+    root costs ~2.2 ms, every continuation). A history of any size is walked for its proof (a
+    small one's first run is a few items: the walk stops there), so every conversation's
+    continuations can be proven (``proven_root``). Never raises."""
     try:
         return _root_of(body, api, content_encoding, members, known)
     except Exception:  # pragma: no cover - a last resort, as chain()'s
         return None, None
+
+
+def proven_root(body: bytes | None, api: str, known: FirstRun) -> str | None:
+    """The root ``known`` proves for ``body`` (not content-encoded), or None when it proves
+    nothing for it (read it with ``root_of``). The check alone: one ``memcmp`` of the proof's
+    bytes when the body begins with them (~1 µs for a request of tens of KB: cheap enough for
+    the event loop), else where the history begins (``array_start``: the members before it
+    skimmed, ~15 µs) and the history's bytes compared. Never raises."""
+    try:
+        if body is None or known.api != api or api not in _FLAVOUR:
+            return None
+        data = body if isinstance(body, bytes) else bytes(body)
+        return known.root if _proves(data, api, known) else None
+    except Exception:  # pragma: no cover - a last resort, as chain()'s
+        return None
+
+
+def _proves(data: bytes, api: str, known: FirstRun) -> bool:
+    # The same bytes from the body's first: the same members before the history, its array
+    # begun at the same place, the same items through the first run — parsed the same way.
+    if data.startswith(known.first):        # memcmp (a memoryview's == goes byte by byte)
+        return True
+    # Members before the history changed (a system prompt, a setting): the history's own bytes.
+    s = lw.array_start(data, b"input" if _FLAVOUR[api] == "responses" else b"messages")
+    return s != -1 and data[s:s + len(known.first) - known.at] == known.first[known.at:]
 
 
 def _root_of(body, api, content_encoding, members, known) -> tuple[str | None, FirstRun | None]:
@@ -351,18 +381,18 @@ def _root_of(body, api, content_encoding, members, known) -> tuple[str | None, F
     data, problem = facts.decode_body(body, content_encoding or "")
     if problem:
         return None, None
-    key = b"input" if flavour == "responses" else b"messages"
-    if known is not None and known.api == api and len(data) >= lw.FAST_MIN:
-        s = lw.array_start(data, key)
-        if s != -1 and bytes(data).startswith(known.prefix, s):   # memcmp (a memoryview's == goes byte by byte)
-            return known.root, known
+    if known is not None and known.api == api and _proves(data, api, known):
+        return known.root, known
     ends: list[int] = []
-    c = chain(data, api, turns=1, members=members, ends=ends)
+    c = chain(data, api, turns=1, members=members, ends=ends, walk_from=0)
+    if c.reason == OVER_BUDGET and len(data) < lw.FAST_MIN:   # a first run past the walk's budget:
+        ends.clear()                                          # a small body is read at once, unproven
+        c = chain(data, api, turns=1, members=members)
     root = c.keys[0] if c.keys else None
     if root is None or c.head is not None or not ends:     # not walked, or the first run not ended
         return root, None
-    s = lw.array_start(data, key)
-    return root, FirstRun(api=api, prefix=bytes(data[s:ends[-1]]), root=root)
+    s = lw.array_start(data, b"input" if flavour == "responses" else b"messages")
+    return root, FirstRun(api=api, first=bytes(data[:ends[-1]]), at=s, root=root)
 
 
 _PREVIOUS = re.compile(rb'"previous_response_id"\s*:\s*"')

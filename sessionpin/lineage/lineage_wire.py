@@ -207,16 +207,17 @@ def walk(data: bytes, key: bytes, budget: Budget | None = None, ends: list[int] 
 
 def history(data: bytes, flavour: str, whole: bool, budget: Budget | None = None,
             members: dict[str, Raw] | None = None,
-            ends: list[int] | None = None) -> tuple[Iterator[Item] | str | None, str | None]:
+            ends: list[int] | None = None, walk_from: int = FAST_MIN) -> tuple[Iterator[Item] | str | None, str | None]:
     """(the items, or a Responses string input; the body's previous_response_id). ``whole``:
-    decode the body at once (contents skipped); else a large body is walked item by item (its
-    previous_response_id is then not looked for: the facts reader has it). With a ``budget``
-    (not whole), a body larger than it that cannot be walked raises ``OverBudget`` rather than
-    be decoded at once. ``members``: the body's top level as raw members, decoded already: a
-    body read at once is read from them (its history's bytes only), not decoded again.
-    ``ends``: a walked body's item ends (``walk``); left empty when the body is read at once."""
+    decode the body at once (contents skipped); else a body of ``walk_from`` bytes or more is
+    walked item by item (its previous_response_id is then not looked for: the facts reader has
+    it). With a ``budget`` (not whole), a body larger than it that cannot be walked raises
+    ``OverBudget`` rather than be decoded at once. ``members``: the body's top level as raw
+    members, decoded already: a body read at once is read from them (its history's bytes only),
+    not decoded again. ``ends``: a walked body's item ends (``walk``); left empty when the body
+    is read at once."""
     key = b"input" if flavour == "responses" else b"messages"
-    if not whole and len(data) >= FAST_MIN:
+    if not whole and len(data) >= walk_from:
         items = walk(data, key, budget, ends)
         if items is not None:
             return items, None

@@ -45,8 +45,10 @@ never a way to run):
   threadwrites    every store write on the writer thread (``FileStore.now_writes`` empty: as before
                   issue 22's writes on the loop)
   noroot          no lineage root read per request with history
+  rootinline      a small request's lineage root read on the loop, not gathered for the reads' thread
   noshape         no prompt shape per answered turn (the ledger)
   noledgerwrites  the ledger's turns not written
+  nolinwrites     the lineage's records (roots, anchors) not written
   afteranswer     the lineage and ledger watches' ``response`` run just after the answer left
                   (``call_soon``), not before it is sent
   batched         those ``response`` calls held and run together every 50 ms
@@ -102,6 +104,18 @@ SCRIPTS = {
     "threadwrites": "from sessionpin.store.file import FileStore\nFileStore.now_writes = frozenset()\n" + _FULL,
     "noroot": "from sessionpin.proxy import lineagewatch\n"
               "lineagewatch.LineageWatch._request_root = lambda self, flow, state: None\n" + _FULL,
+    "rootinline": "from sessionpin.proxy import lineagewatch\n"
+                  "_orig_root = lineagewatch.LineageWatch._request_root\n"
+                  "def _inline(self, flow, state):\n"
+                  "    if state.lineage is not None or not flow.request.raw_content or "
+                  "len(flow.request.raw_content) >= lineagewatch.HOLD_FROM:\n"
+                  "        return _orig_root(self, flow, state)\n"
+                  "    from sessionpin.reader import headerview\n"
+                  "    from sessionpin.proxy import perflow\n"
+                  "    f = state.request.facts\n"
+                  "    return self._proofs.root((f.agent, state.session or ''), flow.request.raw_content, f.api, "
+                  "headerview.get(flow.request.headers, 'content-encoding'), perflow.sent_members(flow))\n"
+                  "lineagewatch.LineageWatch._request_root = _inline\n" + _FULL,
     "noshape": "from sessionpin.reader import promptshape\npromptshape.shape = lambda *a, **k: None\n" + _FULL,
     "afteranswer": _LATE + (
         "def _resp(flow):\n"
@@ -130,6 +144,8 @@ SCRIPTS = {
                  "ledgerwatch.FLUSH_DELAY = lineagewatch.FLUSH_DELAY = 1.0\n" + _FULL,
     "noledgerwrites": "from sessionpin.proxy import ledgerwatch\n"
                       "ledgerwatch.LedgerWatch._queue = lambda self, *a, **k: None\n" + _FULL,
+    "nolinwrites": "from sessionpin.proxy import lineagewatch\n"
+                   "lineagewatch.LineageWatch._record = lambda self, writes: None\n" + _FULL,
 }
 OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}, "barequiet": {"sessionpin_decision_log": "off"}}
 # The least a router must do for a pinned turn, written plainly (not sessionpin): the body's top

@@ -5,7 +5,7 @@ answer a buffered Anthropic JSON message as the e2e fake server sends it. No TLS
 what sessionpin costs a turn, and how many store operations it makes.
 
     .venv/bin/python scripts/bench_turn.py [--size 10KB] [--turns 2000] [--rounds 3]
-                                           [--variants full,nolin,noledger,bare] [--shape recorded] [--tree DIR] [--hooks]
+                                           [--variants full,nolin,noledger,bare] [--shape recorded] [--tree DIR] [--hooks] [--keys]
 
 Per variant (``make_addons(without=...)``; ``bare``: without both and the OpenCode id pool),
 best of ``--rounds``: CPU per turn of this process's event-loop thread and of all its other
@@ -14,6 +14,8 @@ sessions round robin, each one's hooks awaited in order, then every background e
 out (``settle``) inside the timed span; and the store operations per turn, counted at the file
 store (``_read``: reads; ``_write``: writes, ``apply`` and its records among them; writes on
 the loop: those the facade made without a hop to the writer thread).
+``--keys``: also the records applied per turn by their key's family (``lin:claude-code:req``: an
+anchor, ``…:root``: a root, the ledger's own): which part writes what.
 ``--hooks``: also each hook's thread CPU per turn (``time.thread_time_ns`` around each call, the
 awaited part included; the median over every round's turns) — the figure that decided the
 issue's sixth and seventh rounds (``--tree`` before/after, alternated).
@@ -80,8 +82,9 @@ def answer(n: int) -> http.Response:
 class Counted:
     """Counts the file store's operations (wrapping the class: every instance, every thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: bool = False) -> None:
         from sessionpin.store.file import FileStore
+        self.keys = keys     # also the records applied by their key's first three parts
         self.counts: Counter[str] = Counter()
         self.cls, self.saved = FileStore, {}
         for name in ("_write", "_read", "apply"):
@@ -90,12 +93,15 @@ class Counted:
             setattr(FileStore, name, self._wrap(name, orig))
 
     def _wrap(self, name, orig):
-        counts = self.counts
+        counts, keys = self.counts, self.keys
 
         def counted(store, *a, **k):
             counts[name] += 1
             if name == "apply" and len(a) > 1:
                 counts["apply records"] += len(a[1])
+                if keys:            # e.g. "lin:claude-code:req": an anchor record
+                    for w in a[1]:
+                        counts[":".join(str(getattr(w, "key", "?")).split(":")[:3])[:24]] += 1
             return orig(store, *a, **k)
         return counted
 
@@ -204,8 +210,10 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, help="another tree's sessionpin (read before any import)")
     ap.add_argument("--hooks", action="store_true",
                     help="also each hook's thread CPU per turn, µs (median over every round's turns)")
+    ap.add_argument("--keys", action="store_true",
+                    help="also the records applied per turn by their key's first three parts (which part writes what)")
     args = ap.parse_args()
-    counted = Counted()
+    counted = Counted(keys=args.keys)
     from sessionpin import __file__ as where
     print(f"sessionpin from {Path(where).resolve().parents[1].name}; {args.size if args.shape != 'recorded' else 'recorded'} "
           f"pinned turns, {args.turns} per round, best of {args.rounds}; CPU ms per turn")

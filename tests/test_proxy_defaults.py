@@ -180,3 +180,22 @@ def test_the_stamp_formats_its_clock_once_a_second_and_reads_as_before():
     for t in (1_800_000_000.0, 1_800_000_000.999, 1_800_000_001.0005, 1_800_000_000.5, 1_800_003_600.25, 0.5):
         assert defaults.stamp(t) == fresh(t)
     assert defaults._second[0] == 0.0           # the second last formatted
+
+
+def test_what_is_alive_when_the_proxy_runs_is_frozen_out_of_the_collector_until_done(proxy):
+    """Issue 22: every full collection walked mitmproxy's and sessionpin's modules again (64 ms
+    each under load). Once the proxy runs they are frozen (``gc.freeze``), garbage collected
+    first; ``done`` gives them back (a script reload's old parts); the option turns it off."""
+    import gc
+    d = next(a for a in proxy.addons if isinstance(a, Defaults))
+    before = gc.get_freeze_count()        # (Python itself starts with a few hundred)
+    try:
+        proxy.bundle.running()
+        assert d.frozen > before + 10_000 and gc.get_freeze_count() > before + 10_000
+        proxy.bundle.done()
+        assert gc.get_freeze_count() == 0 and d.frozen == 0
+        proxy.tctx.configure(d, sessionpin_gc_freeze=False)
+        proxy.bundle.running()
+        assert gc.get_freeze_count() == 0 and d.frozen == 0
+    finally:
+        gc.unfreeze()

@@ -80,7 +80,8 @@ class Sessionpin:
                       *(p.load for p in opt), al.load)
         self._configure = (d.configure, c.configure, rt.configure, cc.configure, bl.configure, pg.configure,
                            wb.configure, lg.configure, *(p.configure for p in opt))
-        self._running = (c.running, rt.running, bl.running, *(p.running for p in ps))
+        # (the defaults' last: what it freezes out of the collector is what the others made ready)
+        self._running = (c.running, rt.running, bl.running, *(p.running for p in ps), d.running)
         self._done = (d.done, c.done, rt.done, cc.done, bl.done, r.done, lw.done, wb.done, lg.done,
                       *(p.done for p in ps))
         self._requestheaders = (cc.requestheaders, bl.requestheaders)

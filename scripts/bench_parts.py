@@ -34,6 +34,11 @@ Variants (``make_addons(without=...)``, options):
   plainmalloc, fullmalloc  plain mitmdump and the full router with glibc told to keep freed
              memory (``MALLOC``: a large body's pages reused, not faulted in anew)
   noopgc, fullgc  noop and the full router with Python's collector run less often (``GC``)
+  fullgcstats, noopgcstats, fullfreezegcstats  the proxy's collections counted and timed by
+             generation, with its responses, in ``GCSTATS_FILE`` in the temp directory (``GCSTATS``)
+  fullfreeze the full router with what is alive once it is loaded frozen (``gc.freeze``: ``FREEZE``;
+             the router does it itself since issue 22's twelfth round: ``sessionpin_gc_freeze``)
+  thawed, thawedgcstats  the full router with ``sessionpin_gc_freeze=false`` (as before that round)
   noophooks  a script taking every hook the bundle takes, each doing nothing (mitmproxy's dispatch)
   floorspin  the floor and ~0.27 ms of one small loop (``SPIN``): does CPU spent in a hook cost
              the proxy more than itself?
@@ -96,6 +101,35 @@ _LATE = "import asyncio\nfrom sessionpin.proxy import perflow\n" + _FULL + (
     "    for f in _late:\n"
     "        f(flow)\n"
     "    flow.metadata.pop(perflow.BODY, None)\n")
+# ``*gcstats``: the proxy's garbage collections counted and timed by generation, with the
+# responses it answered, written every second to ``GCSTATS_FILE`` (the proxy's pid in its name)
+GCSTATS_FILE = "sessionpin-gcstats-{pid}.json"
+GCSTATS = """
+import gc as _gc, json as _json, os as _os, tempfile as _tf, threading as _th, time as _t
+_gcs = {"requests": 0, "gen": [[0, 0.0], [0, 0.0], [0, 0.0]]}
+_gc_t0 = [0.0]
+def _gc_cb(phase, info):
+    if phase == "start":
+        _gc_t0[0] = _t.perf_counter()
+    else:
+        g = _gcs["gen"][info["generation"]]
+        g[0] += 1
+        g[1] += _t.perf_counter() - _gc_t0[0]
+_gc.callbacks.append(_gc_cb)
+def _gc_write():
+    path = _os.path.join(_tf.gettempdir(), %r.format(pid=_os.getpid()))
+    while True:
+        _t.sleep(1)
+        with open(path, "w") as f:
+            _json.dump(_gcs, f)
+_th.Thread(target=_gc_write, daemon=True).start()
+def response(flow):
+    _gcs["requests"] += 1
+""" % GCSTATS_FILE
+# ``fullfreeze``: the full router with every object alive once the script is loaded (mitmproxy's,
+# sessionpin's modules) moved out of the collector's reach (``gc.freeze``): a full collection
+# then walks only what was made since
+FREEZE = "import gc as _gcf\n_gcf.collect()\n_gcf.freeze()\n"
 SCRIPTS = {
     "nolin": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage',))\n",
     "noledger": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('ledger',))\n",
@@ -142,12 +176,18 @@ SCRIPTS = {
     "barequiet": "from sessionpin.proxy import make_addons\naddons = make_addons([], without=('lineage', 'ledger'))\n",
     "slowflush": "from sessionpin.proxy import ledgerwatch, lineagewatch\n"
                  "ledgerwatch.FLUSH_DELAY = lineagewatch.FLUSH_DELAY = 1.0\n" + _FULL,
+    "fullgcstats": _FULL + GCSTATS,
+    "fullfreeze": _FULL + FREEZE,
+    "fullfreezegcstats": _FULL + FREEZE + GCSTATS,
+    "thawedgcstats": _FULL + GCSTATS,
+    "noopgcstats": "def request(flow):\n    pass\n" + GCSTATS,
     "noledgerwrites": "from sessionpin.proxy import ledgerwatch\n"
                       "ledgerwatch.LedgerWatch._queue = lambda self, *a, **k: None\n" + _FULL,
     "nolinwrites": "from sessionpin.proxy import lineagewatch\n"
                    "lineagewatch.LineageWatch._record = lambda self, writes: None\n" + _FULL,
 }
-OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}, "barequiet": {"sessionpin_decision_log": "off"}}
+OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}, "barequiet": {"sessionpin_decision_log": "off"},
+           "thawed": {"sessionpin_gc_freeze": "false"}, "thawedgcstats": {"sessionpin_gc_freeze": "false"}}
 # The least a router must do for a pinned turn, written plainly (not sessionpin): the body's top
 # level decoded (msgspec, as the facts do), the session from its header, its pin read from SQLite
 # (one indexed SELECT on a file in WAL mode), then the host, path, key and model rewritten. What

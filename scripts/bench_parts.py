@@ -102,13 +102,17 @@ _LATE = "import asyncio\nfrom sessionpin.proxy import perflow\n" + _FULL + (
     "        f(flow)\n"
     "    flow.metadata.pop(perflow.BODY, None)\n")
 # ``*gcstats``: the proxy's garbage collections counted and timed by generation, with the
-# responses it answered, written every second to ``GCSTATS_FILE`` (the proxy's pid in its name)
+# responses it answered, from its 500th response on (start-up's collections are not a request's),
+# written every second to ``GCSTATS_FILE`` (the proxy's pid in its name)
 GCSTATS_FILE = "sessionpin-gcstats-{pid}.json"
 GCSTATS = """
 import gc as _gc, json as _json, os as _os, tempfile as _tf, threading as _th, time as _t
 _gcs = {"requests": 0, "gen": [[0, 0.0], [0, 0.0], [0, 0.0]]}
 _gc_t0 = [0.0]
+WARM = 500     # responses before anything is counted (start-up's collections are not a request's)
 def _gc_cb(phase, info):
+    if _gcs["requests"] < 0:
+        return
     if phase == "start":
         _gc_t0[0] = _t.perf_counter()
     else:
@@ -123,6 +127,7 @@ def _gc_write():
         with open(path, "w") as f:
             _json.dump(_gcs, f)
 _th.Thread(target=_gc_write, daemon=True).start()
+_gcs["requests"] = -WARM
 def response(flow):
     _gcs["requests"] += 1
 """ % GCSTATS_FILE

@@ -183,7 +183,7 @@ def test_the_stamp_formats_its_clock_once_a_second_and_reads_as_before():
 
 
 def test_what_is_alive_when_the_proxy_runs_is_frozen_out_of_the_collector_until_done(proxy):
-    """Issue 22: every full collection walked mitmproxy's and sessionpin's modules again (64 ms
+    """Issue 22: every full collection walked mitmproxy's and sessionpin's modules again (59 ms
     each under load). Once the proxy runs they are frozen (``gc.freeze``), garbage collected
     first; ``done`` gives them back (a script reload's old parts); the option turns it off."""
     import gc

@@ -17,8 +17,8 @@ Rules it keeps:
   warning line, in place of its decision line.
 - What is alive once the proxy runs (mitmproxy's modules and sessionpin's, the addon's parts)
   is frozen out of Python's collector (``gc.freeze``, ``sessionpin_gc_freeze``, on by default):
-  every full collection walked it all again — 64 ms each under a 10 KB load, ~55 µs a request,
-  where plain mitmdump's smaller heap cost 17 (docs/benchmarks.md, issue 22). Garbage made
+  every full collection walked it all again — 59 ms each under a 10 KB load, 39 µs a request;
+  frozen, 4 ms and 7 µs (docs/benchmarks.md, issue 22, twelfth round). Garbage made
   before is collected first; ``done`` unfreezes it (a script reload leaves the old parts to
   the collector).
 """

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -600,5 +601,49 @@ def test_a_small_history_whose_first_run_is_past_the_walks_budget_still_has_its_
     body = _history_body([{"role": "user"}] * (lineage.TURNS_BUDGET.items + 1)
                          + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}])
     assert len(body) < lw.FAST_MIN
+    expected = lineage.chain(body, api, turns=1).keys[0]
+    assert lineage.root_of(body, api) == (expected, None)
+
+
+@pytest.mark.parametrize("agent,scenario", SCENARIOS)
+def test_a_small_bodys_root_walked_for_its_proof_is_the_request_paths_root(agent, scenario):
+    """The lineage watch's root of a small request (walked for its proof, twelfth round) is the
+    root the request path reads at once (``chain(turns=1)``) — of every recorded request, from
+    its bytes or from the facts reader's members — or a fork's parent could not be found by it."""
+    for fx in load(agent, scenario):
+        if not isinstance(fx["body"], dict):
+            continue
+        data, api = body_of(fx), api_of(fx)
+        assert len(data) < lw.FAST_MIN
+        expected = (lineage.chain(data, api, turns=1).keys or (None,))[0]
+        assert lineage.root_of(data, api)[0] == expected
+        members = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
+        assert lineage.root_of(data, api, members=members)[0] == expected
+
+
+_JUNK = st.one_of(st.integers(), st.none(), st.text(max_size=5), st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(lineage._FLAVOUR)), JSON,
+       st.lists(st.one_of(_ITEMS.map(lambda items: items[0]), _JUNK), min_size=1, max_size=8))
+def test_root_of_any_small_body_is_the_chains_root(api, value, history):
+    """Whatever a small body holds — any JSON, or a history with items that are not objects
+    among its messages — ``root_of`` (walked for its proof) and ``chain(turns=1)`` (read at
+    once, as the request path reads it) name the same root, or both none; a proof proves it."""
+    key = "input" if api == facts.OPENAI_RESPONSES else "messages"
+    for data in (json.dumps(value).encode(), json.dumps({"model": "m", key: history}).encode()):
+        root, proof = lineage.root_of(data, api)
+        assert root == (lineage.chain(data, api, turns=1).keys or (None,))[0]
+        assert proof is None or lineage.proven_root(data, api, proof) == root
+
+
+def test_a_small_history_the_walk_reads_otherwise_is_not_proven():
+    """An item that is not an object ends a walk where the whole read skips it: the root is
+    the whole read's (the request path's), and no proof is made from a walk that disagrees."""
+    api = facts.ANTHROPIC_MESSAGES
+    body = _history_body([{"role": "assistant", "content": "b"}]).replace(b"]", b', 3, {"role": "assistant", "content": "b2"}, '
+                                                                             b'{"role": "user", "content": "c"}]', 1)
+    body = body.replace(b'"messages":[', b'"messages":[{"role": "user", "content": "a"}, ', 1)
     expected = lineage.chain(body, api, turns=1).keys[0]
     assert lineage.root_of(body, api) == (expected, None)

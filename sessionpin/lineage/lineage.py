@@ -340,9 +340,10 @@ def root_of(body: bytes | None, api: str, content_encoding: str = "", members: d
     history that begins with the same bytes (compared in C: ~50 µs a megabyte) through the item
     that ended the first model run has that root — the same items, parsed the same way, end the
     same first run at the same item — and nothing is decoded or hashed again (a 1 MB opening's
-    root costs ~2.2 ms, every continuation). A history of any size is walked for its proof (a
-    small one's first run is a few items: the walk stops there), so every conversation's
-    continuations can be proven (``proven_root``). Never raises."""
+    root costs ~2.2 ms, every continuation). A small history (under ``FAST_MIN``) is read at
+    once, as the request path reads it, and walked too for its proof (its first run is a few
+    items: the walk stops there) — proven only when the walk reads the same first run — so
+    every conversation's continuations can be proven (``proven_root``). Never raises."""
     try:
         return _root_of(body, api, content_encoding, members, known)
     except Exception:  # pragma: no cover - a last resort, as chain()'s
@@ -354,7 +355,7 @@ def proven_root(body: bytes | None, api: str, known: FirstRun) -> str | None:
     nothing for it (read it with ``root_of``). The check alone: one ``memcmp`` of the proof's
     bytes when the body begins with them (~1 µs for a request of tens of KB: cheap enough for
     the event loop), else where the history begins (``array_start``: the members before it
-    skimmed, ~15 µs) and the history's bytes compared. Never raises."""
+    skimmed, ~20 µs) and the history's bytes compared. Never raises."""
     try:
         if body is None or known.api != api or api not in _FLAVOUR:
             return None
@@ -384,12 +385,21 @@ def _root_of(body, api, content_encoding, members, known) -> tuple[str | None, F
     if known is not None and known.api == api and _proves(data, api, known):
         return known.root, known
     ends: list[int] = []
-    c = chain(data, api, turns=1, members=members, ends=ends, walk_from=0)
-    if c.reason == OVER_BUDGET and len(data) < lw.FAST_MIN:   # a first run past the walk's budget:
-        ends.clear()                                          # a small body is read at once, unproven
-        c = chain(data, api, turns=1, members=members)
+    c = chain(data, api, turns=1, members=members, ends=ends)
     root = c.keys[0] if c.keys else None
-    if root is None or c.head is not None or not ends:     # not walked, or the first run not ended
+    if root is not None and len(data) < lw.FAST_MIN:
+        # Read at once, as the request path reads it; walked too, for the items' ends, and
+        # proven only where the walk reads the same first run (one that stops at an item that
+        # is not an object, where the whole read skips it, proves nothing).
+        try:
+            walked = _chain_of(data, flavour, 1, None, ends, walk_from=0)
+        except lw.OverBudget:            # a first run past the walk's budget: unproven
+            return root, None
+        if walked.keys[:1] != (root,) or walked.head is not None:
+            return root, None
+    elif root is None or c.head is not None:     # the first run not ended
+        return root, None
+    if not ends:                                 # not walked
         return root, None
     s = lw.array_start(data, b"input" if flavour == "responses" else b"messages")
     return root, FirstRun(api=api, first=bytes(data[:ends[-1]]), at=s, root=root)

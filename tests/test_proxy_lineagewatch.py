@@ -448,6 +448,15 @@ async def test_a_continuations_root_is_read_from_the_members_the_router_decoded(
     assert await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
 
 
+def continuation(first: str, extra: list) -> bytes:
+    """A Claude Code continuation whose first message is ``first``, with ``extra`` messages after."""
+    from shellkit import body as make_body
+    doc = json.loads(make_body("continuation"))
+    doc["messages"][0]["content"] = first
+    doc["messages"] += extra
+    return json.dumps(doc).encode()
+
+
 async def test_a_small_continuations_root_is_proven_on_the_loop_without_a_hop(proxy, monkeypatch):
     """Issue 22: every continuation of a conversation of a few KB had its root read on the
     reads' thread — a hop per request, for a read its first bytes prove. Its first
@@ -461,13 +470,8 @@ async def test_a_small_continuations_root_is_proven_on_the_loop_without_a_hop(pr
     real_submit = watch.reads.submit
     monkeypatch.setattr(watch.reads, "submit", lambda *a: submitted.append(a[0]) or real_submit(*a))
 
-    from shellkit import body as make_body
-
     def turn(extra: list, first: str = "Fix the failing test. ") -> bytes:
-        doc = json.loads(make_body("continuation"))
-        doc["messages"][0]["content"] = first
-        doc["messages"] += extra
-        return json.dumps(doc).encode()
+        return continuation(first, extra)
     f = flow()
     await proxy.send(f)
     await answer(proxy, f, SSE[:-1])
@@ -498,17 +502,13 @@ async def test_a_long_conversations_root_is_proven_by_its_first_bytes_not_read_a
     leaves a proof (the history's bytes through the item that ended the first model run); the
     next continuation whose history begins with those bytes has that root without a read — and
     records the same root, anchors and all."""
-    from shellkit import body as make_body
     calls = []
     real = lineage.chain
     monkeypatch.setattr(lineagewatch.lineage, "chain", lambda *a, **k: calls.append(1) or real(*a, **k))
     big = "x" * (300 * 1024)
 
     def turn(extra: list) -> bytes:
-        doc = json.loads(make_body("continuation"))
-        doc["messages"][0]["content"] = big
-        doc["messages"] += extra
-        return json.dumps(doc).encode()
+        return continuation(big, extra)
     f = flow()
     await proxy.send(f)
     await answer(proxy, f, SSE[:-1])

@@ -9,10 +9,10 @@ Rules it keeps:
 - **A conversation's root is learnt from any of its requests that carries history**: the
   history's root key (``lineage.chain(turns=1)``: the first exchange, read on a thread of its
   own, ``offloop.OffLoop``, after the request left; a later request of the conversation whose
-  walked history begins with the bytes that root was read from has it without a read:
+  body (or history) begins with the bytes that root was read from has it without a read:
   ``lineage.root_of``'s proof, ``_Proofs``; a request under ``HOLD_FROM``, not
-  content-encoded, whose proof holds is proven here on the loop — a few µs of ``memcmp``,
-  where the hop to the thread cost the proxy more than the read) is recorded for the request's session —
+  content-encoded, whose proof holds is proven here on the loop — one ``memcmp``, under a µs
+  at 10 KB, where the hop to the thread cost the proxy more than the read) is recorded for the request's session —
   whether or not any answer of the conversation was seen whole (interrupted, a proxy killed
   before its records were written, a conversation begun before sessionpin). A fork (a pin
   that names a parent) records nothing from its requests: its root is its parent's, and

@@ -282,7 +282,8 @@ def test_arrays_kept_between_requests_give_the_same_shape_and_digest_only_new_me
     """``Runs`` (the body reader's): each body's shape is the shape read afresh, through a
     recorded conversation, its compaction, a second conversation between its turns, a body laid
     out with spaces and one with no messages; and a continuing turn digests only the messages
-    its array does not share byte for byte with one kept (not one step per message)."""
+    its array does not share byte for byte with one kept (not one step per message), whatever
+    its layout."""
     names = ["interactive-04-opening.json", "interactive-05-tool-result.json", "interactive-06-continuation.json",
              "interactive-08-tool-result.json", "interactive-09-continuation.json", "interactive-11-tool-result.json",
              "interactive-19-compaction.json", "interactive-20-after-compaction.json"]
@@ -301,7 +302,7 @@ def test_arrays_kept_between_requests_give_the_same_shape_and_digest_only_new_me
         fresh = shape(b, F.ANTHROPIC_MESSAGES)
         stepped.clear()
         assert shape(b, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs) == fresh
-        for prev in before.values() if b is not spaced else ():      # (spaced: a message at a time)
+        for prev in before.values() if b is not spaced else ():  # (its turns before it were compact: no bytes shared)
             if fresh.messages[:len(prev.messages) - 1] == prev.messages[:-1] and len(fresh.messages) > len(prev.messages):
                 # a continuing turn: its earlier messages (but the one whose mark moved) are not stepped over
                 assert len(stepped) <= len(fresh.messages) - len(prev.messages) + 1
@@ -320,6 +321,48 @@ def test_a_long_compact_history_is_digested_once_then_only_its_new_messages(monk
     stepped.clear()
     got = shape(second, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs)
     assert len(stepped) == 3 and got == shape(second, F.ANTHROPIC_MESSAGES)
+
+
+def test_a_long_spaced_history_is_digested_once_then_only_its_new_messages(monkeypatch):
+    """The same with ``json.dumps``' default layout (", " between items): a body a client
+    made with spaces between its messages is not digested a message at a time on every turn."""
+    stepped = []
+    real = promptshape._message_digest
+    monkeypatch.setattr(promptshape, "_message_digest", lambda raw, seen: stepped.append(1) or real(raw, seen))
+    runs, seen = promptshape.Runs(), {}
+    first, second = turn(2_000, marker_at=1_999), turn(2_002, marker_at=2_001)
+    assert b", " in first
+    assert shape(first, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs) == shape(first, F.ANTHROPIC_MESSAGES)
+    stepped.clear()
+    got = shape(second, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs)
+    assert len(stepped) == 3 and got == shape(second, F.ANTHROPIC_MESSAGES)
+    stepped.clear()
+    assert shape(second, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs) == got and stepped == []
+
+
+def test_where_an_arrays_items_end_whatever_its_white_space():
+    """``_ends`` against each item's place found by hand, for arrays laid out with any JSON
+    white space (none, spaces, tabs, new lines; before and after commas, after ``[``, before
+    ``]``) and from any item on. Seeded: the same run each time."""
+    import random
+    rnd = random.Random(7)
+    for _ in range(300):
+        values = [json.dumps({"role": "user", "content": "x" * rnd.randint(0, 5)} if rnd.random() < 0.5
+                             else [rnd.randint(0, 9)], separators=(",", ":")).encode()
+                  for _ in range(rnd.randint(0, 6))]
+        space = (lambda: b"") if rnd.random() < 0.4 else (lambda: rnd.choice([b"", b" ", b"\n  ", b"\t", b"\r\n"]))
+        array, places, starts = b"[", [], []
+        for i, v in enumerate(values):
+            if i:
+                array += b","
+            starts.append(len(array))               # just past the [ or the comma
+            array += space()
+            places.append(len(array) + len(v))
+            array += v + space()
+        array += b"]"
+        for k in range(len(values)):
+            items = msgspec.json.decode(b"[" + array[starts[k]:], type=list[msgspec.Raw])
+            assert promptshape._ends(array, items, starts[k]) == places[k:], (array, k)
 
 
 def test_the_arrays_kept_are_bounded(monkeypatch):

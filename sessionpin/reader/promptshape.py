@@ -33,6 +33,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
 import zlib
 from typing import Callable, NamedTuple
@@ -48,6 +49,7 @@ _MARKER = re.compile(rb',?\s*"cache_control"\s*:\s*\{[^{}]*\}')    # what ``_unm
 _MARKER_KEY = b'"cache_control"'
 _MARKER_REST = re.compile(rb'\s*:\s*\{[^{}]*\}')
 _SPACE = b" \t\n\r\x0b\x0c"    # the regex's \s, for bytes
+_SPACES = re.compile(rb"[ \t\n\r]*")   # JSON's white space
 # a message whose content list begins with a text block (the only kind ``_canonical`` may
 # change): matched at its start, so other messages cost nothing more
 _TEXT_FIRST = re.compile(rb'\{\s*(?:"role"\s*:\s*"[a-z]*"\s*,\s*)?"content"\s*:\s*\[\s*\{\s*"type"\s*:\s*"text"')
@@ -256,19 +258,20 @@ class Runs:
     (found by halving, each half one ``startswith``: memcmp's speed) holds that array's first
     messages byte for byte, so their digests are taken back without a step per message — a
     step each (~1.2 µs with ``Seen``) was 13 ms a turn for 11,000 messages. Only the new
-    messages are digested. For arrays laid out compactly (no space between items: what every
-    client sends), where each message's place follows from the lengths before it; any other
-    array is digested a message at a time, as before. Bounded: ``RUNS`` arrays, ``RUNS_BYTES``
-    bytes. Memory only; digests and lengths leave it, never a message."""
+    messages are digested. Any layout: in a compact array (what every client sends) each
+    message's place follows from the lengths before it; in one with spaces between its items
+    (a hand-made body, ``json.dumps``' default) the spaces are stepped over for the new
+    messages only (``_ends``). Bounded: ``RUNS`` arrays, ``RUNS_BYTES`` bytes. Memory only;
+    digests and lengths leave it, never a message."""
 
     def __init__(self) -> None:
         self.kept: list[_Run] = []          # most recent first
 
-    def take(self, array: bytes) -> tuple[list[str], list[int], list[int], list[Raw], int | None]:
+    def take(self, array: bytes) -> tuple[list[str], list[int], list[int], list[Raw], int]:
         """For ``array`` (a messages array): the digests, lengths and ends of the messages a
-        kept array gives back, the messages left to digest, and where the first of them begins;
-        that place None when the array is not compact (all its messages are left, and it is not
-        kept). Raises as ``_items.decode`` does when it is not an array."""
+        kept array gives back, the messages left to digest, and where in ``array`` the bytes
+        before the first of them end (its place, past any spaces, is ``_ends``'). Raises as
+        ``_items.decode`` does when it is not an array."""
         best: _Run | None = None
         known = 0
         for run in self.kept:
@@ -276,17 +279,13 @@ class Runs:
             if k > known:
                 best, known = run, k
         if best is not None:
-            at = best.ends[known - 1]
             given = best.digests[:known], best.lengths[:known], best.ends[:known]
+            at = _past_space(array, best.ends[known - 1])
             if at == len(array) - 1 and array[at] == 0x5D:         # ]: nothing new
                 return (*given, [], at)
             if at < len(array) and array[at] == 0x2C:               # ,
-                rest = b"[" + array[at + 1:]
-                items = _items.decode(rest)
-                if _compact(items, len(rest)):
-                    return (*given, items, at + 1)
-        items = _items.decode(array)
-        return [], [], [], items, 1 if _compact(items, len(array)) else None
+                return (*given, _items.decode(b"[" + array[at + 1:]), at + 1)
+        return [], [], [], _items.decode(array), 1
 
     def keep(self, array: bytes, ends: list[int], digests: list[str], lengths: list[int]) -> None:
         if len(array) > RUNS_BYTES // 2:
@@ -297,11 +296,30 @@ class Runs:
             self.kept.pop()
 
 
-def _compact(items: list[Raw], size: int) -> bool:
-    """Whether an array of ``size`` bytes holding ``items`` is "[" + the items + one comma
-    between each two + "]", not a byte more: then each item's place follows from the lengths
-    before it (an array with any other byte, a space, does not add up)."""
-    return bool(items) and sum(map(len, items)) + len(items) + 1 == size
+def _ends(array: bytes, items: list[Raw], start: int) -> list[int]:
+    """Where each of ``items`` ends in ``array``: the array's items from ``start`` on (just
+    past its ``[`` or a comma), decoded. Compact (one comma between each two and the ``]``
+    right after the last, not a byte more: what every client sends), the lengths say it at
+    once; otherwise each item is found past the spaces and the comma before it."""
+    if sum(map(len, items)) + len(items) == len(array) - start:
+        return list(itertools.accumulate((len(raw) + 1 for raw in items), initial=start - 1))[1:]
+    return _stepped(array, items, start)
+
+
+def _stepped(array: bytes, items: list[Raw], at: int) -> list[int]:
+    """``_ends`` an item at a time: past the spaces before it, its length, the spaces and the
+    comma after it."""
+    ends = []
+    for raw in items:
+        at = _past_space(array, at) + len(raw)
+        ends.append(at)
+        at = _past_space(array, at) + 1
+    return ends
+
+
+def _past_space(array: bytes, at: int) -> int:
+    """The first place from ``at`` on that is not JSON's white space."""
+    return _SPACES.match(array, at).end()
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -382,8 +400,7 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
             if _present(array):
                 array = bytes(array)
                 given_d, given_l, given_e, items, start = runs.take(array)     # type: ignore[union-attr]
-                if start is not None:
-                    known = (given_d, given_l, given_e, start)
+                known = (given_d, given_l, given_e, start)
         else:
             items = list(b.messages or ())
     if api != facts.ANTHROPIC_MESSAGES:
@@ -403,12 +420,7 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
         digests.append(d)
         lengths.append(n)
     if known is not None:               # kept for the next turn: where each message ends
-        ends, at = list(known[2]), known[3]
-        for raw in items:
-            at += len(raw)
-            ends.append(at)
-            at += 1                     # the comma
-        runs.keep(array, ends, digests, lengths)     # type: ignore[union-attr]
+        runs.keep(array, known[2] + _ends(array, items, known[3]), digests, lengths)     # type: ignore[union-attr]
     return Shape(model=b.model or "", tools=tools, tools_len=tools_len, system=sys_d, system_len=sys_len,
                  messages=tuple(digests), lengths=tuple(lengths), partial=bool(b.previous_response_id))
 

@@ -321,6 +321,7 @@ def test_a_long_compact_history_is_digested_once_then_only_its_new_messages(monk
     stepped.clear()
     got = shape(second, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs)
     assert len(stepped) == 3 and got == shape(second, F.ANTHROPIC_MESSAGES)
+    assert len(runs.kept) == 1          # the turn it continues (its mark moved) gave its place
 
 
 def test_a_long_spaced_history_is_digested_once_then_only_its_new_messages(monkeypatch):
@@ -383,7 +384,7 @@ def test_arrays_kept_through_many_conversations_never_change_a_shape():
     def msg(i):
         c = {"type": "text", "text": f"m{i} " + "x" * rnd.randint(0, 30)}
         return {"role": "user" if i % 2 == 0 else "assistant", "content": [c] if rnd.random() < 0.7 else c["text"]}
-    runs, seen = promptshape.Runs(), {}
+    runs, seen, keyed = promptshape.Runs(), {}, promptshape.Runs(limit=64)
     convs = [[msg(i) for i in range(rnd.randint(1, 30))] for _ in range(12)]
     for _ in range(400):
         k = rnd.randrange(len(convs))
@@ -403,5 +404,9 @@ def test_arrays_kept_through_many_conversations_never_change_a_shape():
         raw = json.dumps(doc, separators=(",", ":") if rnd.random() < 0.85 else (", ", ": ")).encode()
         if rnd.random() < 0.03:
             raw = raw.replace(b'"messages":[', b'"messages":[ ', 1)
-        assert shape(raw, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs) == shape(raw, F.ANTHROPIC_MESSAGES)
+        fresh = shape(raw, F.ANTHROPIC_MESSAGES)
+        assert shape(raw, F.ANTHROPIC_MESSAGES, seen=seen, runs=runs) == fresh
+        # as the ledger shapes a small body on the event loop: from the facts' members, by conversation
+        members = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
+        assert shape(raw, F.ANTHROPIC_MESSAGES, seen=seen, members=members, runs=keyed, key=f"c{k}") == fresh
     assert len(runs.kept) == promptshape.RUNS

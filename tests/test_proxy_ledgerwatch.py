@@ -569,3 +569,36 @@ async def test_a_turns_shape_is_read_from_the_members_the_router_decoded(proxy, 
     h.request.content = h.request.raw_content.replace(b'"max_tokens": 5', b'"max_tokens": 6')
     await answer(proxy, h, sse_with_usage(read=9000, write=200, msg="msg_3"))
     assert given[-1] is None                                       # changed since: read from the body
+
+
+async def test_a_small_turns_shape_digests_only_the_messages_its_conversation_had_not_sent(proxy, monkeypatch):
+    """Issue 22: on the event loop a turn's messages are compared with its conversation's last
+    array (``promptshape.Runs`` by session), so a continuation digests only its new messages;
+    the shape is the one read afresh. Another conversation's arrays are not compared with it."""
+    from sessionpin.reader import facts as F
+    from sessionpin.reader import promptshape
+
+    def conv(n: int, first: str = "hi") -> bytes:      # compact, as clients send their bodies
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": first if i == 0 else f"m{i} " + "x" * 40}
+                for i in range(n)]
+        return json.dumps({"model": "claude-opus-4-1", "max_tokens": 5, "stream": True, "messages": msgs},
+                          separators=(",", ":")).encode()
+    stepped, compared = [], []
+    digest, prefix = promptshape._message_digest, promptshape._common_prefix
+    monkeypatch.setattr(promptshape, "_message_digest", lambda raw, seen: stepped.append(1) or digest(raw, seen))
+    monkeypatch.setattr(promptshape, "_common_prefix", lambda a, b: compared.append(1) or prefix(a, b))
+    watch = watch_of(proxy)
+    for i, n in enumerate((1, 41, 43)):
+        f = flow("opening" if n == 1 else "continuation", content=conv(n))
+        await proxy.send(f)
+        stepped.clear()
+        await answer(proxy, f, sse_with_usage(read=9000 * i, write=200, msg=f"msg_{i}"))
+        steps = len(stepped)
+        assert watch._lanes[(SESSION, "main")][1] == promptshape.shape(f.request.raw_content, F.ANTHROPIC_MESSAGES)
+    assert steps == 2                            # the two new messages of 43, not 43
+    other = "0b0e0e0e-0000-4000-8000-00000000beef"
+    f = flow("opening", session=other, content=conv(1, first="another"))
+    await proxy.send(f)
+    compared.clear()
+    await answer(proxy, f, sse_with_usage(read=0, write=200, msg="msg_9"))
+    assert compared == [] and watch._lanes[(other, "main")][1] is not None

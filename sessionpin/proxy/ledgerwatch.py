@@ -66,6 +66,8 @@ SHAPE_OFF_LOOP_MIN = 256 * 1024   # bytes: a request's prompt shape is read in t
 MAX_BEHIND = 64                     # conversations whose turn is read beside its answer, at most
 MAX_BEHIND_BYTES = 256 * 1024 * 1024   # request bytes held by turns read beside their answers, at most
 
+LOOP_RUNS = 64                      # conversations' messages arrays kept for the next turn's shape, at most
+LOOP_RUNS_BYTES = 16 * 1024 * 1024  # their bytes, at most (each under SHAPE_OFF_LOOP_MIN)
 MAX_LANES = 2_000
 MAX_PENDING = 10_000
 FLUSH_DELAY = 0.2
@@ -128,6 +130,8 @@ class LedgerWatch:
         self._written: dict[str, int] = {}   # batches written per conversation (when to trim its turns)
         self._renewed: dict[str, float] = {}  # when this proxy last renewed a conversation's TTL
         self._digests: promptshape.Seen = {}   # message digests already worked out (bounded)
+        # the messages arrays of the conversations shaped lately, by session (bounded)
+        self._runs = promptshape.Runs(limit=LOOP_RUNS, max_bytes=LOOP_RUNS_BYTES)
         self.spans: Spans | None = None      # OpenTelemetry, when sessionpin_otel names an exporter
         self._otel = ""
         self.bodies: BodyProcess | None = None   # a body reader of its own (make_addons): a large prompt's shape
@@ -203,8 +207,7 @@ class LedgerWatch:
             if read.usage is not None and raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
                 large = self._large(flow, w, read, ended, raw, encoding)      # never on the event loop
                 return self._beside(w.session, flow, large, len(raw))
-            shape = (promptshape.shape(raw, w.api, encoding, self._digests, members=perflow.sent_members(flow))
-                     if read.usage is not None else None)
+            shape = self._shape(flow, w, raw, encoding) if read.usage is not None else None
             if w.session in self._behind:          # its conversation's previous turn is still read: after it
                 later = self._turn_later(flow, w, read, shape, ended)
                 return self._beside(w.session, flow, later, len(raw or b""))
@@ -213,6 +216,12 @@ class LedgerWatch:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
         self._request_span(flow, None)          # (nothing when it gave a turn: that has its span)
         return None
+
+    def _shape(self, flow: http.HTTPFlow, w: _Watched, raw: bytes | None, encoding: str) -> promptshape.Shape | None:
+        """A request's shape on the event loop (a small body): its messages compared with its
+        conversation's last array, so only the new ones are read (``promptshape.Runs``)."""
+        return promptshape.shape(raw, w.api, encoding, self._digests, members=perflow.sent_members(flow),
+                                 runs=self._runs, key=w.session)
 
     async def _large(self, flow: http.HTTPFlow, w: _Watched, read: Read, ended: float, raw: bytes,
                      encoding: str, cut: bool = False) -> None:
@@ -277,7 +286,7 @@ class LedgerWatch:
                     if raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
                         large = self._large(flow, w, read, time.time(), raw, encoding, cut=True)
                         return self._beside(w.session, flow, large, len(raw))
-                    shape = promptshape.shape(raw, w.api, encoding, self._digests, members=perflow.sent_members(flow))
+                    shape = self._shape(flow, w, raw, encoding)
                     if w.session in self._behind:    # its conversation's previous turn is still read: after it
                         later = self._turn_later(flow, w, read, shape, time.time(), cut=True)
                         return self._beside(w.session, flow, later, len(raw or b""))

@@ -244,10 +244,11 @@ RUNS_BYTES = 32 << 20       # their bytes, at most (a few conversations of a few
 
 
 class _Run(NamedTuple):
-    array: bytes                    # a messages array as sent, compact
+    array: bytes                    # a messages array as sent
     ends: list[int]                 # where each message ends in it (exclusive)
     digests: list[str]
     lengths: list[int]
+    key: str | None = None          # whose (``Runs.take``'s key)
 
 
 class Runs:
@@ -264,35 +265,55 @@ class Runs:
     messages only (``_ends``). Bounded: ``RUNS`` arrays, ``RUNS_BYTES`` bytes. Memory only;
     digests and lengths leave it, never a message."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = RUNS, max_bytes: int = RUNS_BYTES) -> None:
         self.kept: list[_Run] = []          # most recent first
+        self.limit, self.max_bytes = limit, max_bytes
+        self._extended: _Run | None = None   # the one this array continues (``take``): ``keep`` replaces it
 
-    def take(self, array: bytes) -> tuple[list[str], list[int], list[int], list[Raw], int]:
+    def take(self, array: bytes, key: str | None = None) -> tuple[list[str], list[int], list[int], list[Raw], int]:
         """For ``array`` (a messages array): the digests, lengths and ends of the messages a
         kept array gives back, the messages left to digest, and where in ``array`` the bytes
-        before the first of them end (its place, past any spaces, is ``_ends``'). Raises as
-        ``_items.decode`` does when it is not an array."""
+        before the first of them end (its place, past any spaces, is ``_ends``'). ``key``: only
+        the arrays kept under it are compared (a conversation's own, on the event loop: no
+        other conversation's array costs a compare). Raises as ``_items.decode`` does when it
+        is not an array."""
         best: _Run | None = None
         known = 0
+        self._extended = None
         for run in self.kept:
+            if key is not None and run.key != key:
+                continue
             k = bisect.bisect_right(run.ends, _common_prefix(run.array, array))
             if k > known:
                 best, known = run, k
         if best is not None:
             given = best.digests[:known], best.lengths[:known], best.ends[:known]
             at = _past_space(array, best.ends[known - 1])
+            if known >= len(best.ends) - 1:    # all its messages, or all but the one whose mark moved
+                self._extended = best
             if at == len(array) - 1 and array[at] == 0x5D:         # ]: nothing new
                 return (*given, [], at)
             if at < len(array) and array[at] == 0x2C:               # ,
                 return (*given, _items.decode(b"[" + array[at + 1:]), at + 1)
         return [], [], [], _items.decode(array), 1
 
-    def keep(self, array: bytes, ends: list[int], digests: list[str], lengths: list[int]) -> None:
-        if len(array) > RUNS_BYTES // 2:
+    def keep(self, array: bytes, ends: list[int], digests: list[str], lengths: list[int],
+             key: str | None = None) -> None:
+        """Keep ``array`` first. The kept array the last ``take`` gave every message of, or
+        all but its last (a client moves its cache mark to the newest message each turn),
+        goes: this one begins with those messages, so what it would give back this one gives
+        too, but that last message, whose digest ``Seen`` still holds (a conversation's turns
+        take one place, not one each)."""
+        extended, self._extended = self._extended, None
+        if len(array) > self.max_bytes // 2:
             return
-        self.kept.insert(0, _Run(array, ends, digests, lengths))
-        del self.kept[RUNS:]
-        while sum(len(r.array) for r in self.kept) > RUNS_BYTES:
+        for i, run in enumerate(self.kept):
+            if run is extended:
+                del self.kept[i]
+                break
+        self.kept.insert(0, _Run(array, ends, digests, lengths, key))
+        del self.kept[self.limit:]
+        while sum(len(r.array) for r in self.kept) > self.max_bytes:
             self.kept.pop()
 
 
@@ -331,16 +352,17 @@ def _common_prefix(a: bytes, b: bytes) -> int:
 
 def shape(body: bytes | None, api: str, content_encoding: str = "", seen: Seen | None = None,
           max_items: int | None = None, members: dict[str, Raw] | None = None,
-          runs: Runs | None = None) -> Shape | None:
+          runs: Runs | None = None, key: str | None = None) -> Shape | None:
     """The request's shape; None when it cannot be read, or has more than ``max_items``
     messages (said before any is digested: a digest per message is the costly part).
     ``seen``: digests of messages already worked out, kept by the caller between requests
     (the same shape, faster: see ``_message_digest``). ``members``: the body's top level as
     raw members, decoded already (the facts reader's, as sent: ``perflow.Body``), read
     instead of the body — one decode of the body fewer. ``runs``: the messages arrays shaped
-    lately, kept by the caller (``Runs``: a conversation's repeated messages digested once)."""
+    lately, kept by the caller (``Runs``: a conversation's repeated messages digested once);
+    ``key``: the conversation's, to compare its messages with its own arrays only."""
     try:
-        return _shape(body, api, content_encoding, seen, max_items, members, runs)
+        return _shape(body, api, content_encoding, seen, max_items, members, runs, key)
     except Exception:
         return None
 
@@ -349,28 +371,28 @@ _member_decoders = {"model": msgspec.json.Decoder(str | None), "messages": msgsp
                     "previous_response_id": msgspec.json.Decoder(str | None)}
 
 
-def _body_of(members: dict[str, Raw]) -> _Body:
-    """``_body.decode(body)`` from the body's raw members: the same fields, of the same types
-    (one of a wrong type raises, as the whole decode does)."""
-    b = _Body()
-    for name in ("tools", "system", "instructions", "input"):
+def _body_of(members: dict[str, Raw], flat: bool = False) -> _Body:
+    """``_body.decode(body)`` (``flat``: ``_flat``'s) from the body's raw members: the same
+    fields, of the same types (one of a wrong type raises, as the whole decode does)."""
+    b = _Flat() if flat else _Body()
+    for name in ("tools", "system", "instructions", "input", *(("messages",) if flat else ())):
         raw = members.get(name)
         if raw is not None:
             setattr(b, name, raw)
     for name, decoder in _member_decoders.items():
         raw = members.get(name)
-        if raw is not None:
+        if raw is not None and not (flat and name == "messages"):
             setattr(b, name, decoder.decode(raw))
     return b
 
 
 def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | None = None,
            max_items: int | None = None, members: dict[str, Raw] | None = None,
-           runs: Runs | None = None) -> Shape | None:
+           runs: Runs | None = None, key: str | None = None) -> Shape | None:
     if not body or api not in (facts.ANTHROPIC_MESSAGES, facts.OPENAI_CHAT, facts.OPENAI_RESPONSES):
         return None
     if members is not None:
-        b = _body_of(members)
+        b = _body_of(members, flat=runs is not None and api == facts.ANTHROPIC_MESSAGES)
     else:
         if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
             body, why = decode_body(body, content_encoding)
@@ -399,7 +421,7 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
             array = memoryview(b.messages)
             if _present(array):
                 array = bytes(array)
-                given_d, given_l, given_e, items, start = runs.take(array)     # type: ignore[union-attr]
+                given_d, given_l, given_e, items, start = runs.take(array, key)     # type: ignore[union-attr]
                 known = (given_d, given_l, given_e, start)
         else:
             items = list(b.messages or ())
@@ -420,7 +442,7 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
         digests.append(d)
         lengths.append(n)
     if known is not None:               # kept for the next turn: where each message ends
-        runs.keep(array, known[2] + _ends(array, items, known[3]), digests, lengths)     # type: ignore[union-attr]
+        runs.keep(array, known[2] + _ends(array, items, known[3]), digests, lengths, key)     # type: ignore[union-attr]
     return Shape(model=b.model or "", tools=tools, tools_len=tools_len, system=sys_d, system_len=sys_len,
                  messages=tuple(digests), lengths=tuple(lengths), partial=bool(b.previous_response_id))
 

@@ -1,5 +1,6 @@
 """A request's prompt as a cache sees it: digests and sizes, and where a later request departs from it."""
 
+import bisect
 import gzip
 import json
 from pathlib import Path
@@ -409,4 +410,10 @@ def test_arrays_kept_through_many_conversations_never_change_a_shape():
         # as the ledger shapes a small body on the event loop: from the facts' members, by conversation
         members = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
         assert shape(raw, F.ANTHROPIC_MESSAGES, seen=seen, members=members, runs=keyed, key=f"c{k}") == fresh
+        array = bytes(members["messages"])
+        for run in keyed.kept:         # the quick compares say what halving says
+            assert promptshape._shared(run, array) == bisect.bisect_right(run.ends, promptshape._common_prefix(run.array, array))
     assert len(runs.kept) == promptshape.RUNS
+    # the index by key holds the kept runs, no more, and their bytes are counted right
+    assert sorted(map(id, keyed.kept)) == sorted(id(r) for same in keyed._keyed.values() for r in same)
+    assert keyed._bytes == sum(len(r.array) for r in keyed.kept) and all(keyed._keyed.values())

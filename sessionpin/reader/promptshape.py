@@ -268,6 +268,8 @@ class Runs:
     def __init__(self, limit: int = RUNS, max_bytes: int = RUNS_BYTES) -> None:
         self.kept: list[_Run] = []          # most recent first
         self.limit, self.max_bytes = limit, max_bytes
+        self._keyed: dict[str | None, list[_Run]] = {}     # the same runs by key, most recent first
+        self._bytes = 0
         self._extended: _Run | None = None   # the one this array continues (``take``): ``keep`` replaces it
 
     def take(self, array: bytes, key: str | None = None) -> tuple[list[str], list[int], list[int], list[Raw], int]:
@@ -280,10 +282,8 @@ class Runs:
         best: _Run | None = None
         known = 0
         self._extended = None
-        for run in self.kept:
-            if key is not None and run.key != key:
-                continue
-            k = bisect.bisect_right(run.ends, _common_prefix(run.array, array))
+        for run in self.kept if key is None else self._keyed.get(key, ()):
+            k = _shared(run, array)
             if k > known:
                 best, known = run, k
         if best is not None:
@@ -307,14 +307,42 @@ class Runs:
         extended, self._extended = self._extended, None
         if len(array) > self.max_bytes // 2:
             return
-        for i, run in enumerate(self.kept):
-            if run is extended:
-                del self.kept[i]
-                break
-        self.kept.insert(0, _Run(array, ends, digests, lengths, key))
-        del self.kept[self.limit:]
-        while sum(len(r.array) for r in self.kept) > self.max_bytes:
-            self.kept.pop()
+        if extended is not None and any(run is extended for run in self._keyed.get(extended.key, ())):
+            self._drop(extended)
+        run = _Run(array, ends, digests, lengths, key)
+        self.kept.insert(0, run)
+        self._keyed.setdefault(key, []).insert(0, run)
+        self._bytes += len(array)
+        while len(self.kept) > self.limit or self._bytes > self.max_bytes:
+            self._drop(self.kept[-1])
+
+    def _drop(self, run: _Run) -> None:
+        same = self._keyed[run.key]
+        _remove(self.kept, run)
+        _remove(same, run)
+        if not same:
+            del self._keyed[run.key]
+        self._bytes -= len(run.array)
+
+
+def _remove(runs: list[_Run], run: _Run) -> None:
+    """``runs.remove(run)`` by identity (a tuple's equality would compare arrays first)."""
+    for i, r in enumerate(runs):
+        if r is run:
+            del runs[i]
+            return
+
+
+def _shared(run: _Run, array: bytes) -> int:
+    """How many of ``run``'s messages ``array`` repeats from its start: all of them, or all
+    but the last (its cache mark moved), told by one compare each — what a conversation's next
+    turn sends; otherwise found by halving (``_common_prefix``)."""
+    ends, view = run.ends, memoryview(run.array)
+    if ends and array.startswith(view[:ends[-1]]):
+        return len(ends)
+    if len(ends) > 1 and array.startswith(view[:ends[-2]]):
+        return len(ends) - 1
+    return bisect.bisect_right(ends, _common_prefix(run.array, array))
 
 
 def _ends(array: bytes, items: list[Raw], start: int) -> list[int]:

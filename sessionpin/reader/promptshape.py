@@ -33,7 +33,6 @@ Rules it keeps:
 from __future__ import annotations
 
 import bisect
-import itertools
 import re
 import zlib
 from typing import Callable, NamedTuple
@@ -41,15 +40,14 @@ from typing import Callable, NamedTuple
 import msgspec
 from msgspec import Raw
 
-from . import facts
+from . import arrays, facts
 from .encodings import decode_body
-from .scan import back_over
+from .scan import back_over, skip_ws
 
 _MARKER = re.compile(rb',?\s*"cache_control"\s*:\s*\{[^{}]*\}')    # what ``_unmarked`` removes
 _MARKER_KEY = b'"cache_control"'
 _MARKER_REST = re.compile(rb'\s*:\s*\{[^{}]*\}')
 _SPACE = b" \t\n\r\x0b\x0c"    # the regex's \s, for bytes
-_SPACES = re.compile(rb"[ \t\n\r]*")   # JSON's white space
 # a message whose content list begins with a text block (the only kind ``_canonical`` may
 # change): matched at its start, so other messages cost nothing more
 _TEXT_FIRST = re.compile(rb'\{\s*(?:"role"\s*:\s*"[a-z]*"\s*,\s*)?"content"\s*:\s*\[\s*\{\s*"type"\s*:\s*"text"')
@@ -262,7 +260,7 @@ class Runs:
     messages are digested. Any layout: in a compact array (what every client sends) each
     message's place follows from the lengths before it; in one with spaces between its items
     (a hand-made body, ``json.dumps``' default) the spaces are stepped over for the new
-    messages only (``_ends``). Bounded: ``RUNS`` arrays, ``RUNS_BYTES`` bytes. Memory only;
+    messages only (``arrays.item_ends``). Bounded: ``RUNS`` arrays, ``RUNS_BYTES`` bytes. Memory only;
     digests and lengths leave it, never a message."""
 
     def __init__(self, limit: int = RUNS, max_bytes: int = RUNS_BYTES) -> None:
@@ -275,7 +273,7 @@ class Runs:
     def take(self, array: bytes, key: str | None = None) -> tuple[list[str], list[int], list[int], list[Raw], int]:
         """For ``array`` (a messages array): the digests, lengths and ends of the messages a
         kept array gives back, the messages left to digest, and where in ``array`` the bytes
-        before the first of them end (its place, past any spaces, is ``_ends``'). ``key``: only
+        before the first of them end (its place, past any spaces, is ``arrays.item_ends``'). ``key``: only
         the arrays kept under it are compared (a conversation's own, on the event loop: no
         other conversation's array costs a compare). Raises as ``_items.decode`` does when it
         is not an array."""
@@ -288,7 +286,7 @@ class Runs:
                 best, known = run, k
         if best is not None:
             given = best.digests[:known], best.lengths[:known], best.ends[:known]
-            at = _past_space(array, best.ends[known - 1])
+            at = skip_ws(array, best.ends[known - 1])
             if known >= len(best.ends) - 1:    # all its messages, or all but the one whose mark moved
                 self._extended = best
             if at == len(array) - 1 and array[at] == 0x5D:         # ]: nothing new
@@ -334,41 +332,10 @@ def _remove(runs: list[_Run], run: _Run) -> None:
 
 
 def _shared(run: _Run, array: bytes) -> int:
-    """How many of ``run``'s messages ``array`` repeats from its start: all of them, or all
-    but the last (its cache mark moved), told by one compare each — what a conversation's next
-    turn sends; otherwise found by halving (``_common_prefix``)."""
-    ends, view = run.ends, memoryview(run.array)
-    if ends and array.startswith(view[:ends[-1]]):
-        return len(ends)
-    if len(ends) > 1 and array.startswith(view[:ends[-2]]):
-        return len(ends) - 1
-    return bisect.bisect_right(ends, _common_prefix(run.array, array))
-
-
-def _ends(array: bytes, items: list[Raw], start: int) -> list[int]:
-    """Where each of ``items`` ends in ``array``: the array's items from ``start`` on (just
-    past its ``[`` or a comma), decoded. Compact (one comma between each two and the ``]``
-    right after the last, not a byte more: what every client sends), the lengths say it at
-    once; otherwise each item is found past the spaces and the comma before it."""
-    if sum(map(len, items)) + len(items) == len(array) - start:
-        return list(itertools.accumulate((len(raw) + 1 for raw in items), initial=start - 1))[1:]
-    return _stepped(array, items, start)
-
-
-def _stepped(array: bytes, items: list[Raw], at: int) -> list[int]:
-    """``_ends`` an item at a time: past the spaces before it, its length, the spaces and the
-    comma after it."""
-    ends = []
-    for raw in items:
-        at = _past_space(array, at) + len(raw)
-        ends.append(at)
-        at = _past_space(array, at) + 1
-    return ends
-
-
-def _past_space(array: bytes, at: int) -> int:
-    """The first place from ``at`` on that is not JSON's white space."""
-    return _SPACES.match(array, at).end()
+    """How many of ``run``'s messages ``array`` repeats from its start: told by one compare
+    when it is all or all but the last (``arrays.repeats``: what a conversation's next turn
+    sends), otherwise found by halving (``_common_prefix``)."""
+    return arrays.repeats(run.array, run.ends, array) or bisect.bisect_right(run.ends, _common_prefix(run.array, array))
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -470,7 +437,7 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
         digests.append(d)
         lengths.append(n)
     if known is not None:               # kept for the next turn: where each message ends
-        runs.keep(array, known[2] + _ends(array, items, known[3]), digests, lengths, key)     # type: ignore[union-attr]
+        runs.keep(array, known[2] + arrays.item_ends(array, items, known[3]), digests, lengths, key)     # type: ignore[union-attr]
     return Shape(model=b.model or "", tools=tools, tools_len=tools_len, system=sys_d, system_len=sys_len,
                  messages=tuple(digests), lengths=tuple(lengths), partial=bool(b.previous_response_id))
 

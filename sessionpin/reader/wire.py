@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 from msgspec import Raw, Struct
 
+from . import knownarrays
 from .scan import skip_ws
 
 # A Raw that was not in the body (a real JSON value is never empty).
@@ -107,6 +108,10 @@ def decode_fields(fields: dict[str, msgspec.Raw]) -> tuple[dict[str, object], st
         try:
             if name == "tools":
                 values[name] = any_items(raw)
+                continue
+            if name == "messages":        # a conversation's history sent again: its new items decoded
+                values[name], scanned = knownarrays.decode(raw, decoder)
+                count(scanned)
                 continue
             count(len(raw))
             values[name] = decoder.decode(raw)

@@ -431,7 +431,7 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
     tools = memoryview(b.tools)
     tools, tools_len = _digest_whole(tools) if _present(tools) else ("", 0)
     sys_d, sys_len = _digest_whole(b"\x00".join(system)) if system else ("", 0)
-    digests, lengths = (list(known[0]), list(known[1])) if known else ([], [])
+    digests, lengths = (known[0], known[1]) if known else ([], [])     # (fresh lists: ``take``'s slices)
     for raw in items:
         d, n = _message_digest(raw, seen)
         digests.append(d)

@@ -6,6 +6,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from sessionpin.reader import knownarrays
 from sessionpin.reader import knownvalues as K
 from sessionpin.reader import wire
 
@@ -17,10 +18,12 @@ TOOLS_RAW = json.dumps(TOOLS, separators=(",", ":")).encode()
 
 @pytest.fixture(autouse=True)
 def fresh():
-    saved = list(K._known)
+    saved, arrays = list(K._known), list(knownarrays._kept)
     K._known.clear()
+    knownarrays._kept.clear()
     yield
     K._known[:] = saved
+    knownarrays._kept[:] = arrays
 
 
 def as_bytes(fields):
@@ -39,7 +42,7 @@ def same_as_whole(data: bytes):
         return None
     got = as_bytes(K.members(data))
     assert got == want
-    assert all(K._TOKEN not in v for _, v in got)
+    assert all(K._TOKEN not in v and K._ITEMS not in v for _, v in got)
     return got
 
 
@@ -169,3 +172,77 @@ def test_a_body_without_any_remembered_value_is_searched_at_most_twice():
     data = Counted(body(tools=TOOLS + [{"name": "new"}]))
     assert K.passed_over(data) is None
     assert len(finds) == K.TRIES < K.COUNT
+
+
+def _history(n: int, tag: str = "") -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{tag}m{i} " + "x" * 300} for i in range(n)]
+
+
+def _read(data: bytes) -> None:
+    """The facts read of a body: its members, then its fields (the messages array kept)."""
+    wire.decode_fields(K.members(data))
+
+
+def test_a_grown_conversations_messages_are_passed_over_not_skimmed(monkeypatch):
+    """Issue 22: the messages a conversation sent last turn (all but the newest, whose cache mark
+    moved) are stood in for when its next turn is read: the decode reads its new messages and
+    the members around them, not its history — and the members are the whole decode's."""
+    history = _history(120)
+    first = body(messages=history)
+    _read(first)
+    assert knownarrays.kept()
+    grown = body(messages=history + _history(2, "new"))
+    same_as_whole(grown)
+    given = []
+    real = wire.loose_decoder
+    monkeypatch.setattr(wire, "loose_decoder", type("Counting", (), {"decode": lambda self, b: given.append(len(b)) or real.decode(b)})())
+    K.members(grown)
+    assert given and given[0] < len(grown) - len(json.dumps(history, separators=(",", ":"))) + 2_000
+
+
+def test_repeated_messages_anywhere_but_the_members_value_read_as_the_whole_decode():
+    """The kept items' bytes where they are not the first items of the messages member's value
+    — inside a string, under another name, after another member named "messages", with the
+    member said twice, past a body that does not parse — read as the whole decode reads them."""
+    history = _history(120)
+    _read(body(messages=history))
+    items = json.dumps(history, separators=(",", ":")).encode()
+    more = json.dumps(history + _history(1, "n"), separators=(",", ":")).encode()
+    cases = [
+        b'{"model":"m","note":' + json.dumps(items.decode()).encode() + b',"messages":' + more + b"}",
+        b'{"model":"m","other":' + more + b',"messages":[]}',
+        b'{"model":"m","messages":[],"messages":' + more + b"}",
+        b'{"model":"m","messages":' + more + b',"messages":[]}',
+        b'{"model":"m","messages":' + more[:-1] + b"}",
+        b'{"model":"m","messages":' + more + b"",
+        b'{"model":"m","messages":' + more + b',"messages":' + more + b"}",
+        b'{"model":"m","messages" : ' + more + b"}",
+        b'{"model":"m","messages":' + more.replace(b"},{", b"}, {", 1) + b"}",
+        b'{"messages":' + items[:-1] + b',{"role":3}]}',
+        b'["messages",' + more + b"]",
+        b'{"model":"m","messages":{"a":' + more + b"}}",
+        b'{"model":"m","x":"\\"messages\\":' + more[:40] + b'","messages":' + more + b"}",
+    ]
+    for data in cases:
+        same_as_whole(data)
+
+
+def test_many_conversations_read_as_their_whole_decodes():
+    """Conversations interleaved, grown, edited and cut, some with their tools, some laid out
+    with spaces: every members read is the whole decode's. Seeded: the same run each time."""
+    import random
+    rnd = random.Random(4)
+    convs = [_history(rnd.randint(40, 90), f"c{k}") for k in range(6)]
+    for _ in range(150):
+        k = rnd.randrange(len(convs))
+        conv, r = convs[k], rnd.random()
+        if r < 0.7:
+            conv += _history(rnd.randint(1, 3), f"t{rnd.random()}")
+        elif r < 0.85:
+            conv[rnd.randrange(len(conv))] = {"role": "user", "content": "edited"}
+        elif len(conv) > 2:
+            del conv[rnd.randrange(1, len(conv)):]
+        doc = {"model": "m", "messages": conv, **({"tools": TOOLS} if rnd.random() < 0.5 else {})}
+        data = json.dumps(doc, separators=(",", ":") if rnd.random() < 0.85 else (", ", ": ")).encode()
+        same_as_whole(data)
+        _read(data)

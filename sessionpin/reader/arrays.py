@@ -31,13 +31,13 @@ def item_ends(array: bytes, items: list[Raw], start: int) -> list[int]:
     return ends
 
 
-def repeats(old: bytes, ends: list[int], array: bytes) -> int:
-    """How many of ``old``'s items (ending at ``ends``) ``array`` begins with byte for byte, when
-    it is all of them or all but the last (a client moves its cache mark to the newest message
-    each turn); 0 otherwise. One compare each."""
+def repeats(old: bytes, ends: list[int], array: bytes, at: int = 0) -> int:
+    """How many of ``old``'s items (ending at ``ends``) ``array`` begins with (from ``at``) byte
+    for byte, when it is all of them or all but the last (a client moves its cache mark to the
+    newest message each turn); 0 otherwise. One compare each."""
     view = memoryview(old)
-    if ends and array.startswith(view[:ends[-1]]):
+    if ends and array.startswith(view[:ends[-1]], at):
         return len(ends)
-    if len(ends) > 1 and array.startswith(view[:ends[-2]]):
+    if len(ends) > 1 and array.startswith(view[:ends[-2]], at):
         return len(ends) - 1
     return 0

@@ -71,6 +71,12 @@ def decode(raw: Raw, decoder: msgspec.json.Decoder) -> tuple[Any, int]:
     return got, 3 * len(array)
 
 
+def kept() -> list[tuple[bytes, list[int]]]:
+    """The arrays kept, each with where its items end (``knownvalues`` stands in for the items
+    a body repeats), most recent first."""
+    return [(old, ends) for _, old, ends, _ in list(_kept)]
+
+
 def _keep(entry: tuple, replaced: tuple | None) -> None:
     """``entry`` first; the kept one it continues goes (it gives nothing this one does not)."""
     if replaced is not None:

@@ -20,6 +20,14 @@ Why the answer is the decode's, byte for byte:
   is not the token, a body that is not JSON: its own decode says what is wrong).
 Memory only: a handful of values, the most recent first, each bounded in size. A body holding
 none of them costs at most ``TRIES`` finds over it (memchr speed: a tenth of the decode's).
+
+A conversation's messages array is not sent unchanged but grown: its earlier messages again,
+byte for byte, and a few more. Those (``knownarrays``' arrays: all of a kept array's items, or
+all but its last) are stood in for by one item, a second token, when they begin the value of the
+body's ``"messages"`` member (found within ``ITEMS_WINDOW`` bytes of the start): where a
+non-empty list of an array's items stood, one item can stand, and the text around it parses
+the same. The member whose value begins ``[`` and that token gets back its real bytes: the
+body's, from the same place, as long as the stand-in's value and the items it stood in for.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import os
 
 import msgspec
 
-from . import wire
+from . import knownarrays, wire
+from .arrays import repeats
+from .scan import skip_ws
 
 MIN_SIZE = 16 * 1024          # a value this long is worth remembering (the search costs ~µs a body)
 MAX_SIZE = 1024 * 1024        # (four of them: 4 MB at most, whatever a client sends)
@@ -37,7 +47,10 @@ NAMES = frozenset({"tools"})  # members sent unchanged turn after turn (the syst
                               # Claude Code's carries a billing line new on every request)
 TRIES = 2                     # searches a body at most (a miss costs a find over it: ~0.1 ms per MB)
 _HEAD = 64                    # bytes searched for: the rest is compared where they are found
+ITEMS_WINDOW = 32 * 1024     # bytes searched for the messages member's name (clients put it first)
 _TOKEN = b'"sessionpin-known-' + os.urandom(16).hex().encode() + b'"'
+_ITEMS = b'"sessionpin-items-' + os.urandom(16).hex().encode() + b'"'
+_MESSAGES = b'"messages"'
 _known: list[bytes] = []      # most recent first
 
 
@@ -51,21 +64,89 @@ def members(data: bytes) -> dict[str, msgspec.Raw]:
     return fields
 
 
-def passed_over(data: bytes) -> dict[str, msgspec.Raw] | None:
-    """``data``'s top level read with a remembered value passed over; None when none is in it
-    where a member's value stands (or the text does not parse): the caller decodes it whole."""
+def passed_over(data: bytes, items: bool = True) -> dict[str, msgspec.Raw] | None:
+    """``data``'s top level read with a remembered value passed over, and (``items``) the
+    messages it repeats; None when nothing remembered is in it where a member's value (or the
+    messages' first items) stands, or the text does not parse: the caller decodes it whole."""
+    cuts: list[tuple[int, int, bytes]] = []       # (start, end, token): data[start:end] stood in for
+    value = _found_value(data)
+    if value is not None:
+        cuts.append(value)
+    repeated = _found_items(data) if items else None
+    if repeated is not None and (value is None or repeated[1] <= value[0] or value[1] <= repeated[0]):
+        cuts.append(repeated)
+    if not cuts:
+        return None
+    return _stood_in(data, sorted(cuts))
+
+
+def _found_value(data: bytes) -> tuple[int, int, bytes] | None:
+    """Where a remembered value is in ``data`` (searched for at most ``TRIES`` times)."""
     tries = TRIES
     for i, value in enumerate(_known):
         if len(value) < len(data):
-            got = _passed_over(data, value)
-            if got is not None:
+            at = data.find(value[:_HEAD])
+            if at >= 0 and data.startswith(value, at):       # (memcmp; a memoryview's != is per byte)
                 if i:
                     _first(value)
-                return got
+                return at, at + len(value), _TOKEN
             tries -= 1
             if not tries:
                 break
     return None
+
+
+def _found_items(data: bytes) -> tuple[int, int, bytes] | None:
+    """The items a kept messages array gives at the start of the messages member's value: the
+    bytes from just past its ``[`` through the last of them."""
+    arrays = knownarrays.kept()
+    p = data.find(_MESSAGES, 0, ITEMS_WINDOW) if arrays else -1
+    if p < 0:
+        return None
+    q = skip_ws(data, p + len(_MESSAGES))
+    if q >= len(data) or data[q] != 0x3A:          # :
+        return None
+    q = skip_ws(data, q + 1)
+    if q >= len(data) or data[q] != 0x5B:          # [
+        return None
+    for old, ends in arrays:
+        k = repeats(old, ends, data, q)
+        if k:
+            return q + 1, q + ends[k - 1], _ITEMS
+    return None
+
+
+def _stood_in(data: bytes, cuts: list[tuple[int, int, bytes]]) -> dict[str, msgspec.Raw] | None:
+    """The top level of ``data`` with each cut stood in for by its token, then each token's
+    member given its real bytes back; None when a token is not where a member's value (a value's
+    token) or its first item (the items' token) stands, or is there twice."""
+    view = memoryview(data)
+    pieces, done = [], 0
+    for start, end, token in cuts:
+        pieces += [view[done:start], token]
+        done = end
+    pieces.append(view[done:])
+    stand_in = b"".join(pieces)
+    wire.count(len(stand_in) + _HEAD)
+    try:
+        fields = wire.loose_decoder.decode(stand_in)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    for start, end, token in cuts:
+        where = None
+        for name, raw in fields.items():
+            if token is _TOKEN and len(raw) == len(token) and bytes(raw) == token or \
+                    token is _ITEMS and bytes(memoryview(raw)[:1 + len(token)]) == b"[" + token:
+                if where is not None:
+                    return None
+                where = name
+        if where is None:
+            return None
+        if token is _TOKEN:
+            fields[where] = msgspec.Raw(view[start:end])      # (a view of the body: nothing copied)
+        else:       # the array from its [: as long as the stand-in's, less the token, plus the items
+            fields[where] = msgspec.Raw(view[start - 1:start - 1 + len(fields[where]) - len(token) + end - start])
+    return fields
 
 
 def remember(fields: dict[str, msgspec.Raw]) -> None:
@@ -91,26 +172,3 @@ def _first(value: bytes) -> None:
     except ValueError:
         return
     _known.insert(0, value)
-
-
-def _passed_over(data: bytes, value: bytes) -> dict[str, msgspec.Raw] | None:
-    at = data.find(value[:_HEAD])
-    if at < 0 or not data.startswith(value, at):    # (memcmp; a memoryview's != is per byte)
-        return None
-    view = memoryview(data)
-    stand_in = b"".join((view[:at], _TOKEN, view[at + len(value):]))
-    wire.count(len(stand_in) + _HEAD)
-    try:
-        fields = wire.loose_decoder.decode(stand_in)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    where = None
-    for name, raw in fields.items():
-        if len(raw) == len(_TOKEN) and bytes(raw) == _TOKEN:
-            if where is not None:
-                return None
-            where = name
-    if where is None:
-        return None
-    fields[where] = msgspec.Raw(value)
-    return fields

@@ -107,7 +107,7 @@ def _decode(decoder: msgspec.json.Decoder, buf) -> tuple[object, int]:
 def _decode_members(buf: bytes) -> tuple[dict[str, Raw] | None, int]:
     """``_decode(loose_decoder, buf)`` for a body's tail: a long member sent again (Claude
     Code's tool schemas, after the messages) compared instead of skimmed (``knownvalues``)."""
-    members = knownvalues.passed_over(buf)
+    members = knownvalues.passed_over(buf, items=False)     # (the messages are not in a tail)
     if members is not None:
         return members, -1
     members, k = _decode(loose_decoder, buf)

@@ -89,8 +89,8 @@ CLIENT_KEY = "sk-ant-bench-client-" + uuid.uuid4().hex[:8]
 STREAM_ONLY = "def responseheaders(flow):\n    flow.response.stream = True\n"
 NO_LINEAGE = "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage',))\n"
 NO_LEDGER = "from sessionpin.proxy import make_addons\naddons = make_addons(without=('ledger',))\n"
-SIZES = {"10KB": 10 * 1024, "100KB": 100 * 1024, "1MB": 1024 * 1024, "8MB": 8 * 1024 * 1024}
-DEFAULT_SIZES = "10KB,1MB,8MB"   # the sizes (100KB on request: a long conversation shaped on the event loop)
+SIZES = {"10KB": 10 * 1024, "100KB": 100 * 1024, "250KB": 250 * 1024, "1MB": 1024 * 1024, "8MB": 8 * 1024 * 1024}
+DEFAULT_SIZES = "10KB,1MB,8MB"   # the sizes (100KB, 250KB on request: long conversations read on the event loop)
 
 
 SHAPES = ("opening", "history", "recorded", "grown", "toolcalls")
@@ -516,7 +516,7 @@ def main() -> None:
     sizes = {k: SIZES[k] for k in args.sizes.split(",") if k}
     if not sizes or not set(args.sizes.split(",")) - {""} <= set(SIZES):
         ap.error(f"--sizes: choose from {', '.join(SIZES)}")
-    steps = {"10KB": 20, "100KB": 12, "1MB": 8, "8MB": 2} if args.quick else {"10KB": 80, "100KB": 50, "1MB": 30, "8MB": 8}
+    steps = {"10KB": 20, "100KB": 12, "250KB": 10, "1MB": 8, "8MB": 2} if args.quick else {"10KB": 80, "100KB": 50, "250KB": 40, "1MB": 30, "8MB": 8}
     steps = {k: v * args.repeat for k, v in steps.items()}
     ttfb_n = 8 if args.quick else 30
     shapes = [x for x in args.shapes.split(",") if x]

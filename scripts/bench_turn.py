@@ -51,7 +51,7 @@ from mitmproxy.test import taddons  # noqa: E402
 import bench_hook as BH  # noqa: E402
 import bench_proxy as BP  # noqa: E402
 
-SIZES = {"10KB": 10 * 1024, "100KB": 100 * 1024, "1MB": 1024 * 1024}
+SIZES = {"10KB": 10 * 1024, "100KB": 100 * 1024, "250KB": 250 * 1024, "1MB": 1024 * 1024}
 VARIANTS = {"full": dict(without=()), "nolin": dict(without=("lineage",)),
             "noledger": dict(without=("ledger",)), "bare": dict(participants=[], without=("lineage", "ledger"))}
 

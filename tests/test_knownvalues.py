@@ -228,8 +228,9 @@ def test_repeated_messages_anywhere_but_the_members_value_read_as_the_whole_deco
 
 
 def test_many_conversations_read_as_their_whole_decodes():
-    """Conversations interleaved, grown, edited and cut, some with their tools, some laid out
-    with spaces: every members read is the whole decode's. Seeded: the same run each time."""
+    """Conversations interleaved, grown, edited and cut, some with their tools (after their
+    messages or before), some laid out with spaces: every members read is the whole decode's.
+    Seeded: the same run each time."""
     import random
     rnd = random.Random(4)
     convs = [_history(rnd.randint(40, 90), f"c{k}") for k in range(6)]
@@ -242,7 +243,8 @@ def test_many_conversations_read_as_their_whole_decodes():
             conv[rnd.randrange(len(conv))] = {"role": "user", "content": "edited"}
         elif len(conv) > 2:
             del conv[rnd.randrange(1, len(conv)):]
-        doc = {"model": "m", "messages": conv, **({"tools": TOOLS} if rnd.random() < 0.5 else {})}
+        tools, first = ({"tools": TOOLS} if rnd.random() < 0.6 else {}), rnd.random() < 0.3
+        doc = {"model": "m", **(tools if first else {}), "messages": conv, **({} if first else tools)}
         data = json.dumps(doc, separators=(",", ":") if rnd.random() < 0.85 else (", ", ": ")).encode()
         same_as_whole(data)
         _read(data)

@@ -69,23 +69,26 @@ def passed_over(data: bytes, items: bool = True) -> dict[str, msgspec.Raw] | Non
     messages it repeats; None when nothing remembered is in it where a member's value (or the
     messages' first items) stands, or the text does not parse: the caller decodes it whole."""
     cuts: list[tuple[int, int, bytes]] = []       # (start, end, token): data[start:end] stood in for
-    value = _found_value(data)
-    if value is not None:
-        cuts.append(value)
     repeated = _found_items(data) if items else None
-    if repeated is not None and (value is None or repeated[1] <= value[0] or value[1] <= repeated[0]):
+    if repeated is not None:
         cuts.append(repeated)
+    value = _found_value(data, repeated[1] if repeated else 0)
+    if value is not None and (repeated is None or repeated[1] <= value[0] or value[1] <= repeated[0]):
+        cuts.append(value)
     if not cuts:
         return None
     return _stood_in(data, sorted(cuts))
 
 
-def _found_value(data: bytes) -> tuple[int, int, bytes] | None:
-    """Where a remembered value is in ``data`` (searched for at most ``TRIES`` times)."""
+def _found_value(data: bytes, after: int = 0) -> tuple[int, int, bytes] | None:
+    """Where a remembered value is in ``data`` (searched for at most ``TRIES`` times), searched
+    for from ``after`` first (past the messages stood in for: clients send the tools after them)."""
     tries = TRIES
     for i, value in enumerate(_known):
         if len(value) < len(data):
-            at = data.find(value[:_HEAD])
+            at = data.find(value[:_HEAD], after)
+            if at < 0 and after:
+                at = data.find(value[:_HEAD], 0, after)
             if at >= 0 and data.startswith(value, at):       # (memcmp; a memoryview's != is per byte)
                 if i:
                     _first(value)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import re
 import zlib
+from collections import OrderedDict
 from typing import Callable, NamedTuple
 
 import msgspec
@@ -264,11 +265,16 @@ class Runs:
     digests and lengths leave it, never a message."""
 
     def __init__(self, limit: int = RUNS, max_bytes: int = RUNS_BYTES) -> None:
-        self.kept: list[_Run] = []          # most recent first
+        self._order: OrderedDict[int, _Run] = OrderedDict()     # by id, the oldest first
+        self._keyed: dict[str | None, list[_Run]] = {}          # the same runs by key, most recent first
         self.limit, self.max_bytes = limit, max_bytes
-        self._keyed: dict[str | None, list[_Run]] = {}     # the same runs by key, most recent first
         self._bytes = 0
         self._extended: _Run | None = None   # the one this array continues (``take``): ``keep`` replaces it
+
+    @property
+    def kept(self) -> list[_Run]:
+        """The arrays kept, most recent first."""
+        return list(reversed(self._order.values()))
 
     def take(self, array: bytes, key: str | None = None) -> tuple[list[str], list[int], list[int], list[Raw], int]:
         """For ``array`` (a messages array): the digests, lengths and ends of the messages a
@@ -280,7 +286,7 @@ class Runs:
         best: _Run | None = None
         known = 0
         self._extended = None
-        for run in self.kept if key is None else self._keyed.get(key, ()):
+        for run in reversed(self._order.values()) if key is None else self._keyed.get(key, ()):
             k = _shared(run, array)
             if k > known:
                 best, known = run, k
@@ -305,30 +311,25 @@ class Runs:
         extended, self._extended = self._extended, None
         if len(array) > self.max_bytes // 2:
             return
-        if extended is not None and any(run is extended for run in self._keyed.get(extended.key, ())):
+        if extended is not None and self._order.get(id(extended)) is extended:
             self._drop(extended)
         run = _Run(array, ends, digests, lengths, key)
-        self.kept.insert(0, run)
+        self._order[id(run)] = run
         self._keyed.setdefault(key, []).insert(0, run)
         self._bytes += len(array)
-        while len(self.kept) > self.limit or self._bytes > self.max_bytes:
-            self._drop(self.kept[-1])
+        while len(self._order) > self.limit or self._bytes > self.max_bytes:
+            self._drop(next(iter(self._order.values())))
 
     def _drop(self, run: _Run) -> None:
+        del self._order[id(run)]
         same = self._keyed[run.key]
-        _remove(self.kept, run)
-        _remove(same, run)
+        for i, r in enumerate(same):        # (a conversation's few: its lanes)
+            if r is run:
+                del same[i]
+                break
         if not same:
             del self._keyed[run.key]
         self._bytes -= len(run.array)
-
-
-def _remove(runs: list[_Run], run: _Run) -> None:
-    """``runs.remove(run)`` by identity (a tuple's equality would compare arrays first)."""
-    for i, r in enumerate(runs):
-        if r is run:
-            del runs[i]
-            return
 
 
 def _shared(run: _Run, array: bytes) -> int:

@@ -116,3 +116,10 @@ def test_the_facts_read_of_a_grown_history_decodes_its_new_messages_only(monkeyp
     values, problem = wire.decode_fields(fields[1])
     assert problem == "" and values["messages"] == MESSAGES.decode(fields[1]["messages"])
     assert 0 < counting.given < 3_000 < len(fields[1]["messages"])
+
+
+def test_an_array_of_more_items_than_any_history_is_decoded_once_and_not_kept():
+    raw = msgspec.Raw(b"[" + b",".join([b"{}"] * (knownarrays.MAX_ITEMS + 1)) + b"]")
+    counting = Counting(MESSAGES)
+    got, _ = knownarrays.decode(raw, counting)
+    assert got == MESSAGES.decode(raw) and counting.given == len(raw) and knownarrays._kept == []

@@ -18,7 +18,8 @@ Why the answer is the decode's:
   whole array is a value the top-level read of the body already took whole (``Raw``).
 Taken only by one compare (``arrays.repeats``): a conversation whose history was edited or cut
 is decoded whole, as before. Arrays under ``MIN_SIZE`` are decoded whole (the compare would
-cost what it saves). Memory only: ``COUNT`` arrays, each at most ``MAX_SIZE``, with the values
+cost what it saves), and so are arrays of more than ``MAX_ITEMS`` (not kept). A body costs at
+most two compares (memcmp) with each kept array here, and as many in ``knownvalues``. Memory only: ``COUNT`` arrays, each at most ``MAX_SIZE``, with the values
 decoded from them (for messages: each one's role and type and a view of its content).
 """
 
@@ -35,6 +36,9 @@ from .scan import skip_ws
 MIN_SIZE = 16 * 1024
 MAX_SIZE = 256 * 1024       # (the facts read a larger body in parts: largebody)
 COUNT = 16
+# An array of more items is not kept: its places would cost a second decode and a list as long
+# (a real history has hundreds of messages in 256 KB; 40,000 ``{}`` fit, which no client sends).
+MAX_ITEMS = 10_000
 
 _items = msgspec.json.Decoder(list[Raw])
 # (decoder, array, where each item ends in it, the items decoded), most recent first. Readers on
@@ -67,6 +71,8 @@ def decode(raw: Raw, decoder: msgspec.json.Decoder) -> tuple[Any, int]:
             _keep((decoder, array, ends[:known] + item_ends(array, _items.decode(rest), at + 1), got), kept)
             return got, len(array) + 2 * len(rest)
     got = decoder.decode(array)
+    if got is None or len(got) > MAX_ITEMS:
+        return got, len(array)
     _keep((decoder, array, item_ends(array, _items.decode(array), 1), got), None)
     return got, 3 * len(array)
 

@@ -123,3 +123,38 @@ def test_an_array_of_more_items_than_any_history_is_decoded_once_and_not_kept():
     counting = Counting(MESSAGES)
     got, _ = knownarrays.decode(raw, counting)
     assert got == MESSAGES.decode(raw) and counting.given == len(raw) and knownarrays._kept == []
+
+
+def test_every_recording_read_in_a_row_has_the_facts_of_a_fresh_read():
+    """Claude Code's, opencode's, Codex's and pi's recorded requests read one after the other,
+    then twice more in a shuffled order, with the arrays and values remembered from the reads
+    before: each has the facts it has read alone, with nothing remembered."""
+    from pathlib import Path
+
+    from sessionpin.reader import facts, knownvalues
+    traffic = Path(__file__).parent / "fixtures" / "traffic"
+    requests = []
+    for path in sorted(traffic.glob("*/*.json")):
+        fx = json.loads(path.read_text())
+        if isinstance(fx.get("body"), dict):
+            headers = fx["headers"].items() if isinstance(fx["headers"], dict) else fx["headers"]
+            body = json.dumps(fx["body"], separators=(",", ":"), ensure_ascii=False).encode()
+            requests.append((fx["method"], fx["url"], [tuple(h) for h in headers], body))
+    saved = list(knownvalues._known)
+
+    def alone(r):
+        knownarrays._kept.clear()
+        knownvalues._known.clear()
+        return facts.read(*r, members=[])
+    try:
+        want = [alone(r) for r in requests]
+        knownarrays._kept.clear()
+        knownvalues._known.clear()
+        rnd = random.Random(9)
+        for order in (list(range(len(requests))), rnd.sample(range(len(requests)), len(requests)),
+                      rnd.sample(range(len(requests)), len(requests))):
+            for i in order:
+                assert facts.read(*requests[i], members=[]) == want[i], requests[i][:2]
+        assert len(requests) > 100 and knownarrays._kept, "some recorded histories were kept"
+    finally:
+        knownvalues._known[:] = saved

@@ -19,8 +19,9 @@ Why the answer is the decode's:
 Taken only by one compare (``arrays.repeats``): a conversation whose history was edited or cut
 is decoded whole, as before. Arrays under ``MIN_SIZE`` are decoded whole (the compare would
 cost what it saves), and so are arrays of more than ``MAX_ITEMS`` (not kept). A body costs at
-most two compares (memcmp) with each kept array here, and as many in ``knownvalues``. Memory only: ``COUNT`` arrays, each at most ``MAX_SIZE``, with the values
-decoded from them (for messages: each one's role and type and a view of its content).
+most two compares (memcmp) with each kept array here, and as many in ``knownvalues``. Memory
+only: ``COUNT`` arrays, each at most ``MAX_SIZE``, with the values decoded from them (for
+messages: each one's role and type and a view of its content).
 """
 
 from __future__ import annotations

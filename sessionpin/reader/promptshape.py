@@ -261,8 +261,8 @@ class Runs:
     messages are digested. Any layout: in a compact array (what every client sends) each
     message's place follows from the lengths before it; in one with spaces between its items
     (a hand-made body, ``json.dumps``' default) the spaces are stepped over for the new
-    messages only (``arrays.item_ends``). Bounded: ``RUNS`` arrays, ``RUNS_BYTES`` bytes. Memory only;
-    digests and lengths leave it, never a message."""
+    messages only (``arrays.item_ends``). Bounded: ``RUNS`` arrays, ``RUNS_BYTES`` bytes (or
+    the caller's). Memory only; digests and lengths leave it, never a message."""
 
     def __init__(self, limit: int = RUNS, max_bytes: int = RUNS_BYTES) -> None:
         self._order: OrderedDict[int, _Run] = OrderedDict()     # by id, the oldest first
@@ -279,10 +279,10 @@ class Runs:
     def take(self, array: bytes, key: str | None = None) -> tuple[list[str], list[int], list[int], list[Raw], int]:
         """For ``array`` (a messages array): the digests, lengths and ends of the messages a
         kept array gives back, the messages left to digest, and where in ``array`` the bytes
-        before the first of them end (its place, past any spaces, is ``arrays.item_ends``'). ``key``: only
-        the arrays kept under it are compared (a conversation's own, on the event loop: no
-        other conversation's array costs a compare). Raises as ``_items.decode`` does when it
-        is not an array."""
+        before the first of them end (its place, past any spaces, is ``arrays.item_ends``').
+        ``key``: only the arrays kept under it are compared (a conversation's own, on the event
+        loop: no other conversation's array costs a compare); None: every array kept (the body
+        reader's). Raises as ``_items.decode`` does when it is not an array."""
         best: _Run | None = None
         known = 0
         self._extended = None

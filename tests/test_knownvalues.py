@@ -222,9 +222,14 @@ def test_repeated_messages_anywhere_but_the_members_value_read_as_the_whole_deco
         b'["messages",' + more + b"]",
         b'{"model":"m","messages":{"a":' + more + b"}}",
         b'{"model":"m","x":"\\"messages\\":' + more[:40] + b'","messages":' + more + b"}",
+        b'{"model":"m","x":"messages","y":["messages"],"messages":' + more + b"}",
+        b'{"model":"m","x":{"messages":' + more + b'},"messages":' + more + b"}",
     ]
     for data in cases:
         same_as_whole(data)
+    # a value of that text before the member: the member is still found, its history passed over;
+    # found nested first (a member's name inside another's value), it is not taken: a whole decode
+    assert K.passed_over(cases[-2]) is not None and K.passed_over(cases[-1]) is None
 
 
 def test_many_conversations_read_as_their_whole_decodes():

@@ -48,6 +48,7 @@ NAMES = frozenset({"tools"})  # members sent unchanged turn after turn (the syst
 TRIES = 2                     # searches a body at most (a miss costs a find over it: ~0.1 ms per MB)
 _HEAD = 64                    # bytes searched for: the rest is compared where they are found
 ITEMS_WINDOW = 32 * 1024     # bytes searched for the messages member's name (clients put it first)
+NAME_HITS = 4                # "messages" found at most this many times there (a value of that text first)
 _TOKEN = b'"sessionpin-known-' + os.urandom(16).hex().encode() + b'"'
 _ITEMS = b'"sessionpin-items-' + os.urandom(16).hex().encode() + b'"'
 _MESSAGES = b'"messages"'
@@ -104,18 +105,19 @@ def _found_items(data: bytes) -> tuple[int, int, bytes] | None:
     bytes from just past its ``[`` through the last of them."""
     arrays = knownarrays.kept()
     p = data.find(_MESSAGES, 0, ITEMS_WINDOW) if arrays else -1
-    if p < 0:
-        return None
-    q = skip_ws(data, p + len(_MESSAGES))
-    if q >= len(data) or data[q] != 0x3A:          # :
-        return None
-    q = skip_ws(data, q + 1)
-    if q >= len(data) or data[q] != 0x5B:          # [
-        return None
-    for old, ends in arrays:
-        k = repeats(old, ends, data, q)
-        if k:
-            return q + 1, q + ends[k - 1], _ITEMS
+    for _ in range(NAME_HITS):
+        if p < 0:
+            return None
+        c = skip_ws(data, p + len(_MESSAGES))
+        if c < len(data) and data[c] == 0x3A:          # ":": a member's name
+            q = skip_ws(data, c + 1)
+            if q < len(data) and data[q] == 0x5B:      # [
+                for old, ends in arrays:
+                    k = repeats(old, ends, data, q)
+                    if k:
+                        return q + 1, q + ends[k - 1], _ITEMS
+            return None
+        p = data.find(_MESSAGES, p + 1, ITEMS_WINDOW)   # a value "messages" before the member
     return None
 
 

@@ -140,8 +140,7 @@ def _stood_in(data: bytes, cuts: list[tuple[int, int, bytes]]) -> dict[str, msgs
     for start, end, token in cuts:
         where = None
         for name, raw in fields.items():
-            if token is _TOKEN and len(raw) == len(token) and bytes(raw) == token or \
-                    token is _ITEMS and bytes(memoryview(raw)[:1 + len(token)]) == b"[" + token:
+            if _holds(raw, token):
                 if where is not None:
                     return None
                 where = name
@@ -152,6 +151,14 @@ def _stood_in(data: bytes, cuts: list[tuple[int, int, bytes]]) -> dict[str, msgs
         else:       # the array from its [: as long as the stand-in's, less the token, plus the items
             fields[where] = msgspec.Raw(view[start - 1:start - 1 + len(fields[where]) - len(token) + end - start])
     return fields
+
+
+def _holds(raw: msgspec.Raw, token: bytes) -> bool:
+    """Whether a member's value is where ``token`` stood in: the whole value (a remembered
+    value's token) or the first item of an array (the repeated items' token)."""
+    if token is _TOKEN:
+        return len(raw) == len(token) and bytes(raw) == token
+    return bytes(memoryview(raw)[:1 + len(token)]) == b"[" + token
 
 
 def remember(fields: dict[str, msgspec.Raw]) -> None:

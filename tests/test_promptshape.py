@@ -279,6 +279,84 @@ def _compact(b: bytes) -> bytes:
     return json.dumps(json.loads(b), separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def test_openai_histories_kept_through_many_conversations_never_change_a_shape():
+    """OpenAI chat ``messages`` and Responses ``input`` lists, kept as Claude Code's arrays are:
+    eight conversations of each interleaved (grown, cut, edited, restarted; leading system or
+    developer items, none, or only those; a Responses input sometimes a string), compact or
+    spaced, through the body reader's ``Runs`` and the event loop's (by conversation): every
+    shape is the shape read afresh. Seeded: the same run each time."""
+    import random
+    rnd = random.Random(7)
+
+    def item(api, i):
+        if i < 0:           # a leading item: the system prompt's
+            return {"role": rnd.choice(["system", "developer"]), "content": f"be brief {i} " + "y" * rnd.randint(0, 20)}
+        if api == F.OPENAI_RESPONSES and rnd.random() < 0.3:
+            return rnd.choice([{"type": "function_call", "call_id": f"c{i}", "name": "sh", "arguments": "{}"},
+                               {"type": "function_call_output", "call_id": f"c{i}", "output": "ok" * rnd.randint(0, 9)},
+                               {"type": "reasoning", "encrypted_content": "e" * rnd.randint(1, 40)}])
+        return {"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i} " + "x" * rnd.randint(0, 30)}
+
+    def opening(api):
+        return [item(api, -1 - j) for j in range(rnd.choice([0, 1, 1, 2]))] + [item(api, i) for i in range(rnd.randint(0, 20))]
+    for api, name in ((F.OPENAI_CHAT, "messages"), (F.OPENAI_RESPONSES, "input")):
+        runs, seen, keyed = promptshape.Runs(), {}, promptshape.Runs(limit=64)
+        convs = [opening(api) for _ in range(8)]
+        for _ in range(300):
+            k = rnd.randrange(len(convs))
+            conv, r = convs[k], rnd.random()
+            if r < 0.6:
+                conv.extend(item(api, len(conv) + j) for j in range(rnd.randint(1, 3)))
+            elif r < 0.7 and len(conv) > 1:
+                del conv[rnd.randrange(len(conv)):]
+            elif r < 0.8 and conv:
+                conv[rnd.randrange(len(conv))] = item(api, rnd.choice([-9, 999]))
+            elif r < 0.85:
+                convs[k] = conv = opening(api)
+            doc = {"model": "gpt", name: [dict(m) for m in conv], "tools": [{"type": "function", "name": "sh"}]}
+            if api == F.OPENAI_RESPONSES:
+                doc["instructions"] = "you code"
+                if rnd.random() < 0.05:
+                    doc["input"] = "just a string"
+            raw = json.dumps(doc, separators=(",", ":") if rnd.random() < 0.85 else (", ", ": ")).encode()
+            fresh = shape(raw, api)
+            assert fresh is not None
+            assert shape(raw, api, seen=seen, runs=runs) == fresh
+            assert shape(raw, api, seen=seen, runs=keyed, key=f"c{k}") == fresh
+            assert shape(raw, api, runs=promptshape.Runs(), max_items=len(fresh.messages)) == fresh
+            assert shape(raw, api, runs=keyed, key=f"c{k}", max_items=len(fresh.messages) - 1) is None \
+                or not fresh.messages
+
+
+def test_a_long_openai_history_is_digested_once_then_only_its_new_items(monkeypatch):
+    """A chat history of 3,000 messages after a system message, and a Codex-like Responses input
+    (developer items first): the next turn, two items more, digests those two (the leading items
+    stay the system prompt's)."""
+    stepped = []
+    real = promptshape._message_digest
+    monkeypatch.setattr(promptshape, "_message_digest", lambda raw, seen: stepped.append(1) or real(raw, seen))
+
+    def chat(n):
+        msgs = [{"role": "system", "content": "be brief"}] + [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(n)]
+        return _compact(body(model="gpt", messages=msgs))
+
+    def responses(n):
+        items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+                 {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "AGENTS.md"}]}]
+        items += [{"type": "function_call", "call_id": f"c{i}", "name": "sh", "arguments": "{}"} if i % 2 else
+                  {"type": "function_call_output", "call_id": f"c{i - 1}", "output": f"out {i}"} for i in range(n)]
+        return _compact(body(model="gpt", instructions="you code", input=items))
+    for api, make in ((F.OPENAI_CHAT, chat), (F.OPENAI_RESPONSES, responses)):
+        runs, seen = promptshape.Runs(), {}
+        first, second = make(3_000), make(3_002)
+        assert shape(first, api, seen=seen, runs=runs) == shape(first, api)
+        stepped.clear()
+        got = shape(second, api, seen=seen, runs=runs)
+        assert len(stepped) == 2 and got == shape(second, api)
+        assert got.system and len(got.messages) == (3_002 if api == F.OPENAI_CHAT else 3_003)
+
+
 def test_arrays_kept_between_requests_give_the_same_shape_and_digest_only_new_messages(monkeypatch):
     """``Runs`` (the body reader's): each body's shape is the shape read afresh, through a
     recorded conversation, its compaction, a second conversation between its turns, a body laid

@@ -251,7 +251,9 @@ class _Run(NamedTuple):
 
 
 class Runs:
-    """The messages arrays shaped lately, each with where its messages end and their digests.
+    """The messages arrays shaped lately, each with where its messages end and their digests
+    (Anthropic's and OpenAI chat's ``messages``, a Responses ``input`` list: every item, the
+    leading system / developer ones too, whose digests ``shape`` leaves out of the messages').
 
     A conversation's next turn sends its array again with a few messages more (and its cache
     mark moved to the newest message). The longest byte prefix it shares with a kept array
@@ -387,16 +389,19 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
            runs: Runs | None = None, key: str | None = None) -> Shape | None:
     if not body or api not in (facts.ANTHROPIC_MESSAGES, facts.OPENAI_CHAT, facts.OPENAI_RESPONSES):
         return None
+    # with ``runs``, the messages array (Responses: the input list) is kept whole, to be compared
+    flat = runs is not None and api != facts.OPENAI_RESPONSES       # (Responses' input is Raw already)
     if members is not None:
-        b = _body_of(members, flat=runs is not None and api == facts.ANTHROPIC_MESSAGES)
+        b = _body_of(members, flat=flat)
     else:
         if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
             body, why = decode_body(body, content_encoding)
             if why:
                 return None
-        b = (_flat if runs is not None and api == facts.ANTHROPIC_MESSAGES else _body).decode(body)
+        b = (_flat if flat else _body).decode(body)
     items: list = []                # Raw views of the body (or bytes)
     known: tuple[list[str], list[int], list[int], int] | None = None   # what a kept array gave back
+    array = None                    # the array whose items a kept one may give back (``runs``)
     system: list[bytes] = []
     if api == facts.OPENAI_RESPONSES:
         instructions = memoryview(b.instructions)
@@ -404,7 +409,10 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
             system.append(instructions)
         raw = memoryview(b.input)
         if _opens_list(raw):
-            items = list(_items.decode(raw))
+            if runs is not None:
+                array = raw
+            else:
+                items = list(_items.decode(raw))
         elif _present(raw):
             items = [raw]
     else:
@@ -414,20 +422,25 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
         elif _present(raw):
             system.append(raw)
         if isinstance(b, _Flat):
-            array = memoryview(b.messages)
-            if _present(array):
-                array = bytes(array)
-                given_d, given_l, given_e, items, start = runs.take(array, key)     # type: ignore[union-attr]
-                known = (given_d, given_l, given_e, start)
+            if _present(memoryview(b.messages)):
+                array = memoryview(b.messages)
         else:
             items = list(b.messages or ())
+    if array is not None:
+        array = bytes(array)
+        given_d, given_l, given_e, items, start = runs.take(array, key)     # type: ignore[union-attr]
+        known = (given_d, given_l, given_e, start)
+    lead = 0                # OpenAI's leading system / developer items: the system prompt's
     if api != facts.ANTHROPIC_MESSAGES:
-        lead = 0
-        while lead < len(items) and _role_of(items[lead]) in _LEADING:
+        given = len(known[0]) if known else 0
+        item = (lambda i: items[i - given] if i >= given else _kept_item(array, known[2], i))  # type: ignore
+        while lead < given + len(items) and _role_of(item(lead)) in _LEADING:
             lead += 1
-        system += items[:lead]
-        items = items[lead:]
-    if max_items is not None and len(items) + (len(known[0]) if known else 0) > max_items:
+        system += [item(i) for i in range(lead)]
+        if known is None:
+            items = items[lead:]
+            lead = 0
+    if max_items is not None and len(items) + (len(known[0]) if known else 0) - lead > max_items:
         return None
     tools = memoryview(b.tools)
     tools, tools_len = _digest_whole(tools) if _present(tools) else ("", 0)
@@ -440,7 +453,14 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
     if known is not None:               # kept for the next turn: where each message ends
         runs.keep(array, known[2] + arrays.item_ends(array, items, known[3]), digests, lengths, key)     # type: ignore[union-attr]
     return Shape(model=b.model or "", tools=tools, tools_len=tools_len, system=sys_d, system_len=sys_len,
-                 messages=tuple(digests), lengths=tuple(lengths), partial=bool(b.previous_response_id))
+                 messages=tuple(digests[lead:]), lengths=tuple(lengths[lead:]), partial=bool(b.previous_response_id))
+
+
+def _kept_item(array: bytes, ends: list[int], i: int) -> memoryview:
+    """The ``i``-th item of ``array`` (a kept array gave it back: its end is ``ends[i]``), as a
+    view: past the ``[`` or the comma before it and any white space."""
+    start = skip_ws(array, 1 if i == 0 else skip_ws(array, ends[i - 1]) + 1)
+    return memoryview(array)[start:ends[i]]
 
 
 def compare(prev: Shape, cur: Shape) -> Difference:

@@ -158,3 +158,45 @@ def test_every_recording_read_in_a_row_has_the_facts_of_a_fresh_read():
         assert len(requests) > 100 and knownarrays._kept, "some recorded histories were kept"
     finally:
         knownvalues._known[:] = saved
+
+
+def test_a_chat_clients_long_history_is_read_by_its_new_messages_with_the_facts_of_a_typed_read(monkeypatch):
+    """pi's recorded chat request, its history grown past ``MIN_SIZE`` (a typed read: the body
+    is not Claude Code's nor opencode's), read turn after turn beside a second conversation and
+    an edited one: each read has the facts it has alone, and a next turn has its new messages
+    decoded — not the whole body (the typed decode of every message, on every turn, before)."""
+    from pathlib import Path
+
+    from sessionpin.reader import facts, knownvalues
+    fx = json.loads((Path(__file__).parent / "fixtures" / "traffic" / "pi" / "lineage-chat-05-fork.json").read_text())
+    headers = [tuple(h) for h in fx["headers"]]
+    rnd = random.Random(4)
+    lead, steps = fx["body"]["messages"][:1], fx["body"]["messages"][1:]
+
+    def body(history, n):
+        return json.dumps(dict(fx["body"], messages=lead + (history * 60)[:n]), separators=(",", ":")).encode()
+    saved = list(knownvalues._known)
+    counting = Counting(wire.body_decoder)
+    try:
+        turns = []
+        for n in range(200, 240, 2):
+            turns += [body(steps, n), body(steps[::-1], n + 1)]
+            if rnd.random() < 0.3:
+                turns.append(body(steps, n).replace(b"Read", b"Sent", 1))       # an edited history
+        assert len(turns[0]) > knownarrays.MIN_SIZE
+        want = []
+        for raw in turns:
+            knownarrays._kept.clear()
+            want.append(facts.read(fx["method"], fx["url"], headers, raw))
+        knownarrays._kept.clear()
+        monkeypatch.setattr(wire, "body_decoder", counting)
+        messages = Counting(MESSAGES)
+        monkeypatch.setitem(wire.field_decoders, "messages", messages)
+        for raw, expected in zip(turns, want):
+            messages.given = counting.given = 0
+            got = facts.read(fx["method"], fx["url"], headers, raw)
+            assert got == expected and got.agent == facts.PI and got.parsed
+        assert counting.given == 0                      # no typed read of a whole body
+        assert 0 < messages.given < len(turns[-1]) // 10   # the last turn: its new messages
+    finally:
+        knownvalues._known[:] = saved

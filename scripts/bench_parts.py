@@ -44,6 +44,10 @@ Variants (``make_addons(without=...)``, options):
              the proxy more than itself?
   floorwide  the floor and as much CPU spread over ``WIDE_N`` distinct small functions (``WIDE``)
   floorawait the floor as an async hook that lets the loop turn once first (``AWAIT``)
+  floorheap  the floor with sessionpin's modules loaded and its addon made, never loaded, then
+             frozen out of the collector (``HEAP``): does the router's heap alone cost the proxy?
+  nopool     the full router without the OpenCode id pool (``make_addons([])``)
+  barepool   bare with the OpenCode id pool (``bare`` leaves it out)
   barequiet  bare, ``sessionpin_decision_log=off``
 One piece of the full router taken out (a monkeypatch in the variant's script: to measure it,
 never a way to run):
@@ -139,6 +143,8 @@ SCRIPTS = {
     "nolin": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage',))\n",
     "noledger": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('ledger',))\n",
     "bare": "from sessionpin.proxy import make_addons\naddons = make_addons([], without=('lineage', 'ledger'))\n",
+    "nopool": "from sessionpin.proxy import make_addons\naddons = make_addons([])\n",
+    "barepool": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage', 'ledger'))\n",
     # one piece taken out of the full router, to measure it (never how it should run)
     "threadwrites": "from sessionpin.store.file import FileStore\nFileStore.now_writes = frozenset()\n" + _FULL,
     "noroot": "from sessionpin.proxy import lineagewatch\n"
@@ -232,6 +238,11 @@ WIDE = "".join(f"def _w{i}(x):\n    d = {{'a{i}': x, 'b': [x, {i}]}}\n    return
     "\n_floor = request\n\ndef request(flow):\n    _wide()\n    _floor(flow)\n")
 # ``floorawait``: the floor as an async hook that lets the event loop turn once before its work
 AWAIT = "\nimport asyncio\n_sync = request\n\nasync def request(flow):\n    await asyncio.sleep(0)\n    _sync(flow)\n"
+# ``floorheap``: the floor with sessionpin's modules loaded and its addon made but not loaded
+# (no hook of it runs), what is alive then frozen out of the collector as the router's is: does
+# the router's heap alone make the proxy's own work dearer?
+HEAP = ("\nfrom sessionpin.proxy import make_addons as _make\n_unused = _make()\n"
+        "import gc as _g\n_g.collect()\n_g.freeze()\n")
 NOOP = "def request(flow):\n    pass\n"
 # ``noophooks``: every flow and connection hook the bundle takes, each doing nothing (``request``
 # and ``server_connect`` async, as the bundle's): what mitmproxy's dispatch of them costs
@@ -242,7 +253,7 @@ NOOPHOOKS = "".join(f"def {h}(x):\n    pass\n" for h in (
 NOOPGC = f"import gc\ngc.set_threshold(*{GC!r})\n" + NOOP
 # glibc's malloc told to keep its freed memory (a large body's pages reused, not faulted in anew)
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "noopgc", "noophooks", "floor", "floorspin", "floorwide", "floorawait", "plainmalloc", "fullmalloc")
+KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "noopgc", "noophooks", "floor", "floorspin", "floorwide", "floorawait", "floorheap", "plainmalloc", "fullmalloc")
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -329,7 +340,7 @@ def main() -> None:
             if name == "plainmalloc":
                 procs[name] = (Mitmdump(tmp / name, script=None, options=trust, env=MALLOC), upstream.url)
                 continue
-            if name in ("floor", "floorspin", "floorwide", "floorawait"):
+            if name in ("floor", "floorspin", "floorwide", "floorawait", "floorheap"):
                 db = tmp / f"{name}.db"
                 with sqlite3.connect(db) as c:
                     c.execute("PRAGMA journal_mode = WAL")
@@ -337,7 +348,7 @@ def main() -> None:
                 up = urllib.parse.urlsplit(upstream.url)
                 (tmp / f"{name}.py").write_text(FLOOR.format(db=str(db), host=up.hostname, port=up.port,
                                                              prefix=up.path.rstrip("/"), key=BP.UPSTREAM_KEY)
-                                                + {"floorspin": SPIN, "floorwide": WIDE, "floorawait": AWAIT}.get(name, ""))
+                                                + {"floorspin": SPIN, "floorwide": WIDE, "floorawait": AWAIT, "floorheap": HEAP}.get(name, ""))
                 procs[name] = (Mitmdump(tmp / name, script=tmp / f"{name}.py", options=trust), origin.origin)
                 continue
             if name in ("noop", "nooplimit", "noopgc", "noophooks"):
@@ -362,7 +373,7 @@ def main() -> None:
                 clients[name].load(size, args.shape)
                 for _ in range(5):
                     clients[name].step()        # warm-up, not counted
-            for name in ("full", "floor", "floorspin", "floorwide", "floorawait"):      # routing? (else nothing is measured)
+            for name in ("full", "floor", "floorspin", "floorwide", "floorawait", "floorheap"):      # routing? (else nothing is measured)
                 if name not in procs:
                     continue
                 upstream.keep_bodies = True

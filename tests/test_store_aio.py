@@ -232,6 +232,31 @@ async def test_after_a_read_that_met_the_disk_reads_go_to_the_thread_for_a_while
         await store.close()
 
 
+async def test_a_write_that_met_the_disk_sends_the_writes_to_the_thread_not_the_reads(tmp_path, monkeypatch):
+    """Issue 22, fourteenth round: a commit on the loop that grows the WAL may read the file
+    system's blocks (ext4: ~1 commit in 600). That cooled off the reads too, and under load
+    11-88 % of the pin reads then went to the reader thread, a hop each (fails before: the
+    second read went to the thread)."""
+    from sessionpin.store.base import Set
+    store = await opened(tmp_path)
+    try:
+        reads = iter(range(1000))
+        monkeypatch.setattr(aio, "_disk_reads", lambda: next(reads))    # this write met the disk
+        writer, wrote = WriterCalls(store), store.now_writes
+        assert await store.apply([], [Set("seen:a", "1")]) is True
+        monkeypatch.setattr(aio, "_disk_reads", lambda: 7)               # what follows does not
+        lane, before = LaneCalls(store), store.now_reads
+        assert await store.get("pin:s") == "glm" and await store.get("seen:a") == "1"
+        assert (lane.names, store.now_reads, store.slow_reads) == ([], before + 2, 0)    # on the loop
+        assert (store.now_writes, store.slow_writes, writer.names) == (wrote + 1, 1, [])
+        assert await store.apply([], [Set("seen:b", "2")]) is True
+        assert (store.now_writes, writer.names) == (wrote + 1, ["apply"])  # cooling off: on the thread
+        store._writes_after = 0.0                                        # the cool-off is over
+        assert await store.apply([], [Set("seen:c", "3")]) is True and store.now_writes == wrote + 2
+    finally:
+        await store.close()
+
+
 class Counted(MemoryStore):
     def __init__(self) -> None:
         super().__init__()

@@ -46,6 +46,10 @@ Variants (``make_addons(without=...)``, options):
   floorawait the floor as an async hook that lets the loop turn once first (``AWAIT``)
   floorheap  the floor with sessionpin's modules loaded and its addon made, never loaded, then
              frozen out of the collector (``HEAP``): does the router's heap alone cost the proxy?
+  floorsys   the floor and ``SYS_N`` times the system calls bare makes a request beyond it (``SYS``)
+  floorwake  the floor and a call handed to a thread and awaited, each request (``WAKE``)
+  barehops, fullhops  bare and the full router with their hand-offs between threads counted
+             by kind, with their responses, in ``HOPS_FILE`` in the temp directory (``HOPS``)
   nopool     the full router without the OpenCode id pool (``make_addons([])``)
   barepool   bare with the OpenCode id pool (``bare`` leaves it out)
   barequiet  bare, ``sessionpin_decision_log=off``
@@ -53,6 +57,8 @@ One piece of the full router taken out (a monkeypatch in the variant's script: t
 never a way to run):
   threadwrites    every store write on the writer thread (``FileStore.now_writes`` empty: as before
                   issue 22's writes on the loop)
+  threadreads     every store read on the reader thread (``FileStore.now_reads`` empty: as before
+                  issue 22's reads on the loop)
   noroot          no lineage root read per request with history
   rootinline      a small request's lineage root read on the loop, not gathered for the reads' thread
   noshape         no prompt shape per answered turn (the ledger)
@@ -147,6 +153,7 @@ SCRIPTS = {
     "barepool": "from sessionpin.proxy import make_addons\naddons = make_addons(without=('lineage', 'ledger'))\n",
     # one piece taken out of the full router, to measure it (never how it should run)
     "threadwrites": "from sessionpin.store.file import FileStore\nFileStore.now_writes = frozenset()\n" + _FULL,
+    "threadreads": "from sessionpin.store.file import FileStore\nFileStore.now_reads = frozenset()\n" + _FULL,
     "noroot": "from sessionpin.proxy import lineagewatch\n"
               "lineagewatch.LineageWatch._request_root = lambda self, flow, state: None\n" + _FULL,
     "rootinline": "from sessionpin.proxy import lineagewatch\n"
@@ -197,6 +204,46 @@ SCRIPTS = {
     "nolinwrites": "from sessionpin.proxy import lineagewatch\n"
                    "lineagewatch.LineageWatch._record = lambda self, writes: None\n" + _FULL,
 }
+# ``*hops``: the router's hand-offs between threads counted by kind — calls queued to a store
+# lane, answers sent to the loop from another thread (``call_soon_threadsafe``), calls given to
+# an executor, reads the store could answer on the loop sent to its thread by a cool-off —
+# with its responses, written every second to ``HOPS_FILE`` in the temp directory
+HOPS_FILE = "sessionpin-hops-{pid}.json"
+HOPS = """
+import asyncio as _aio, collections as _col, concurrent.futures as _cf, json as _json, os as _os
+import tempfile as _tf, threading as _th, time as _t
+from sessionpin.store import aio as _saio
+_hops = _col.Counter()
+def _count(kind, fn):
+    _hops[kind + " " + getattr(fn, "__qualname__", type(fn).__name__) + " from " + _th.current_thread().name] += 1
+def _wrap(cls, name):
+    orig = getattr(cls, name)
+    def counted(self, fn, *a, **k):
+        _count(name, fn if name != "run_in_executor" else (a[0] if a else fn))
+        return orig(self, fn, *a, **k)
+    setattr(cls, name, counted)
+_wrap(_saio.Lane, "call")
+_read0 = _saio.Threaded._read
+async def _read(self, name, *a, **k):       # a read the store could answer on the loop, cooling off
+    if name in self._now_reads and not k and _t.monotonic() < self._now_after:
+        _hops["read in a cool-off " + name] += 1
+    return await _read0(self, name, *a, **k)
+_saio.Threaded._read = _read
+_wrap(_aio.BaseEventLoop, "call_soon_threadsafe")
+_wrap(_aio.BaseEventLoop, "run_in_executor")
+_wrap(_cf.ThreadPoolExecutor, "submit")
+def _hops_write():
+    path = _os.path.join(_tf.gettempdir(), %r.format(pid=_os.getpid()))
+    while True:
+        _t.sleep(1)
+        with open(path, "w") as f:
+            _json.dump(dict(_hops), f)
+_th.Thread(target=_hops_write, daemon=True).start()
+def response(flow):
+    _hops["responses"] += 1
+""" % HOPS_FILE
+SCRIPTS["barehops"] = HOPS + SCRIPTS["bare"]
+SCRIPTS["fullhops"] = HOPS + _FULL
 OPTIONS = {"quiet": {"sessionpin_decision_log": "off"}, "barequiet": {"sessionpin_decision_log": "off"},
            "thawed": {"sessionpin_gc_freeze": "false"}, "thawedgcstats": {"sessionpin_gc_freeze": "false"}}
 # The least a router must do for a pinned turn, written plainly (not sessionpin): the body's top
@@ -243,6 +290,22 @@ AWAIT = "\nimport asyncio\n_sync = request\n\nasync def request(flow):\n    awai
 # the router's heap alone make the proxy's own work dearer?
 HEAP = ("\nfrom sessionpin.proxy import make_addons as _make\n_unused = _make()\n"
         "import gc as _g\n_g.collect()\n_g.freeze()\n")
+# ``floorsys``: the floor and the system calls a pinned turn of the router without its watches
+# makes beyond it (strace -c -f, ``--syscalls``: two getrusage, a stat, a pread, an fcntl),
+# ``SYS_N`` times over: does a system call cost the proxy more than itself (its caches, its TLB)?
+SYS_N = 4
+SYS = ("\nimport os as _os, resource as _res\n_fd = _os.open({db!r}, _os.O_RDONLY)\n"
+       "import fcntl as _fcntl\n"
+       "def _sys():\n"
+       f"    for _ in range({SYS_N}):\n"
+       "        _res.getrusage(_res.RUSAGE_THREAD)\n        _res.getrusage(_res.RUSAGE_THREAD)\n"
+       "        _os.stat({db!r})\n        _os.pread(_fd, 4096, 0)\n        _fcntl.fcntl(_fd, _fcntl.F_GETFL)\n"
+       "\n_floor0 = request\n\ndef request(flow):\n    _sys()\n    _floor0(flow)\n")
+# ``floorwake``: the floor and, per request, a call handed to a thread that answers on the loop
+# (``call_soon_threadsafe``), awaited: a thread hop's futexes and the loop's wake-up
+WAKE = ("\nimport asyncio as _aio, concurrent.futures as _cf\n_pool = _cf.ThreadPoolExecutor(1)\n"
+        "_floor1 = request\n\nasync def request(flow):\n"
+        "    await _aio.get_running_loop().run_in_executor(_pool, int)\n    _floor1(flow)\n")
 NOOP = "def request(flow):\n    pass\n"
 # ``noophooks``: every flow and connection hook the bundle takes, each doing nothing (``request``
 # and ``server_connect`` async, as the bundle's): what mitmproxy's dispatch of them costs
@@ -253,7 +316,7 @@ NOOPHOOKS = "".join(f"def {h}(x):\n    pass\n" for h in (
 NOOPGC = f"import gc\ngc.set_threshold(*{GC!r})\n" + NOOP
 # glibc's malloc told to keep its freed memory (a large body's pages reused, not faulted in anew)
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "noopgc", "noophooks", "floor", "floorspin", "floorwide", "floorawait", "floorheap", "plainmalloc", "fullmalloc")
+KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "noopgc", "noophooks", "floor", "floorspin", "floorwide", "floorawait", "floorheap", "floorsys", "floorwake", "plainmalloc", "fullmalloc")
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -340,7 +403,7 @@ def main() -> None:
             if name == "plainmalloc":
                 procs[name] = (Mitmdump(tmp / name, script=None, options=trust, env=MALLOC), upstream.url)
                 continue
-            if name in ("floor", "floorspin", "floorwide", "floorawait", "floorheap"):
+            if name in ("floor", "floorspin", "floorwide", "floorawait", "floorheap", "floorsys", "floorwake"):
                 db = tmp / f"{name}.db"
                 with sqlite3.connect(db) as c:
                     c.execute("PRAGMA journal_mode = WAL")
@@ -348,7 +411,8 @@ def main() -> None:
                 up = urllib.parse.urlsplit(upstream.url)
                 (tmp / f"{name}.py").write_text(FLOOR.format(db=str(db), host=up.hostname, port=up.port,
                                                              prefix=up.path.rstrip("/"), key=BP.UPSTREAM_KEY)
-                                                + {"floorspin": SPIN, "floorwide": WIDE, "floorawait": AWAIT, "floorheap": HEAP}.get(name, ""))
+                                                + {"floorspin": SPIN, "floorwide": WIDE, "floorawait": AWAIT, "floorheap": HEAP,
+                                                   "floorsys": SYS.format(db=str(db)), "floorwake": WAKE}.get(name, ""))
                 procs[name] = (Mitmdump(tmp / name, script=tmp / f"{name}.py", options=trust), origin.origin)
                 continue
             if name in ("noop", "nooplimit", "noopgc", "noophooks"):
@@ -373,7 +437,7 @@ def main() -> None:
                 clients[name].load(size, args.shape)
                 for _ in range(5):
                     clients[name].step()        # warm-up, not counted
-            for name in ("full", "floor", "floorspin", "floorwide", "floorawait", "floorheap"):      # routing? (else nothing is measured)
+            for name in ("full", "floor", "floorspin", "floorwide", "floorawait", "floorheap", "floorsys", "floorwake"):      # routing? (else nothing is measured)
                 if name not in procs:
                     continue
                 upstream.keep_bodies = True

@@ -11,6 +11,11 @@ thread CPU (``time.thread_time``) of:
   lineage batch  one ``apply`` of 20 ``Set``s (a response's anchor each, 1-day TTL)
   one Set        one ``apply`` of a single ``Set``: the cost of a transaction itself
 Each printed per batch, mean over ``--batches`` (the ledger's in blocks of 50: its keys grow).
+
+``--inblock [DIR]``: instead, ~3,000 commits of a lineage batch and a ledger-like one made as
+the event loop makes them (``write_now``; a forced checkpoint every 300), on a store in DIR
+(default: the temp directory), counting those during which this thread's block reads or major
+faults moved (``getrusage``: what sends the facade's writes to its thread for a while).
 """
 
 from __future__ import annotations
@@ -37,10 +42,47 @@ def ledger_batch(sessions: list[str], i: int) -> list:
     return writes
 
 
+def inblock(where: str | None) -> None:
+    import resource
+    import threading
+
+    from sessionpin.store.base import WouldBlock
+    moved = {"block reads": 0, "major faults": 0, "commits": 0, "waited (made on the writer's connection)": 0}
+    with tempfile.TemporaryDirectory(prefix="sessionpin-inblock-", dir=where) as tmp:
+        store = FileStore(Path(tmp) / "state.db")
+        try:
+            store.open_now(threading.get_ident())
+            for i in range(3000):
+                writes = [Set(f"lin:claude-code:req:{uuid.uuid4().hex}", "x" * 80, 86400) for _ in range(20)]
+                writes += [ZAdd(f"ledger:turns:s{j}", '{"t":%d,"u":"%s"}' % (i, uuid.uuid4().hex), float(i))
+                           for j in range(8)]
+                before = resource.getrusage(resource.RUSAGE_THREAD)
+                try:
+                    store.write_now("apply", [], writes)
+                except WouldBlock:          # (the WAL waits for its checkpoint: not the loop's)
+                    store.apply([], writes)
+                    moved["waited (made on the writer's connection)"] += 1
+                    continue
+                after = resource.getrusage(resource.RUSAGE_THREAD)
+                moved["commits"] += 1
+                moved["block reads"] += after.ru_inblock != before.ru_inblock
+                moved["major faults"] += after.ru_majflt != before.ru_majflt
+                if i % 300 == 299:
+                    store._writer.checkpoint(force=True)
+        finally:
+            store.close()
+    print(", ".join(f"{k}: {v}" for k, v in moved.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, default=300)
+    ap.add_argument("--inblock", nargs="?", const="", metavar="DIR",
+                    help="count the loop's commits that read from the disk, on a store in DIR")
     args = ap.parse_args()
+    if args.inblock is not None:
+        inblock(args.inblock or None)
+        return
     with tempfile.TemporaryDirectory(prefix="sessionpin-batches-") as tmp:
         store = FileStore(Path(tmp) / "state.db")
         try:

@@ -187,9 +187,10 @@ class Threaded:
 
     async def _write(self, name: str, *args: Any, **kw: Any) -> Any:
         # A write that met the disk cools off the writes only. What it read is not what a pin
-        # read reads: a commit that grows the WAL may read the file system's own blocks
-        # (~1 commit in 600, on ext4), and under load a cool-off of the reads as well sent
-        # 11-88 % of the pin reads through the reader thread, a hop each (issue 22, fourteenth round).
+        # read reads: a commit that grows the WAL may read the file system's own blocks (ext4:
+        # 5 to 43 commits in 3,000, ``bench_batches.py --inblock``), and under load a cool-off
+        # of the reads as well sent 11-88 % of the pin reads through the reader thread, a hop
+        # each (issue 22, fourteenth round).
         if (name in self._now_writes and not kw.get("durable") and not self._writer.outstanding
                 and time.monotonic() >= self._writes_after):
             disk, t = _disk_reads(), time.perf_counter()

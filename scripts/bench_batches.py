@@ -47,6 +47,8 @@ def inblock(where: str | None) -> None:
     import threading
 
     from sessionpin.store.base import WouldBlock
+    slow: list[float] = []
+    fast: list[float] = []
     moved = {"block reads": 0, "major faults": 0, "commits": 0, "waited (made on the writer's connection)": 0}
     with tempfile.TemporaryDirectory(prefix="sessionpin-inblock-", dir=where) as tmp:
         store = FileStore(Path(tmp) / "state.db")
@@ -56,22 +58,31 @@ def inblock(where: str | None) -> None:
                 writes = [Set(f"lin:claude-code:req:{uuid.uuid4().hex}", "x" * 80, 86400) for _ in range(20)]
                 writes += [ZAdd(f"ledger:turns:s{j}", '{"t":%d,"u":"%s"}' % (i, uuid.uuid4().hex), float(i))
                            for j in range(8)]
-                before = resource.getrusage(resource.RUSAGE_THREAD)
+                before, t = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
                 try:
                     store.write_now("apply", [], writes)
                 except WouldBlock:          # (the WAL waits for its checkpoint: not the loop's)
                     store.apply([], writes)
                     moved["waited (made on the writer's connection)"] += 1
                     continue
-                after = resource.getrusage(resource.RUSAGE_THREAD)
+                after, took = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter() - t
                 moved["commits"] += 1
                 moved["block reads"] += after.ru_inblock != before.ru_inblock
+                if after.ru_inblock != before.ru_inblock or after.ru_majflt != before.ru_majflt:
+                    slow.append(took)
+                else:
+                    fast.append(took)
                 moved["major faults"] += after.ru_majflt != before.ru_majflt
                 if i % 300 == 299:
                     store._writer.checkpoint(force=True)
         finally:
             store.close()
     print(", ".join(f"{k}: {v}" for k, v in moved.items()))
+    for name, took in (("that read from the disk", slow), ("the others", fast)):
+        if took:
+            took.sort()
+            print(f"commits {name}: median {took[len(took) // 2] * 1000:.2f} ms, "
+                  f"slowest {took[-1] * 1000:.2f} ms")
 
 
 def main() -> None:

@@ -308,8 +308,9 @@ def parse_body(data: bytes, api: str | None = None, cache_key: bool = True,
     if locate_model or members is not None or (len(data) >= knownarrays.MIN_SIZE and api != OPENAI_RESPONSES):
         # A typed read's body this long is mostly its history. A chat's (pi's: a thousand
         # messages in 94 KB) is read as members, so the messages it sent before are compared,
-        # not decoded again (``knownarrays``, ``knownvalues``): 199 -> 61 µs a turn. Not a
-        # Responses input: Codex's items are few and long, decoded as fast as they compare.
+        # not decoded again (``knownarrays``, ``knownvalues``): 200-380 -> 65-105 µs a turn
+        # (``scripts/bench_histories.py``). Not a Responses input: Codex's items are few and
+        # long, decoded as fast as they are compared.
         got = _members(data, spans if locate_model else None, members)
         if got is not None:
             return got

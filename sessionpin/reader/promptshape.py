@@ -433,7 +433,9 @@ def _shape(body: bytes | None, api: str, content_encoding: str, seen: Seen | Non
     lead = 0                # OpenAI's leading system / developer items: the system prompt's
     if api != facts.ANTHROPIC_MESSAGES:
         given = len(known[0]) if known else 0
-        item = (lambda i: items[i - given] if i >= given else _kept_item(array, known[2], i))  # type: ignore
+
+        def item(i: int):       # the i-th item: given back by a kept array, or new
+            return items[i - given] if i >= given else _kept_item(array, known[2], i)    # type: ignore[index,arg-type]
         while lead < given + len(items) and _role_of(item(lead)) in _LEADING:
             lead += 1
         system += [item(i) for i in range(lead)]

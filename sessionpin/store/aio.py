@@ -200,7 +200,7 @@ class Threaded:
     async def _write(self, name: str, *args: Any, **kw: Any) -> Any:
         # A write that waited for the disk cools off the writes only. What it read is not what a
         # pin read reads: a commit that grows the WAL may read the file system's own blocks
-        # (ext4: 5 to 76 commits in 3,000, ``bench_batches.py --inblock``), and under load a
+        # (ext4: 0 to 76 commits in 3,000, ``bench_batches.py --inblock``), and under load a
         # cool-off of the reads as well sent 11-88 % of the pin reads through the reader
         # thread, a hop each. Nor is such a read a stall (those commits' median 1.68 ms against
         # 1.45, the slowest 2.4): a write cools off when it read from the disk *and* spent over

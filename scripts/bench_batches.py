@@ -66,13 +66,11 @@ def inblock(where: str | None) -> None:
                     moved["waited (made on the writer's connection)"] += 1
                     continue
                 after, took = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter() - t
+                blocks, faults = after.ru_inblock != before.ru_inblock, after.ru_majflt != before.ru_majflt
                 moved["commits"] += 1
-                moved["block reads"] += after.ru_inblock != before.ru_inblock
-                if after.ru_inblock != before.ru_inblock or after.ru_majflt != before.ru_majflt:
-                    slow.append(took)
-                else:
-                    fast.append(took)
-                moved["major faults"] += after.ru_majflt != before.ru_majflt
+                moved["block reads"] += blocks
+                moved["major faults"] += faults
+                (slow if blocks or faults else fast).append(took)
                 if i % 300 == 299:
                     store._writer.checkpoint(force=True)
         finally:

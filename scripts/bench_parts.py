@@ -316,7 +316,10 @@ NOOPHOOKS = "".join(f"def {h}(x):\n    pass\n" for h in (
 NOOPGC = f"import gc\ngc.set_threshold(*{GC!r})\n" + NOOP
 # glibc's malloc told to keep its freed memory (a large body's pages reused, not faulted in anew)
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "noopgc", "noophooks", "floor", "floorspin", "floorwide", "floorawait", "floorheap", "floorsys", "floorwake", "plainmalloc", "fullmalloc")
+# the floor's variants: what each adds to its script (``{db}``: the floor's database)
+FLOORS = {"floor": "", "floorspin": SPIN, "floorwide": WIDE, "floorawait": AWAIT, "floorheap": HEAP,
+          "floorsys": SYS, "floorwake": WAKE}
+KNOWN = ("full", *SCRIPTS, *OPTIONS, "noop", "nooplimit", "noopgc", "noophooks", *FLOORS, "plainmalloc", "fullmalloc")
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
@@ -403,7 +406,7 @@ def main() -> None:
             if name == "plainmalloc":
                 procs[name] = (Mitmdump(tmp / name, script=None, options=trust, env=MALLOC), upstream.url)
                 continue
-            if name in ("floor", "floorspin", "floorwide", "floorawait", "floorheap", "floorsys", "floorwake"):
+            if name in FLOORS:
                 db = tmp / f"{name}.db"
                 with sqlite3.connect(db) as c:
                     c.execute("PRAGMA journal_mode = WAL")
@@ -411,8 +414,7 @@ def main() -> None:
                 up = urllib.parse.urlsplit(upstream.url)
                 (tmp / f"{name}.py").write_text(FLOOR.format(db=str(db), host=up.hostname, port=up.port,
                                                              prefix=up.path.rstrip("/"), key=BP.UPSTREAM_KEY)
-                                                + {"floorspin": SPIN, "floorwide": WIDE, "floorawait": AWAIT, "floorheap": HEAP,
-                                                   "floorsys": SYS.format(db=str(db)), "floorwake": WAKE}.get(name, ""))
+                                                + FLOORS[name].replace("{db!r}", repr(str(db))))
                 procs[name] = (Mitmdump(tmp / name, script=tmp / f"{name}.py", options=trust), origin.origin)
                 continue
             if name in ("noop", "nooplimit", "noopgc", "noophooks"):
@@ -437,7 +439,7 @@ def main() -> None:
                 clients[name].load(size, args.shape)
                 for _ in range(5):
                     clients[name].step()        # warm-up, not counted
-            for name in ("full", "floor", "floorspin", "floorwide", "floorawait", "floorheap", "floorsys", "floorwake"):      # routing? (else nothing is measured)
+            for name in ("full", *FLOORS):      # routing? (else nothing is measured)
                 if name not in procs:
                     continue
                 upstream.keep_bodies = True

@@ -72,6 +72,15 @@ The difference between two variants' CPU per request, in one run, is what the pa
 ``--against DIR`` adds the variant ``against``: the full router of DIR's ``sessionpin`` (a
 ``git worktree`` of an earlier commit), so a change is measured before/after in one run.
 ``--syscalls DIR`` counts each variant's system calls in its first phase (``strace -c -f``).
+``--callgrind N`` counts instructions instead of timing: each proxy runs under ``valgrind
+--tool=callgrind`` (instrumented only once warmed up, ``callgrind_control -i on``), takes ``N``
+steps (a turn on each of ``--clients`` connections), and says its instructions per request, every
+thread of it included. A count, not a time: the same for the same code and inputs whatever else
+the machine does, so a change of a few percent shows in one run, where the timed phases here
+vary by ±0.3 ms a request between runs. (Instructions are not seconds: a cache miss or a system
+call's wait costs time the count does not see; the timed phases stay the figure the issue
+asks for.) Each proxy runs ~50 times slower under valgrind: ``N`` of 100 at 10 KB takes about a
+minute a variant.
 ``--floor-in-process N`` only times the floor's hooks (``floor``, ``floorspin``, ``floorwide``) in
 this process, as ``bench_turn.py --hooks`` times the router's: what their figures here are for.
 """
@@ -337,6 +346,36 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def _under_callgrind(m: Mitmdump, tmp: Path) -> None:
+    """Run ``m`` under callgrind, not instrumented until ``callgrind_count`` turns it on."""
+    command = m.command
+    out = tmp / f"callgrind-{m.workdir.name}.%p"
+    m.command = lambda: ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                         sys.executable, *command()]          # type: ignore[method-assign]
+
+
+def callgrind_count(m: Mitmdump, clients: "BP.Clients", steps: int, tmp: Path) -> int:
+    """Instructions ``m``'s process (every thread) executes over ``steps`` steps of ``clients``."""
+    pid = str(m.proc.pid if m.proc else "")
+    subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
+    for _ in range(2):
+        clients.step()              # the code instrumented anew: not counted
+    subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
+    for _ in range(steps):
+        clients.step()
+    time.sleep(1.0)                 # the turns' records flushed (0.1-0.2 s, slower under valgrind)
+    subprocess.run(["callgrind_control", "-d", "measured", pid], check=True, capture_output=True)
+    subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
+    total = 0
+    for f in tmp.glob(f"callgrind-{m.workdir.name}.{pid}*"):
+        head = f.read_text(errors="replace").split("\nfl=", 1)[0]
+        if "desc: Trigger: dump measured" in head:
+            total += int(head.split("\nsummary:", 1)[1].split()[0])
+    if not total:
+        raise SystemExit(f"no callgrind dump of {m.workdir.name} found")
+    return total
+
+
 def floor_in_process(n: int, size: int, shape: str) -> None:
     """The floor's ``request`` hook (and ``floorspin``'s, ``floorwide``'s) called on pinned turns
     in this process, as ``bench_turn.py`` calls the router's: thread CPU per call, median µs."""
@@ -373,6 +412,9 @@ def main() -> None:
     ap.add_argument("--spy-rate", type=int, default=250, help="py-spy's samples per second (--spy)")
     ap.add_argument("--syscalls", type=Path, help="count each variant's first-phase system calls (strace -c -f) "
                                                   "into DIR/VARIANT.strace, with its request count")
+    ap.add_argument("--callgrind", type=int, metavar="N",
+                    help="count each proxy's instructions per request over N steps under valgrind's callgrind "
+                         "(deterministic; no timed phases)")
     ap.add_argument("--floor-in-process", type=int, metavar="N",
                     help="only time the floor's hook in this process, N calls on --size/--shape turns "
                          "(thread CPU, median µs): the work the floor's figure through the proxy is for")
@@ -430,9 +472,12 @@ def main() -> None:
                 (tmp / f"{name}.py").write_text(SCRIPTS[name])
                 m.script = tmp / f"{name}.py"
             procs[name] = (m, origin.origin)
+        if args.callgrind:
+            for m, _ in procs.values():
+                _under_callgrind(m, tmp)
         try:
             for m, _ in procs.values():
-                m.start()
+                m.start(timeout=600 if args.callgrind else 30)
             clients = {}
             for name, (m, target) in procs.items():
                 clients[name] = BP.Clients(Client.via_proxy(m.port, m.mitm_ca, timeout=120), target, n=args.clients)
@@ -449,8 +494,11 @@ def main() -> None:
                 upstream.keep_bodies = False
                 if not got or dict((k.lower(), v) for k, v in got[-1].headers).get("x-api-key") != BP.UPSTREAM_KEY:
                     raise SystemExit(f"{name} did not route to the upstream with its key")
+            if args.callgrind:
+                counts = {name: callgrind_count(m, clients[name], args.callgrind, tmp)
+                          for name, (m, _) in procs.items()}
             rows: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in procs}
-            for r in range(args.rounds):
+            for r in range(0 if args.callgrind else args.rounds):
                 order = list(procs) if r % 2 == 0 else list(procs)[::-1]
                 for name in order:
                     m = procs[name][0]
@@ -494,6 +542,13 @@ def main() -> None:
             for m, _ in procs.values():
                 m.stop()
 
+    if args.callgrind:
+        n = args.callgrind * args.clients
+        print(f"{args.clients} clients, {args.size} {args.shape} turns, {n} requests per proxy under callgrind")
+        print(f"{'proxy':14} {'instructions/req':>17} {'vs plain':>12} {'ratio':>6}")
+        for name, ir in counts.items():
+            print(f"{name:14} {ir / n:17,.0f} {(ir - counts['plain']) / n:+12,.0f} {ir / counts['plain']:6.3f}")
+        return
     print(f"{args.clients} clients, {args.size} {args.shape} turns, {args.rounds} phases of {args.seconds:g} s "
           f"per proxy; medians")
     print(f"{'proxy':14} {'req/s':>7} {'cpu/req ms':>11} {'main':>6} {'others':>7} {'of them, processes':>19} "

@@ -79,8 +79,9 @@ thread of it included. A count, not a time: the same for the same code and input
 the machine does, so a change of a few percent shows in one run, where the timed phases here
 vary by ±0.3 ms a request between runs. (Instructions are not seconds: a cache miss or a system
 call's wait costs time the count does not see; the timed phases stay the figure the issue
-asks for.) Each proxy runs ~50 times slower under valgrind: ``N`` of 100 at 10 KB takes about a
-minute a variant.
+asks for.) Each proxy runs ~100 times slower under valgrind: ``N`` of 100 at 10 KB takes about a
+minute a variant. The router's intervals are slowed with it (``SLOWED``, ``--callgrind-clock``),
+so what it does once per interval is shared by as many requests as at full speed.
 ``--floor-in-process N`` only times the floor's hooks (``floor``, ``floorspin``, ``floorwide``) in
 this process, as ``bench_turn.py --hooks`` times the router's: what their figures here are for.
 """
@@ -346,6 +347,27 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+# ``--callgrind``: the router's clocks, slowed with it. Under valgrind a request takes ~100 times
+# as long, so work done per interval (the ledger's and the lineage's batched writes, the
+# activity flush, the store's checks and heartbeat) would fall on a handful of requests, not
+# on the hundreds it is shared by at full speed: every interval ``--callgrind-clock`` times
+# longer (default 25: the ledger's flush of one client's turns then folds about as many turns
+# of a conversation into one write as 8 clients' flush does at full speed).
+SLOWED = (("sessionpin.proxy.ledgerwatch", "FLUSH_DELAY"), ("sessionpin.proxy.lineagewatch", "FLUSH_DELAY"),
+          ("sessionpin.proxy.lineagewatch", "GATHER"), ("sessionpin.proxy.storeruntime", "FLUSH_EVERY"),
+          ("sessionpin.proxy.storeruntime", "ROUND"), ("sessionpin.proxy.storeruntime", "HEARTBEAT_EVERY"),
+          ("sessionpin.proxy.storeguard", "CHECK_EVERY"), ("sessionpin.proxy.storeguard", "COUNT_EVERY"),
+          ("sessionpin.store.writer", "CHECKPOINT_EVERY"))
+
+
+def slowed_clock(factor: float) -> str:
+    """A script's first lines: every interval of ``SLOWED`` ``factor`` times longer."""
+    lines = ["import importlib as _il"]
+    for module, name in SLOWED:
+        lines.append(f"_il.import_module({module!r}).{name} *= {factor!r}")
+    return "\n".join(lines) + "\n"
+
+
 def _under_callgrind(m: Mitmdump, tmp: Path) -> None:
     """Run ``m`` under callgrind, not instrumented until ``callgrind_count`` turns it on."""
     command = m.command
@@ -415,6 +437,9 @@ def main() -> None:
     ap.add_argument("--callgrind", type=int, metavar="N",
                     help="count each proxy's instructions per request over N steps under valgrind's callgrind "
                          "(deterministic; no timed phases)")
+    ap.add_argument("--callgrind-clock", type=float, default=25.0, metavar="K",
+                    help="--callgrind: the router's intervals (batched writes, flushes, checks) K times longer, "
+                         "as the proxy is slowed")
     ap.add_argument("--floor-in-process", type=int, metavar="N",
                     help="only time the floor's hook in this process, N calls on --size/--shape turns "
                          "(thread CPU, median µs): the work the floor's figure through the proxy is for")
@@ -468,8 +493,16 @@ def main() -> None:
             m = Mitmdump.router(tmp / name, ca, config,
                                 env={BP.KEY_ENV: BP.UPSTREAM_KEY, **(MALLOC if name == "fullmalloc" else {})},
                                 options=OPTIONS.get(name))
-            if name in SCRIPTS:
-                (tmp / f"{name}.py").write_text(SCRIPTS[name])
+            if name in SCRIPTS or args.callgrind:
+                clock = slowed_clock(args.callgrind_clock) if args.callgrind else ""
+                text = SCRIPTS.get(name, _FULL)
+                if text.startswith("import sys\nsys.path.insert"):      # ``against``: its tree's clocks
+                    first, _, rest = text.partition("\n")
+                    second, _, rest = rest.partition("\n")
+                    text = f"{first}\n{second}\n{clock}{rest}"
+                else:
+                    text = clock + text
+                (tmp / f"{name}.py").write_text(text)
                 m.script = tmp / f"{name}.py"
             procs[name] = (m, origin.origin)
         if args.callgrind:

@@ -79,8 +79,8 @@ thread of it included. A count, not a time: the same for the same code and input
 the machine does, so a change of a few percent shows in one run, where the timed phases here
 vary by ±0.3 ms a request between runs. (Instructions are not seconds: a cache miss or a system
 call's wait costs time the count does not see; the timed phases stay the figure the issue
-asks for.) Each proxy runs ~100 times slower under valgrind: ``N`` of 100 at 10 KB takes about a
-minute a variant. The router's intervals are slowed with it (``SLOWED``, ``--callgrind-clock``),
+asks for.) Each proxy runs ~55 times slower under valgrind: ``N`` of 100 at 10 KB takes about
+half a minute a variant. The router's intervals are slowed with it (``SLOWED``, ``--callgrind-clock``),
 so what it does once per interval is shared by as many requests as at full speed.
 ``--floor-in-process N`` only times the floor's hooks (``floor``, ``floorspin``, ``floorwide``) in
 this process, as ``bench_turn.py --hooks`` times the router's: what their figures here are for.
@@ -347,12 +347,13 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
-# ``--callgrind``: the router's clocks, slowed with it. Under valgrind a request takes ~100 times
-# as long, so work done per interval (the ledger's and the lineage's batched writes, the
-# activity flush, the store's checks and heartbeat) would fall on a handful of requests, not
-# on the hundreds it is shared by at full speed: every interval ``--callgrind-clock`` times
-# longer (default 25: the ledger's flush of one client's turns then folds about as many turns
-# of a conversation into one write as 8 clients' flush does at full speed).
+# ``--callgrind``: the router's clocks, slowed with it. Under valgrind one client's requests come
+# ~55 times less often (6-8 a second against ~350), so work done per interval (the ledger's and
+# the lineage's batched writes, the activity flush, the store's checks and heartbeat) would fall
+# on a handful of requests, not on the dozens it is shared by at full speed: every interval
+# ``--callgrind-clock`` times longer (default 50). The table says each proxy's rate under
+# valgrind. The count moves with the factor: full over plain +2.21 M at 25, +2.02-2.06 M at 100
+# (a batch's transaction is ~2 M instructions); compare variants at one factor.
 SLOWED = (("sessionpin.proxy.ledgerwatch", "FLUSH_DELAY"), ("sessionpin.proxy.lineagewatch", "FLUSH_DELAY"),
           ("sessionpin.proxy.lineagewatch", "GATHER"), ("sessionpin.proxy.storeruntime", "FLUSH_EVERY"),
           ("sessionpin.proxy.storeruntime", "ROUND"), ("sessionpin.proxy.storeruntime", "HEARTBEAT_EVERY"),
@@ -376,6 +377,9 @@ def _under_callgrind(m: Mitmdump, tmp: Path) -> None:
                          sys.executable, *command()]          # type: ignore[method-assign]
 
 
+RATES: dict[str, float] = {}     # requests a second under valgrind, by proxy (``callgrind_count``)
+
+
 def callgrind_count(m: Mitmdump, clients: "BP.Clients", steps: int, tmp: Path) -> int:
     """Instructions ``m``'s process (every thread) executes over ``steps`` steps of ``clients``."""
     pid = str(m.proc.pid if m.proc else "")
@@ -383,8 +387,10 @@ def callgrind_count(m: Mitmdump, clients: "BP.Clients", steps: int, tmp: Path) -
     for _ in range(2):
         clients.step()              # the code instrumented anew: not counted
     subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
+    t = time.monotonic()
     for _ in range(steps):
         clients.step()
+    RATES[m.workdir.name] = steps * len(clients.conns) / (time.monotonic() - t)
     time.sleep(1.0)                 # the turns' records flushed (0.1-0.2 s, slower under valgrind)
     subprocess.run(["callgrind_control", "-d", "measured", pid], check=True, capture_output=True)
     subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
@@ -437,7 +443,7 @@ def main() -> None:
     ap.add_argument("--callgrind", type=int, metavar="N",
                     help="count each proxy's instructions per request over N steps under valgrind's callgrind "
                          "(deterministic; no timed phases)")
-    ap.add_argument("--callgrind-clock", type=float, default=25.0, metavar="K",
+    ap.add_argument("--callgrind-clock", type=float, default=50.0, metavar="K",
                     help="--callgrind: the router's intervals (batched writes, flushes, checks) K times longer, "
                          "as the proxy is slowed")
     ap.add_argument("--floor-in-process", type=int, metavar="N",
@@ -578,9 +584,10 @@ def main() -> None:
     if args.callgrind:
         n = args.callgrind * args.clients
         print(f"{args.clients} clients, {args.size} {args.shape} turns, {n} requests per proxy under callgrind")
-        print(f"{'proxy':14} {'instructions/req':>17} {'vs plain':>12} {'ratio':>6}")
+        print(f"{'proxy':14} {'instructions/req':>17} {'vs plain':>12} {'ratio':>6} {'req/s under valgrind':>21}")
         for name, ir in counts.items():
-            print(f"{name:14} {ir / n:17,.0f} {(ir - counts['plain']) / n:+12,.0f} {ir / counts['plain']:6.3f}")
+            print(f"{name:14} {ir / n:17,.0f} {(ir - counts['plain']) / n:+12,.0f} {ir / counts['plain']:6.3f} "
+                  f"{RATES.get(name, 0.0):21.1f}")
         return
     print(f"{args.clients} clients, {args.size} {args.shape} turns, {args.rounds} phases of {args.seconds:g} s "
           f"per proxy; medians")

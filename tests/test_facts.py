@@ -11,7 +11,7 @@ from pathlib import Path
 import brotli
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sessionpin.reader import facts
@@ -1034,6 +1034,26 @@ def test_header_map_of_bytes_fields_reads_as_the_text_path():
             slow[key] = text(value).strip()
     assert facts.header_map(fields) == slow
     assert slow["x-bad-value"] == "caf\\xe9" and slow["user-agent"] == "claude-cli/2.1" and slow["x-a"] == "1"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.binary(max_size=6), st.sampled_from([b"X-A", b"x-a", b" x-a ", b"", b" "]),
+                                    st.text(max_size=4)),
+                          st.one_of(st.binary(max_size=6), st.text(max_size=4))), max_size=8))
+@example([(b"X-A", b"1"), (b"x-a", b"2"), (b" x-a ", b" 3 ")])        # UTF-8 throughout: the first value kept
+@example([(b"", b"v"), (b"x-a", b"1")])                               # an empty name dropped
+@example([(b"x-a", b"caf\xe9"), (b"x-a", b"2")])                      # not UTF-8: shown as ``text`` shows it
+def test_header_map_of_any_fields_is_the_text_paths(pairs):
+    """Issue 22, fifteenth round: a tuple of fields is read in one comprehension when it can be
+    (UTF-8 bytes pairs); whatever the fields hold, the map is the one ``kinds.text`` gives
+    pair by pair: the first value of a name kept, an empty name dropped."""
+    from sessionpin.reader.kinds import text
+    slow: dict = {}
+    for name, value in pairs:
+        key = text(name).strip().lower()
+        if key and key not in slow:
+            slow[key] = text(value).strip()
+    assert facts.header_map(tuple(pairs)) == slow
 
 
 def test_a_model_span_the_parts_read_found_before_it_gave_up_is_not_kept(monkeypatch):

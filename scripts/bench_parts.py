@@ -353,7 +353,7 @@ def thread_cpu(pid: int) -> dict[int, float]:
 # on a handful of requests, not on the dozens it is shared by at full speed: every interval
 # ``--callgrind-clock`` times longer (default 50). The table says each proxy's rate under
 # valgrind. The count moves with the factor: full over plain +2.21 M at 25, +2.02-2.06 M at 100
-# (a batch's transaction is ~2 M instructions); compare variants at one factor.
+# (a batch's transaction: 0.12-0.2 ms of CPU, ``bench_batches.py``); compare variants at one factor.
 SLOWED = (("sessionpin.proxy.ledgerwatch", "FLUSH_DELAY"), ("sessionpin.proxy.lineagewatch", "FLUSH_DELAY"),
           ("sessionpin.proxy.lineagewatch", "GATHER"), ("sessionpin.proxy.storeruntime", "FLUSH_EVERY"),
           ("sessionpin.proxy.storeruntime", "ROUND"), ("sessionpin.proxy.storeruntime", "HEARTBEAT_EVERY"),

@@ -33,7 +33,7 @@ from msgspec import Raw
 
 import re
 
-from . import knownvalues, scan
+from . import knownvalues, scan, searched
 from .wire import ABSENT, STEPS, Body, Message, count, decode_fields, is_history, loose_decoder
 
 FAST_MIN = 256 * 1024
@@ -136,15 +136,20 @@ def _find(data: bytes, needle: bytes, lo: int, hi: int, last: bool) -> int:
     return p
 
 
-def _key_before(data: bytes, key: bytes, lo: int, hi: int, hits: list[int] | None = None) -> tuple[int, int]:
+def _key_before(data: bytes, key: bytes, lo: int, hi: int, hits: list[int] | None = None,
+                memo: searched.Memo | None = None) -> tuple[int, int]:
     """The last ``"key"`` in data[lo:hi] that is a member name: preceded by ``,`` or ``{``
     and followed by ``:``. Returns (position of that ``,``/``{``, position after the ``:``),
-    or (-1, -1). ``hits``: what is left of the caller's count of finds (``_Costly`` once spent)."""
+    or (-1, -1). ``hits``: what is left of the caller's count of finds (``_Costly`` once spent).
+    ``memo`` (its searches all from ``lo``): the bytes from ``lo`` known to hold no ``"key"``
+    (the last turn's, the same again) are not searched, and what this search finds empty is
+    told to it."""
     needle = b'"' + key + b'"'
-    while lo < hi:
-        p = _find(data, needle, lo, hi, last=True)
+    start = memo.start(needle) if memo is not None else lo
+    while start < hi:
+        p = _find(data, needle, start, hi, last=True)
         if p == -1:
-            return -1, -1
+            break
         if hits is not None:
             hits[0] -= 1
             if hits[0] < 0:
@@ -154,6 +159,8 @@ def _key_before(data: bytes, key: bytes, lo: int, hi: int, hits: list[int] | Non
         if before >= 0 and data[before] in b",{" and after < len(data) and data[after] == ord(":"):
             return before, after + 1
         hi = p
+    if memo is not None:
+        memo.clean(needle, hi)      # data[lo:hi]: none from start (searched), none before it (known)
     return -1, -1
 
 
@@ -292,13 +299,14 @@ def tail_members(data: bytes, names, array_start: int) -> dict[str, Raw] | None:
     buf: bytearray | None = None   # made on the first nested look-alike in the tail search
     failed = 0                     # bytes scanned by tries that found a nested look-alike
     hits = [TAIL_HITS]             # look-alikes found by the searches, left before the whole read
+    memo = searched.Memo(data, array_start)    # the bytes the last turn's searches found empty
     try:
         for name in names:
             if name in tail:
                 continue
             hi = len(data)
             while True:
-                comma, _ = _key_before(data, name.encode(), array_start, hi, hits)
+                comma, _ = _key_before(data, name.encode(), array_start, hi, hits, memo)
                 if comma == -1 or data[comma] != ord(","):
                     if comma != -1:  # ``{"name"``: the first member of a nested object
                         hi = comma
@@ -329,6 +337,7 @@ def tail_members(data: bytes, names, array_start: int) -> dict[str, Raw] | None:
                 break
     except (RecursionError, _Costly):
         return None
+    memo.keep()
     return tail
 
 

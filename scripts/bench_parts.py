@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sqlite3
 import statistics
 import subprocess
@@ -380,7 +381,7 @@ def _under_callgrind(m: Mitmdump, tmp: Path) -> None:
 RATES: dict[str, float] = {}     # requests a second under valgrind, by proxy (``callgrind_count``)
 
 
-def callgrind_count(m: Mitmdump, clients: "BP.Clients", steps: int, tmp: Path) -> int:
+def callgrind_count(m: Mitmdump, clients: "BP.Clients", steps: int, tmp: Path, keep: Path | None = None) -> int:
     """Instructions ``m``'s process (every thread) executes over ``steps`` steps of ``clients``."""
     pid = str(m.proc.pid if m.proc else "")
     subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
@@ -401,6 +402,9 @@ def callgrind_count(m: Mitmdump, clients: "BP.Clients", steps: int, tmp: Path) -
         head = f.read_text(errors="replace").split("\nfl=", 1)[0]
         if "desc: Trigger: dump measured" in head:
             total += int(head.split("\nsummary:", 1)[1].split()[0])
+            if keep is not None:        # one dump a process (callgrind writes threads together)
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, keep / f"{m.workdir.name}.callgrind")
     if not total:
         raise SystemExit(f"no callgrind dump of {m.workdir.name} found")
     return total
@@ -448,6 +452,9 @@ def main() -> None:
     ap.add_argument("--callgrind-clock", type=float, default=50.0, metavar="K",
                     help="--callgrind: the router's intervals (batched writes, flushes, checks) K times longer, "
                          "as the proxy is slowed")
+    ap.add_argument("--callgrind-keep", type=Path, metavar="DIR",
+                    help="--callgrind: copy each proxy's measured dump into DIR/VARIANT.callgrind "
+                         "(for callgrind_annotate: which C functions, of which library, take the instructions)")
     ap.add_argument("--floor-in-process", type=int, metavar="N",
                     help="only time the floor's hook in this process, N calls on --size/--shape turns "
                          "(thread CPU, median µs): the work the floor's figure through the proxy is for")
@@ -536,7 +543,7 @@ def main() -> None:
                 if not got or dict((k.lower(), v) for k, v in got[-1].headers).get("x-api-key") != BP.UPSTREAM_KEY:
                     raise SystemExit(f"{name} did not route to the upstream with its key")
             if args.callgrind:
-                counts = {name: callgrind_count(m, clients[name], args.callgrind, tmp)
+                counts = {name: callgrind_count(m, clients[name], args.callgrind, tmp, args.callgrind_keep)
                           for name, (m, _) in procs.items()}
             rows: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in procs}
             for r in range(0 if args.callgrind else args.rounds):

@@ -4,8 +4,10 @@
     .venv/bin/python scripts/bench_histories.py
     PYTHONPATH=<another tree> .venv/bin/python scripts/bench_histories.py     # another tree's reader
 
-A recorded pi chat request and a recorded Codex Responses request, their history (every item
-after the first) repeated until the body is about each size. Then a conversation's last 20-30
+A recorded pi chat request, a recorded Codex Responses request and a recorded Claude Code
+continuation, their history (every item after the first) repeated until the body is about each
+size: up to 250 KB a body the facts decode (``knownarrays``), 1 MB one they read in parts
+(``largebody``: its tail searched from the end, ``searched``). Then a conversation's last 20-30
 turns, each two items more than the one before, are read in order:
   facts   ``facts.read`` of each turn (what the router reads on every request)
   first   the first of those turns, read first (a conversation's first read in this process)
@@ -27,10 +29,15 @@ if str(ROOT) not in sys.path:
 
 from sessionpin.reader import facts as F  # noqa: E402
 from sessionpin.reader import knownarrays, knownvalues, promptshape  # noqa: E402
+try:
+    from sessionpin.reader import searched  # noqa: E402
+except ImportError:         # another tree's reader, from before it (issue 22, sixteenth round)
+    searched = None
 
 TRAFFIC = ROOT / "tests" / "fixtures" / "traffic"
-CASES = (("pi", "pi/lineage-chat-05-fork.json", F.OPENAI_CHAT, (100_000, 250_000)),
-         ("codex", "codex/exec-lineage-06-tool-result.json", F.OPENAI_RESPONSES, (80_000, 120_000)))
+CASES = (("pi", "pi/lineage-chat-05-fork.json", F.OPENAI_CHAT, (100_000, 250_000, 1_000_000)),
+         ("codex", "codex/exec-lineage-06-tool-result.json", F.OPENAI_RESPONSES, (80_000, 120_000, 1_000_000)),
+         ("claude", "claude-code/interactive-06-continuation.json", F.ANTHROPIC_MESSAGES, (1_000_000,)))
 PASSES = 5
 
 
@@ -51,6 +58,8 @@ def turns(fixture: dict, size: int) -> tuple[list[bytes], int]:
 def forget() -> None:
     knownarrays._kept.clear()
     knownvalues._known.clear()
+    if searched is not None:
+        searched.forget()
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ every answer is the search's (byte for byte what it finds without them)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings, strategies as st
@@ -140,3 +141,80 @@ def test_only_bytes_are_kept_and_within_the_budget(monkeypatch):
         memo.keep()
     assert len(searched._kept) <= searched.COUNT and sum(len(k[0]) for k in searched._kept) <= 1000
     assert searched._kept[0][0] == bytes([65 + 19]) * 300          # the most recent first
+
+
+# pieces of a messages array and of a tail: look-alikes of the names searched for, nested in
+# every way the search turns one down (its neighbours, a nested object's first member, a
+# decode that fails, inside the tail already found), and top-level members after the array
+ITEMS = st.sampled_from([
+    b'{"role":"user","content":"go"}', b'{"a":1,"model":2}', b'{"model":{"x":1}}', b'"\\"model\\""',
+    b'{"tools":[1,{"model":3}]}', b'{"x":"tools","model" :[]}', b'{"y":[{"tools":{}}],"stream":0}',
+    b'"model"', b'{"prompt_cache_key":"k","z":{"model":"m"}}', b'{"content":"a,\\"model\\":1"}'])
+TAILS = st.sampled_from([
+    b',"tools":[{"name":"Agent","input_schema":{"model":{"type":"string"}}}]', b',"stream":true',
+    b',"model":"other"', b',"prompt_cache_key":"c"', b',"x":{"model":1}', b', "tools" : []', b',"x":{"a":1,"model":1}',
+    b''])
+FIXTURES = Path(__file__).parent / "fixtures" / "traffic"
+NAMES = ["tools", "stream", "prompt_cache_key", "model"]
+
+
+def _generated(items: list[bytes], tail: list[bytes]) -> bytes:
+    return b'{"model":"m","messages":[' + b",".join(items) + b"]" + b"".join(tail) + b"}"
+
+
+JUNK = st.lists(st.sampled_from([b":", b"1", b"}", b"]", b",", b" ", b'"', b"{", b'"model"', b'"x"']),
+                max_size=6).map(b"".join)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(ITEMS, max_size=12), st.lists(TAILS, max_size=3), st.integers(min_value=0, max_value=12),
+       st.lists(ITEMS, max_size=4), st.lists(TAILS, max_size=3), st.integers(min_value=0, max_value=400),
+       JUNK, st.integers(min_value=0, max_value=400), JUNK)
+@example([b'{"role":"user","content":"go"}', b'"model"'], [], 0, [], [], 63, b":1}", 0, b"")  # turned down by a byte past the cut
+@example([b'{"role":"user","content":"go"}', b'"model"'], [], 2, [], [], 63, b":1}", 0, b"")  # … by a body two back
+@example([b'{"a":1,"model":2}'], [], 0, [], [], 41, b"}", 0, b"")   # a decode that failed past the cut
+@example([], [b',"stream":true', b',"x":{"a":1,"model":1}'], 0, [], [], 62, b"", 0, b"")   # inside the tail found
+def test_a_tail_read_with_the_memo_is_the_tail_read_without(items, tail, keep, more, new_tail, cut, junk, cut2, junk2):
+    """Bodies one after the other — an earlier one, its items (some) and more, its bytes cut
+    anywhere and anything put after, itself again, the second cut: ``tail_members`` reads the
+    same members of each with what the bodies before it left known as without (the budgets
+    lifted, so only the memo differs)."""
+    old = _generated(items, tail)
+    grown = _generated(items[:keep] + more, new_tail)
+    bodies = [old, grown, old[:cut] + junk, old, grown[:cut2] + junk2, grown]
+    probe, budget, hits = searched.PROBE, largebody.TAIL_BUDGET, largebody.TAIL_HITS
+    searched.PROBE, largebody.TAIL_BUDGET, largebody.TAIL_HITS = 1, 10**9, 10**9
+    lo = 25                          # past '{"model":"m","messages":' in every body
+    try:
+        for i, body in enumerate(bodies):
+            kept = list(searched._kept)
+            searched.forget()
+            expected = largebody.tail_members(body, NAMES, lo)
+            searched._kept[:] = kept
+            assert largebody.tail_members(body, NAMES, lo) == expected, (bodies[:i + 1])
+    finally:
+        searched.PROBE, largebody.TAIL_BUDGET, largebody.TAIL_HITS = probe, budget, hits
+
+
+def test_codex_nested_tools_are_not_proved_nested_again():
+    """Codex's first input item holds ``"tools"`` (four times, nested); the top level has none.
+    A first read proves each nested (a decode, a copy of the body); the next turn's read, the
+    same bytes and more, does not. (A recorded Codex request, its history repeated to ~1 MB.)"""
+    doc = json.loads((FIXTURES / "codex/exec-lineage-06-tool-result.json").read_text())["body"]
+    items = doc["input"]
+    while len(json.dumps(doc)) < 1_000_000:
+        doc["input"] = doc["input"] + items[1:]
+
+    def body(n: int) -> bytes:
+        return json.dumps(dict(doc, input=doc["input"][:n]), separators=(",", ":")).encode()
+
+    first, second = body(len(doc["input"]) - 2), body(len(doc["input"]))
+    assert second.count(b'"tools"') == 4 and len(first) > largebody.FAST_MIN
+    cold = _steps(lambda: largebody.fast_decode(second, "responses"))
+    expected = largebody.fast_decode(second, "responses")
+    searched.forget()
+    largebody.fast_decode(first, "responses")
+    got = []
+    warm = _steps(lambda: got.append(largebody.fast_decode(second, "responses")))
+    assert got[0] == expected and expected is not None and expected[0].prompt_cache_key
+    assert cold > 3 * len(second) and warm < len(second) // 10, (cold, warm)   # (the first items walked: ~80 KB)

@@ -69,6 +69,9 @@ TAIL_BUDGET = 1
 # and a body of few objects is read on the event loop (60,000 "model" strings in one array,
 # 0.48 MB: 152 ms), where the whole read is one decode in C (~1 ms).
 TAIL_HITS = 256
+# Bytes past a failed decode's trailing offset taken as read by it (``searched``: a later body
+# spared the decode must have the same bytes as far as it read; msgspec reads none past it).
+READ_MARGIN = 16
 
 
 class _Costly(Exception):
@@ -141,9 +144,9 @@ def _key_before(data: bytes, key: bytes, lo: int, hi: int, hits: list[int] | Non
     """The last ``"key"`` in data[lo:hi] that is a member name: preceded by ``,`` or ``{``
     and followed by ``:``. Returns (position of that ``,``/``{``, position after the ``:``),
     or (-1, -1). ``hits``: what is left of the caller's count of finds (``_Costly`` once spent).
-    ``memo`` (its searches all from ``lo``): the bytes from ``lo`` known to hold no ``"key"``
-    (the last turn's, the same again) are not searched, and what this search finds empty is
-    told to it."""
+    ``memo`` (its searches all from ``lo``): the bytes from ``lo`` whose every ``"key"`` is
+    known turned down (the last turn's, the same again) are not searched; what this search
+    turns down, and finds empty, is told to it."""
     needle = b'"' + key + b'"'
     start = memo.start(needle) if memo is not None else lo
     while start < hi:
@@ -158,9 +161,11 @@ def _key_before(data: bytes, key: bytes, lo: int, hi: int, hits: list[int] | Non
         after = _skip_ws(data, p + len(needle))
         if before >= 0 and data[before] in b",{" and after < len(data) and data[after] == ord(":"):
             return before, after + 1
+        if memo is not None:
+            memo.rejected(needle, after + 1)    # by its neighbours: the bytes up to ``after``
         hi = p
     if memo is not None:
-        memo.clean(needle, hi)      # data[lo:hi]: none from start (searched), none before it (known)
+        memo.clean(needle, hi)
     return -1, -1
 
 
@@ -256,17 +261,17 @@ def _item(data: bytes, view: memoryview, s: int) -> tuple[Message, int] | None:
     return None
 
 
-def _as_object(buf: bytearray, lo: int, at: int, char: int) -> tuple[dict[str, Raw] | None, int]:
+def _as_object(buf: bytearray, lo: int, at: int, char: int) -> tuple[dict[str, Raw] | None, int, int]:
     """buf[lo:] decoded as one object with the byte at ``at`` read as ``char`` (the ``,``
-    before a member read as ``{``): (members or None, bytes scanned). No copy of the rest of
-    the body per try: a key found nested costs only the decode up to the end of its own
-    object, where msgspec stops."""
+    before a member read as ``{``): (members or None, bytes scanned, ``_decode``'s trailing
+    offset). No copy of the rest of the body per try: a key found nested costs only the
+    decode up to the end of its own object, where msgspec stops."""
     saved = buf[at]
     buf[at] = char
     before = STEPS.n
     try:
-        members, _ = _decode(loose_decoder, memoryview(buf)[lo:])
-        return members, STEPS.n - before   # type: ignore[return-value]
+        members, k = _decode(loose_decoder, memoryview(buf)[lo:])
+        return members, STEPS.n - before, k   # type: ignore[return-value]
     finally:
         buf[at] = saved
 
@@ -299,20 +304,23 @@ def tail_members(data: bytes, names, array_start: int) -> dict[str, Raw] | None:
     buf: bytearray | None = None   # made on the first nested look-alike in the tail search
     failed = 0                     # bytes scanned by tries that found a nested look-alike
     hits = [TAIL_HITS]             # look-alikes found by the searches, left before the whole read
-    memo = searched.Memo(data, array_start)    # the bytes the last turn's searches found empty
+    memo = searched.Memo(data, array_start)    # what the last turn's searches turned down
     try:
         for name in names:
             if name in tail:
                 continue
             hi = len(data)
+            needle = b'"' + name.encode() + b'"'
             while True:
-                comma, _ = _key_before(data, name.encode(), array_start, hi, hits, memo)
+                comma, colon = _key_before(data, name.encode(), array_start, hi, hits, memo)
                 if comma == -1 or data[comma] != ord(","):
                     if comma != -1:  # ``{"name"``: the first member of a nested object
+                        memo.rejected(needle, colon)
                         hi = comma
                         continue
                     break
                 if comma > tail_from:  # inside the tail already decoded, so nested there
+                    memo.stopped(needle, comma)
                     hi = comma
                     continue
                 if failed > TAIL_BUDGET * len(data):
@@ -321,16 +329,19 @@ def tail_members(data: bytes, names, array_start: int) -> dict[str, Raw] | None:
                     # usually the first try is the real tail: copying just it is cheapest
                     count(len(data) - comma)
                     before = STEPS.n
-                    members, _ = _decode_members(b"{" + data[comma + 1:])
+                    members, k = _decode_members(b"{" + data[comma + 1:])
                     if members is None:
                         failed += STEPS.n - before
                         count(len(data))
                         buf = bytearray(data)
                 else:
-                    members, scanned = _as_object(buf, comma, comma, 0x7B)  # {
+                    members, scanned, k = _as_object(buf, comma, comma, 0x7B)  # {
                     if members is None:
                         failed += scanned
                 if members is None:
+                    # the decode read up to its trailing byte (from the comma); any other
+                    # error is not placed: no later body is spared this one
+                    memo.rejected(needle, comma + k + READ_MARGIN if k > 0 else len(data) + 1)
                     hi = comma
                     continue
                 tail, tail_from = members, comma  # type: ignore[assignment]

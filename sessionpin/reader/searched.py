@@ -5,18 +5,27 @@ name that is not there — the second top-level ``"model"`` that must not be the
 every body, or the ``prompt_cache_key`` of a client that sends none — is looked for through the
 whole history: ``bytes.rfind`` of a short needle, ~1.8 instructions a byte, 0.15-0.27 ms per
 MB, on the event loop, every turn (issue 22: 1.8 M of the 5.9 M instructions the router without
-its watches adds to a 1 MB turn). Yet a turn's history is the last turn's again, byte for byte,
-with a few messages more: those bytes were searched a moment ago.
+its watches adds to a 1 MB turn). A name that is there only nested (Codex's ``"tools"``, inside
+its first input item) costs that scan and, for each look-alike, a decode to prove it nested and
+a copy of the body. Yet a turn's history is the last turn's again, byte for byte, with a few
+messages more: those bytes were searched a moment ago.
 
-``Memo`` remembers, for the bodies searched lately, the bytes from where the search begins
-(the messages array's ``[``) up to where a needle was found nowhere. A new body whose bytes are
-the same up to some point (memcmp, found by halving: ~60 µs per MB at worst) holds no such
-needle there either, so its search begins where the shared bytes end, less the needle's length
-but one (an occurrence astride the end is found).
-
-Why the answer is the search's: whether a needle occurs within some bytes depends on those
-bytes alone. Nothing about JSON is assumed: what a found occurrence is (a top-level member,
-a nested one) is decided as before. Only ``bytes`` are kept (never a buffer that could change).
+``Memo`` keeps, for the bodies searched lately and for each name a search went through to the
+start of the messages (``[``) without finding it, two facts about the bytes from there:
+- ``none``: the bytes up to here hold no occurrence of the name's needle (``"name"``);
+- ``rejected``: every occurrence within the bytes up to here was turned down by the bytes
+  before ``reach`` alone — its neighbours (not a member's name: no ``,`` or ``{`` before it, no
+  ``:`` after it), the ``{`` before it (a nested object's first member), or a decode from the
+  comma before it that failed at a byte before ``reach``. An occurrence turned down for what
+  the search had found before it (inside the tail already decoded) ends this range.
+A new body whose bytes are the same as a kept one's up to some point (memcmp: its first 4 KB,
+then where the two part, by halving; ~60 µs per MB at worst) has the same occurrences there,
+turned down by the same bytes (a decode is read left to right: the same bytes, the same error
+at the same byte). So its search begins where those facts end, capped where the bodies part,
+less the needle's length but one (an occurrence astride the end is found); ``rejected`` only
+when ``reach`` is within the shared bytes, else ``none``. It finds what it finds without the
+memo, without the work. Nothing about JSON is assumed that the search did not itself check.
+Only ``bytes`` are kept (never a buffer that could change).
 
 Memory only: ``COUNT`` bodies at most, ``BUDGET`` bytes in all, the most recent first. Readers
 on other threads (the lineage's) may use it at the same time: each list operation is atomic,
@@ -25,23 +34,37 @@ and each entry is a tuple never changed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 COUNT = 8                      # conversations whose last large body is kept (a proxy's busy few)
 BUDGET = 32 * 1024 * 1024      # bytes kept in all (bodies under largebody's 8 MiB inline bound)
 PROBE = 4096                   # bytes compared first: another conversation's body fails here
 
-# (body, where its searches begin, {needle: the end of the bytes from there holding none of it})
-_kept: list[tuple[bytes, int, dict[bytes, int]]] = []
+
+class Known(NamedTuple):
+    """What a body's search for one needle, from ``lo`` to its end, left known."""
+    none: int          # data[lo:none] holds no occurrence
+    rejected: int      # every occurrence within data[lo:rejected] is turned down by data[:reach]
+    reach: int
+
+
+# (body, where its searches begin, {needle: Known})
+_kept: list[tuple[bytes, int, dict[bytes, Known]]] = []
 
 
 class Memo:
-    """One body's searches from its end, all beginning at ``lo``: where each may start, and
-    (``clean``) what each found empty, kept for the next body by ``keep``."""
+    """One body's searches from its end, all from ``lo``: where each may start (``start``),
+    what each turned down and why (``rejected``, ``stopped``), what each found empty
+    (``clean``), kept for the next body by ``keep``."""
 
     def __init__(self, data: bytes, lo: int) -> None:
         self.data, self.lo = data, lo
-        self._old: tuple[bytes, int, dict[bytes, int]] | None = None
+        self._old: tuple[bytes, int, dict[bytes, Known]] | None = None
         self._shared = -1          # bytes the kept body and this one begin with (-1: not compared)
-        self.free: dict[bytes, int] = {}    # what this body's searches found empty
+        self._from: dict[bytes, Known] = {}     # what a search here starts from (``start``)
+        self._reach: dict[bytes, int] = {}      # per needle: the bytes its turn-downs here read
+        self._stop: dict[bytes, int] = {}       # per needle: the lowest turned down for the search's state
+        self.known: dict[bytes, Known] = {}     # what this body's completed searches left known
         for kept in list(_kept) if type(data) is bytes else ():
             old, old_lo, _ = kept
             if old_lo == lo and data.startswith(memoryview(old)[:min(PROBE, len(old))]):
@@ -49,28 +72,52 @@ class Memo:
                 break
 
     def start(self, needle: bytes) -> int:
-        """Where a search for ``needle`` may begin: ``data[lo:start + len(needle) - 1]`` is
-        known to hold none (``lo`` when nothing is known)."""
-        if self._old is None:
-            return self.lo
-        old, _, frees = self._old
-        free = frees.get(needle, self.lo)
-        if free <= self.lo:
-            return self.lo
+        """Where a search for ``needle`` may begin: every occurrence before it (wholly within
+        ``data[lo:start + len(needle) - 1]``) is known turned down (or there is none)."""
+        got = self._from.get(needle)
+        if got is None:
+            got = self._from[needle] = self._inherited(needle)
+        return max(self.lo, got.rejected - len(needle) + 1)
+
+    def _inherited(self, needle: bytes) -> Known:
+        nothing = Known(self.lo, self.lo, 0)
+        if self._old is None or needle not in self._old[2]:
+            return nothing
+        old, _, known = self._old
+        k = known[needle]
         if self._shared < 0:
-            self._shared = shared(old, self.data, max(frees.values()))
-        return max(self.lo, min(free, self._shared) - len(needle) + 1)
+            self._shared = shared(old, self.data, max(max(x.rejected, x.reach) for x in known.values()))
+        none = min(k.none, self._shared)
+        if k.reach <= self._shared:
+            return Known(none, max(none, min(k.rejected, self._shared)), k.reach)
+        return Known(none, none, 0)
+
+    def rejected(self, needle: bytes, reach: int) -> None:
+        """An occurrence of ``needle`` was turned down by ``data[:reach]`` alone."""
+        if reach > self._reach.get(needle, 0):
+            self._reach[needle] = reach
+
+    def stopped(self, needle: bytes, at: int) -> None:
+        """An occurrence of ``needle`` after ``at`` was turned down for what the search had
+        found before it: what is known turned down ends at ``at``."""
+        if at < self._stop.get(needle, len(self.data)):
+            self._stop[needle] = at
 
     def clean(self, needle: bytes, hi: int) -> None:
-        """``data[lo:hi]`` holds no ``needle`` (a search over it found none)."""
-        if hi > self.free.get(needle, self.lo):
-            self.free[needle] = hi
+        """The search for ``needle`` ended without finding it: none in ``data[start:hi]``,
+        every occurrence from ``hi`` to the body's end turned down."""
+        inherited = self._from.get(needle) or Known(self.lo, self.lo, 0)
+        # none below ``hi`` when the bytes below the start held none either; else as known
+        none = max(hi, inherited.none) if inherited.none >= inherited.rejected else inherited.none
+        rejected = self._stop.get(needle, len(self.data))
+        reach = max(self._reach.get(needle, 0), inherited.reach)
+        self.known[needle] = Known(none, max(none, rejected), reach)
 
     def keep(self) -> None:
         """This body's findings, kept for the next (in place of the kept body it began with)."""
-        if not self.free or type(self.data) is not bytes or len(self.data) > BUDGET:
+        if not self.known or type(self.data) is not bytes or len(self.data) > BUDGET:
             return
-        entry = (self.data, self.lo, dict(self.free))
+        entry = (self.data, self.lo, dict(self.known))
         if self._old is not None:
             try:
                 _kept.remove(self._old)

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .wire import count          # (the bytes compared, with every other scan of a body: wire.STEPS)
+
 COUNT = 8                      # conversations whose last large body is kept (a proxy's busy few)
 BUDGET = 32 * 1024 * 1024      # bytes kept in all (bodies under largebody's 8 MiB inline bound)
 PROBE = 4096                   # bytes compared first: another conversation's body fails here
@@ -135,14 +137,16 @@ class Memo:
 def shared(old: bytes, data: bytes, upto: int) -> int:
     """How many bytes ``old`` and ``data`` begin with alike, counted up to ``upto``: one
     compare (memcmp) when all of them are, else halving (each compare from the last known
-    alike byte: about twice the bytes in all)."""
+    alike byte: about twice the bytes in all). Each compare's bytes are counted as scanned."""
     hi = min(len(old), len(data), upto)
     view = memoryview(old)
+    count(hi)
     if data.startswith(view[:hi]):
         return hi
     lo = 0
     while hi - lo > 1:
         mid = (lo + hi) // 2
+        count(mid - lo)
         if data.startswith(view[lo:mid], lo):
             lo = mid
         else:

@@ -183,6 +183,7 @@ TAILS = st.sampled_from([
     b''])
 FIXTURES = Path(__file__).parent / "fixtures" / "traffic"
 NAMES = ["tools", "stream", "prompt_cache_key", "model"]
+OTHER_NAMES = ["x", "model"]
 
 
 def _generated(items: list[bytes], tail: list[bytes]) -> bytes:
@@ -214,11 +215,12 @@ def test_a_tail_read_with_the_memo_is_the_tail_read_without(items, tail, keep, m
     lo = 25                          # past '{"model":"m","messages":' in every body
     try:
         for i, body in enumerate(bodies):
-            kept = list(searched._kept)
-            searched.forget()
-            expected = largebody.tail_members(body, NAMES, lo)
-            searched._kept[:] = kept
-            assert largebody.tail_members(body, NAMES, lo) == expected, (bodies[:i + 1])
+            for names in (NAMES, OTHER_NAMES):      # (the facts' keys, then the lineage's: kept together)
+                kept = list(searched._kept)
+                searched.forget()
+                expected = largebody.tail_members(body, names, lo)
+                searched._kept[:] = kept
+                assert largebody.tail_members(body, names, lo) == expected, (bodies[:i + 1], names)
     finally:
         searched.PROBE, largebody.TAIL_BUDGET, largebody.TAIL_HITS = probe, budget, hits
 
@@ -248,3 +250,20 @@ def test_codex_nested_tools_are_not_proved_nested_again():
     # compare with the first body (counted as the bytes it may read) and the first items walked
     assert cold > 3 * len(second) and warm < cold / 2, (cold, warm)
     assert _searched(lambda: largebody.fast_decode(second, "responses")) < len(second) // 100
+
+
+def test_the_facts_and_the_lineage_keep_each_others_findings():
+    """The facts' reader and the lineage's search the same body for other keys, one after the
+    other: neither's findings are lost to the other's, so the next turn's reads of both search
+    only its new bytes."""
+    first = _body(_history(300))
+    second = _body(_next_turn(_history(300)))
+    lo = first.index(b"[")
+    largebody.tail_members(first, ["stream", "model"], lo)           # the facts' keys
+    largebody.tail_members(first, ["system", "diagnostics"], lo)     # the lineage's
+    searched_bytes = _searched(lambda: largebody.tail_members(second, ["stream", "model"], lo))
+    assert searched_bytes < len(second) // 100, searched_bytes
+    searched_bytes = _searched(lambda: largebody.tail_members(second, ["system", "diagnostics"], lo))
+    assert searched_bytes < len(second) // 100, searched_bytes
+    searched.forget()
+    assert _searched(lambda: largebody.tail_members(second, ["system", "diagnostics"], lo)) > len(second)

@@ -116,10 +116,20 @@ class Memo:
         self.known[needle] = Known(none, max(none, rejected), reach)
 
     def keep(self) -> None:
-        """This body's findings, kept for the next (in place of the kept body it began with)."""
-        if not self.known or type(self.data) is not bytes or len(self.data) > BUDGET:
+        """This body's findings, kept for the next in place of the kept body it began with, and
+        with what that one's held of keys not searched here, as far as the two share their
+        bytes (the facts' reader and the lineage's look for other keys in the same body)."""
+        if type(self.data) is not bytes or len(self.data) > BUDGET:
             return
-        entry = (self.data, self.lo, dict(self.known))
+        known = dict(self.known)
+        for needle in self._old[2] if self._old is not None else ():
+            if needle not in known:
+                got = self._inherited(needle)
+                if got.rejected > self.lo:
+                    known[needle] = got
+        if not known:
+            return
+        entry = (self.data, self.lo, known)
         if self._old is not None:
             try:
                 _kept.remove(self._old)
@@ -139,6 +149,8 @@ def shared(old: bytes, data: bytes, upto: int) -> int:
     compare (memcmp) when all of them are, else halving (each compare from the last known
     alike byte: about twice the bytes in all). Each compare's bytes are counted as scanned."""
     hi = min(len(old), len(data), upto)
+    if old is data:
+        return hi
     view = memoryview(old)
     count(hi)
     if data.startswith(view[:hi]):

@@ -55,9 +55,11 @@ _MESSAGES = b'"messages"'
 _known: list[bytes] = []      # most recent first
 
 
-def members(data: bytes) -> dict[str, msgspec.Raw]:
-    """``wire.loose_decoder.decode(data)``, the same answer and the same errors."""
-    fields = passed_over(data)
+def members(data: bytes, arrays: list[tuple[bytes, list[int]]] | None = None) -> dict[str, msgspec.Raw]:
+    """``wire.loose_decoder.decode(data)``, the same answer and the same errors. ``arrays``:
+    the messages arrays (each with where its items end) whose items may be stood in for,
+    instead of ``knownarrays``' (the body reader's process passes the prompt shape's)."""
+    fields = passed_over(data, arrays=arrays)
     if fields is None:
         wire.count(len(data))
         fields = wire.loose_decoder.decode(data)
@@ -65,12 +67,14 @@ def members(data: bytes) -> dict[str, msgspec.Raw]:
     return fields
 
 
-def passed_over(data: bytes, items: bool = True) -> dict[str, msgspec.Raw] | None:
+def passed_over(data: bytes, items: bool = True,
+                arrays: list[tuple[bytes, list[int]]] | None = None) -> dict[str, msgspec.Raw] | None:
     """``data``'s top level read with a remembered value passed over, and (``items``) the
     messages it repeats; None when nothing remembered is in it where a member's value (or the
-    messages' first items) stands, or the text does not parse: the caller decodes it whole."""
+    messages' first items) stands, or the text does not parse: the caller decodes it whole.
+    ``arrays``: as ``members``'."""
     cuts: list[tuple[int, int, bytes]] = []       # (start, end, token): data[start:end] stood in for
-    repeated = _found_items(data) if items else None
+    repeated = _found_items(data, arrays) if items else None
     if repeated is not None:
         cuts.append(repeated)
     value = _found_value(data, repeated[1] if repeated else 0)
@@ -100,10 +104,11 @@ def _found_value(data: bytes, after: int = 0) -> tuple[int, int, bytes] | None:
     return None
 
 
-def _found_items(data: bytes) -> tuple[int, int, bytes] | None:
-    """The items a kept messages array gives at the start of the messages member's value: the
-    bytes from just past its ``[`` through the last of them."""
-    arrays = knownarrays.kept()
+def _found_items(data: bytes, arrays: list[tuple[bytes, list[int]]] | None = None) -> tuple[int, int, bytes] | None:
+    """The items a kept messages array (``arrays``, else ``knownarrays``') gives at the start of
+    the messages member's value: the bytes from just past its ``[`` through the last of them."""
+    if arrays is None:
+        arrays = knownarrays.kept()
     p = data.find(_MESSAGES, 0, ITEMS_WINDOW) if arrays else -1
     for _ in range(NAME_HITS):
         if p < 0:

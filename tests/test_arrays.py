@@ -58,3 +58,15 @@ def test_a_newer_array_repeats_all_or_all_but_the_last_item_or_none_by_one_compa
             same += 1
         expected = same if same >= len(old_items) - 1 and old_items else 0
         assert arrays.repeats(old, ends, new) == expected, (old, new)
+
+
+def test_common_prefix_is_the_bytes_two_begin_with_alike_up_to_a_bound():
+    rnd = random.Random(7)
+    for _ in range(500):
+        a = bytes(rnd.choice(b"ab") for _ in range(rnd.randint(0, 40)))
+        b = a[:rnd.randint(0, len(a))] + bytes(rnd.choice(b"ab") for _ in range(rnd.randint(0, 10)))
+        most = rnd.choice([None, rnd.randint(0, 50)])
+        alike = 0
+        while alike < min(len(a), len(b)) and a[alike] == b[alike]:
+            alike += 1
+        assert arrays.common_prefix(a, b, most) == (alike if most is None else min(alike, most)), (a, b, most)

@@ -9,6 +9,7 @@ compare (memcmp) — what lets the prompt shape (``promptshape.Runs``) and the f
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 from msgspec import Raw
 
@@ -41,3 +42,25 @@ def repeats(old: bytes, ends: list[int], array: bytes, at: int = 0) -> int:
     if len(ends) > 1 and array.startswith(view[:ends[-2]], at):
         return len(ends) - 1
     return 0
+
+
+def halving(most: int, same: Callable[[int, int], bool]) -> int:
+    """The length of a shared prefix of at most ``most`` items, found by halving: ``same(lo,
+    mid)`` says whether items ``lo`` to ``mid`` are shared, those before ``lo`` being so (one
+    compare in C each: digests, bytes)."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if same(lo, mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def common_prefix(a: bytes, b: bytes, most: int | None = None) -> int:
+    """How many bytes ``a`` and ``b`` begin with alike (at most ``most``), by halving: each
+    step one ``startswith`` of a view (memcmp from the last byte known alike, nothing copied)."""
+    view = memoryview(a)
+    n = min(len(a), len(b)) if most is None else min(len(a), len(b), most)
+    return halving(n, lambda lo, mid: b.startswith(view[lo:mid], lo))

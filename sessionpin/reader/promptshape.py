@@ -342,10 +342,8 @@ def _shared(run: _Run, array: bytes) -> int:
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``, by halving: each step one
-    ``startswith`` of a view (memcmp, nothing copied)."""
-    view = memoryview(a)
-    return _halving(min(len(a), len(b)), lambda lo, mid: b.startswith(view[lo:mid], lo))
+    """The length of the longest common prefix of ``a`` and ``b`` (``arrays.common_prefix``)."""
+    return arrays.common_prefix(a, b)
 
 
 def shape(body: bytes | None, api: str, content_encoding: str = "", seen: Seen | None = None,
@@ -491,15 +489,4 @@ def repeated(prev: tuple[str, ...], cur: tuple[str, ...]) -> int:
     return _halving(min(len(prev), len(cur)), lambda lo, mid: prev[lo:mid] == cur[lo:mid])
 
 
-def _halving(most: int, same: Callable[[int, int], bool]) -> int:
-    """The length of a shared prefix of at most ``most`` items, found by halving: ``same(lo,
-    mid)`` says whether items ``lo`` to ``mid`` are shared, those before ``lo`` being so (one
-    compare in C each: ``repeated``'s digests, ``Runs``' bytes)."""
-    lo, hi = 0, most
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if same(lo, mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+_halving = arrays.halving

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from . import arrays
 from .wire import count          # (the bytes compared, with every other scan of a body: wire.STEPS)
 
 COUNT = 8                      # conversations whose last large body is kept (a proxy's busy few)
@@ -146,8 +147,8 @@ class Memo:
 
 def shared(old: bytes, data: bytes, upto: int) -> int:
     """How many bytes ``old`` and ``data`` begin with alike, counted up to ``upto``: one
-    compare (memcmp) when all of them are, else halving (each compare from the last known
-    alike byte: about twice the bytes in all). Each compare's bytes are counted as scanned."""
+    compare (memcmp) when all of them are, else halving (``arrays.halving``: each compare from
+    the last byte known alike). Each compare's bytes are counted as scanned."""
     hi = min(len(old), len(data), upto)
     if old is data:
         return hi
@@ -155,15 +156,11 @@ def shared(old: bytes, data: bytes, upto: int) -> int:
     count(hi)
     if data.startswith(view[:hi]):
         return hi
-    lo = 0
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+
+    def same(lo: int, mid: int) -> bool:
         count(mid - lo)
-        if data.startswith(view[lo:mid], lo):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+        return data.startswith(view[lo:mid], lo)
+    return arrays.halving(hi, same)
 
 
 def forget() -> None:

@@ -602,3 +602,32 @@ async def test_a_small_turns_shape_digests_only_the_messages_its_conversation_ha
     compared.clear()
     await answer(proxy, f, sse_with_usage(read=0, write=200, msg="msg_9"))
     assert compared == [] and watch._lanes[(other, "main")][1] is not None
+
+
+async def test_a_small_requests_turn_is_read_once_its_answer_has_left(proxy):
+    """The response hook returns before the turn is read (mitmproxy sends the answer when every
+    response hook has returned); it is read at the loop's next turn, turns in the order their
+    answers ended, and nothing of it is lost when the router's members have gone with the hook."""
+    watch = watch_of(proxy)
+    f = flow("opening")
+    await proxy.send(f)
+    f.response = tutils.tresp(status_code=200, content=b"", headers=http.Headers(
+        [(b"content-type", b"text/event-stream")]))
+    f.response.headers.pop("content-length", None)
+    proxy.bundle.responseheaders(f)
+    for c in sse_with_usage(read=0, write=9000):
+        f.response.stream(c)
+    f.response.stream(b"")
+    assert proxy.bundle.response(f) is None                  # nothing for mitmproxy to wait for
+    assert "ledger" not in f.metadata["sessionpin"] and watch.later.pending == 1
+    g = flow("continuation")
+    await proxy.send(g)
+    _json_answer(g, "msg_2", read=9000, write=200)
+    proxy.bundle.responseheaders(g)
+    assert proxy.bundle.response(g) is None
+    assert watch.later.pending == 2
+    await flushed(watch)
+    assert f.metadata["sessionpin"]["ledger"]["input"] == 9003 and "in 9003" in f.comment
+    assert g.metadata["sessionpin"]["ledger"]["limit"] == 9003 and "cache 97%" in g.comment   # against f's
+    turns = await ledger.turns(proxy.store, SESSION)
+    assert [t.id for t in turns] == ["msg_1", "msg_2"]

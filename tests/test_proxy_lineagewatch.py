@@ -149,8 +149,11 @@ async def test_a_claude_code_response_names_its_session_by_its_request_id(proxy)
     watch = proxy.router.lineage
     answered(f, "req_011abc")
     watch.responseheaders(f)
+    recorded = watch.recorded
     watch.response(f)
+    assert watch.later.pending == 1          # what the answer gives: read once it has left
     await watch.settled()
+    assert watch.recorded > recorded
     root = lineage.chain(f.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).keys[0]
     assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_011abc", "glm")) == f"{root} {SESSION}"
     assert (watch.recorded, watch.dropped) == (2, 0)          # the root, then the anchor

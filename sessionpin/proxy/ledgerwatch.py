@@ -6,7 +6,7 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   answer as it passes (the reader is chained after any stream callable already set, every
   chunk returned unchanged and undelayed), a buffered one from its body once complete, and
   Codex's socket from each server message (one turn per ``response.completed``).
-- After the answer, the request's prompt shape is read (``promptshape.shape``, digests only;
+- After the answer has left, the request's prompt shape is read (``promptshape.shape``, digests only;
   from ``SHAPE_OFF_LOOP_MIN`` in a body reader process of its own, ``offprocess.BodyProcess``:
   a digest per message of a two-million-message history held every other client for
   seconds; past ``bodyreader.MAX_SHAPE_ITEMS`` messages there is no shape) and the turn is assessed against the previous turn of its lane: this proxy's memory first,
@@ -17,7 +17,10 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   plain mitmdump's with it, 1.0-1.4 × without). That read runs beside the answer
   (``_behind``): a conversation's turns are still taken in the order their answers ended (a
   turn whose conversation has one being read waits behind it, so each is compared with the
-  one before it), and mitmweb is told the flow changed once its comment has the figures. At
+  one before it), and mitmweb is told the flow changed once its comment has the figures. A
+  small request's turn (its answer's usage, its shape, the verdict) is read at the event
+  loop's next turn, once mitmproxy has written the answer (``later.Later``: ~55 µs a 10 KB turn
+  no longer ahead of each answer's last bytes). At
   most ``MAX_BEHIND`` conversations' reads run so, holding at most ``MAX_BEHIND_BYTES`` of
   requests; beyond either the answer waits for its read as before (what a flood of large
   requests holds stays bounded: without the bytes' bound, reads slower than the requests came
@@ -58,6 +61,7 @@ from . import perflow
 from ..reader import headerview
 from .offprocess import BodyProcess
 from .perflow import FlowState
+from .later import Later, tell_view
 from .participants import Participant
 from .storeruntime import StoreRuntime
 
@@ -138,6 +142,7 @@ class LedgerWatch:
         self._behind: dict[str, asyncio.Task] = {}   # session -> its last turn still being read beside its answer
         self.behind_bytes = 0            # the request bytes those turns hold
         self.waited = 0                  # answers held for their reading, over either bound
+        self.later = Later("ledger")     # a small request's turn: read once its answer has left
 
     # ---- options ----------------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -189,33 +194,61 @@ class LedgerWatch:
             log.exception("sessionpin: ledger: cannot watch a response")
 
     def response(self, flow: http.HTTPFlow):
-        """Sync for every answer but one whose request is large: its shape is read in the body
-        reader's process and the hook returns that awaitable (mitmproxy awaits it)."""
+        """Returns at once: a small request's turn is read once its answer has left
+        (``_answered``, at the loop's next turn); a large one's beside it, in the body reader's
+        process (``_beside``: the answer waits only past its bounds); one whose conversation
+        has a turn still read beside its answer, after that turn."""
         w = flow.metadata.pop(perflow.LEDGER, None)
         if w is None or w.reader is None:
             self._request_span(flow, None)
             return None
         try:
-            resp = flow.response
-            if resp is not None and not resp.stream and resp.raw_content:
-                w.reader.whole = False
-                w.reader.body(resp.raw_content)
-            read = w.reader.result()
             ended = time.time()                                   # the answer just ended
             req = flow.request
-            raw, encoding = req.raw_content, headerview.get(req.headers, "content-encoding")
-            if read.usage is not None and raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
-                large = self._large(flow, w, read, ended, raw, encoding)      # never on the event loop
-                return self._beside(w.session, flow, large, len(raw))
-            shape = self._shape(flow, w, raw, encoding) if read.usage is not None else None
-            if w.session in self._behind:          # its conversation's previous turn is still read: after it
-                later = self._turn_later(flow, w, read, shape, ended)
+            raw = req.raw_content
+            large = bool(raw) and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None
+            if not large and w.session not in self._behind:
+                # the rest once the answer has left (``later``); the router's members go with
+                # this hook, so they are taken now
+                self.later.call(self._answered, flow, w, ended, perflow.sent_members(flow))
+                return None
+            read = self._read(flow, w)
+            if read.usage is not None:
+                encoding = headerview.get(req.headers, "content-encoding")
+                if large:                                           # never on the event loop
+                    return self._beside(w.session, flow, self._large(flow, w, read, ended, raw, encoding), len(raw))
+                # its conversation's previous turn is still read beside its answer: after it
+                later = self._turn_later(flow, w, read, self._shape(flow, w, raw, encoding), ended)
                 return self._beside(w.session, flow, later, len(raw or b""))
-            self._turn(flow, w, read, shape, ended)
+            self._turn(flow, w, read, None, ended)                  # no usage stated: counted
         except Exception:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
         self._request_span(flow, None)          # (nothing when it gave a turn: that has its span)
         return None
+
+    @staticmethod
+    def _read(flow: http.HTTPFlow, w: _Watched) -> Read:
+        """The answer's usage: a buffered answer's from its body, a streamed one's as it passed."""
+        resp = flow.response
+        if resp is not None and not resp.stream and resp.raw_content:
+            w.reader.whole = False                  # type: ignore[union-attr]
+            w.reader.body(resp.raw_content)         # type: ignore[union-attr]
+        return w.reader.result()                    # type: ignore[union-attr]
+
+    def _answered(self, flow: http.HTTPFlow, w: _Watched, ended: float, members) -> None:
+        """A small request's turn, read at the loop's turn after its answer left (``later``)."""
+        try:
+            read = self._read(flow, w)
+            shape = None
+            if read.usage is not None:
+                req = flow.request
+                shape = promptshape.shape(req.raw_content, w.api, headerview.get(req.headers, "content-encoding"),
+                                          self._digests, members=members, runs=self._runs, key=w.session)
+            self._turn(flow, w, read, shape, ended)
+        except Exception:
+            log.exception("sessionpin: ledger: cannot read an answer's usage")
+        self._request_span(flow, None)
+        tell_view(flow)
 
     def _shape(self, flow: http.HTTPFlow, w: _Watched, raw: bytes | None, encoding: str) -> promptshape.Shape | None:
         """A request's shape on the event loop (a small body): its messages compared with its
@@ -269,7 +302,8 @@ class LedgerWatch:
         return None
 
     async def settled(self) -> None:
-        """Wait for the turns being read beside their answers (tests, shutdown)."""
+        """Wait for the turns being read beside or after their answers (tests, shutdown)."""
+        await self.later.settled()
         while self._behind:
             await asyncio.gather(*list(self._behind.values()), return_exceptions=True)
 

@@ -36,7 +36,9 @@ Rules it keeps:
   an 8 MiB pinned continuation cost other clients +158 ms over plain mitmdump, +1 ms once
   held; docs/benchmarks.md). A smaller one is read at once. A held read is kept in its flow
   (``perflow.LINEAGE_HELD``): released at the answer's headers or the error, gone with the flow.
-- Only ids and hashes; records are not durable and never delay a request or a response.
+- Only ids and hashes; records are not durable and never delay a request or a response
+  (what an answer gives is read at the event loop's next turn, once mitmproxy has written
+  the answer: ``later.Later``).
 - What it reads a response for is kept in the flow (``flow.metadata``, ``perflow.LINEAGE``)
   and taken out when the flow ends: it lives no longer than the flow. The
   reads waiting for the thread are bounded in number and bytes (``OffLoop.submit``: over it
@@ -69,6 +71,7 @@ from ..decision.route import State
 from ..store.base import Write
 from . import perflow
 from ..reader import headerview
+from .later import Later
 from .offloop import OffLoop
 from .perflow import FlowState
 from .storeruntime import StoreRuntime
@@ -168,6 +171,7 @@ class LineageWatch:
         self._writes = 0             # writes in _pending
         self._flusher: asyncio.Task | None = None
         self._failing = False        # the last batch failed (logged once per streak)
+        self.later = Later("lineage")   # what an answer gives, read once it has left
 
     def done(self) -> None:
         self.reads.close()
@@ -270,8 +274,12 @@ class LineageWatch:
     def response(self, flow: http.HTTPFlow) -> None:
         self._release(flow)
         w = flow.metadata.pop(perflow.LINEAGE, None)
-        if w is None:
-            return
+        if w is not None and (w.reader is not None or w.anchors):
+            self.later.call(self._answered, flow, w)     # once the answer has left (``later``)
+
+    def _answered(self, flow: http.HTTPFlow, w: _Watched) -> None:
+        """What an answer gives: an opening's root (its head read on the thread) and the
+        anchors, recorded with the conversation's root."""
         if w.reader is not None:
             answer = w.reader.result()
             req = flow.request
@@ -297,7 +305,8 @@ class LineageWatch:
     async def settled(self, timeout: float = 10.0) -> None:
         """Wait until every read is done and every record written or dropped (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while self.reads.jobs or self._pending or (self._flusher is not None and not self._flusher.done()):
+        while self.later.pending or self.reads.jobs or self._pending or \
+                (self._flusher is not None and not self._flusher.done()):
             if time.monotonic() > deadline:
                 raise TimeoutError("lineage records still pending")
             await asyncio.sleep(0.01)

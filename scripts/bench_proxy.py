@@ -30,6 +30,8 @@ from responses for later forks — here a ``request-id`` anchor per Claude Code 
 way: the lineage's cost is the difference between the two routers' ratios in one run.
 ``--no-ledger`` likewise adds the router without its ledger watch (``LedgerWatch``: every answer's
 usage read as it streams, the request's prompt shape after it, the ledger's store writes).
+``--against DIR`` likewise adds the router of another tree's ``sessionpin`` (a ``git worktree``
+of an earlier commit): before and after taking turns request by request in one run, latency only.
 Two body shapes: ``opening`` (the issue's measure: the bulk is the opening user message, the part
 the reader must read for the conversation's fingerprint) and ``history`` (the bulk is tool results
 later in the conversation, as in a long Claude Code session; the reader skips it); and
@@ -512,6 +514,8 @@ def main() -> None:
                          "proxy, which speaks TLS upstream); latency and throughput only")
     ap.add_argument("--no-lineage", action="store_true", help="also the router without its lineage watch")
     ap.add_argument("--no-ledger", action="store_true", help="also the router without its ledger watch")
+    ap.add_argument("--against", type=Path, metavar="DIR",
+                    help="also the router of DIR's sessionpin (another tree: before and after in one run)")
     args = ap.parse_args()
     sizes = {k: SIZES[k] for k in args.sizes.split(",") if k}
     if not sizes or not set(args.sizes.split(",")) - {""} <= set(SIZES):
@@ -568,8 +572,16 @@ def main() -> None:
                                         modes=rev_router)
             no_ledger.script = tmp / "noledger.py"
             procs.append(no_ledger)
+        against = None
+        if args.against:
+            (tmp / "against.py").write_text(f"import sys\nsys.path.insert(0, {str(args.against.resolve())!r})\n"
+                                            "from sessionpin.proxy import make_addons\naddons = make_addons()\n")
+            against = Mitmdump.router(tmp / "router-against", ca, config, env={KEY_ENV: UPSTREAM_KEY},
+                                      modes=rev_router)
+            against.script = tmp / "against.py"
+            procs.append(against)
         routers = ("router",) + (("redis",) if on_redis else ()) + (("nolin",) if no_lineage else ()) \
-            + (("noledger",) if no_ledger else ())
+            + (("noledger",) if no_ledger else ()) + (("against",) if against else ())
         try:
             for p in procs:
                 p.start()
@@ -577,13 +589,13 @@ def main() -> None:
             via = {name: (Client.via_proxy(p.port, p.mitm_ca, timeout=120), upstream.url)
                    for name, p in (("plain", plain), ("streaming", streaming), ("lazy", lazy))}
             via["router"] = (Client.via_proxy(router.port, router.mitm_ca, timeout=120), origin.origin)
-            for name, p in (("redis", on_redis), ("nolin", no_lineage), ("noledger", no_ledger)):
+            for name, p in (("redis", on_redis), ("nolin", no_lineage), ("noledger", no_ledger), ("against", against)):
                 if p is not None:
                     via[name] = (Client.via_proxy(p.port, p.mitm_ca, timeout=120), origin.origin)
             if args.reverse:
                 via["plain"] = (Client.reverse(plain.port, timeout=120), upstream.url)
                 for name, p in (("router", router), ("redis", on_redis), ("nolin", no_lineage),
-                                ("noledger", no_ledger)):
+                                ("noledger", no_ledger), ("against", against)):
                     if p is not None:
                         via[name] = (Client.reverse(p.port, timeout=120), origin.origin)
 
@@ -617,7 +629,7 @@ def main() -> None:
                           f" {', '.join(('plain',) + routers)} take turns request by request)")
                     pids = {name: p.proc.pid if p.proc else None
                             for name, p in (("plain", plain), ("router", router), ("redis", on_redis),
-                                            ("nolin", no_lineage), ("noledger", no_ledger)) if p}
+                                            ("nolin", no_lineage), ("noledger", no_ledger), ("against", against)) if p}
                     got.update({("latency",) + k: v
                                 for k, v in latency(via, pids, sizes, shapes, steps, routers).items()})
                 if args.only in (None, "throughput"):

@@ -18,9 +18,9 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   (``_behind``): a conversation's turns are still taken in the order their answers ended (a
   turn whose conversation has one being read waits behind it, so each is compared with the
   one before it), and mitmweb is told the flow changed once its comment has the figures. A
-  small request's turn (its answer's usage, its shape, the verdict) is read at the event
-  loop's next turn, once mitmproxy has written the answer (``later.Later``: ~55 µs a 10 KB turn
-  no longer ahead of each answer's last bytes). At
+  small request's turn (its answer's usage, its shape, the verdict) is read once mitmproxy
+  has sent the answer (``later.Later``: ~55 µs a 10 KB turn no longer ahead of each answer's
+  last bytes). At
   most ``MAX_BEHIND`` conversations' reads run so, holding at most ``MAX_BEHIND_BYTES`` of
   requests; beyond either the answer waits for its read as before (what a flood of large
   requests holds stays bounded: without the bytes' bound, reads slower than the requests came
@@ -195,7 +195,7 @@ class LedgerWatch:
 
     def response(self, flow: http.HTTPFlow):
         """Returns at once: a small request's turn is read once its answer has left
-        (``_answered``, at the loop's next turn); a large one's beside it, in the body reader's
+        (``_answered``, once the answer has been sent); a large one's beside it, in the body reader's
         process (``_beside``: the answer waits only past its bounds); one whose conversation
         has a turn still read beside its answer, after that turn."""
         w = flow.metadata.pop(perflow.LEDGER, None)
@@ -210,7 +210,7 @@ class LedgerWatch:
             if not large and w.session not in self._behind:
                 # the rest once the answer has left (``later``); the router's members go with
                 # this hook, so they are taken now
-                self.later.call(self._answered, flow, w, ended, perflow.sent_members(flow))
+                self.later.call(flow, self._answered, flow, w, ended, perflow.sent_members(flow))
                 return None
             read = self._read(flow, w)
             if read.usage is not None:
@@ -236,7 +236,7 @@ class LedgerWatch:
         return w.reader.result()                    # type: ignore[union-attr]
 
     def _answered(self, flow: http.HTTPFlow, w: _Watched, ended: float, members) -> None:
-        """A small request's turn, read at the loop's turn after its answer left (``later``)."""
+        """A small request's turn, read once its answer has been sent (``later``)."""
         try:
             read = self._read(flow, w)
             shape = None

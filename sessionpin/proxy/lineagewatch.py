@@ -37,8 +37,7 @@ Rules it keeps:
   held; docs/benchmarks.md). A smaller one is read at once. A held read is kept in its flow
   (``perflow.LINEAGE_HELD``): released at the answer's headers or the error, gone with the flow.
 - Only ids and hashes; records are not durable and never delay a request or a response
-  (what an answer gives is read at the event loop's next turn, once mitmproxy has written
-  the answer: ``later.Later``).
+  (what an answer gives is read once mitmproxy has sent the answer: ``later.Later``).
 - What it reads a response for is kept in the flow (``flow.metadata``, ``perflow.LINEAGE``)
   and taken out when the flow ends: it lives no longer than the flow. The
   reads waiting for the thread are bounded in number and bytes (``OffLoop.submit``: over it
@@ -275,7 +274,7 @@ class LineageWatch:
         self._release(flow)
         w = flow.metadata.pop(perflow.LINEAGE, None)
         if w is not None and (w.reader is not None or w.anchors):
-            self.later.call(self._answered, flow, w)     # once the answer has left (``later``)
+            self.later.call(flow, self._answered, flow, w)     # once the answer has left (``later``)
 
     def _answered(self, flow: http.HTTPFlow, w: _Watched) -> None:
         """What an answer gives: an opening's root (its head read on the thread) and the

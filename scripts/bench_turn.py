@@ -128,6 +128,7 @@ async def turns(p, sessions, payloads, start: int, n: int, hooks: dict[str, list
         got = p.bundle.response(f)
         if got is not None:
             await got
+        f.live = False          # as mitmproxy marks it once the answer is sent (what ``later`` waits for)
         t5 = clock()
         if hooks is not None:
             for name, took in zip(HOOKS, (t1 - t0, t2 - t1, t4 - t3, t5 - t4)):

@@ -2,6 +2,7 @@
 
 import json
 
+import msgspec
 import pytest
 
 from sessionpin.reader import facts as F
@@ -174,24 +175,32 @@ def test_a_batchs_writes_are_folded_to_the_same_sums_in_fewer_operations():
         return ledger.Turn(id=f"m{i}", t=1000.0 + i, api="anthropic-messages", lane="main", server=server,
                            model=model, usage=Usage(input=100 + read, output=10, cache_read=read),
                            limit=read or None, miss=False)
-    prior = ledger.Prior(t=0.0, model="glm-4.6", server="glm")
-    raw = [*ledger.writes("s1", "claude-code", turn(1), prior),
-           *ledger.writes("s1", "claude-code", turn(2, read=90), prior),
-           *ledger.writes("s2", "pi", turn(3, server="alt"), prior),
-           *ledger.writes("s1", "claude-code", turn(4, read=95), prior)]
-    folded = ledger.folded(raw)
+    def prior(i: int) -> ledger.Prior:          # each turn leaves its own: the last one's stays
+        return ledger.Prior(t=float(i), model="glm-4.6", server="glm", input=100 * i)
+    turns = [("s1", "claude-code", turn(1)), ("s1", "claude-code", turn(2, read=90)),
+             ("s2", "pi", turn(3, server="alt")), ("s1", "claude-code", turn(4, read=95))]
+    turns.append(("s1", "claude-code", msgspec.structs.replace(turn(5, read=1), miss=True, reason="idle", limit=95)))
+    raw = [w for i, (s, a, t) in enumerate(turns) for w in ledger.writes(s, a, t, prior(i))]
+    batch = ledger.Batch()
+    for i, (s, a, t) in enumerate(turns):
+        batch.add(s, a, t, prior(i))
+    folded = batch.writes()
     assert len(folded) < len(raw)
-    assert len([w for w in folded if type(w).__name__ == "ZAdd"]) == 4
+    assert len([w for w in folded if type(w).__name__ == "ZAdd"]) == 5
+    assert len({(w.key, w.field) for w in folded if type(w).__name__ != "ZAdd"}) == len(folded) - 5
 
     async def applied(writes):
         store = open_store("memory:")
         try:
             await store.apply([], writes)
             return ([await ledger.load(store, s) for s in ("s1", "s2")],
-                    [await ledger.turns(store, s) for s in ("s1", "s2")])
+                    [await ledger.turns(store, s) for s in ("s1", "s2")],
+                    [await ledger.load_prior(store, s, "main") for s in ("s1", "s2")])
         finally:
             await store.close()
     got = asyncio.run(applied(folded))
     assert got == asyncio.run(applied(raw))
-    summaries, turns = got
-    assert summaries[0].turns == 3 and summaries[1].turns == 1 and [len(t) for t in turns] == [3, 1]
+    summaries, turns, priors = got
+    assert summaries[0].turns == 4 and summaries[1].turns == 1 and [len(t) for t in turns] == [4, 1]
+    assert summaries[0].misses == 1 and summaries[0].reasons == {"idle": 1}
+    assert [p.input for p in priors] == [400, 200]          # each lane's last turn's

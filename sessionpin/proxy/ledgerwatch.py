@@ -469,7 +469,7 @@ class LedgerWatch:
             batch = list(self._pending)
             self._pending.clear()
             try:
-                writes = []
+                writes = ledger.Batch()
                 sessions = set()
                 for p in batch:
                     turn, prior = p.turn, p.prior
@@ -478,9 +478,9 @@ class LedgerWatch:
                         turn = ledger.assess(turn, p.started, p.shape, stored, None, p.diagnostic)
                         self._counted(p.agent, turn)
                         prior = ledger.prior_of(turn, p.shape, stored)
-                    writes += ledger.writes(p.session, p.agent, turn, prior)
+                    writes.add(p.session, p.agent, turn, prior)
                     sessions.add(p.session)
-                await store.apply([], ledger.folded(writes))
+                await store.apply([], writes.writes())
                 now = time.time()
                 for s in sessions:
                     if now - self._renewed.get(s, float("-inf")) >= RENEW_EVERY:

@@ -64,8 +64,9 @@ never a way to run):
   noshape         no prompt shape per answered turn (the ledger)
   noledgerwrites  the ledger's turns not written
   nolinwrites     the lineage's records (roots, anchors) not written
-  afteranswer     the lineage and ledger watches' ``response`` run just after the answer left
-                  (``call_soon``), not before it is sent
+  afteranswer     the lineage and ledger watches' ``response`` run by ``call_soon`` (meant: after
+                  the answer left; it runs before: mitmproxy sends it a loop turn after the hook,
+                  ``bench_after_answer.py``; the router itself now waits for the send, ``later``)
   batched         those ``response`` calls held and run together every 50 ms
   slowflush       the ledger's and the lineage's records flushed after 1 s (not 0.2 and 0.1 s)
 The difference between two variants' CPU per request, in one run, is what the part costs.

@@ -81,3 +81,20 @@ async def test_a_failure_is_logged_and_the_rest_still_runs(caplog):
         await later.settled()
     assert done == [1] and later.pending == 0
     assert "ledger: cannot read a finished turn" in caplog.text
+
+
+async def test_sent_returns_once_the_flow_is_no_longer_live_or_after_the_bound():
+    flow, done = SimpleNamespace(live=True), []
+    loop = asyncio.get_running_loop()
+
+    async def waits() -> None:
+        await L.sent(flow)
+        done.append("after")
+    task = loop.create_task(waits())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert done == []
+    flow.live = False
+    await task
+    assert done == ["after"]
+    await asyncio.wait_for(L.sent(SimpleNamespace(live=True)), 5)      # a flow that stays live: bounded

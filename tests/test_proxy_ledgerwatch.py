@@ -631,3 +631,29 @@ async def test_a_small_requests_turn_is_read_once_its_answer_has_left(proxy):
     assert g.metadata["sessionpin"]["ledger"]["limit"] == 9003 and "cache 97%" in g.comment   # against f's
     turns = await ledger.turns(proxy.store, SESSION)
     assert [t.id for t in turns] == ["msg_1", "msg_2"]
+
+
+async def test_a_large_requests_read_starts_once_its_answer_has_been_sent(proxy):
+    """mitmproxy starts tasks eagerly: the task reading a large request's shape beside its answer
+    ran, up to its first wait, inside the response hook, and its first wait came after the whole
+    body's copy to the body process (4 MiB a step): milliseconds ahead of the answer. It now
+    starts once mitmproxy has sent the answer (the flow no longer live)."""
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)        # as mitmproxy runs its loop
+    try:
+        watch = watch_of(proxy)
+        real, calls = watch.bodies.shape, []
+
+        async def shape(*args):
+            calls.append(len(args[0]))
+            return await real(*args)
+        watch.bodies.shape = shape
+        g = await _large_turn_answered(proxy)
+        assert await _respond(proxy, g) is None
+        assert calls == []                                   # nothing of it ran in the hook
+        g.live = False                                       # the answer is sent
+        await flushed(watch)
+        assert calls == [len(g.request.raw_content)]
+        assert g.metadata["sessionpin"]["ledger"]["input"] == 9203
+    finally:
+        loop.set_task_factory(None)

@@ -60,6 +60,33 @@ async def test_opening_turn_is_routed_and_pinned_before_it_leaves(proxy):
     assert proxy.runtime._activity[SESSION][3] == 1
 
 
+async def test_the_writes_after_a_request_wait_until_it_has_left(proxy, monkeypatch):
+    """A "not routed" pin (and a renewal, a title, an opening's memory) is written after the
+    request left, never waited for. mitmproxy starts tasks eagerly: such a write ran inside the
+    request hook, a store write ahead of the request. It now waits the two turns of the loop
+    in which mitmproxy sends what the hook let go."""
+    from sessionpin.records import pins as P
+    written = []
+    real = P.create
+
+    async def create(store, session, pin, seen=None):
+        written.append(session)
+        return await real(store, session, pin, seen)
+    monkeypatch.setattr(P, "create", create)
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)        # as mitmproxy runs its loop
+    try:
+        f = flow("continuation")
+        await proxy.send(f)
+        assert written == [] and f.comment.endswith("(not seen begin)")
+        await asyncio.sleep(0)
+        assert written == []                                 # (the turn mitmproxy sends it in)
+        await proxy.settle()
+        assert written == [SESSION] and (await pin_of(proxy)).server is None
+    finally:
+        loop.set_task_factory(None)
+
+
 async def test_the_pin_holds_after_the_current_server_changes(proxy, cfg_path):
     await proxy.send(flow())
     cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))

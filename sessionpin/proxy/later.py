@@ -67,6 +67,25 @@ class Later:
             await asyncio.sleep(0)
 
 
+async def sent(flow: Any) -> None:
+    """Return once the flow's answer has been sent (as ``Later.call`` waits: a turn of the loop
+    at a time while the flow is live, at most ``MAX_TURNS``). For a coroutine that mitmproxy's
+    eager task factory would otherwise run inside the hook, up to its first wait."""
+    turns = 0
+    while getattr(flow, "live", False) and turns < MAX_TURNS:
+        await asyncio.sleep(0)
+        turns += 1
+
+
+async def after_hook() -> None:
+    """Return once what the hook running now hands mitmproxy has been sent: two turns of the
+    loop (mitmproxy sends it one turn after the hook returns, ``scripts/bench_after_answer.py``:
+    work scheduled twice runs after the send). For a request, which has no mark that says it
+    left: a coroutine that mitmproxy's eager task factory would otherwise run inside the hook."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
 def tell_view(flow: Any) -> None:
     """Tell mitmweb a flow changed after its hooks had returned (its comment and metadata
     gained a watch's figures). mitmdump has no view to tell; tests without a master neither."""

@@ -61,7 +61,7 @@ from . import perflow
 from ..reader import headerview
 from .offprocess import BodyProcess
 from .perflow import FlowState
-from .later import Later, tell_view
+from .later import Later, sent, tell_view
 from .participants import Participant
 from .storeruntime import StoreRuntime
 
@@ -553,18 +553,15 @@ def _k(n: int) -> str:
 
 
 async def _after(before: asyncio.Task | None, work, flow: http.HTTPFlow) -> None:
-    """``work`` once ``before`` (the conversation's previous turn being read) is done; then tell
-    mitmweb the flow changed (its comment and metadata gained the turn's figures after the
-    response hook had returned)."""
+    """``work`` once the answer has been sent and ``before`` (the conversation's previous turn
+    being read) is done; then tell mitmweb the flow changed (its comment and metadata gained
+    the turn's figures after the response hook had returned). (mitmproxy's tasks start eagerly:
+    without the wait, a large request's first copy to the body process ran inside the hook.)"""
+    await sent(flow)
     if before is not None:
         try:
             await before
         except BaseException:      # (it logged its own failure; a cancelled one: this goes on)
             pass
     await work
-    try:
-        from mitmproxy import ctx, hooks
-        if ctx.master.addons.get("view") is not None:     # mitmweb's; mitmdump has none to tell
-            ctx.master.addons.trigger(hooks.UpdateHook([flow]))
-    except Exception:               # no master (tests without one): nobody to tell
-        pass
+    tell_view(flow)

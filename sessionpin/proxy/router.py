@@ -64,6 +64,7 @@ from ..reader import headerview, scan
 from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DecisionLog
+from .later import after_hook
 from .offloop import OffLoop
 from .offprocess import BodyProcess
 from .participants import Participant
@@ -337,6 +338,7 @@ class Router:
             return          # nothing is written over a loss
 
         async def run() -> None:
+            await after_hook()      # (mitmproxy's tasks start eagerly: not inside the hook, before the request left)
             try:
                 if isinstance(after, route.RenewPin):
                     await pins.renew(store, after.session, after.seen, time.time())

@@ -1,4 +1,5 @@
 """The pool's participant and options addon on real mitmproxy flows (taddons, tflow)."""
+import asyncio
 import json
 import time
 
@@ -163,3 +164,30 @@ async def test_the_pool_shares_the_routers_file_store_and_keeps_it_when_the_rout
     finally:
         await own.close()
     assert router_store.backend._writer.state.value == "closed"
+
+
+async def test_the_observation_does_not_run_inside_the_hook_on_an_eager_loop(wired):
+    """mitmproxy's loop starts tasks eagerly: the observation's store read and write ran inside
+    ``responseheaders``, ahead of the stream (seeds/002 §7). They wait until mitmproxy sent on
+    what the hook let go (two turns of the loop)."""
+    p, _, _, store = wired
+    now = int(time.time() * 1000)
+    await state.add_spare(store, "opencode-go", M, "spare-1", state.Spare(upstream_ms=900, verified_at=now, created_at=now))
+    f = flow([("User-Agent", "opencode/1.18.33"), ("Authorization", "Bearer k"), ("X-OpenCode-Session", "ses_1")])
+    await p.request(f)
+    f.response = tutils.tresp(status_code=429)
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)
+    try:
+        called, real = [], p.service.observe
+
+        async def observe(*args):
+            called.append(1)
+            return await real(*args)
+        p.service.observe = observe
+        task = p.responseheaders(f)
+        assert called == [] and not task.done()             # nothing of it ran in the hook
+        assert await task == "retire" and called == [1]
+        assert await state.is_retired(store, "spare-1")
+    finally:
+        loop.set_task_factory(None)

@@ -164,7 +164,7 @@ class PoolParticipant:
         if not route.observed:
             return None
         headers = {k.lower(): v for k, v in flow.response.headers.items()}
-        task = asyncio.get_running_loop().create_task(svc.observe(route, flow.response.status_code, headers),
+        task = asyncio.get_running_loop().create_task(_observe(svc, route, flow.response.status_code, headers),
                                                       name="sessionpin-pool-observe")
         self._observing.add(task)
         task.add_done_callback(self._observing.discard)
@@ -214,3 +214,14 @@ class PoolOptions:
             self.participant.configure(values)
         except ValueError as e:
             raise self.error(str(e)) from None
+
+
+async def _observe(svc: PoolService, route: Route, status: int, headers: dict[str, str]) -> str:
+    """``svc.observe`` once mitmproxy has sent on what the hook let go. Its loop starts tasks
+    eagerly: the observation's store read and write ran inside ``responseheaders``, ahead of the
+    stream (seeds/002 §7: not held up). Two turns of the loop: mitmproxy sends a hook's message
+    one turn after the hook returns (as the shell's ``later.after_hook``, which the pool does
+    not import: the shell drives the pool)."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    return await svc.observe(route, status, headers)

@@ -40,6 +40,7 @@ from ..store import StoreError
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .exposition import family, joined
+from .later import after_hook
 from .participants import Participant
 from .storeruntime import StoreRuntime
 
@@ -177,6 +178,7 @@ class Allocations(Participant):
         self._later(self._write(member, q))
 
     async def _write(self, member: str, q: quota.Quota) -> None:
+        await after_hook()      # mitmproxy's tasks start eagerly: not in the hook, ahead of the answer's stream
         store = self.runtime.store
         if store is None:
             return

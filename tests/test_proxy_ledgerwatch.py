@@ -657,3 +657,49 @@ async def test_a_large_requests_read_starts_once_its_answer_has_been_sent(proxy)
         assert g.metadata["sessionpin"]["ledger"]["input"] == 9203
     finally:
         loop.set_task_factory(None)
+
+
+async def test_a_large_socket_message_is_not_shaped_on_the_event_loop(tmp_path, monkeypatch):
+    """A socket's ``response.create`` is shaped in its message hook, on the event loop, ahead of the
+    message: a 16 MiB one of tiny items (the socket limit) took ~200 ms there, every other
+    client waiting. From ``SHAPE_OFF_LOOP_MIN`` its turn is recorded without a shape, as a
+    body's past ``MAX_SHAPE_ITEMS`` messages is; a small one is shaped as before."""
+    import time as _time
+
+    from mitmproxy import websocket
+    from wsproto.frame_protocol import Opcode
+
+    from test_proxy_router import CODEX_CONFIG, upgrade
+    shaped = []
+    real = ledgerwatch.promptshape.shape
+    monkeypatch.setattr(ledgerwatch.promptshape, "shape", lambda b, *a, **k: shaped.append(len(b)) or real(b, *a, **k))
+    p = tmp_path / "config.toml"
+    p.write_text(CODEX_CONFIG)
+    proxy = start(p)
+    proxy.router.env["ALT_KEY"] = "alt-sentinel"
+    try:
+        f = upgrade()
+        await proxy.send(f)
+        f.response = tutils.tresp(status_code=101, content=b"")
+        f.websocket = websocket.WebSocketData()
+        watch = watch_of(proxy)
+        watch.websocket_start(f)
+
+        def say(value, from_client):
+            f.websocket.messages.append(websocket.WebSocketMessage(Opcode.TEXT, from_client,
+                                                                   json.dumps(value).encode(), _time.time()))
+            watch.websocket_message(f)
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}
+        for i, n in enumerate((3, 6000)):            # ~0.5 KB, then ~470 KB of tiny items
+            say({"type": "response.create", "model": "gpt-6.2-sol", "input": [item] * n}, True)
+            say({"type": "response.completed", "response": {
+                "id": f"resp_{i}", "model": "alt-codex-1",
+                "usage": {"input_tokens": 2000 + i, "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens": 10}}}, False)
+        assert len(shaped) == 1 and shaped[0] < ledgerwatch.SHAPE_OFF_LOOP_MIN
+        watch.websocket_end(f)
+        await flushed(watch)
+        turns = await ledger.turns(proxy.store, f.metadata["sessionpin"]["session"])
+        assert [t.id for t in turns] == ["resp_0", "resp_1"]          # both recorded
+    finally:
+        proxy.close()

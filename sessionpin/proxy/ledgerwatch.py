@@ -360,7 +360,14 @@ class LedgerWatch:
             msg = flow.websocket.messages[-1]
             if msg.from_client:
                 if msg.is_text and b'"response.create"' in msg.content[:200]:
-                    w.shape = promptshape.shape(msg.content, w.api, seen=self._digests)
+                    # read here, ahead of the message (mitmproxy sends it on when the hook
+                    # returns), so only a small one: a message of up to the socket limit's
+                    # 16 MiB of tiny items took ~1 ms per 10,000 of them on the event loop.
+                    # A larger one's turn is recorded without a shape, as a body's past
+                    # MAX_SHAPE_ITEMS messages is (Codex's are incremental: 79 KB at most).
+                    content = msg.content
+                    w.shape = promptshape.shape(content, w.api, seen=self._digests) \
+                        if len(content) < SHAPE_OFF_LOOP_MIN else None
                     w.started = msg.timestamp
                 return
             read = w.reader.message(msg.content)

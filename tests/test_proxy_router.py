@@ -87,6 +87,29 @@ async def test_the_writes_after_a_request_wait_until_it_has_left(proxy, monkeypa
         loop.set_task_factory(None)
 
 
+async def test_a_loss_seen_before_a_write_after_a_request_goes_stops_it(proxy, monkeypatch):
+    """The write after a request waits for the request to leave; a store loss the guard saw in
+    the meantime stops it (nothing is written over a loss)."""
+    from sessionpin.records import pins as P
+    written = []
+    real = P.create
+
+    async def create(store, session, pin, seen=None):
+        written.append(session)
+        return await real(store, session, pin, seen)
+    monkeypatch.setattr(P, "create", create)
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)
+    try:
+        await proxy.send(flow("continuation"))
+        proxy.runtime.guard.lost = "the store was emptied"       # as the guard says it
+        await proxy.settle()
+        assert written == []
+    finally:
+        loop.set_task_factory(None)
+        proxy.runtime.guard.lost = None
+
+
 async def test_the_pin_holds_after_the_current_server_changes(proxy, cfg_path):
     await proxy.send(flow())
     cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))

@@ -339,6 +339,8 @@ class Router:
 
         async def run() -> None:
             await after_hook()      # (mitmproxy's tasks start eagerly: not inside the hook, before the request left)
+            if self.runtime.guard.lost is not None:
+                return              # (a loss seen in the meantime: nothing is written over it)
             try:
                 if isinstance(after, route.RenewPin):
                     await pins.renew(store, after.session, after.seen, time.time())

@@ -168,7 +168,9 @@ async def test_an_answer_without_usage_and_a_flow_the_router_left_alone(proxy):
     assert "ledger" not in other.metadata.get("sessionpin", {})
 
 
-async def test_codexs_socket_gives_one_turn_per_completed_response(tmp_path):
+async def codex_socket(tmp_path):
+    """A Codex socket routed and accepted (101), the ledger watching it; ``say(value,
+    from_client)`` passes one text message through every part's ``websocket_message``."""
     import time as _time
 
     from mitmproxy import websocket
@@ -179,20 +181,25 @@ async def test_codexs_socket_gives_one_turn_per_completed_response(tmp_path):
     p.write_text(CODEX_CONFIG)
     proxy = start(p)
     proxy.router.env["ALT_KEY"] = "alt-sentinel"
-    try:
-        f = upgrade()
-        await proxy.send(f)
-        f.response = tutils.tresp(status_code=101, content=b"")
-        f.websocket = websocket.WebSocketData()
-        watch = watch_of(proxy)
-        watch.websocket_start(f)
+    f = upgrade()
+    await proxy.send(f)
+    f.response = tutils.tresp(status_code=101, content=b"")
+    f.websocket = websocket.WebSocketData()
+    watch = watch_of(proxy)
+    watch.websocket_start(f)
 
-        def say(value, from_client):
-            f.websocket.messages.append(websocket.WebSocketMessage(Opcode.TEXT, from_client,
-                                                                   json.dumps(value).encode(), _time.time()))
-            for a in proxy.addons:
-                if hasattr(a, "websocket_message"):
-                    a.websocket_message(f)
+    def say(value, from_client):
+        f.websocket.messages.append(websocket.WebSocketMessage(Opcode.TEXT, from_client,
+                                                               json.dumps(value).encode(), _time.time()))
+        for a in proxy.addons:
+            if hasattr(a, "websocket_message"):
+                a.websocket_message(f)
+    return proxy, f, watch, say
+
+
+async def test_codexs_socket_gives_one_turn_per_completed_response(tmp_path):
+    proxy, f, watch, say = await codex_socket(tmp_path)
+    try:
         for i, cached in enumerate((0, 1800)):
             say({"type": "response.create", "model": "gpt-6.2-sol",
                  "input": [{"role": "user", "content": "x"}] * (i + 1)}, True)
@@ -664,31 +671,11 @@ async def test_a_large_socket_message_is_not_shaped_on_the_event_loop(tmp_path, 
     message: a 16 MiB one of tiny items (the socket limit) took ~200 ms there, every other
     client waiting. From ``SHAPE_OFF_LOOP_MIN`` its turn is recorded without a shape, as a
     body's past ``MAX_SHAPE_ITEMS`` messages is; a small one is shaped as before."""
-    import time as _time
-
-    from mitmproxy import websocket
-    from wsproto.frame_protocol import Opcode
-
-    from test_proxy_router import CODEX_CONFIG, upgrade
     shaped = []
     real = ledgerwatch.promptshape.shape
     monkeypatch.setattr(ledgerwatch.promptshape, "shape", lambda b, *a, **k: shaped.append(len(b)) or real(b, *a, **k))
-    p = tmp_path / "config.toml"
-    p.write_text(CODEX_CONFIG)
-    proxy = start(p)
-    proxy.router.env["ALT_KEY"] = "alt-sentinel"
+    proxy, f, watch, say = await codex_socket(tmp_path)
     try:
-        f = upgrade()
-        await proxy.send(f)
-        f.response = tutils.tresp(status_code=101, content=b"")
-        f.websocket = websocket.WebSocketData()
-        watch = watch_of(proxy)
-        watch.websocket_start(f)
-
-        def say(value, from_client):
-            f.websocket.messages.append(websocket.WebSocketMessage(Opcode.TEXT, from_client,
-                                                                   json.dumps(value).encode(), _time.time()))
-            watch.websocket_message(f)
         item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}
         for i, n in enumerate((3, 6000)):            # ~0.5 KB, then ~470 KB of tiny items
             say({"type": "response.create", "model": "gpt-6.2-sol", "input": [item] * n}, True)

@@ -60,19 +60,23 @@ async def test_opening_turn_is_routed_and_pinned_before_it_leaves(proxy):
     assert proxy.runtime._activity[SESSION][3] == 1
 
 
+def pins_written(monkeypatch) -> list[str]:
+    """The sessions whose pins ``pins.create`` writes from now on, in order."""
+    written, real = [], pins.create
+
+    async def create(store, session, pin, seen=None):
+        written.append(session)
+        return await real(store, session, pin, seen)
+    monkeypatch.setattr(pins, "create", create)
+    return written
+
+
 async def test_the_writes_after_a_request_wait_until_it_has_left(proxy, monkeypatch):
     """A "not routed" pin (and a renewal, a title, an opening's memory) is written after the
     request left, never waited for. mitmproxy starts tasks eagerly: such a write ran inside the
     request hook, a store write ahead of the request. It now waits the two turns of the loop
     in which mitmproxy sends what the hook let go."""
-    from sessionpin.records import pins as P
-    written = []
-    real = P.create
-
-    async def create(store, session, pin, seen=None):
-        written.append(session)
-        return await real(store, session, pin, seen)
-    monkeypatch.setattr(P, "create", create)
+    written = pins_written(monkeypatch)
     loop = asyncio.get_running_loop()
     loop.set_task_factory(asyncio.eager_task_factory)        # as mitmproxy runs its loop
     try:
@@ -90,14 +94,7 @@ async def test_the_writes_after_a_request_wait_until_it_has_left(proxy, monkeypa
 async def test_a_loss_seen_before_a_write_after_a_request_goes_stops_it(proxy, monkeypatch):
     """The write after a request waits for the request to leave; a store loss the guard saw in
     the meantime stops it (nothing is written over a loss)."""
-    from sessionpin.records import pins as P
-    written = []
-    real = P.create
-
-    async def create(store, session, pin, seen=None):
-        written.append(session)
-        return await real(store, session, pin, seen)
-    monkeypatch.setattr(P, "create", create)
+    written = pins_written(monkeypatch)
     loop = asyncio.get_running_loop()
     loop.set_task_factory(asyncio.eager_task_factory)
     try:

@@ -228,22 +228,11 @@ def _name(value: str) -> str:
 
 def writes(session: str, agent: str, turn: Turn, prior: Prior) -> list[Write]:
     """The store writes that add ``turn`` to its conversation's ledger (with ``prior``, what the
-    lane's next turn is compared with). The caller sets both keys' TTL (``TTL``)."""
-    k = key(session)
-    group = f"{_name(turn.server)}|{_name(turn.model)}|"
-    out: list[Write] = [HSet(k, "agent", agent), HIncr(k, "turns", 1)]
-    for name in FIELDS:
-        v = getattr(turn.usage, name)
-        if v:
-            out.append(HIncr(k, group + name, v))
-    out.append(HIncr(k, group + "turns", 1))
-    if turn.limit:
-        out += [HIncr(k, "limit", turn.limit), HIncr(k, "within", min(turn.usage.cache_read, turn.limit))]
-    if turn.miss:
-        out += [HIncr(k, "misses", 1), HIncr(k, "miss:" + turn.reason, 1)]
-    out.append(HSet(k, "lane:" + turn.lane, _turn_encoder.encode(prior).decode()))
-    out.append(ZAdd(turns_key(session), _turn_encoder.encode(turn).decode(), turn.t))
-    return out
+    lane's next turn is compared with). The caller sets both keys' TTL (``TTL``). A batch of
+    turns: ``Batch``."""
+    batch = Batch()
+    batch.add(session, agent, turn, prior)
+    return batch.writes()
 
 
 class Batch:
@@ -263,7 +252,7 @@ class Batch:
         self._records: list[ZAdd] = []
 
     def add(self, session: str, agent: str, turn: Turn, prior: Prior) -> None:
-        """``writes(session, agent, turn, prior)``, folded into the batch."""
+        """Add ``turn`` of ``session`` (and ``prior``, what its lane's next turn is compared with)."""
         k = key(session)
         sets, incrs = self._sets, self._incrs
         group = f"{_name(turn.server)}|{_name(turn.model)}|"

@@ -218,7 +218,8 @@ class LedgerWatch:
                 if large:                                           # never on the event loop
                     return self._beside(w.session, flow, self._large(flow, w, read, ended, raw, encoding), len(raw))
                 # its conversation's previous turn is still read beside its answer: after it
-                later = self._turn_later(flow, w, read, self._shape(flow, w, raw, encoding), ended)
+                shape = self._shape(w, raw, encoding, perflow.sent_members(flow))
+                later = self._turn_later(flow, w, read, shape, ended)
                 return self._beside(w.session, flow, later, len(raw or b""))
             self._turn(flow, w, read, None, ended)                  # no usage stated: counted
         except Exception:
@@ -242,19 +243,18 @@ class LedgerWatch:
             shape = None
             if read.usage is not None:
                 req = flow.request
-                shape = promptshape.shape(req.raw_content, w.api, headerview.get(req.headers, "content-encoding"),
-                                          self._digests, members=members, runs=self._runs, key=w.session)
+                shape = self._shape(w, req.raw_content, headerview.get(req.headers, "content-encoding"), members)
             self._turn(flow, w, read, shape, ended)
         except Exception:
             log.exception("sessionpin: ledger: cannot read an answer's usage")
         self._request_span(flow, None)
         tell_view(flow)
 
-    def _shape(self, flow: http.HTTPFlow, w: _Watched, raw: bytes | None, encoding: str) -> promptshape.Shape | None:
+    def _shape(self, w: _Watched, raw: bytes | None, encoding: str, members) -> promptshape.Shape | None:
         """A request's shape on the event loop (a small body): its messages compared with its
-        conversation's last array, so only the new ones are read (``promptshape.Runs``)."""
-        return promptshape.shape(raw, w.api, encoding, self._digests, members=perflow.sent_members(flow),
-                                 runs=self._runs, key=w.session)
+        conversation's last array, so only the new ones are read (``promptshape.Runs``);
+        ``members``: the router's (``perflow.sent_members``), read instead of the body."""
+        return promptshape.shape(raw, w.api, encoding, self._digests, members=members, runs=self._runs, key=w.session)
 
     async def _large(self, flow: http.HTTPFlow, w: _Watched, read: Read, ended: float, raw: bytes,
                      encoding: str, cut: bool = False) -> None:
@@ -320,7 +320,7 @@ class LedgerWatch:
                     if raw and len(raw) >= SHAPE_OFF_LOOP_MIN and self.bodies is not None:
                         large = self._large(flow, w, read, time.time(), raw, encoding, cut=True)
                         return self._beside(w.session, flow, large, len(raw))
-                    shape = self._shape(flow, w, raw, encoding)
+                    shape = self._shape(w, raw, encoding, perflow.sent_members(flow))
                     if w.session in self._behind:    # its conversation's previous turn is still read: after it
                         later = self._turn_later(flow, w, read, shape, time.time(), cut=True)
                         return self._beside(w.session, flow, later, len(raw or b""))

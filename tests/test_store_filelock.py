@@ -103,3 +103,76 @@ def test_trying_the_lock_never_waits(tmp_path):
     assert lock.try_acquire() is True
     lock.release()
     lock.close()
+
+
+def _holder(path: Path, seconds: float) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(seconds)], text=True, stdout=subprocess.PIPE,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.stdout.readline() == "held\n"
+    return p
+
+
+def _waiters() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "sessionpin-lockwait"]
+
+
+def test_a_waiter_blocks_until_the_lock_is_let_go_rather_than_polling(tmp_path, monkeypatch):
+    """A poller found the lock free only by chance while other processes wrote in a loop (they let
+    go and take it again within microseconds): waits of 100-480 ms, past busy_timeout under load.
+    A waiter tries once, then blocks in the kernel, which wakes it when the lock is let go."""
+    import fcntl
+
+    from sessionpin.store import filelock
+    tries = []
+    real = fcntl.flock
+
+    def counted(fd, op):
+        if op & fcntl.LOCK_NB:
+            tries.append(op)
+        return real(fd, op)
+
+    monkeypatch.setattr(filelock.fcntl, "flock", counted)
+    path = tmp_path / "s.lock"
+    p = _holder(path, 0.4)
+    lock = FileLock(path)
+    try:
+        t0 = time.monotonic()
+        lock.acquire(5)
+        assert time.monotonic() - t0 > 0.2                   # it did wait for the other process
+        assert len(tries) == 1                               # one try, then no polling
+        lock.release()
+    finally:
+        p.wait(timeout=10)
+        lock.close()
+
+
+def test_a_wait_that_timed_out_leaves_one_waiter_for_the_next_and_it_lets_go_if_unwanted(tmp_path):
+    path = tmp_path / "s.lock"
+    p = _holder(path, 0.8)
+    lock = FileLock(path)
+    try:
+        for _ in range(4):                                   # a stuck holder: every wait times out
+            with pytest.raises(TimeoutError):
+                lock.acquire(0.05)
+        assert len(_waiters()) == 1                          # one blocked waiter, taken up again each time
+        lock.acquire(5)                                      # the next wait takes it up: granted
+        assert _waiters() == []
+        lock.release()
+    finally:
+        p.wait(timeout=10)
+    p = _holder(path, 0.3)
+    try:
+        with pytest.raises(TimeoutError):
+            lock.acquire(0.05)                               # left waiting; nobody wants it when granted
+    finally:
+        p.wait(timeout=10)
+    for _ in range(200):
+        if not _waiters():
+            break
+        time.sleep(0.01)
+    assert _waiters() == []                                  # granted, unwanted: it let go and ended
+    other = FileLock(path)
+    assert other.try_acquire() is True                       # and nobody holds the lock
+    other.release()
+    other.close()
+    lock.close()

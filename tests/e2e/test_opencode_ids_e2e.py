@@ -223,6 +223,9 @@ def test_two_proxies_sharing_one_store_never_share_an_id(env):
     m2 = Mitmdump(env["work"] / "second", script=env["script"], options=env["opts"])
     m2.start()
     try:
+        # the pool fills with a client's key, so a client must have been seen (by an earlier test
+        # of this module, or here when this test runs alone)
+        chat(env, [*OPENCODE_HEADERS, ("x-opencode-session", f"ses_{RUN}_twinkey")], [{"role": "user", "content": "k"}])
         kept = wait_spares(env, 2)
         ports = [(env["m"].port, env["m"].mitm_ca), (m2.port, m2.mitm_ca)]
         convs = [f"ses_{RUN}_twin{i}" for i in range(10)]

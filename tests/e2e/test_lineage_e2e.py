@@ -162,12 +162,26 @@ def test_a_fork_reaches_its_parent_whose_answers_were_not_seen_whole(rig: Rig, a
     home = {"A": first, "A-fork": first, "B": OTHER[first]}
     landed: list[tuple[str, str, str | None]] = []
     switched = False
+    # the same recording's root, as an earlier test of this module recorded it for its own A:
+    # only a record this test's A made may count, or the fork would be found through another
+    # test (pi's sessions without an id are named by their content: the same in every test)
+    earlier = root_recorded(rig, agent, fork_root)
+
+    def own_root_recorded() -> bool:
+        deadline = time.monotonic() + 5      # A's records are written a moment after its requests
+        while root_recorded(rig, agent, fork_root) in (None, earlier) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return root_recorded(rig, agent, fork_root) not in (None, earlier)
+
     for rec in recs:
         conv = conversation(rec)
+        if rec.nn in kill_after - {opening.nn} and how == "killed-after-answer":
+            # A's turns come seconds apart (each waits for a model's answer), its records a tenth
+            # of a second after each: the kill after A's last answer loses that turn's records,
+            # not the ones A's earlier turns made (here they come within the batching window)
+            assert own_root_recorded(), "A's earlier requests recorded no root"
         if conv != "A" and not switched:
-            deadline = time.monotonic() + 5      # A's records are written a moment after its requests
-            while root_recorded(rig, agent, fork_root) is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+            own_root_recorded()
             rig.set_current(**{agent.replace("-", "_"): OTHER[first]})
             switched = True
         p = replay.prepare(rec)

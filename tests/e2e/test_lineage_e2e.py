@@ -248,8 +248,18 @@ def test_a_server_echoing_the_id_it_was_sent_takes_no_fork_of_another_servers_co
     files = {r.nn: next((FIXTURES / "claude-code").glob(f"lineage-{r.nn:02d}-*.json")) for r in recs}
     replay = Replay(RUN)
     a_recs = [r for r in recs if conversation(r) == "A"]
+    a_session = replay.fresh(a_recs[0].header("x-claude-code-session-id"))
+    fork = next(r for r in recs if conversation(r) == "A-fork")
+    fork_root = lineage.chain(replay.prepare(fork).body, F.api_of("POST", fork.path), turns=1).keys[0]
     landed = []
     for rec in a_recs:
+        if rec is a_recs[-1] and first_claim == "lost":
+            # A's turns come seconds apart: what its earlier requests recorded (its root) is
+            # written before the kill after its last answer, which loses that answer's claim
+            deadline = time.monotonic() + 5
+            while root_recorded(rig, "claude-code", fork_root) != a_session and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert root_recorded(rig, "claude-code", fork_root) == a_session, "A's requests recorded no root"
         canned = recorded_response(files[rec.nn], replay)
         rig.fakes["glm"].canned = lambda _r, c=canned: c
         try:
@@ -259,7 +269,6 @@ def test_a_server_echoing_the_id_it_was_sent_takes_no_fork_of_another_servers_co
     assert landed == ["glm"] * len(a_recs)
     last_id = dict((k.lower(), v) for k, v in recorded_response(files[a_recs[-1].nn], replay)[1])["request-id"]
     anchor = f"req:{last_id}"
-    a_session = replay.fresh(a_recs[0].header("x-claude-code-session-id"))
     if first_claim == "lost":
         rig.mitm.restart(sig=signal.SIGKILL)       # right after A's last answer: glm's claim is lost
     else:
@@ -281,7 +290,6 @@ def test_a_server_echoing_the_id_it_was_sent_takes_no_fork_of_another_servers_co
     wait_for_claim(rig, anchor, q_session)
 
     since = len(rig.mitm._lines)
-    fork = next(r for r in recs if conversation(r) == "A-fork")
     sent = rig.send(replay.prepare(fork))
     assert sent.landed == "glm", f"the fork of A reached {sent.landed}, claims: {claims(rig, anchor)}"
     if first_claim == "kept":

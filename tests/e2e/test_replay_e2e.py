@@ -825,6 +825,10 @@ def test_a_new_conversation_is_refused_when_its_pin_cannot_be_written_durably(ri
     recs = [x for x in load("claude-code", "print") if x.kind == "opening"]
     r = Replay(RUN)
     p = r.prepare(recs[0])
+    # the router has judged its store (that first judgement, begun at start or by the first
+    # request, writes a new store's identity): the lock below meets the pin's write, not that
+    # judgement, which a store it cannot write refuses as a read fault (424)
+    assert_routed(rig.send(Replay(RUN).prepare(recs[0])), "glm")
     lock = sqlite3.connect(rig.store_path, timeout=5, isolation_level=None)
     try:
         lock.execute("BEGIN IMMEDIATE")

@@ -112,6 +112,15 @@ def wait_for_proxy_in_store(rig: Rig) -> dict:
         time.sleep(0.2)
 
 
+def claude_code_on_glm(rig: Rig) -> None:
+    """New claude-code conversations go to glm, as the first test leaves them: each test that
+    builds on it says so, and runs alone too."""
+    p = rig.cli("use", "claude-code", "glm")
+    assert p.returncode == 0, p.stderr
+    if "already go to glm" not in p.stdout:
+        time.sleep(1.0)                             # the proxy applies it within 1 s
+
+
 def test_use_switches_new_conversations_within_a_second_and_running_ones_stay(rig):
     status = wait_for_proxy_in_store(rig)
     assert status["proxy"]["answering"], status["proxy"]
@@ -149,8 +158,9 @@ def test_use_switches_new_conversations_within_a_second_and_running_ones_stay(ri
 
 
 def test_move_is_refused_without_yes_then_the_next_request_follows_it(rig):
+    claude_code_on_glm(rig)
     s = str(uuid.uuid4())
-    assert rig.send("opening", s) == 200          # claude-code → glm since the test above
+    assert rig.send("opening", s) == 200
     assert rig.where(s) == ["glm"]
 
     p = rig.cli("move", s[:13], "anthropic")
@@ -171,6 +181,7 @@ def test_move_is_refused_without_yes_then_the_next_request_follows_it(rig):
 
 
 def test_forget_hands_the_conversation_to_the_not_seen_begin_rule(rig):
+    claude_code_on_glm(rig)
     s = str(uuid.uuid4())
     assert rig.send("opening", s) == 200
     assert rig.where(s) == ["glm"]
@@ -183,6 +194,7 @@ def test_forget_hands_the_conversation_to_the_not_seen_begin_rule(rig):
 
 
 def test_activity_reaches_sessions_and_status(rig):
+    claude_code_on_glm(rig)
     s = str(uuid.uuid4())
     assert rig.send("opening", s) == 200
     assert rig.send("continuation", s) == 200
@@ -203,6 +215,7 @@ def test_activity_reaches_sessions_and_status(rig):
 
 
 def test_doctor_and_env_see_the_running_proxy(rig):
+    claude_code_on_glm(rig)                         # (doctor checks the keys of the servers in use)
     p = rig.cli("doctor", "--json")
     checks = {c["check"]: c for c in json.loads(p.stdout)["checks"]}
     assert checks["proxy"]["state"] == "ok" and checks["CA"]["state"] == "ok"
@@ -243,6 +256,8 @@ def test_a_proxy_reading_other_files_is_named(rig, tmp_path, monkeypatch):
 
 
 def test_servers_remove_warns_with_the_count_and_the_424_it_announces_happens(rig):
+    claude_code_on_glm(rig)
+    assert rig.send("opening", str(uuid.uuid4())) == 200      # a running conversation on glm
     p = rig.cli("servers", "remove", "glm")
     assert p.returncode == 1 and "new claude-code conversations go to glm" in p.stderr
     assert rig.cli("use", "claude-code", "anthropic").returncode == 0

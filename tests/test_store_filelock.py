@@ -176,3 +176,27 @@ def test_a_wait_that_timed_out_leaves_one_waiter_for_the_next_and_it_lets_go_if_
     other.release()
     other.close()
     lock.close()
+
+
+def test_without_a_thread_to_wait_in_it_still_waits(tmp_path, monkeypatch):
+    """A process at its thread limit (``Thread.start`` raises): the wait goes on by trying
+    again, bounded as before, rather than failing the write that wanted the lock."""
+    from sessionpin.store import filelock
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(filelock.threading.Thread, "start", refuse)
+    path = tmp_path / "s.lock"
+    p = _holder(path, 0.3)
+    fds = len(os.listdir("/proc/self/fd"))
+    lock = FileLock(path)
+    try:
+        with pytest.raises(TimeoutError):
+            lock.acquire(0.05)
+        lock.acquire(5)                                      # held until the other process let go
+        lock.release()
+    finally:
+        p.wait(timeout=10)
+        lock.close()
+    assert len(os.listdir("/proc/self/fd")) == fds           # no descriptor left behind by a try

@@ -78,7 +78,14 @@ class FileLock:
         """Wait, blocked in the kernel, until ``deadline``; whether ``self._fd`` now holds it."""
         waiter = self._waiter
         if waiter is None or not waiter.wanted_again():
-            waiter = self._waiter = _Waiter(self.path)
+            try:
+                waiter = self._waiter = _Waiter(self.path)
+            except RuntimeError:          # no thread to be had (a process at its limit): try again soon
+                self._waiter = None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(errno.EWOULDBLOCK, f"{self.path} held by another process too long") from None
+                time.sleep(0.001)
+                return False
         got = waiter.take(deadline - time.monotonic())
         if got is None:
             if time.monotonic() >= deadline:
@@ -157,7 +164,11 @@ class _Waiter:
         self._granted = threading.Event()
         self._wanted = True
         self._gone = False                 # let go (nobody wanted it) or failed: fd closed
-        threading.Thread(target=self._run, name="sessionpin-lockwait", daemon=True).start()
+        try:
+            threading.Thread(target=self._run, name="sessionpin-lockwait", daemon=True).start()
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def _run(self) -> None:
         try:

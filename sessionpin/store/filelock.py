@@ -66,37 +66,40 @@ class FileLock:
                 self._fd = safefile.open_file(self.path, os.O_RDWR | os.O_CREAT)   # no link, ours, 0600
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
             except BlockingIOError:
-                if not self._wait(deadline):
-                    continue              # the waiter's file was replaced or failed: try again
+                held = False
+            if not held and not self._wait(deadline):
+                continue                  # no waiter could wait: try again
             if same_file(self.path, self._fd):
                 return
             os.close(self._fd)            # the path names another file now: lock that one
             self._fd = None
 
     def _wait(self, deadline: float) -> bool:
-        """Wait, blocked in the kernel, until ``deadline``; whether ``self._fd`` now holds it."""
+        """Wait, blocked in the kernel, until ``deadline``; whether ``self._fd`` now holds it
+        (False: no waiter could wait — no thread to be had, or its ``flock`` failed — try again)."""
         waiter = self._waiter
         if waiter is None or not waiter.wanted_again():
             try:
                 waiter = self._waiter = _Waiter(self.path)
-            except RuntimeError:          # no thread to be had (a process at its limit): try again soon
-                self._waiter = None
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(errno.EWOULDBLOCK, f"{self.path} held by another process too long") from None
-                time.sleep(0.001)
-                return False
-        got = waiter.take(deadline - time.monotonic())
+            except RuntimeError:          # no thread to be had (a process at its limit)
+                waiter = self._waiter = None
+        got = waiter.take(deadline - time.monotonic()) if waiter is not None else None
         if got is None:
             if time.monotonic() >= deadline:
-                raise TimeoutError(errno.EWOULDBLOCK, f"{self.path} held by another process too long")
+                raise self._too_long()
+            time.sleep(0.001)
             return False
         if not got:
-            raise TimeoutError(errno.EWOULDBLOCK, f"{self.path} held by another process too long")
+            raise self._too_long()
         self._waiter = None
         os.close(self._fd)                # never held: the waiter's descriptor holds it now
         self._fd = waiter.fd
         return True
+
+    def _too_long(self) -> TimeoutError:
+        return TimeoutError(errno.EWOULDBLOCK, f"{self.path} held by another process too long")
 
     def try_acquire(self) -> bool:
         """Take it if nobody holds it (no waiting at all); whether it was taken."""

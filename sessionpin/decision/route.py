@@ -253,7 +253,7 @@ def _on_store_failed(state: State, event: StoreFailed) -> Step:
     # The shell rode out a short blip before saying so: answered so that no agent keeps
     # retrying for minutes (answers.NO_RETRY_STATUS, docs/traffic.md).
     f = state.request.facts
-    return _go(state, Refuse(NO_RETRY_STATUS, "store", f"sessionpin cannot read its pin store ({event.error}), "
+    return _go(state, Refuse(NO_RETRY_STATUS, "store", f"sessionpin cannot use its pin store ({event.error}), "
                              f"so {f.agent} session {state.session or f.session} was not sent anywhere: its pin "
                              f"decides where it goes. Send it again once the store is back; 'sessionpin doctor' "
                              f"says what is wrong."))

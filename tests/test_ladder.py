@@ -189,5 +189,5 @@ def test_rule_ids_are_a_named_set_of_stable_strings():
         "pinned-server-gone", "pinned", "fork-not-routed", "fork-of-gone", "fork", "unreadable",
         "side-unseen", "side-not-routed", "side-current", "subagent-unseen", "not-routed", "opening",
         "continuation-after-title", "continuation-unseen", "unknown-turn-unseen", "unknown-turn",
-        "soft-move", "store-unreadable"}
+        "soft-move", "store-unreadable", "unnamed-path"}
     assert Rule.OPENING == "opening" and f"{Rule.SOFT_MOVE}" == "soft-move"   # a pin written before compares equal

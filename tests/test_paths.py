@@ -87,6 +87,8 @@ def test_the_recordings_cover_every_api_and_both_prefixes():
     ("POST", "/v1/chat/completions", "", paths.OPENAI_CHAT),
     ("POST", "/v1/responses", "", paths.OPENAI_RESPONSES),
     ("post", "/v1/responses", "", paths.OPENAI_RESPONSES),
+    ("POST", "/v1/responses/compact", "", paths.OPENAI_RESPONSES),         # Codex's remote compaction
+    ("POST", "/zen/v1/responses/compact", "/zen/v1", paths.OPENAI_RESPONSES),
     ("POST", "/zen/v1/messages", "/zen", paths.ANTHROPIC_MESSAGES),
     ("POST", "/zen/go/v1/chat/completions", "/zen/go", paths.OPENAI_CHAT),
     ("POST", "/api/anthropic/v1/messages", "/api/anthropic", paths.ANTHROPIC_MESSAGES),
@@ -100,11 +102,6 @@ def test_the_recordings_cover_every_api_and_both_prefixes():
     ("POST", "/v1/models", "", paths.OTHER),
     ("POST", "/messages", "", paths.OTHER),
     ("POST", "/v2/messages", "", paths.OTHER),
-    ("POST", "/v1/messages/", "", paths.OTHER),
-    ("POST", "/V1/Messages", "", paths.OTHER),
-    ("POST", "/v1/responses/compact", "", paths.OTHER),
-    ("POST", "/v1/messages;x=1", "", paths.OTHER),
-    ("POST", "/v1/mess%61ges", "", paths.OTHER),
     ("POST", "/api/claude_code/settings", "", paths.OTHER),
     # a server is an API at its origin: whatever plain prefix the client puts before /v1
     ("POST", "/zen/v1/messages", "/zen/go", paths.ANTHROPIC_MESSAGES),
@@ -132,6 +129,56 @@ def test_the_recordings_cover_every_api_and_both_prefixes():
 def test_scope(method, path, prefix, api):
     s = paths.scope(method, path, prefix)
     assert (s.api, s.refuse) == (api, None)
+
+
+@pytest.mark.parametrize("path, prefix", [
+    # what a lenient server reads as an endpoint sessionpin routes, spelled otherwise: uvicorn and
+    # Go decode an escaped letter, Express matches case-blind and ignores a trailing slash, Java
+    # servers drop ;parameters — so it may be served as inference, and is never left alone
+    ("/v1/messages/", ""),
+    ("/V1/Messages", ""),
+    ("/V1/MESSAGES?beta=true", ""),
+    ("/v1/messages;x=1", ""),
+    ("/v1;x=1/messages", ""),
+    ("/v1/mess%61ges", ""),
+    ("/v1/mess%61ges?beta=true", ""),
+    ("/%761/messages", ""),
+    ("/v1/%6Dessages/count_tokens", ""),
+    ("/v1/Chat/Completions", ""),
+    ("/v1/responses/", ""),
+    ("/v1/respons%65s", ""),
+    ("/api/anthropic/V1/messages", "/api/anthropic"),   # its base, /api/anthropic/v1, in another case
+    ("/API/PAAS/V4/chat/completions", "/api/paas/v4"),
+    ("/zen/v1/Messages", None),                          # no server at the origin: the /v1 form alone
+])
+def test_a_path_spelled_unlike_an_endpoint_it_names_is_refused(path, prefix):
+    s = paths.scope("POST", path, prefix)
+    assert s.api == paths.OTHER and s.refuse and "spelled unlike" in s.refuse
+    assert paths.named("POST", path) is not None
+
+
+@pytest.mark.parametrize("path", ["/v1/threads/x/Messages", "/V1/threads/v1/messages", "/v1;x/v1/messages",
+                                  "/v1/models/", "/v1/Messages/batches", "/api/claude_code/settings/"])
+def test_a_look_alike_spelled_otherwise_is_not_refused(path):
+    assert paths.scope("POST", path, "").refuse is None
+
+
+@pytest.mark.parametrize("path, named", [
+    ("/chat/completions", ("/chat/completions", paths.OPENAI_CHAT)),              # a base without /v1
+    ("/api/paas/v4/chat/completions", ("/chat/completions", paths.OPENAI_CHAT)),
+    ("/v1beta/openai/chat/completions", ("/chat/completions", paths.OPENAI_CHAT)),
+    ("/v1/threads/x/messages", ("/messages", paths.ANTHROPIC_MESSAGES)),         # any prefix: the pin decides
+    ("/x/Messages/", ("/messages", paths.ANTHROPIC_MESSAGES)),
+    ("/x/messages/count_tokens?beta=true", ("/messages/count_tokens", paths.ANTHROPIC_COUNT_TOKENS)),
+    ("/backend-api/codex/responses", ("/responses", paths.OPENAI_RESPONSES)),
+    ("/v1/responses/compact", ("/responses/compact", paths.OPENAI_RESPONSES)),
+    ("/v1/models", None),
+    ("/v1/messages/batches", None),
+    ("/api/event_logging/batch", None),
+])
+def test_named_reads_the_endpoint_a_path_ends_with_whatever_comes_before(path, named):
+    assert paths.named("POST", path) == named
+    assert paths.named("GET", path) is None
 
 
 @pytest.mark.parametrize("path", [
@@ -162,7 +209,7 @@ def test_inference_is_always_an_exact_endpoint_after_the_base_or_a_plain_prefix_
         endpoint = s.endpoint.partition("?")[0]
         assert paths.ENDPOINTS[endpoint] == s.api and p.endswith(endpoint)
         before = p[: -len(endpoint)]
-        if before != paths.api_base(prefix) and before != prefix + "/v1":
+        if before != paths.api_base(prefix, endpoint) and before != prefix + "/v1":
             assert before.endswith("/v1")
             assert not any(paths.is_version(seg) for seg in before[:-3].split("/")), path
         assert ".." not in p and "%" not in p and "//" not in p and "\\" not in p
@@ -185,6 +232,25 @@ def test_endpoint_is_what_follows_the_base(path, prefix, endpoint):
 ])
 def test_a_servers_api_base(prefix, base):
     assert paths.api_base(prefix) == base
+    assert paths.api_base(prefix, "/messages?beta=true") == base
+
+
+@pytest.mark.parametrize("prefix, endpoint, base", [
+    # an OpenAI client appends its endpoint to a base that holds the version, wherever it is
+    ("/v1beta/openai", "/chat/completions", "/v1beta/openai"),             # Gemini's OpenAI-compatible API
+    ("/v1/acct/gw/openai", "/chat/completions?x=1", "/v1/acct/gw/openai"),  # Cloudflare's AI Gateway
+    ("/v1/acct/gw/openai", "/responses", "/v1/acct/gw/openai"),
+    ("/v1/acct/gw/openai", "/responses/compact", "/v1/acct/gw/openai"),
+    # an Anthropic client appends /v1/messages to a base without a version of its own
+    ("/v1/acct/gw/anthropic", "/messages", "/v1/acct/gw/anthropic/v1"),
+    ("/v1/acct/gw/anthropic", "/messages/count_tokens", "/v1/acct/gw/anthropic/v1"),
+    # no version anywhere: /v1 for every client
+    ("/zen", "/chat/completions", "/zen/v1"), ("", "/responses", "/v1"),
+])
+def test_an_openai_endpoint_is_at_a_base_that_holds_a_version_wherever_it_is(prefix, endpoint, base):
+    assert paths.api_base(prefix, endpoint) == base
+    path = base + endpoint
+    assert paths.scope("POST", path, prefix).inference
 
 
 @pytest.mark.parametrize("path, prefix, before", [
@@ -193,6 +259,7 @@ def test_a_servers_api_base(prefix, base):
     ("/openai/chat/completions", "/zen", "/openai"),
     ("/messages", "", ""),
     ("/api/anthropic/messages", "/api/anthropic", "/api/anthropic"),
+    ("/v1beta/openai/messages", "/v1beta/openai", "/v1beta/openai"),   # the server's own URL: no look-alike
     # routed, look-alikes, not POST, ambiguous, not an endpoint: None
     ("/v1/messages", "", None), ("/zen/v1/chat/completions", "", None),
     ("/v1/threads/x/messages", "", None), ("/v1/organizations/x/messages", "", None),

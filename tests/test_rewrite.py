@@ -119,6 +119,27 @@ key_env = "B_KEY"
     assert (c.host, c.port, c.path) == ("b.example", 443, CONVENTIONS[dst] + endpoint)
 
 
+@pytest.mark.parametrize("dst, path, api, moved_to", [
+    ("/v1beta/openai", "/v1/chat/completions", F.OPENAI_CHAT, "/v1beta/openai/chat/completions"),
+    ("/v1/acct/gw/openai", "/v1/responses", F.OPENAI_RESPONSES, "/v1/acct/gw/openai/responses"),
+    ("/v1/acct/gw/anthropic", "/v1/messages?beta=true", F.ANTHROPIC_MESSAGES, "/v1/acct/gw/anthropic/v1/messages?beta=true"),
+])
+def test_a_move_to_a_base_that_holds_its_version_before_its_last_segment(dst, path, api, moved_to):
+    """Gemini's OpenAI-compatible API (…/v1beta/openai) and Cloudflare's AI Gateway
+    (…/v1/ACCT/GW/openai) are written as the base their OpenAI clients take: an OpenAI
+    endpoint is moved to that base itself, an Anthropic one to its /v1."""
+    cfg = parse(f'''
+[servers.a]
+url = "https://a.example"
+[servers.b]
+url = "https://b.example{dst}"
+key_env = "B_KEY"
+''')
+    c = rewrite.plan(go("b"), view(path=path, host="a.example", model=None, api=api), cfg.servers["a"], cfg,
+                     {"B_KEY": "b-key"})
+    assert c.refuse is None and (c.host, c.path) == ("b.example", moved_to)
+
+
 @pytest.mark.parametrize("path", ["/v1/threads/x/v1/messages", "/v1/threads/x/messages", "/zen/v1/x/../messages",
                                   "/v1%2fmessages", "/v1/organizations/o/v1/chat/completions"])
 @pytest.mark.parametrize("src", list(CONVENTIONS))

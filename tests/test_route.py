@@ -232,6 +232,59 @@ def test_a_pi_opening_gets_its_own_id_and_a_fork_names_its_parent():
     assert isinstance(s2.effect, route.CreatePin) and s2.effect.pin.parent == "p" and s2.effect.pin.rule == "fork"
 
 
+def unnamed(f=None, source=ANTHROPIC, endpoint="/chat/completions", path="/chat/completions"):
+    """A request at a path sessionpin does not route that ends with ``endpoint``."""
+    return route.Request(facts=f or facts(F.CONTINUATION, has_history=True), source=source, config=CONFIG,
+                         now=NOW, scheme="https", host="api.anthropic.com", port=443, path=path, unnamed=endpoint)
+
+
+@pytest.mark.parametrize("name, req, answers, effects, expected", [
+    ("pinned to another server: refused, never sent where it was addressed",
+     unnamed(), {"pin": loaded("glm")}, ["ReadPin"], ("Refuse", 424, "unnamed-path", ())),
+    ("pinned to the server it addresses: left alone, nothing renewed",
+     unnamed(), {"pin": loaded("anthropic")}, ["ReadPin"], ("Leave", None, "unnamed-path", ())),
+    ("pinned not routed: left alone", unnamed(), {"pin": loaded(None)}, ["ReadPin"],
+     ("Leave", None, "unnamed-path", ())),
+    ("no pin, no parent: left alone, nothing pinned", unnamed(), {}, ["ReadPin", "ReadLineage", "FindParent"],
+     ("Leave", None, "unnamed-path", ())),
+    ("an opening: left alone, nothing pinned (it is never moved from here)", unnamed(facts()), {}, ["ReadPin"],
+     ("Leave", None, "unnamed-path", ())),
+    ("a side request of a conversation pinned elsewhere: refused", unnamed(facts(F.SIDE)), {"pin": loaded("glm")},
+     ["ReadPin"], ("Refuse", 424, "unnamed-path", ())),
+    ("a fork of a conversation pinned elsewhere: refused",
+     unnamed(facts(F.CONTINUATION, session="fork-1", has_history=True)), {"parent": ("s-1", loaded("glm"))},
+     ["ReadPin", "ReadLineage", "FindParent"], ("Refuse", 424, "unnamed-path", ())),
+    ("at an origin no longer configured, pinned anywhere: refused", unnamed(source=None), {"pin": loaded("anthropic")},
+     ["ReadPin"], ("Refuse", 424, "unnamed-path", ())),
+    ("a pi opening keyed by its fingerprint: left alone, no pin read",
+     unnamed(facts(agent=F.PI, session="fp:abc", session_source="fingerprint")), {}, [],
+     ("Leave", None, "unnamed-path", ())),
+    ("a pi turn of a conversation pinned elsewhere: refused",
+     unnamed(facts(F.CONTINUATION, agent=F.PI, session="fp:abc", session_source="fingerprint", has_history=True)),
+     {"conversation": "fp:abc.n1", "pin": loaded("glm", agent=F.PI)},
+     ["ReadLineage", "FindConversation", "ReadPin"], ("Refuse", 424, "unnamed-path", ())),
+    ("an opencode continuation: the title memory is not read", unnamed(OC := facts(
+        F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)), {"title": "zen"},
+     ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "unnamed-path", ())),
+    ("a store that cannot be read: refused, never 'no pin'", unnamed(), {"read_fails": True}, ["ReadPin"],
+     ("Refuse", 424, None, ())),
+])
+def test_a_request_at_a_path_sessionpin_does_not_route_is_only_guarded(name, req, answers, effects, expected):
+    """It goes where it was addressed, as if the router were not there — unless its
+    conversation is pinned to another server, which that server's path must not escape."""
+    seen, last = drive(req, **answers)
+    assert seen == effects
+    assert outcome(last) == expected
+    assert not any(isinstance(a, (route.WritePin, route.RenewPin, route.RememberTitle)) for a in last.after)
+
+
+def test_the_guards_refusal_names_the_session_the_server_and_what_to_do():
+    _, s = drive(unnamed(path="/chat/completions?x=1"), pin=loaded("glm"))
+    m = s.effect.message
+    assert "s-1" in m and "'glm'" in m and "/chat/completions" in m and "?x=1" not in m
+    assert "server anthropic" in m and "base URL" in m and s.effect.retry_after is None
+
+
 def test_refusals_say_what_to_do():
     _, s = drive(request(), create=route.NotSaved("database is locked"))
     assert s.effect.retry_after == route.RETRY_AFTER

@@ -94,6 +94,12 @@ class Server:
         ``/zen/v1`` for ``…/zen/v1``, ``/api/anthropic/v1`` for ``…/api/anthropic``."""
         return paths.api_base(self.prefix)
 
+    def base_for(self, endpoint: str) -> str:
+        """Where this API has ``endpoint`` (``paths.api_base``): ``base``, but for an OpenAI
+        endpoint at a URL holding a version before its last segment (Gemini's
+        ``…/v1beta/openai``), the URL's path itself."""
+        return paths.api_base(self.prefix, endpoint)
+
     def at(self, host: str, port: int, scheme: str | None = None) -> bool:
         """Whether host:port (and scheme, when given) is this server's address — the one
         test of "does this address belong to that server" (names compare case-blind,

@@ -95,6 +95,7 @@ class Rule(enum.StrEnum):
     UNKNOWN_TURN = "unknown-turn"
     SOFT_MOVE = "soft-move"
     STORE_UNREADABLE = "store-unreadable"
+    UNNAMED_PATH = "unnamed-path"
 
 
 class Decision(msgspec.Struct, frozen=True):

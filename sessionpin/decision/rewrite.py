@@ -117,7 +117,7 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
         if source is not None and (source.origin, source.prefix) == (target.origin, target.prefix):
             path = H.query_for_move(request.path)     # the same API: the client's path is its own
         else:
-            path = target.base + H.query_for_move(where.endpoint)   # endpoint starts with "/"
+            path = target.base_for(where.endpoint) + H.query_for_move(where.endpoint)   # endpoint starts with "/"
         if target.key_env:
             key = env.get(target.key_env, "").strip()
             if not key:

@@ -41,6 +41,11 @@ Rules this module keeps beyond the ladder's:
 - A request addressed to a configured server (or whose path looks like inference) whose
   path is ambiguous (dot segments, encoded slashes…) is refused 400 in the format of the
   API its path names (``/../../v1/messages`` is Anthropic's), and sent nowhere.
+- A request at a path sessionpin does not route that ends with an endpoint (``Request.unnamed``,
+  ``paths.named``: a server may serve it as inference) is only guarded: its conversation's pin
+  is read (its parent's, for a fork), and pinned to another server it is refused (424 naming
+  the session, the server and the path); otherwise it goes where it was addressed, untouched,
+  pinning and renewing nothing (``_guard``).
 - A pin that could not be read is a refusal (424 naming the store, no retry signals: the shell
   rode out a short blip first), never "no pin".
 - A store that lost what it held (``StoreLost``: emptied, replaced, a served pin gone) is
@@ -98,6 +103,7 @@ from ..serverpools import allocate
 from ..lineage import lineage
 from . import rewrite
 from ..reader import facts as F
+from ..reader import paths
 from . import ladder
 from .answers import NO_RETRY_STATUS
 from ..reader.ids import short
@@ -239,6 +245,8 @@ def _begin(state: State, request: Request) -> Step:
         return _decided(state, ladder.decide(f, None, request.config, request.source))
     if f.session_source == "fingerprint":
         if not f.has_history:     # an opening is always a new conversation
+            if request.unnamed:
+                return _guard(state)
             session = f"{f.session}.{request.nonce}" if request.nonce else f.session
             return _go(_replace(state, session=session), ReadPin(session))
         return _go(_replace(state, session=None), ReadLineage())
@@ -296,6 +304,8 @@ def _on_parent_found(state: State, event: ParentFound) -> Step:
 
 def _title_or_decide(state: State) -> Step:
     r, f = state.request, state.request.facts
+    if r.unnamed:
+        return _guard(state)
     if state.loaded.pin is None and state.parent_pin is None and r.source is not None \
             and f.agent == F.OPENCODE and f.turn == F.CONTINUATION:
         return _go(state, ReadTitle(state.session or ""))
@@ -349,6 +359,33 @@ def _on_reachable(state: State, event: Reachable) -> Step:
         f"{session} is pinned to {d.target} and stays there: send it again once "
         f"{d.target} is back (`sessionpin status` shows it), or move the conversation "
         f"(`sessionpin move {short(session)} SERVER`)."), changes=c))
+
+
+def _guard(state: State) -> Step:
+    """A request at a path sessionpin does not route (``Request.unnamed``: it ends with that
+    endpoint) goes where it was addressed, as if the router were not there — unless its
+    conversation (or the one it forks) is pinned to another server: then the server it
+    addressed may well serve it as inference, and it is refused, never sent there. Nothing is
+    pinned or renewed."""
+    r, f = state.request, state.request.facts
+    pin = state.loaded.pin or state.parent_pin
+    addressed = r.source.name if r.source is not None else None
+    if pin is None or pin.server is None or pin.server == addressed:
+        why = ("no pin" if pin is None else "pinned not routed" if pin.server is None
+               else f"pinned to {pin.server}, which it addresses")
+        return _decided(state, Decision(None, ladder.NONE, Rule.UNNAMED_PATH,
+                                        f"a path sessionpin does not route ({r.unnamed}), {why}"))
+    session = state.session or f.session
+    whose = f"session {session}" if state.loaded.pin else f"session {session} (a fork of {state.parent})"
+    at = f"server {addressed}" if addressed else f"{r.scheme}://{r.host}:{r.port}"
+    d = Decision(None, ladder.NONE, Rule.UNNAMED_PATH, f"pinned to {pin.server}, at a path sessionpin does not route",
+                 refuse=NO_RETRY_STATUS)
+    return _go(_replace(state, decision=d), Refuse(NO_RETRY_STATUS, Rule.UNNAMED_PATH, (
+        f"sessionpin: {f.agent} {whose} is pinned to server '{pin.server}', but this request's path "
+        f"{r.path.partition('?')[0]} at {at} is not one sessionpin routes (it ends with {r.unnamed}), so it "
+        f"was not sent: that server might answer it, and the conversation must not leave '{pin.server}'. "
+        f"Point the agent's base URL at a configured server's URL (`sessionpin servers` lists them), "
+        f"or add a server with the URL the agent uses.")))
 
 
 def _decide(state: State) -> Step:
@@ -542,19 +579,16 @@ def ambiguous(path: str, why: str | None, addressed: bool) -> Refuse | None:
 
 
 def _looks_inference(path: str) -> bool:
-    p = path.partition("?")[0].lower()
+    """Read as a lenient server reads it: ``/v1%2Fmessages`` is ``/v1/messages`` to uvicorn."""
+    p = unquote(path.partition("?")[0]).replace("\\", "/").lower()
     return any(e in p for e in ("/messages", "/chat/completions", "/responses"))
 
 
 def _api_looked_like(path: str) -> str:
     """The api whose error format a refused ambiguous path gets: the one its last segments
     name (``/../../v1/messages`` is Claude Code's, answered in Anthropic's format)."""
-    p = unquote(path.partition("?")[0]).lower()
-    for end, api in (("/messages/count_tokens", F.ANTHROPIC_COUNT_TOKENS), ("/messages", F.ANTHROPIC_MESSAGES),
-                     ("/chat/completions", F.OPENAI_CHAT), ("/responses", F.OPENAI_RESPONSES)):
-        if p.endswith(end):
-            return api
-    return F.OTHER
+    named = paths.named("POST", path.replace("\\", "/"))
+    return named[1] if named is not None else F.OTHER
 
 
 # ---- after the answer: a redirect from a server the request was moved to -----------------

@@ -36,6 +36,7 @@ class Request(msgspec.Struct, frozen=True):
     port: int = 0
     path: str = ""               # path and query, as sent
     upgrade: bool = False        # a WebSocket upgrade (no body: its messages' models are renamed as they pass)
+    unnamed: str = ""            # a path sessionpin does not route, ending with this endpoint: only guarded
     env: Mapping[str, str] = MappingProxyType({})   # where the servers' keys are (never shown: ``__repr__``)
 
     def __rich_repr__(self):

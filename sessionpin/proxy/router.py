@@ -60,7 +60,7 @@ from ..reader import facts as F
 from ..reader.ids import short
 from ..store import StoreError
 from . import perflow, websocket
-from ..reader import headerview, scan
+from ..reader import headerview, paths, scan
 from .allocations import Allocations
 from .configwatch import ConfigWatch
 from .defaults import DecisionLog
@@ -142,18 +142,26 @@ class Router:
         facts: F.Facts | None = None
         decision: ladder.Decision | None = None
         try:
-            # the one scope rule (BodyLimit and ConnectCheck ask the same: config.Config.scope)
-            source, scope = self.config.config.scope(req.method, req.scheme, req.host, req.port, req.path)
+            # the one scope rule (BodyLimit and ConnectCheck ask the same: config.Config.scope);
+            # a WebSocket upgrade is scoped as the POST its socket's turns stand for
+            upgrade = websocket.is_upgrade(req)
+            source, scope = self.config.config.scope("POST" if upgrade else req.method, req.scheme, req.host,
+                                                     req.port, req.path)
             if refusal := route.ambiguous(req.path, scope.refuse, source is not None):
                 self._refuse(flow, None, refusal)
                 return
-            if not scope.inference and source is not None and req.method == "POST":
-                self.metrics.unrouted.note(source, req.method, req.path)   # said once, never silent
-            if scope.inference:
+            if upgrade:
+                decision = await self._websocket(flow)
+            elif scope.inference:
                 facts = await self._facts(req, scope.api, flow)
                 decision = await self._route(flow, facts, source)
-            elif websocket.is_upgrade(req):
-                decision = await self._websocket(flow)
+            elif req.method == "POST" and (named := paths.named(req.method, req.path)) is not None:
+                # a path it does not route, which a server may serve as inference: its
+                # conversation's pin is read, so one pinned elsewhere is refused, never sent here
+                if source is not None:
+                    self.metrics.unrouted.note(source, req.method, req.path)   # said once, never silent
+                facts = await self._facts(req, named[1], flow)
+                decision = await self._route(flow, facts, source, unnamed=named[0])
             elif any(_wants(p, req.method, req.url) for p in self.participants):
                 facts = await self._facts(req, None)
         except Exception as e:
@@ -197,13 +205,13 @@ class Router:
             flow.metadata[perflow.BODY] = perflow.Body(members[0])   # type: ignore[union-attr]
         return facts
 
-    async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source) -> ladder.Decision | None:
+    async def _route(self, flow: http.HTTPFlow, facts: F.Facts, source, unnamed: str = "") -> ladder.Decision | None:
         cfg = self.config.config
         nonce = secrets.token_hex(4) if facts.session_source == "fingerprint" else ""
         req = flow.request
         s = route.begin(route.Request(facts=facts, source=source, config=cfg, now=time.time(), nonce=nonce,
                                       scheme=req.scheme, host=req.host, port=req.port, path=req.path,
-                                      upgrade=websocket.is_upgrade(req), env=self.env))
+                                      upgrade=websocket.is_upgrade(req), env=self.env, unnamed=unnamed))
         while not s.done:
             s = route.step(s.state, await self._perform(flow, s.state, s.effect))
         await self._finish(flow, s)

@@ -36,7 +36,7 @@ from ..reader import facts as F
 from ..config.config import Config, Server, map_model
 from ..reader.ids import short
 from ..decision.route import State
-from ..reader import headerview
+from ..reader import headerview, paths
 
 log = logging.getLogger("sessionpin")
 MODELS = "socket_models"     # the flow metadata's key for a socket's model map
@@ -48,14 +48,20 @@ def is_upgrade(req: http.Request) -> bool:
     return req.method == "GET" and "websocket" in headerview.get(req.headers, "upgrade").lower()
 
 
-def upgrade_facts(config: Config, req: http.Request) -> tuple[F.Facts, Server | None] | None:
+def upgrade_facts(config: Config, req: http.Request) -> tuple[F.Facts, Server | None, str] | None:
     """The facts of an upgrade the router decides (a known agent's, to a Responses endpoint),
-    told by its headers (``facts.read_upgrade``), and the server it addresses; else None."""
+    told by its headers (``facts.read_upgrade``), the server it addresses, and — for an
+    upgrade at a path sessionpin does not route that ends with ``/responses`` (``paths.named``)
+    — that endpoint (the stepper then only guards it: ``Request.unnamed``); else None."""
     source, scope = config.scope("POST", req.scheme, req.host, req.port, req.path)
-    if scope.api != F.OPENAI_RESPONSES:
+    if scope.api == F.OPENAI_RESPONSES and scope.endpoint.partition("?")[0] == "/responses":
+        unnamed = ""
+    elif (named := paths.named("POST", req.path)) is not None and named[1] == F.OPENAI_RESPONSES:
+        unnamed = named[0]
+    else:
         return None
     facts = F.read_upgrade(req.url, req.headers.fields)
-    return (facts, source) if facts.agent in F.AGENTS else None
+    return (facts, source, unnamed) if facts.agent in F.AGENTS else None
 
 
 def socket_models(state: State) -> list[list[str]]:

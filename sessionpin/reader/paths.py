@@ -28,7 +28,8 @@ Rules this module keeps:
       a bare origin), as long as that prefix holds no version segment of its own (``v1``,
       ``v2``, ``v1beta``…: ``/v1/threads/x/v1/messages`` is a look-alike) — or is exactly
       the server's own prefix.
-    Exactly: case, trailing slash and extra segments make it "other". The query is not part
+    Exactly: extra segments make it "other" (case, a trailing slash, an escaped letter or a
+    ``;parameter`` make it refused, below). The query is not part
     of the match. ``endpoint`` is the endpoint and the query (``/messages?beta=true``): what
     a moved request keeps.
   * anything else, and every method but POST, is "other" (never routed, no refusal: a
@@ -40,8 +41,20 @@ Rules this module keeps:
   ``scope`` does not take (``/api/paas/v4/chat/completions`` at a bare origin), minus the
   look-alikes (a version segment before the last one): the path before the endpoint, so
   the router can say once which server URL would route it.
-- ``/v1/responses/compact`` is not an endpoint here: the recorded Codex (0.171) compacts
-  through ``/v1/responses`` (``request_kind: compaction``).
+- A path that a lenient server reads as an endpoint it routes, but spelled otherwise (an
+  escape of a letter or digit, ``;parameters``, another case, a trailing slash:
+  ``/v1/mess%61ges``, ``/V1/Messages``, ``/v1/messages/``, ``/v1;x=1/messages``) is refused like
+  the ambiguous paths above: uvicorn and Go decode the escape, Express matches case-blind and
+  ignores the slash, Java servers drop the parameters, so it may well be served as inference.
+- ``named(method, path)``: the endpoint and api a POST's path ends with, read as a lenient
+  server reads it, whatever comes before (``/chat/completions`` at a server whose base is
+  ``/v1``, ``/api/paas/v4/chat/completions`` at an origin no longer configured): a request
+  sessionpin does not route that a server may serve as inference. The router reads its
+  session's pin, so a conversation pinned elsewhere never reaches the server it addressed
+  this way (``route``'s "unnamed path" rule).
+- ``/responses/compact`` is an endpoint (of the Responses api): Codex on OpenAI's provider
+  compacts a thread there (codex-rs ``compact.rs``); the recorded Codex (0.171, on a custom
+  provider) compacts through ``/v1/responses`` (``request_kind: compaction``).
 Pure: strings in, a value out.
 """
 
@@ -50,6 +63,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 ANTHROPIC_MESSAGES = "anthropic-messages"
 ANTHROPIC_COUNT_TOKENS = "anthropic-count-tokens"
@@ -63,6 +77,7 @@ ENDPOINTS = {
     "/messages/count_tokens": ANTHROPIC_COUNT_TOKENS,
     "/chat/completions": OPENAI_CHAT,
     "/responses": OPENAI_RESPONSES,
+    "/responses/compact": OPENAI_RESPONSES,
 }
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -94,10 +109,25 @@ def is_version(segment: str) -> bool:
     return bool(_VERSION_SEGMENT.match(segment))
 
 
-def api_base(prefix: str) -> str:
+# The endpoints an OpenAI client appends to its base URL, which holds the version itself
+# (``…/v1``, ``…/api/paas/v4``, Gemini's ``…/v1beta/openai``); an Anthropic client appends
+# ``/v1/messages`` to a base without one.
+_OPENAI_FLAVOURED = frozenset({"/chat/completions", "/responses", "/responses/compact"})
+
+
+def api_base(prefix: str, endpoint: str = "") -> str:
     """Where a server written with this path prefix (no trailing slash) has its endpoints:
-    the prefix when its last segment is a version (``/zen/v1``), else the prefix + ``/v1``."""
-    return prefix if is_version(prefix.rpartition("/")[2]) else prefix + VERSION
+    the prefix when its last segment is a version (``/zen/v1``), else the prefix + ``/v1``
+    — except for an OpenAI endpoint (``endpoint``, the query aside) at a prefix that holds a
+    version segment anywhere (``/v1beta/openai``, Cloudflare's ``/v1/ACCT/GW/openai``): the
+    base its clients take is the prefix itself."""
+    last = prefix.rpartition("/")[2]
+    if is_version(last):
+        return prefix
+    if endpoint and endpoint.partition("?")[0] in _OPENAI_FLAVOURED \
+            and any(is_version(s) for s in prefix.split("/")):
+        return prefix
+    return prefix + VERSION
 
 
 def _plain(prefix: str) -> bool:
@@ -166,16 +196,37 @@ def _scope(method: str, path: str, prefix: str | None) -> Scope:
         return Scope(OTHER, why)
     p, sep, query = path.partition("?")
     found = _split_endpoint(p)
-    if found is None:
-        return Scope(OTHER)
-    before, endpoint, api = found
-    # The server's own base, whatever it holds; or a client's plain prefix + /v1; or the
-    # server's own prefix + /v1 (a base that ends with a version, taken as a prefix).
-    if (prefix is not None and before == api_base(prefix)) or (
-            before.endswith(VERSION) and (_plain(before[: -len(VERSION)])
-                                          or (prefix is not None and before[: -len(VERSION)] == prefix))):
+    if found is not None and _takes(found[0], found[1], prefix):
+        before, endpoint, api = found
         return Scope(api, endpoint=endpoint + sep + query)
+    normal = normalised(p)
+    if normal != p and (again := _split_endpoint(normal)) is not None \
+            and _takes(again[0], again[1], None if prefix is None else normalised(prefix)):
+        return Scope(OTHER, "a path spelled unlike the inference endpoint it names "
+                            "(an escaped letter, a ;parameter, another case or a trailing slash)")
     return Scope(OTHER)
+
+
+def _takes(before: str, endpoint: str, prefix: str | None) -> bool:
+    """Whether what comes before ``endpoint`` is a base sessionpin routes: the server's own
+    base, whatever it holds; or a client's plain prefix + /v1; or the server's own prefix +
+    /v1 (a base that ends with a version, taken as a prefix)."""
+    return (prefix is not None and before == api_base(prefix, endpoint)) or (
+        before.endswith(VERSION) and (_plain(before[: -len(VERSION)])
+                                      or (prefix is not None and before[: -len(VERSION)] == prefix)))
+
+
+def normalised(p: str) -> str:
+    """A path part as a lenient server reads it: escapes decoded, ``;parameters`` dropped
+    from each segment, lower case, no trailing slash."""
+    if "%" in p:
+        p = unquote(p)
+    if ";" in p:
+        p = "/".join(s.partition(";")[0] for s in p.split("/"))
+    p = p.lower()
+    while len(p) > 1 and p.endswith("/"):
+        p = p[:-1]
+    return p
 
 
 _memo = functools.lru_cache(maxsize=MEMO)(_scope)
@@ -185,6 +236,15 @@ def api_of_path(method: str, path: str) -> str:
     """The inference api of a POST whose path (no server known) is a plain prefix + ``/v1``
     + an endpoint, else "other"; an ambiguous path is "other"."""
     return scope(method, path, None).api
+
+
+def named(method: str, path: str) -> tuple[str, str] | None:
+    """(endpoint, api) of a POST whose path part, read as a lenient server reads it
+    (``normalised``), ends with an inference endpoint, whatever comes before; else None."""
+    if method.strip().upper() != "POST":
+        return None
+    found = _split_endpoint(normalised(path.partition("?")[0]))
+    return (found[1], found[2]) if found is not None else None
 
 
 def unrouted(method: str, path: str, prefix: str | None = None) -> str | None:
@@ -198,5 +258,7 @@ def unrouted(method: str, path: str, prefix: str | None = None) -> str | None:
     if found is None or scope(method, path, prefix).inference:
         return None
     before = found[0]
+    if prefix is not None and before == prefix:
+        return before           # the server's own URL + an endpoint: never a look-alike
     head, _, last = before.rpartition("/")
     return before if _plain(head) and (last == "" or _NAME_SEGMENT.match(last)) else None

@@ -465,6 +465,45 @@ async def test_a_codex_websocket_is_routed_at_its_upgrade(proxy, cfg_path):
     assert fork.metadata["sessionpin"]["parent"] == "01a22bef-e03d-7c53-8141-6c5fbf6ba8c0"
 
 
+@pytest.mark.parametrize("path", ["/v1//responses", "/v1/respons%65s", "/v1/responses/", "/x/../v1/responses"])
+async def test_a_codex_upgrade_at_an_ambiguous_path_is_refused_as_its_post_would_be(proxy, cfg_path, path):
+    cfg_path.write_text(CODEX_CONFIG)
+    proxy.reload()
+    f = upgrade()
+    f.request.path = path
+    await proxy.send(f)
+    assert f.response is not None and f.response.status_code == 400
+    assert f.response.headers["x-sessionpin-refused"] == "ambiguous-path" and f.request.host == "api.openai.com"
+
+
+@pytest.mark.parametrize("path", ["/socket//x", "/ws/./feed", "/v1/Realtime"])
+async def test_another_socket_of_a_configured_origin_passes_whatever_its_path(proxy, cfg_path, path):
+    cfg_path.write_text(CODEX_CONFIG)
+    proxy.reload()
+    f = upgrade()
+    f.request.path = path
+    await proxy.send(f)
+    assert f.response is None and f.request.host == "api.openai.com" and f.request.path == path
+
+
+async def test_a_codex_upgrade_at_a_base_it_does_not_route_is_refused_when_the_thread_is_pinned_elsewhere(
+        proxy, cfg_path):
+    cfg_path.write_text(CODEX_CONFIG)
+    proxy.reload()
+    proxy.router.env["ALT_KEY"] = "alt-sentinel"
+    await proxy.send(upgrade())                        # the thread opens, pinned to alt
+    f = upgrade("resumed")
+    f.request.path = "/backend-api/codex/responses"    # ChatGPT's base, which sessionpin does not route
+    await proxy.send(f)
+    assert f.response is not None and f.response.status_code in (424, 426)
+    assert f.response.headers["x-sessionpin-refused"] == "unnamed-path" and f.request.host == "api.openai.com"
+    never = upgrade(session="01a22bef-0000-7000-8000-000000000000")
+    never.request.path = "/backend-api/codex/responses"
+    await proxy.send(never)                            # a thread never pinned: passes, pins nothing
+    assert never.response is None and never.request.host == "api.openai.com"
+    assert await pin_of(proxy, "01a22bef-0000-7000-8000-000000000000") is None
+
+
 async def test_codex_zstd_body_keeps_its_encoding_and_only_the_model_changes(tmp_path):
     from mitmproxy.net import encoding
 

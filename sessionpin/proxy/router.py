@@ -147,7 +147,9 @@ class Router:
             upgrade = websocket.is_upgrade(req)
             source, scope = self.config.config.scope("POST" if upgrade else req.method, req.scheme, req.host,
                                                      req.port, req.path)
-            if refusal := route.ambiguous(req.path, scope.refuse, source is not None):
+            # (an upgrade only when its path looks like inference: a configured origin's other
+            # sockets, whatever their paths, are not sessionpin's)
+            if refusal := route.ambiguous(req.path, scope.refuse, source is not None and not upgrade):
                 self._refuse(flow, None, refusal)
                 return
             if upgrade:

@@ -105,6 +105,31 @@ async def test_an_answer_cut_short_records_no_root_but_the_next_request_carrying
     assert await proxy.store.keys("lin:claude-code:req:") == [lineindex.anchor_key("claude-code", "req:req_abc123", "glm")]
 
 
+@pytest.mark.parametrize("first", ["error", "cut short"])
+async def test_an_opening_retried_under_its_pin_records_its_root_from_the_whole_answer(proxy, first):
+    """The first try pinned the conversation and was answered with an error (a 529) or cut
+    short; the client sent the same opening again under the same session, now pinned: its
+    whole answer is the one the conversation keeps, and gives the root its forks carry."""
+    f = flow()
+    await proxy.send(f)
+    if first == "error":
+        await answer(proxy, f, [json.dumps({"type": "error"}).encode()], status=529)
+    else:
+        await answer(proxy, f, SSE[:-1])
+    assert await proxy.store.keys("lin:claude-code:root:") == []
+    g = flow()
+    await proxy.send(g)
+    assert g.metadata["sessionpin"]["rule"] == "pinned"
+    await answer(proxy, g)
+    reader = StreamReader(F.ANTHROPIC_MESSAGES)
+    for c in SSE:
+        reader(c)
+    root = lineage.extend(lineage.chain(g.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).head,
+                          reader.result().digest)
+    assert await root_recorded(proxy, root)
+    assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123", "glm")) == f"{root} {SESSION}"
+
+
 async def test_an_error_answer_records_nothing(proxy):
     f = flow()
     await proxy.send(f)

@@ -197,7 +197,11 @@ class LineageWatch:
             root = self._request_root(flow, state)
             if not fork:
                 _when(root, lambda r: self._learn_root(agent, session, r))
-        opening = not f.has_history and f.turn in (F.OPENING, F.UNKNOWN_TURN) and d.pin_action == "create"
+        # an opening's answer gives its root: the one that pinned it, and one retried under its
+        # pin (the first try answered with an error or cut short: a 529, a pool member's 429, a
+        # dropped stream), whose whole answer is the only one the conversation keeps
+        opening = not f.has_history and f.turn in (F.OPENING, F.UNKNOWN_TURN) and (d.pin_action == "create"
+                                                                                   or not fork)
         if not opening and agent != F.CLAUDE_CODE:
             return          # nothing to read from its answer: no root to learn, no anchor to keep
         source = state.request.source

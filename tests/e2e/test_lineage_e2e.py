@@ -18,6 +18,7 @@ import json
 import re
 import signal
 import time
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -199,6 +200,55 @@ def test_a_fork_reaches_its_parent_whose_answers_were_not_seen_whole(rig: Rig, a
     wrong = [(name, conv, where) for name, conv, where in landed if where != home[conv]]
     assert any(conv == "A-fork" for _, conv, _ in landed)
     assert not wrong, f"off their conversation's server: {wrong}\nall: {landed}"
+
+
+OVERLOADED = (529, [("content-type", "application/json"), ("request-id", "req_overloaded_1")],
+              b'{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}')
+
+
+def answered_with(rig: Rig, p, answer):
+    """Send ``p``; every fake answers with ``answer`` (status, headers, body)."""
+    for f in rig.fakes.values():
+        f.canned = lambda _r, c=answer: c
+    try:
+        return rig.send(p)
+    finally:
+        for f in rig.fakes.values():
+            f.canned = None
+
+
+@pytest.mark.parametrize("agent, scenario", [("claude-code", "lineage"), ("opencode", "lineage"),
+                                             ("pi", "lineage-responses")])
+def test_a_fork_reaches_its_parent_whose_opening_was_retried_after_an_error_answer(rig: Rig, agent, scenario):
+    """The parent's opening is answered 529 (overloaded) and the client sends it again, same
+    body, same session — now pinned — and gets its whole answer: the one the conversation keeps,
+    and the root its fork carries. Before, only the answer of the request that *made* the pin
+    was read, so a parent whose first exchange is all it had was not found and its fork went
+    where the agent addressed it (found in review, 2026-12-05)."""
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    rig.forget_lineage()
+    first = CURRENT[agent]
+    recs = load(agent, scenario)
+    replay = Replay(uuid.uuid4().hex[:8])        # ids of its own: no other test's pins or roots
+    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    a_recs = [r for r in recs if conversation(r) == "A"]
+    opening = next(r for r in a_recs if r.turn == "opening")
+    for rec in a_recs[:a_recs.index(opening)]:      # what comes before it (opencode's title)
+        answered_with(rig, replay.prepare(rec), recorded_response(files[rec.nn], replay))
+    p = replay.prepare(opening)
+    assert answered_with(rig, p, OVERLOADED).reply.status == 529
+    sent = answered_with(rig, p, recorded_response(files[opening.nn], replay))
+    assert sent.reply.status == 200 and sent.landed == first
+    fork_post = next(r for r in recs if conversation(r) == "A-fork" and r.method == "POST")
+    fork = replay.prepare(fork_post)
+    fork_root = lineage.chain(fork.body, F.api_of("POST", fork_post.path), turns=1).keys[0]
+    deadline = time.monotonic() + 5              # its records are written a moment after its answer
+    while root_recorded(rig, agent, fork_root) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert root_recorded(rig, agent, fork_root) is not None, "the retried opening's answer gave no root"
+    rig.set_current(**{agent.replace("-", "_"): OTHER[first]})
+    sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
+    assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"
 
 
 # ---- issue 20: a server's claims are corroborated before they route anything ---------------

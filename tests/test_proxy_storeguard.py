@@ -75,24 +75,24 @@ async def test_a_served_pin_gone_is_a_loss_but_a_forgotten_or_expired_one_is_not
     guard.saw("s1", got.pin, time.time())
     await store.delete(pins.key("s1"))                                          # a cleanup script's DEL
     with caplog.at_level(logging.ERROR, "sessionpin"):
-        msg = await guard.missed(store, "s1", "claude-code", True, time.time())
+        msg = await guard.missed(store, "s1", "claude-code", time.time())
         assert "no longer has the pin of session s1 (pinned to glm)" in msg
-        assert await guard.missed(store, "s1", "claude-code", True, time.time()) == msg
+        assert await guard.missed(store, "s1", "claude-code", time.time()) == msg
     assert sum("no longer has the pin" in r.message for r in caplog.records) == 1   # one ERROR line
     assert guard.partial == 1
 
     got = await pins.create(store, "s2", p)
     guard.saw("s2", got.pin, time.time())
     assert await pins.forget(store, "s2", got)                                  # the operator's decision
-    assert await guard.missed(store, "s2", "claude-code", True, time.time()) is None
+    assert await guard.missed(store, "s2", "claude-code", time.time()) is None
 
     guard.saw("s3", p, time.time())
-    assert await guard.missed(store, "s3", "claude-code", True, pins.expiry(p) + 1) is None    # expired
+    assert await guard.missed(store, "s3", "claude-code", pins.expiry(p) + 1) is None    # expired
 
     await pins.drop_lost(store, time.time())                                   # the operator starts over
     await ident.accept_loss(store, None, time.time())                          # (as `store accept-loss` does)
     await guard.check(store)
-    assert await guard.missed(store, "s1", "claude-code", True, time.time()) is None
+    assert await guard.missed(store, "s1", "claude-code", time.time()) is None
 
 
 async def test_a_continuation_miss_checks_the_store_at_once(rig):
@@ -100,7 +100,7 @@ async def test_a_continuation_miss_checks_the_store_at_once(rig):
     await guard.gate(store)
     await flush(store)
     assert guard.lost is None                                                   # not looked yet
-    assert "lost what it held" in await guard.missed(store, "never-served", "claude-code", True, time.time())
+    assert "lost what it held" in await guard.missed(store, "never-served", "claude-code", time.time())
 
 
 async def test_accepting_forgets_only_the_pins_missing_then_and_a_restore_accepts_nothing(rig, tmp_path):
@@ -113,13 +113,13 @@ async def test_accepting_forgets_only_the_pins_missing_then_and_a_restore_accept
     await store.delete(pins.key("gone"))
     await ident.carry(store, src)                       # a restore (of a backup without "gone")
     await guard.check(store)
-    assert "no longer has the pin of session gone" in await guard.missed(store, "gone", "claude-code", True, time.time())
+    assert "no longer has the pin of session gone" in await guard.missed(store, "gone", "claude-code", time.time())
     await pins.drop_lost(store, time.time())
     await ident.accept_loss(store, None, time.time())
     await guard.check(store)
-    assert await guard.missed(store, "gone", "claude-code", True, time.time()) is None      # accepted: decided afresh
+    assert await guard.missed(store, "gone", "claude-code", time.time()) is None      # accepted: decided afresh
     await store.delete(pins.key("kept"))                                    # lost after the acceptance
-    assert "no longer has the pin of session kept" in await guard.missed(store, "kept", "claude-code", True, time.time())
+    assert "no longer has the pin of session kept" in await guard.missed(store, "kept", "claude-code", time.time())
 
 
 async def test_a_pin_another_proxy_made_is_found_lost_by_its_index(rig):
@@ -127,15 +127,37 @@ async def test_a_pin_another_proxy_made_is_found_lost_by_its_index(rig):
     await guard.gate(store)
     got = await pins.create(store, "theirs", pin("alt"))          # made by another proxy: never served here
     await store.delete(pins.key("theirs"))
-    msg = await guard.missed(store, "theirs", "claude-code", True, time.time())
+    msg = await guard.missed(store, "theirs", "claude-code", time.time())
     assert "no longer has the pin of session theirs (pinned to alt), which its pin index still holds" in msg
-    assert await guard.missed(store, "theirs", "claude-code", False, time.time()) is None   # an opening: new
-    assert await guard.missed(store, "theirs", "codex", True, time.time()) is None          # another agent's id
-    assert await guard.missed(store, "never", "claude-code", True, time.time()) is None     # never pinned
+    assert await guard.missed(store, "theirs", "codex", time.time()) is None          # another agent's id
+    assert await guard.missed(store, "never", "claude-code", time.time()) is None     # never pinned
     again = await pins.create(store, "forgotten", pin())
     assert await pins.forget(store, "forgotten", again)
-    assert await guard.missed(store, "forgotten", "claude-code", True, time.time()) is None
+    assert await guard.missed(store, "forgotten", "claude-code", time.time()) is None
     assert got.pin is not None
+
+
+async def test_a_request_without_history_whose_pin_the_index_holds_is_a_loss_for_a_restarted_proxy(rig):
+    """A subagent's request, or a Codex socket reconnecting (``history_initialization:
+    new``), carries no history: its missing pin is looked up like a continuation's (the
+    index, the store's identity at once), so it is neither sent where the agent addresses
+    nor pinned anew; a truly new session has no index entry and is new."""
+    store, guard, url, env = rig
+    await guard.gate(store)
+    await pins.create(store, "lost", pin("alt"))
+    await store.delete(pins.key("lost"))                    # a cleanup script's DEL; the index entry stays
+    restarted = StoreGuard(env)                             # served nothing: only the index witnesses it
+    restarted.use(store, url)
+    await restarted.gate(store)
+    msg = await restarted.missed(store, "lost", "claude-code", time.time())
+    assert msg and "no longer has the pin of session lost (pinned to alt), which its pin index still holds" in msg
+    assert await restarted.missed(store, "brand-new", "claude-code", time.time()) is None
+    # another proxy's opening of the same session won the race between our read and our look
+    # at the index: its pin (and index entry) are there now: not a loss, its pin decides
+    await pins.create(store, "raced", pin("alt"))
+    assert await restarted.missed(store, "raced", "claude-code", time.time()) is None
+    await flush(store)                                      # a store emptied: seen by the opening that meets it
+    assert "lost what it held" in (await restarted.missed(store, "brand-new-2", "claude-code", time.time()) or "")
 
 
 @pytest.fixture
@@ -165,7 +187,7 @@ async def test_keys_redis_evicted_are_a_loss_until_settled_also_for_a_proxy_star
         assert ident.Memory(url, env).load().evicted                # the count it started from, remembered
         n = evict(redis_server)
         # the request that meets a missing pin reads the count then (not the last watch's)
-        msg = await guard.missed(store, "never-served", "claude-code", True, time.time())
+        msg = await guard.missed(store, "never-served", "claude-code", time.time())
         assert msg and f"store {store.url} may have lost pins: Redis evicted {n} keys since" in msg, msg
         assert "accept-loss" in msg and "store copy BACKUP" in msg
         assert guard.kind == ident.EVICTED and await guard.gate(store) == msg

@@ -5,21 +5,25 @@ Rules it keeps:
   (``store.identity``) against what this machine remembers of the URL; a store that came
   back empty or with another identity is *lost*: every routed request is refused with 503
   naming the store, what was lost and the command that decides (``gate``). The store is
-  looked at again every ``CHECK_EVERY`` (1 s, one read of one key) and on a continuation
+  looked at again every ``CHECK_EVERY`` (1 s, one read of one key) and on every request
   whose pin is missing, so a FLUSHALL while running is seen at once by the request that
   would have met it, and within a second otherwise.
 - A store this machine never saw is taken as it is (a new one gets its identity), and the
   log says so; it is remembered from then on, with its live pin count (every
   ``COUNT_EVERY``) so a later loss can say how much was lost.
-- Partial loss: a pin this proxy served (``served.Served``, bounded), or — for a
-  continuation — one the pin index still holds (made by any proxy: the index entry is
-  written with the pin and removed by ``forget``), that the store no longer has, not
-  forgotten by the operator (tombstone) and not expired, is a refusal and one ERROR line
-  per session. When the operator accepts the losses (the identity's
+- Partial loss: a pin this proxy served (``served.Served``, bounded), or one the pin
+  index still holds (made by any proxy: the index entry is written with the pin and
+  removed by ``forget``), that the store no longer has, not forgotten by the operator
+  (tombstone) and not expired, is a refusal and one ERROR line per session. Asked for
+  every request whose pin is missing, with history or without: a subagent's request, or a
+  Codex socket reconnecting after a restart (it says ``history_initialization: new``),
+  carries none, and must not be sent where the agent addresses nor pinned anew over the
+  loss. A truly new session has no index entry: nothing is invented; an opening pays two
+  more reads (the identity, the index) beside the durable write it makes anyway. When the operator accepts the losses (the identity's
   ``accepted`` time moves on; a restore does not move it), the served pins missing then are forgotten (their conversations are decided
   afresh) and the others are still watched.
 - Evicted: on Redis, the server's count of evicted keys (``evicted_keys`` per ``run_id``,
-  read by the store's ``watch`` every 2 s, and at once on a continuation whose pin is
+  read by the store's ``watch`` every 2 s, and at once on a request whose pin is
   missing) grown since this machine last saw the store whole is a loss like the others:
   Redis cannot say which keys went, and a pin evicted with its index entry reads as never
   made. The count is remembered in the memory file, so a proxy started later catches it
@@ -94,15 +98,16 @@ class StoreGuard:
             self.served.saw(session, pin.server, pins.expiry(pin), now)
             self._made += made              # pins made since the last count (what a loss says it held)
 
-    async def missed(self, store: Store, session: str, agent: str, continuation: bool, now: float) -> str | None:
+    async def missed(self, store: Store, session: str, agent: str, now: float) -> str | None:
         """A pin read as absent: a loss (the message) or truly none (None). A loss is a pin
-        this proxy served, or — for a continuation — one the pin index still holds (any
-        proxy made it); neither forgotten by the operator nor expired."""
+        this proxy served, or one the pin index still holds (any proxy made it); neither
+        forgotten by the operator nor expired. Asked for every request whose pin is missing,
+        whether it carries history or not: a subagent's request, or a Codex socket that
+        reconnects (``history_initialization: new``), reads as an opening, and a truly new
+        session has no index entry (nothing is invented)."""
         expected = self.served.expected(session, now)
         if expected is not None and self.served.forgotten(session, await store.get(pins.FORGOT_PREFIX + session)):
             expected = None
-        if expected is None and not continuation:
-            return None                     # an opening: a new conversation whatever the store says
         if store is self._store:
             await self.check(store, fresh=True)     # a flushed store is seen by the request that meets it
         if self.lost:
@@ -115,6 +120,8 @@ class StoreGuard:
             if found is None:
                 return None                 # truly never pinned (or forgotten, or expired)
             expected, how = (found[0], found[1], 0.0), "which its pin index still holds"
+        if await store.get(pins.key(session)) is not None:
+            return None                     # made meanwhile (another proxy's opening won the race): its pin decides
         server = expected[0] or "not routed"
         message = (f"store {store.url} no longer has the pin of session {session} (pinned to {server}), {how}; "
                    f"no `sessionpin forget` of it is recorded and it had not expired. It is not taken for a new "

@@ -30,6 +30,7 @@ from sessionpin.records.documents import HEARTBEAT_PREFIX
 from sessionpin.store.identity import LOSSES_KEY
 from sessionpin.reader.ids import short
 from sessionpin.decision.answers import NO_RETRY_STATUS as LOST      # a lost store: only the operator can decide
+from sessionpin.decision.answers import NO_RETRY_UPGRADE_STATUS      # the same, to a WebSocket upgrade (Codex)
 
 from .harness import Client, FakeServer, Mitmdump, Reply, TestCA, toml_config
 from .test_cli_e2e import sessionpin_argv
@@ -410,3 +411,85 @@ def test_keys_redis_evicted_are_refused_also_by_a_router_started_after_until_acc
         r = rig.send("continuation", s)
         assert (r.status, r.header("x-fake-server")) == (200, "anthropic" if s in gone else "glm"), r.text[:300]
     assert rig.status()["store_info"]["identity"]["lost"] is None
+
+
+# ---- a request without history meets a lost pin (the index still holds it) -------------------------
+
+def test_a_subagent_request_of_a_conversation_whose_pin_was_deleted_is_refused_after_a_restart(redis, rig_on):
+    """A cleanup script DELs pin keys (their index entries stay) and the router restarts (what
+    it served is forgotten). Claude Code's subagent request (request class ``subagent``: no
+    assistant message yet, so no history) of such a conversation is refused like its
+    continuation. Before, it was sent to the server its agent addresses (200 from anthropic):
+    the index was read only for requests that carry history."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    a, b = rig.open(2)
+    r = rig.send("subagent", a)                            # while the pin is there: it follows it
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    assert redis.client().delete(prefix + pins.key(a), prefix + pins.key(b)) == 2
+    rig.router.restart(signal.SIGKILL)
+    for kind, s in (("continuation", b), ("subagent", a)):
+        r = rig.send(kind, s)
+        assert r.status == LOST, (kind, r.status, r.header("x-fake-server"), r.text[:300])
+        message = r.json()["error"]["message"]
+        assert f"no longer has the pin of session {short(s)} (pinned to glm), which its pin index still holds" \
+            in message, message
+        assert "sessionpin store accept-loss" in message and "sessionpin store copy BACKUP" in message
+    assert rig.received("anthropic", a) == 0 and rig.received("anthropic", b) == 0
+    fresh = str(uuid.uuid4())                               # a new conversation is still new
+    r = rig.send("opening", fresh)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    r = rig.send("subagent", fresh)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+
+
+@pytest.fixture(scope="module")
+def ws_rig(tmp_path_factory: pytest.TempPathFactory):
+    from . import test_websocket_e2e as wse
+    from .harness import running_rig
+
+    with running_rig(tmp_path_factory.mktemp("e2e-store-loss-ws"),
+                     lambda ca: {name: wse.WsFake(name, ca) for name in ("openai", "alt", "beta")}, wse.WsRig) as r:
+        yield r
+
+
+def test_a_codex_thread_whose_pin_was_deleted_is_refused_not_pinned_anew_after_a_restart(ws_rig):
+    """Codex over WebSocket: a thread pinned to ``alt`` loses its pin row (the index entry
+    stays), the router restarts, new threads go to ``beta`` now. Its subagent socket and its
+    reconnect (whose upgrade says ``history_initialization: new``: it reads as an opening) are
+    refused naming the loss (426: Codex goes to HTTPS, where its POST is refused too). Before, the subagent socket was left alone (to the origin it
+    addresses) and the reconnect was pinned anew, to ``beta``, over the loss."""
+    import asyncio
+
+    from sessionpin.store import open_store
+    from . import test_websocket_e2e as wse
+    from .replay import Replay
+
+    rig = ws_rig
+    if not rig.mitm.alive:
+        rig.mitm.start()
+    rig.set_current("alt")
+    r = Replay(wse.RUN)
+    ws, landed, _ = rig.open(r.prepare(wse.upgrade(1)))
+    with ws:
+        wse.converse(ws, r, wse.client_messages(1)[:1])
+    session = wse.session_of(r, wse.upgrade(1))
+    assert landed == "alt" and rig.pin(session).server == "alt"
+
+    async def delete_pin() -> None:
+        store = open_store(f"file:{rig.store_path}")
+        try:
+            assert await store.delete(pins.key(session))            # a cleanup script's DELETE of pin rows
+            assert await pins.index_entry(store, "codex", session, time.time()) is not None   # the witness stays
+        finally:
+            await store.close()
+    asyncio.run(delete_pin())
+    rig.mitm.restart(signal.SIGKILL)                # what it served goes with it
+    rig.set_current("beta")                         # new threads go to beta from now on
+    for what, p in (("subagent socket", wse.subagent_upgrade(r, wse.upgrade(1))),
+                    ("reconnect", r.prepare(wse.upgrade(1)))):
+        ws, landed, _ = rig.open(p)
+        ws.close()
+        assert landed is None and ws.status == NO_RETRY_UPGRADE_STATUS, (what, landed, ws.status, ws.reject_body[:300])
+        assert b"which its pin index still holds" in ws.reject_body, (what, ws.reject_body[:300])
+    assert rig.pin(session) is None                 # nothing pinned over the loss

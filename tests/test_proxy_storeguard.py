@@ -62,9 +62,27 @@ async def test_a_restarted_proxy_remembers_and_refuses_an_emptied_store(rig, tmp
     assert "lost what it held" in await again.gate(store)
     other = StoreGuard({ident.MEMORY_ENV: str(tmp_path / "elsewhere")})      # a machine that never saw it
     other.use(store, url)
+    # the loss the others recorded in the store decides: refused, and no identity made over it
+    assert "as " in (await other.gate(store) or "") and "recorded in it" in other.lost
+    assert other.kind == ident.LOST and await store.get(ident.IDENTITY_KEY) is None
+    await ident.accept_loss(store, None, time.time())
+    for g in (guard, again, other):
+        await g.check(store)
+        assert g.lost is None, g.lost
+
+
+async def test_a_machine_that_never_saw_an_emptied_store_takes_it_for_new_until_a_loss_is_recorded(rig, tmp_path):
+    store, guard, url, env = rig
+    await guard.gate(store)
+    await flush(store)
+    other = StoreGuard({ident.MEMORY_ENV: str(tmp_path / "elsewhere")})      # before anyone looked again
+    other.use(store, url)
     assert await other.gate(store) is None and other.kind == ident.NEW
     await guard.check(store)                                                    # the first one: another identity
     assert "answers with another identity" in guard.lost
+    await other.check(store)                                                    # and now the other one too
+    assert "recorded in it" in (other.lost or "") and other.kind == ident.REPLACED
+    assert "answered with another identity" in other.lost
 
 
 async def test_a_served_pin_gone_is_a_loss_but_a_forgotten_or_expired_one_is_not(rig, caplog):
@@ -160,6 +178,41 @@ async def test_a_request_without_history_whose_pin_the_index_holds_is_a_loss_for
     assert "lost what it held" in (await restarted.missed(store, "brand-new-2", "claude-code", time.time()) or "")
 
 
+async def test_a_pin_another_proxy_recorded_lost_is_refused_until_the_operator_decides(rig, tmp_path):
+    """The pin and its whole index went (a cleanup script's ``*pin*``): only the proxy that
+    served it knows, and it records the loss in the store. Every other proxy refuses the
+    session by that record — of that agent, until it would have expired, unless the operator
+    forgot it since — until accept-loss clears it."""
+    store, guard, url, env = rig
+    await guard.gate(store)
+    got = await pins.create(store, "s1", pin())
+    guard.saw("s1", got.pin, time.time())
+    for gone in (pins.key("s1"), pins.index_key("claude-code", "glm")):
+        await store.delete(gone)
+    assert "which this proxy served" in (await guard.missed(store, "s1", "claude-code", time.time()) or "")
+    other = StoreGuard(env)                                 # another router (it never served s1)
+    other.use(store, url)
+    await other.gate(store)
+    msg = await other.missed(store, "s1", "claude-code", time.time())
+    assert msg and "no longer has the pin of session s1 (pinned to glm), which " in msg
+    assert "recorded lost in the store" in msg and "accept-loss" in msg and "store copy BACKUP" in msg
+    assert await other.missed(store, "s1", "codex", time.time()) is None                 # another agent's id
+    assert await other.missed(store, "s1", "claude-code", pins.expiry(got.pin) + 1) is None   # it would have expired
+    assert await other.missed(store, "never", "claude-code", time.time()) is None
+    restored = await pins.create(store, "s1", pin())                  # put back, then forgotten: the operator's
+    assert await pins.forget(store, "s1", restored)
+    assert await other.missed(store, "s1", "claude-code", time.time()) is None
+    got = await pins.create(store, "s2", pin())
+    guard.saw("s2", got.pin, time.time())
+    for gone in (pins.key("s2"), pins.index_key("claude-code", "glm")):
+        await store.delete(gone)
+    assert await guard.missed(store, "s2", "claude-code", time.time())
+    assert await other.missed(store, "s2", "claude-code", time.time())
+    await ident.accept_loss(store, None, time.time())                 # the operator starts over
+    await other.check(store)
+    assert await other.missed(store, "s2", "claude-code", time.time()) is None
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     from redis_servers import RedisServer
@@ -196,11 +249,18 @@ async def test_keys_redis_evicted_are_a_loss_until_settled_also_for_a_proxy_star
         other = StoreGuard(env)
         other.use(later, url)
         assert f"Redis evicted {n} keys" in (await other.gate(later) or "")
+        # one on another machine (it never saw the count) refuses by the loss recorded in the store
+        elsewhere = StoreGuard({ident.MEMORY_ENV: str(tmp_path / "elsewhere")})
+        elsewhere.use(later, url)
+        assert "Redis evicted keys of store" in (await elsewhere.gate(later) or "")
+        assert elsewhere.kind == ident.EVICTED
         # the operator starts over: accept-loss settles the count it read
         await ident.accept_loss(store, None, time.time(), await store.evictions())
         for g, s in ((guard, store), (other, later)):
             await g.check(s)
             assert await g.gate(s) is None and g.kind == ident.OK       # the same store, its losses accepted
+        await elsewhere.check(later)
+        assert await elsewhere.gate(later) is None and elsewhere.kind == ident.FIRST
         assert ident.Memory(url, env).load().evicted == store.evicted
         # more evictions: a loss again; a restore (store copy) settles it without accepting anything
         n = evict(redis_server, 2)

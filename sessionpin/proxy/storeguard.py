@@ -22,6 +22,12 @@ Rules it keeps:
   more reads (the identity, the index) beside the durable write it makes anyway. When the operator accepts the losses (the identity's
   ``accepted`` time moves on; a restore does not move it), the served pins missing then are forgotten (their conversations are decided
   afresh) and the others are still watched.
+- Recorded: a loss a proxy (or the CLI) recorded in the store itself (``store:losses``)
+  that still waits for the operator is a loss to every proxy, whatever its machine
+  remembers (``identity.pending_loss``): a router on another machine, or one that took an
+  emptied store for new before the loss was recorded, refuses too. So is a pin a proxy
+  recorded lost (of that agent, not expired, not forgotten since), for the request whose
+  pin is missing and which neither this proxy served nor the index holds.
 - Evicted: on Redis, the server's count of evicted keys (``evicted_keys`` per ``run_id``,
   read by the store's ``watch`` every 2 s, and at once on a request whose pin is
   missing) grown since this machine last saw the store whole is a loss like the others:
@@ -117,9 +123,14 @@ class StoreGuard:
         how = "which this proxy served"
         if expected is None:
             found = await pins.index_entry(store, agent, session, now)
-            if found is None:
-                return None                 # truly never pinned (or forgotten, or expired)
-            expected, how = (found[0], found[1], 0.0), "which its pin index still holds"
+            if found is not None:
+                expected, how = (found[0], found[1], 0.0), "which its pin index still holds"
+            else:
+                rec = await self._recorded(store, session, agent, now)
+                if rec is None:
+                    return None             # truly never pinned (or forgotten, or expired)
+                expected = (rec.server, rec.expires, 0.0)
+                how = f"which {rec.by or 'a proxy'} recorded lost in the store"
         if await store.get(pins.key(session)) is not None:
             return None                     # made meanwhile (another proxy's opening won the race): its pin decides
         server = expected[0] or "not routed"
@@ -131,10 +142,28 @@ class StoreGuard:
             self.partial += 1
             log.error("sessionpin: %s", message)
             try:
-                await ident.record_partial(store, session, f"{server} (by {self.who} at {time.time():.0f})")
+                await ident.record_partial(store, session, ident.PartialLoss(
+                    expected[0], agent, expected[1] or 0.0, self.who, time.time()))
             except StoreError as e:
                 log.warning("sessionpin: could not record the lost pin in %s: %s", store.url, e)
         return message
+
+    async def _recorded(self, store: Store, session: str, agent: str, now: float) -> ident.PartialLoss | None:
+        """The session's pin as a proxy recorded it lost in the store (``store:losses``), if
+        that record still stands: of this agent, not expired, not forgotten by the operator
+        since (a tombstone made after the record: the pin was restored, then forgotten)."""
+        rec = await ident.partial_loss(store, session)
+        if rec is None or (rec.agent and rec.agent != agent) or (rec.expires and rec.expires <= now):
+            return None
+        tombstone = await store.get(pins.FORGOT_PREFIX + session)
+        if tombstone is not None:
+            try:
+                forgot = float(tombstone)
+            except ValueError:
+                forgot = float("inf")       # a tombstone we cannot date: the operator's, to be safe
+            if forgot >= rec.at:
+                return None
+        return rec
 
     # ---- looking at the store ---------------------------------------------------------------
     async def tick(self, store: Store) -> None:
@@ -177,13 +206,22 @@ class StoreGuard:
                 r = msgspec.structs.replace(r, pins=r.pins + self._made)
             if fresh and hasattr(store, "evictions"):
                 await store.evictions()     # a missing pin: what Redis evicted until now, not 2 s ago
-            s = await ident.settle(store, store.url, r, time.time())
+            said = await ident.losses(store)    # what proxies recorded lost (read first: nothing is made over it)
+            s = await ident.settle(store, store.url, r, time.time(), said)
             evicted = r.evicted if r is not None else {}
             if s.kind not in ident.LOSSES:
                 grown, evicted, message = ident.judge_evictions(store.url, s.kind, r, s.identity,
                                                                 getattr(store, "evicted", None), self._whole_at)
                 if grown:                   # Redis evicted keys since: which, nobody can say
                     s = ident.Settled(ident.EVICTED, s.identity, s.raw, message)
+            recorded = False
+            if s.kind not in ident.LOSSES:  # a loss another proxy recorded, still waiting for the operator
+                pending = ident.pending_loss(said, s.identity)
+                if pending is not None:
+                    kind = pending[1].get("kind")
+                    s = ident.Settled(kind if kind in ident.LOSSES else ident.LOST, s.identity, s.raw,
+                                      ident.describe_recorded(store.url, *pending))
+                    recorded = True
             accepted = s.identity.accepted if s.identity is not None and s.kind not in ident.LOSSES else None
             decided = s.kind == ident.ACCEPTED
             if self._settled and accepted is not None and self._accepted_at is not None \
@@ -198,7 +236,8 @@ class StoreGuard:
                 if self.lost != s.message:
                     log.error("sessionpin: %s", s.message)
                     try:
-                        await ident.record_loss(store, r, self.who, time.time())
+                        if not recorded:
+                            await ident.record_loss(store, r, self.who, time.time(), s.kind, s.identity)
                     except StoreError as e:
                         log.warning("sessionpin: could not record the loss in %s: %s", store.url, e)
                 self.lost = s.message

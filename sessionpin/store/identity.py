@@ -19,8 +19,12 @@ Rules it keeps:
   its AOF) → **lost**; another identity → **replaced**. A lost or replaced store is never
   taken for new: the caller refuses until the operator decides.
 - A proxy that finds its store lost says so in the store too (``store:losses``: the
-  identity it expected and how much it held), so ``accept-loss`` run from any machine
-  accepts what every proxy remembers.
+  identity it expected, how much it held and how it was lost), so ``accept-loss`` run from
+  any machine accepts what every proxy remembers — and every other proxy refuses too,
+  whatever its machine remembers (``pending_loss``: a machine that never saw the store
+  whole would otherwise take it as it is). A pin a proxy found lost is recorded there as
+  well (``PARTIAL`` + session: where it was pinned, until when), and refused by every proxy
+  by that record until the operator decides.
 - A Redis that evicted keys since this machine last saw it whole (``evictions``: its own
   count, ``evicted_keys`` per ``run_id``, against the count remembered, or the count the
   operator settled by ``accept-loss`` or a restore, kept in the identity) lost keys nobody
@@ -261,11 +265,15 @@ async def _write(store: Store, checks: list, writes: list) -> bool:
         return await store.apply(checks, writes)
 
 
-async def settle(store: Store, url: str, remembered: Remembered | None, now: float) -> Settled:
+async def settle(store: Store, url: str, remembered: Remembered | None, now: float,
+                 recorded: Mapping[str, str] | None = None) -> Settled:
     """Read the store's identity and judge it against what was remembered; a new store gets
-    its identity now (the first of two racing makers wins; the other takes it)."""
+    its identity now (the first of two racing makers wins; the other takes it) — unless a
+    loss is ``recorded`` in it (its ``store:losses`` as read): nothing is made over that."""
     found, raw = await read(store)
     kind = judge(remembered, found)
+    if kind == NEW and recorded and pending_loss(recorded, None) is not None:
+        return Settled(NEW, None, None)
     if kind == NEW:
         made = Identity(id=uuid.uuid4().hex, created=now)
         text = encode(made)
@@ -278,9 +286,19 @@ async def settle(store: Store, url: str, remembered: Remembered | None, now: flo
     return Settled(kind, found, raw, message)
 
 
-async def record_loss(store: Store, remembered: Remembered, who: str, now: float) -> None:
-    """Say in the store which identity was expected (``accept-loss`` accepts it)."""
-    said = {"store": remembered.store, "pins": remembered.pins, "seen": remembered.seen, "by": who, "at": now}
+async def record_loss(store: Store, remembered: Remembered | None, who: str, now: float, kind: str | None = None,
+                      found: Identity | None = None) -> None:
+    """Say in the store which identity was expected (``accept-loss`` accepts it), and how it
+    was lost (``kind``; with the ``accepted`` time of the identity ``found``, for an
+    eviction): every other proxy and machine then refuses too (``pending_loss``). Nothing
+    is said by a machine that remembers nothing (it found the loss in the store itself)."""
+    if remembered is None:
+        return
+    said: dict = {"store": remembered.store, "pins": remembered.pins, "seen": remembered.seen, "by": who, "at": now}
+    if kind is not None:
+        said["kind"] = kind
+    if found is not None:
+        said["accepted"] = found.accepted
     await store.hsetnx(LOSSES_KEY, remembered.id, msgspec.json.encode(said).decode())
 
 
@@ -288,9 +306,92 @@ async def losses(store: Store) -> dict[str, str]:
     return await store.hgetall(LOSSES_KEY)
 
 
-async def record_partial(store: Store, session: str, said: str) -> None:
-    """A proxy says the store lost a pin it served (``accept-loss`` counts them)."""
-    await store.hsetnx(LOSSES_KEY, PARTIAL + session, said)
+def _record(raw: str) -> dict:
+    try:
+        got = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def pending_loss(said: Mapping[str, str], found: Identity | None) -> tuple[str, dict] | None:
+    """A loss a proxy (or the CLI) recorded in the store (``store:losses``) that still waits
+    for the operator: (the identity it expected, its record), else None. Whatever this
+    machine remembers — it may never have seen the store whole — such a store is lost:
+    ``accept-loss`` clears the records, a restore (``store copy``) the one it brings back.
+
+    Not pending: an identity the store's now accepts (the operator decided); and a store
+    that answers with the very identity recorded lost or replaced (its data came back). A
+    store evicted keeps its identity, so an eviction's record stays pending — unless it was
+    made before the operator's last decision (its ``accepted`` is not the store's now). A
+    record that does not say how (an older one, unreadable) stays pending: nobody can
+    tell."""
+    for key in sorted(said):
+        if key.startswith(PARTIAL):
+            continue
+        rec = _record(said[key])
+        if found is not None:
+            if key in found.accepts:
+                continue
+            if key == found.id:
+                kind = rec.get("kind")
+                if kind in (LOST, REPLACED):
+                    continue
+                if kind == EVICTED and rec.get("accepted") is not None and rec.get("accepted") != found.accepted:
+                    continue
+        return key, rec
+    return None
+
+
+def _when(t: object) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if isinstance(t, (int, float)) and t else "?"
+
+
+def describe_recorded(url: str, key: str, rec: Mapping) -> str:
+    """The refusal for a loss found recorded in the store (``pending_loss``)."""
+    pins_held = rec.get("pins")
+    held = f" holding {pins_held} pin{'s' if pins_held != 1 else ''}" if isinstance(pins_held, int) else ""
+    kind = rec.get("kind")
+    what = {EVICTED: f"Redis evicted keys of store {key}{held} and cannot say which",
+            LOST: f"it answered empty, without its identity, when it had been store {key}{held}",
+            REPLACED: f"it answered with another identity, when it had been store {key}{held}",
+            }.get(kind, f"it was store {key}{held} when last seen whole")
+    return (f"store {url} lost what it held, as {rec.get('by') or 'a proxy'} recorded in it at {_when(rec.get('at'))}: "
+            f"{what}. sessionpin does not take it for a new store: every routed request is refused until you "
+            f"restore it (`sessionpin store copy BACKUP {url}`) or start over (`sessionpin store accept-loss "
+            f"--store {url}`)")
+
+
+class PartialLoss(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A pin a proxy found lost, as it recorded it in the store (``store:losses``,
+    ``PARTIAL + session``)."""
+    server: str | None = None       # where it was pinned (None: not routed)
+    agent: str = ""                 # whose session id it is ("": not said)
+    expires: float = 0.0            # when the pin would have expired (0: not said)
+    by: str = ""
+    at: float = 0.0                 # when it was recorded (0: not said)
+
+
+async def record_partial(store: Store, session: str, lost: PartialLoss) -> None:
+    """A proxy says the store lost a pin (``accept-loss`` counts them; every other proxy
+    refuses the session by it, ``partial_loss``)."""
+    await store.hsetnx(LOSSES_KEY, PARTIAL + session, encode(lost))
+
+
+def decode_partial(raw: str | None) -> PartialLoss | None:
+    """A recorded lost pin; an older record (``server (by who at time)``, text) says only
+    where it was pinned."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=PartialLoss)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        server = raw.split(" (by ", 1)[0].strip()
+        return PartialLoss(server=None if server in ("", "not routed") else server)
+
+
+async def partial_loss(store: Store, session: str) -> PartialLoss | None:
+    return decode_partial(await store.hget(LOSSES_KEY, PARTIAL + session))
 
 
 async def accept_loss(store: Store, remembered: Remembered | None, now: float,

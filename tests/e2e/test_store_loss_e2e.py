@@ -260,32 +260,46 @@ def test_a_redis_that_can_forget_is_not_durable_within_seconds_of_a_config_set(r
     wait_for(lambda: rig.send("opening", str(uuid.uuid4())).status == 200, 10, "durable pins again")
 
 
-def test_two_routers_on_one_redis_the_one_that_remembers_refuses(redis, rig_on, tmp_path):
-    """Router A has used the store; after a FLUSHALL, router B — another machine, which never
-    saw it — starts and takes the empty store for new (and says so). A, which remembers,
-    finds another identity and refuses; `accept-loss` brings A back."""
-    rig = rig_on(redis.url(unique_prefix()))
+def test_two_routers_on_one_redis_the_one_that_never_saw_it_refuses_once_the_loss_is_recorded(redis, rig_on, tmp_path):
+    """Router A has used the store; after a FLUSHALL it records the loss in the store itself
+    (``store:losses``). Router B — another machine, which never saw the store — starts: it
+    does not take the empty store for new (before, it did, made an identity and routed) but
+    refuses, naming the loss A recorded, and makes nothing over it. `accept-loss` brings
+    both back."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
     sessions = rig.open(3)
-    redis.client().flushall()
+    raw = redis.client()
+    raw.flushall()
+    wait_for(lambda: raw.hlen(prefix + LOSSES_KEY) == 1, 5, "A to record the loss in the store")
     b = Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
                         env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": str(tmp_path / "machine-b")},
                         options={"sessionpin_store": rig.url, "sessionpin_pool": False})
     b.start()
     try:
         opened = str(uuid.uuid4())
-        req = cc("opening", opened, stream=False)
-        r = Client.via_proxy(b.port, b.mitm_ca, timeout=15).request(
-            req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
-        assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
-        assert f"store {rig.url} is new" in b.output
-        wait_for(lambda: "answers with another identity" in rig.router.output, 5, "A to see B's identity")
-        refused_as_lost(rig, sessions, "lost what it held: it answers with another identity")
-        assert "holding 3 pins" in rig.status()["store_info"]["identity"]["lost"]
+
+        def via_b(kind: str, session: str) -> Reply:
+            req = cc(kind, session, stream=False)
+            return Client.via_proxy(b.port, b.mitm_ca, timeout=15).request(
+                req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
+        for kind, s in (("opening", opened), ("continuation", sessions[0])):
+            r = via_b(kind, s)
+            assert r.status == LOST, (kind, r.status, r.header("x-fake-server"), r.text[:300])
+            message = r.json()["error"]["message"]
+            assert f"store {rig.url} lost what it held, as " in message and "recorded in it" in message, message
+            assert "it answered empty, without its identity" in message and "holding 3 pins" in message, message
+            assert "sessionpin store accept-loss" in message and "sessionpin store copy BACKUP" in message
+        assert f"store {rig.url} is new" not in b.output
+        assert not raw.exists(prefix + "store:identity")              # nothing made over the loss
+        refused_as_lost(rig, sessions, "lost what it held: it answers empty")
         done = rig.cli("store", "accept-loss")
         assert done.returncode == 0, done.stderr
         routes_again(rig, sessions, "anthropic")
+        wait_for(lambda: via_b("opening", opened).status == 200, 10, "B to route again")
         r = rig.send("continuation", opened)                  # B's conversation, through A: on glm
         assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+        assert rig.received("anthropic", opened) == 0
     finally:
         b.stop(signal.SIGKILL)
 
@@ -493,3 +507,79 @@ def test_a_codex_thread_whose_pin_was_deleted_is_refused_not_pinned_anew_after_a
         assert landed is None and ws.status == NO_RETRY_UPGRADE_STATUS, (what, landed, ws.status, ws.reject_body[:300])
         assert b"which its pin index still holds" in ws.reject_body, (what, ws.reject_body[:300])
     assert rig.pin(session) is None                 # nothing pinned over the loss
+
+
+# ---- a loss one router recorded in the store is refused by the others -------------------------------
+
+def _router_on_machine_b(rig: Rig, tmp_path: Path) -> Mitmdump:
+    """A second router on another machine (a memory of its own) that never served anything."""
+    return Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
+                           env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": str(tmp_path / "machine-b")},
+                           options={"sessionpin_store": rig.url, "sessionpin_pool": False})
+
+
+def _send_via(rig: Rig, router: Mitmdump, kind: str, session: str) -> Reply:
+    req = cc(kind, session, stream=False)
+    return Client.via_proxy(router.port, router.mitm_ca, timeout=15).request(
+        req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
+
+
+def test_a_pin_one_router_recorded_lost_is_refused_by_another_router(redis, rig_on, tmp_path):
+    """A cleanup script deletes a pin *and* the pin index: only router A, which served it,
+    knows it was pinned; it refuses and records the lost pin in the store. Router B (another
+    machine) meets the conversation's next request and refuses it by that record — before, it
+    sent it to the server its agent addresses. `accept-loss` clears the record."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    s, = rig.open(1)
+    raw = redis.client()
+    assert raw.delete(prefix + pins.key(s), prefix + pins.index_key("claude-code", "glm")) == 2
+    r = rig.send("continuation", s)
+    assert r.status == LOST and "which this proxy served" in r.json()["error"]["message"], r.text[:300]
+    b = _router_on_machine_b(rig, tmp_path)
+    b.start()
+    try:
+        for kind in ("continuation", "subagent"):
+            r = _send_via(rig, b, kind, s)
+            assert r.status == LOST, (kind, r.status, r.header("x-fake-server"), r.text[:300])
+            message = r.json()["error"]["message"]
+            assert f"no longer has the pin of session {short(s)} (pinned to glm), which " in message, message
+            assert "recorded lost in the store" in message and "sessionpin store accept-loss" in message, message
+        assert rig.received("anthropic", s) == 0
+        done = rig.cli("store", "accept-loss")
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: _send_via(rig, b, "continuation", s).status == 200, 10, "B to decide it afresh")
+    finally:
+        b.stop(signal.SIGKILL)
+
+
+def test_an_eviction_one_router_recorded_is_refused_by_a_router_on_another_machine(redis, rig_on, tmp_path):
+    """Redis evicts pins with their index key. Router A sees its count grow, refuses and
+    records the loss in the store. Router B on another machine starts afterwards: it never
+    saw the count, so its own judgement is "first sight" — before, it took the store as it
+    was and sent an evicted conversation to the server its agent addresses; now it refuses
+    by A's record until `accept-loss`."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    sessions = rig.open(8)
+    time.sleep(2.5)                                 # the pins grow idle (evict_cold_keys: LRU), not a verdict
+    raw = redis.client()
+    gone = evict_cold_keys(raw, prefix, sessions)
+    wait_for(lambda: raw.hlen(prefix + LOSSES_KEY) >= 1, 5, "A to record the eviction in the store")
+    b = _router_on_machine_b(rig, tmp_path)
+    b.start()
+    try:
+        r = _send_via(rig, b, "continuation", gone[0])
+        assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
+        message = r.json()["error"]["message"]
+        assert f"store {rig.url} lost what it held, as " in message and "Redis evicted keys of store" in message, \
+            message
+        assert rig.received("anthropic", gone[0]) == 0
+        status = Client.via_proxy(b.port, b.mitm_ca, timeout=10).request(
+            "GET", rig.fakes["anthropic"].origin + "/__sessionpin/status").json()
+        assert status["store_info"]["identity"]["verdict"] == "evicted"
+        done = rig.cli("store", "accept-loss")
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: _send_via(rig, b, "continuation", gone[0]).status == 200, 10, "B to route again")
+    finally:
+        b.stop(signal.SIGKILL)

@@ -213,6 +213,67 @@ async def test_a_pin_another_proxy_recorded_lost_is_refused_until_the_operator_d
     assert await other.missed(store, "s2", "claude-code", time.time()) is None
 
 
+async def test_a_store_rolled_back_to_an_older_copy_is_a_loss_until_a_newer_copy_or_accept_loss(rig, tmp_path,
+                                                                                                 monkeypatch):
+    """The store keeps its identity when an older copy of it is put back (a backup restored
+    while the proxy was stopped, a Redis restarted on an older snapshot): the pins made
+    since read as never made. Its count of pins made is below the one remembered."""
+    from sessionpin.proxy import storeguard
+
+    monkeypatch.setattr(storeguard, "MADE_SETTLE", 0.0)     # (a count is remembered once read MADE_SETTLE ago)
+    store, guard, url, env = rig
+    await guard.gate(store)
+    for s in ("a", "b", "c"):
+        await pins.create(store, s, pin())
+    await guard.check(store)
+    assert ident.Memory(url, env).load().made == 3 and guard.describe()["remembered_made"] == 3
+    await store.hset(ident.MADE_KEY, ident.MADE_FIELD, "1")        # as an older copy holds it
+    restarted = StoreGuard(env)                                    # the proxy started again on it
+    restarted.use(store, url)
+    lost = await restarted.gate(store) or ""
+    assert f"store {store.url} was rolled back: it is store " in lost and "when 1 pins had been made" in lost
+    assert restarted.kind == ident.ROLLED_BACK
+    elsewhere = StoreGuard({ident.MEMORY_ENV: str(tmp_path / "elsewhere")})   # another machine: by the record
+    elsewhere.use(store, url)
+    assert "rolled back to an older copy of store" in (await elsewhere.gate(store) or "")
+    await store.hset(ident.MADE_KEY, ident.MADE_FIELD, "3")        # a copy as recent restored
+    for g in (restarted, elsewhere):
+        await g.check(store)
+        assert g.lost is None, g.lost
+    await store.hset(ident.MADE_KEY, ident.MADE_FIELD, "2")        # older again
+    await restarted.check(store)
+    assert restarted.kind == ident.ROLLED_BACK
+    await ident.accept_loss(store, None, time.time())              # the operator starts over
+    await restarted.check(store)
+    assert restarted.lost is None
+    await restarted.check(store)
+    assert restarted.describe()["remembered_made"] == 2                 # counted afresh: as it is now
+    await pins.create(store, "d", pin())
+    await restarted.check(store)
+    assert restarted.lost is None and ident.Memory(url, env).load().made == 3
+
+
+async def test_a_count_of_pins_made_is_remembered_only_once_read_a_while_ago(rig, monkeypatch):
+    """A count read now may hold a write in flight that a Redis replica taking over never
+    gets (its pin was not acknowledged): the count remembered is one read MADE_SETTLE ago."""
+    from sessionpin.proxy import storeguard
+
+    clock = [1000.0]
+    monkeypatch.setattr(storeguard.time, "monotonic", lambda: clock[0])
+    store, guard, url, env = rig
+    await guard.gate(store)
+    await pins.create(store, "a", pin())
+    await guard.check(store)
+    assert guard.describe()["remembered_made"] == 0              # read just now: not yet
+    clock[0] += storeguard.MADE_SETTLE
+    await pins.create(store, "b", pin())
+    await guard.check(store)
+    assert guard.describe()["remembered_made"] == 1              # the count read MADE_SETTLE ago
+    clock[0] += storeguard.MADE_SETTLE
+    await guard.check(store)
+    assert guard.describe()["remembered_made"] == 2
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     from redis_servers import RedisServer

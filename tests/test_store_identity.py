@@ -188,3 +188,32 @@ async def test_nothing_is_made_over_a_recorded_loss_and_a_lost_pin_is_recorded_w
     assert await ident.partial_loss(store, "s") == ident.PartialLoss("glm", "claude-code", 9e9, "proxy-1", 2.0)
     assert await ident.partial_loss(store, "other") is None
     assert ident.decode_partial("glm (by host:1 at 5)") == ident.PartialLoss("glm")     # an older record
+
+
+def test_a_store_counting_fewer_pins_made_than_this_machine_saw_is_rolled_back():
+    r = Remembered("u", "x", pins=3, seen=1.0, made=5, accepted=2.0)
+    x = Identity("x", 1.0, accepted=2.0)
+    assert ident.rolled_back(r, OK, x, 4)                                   # an older copy of itself
+    assert not ident.rolled_back(r, OK, x, 5) and not ident.rolled_back(r, OK, x, 9)
+    assert not ident.rolled_back(r, OK, Identity("x", 1.0, accepted=3.0), 0)   # the operator decided since
+    assert not ident.rolled_back(r, ACCEPTED, Identity("y", 1.0, accepts=("x",)), 0)
+    assert not ident.rolled_back(None, FIRST, x, 0)                          # never seen: taken as it is
+    assert not ident.rolled_back(Remembered("u", "x"), OK, Identity("x", 1.0), 0)   # an older memory file
+    msg = ident.describe_rollback("file:/s.db", r, 4)
+    assert msg.startswith("store file:/s.db was rolled back: it is store x as it was when 4 pins had been made")
+    assert "sessionpin store copy BACKUP file:/s.db" in msg and "sessionpin store accept-loss --store" in msg
+    import msgspec
+    rec = {"by": "a", "at": 5.0, "kind": ident.ROLLED_BACK, "accepted": 2.0, "made": 5}
+    said = {"x": msgspec.json.encode(rec).decode()}
+    assert ident.pending_loss(said, x, 4)[0] == "x"                          # still the older copy
+    assert ident.pending_loss(said, x, 5) is None                            # a copy that recent restored
+    assert ident.pending_loss(said, Identity("x", 1.0, accepted=3.0), 0) is None     # the operator decided
+
+
+def test_a_writer_that_does_not_count_keeps_the_count_remembered(tmp_path):
+    m = Memory("file:/tmp/s.db", {ident.MEMORY_ENV: str(tmp_path)})
+    m.save(Remembered("u", "x", pins=2, seen=1.0, made=7, accepted=2.0))
+    m.save(Remembered("u", "x", pins=3, seen=4.0))                         # the CLI: it counts no pins made
+    assert m.load() == Remembered("u", "x", pins=3, seen=4.0, made=7, accepted=2.0)
+    m.save(Remembered("u", "y", pins=0, seen=5.0))                         # another identity: nothing kept
+    assert m.load() == Remembered("u", "y", pins=0, seen=5.0)

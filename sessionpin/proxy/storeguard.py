@@ -28,6 +28,16 @@ Rules it keeps:
   emptied store for new before the loss was recorded, refuses too. So is a pin a proxy
   recorded lost (of that agent, not expired, not forgotten since), for the request whose
   pin is missing and which neither this proxy served nor the index holds.
+- Rolled back: the store counts the pins made in it (``identity.MADE_KEY``, with each
+  durable pin change); the count is remembered with the identity at every check, and a
+  store with the remembered identity, under the same decision of the operator, that counts
+  fewer is an older copy of itself (a directory restored from a backup while the proxy was
+  stopped, a Redis restarted on an older snapshot): a loss, refused until a copy at least
+  that recent is restored or the operator accepts it. Pins made in the last seconds before
+  every proxy that would remember them stopped may
+  not be counted in any machine's memory: the count remembered is the one read at least
+  ``MADE_SETTLE`` (2 s) before (a count read of a write in flight when a Redis primary
+  died may never reach the replica that takes over; its pin was not acknowledged).
 - Evicted: on Redis, the server's count of evicted keys (``evicted_keys`` per ``run_id``,
   read by the store's ``watch`` every 2 s, and at once on a request whose pin is
   missing) grown since this machine last saw the store whole is a loss like the others:
@@ -57,6 +67,7 @@ log = logging.getLogger("sessionpin")
 
 CHECK_EVERY = 1.0
 COUNT_EVERY = 30.0
+MADE_SETTLE = 2.0       # a count of pins made is remembered once it was read this long ago (below)
 
 
 class StoreGuard:
@@ -78,6 +89,7 @@ class StoreGuard:
         self._made = 0
         self._accepted_at: float | None = None   # the identity's ``accepted`` when last read
         self._whole_at = 0.0                  # when a check last found the store whole (wall clock)
+        self._made_seen: list[tuple[float, int]] = []   # (monotonic, the store's count of pins made) read
         self.who = f"{socket.gethostname()}:{os.getpid()}"
 
     def use(self, store: Store, url: str) -> None:
@@ -86,6 +98,7 @@ class StoreGuard:
         self._memory = ident.Memory(url, self.env)
         self._remembered, self._raw, self._settled, self._made = None, None, False, 0
         self._accepted_at, self._whole_at = None, 0.0
+        self._made_seen = []
         self.lost, self.kind = None, None
         self.served.clear()
 
@@ -214,9 +227,13 @@ class StoreGuard:
                                                                 getattr(store, "evicted", None), self._whole_at)
                 if grown:                   # Redis evicted keys since: which, nobody can say
                     s = ident.Settled(ident.EVICTED, s.identity, s.raw, message)
+            made = await ident.made(store)
+            settled_made = self._settled_made(made)
+            if ident.rolled_back(r, s.kind, s.identity, made):     # an older copy of itself
+                s = ident.Settled(ident.ROLLED_BACK, s.identity, s.raw, ident.describe_rollback(store.url, r, made))
             recorded = False
             if s.kind not in ident.LOSSES:  # a loss another proxy recorded, still waiting for the operator
-                pending = ident.pending_loss(said, s.identity)
+                pending = ident.pending_loss(said, s.identity, made)
                 if pending is not None:
                     kind = pending[1].get("kind")
                     s = ident.Settled(kind if kind in ident.LOSSES else ident.LOST, s.identity, s.raw,
@@ -252,11 +269,31 @@ class StoreGuard:
                 log.warning("sessionpin: this machine has not used store %s before: it is taken as it is "
                             "(identity %s)", store.url, s.identity.id)
             self._whole_at = time.time()
-            if s.kind != ident.OK:
-                await self._remember(ident.Remembered(store.url, s.identity.id, 0, time.time(), evicted))
-                self._counted = 0.0         # count its pins at the next tick
-            elif evicted != self._remembered.evicted:
-                await self._remember(msgspec.structs.replace(self._remembered, evicted=evicted))
+            if s.kind != ident.OK or s.identity.accepted != self._remembered.accepted:
+                # taken as it is, or under a new decision of the operator: its count of pins made
+                # is remembered from now on (once settled)
+                self._made_seen = [(time.monotonic(), made)]
+                r = self._remembered
+                if s.kind != ident.OK:
+                    r = ident.Remembered(store.url, s.identity.id, 0, time.time(), evicted)
+                    self._counted = 0.0     # count its pins at the next tick
+                await self._remember(msgspec.structs.replace(r, evicted=evicted, made=0, accepted=s.identity.accepted))
+            elif evicted != self._remembered.evicted or (settled_made or 0) > self._remembered.made:
+                await self._remember(msgspec.structs.replace(
+                    self._remembered, evicted=evicted, made=max(settled_made or 0, self._remembered.made)))
+
+    def _settled_made(self, made: int) -> int | None:
+        """The count of pins made to remember: the last one read at least ``MADE_SETTLE`` ago
+        (None: none yet). Not the one read now: on a Redis without ``wait=``, or a write in
+        flight when its primary died, a count may be read that the replica taking over never
+        had (the pin not acknowledged); a rollback is a loss of what was there for longer."""
+        now = time.monotonic()
+        self._made_seen.append((now, made))
+        old = [i for i, (t, _) in enumerate(self._made_seen) if t <= now - MADE_SETTLE]
+        if not old:
+            return None
+        del self._made_seen[:old[-1]]
+        return self._made_seen[0][1]
 
     async def _accepted(self, store: Store) -> None:
         """The store's identity changed by the operator's hand: the pins missing now are the
@@ -280,6 +317,7 @@ class StoreGuard:
         r = self._remembered
         return {"identity": r.id if r else None, "verdict": self.kind, "lost": self.lost,
                 "remembered_pins": r.pins if r else None, "evicted_keys_seen": r.evicted if r else None,
+                "remembered_made": r.made if r else None,
                 "served_pins": len(self.served),
                 "served_bound": self.served.bound, "partial_losses": self.partial,
                 "memory": str(self._memory.path) if self._memory and self._memory.path else None}

@@ -583,3 +583,68 @@ def test_an_eviction_one_router_recorded_is_refused_by_a_router_on_another_machi
         wait_for(lambda: _send_via(rig, b, "continuation", gone[0]).status == 200, 10, "B to route again")
     finally:
         b.stop(signal.SIGKILL)
+
+
+# ---- a store rolled back to an older copy of itself ---------------------------------------------------
+
+def _remembers_made(rig: Rig, n: int) -> None:
+    """The router has counted ``n`` pins made in its memory (it looks every second)."""
+    wait_for(lambda: rig.status()["store_info"]["identity"]["remembered_made"] == n, 10,
+             f"the router to remember {n} pins made")
+
+
+def test_a_file_store_restored_from_an_older_cold_backup_while_stopped_is_refused_until_accepted(rig_on, tmp_path):
+    """The store's directory is copied while the router is stopped (a cold backup),
+    conversations go on, the router is stopped again and the directory put back from that
+    backup (a disk restore, a VM snapshot). The identity is the one remembered; before, the
+    store was taken as whole and the conversations pinned after the backup went back to the
+    server their agent addresses. Now the store counts fewer pins made than the router saw:
+    rolled back, refused until `accept-loss` (or a copy at least that recent)."""
+    where = tmp_path / "state"
+    rig = rig_on(f"file:{where}/state.db")
+    early = rig.open(2)
+    rig.router.stop()
+    shutil.copytree(where, tmp_path / "backup")
+    rig.router.start()
+    later = rig.open(2)                                     # pinned to glm after the backup
+    _remembers_made(rig, 4)
+    rig.router.stop()
+    shutil.copytree(where, tmp_path / "newer")
+    shutil.rmtree(where)
+    shutil.copytree(tmp_path / "backup", where)
+    rig.router.start()
+    refused_as_lost(rig, later + early, "was rolled back: it is store")
+    assert rig.status()["store_info"]["identity"]["verdict"] == "rolled-back"
+    assert all(rig.received("anthropic", s) == 0 for s in later)
+    restored = subprocess.run([*sessionpin_argv(), "store", "copy", f"file:{tmp_path}/newer/state.db", rig.url],
+                              capture_output=True, text=True, timeout=60)       # the newer copy: all back
+    assert restored.returncode == 0, restored.stderr
+    routes_again(rig, later + early, "glm")
+
+
+def test_a_redis_restarted_on_an_older_snapshot_is_refused_until_accepted(tmp_path, rig_on):
+    """A Redis that persists by RDB snapshots only (``durability=accept-weaker``) restarts
+    on its last snapshot: the identity, the pins and the index as they were then. Before, a
+    router restarted afterwards took the pins made since the snapshot for never made (their
+    conversations went to the server the agent addresses)."""
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis", args=("--appendonly", "no", "--save", "")).start()
+    try:
+        rig = rig_on(server.url(unique_prefix(), durability="accept-weaker"))
+        early = rig.open(2)
+        server.client().save()                              # the snapshot (as `save 3600 1` would make)
+        later = rig.open(2)
+        _remembers_made(rig, 4)
+        server.kill()
+        server.start()                                      # back on its snapshot
+        rig.router.restart(signal.SIGKILL)
+        refused_as_lost(rig, later + early, "was rolled back: it is store")
+        assert all(rig.received("anthropic", s) == 0 for s in later)
+        done = rig.cli("store", "accept-loss")
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: rig.send("continuation", early[0]).status == 200, 10, "routing to resume")
+        for s in early + later:     # in the snapshot: on glm; made after it: decided afresh (as addressed)
+            r = rig.send("continuation", s)
+            assert (r.status, r.header("x-fake-server")) == (200, "glm" if s in early else "anthropic"), r.text[:300]
+    finally:
+        server.cleanup()

@@ -239,3 +239,25 @@ async def test_record_seen_is_one_read_and_one_write_per_flush(store, clock):
     await pins.record_seen(store, [("a", cc, "glm", clock.t, 2)])
     assert await pins.seen(store, "a") == pins.Seen(clock.t, 5)
     assert await store.ttl(pins.SEEN_PREFIX + "a") == pytest.approx(pins.PIN_TTL)
+
+
+async def test_every_durable_change_of_a_pin_counts_one_pin_made_and_nothing_else_does(store, clock):
+    """The store's count of pins made (``identity.MADE_KEY``) grows with each creation, move
+    and forget, in their own ``apply``: an older copy of the store counts fewer."""
+    from sessionpin.store import identity
+
+    assert await identity.made(store) == 0
+    got = await pins.create(store, "s", make("glm"))
+    assert await identity.made(store) == 1
+    assert (await pins.create(store, "s", make("alt"))).pin.server == "glm"       # lost the race: nothing made
+    assert await identity.made(store) == 1
+    clock.t += pins.RENEW_AFTER
+    assert await pins.renew(store, "s", got, clock.t)                           # a renewal is not counted
+    assert await identity.made(store) == 1
+    moved = make("alt")
+    assert await pins.move(store, "s", await pins.load(store, "s"), moved)
+    assert await identity.made(store) == 2
+    assert await pins.forget(store, "s", await pins.load(store, "s"))
+    assert await identity.made(store) == 3
+    assert await store.ttl(identity.MADE_KEY) is None                            # never expires
+    assert identity.made_writes()[0] in pins.index_writes("t", make())         # a pool's allocation counts too

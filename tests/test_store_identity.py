@@ -86,7 +86,7 @@ async def test_a_flushed_store_is_lost_and_accept_loss_starts_over(store):
     assert lost.kind == LOST and "holding 7 pins" in lost.message
     assert await store.get(ident.IDENTITY_KEY) is None                      # nothing made over a loss
     await ident.record_loss(store, r, "proxy-1", 2.0)
-    await ident.record_partial(store, "sess", "glm")
+    await ident.record_partial(store, "sess", ident.PartialLoss("glm", "claude-code", 9e9, "proxy-1", 2.0))
     new, accepted, partial = await ident.accept_loss(store, None, 3.0)     # from a machine that never saw it
     assert accepted == [r.id] and partial == 1 and new.id != r.id
     assert await ident.losses(store) == {}
@@ -146,3 +146,74 @@ def test_judge_evictions_takes_a_new_store_as_it_is_and_says_what_was_evicted():
     # old memory files and identities (no counts) still read
     assert ident._mem_decoder.decode(b'{"store":"x","id":"y"}').evicted == {}
     assert ident.decode_identity('{"id":"y","created":1.0}').evicted == {}
+
+
+def test_a_recorded_loss_waits_for_the_operator_whatever_this_machine_remembers():
+    """``store:losses`` as read: an identity a proxy recorded lost is pending until the
+    operator decides (accept-loss clears the records; a restore the one it brings back)."""
+    import msgspec
+
+    def said(**recs):
+        return {k: msgspec.json.encode(v).decode() for k, v in recs.items()}
+
+    x = Identity("x", 1.0)
+    lost = said(x={"store": "u", "pins": 3, "by": "a", "at": 5.0, "kind": LOST})
+    assert ident.pending_loss(lost, None)[0] == "x"                          # still empty
+    assert ident.pending_loss(lost, Identity("y", 2.0))[0] == "x"            # another proxy took it for new
+    assert ident.pending_loss(lost, Identity("y", 2.0, accepts=("x",))) is None   # the operator accepted it
+    assert ident.pending_loss(lost, x) is None                               # its identity is back
+    evicted = said(x={"by": "a", "at": 5.0, "kind": ident.EVICTED, "accepted": 0.0})
+    assert ident.pending_loss(evicted, x)[0] == "x"                          # evicted: the identity stays
+    assert ident.pending_loss(evicted, Identity("x", 1.0, accepted=7.0)) is None   # made before a decision
+    assert ident.pending_loss(said(x={"by": "an older proxy"}), x)[0] == "x"     # says not how: nobody can tell
+    assert ident.pending_loss({"x": "garbage"}, x)[0] == "x"
+    assert ident.pending_loss(said(**{ident.PARTIAL + "s": {}}), x) is None  # a lost pin is not a lost store
+    msg = ident.describe_recorded("redis://h:6379/0", *ident.pending_loss(evicted, x))
+    assert msg.startswith("store redis://h:6379/0 lost what it held, as a recorded in it at ")
+    assert "Redis evicted keys of store x" in msg
+    assert "sessionpin store copy BACKUP redis://h:6379/0" in msg and "sessionpin store accept-loss" in msg
+
+
+async def test_nothing_is_made_over_a_recorded_loss_and_a_lost_pin_is_recorded_whole(store):
+    s = await ident.settle(store, store.url, None, 1.0)
+    r = Remembered(store.url, s.identity.id, pins=2, seen=1.0)
+    await store.delete(ident.IDENTITY_KEY)
+    await ident.record_loss(store, r, "proxy-1", 2.0, LOST)
+    await ident.record_loss(store, None, "a machine that never saw it", 2.0, LOST)   # says nothing
+    said = await ident.losses(store)
+    assert list(said) == [r.id]
+    got = await ident.settle(store, store.url, None, 3.0, said)              # another machine: makes nothing
+    assert got.kind == NEW and got.identity is None and await store.get(ident.IDENTITY_KEY) is None
+    await ident.record_partial(store, "s", ident.PartialLoss("glm", "claude-code", 9e9, "proxy-1", 2.0))
+    assert await ident.partial_loss(store, "s") == ident.PartialLoss("glm", "claude-code", 9e9, "proxy-1", 2.0)
+    assert await ident.partial_loss(store, "other") is None
+    assert ident.decode_partial("glm (by host:1 at 5)") == ident.PartialLoss("glm")     # an older record
+
+
+def test_a_store_counting_fewer_pins_made_than_this_machine_saw_is_rolled_back():
+    r = Remembered("u", "x", pins=3, seen=1.0, made=5, accepted=2.0)
+    x = Identity("x", 1.0, accepted=2.0)
+    assert ident.rolled_back(r, OK, x, 4)                                   # an older copy of itself
+    assert not ident.rolled_back(r, OK, x, 5) and not ident.rolled_back(r, OK, x, 9)
+    assert not ident.rolled_back(r, OK, Identity("x", 1.0, accepted=3.0), 0)   # the operator decided since
+    assert not ident.rolled_back(r, ACCEPTED, Identity("y", 1.0, accepts=("x",)), 0)
+    assert not ident.rolled_back(None, FIRST, x, 0)                          # never seen: taken as it is
+    assert not ident.rolled_back(Remembered("u", "x"), OK, Identity("x", 1.0), 0)   # an older memory file
+    msg = ident.describe_rollback("file:/s.db", r, 4)
+    assert msg.startswith("store file:/s.db was rolled back: it is store x as it was when 4 pins had been made")
+    assert "sessionpin store copy BACKUP file:/s.db" in msg and "sessionpin store accept-loss --store" in msg
+    import msgspec
+    rec = {"by": "a", "at": 5.0, "kind": ident.ROLLED_BACK, "accepted": 2.0, "made": 5}
+    said = {"x": msgspec.json.encode(rec).decode()}
+    assert ident.pending_loss(said, x, 4)[0] == "x"                          # still the older copy
+    assert ident.pending_loss(said, x, 5) is None                            # a copy that recent restored
+    assert ident.pending_loss(said, Identity("x", 1.0, accepted=3.0), 0) is None     # the operator decided
+
+
+def test_a_writer_that_does_not_count_keeps_the_count_remembered(tmp_path):
+    m = Memory("file:/tmp/s.db", {ident.MEMORY_ENV: str(tmp_path)})
+    m.save(Remembered("u", "x", pins=2, seen=1.0, made=7, accepted=2.0))
+    m.save(Remembered("u", "x", pins=3, seen=4.0))                         # the CLI: it counts no pins made
+    assert m.load() == Remembered("u", "x", pins=3, seen=4.0, made=7, accepted=2.0)
+    m.save(Remembered("u", "y", pins=0, seen=5.0))                         # another identity: nothing kept
+    assert m.load() == Remembered("u", "y", pins=0, seen=5.0)

@@ -287,8 +287,7 @@ class Router:
                 now = time.time()
                 if loaded.pin is not None:
                     guard.saw(effect.session, loaded.pin, now)
-                elif lost := await guard.missed(store, effect.session, state.request.facts.agent,
-                                                state.request.facts.has_history, now):
+                elif lost := await guard.missed(store, effect.session, state.request.facts.agent, now):
                     self.metrics.store_lost += 1
                     return route.StoreLost(lost)    # a pin it had (or the whole store) is gone: not "no pin"
                 return route.PinRead(loaded)

@@ -5,21 +5,41 @@ Rules it keeps:
   (``store.identity``) against what this machine remembers of the URL; a store that came
   back empty or with another identity is *lost*: every routed request is refused with 503
   naming the store, what was lost and the command that decides (``gate``). The store is
-  looked at again every ``CHECK_EVERY`` (1 s, one read of one key) and on a continuation
+  looked at again every ``CHECK_EVERY`` (1 s, one read of one key) and on every request
   whose pin is missing, so a FLUSHALL while running is seen at once by the request that
   would have met it, and within a second otherwise.
 - A store this machine never saw is taken as it is (a new one gets its identity), and the
   log says so; it is remembered from then on, with its live pin count (every
   ``COUNT_EVERY``) so a later loss can say how much was lost.
-- Partial loss: a pin this proxy served (``served.Served``, bounded), or — for a
-  continuation — one the pin index still holds (made by any proxy: the index entry is
-  written with the pin and removed by ``forget``), that the store no longer has, not
-  forgotten by the operator (tombstone) and not expired, is a refusal and one ERROR line
-  per session. When the operator accepts the losses (the identity's
+- Partial loss: a pin this proxy served (``served.Served``, bounded), or one the pin
+  index still holds (made by any proxy: the index entry is written with the pin and
+  removed by ``forget``), that the store no longer has, not forgotten by the operator
+  (tombstone) and not expired, is a refusal and one ERROR line per session. Asked for
+  every request whose pin is missing, with history or without: a subagent's request, or a
+  Codex socket reconnecting after a restart (it says ``history_initialization: new``),
+  carries none, and must not be sent where the agent addresses nor pinned anew over the
+  loss. A truly new session has no index entry: nothing is invented; an opening pays two
+  more reads (the identity, the index) beside the durable write it makes anyway. When the operator accepts the losses (the identity's
   ``accepted`` time moves on; a restore does not move it), the served pins missing then are forgotten (their conversations are decided
   afresh) and the others are still watched.
+- Recorded: a loss a proxy (or the CLI) recorded in the store itself (``store:losses``)
+  that still waits for the operator is a loss to every proxy, whatever its machine
+  remembers (``identity.pending_loss``): a router on another machine, or one that took an
+  emptied store for new before the loss was recorded, refuses too. So is a pin a proxy
+  recorded lost (of that agent, not expired, not forgotten since), for the request whose
+  pin is missing and which neither this proxy served nor the index holds.
+- Rolled back: the store counts the pins made in it (``identity.MADE_KEY``, with each
+  durable pin change); the count is remembered with the identity at every check, and a
+  store with the remembered identity, under the same decision of the operator, that counts
+  fewer is an older copy of itself (a directory restored from a backup while the proxy was
+  stopped, a Redis restarted on an older snapshot): a loss, refused until a copy at least
+  that recent is restored or the operator accepts it. Pins made in the last seconds before
+  every proxy that would remember them stopped may
+  not be counted in any machine's memory: the count remembered is the one read at least
+  ``MADE_SETTLE`` (2 s) before (a count read of a write in flight when a Redis primary
+  died may never reach the replica that takes over; its pin was not acknowledged).
 - Evicted: on Redis, the server's count of evicted keys (``evicted_keys`` per ``run_id``,
-  read by the store's ``watch`` every 2 s, and at once on a continuation whose pin is
+  read by the store's ``watch`` every 2 s, and at once on a request whose pin is
   missing) grown since this machine last saw the store whole is a loss like the others:
   Redis cannot say which keys went, and a pin evicted with its index entry reads as never
   made. The count is remembered in the memory file, so a proxy started later catches it
@@ -47,6 +67,7 @@ log = logging.getLogger("sessionpin")
 
 CHECK_EVERY = 1.0
 COUNT_EVERY = 30.0
+MADE_SETTLE = 2.0       # a count of pins made is remembered once it was read this long ago (below)
 
 
 class StoreGuard:
@@ -68,6 +89,7 @@ class StoreGuard:
         self._made = 0
         self._accepted_at: float | None = None   # the identity's ``accepted`` when last read
         self._whole_at = 0.0                  # when a check last found the store whole (wall clock)
+        self._made_seen: list[tuple[float, int]] = []   # (monotonic, the store's count of pins made) read
         self.who = f"{socket.gethostname()}:{os.getpid()}"
 
     def use(self, store: Store, url: str) -> None:
@@ -76,6 +98,7 @@ class StoreGuard:
         self._memory = ident.Memory(url, self.env)
         self._remembered, self._raw, self._settled, self._made = None, None, False, 0
         self._accepted_at, self._whole_at = None, 0.0
+        self._made_seen = []
         self.lost, self.kind = None, None
         self.served.clear()
 
@@ -94,15 +117,16 @@ class StoreGuard:
             self.served.saw(session, pin.server, pins.expiry(pin), now)
             self._made += made              # pins made since the last count (what a loss says it held)
 
-    async def missed(self, store: Store, session: str, agent: str, continuation: bool, now: float) -> str | None:
+    async def missed(self, store: Store, session: str, agent: str, now: float) -> str | None:
         """A pin read as absent: a loss (the message) or truly none (None). A loss is a pin
-        this proxy served, or — for a continuation — one the pin index still holds (any
-        proxy made it); neither forgotten by the operator nor expired."""
+        this proxy served, or one the pin index still holds (any proxy made it); neither
+        forgotten by the operator nor expired. Asked for every request whose pin is missing,
+        whether it carries history or not: a subagent's request, or a Codex socket that
+        reconnects (``history_initialization: new``), reads as an opening, and a truly new
+        session has no index entry (nothing is invented)."""
         expected = self.served.expected(session, now)
         if expected is not None and self.served.forgotten(session, await store.get(pins.FORGOT_PREFIX + session)):
             expected = None
-        if expected is None and not continuation:
-            return None                     # an opening: a new conversation whatever the store says
         if store is self._store:
             await self.check(store, fresh=True)     # a flushed store is seen by the request that meets it
         if self.lost:
@@ -112,9 +136,16 @@ class StoreGuard:
         how = "which this proxy served"
         if expected is None:
             found = await pins.index_entry(store, agent, session, now)
-            if found is None:
-                return None                 # truly never pinned (or forgotten, or expired)
-            expected, how = (found[0], found[1], 0.0), "which its pin index still holds"
+            if found is not None:
+                expected, how = (found[0], found[1], 0.0), "which its pin index still holds"
+            else:
+                rec = await self._recorded(store, session, agent, now)
+                if rec is None:
+                    return None             # truly never pinned (or forgotten, or expired)
+                expected = (rec.server, rec.expires, 0.0)
+                how = f"which {rec.by or 'a proxy'} recorded lost in the store"
+        if await store.get(pins.key(session)) is not None:
+            return None                     # made meanwhile (another proxy's opening won the race): its pin decides
         server = expected[0] or "not routed"
         message = (f"store {store.url} no longer has the pin of session {session} (pinned to {server}), {how}; "
                    f"no `sessionpin forget` of it is recorded and it had not expired. It is not taken for a new "
@@ -124,10 +155,28 @@ class StoreGuard:
             self.partial += 1
             log.error("sessionpin: %s", message)
             try:
-                await ident.record_partial(store, session, f"{server} (by {self.who} at {time.time():.0f})")
+                await ident.record_partial(store, session, ident.PartialLoss(
+                    expected[0], agent, expected[1] or 0.0, self.who, time.time()))
             except StoreError as e:
                 log.warning("sessionpin: could not record the lost pin in %s: %s", store.url, e)
         return message
+
+    async def _recorded(self, store: Store, session: str, agent: str, now: float) -> ident.PartialLoss | None:
+        """The session's pin as a proxy recorded it lost in the store (``store:losses``), if
+        that record still stands: of this agent, not expired, not forgotten by the operator
+        since (a tombstone made after the record: the pin was restored, then forgotten)."""
+        rec = await ident.partial_loss(store, session)
+        if rec is None or (rec.agent and rec.agent != agent) or (rec.expires and rec.expires <= now):
+            return None
+        tombstone = await store.get(pins.FORGOT_PREFIX + session)
+        if tombstone is not None:
+            try:
+                forgot = float(tombstone)
+            except ValueError:
+                forgot = float("inf")       # a tombstone we cannot date: the operator's, to be safe
+            if forgot >= rec.at:
+                return None
+        return rec
 
     # ---- looking at the store ---------------------------------------------------------------
     async def tick(self, store: Store) -> None:
@@ -170,13 +219,26 @@ class StoreGuard:
                 r = msgspec.structs.replace(r, pins=r.pins + self._made)
             if fresh and hasattr(store, "evictions"):
                 await store.evictions()     # a missing pin: what Redis evicted until now, not 2 s ago
-            s = await ident.settle(store, store.url, r, time.time())
+            said = await ident.losses(store)    # what proxies recorded lost (read first: nothing is made over it)
+            s = await ident.settle(store, store.url, r, time.time(), said)
             evicted = r.evicted if r is not None else {}
             if s.kind not in ident.LOSSES:
                 grown, evicted, message = ident.judge_evictions(store.url, s.kind, r, s.identity,
                                                                 getattr(store, "evicted", None), self._whole_at)
                 if grown:                   # Redis evicted keys since: which, nobody can say
                     s = ident.Settled(ident.EVICTED, s.identity, s.raw, message)
+            made = await ident.made(store)
+            settled_made = self._settled_made(made)
+            if ident.rolled_back(r, s.kind, s.identity, made):     # an older copy of itself
+                s = ident.Settled(ident.ROLLED_BACK, s.identity, s.raw, ident.describe_rollback(store.url, r, made))
+            recorded = False
+            if s.kind not in ident.LOSSES:  # a loss another proxy recorded, still waiting for the operator
+                pending = ident.pending_loss(said, s.identity, made)
+                if pending is not None:
+                    kind = pending[1].get("kind")
+                    s = ident.Settled(kind if kind in ident.LOSSES else ident.LOST, s.identity, s.raw,
+                                      ident.describe_recorded(store.url, *pending))
+                    recorded = True
             accepted = s.identity.accepted if s.identity is not None and s.kind not in ident.LOSSES else None
             decided = s.kind == ident.ACCEPTED
             if self._settled and accepted is not None and self._accepted_at is not None \
@@ -191,7 +253,8 @@ class StoreGuard:
                 if self.lost != s.message:
                     log.error("sessionpin: %s", s.message)
                     try:
-                        await ident.record_loss(store, r, self.who, time.time())
+                        if not recorded:
+                            await ident.record_loss(store, r, self.who, time.time(), s.kind, s.identity)
                     except StoreError as e:
                         log.warning("sessionpin: could not record the loss in %s: %s", store.url, e)
                 self.lost = s.message
@@ -206,11 +269,31 @@ class StoreGuard:
                 log.warning("sessionpin: this machine has not used store %s before: it is taken as it is "
                             "(identity %s)", store.url, s.identity.id)
             self._whole_at = time.time()
-            if s.kind != ident.OK:
-                await self._remember(ident.Remembered(store.url, s.identity.id, 0, time.time(), evicted))
-                self._counted = 0.0         # count its pins at the next tick
-            elif evicted != self._remembered.evicted:
-                await self._remember(msgspec.structs.replace(self._remembered, evicted=evicted))
+            if s.kind != ident.OK or s.identity.accepted != self._remembered.accepted:
+                # taken as it is, or under a new decision of the operator: its count of pins made
+                # is remembered from now on (once settled)
+                self._made_seen = [(time.monotonic(), made)]
+                r = self._remembered
+                if s.kind != ident.OK:
+                    r = ident.Remembered(store.url, s.identity.id, 0, time.time(), evicted)
+                    self._counted = 0.0     # count its pins at the next tick
+                await self._remember(msgspec.structs.replace(r, evicted=evicted, made=0, accepted=s.identity.accepted))
+            elif evicted != self._remembered.evicted or (settled_made or 0) > self._remembered.made:
+                await self._remember(msgspec.structs.replace(
+                    self._remembered, evicted=evicted, made=max(settled_made or 0, self._remembered.made)))
+
+    def _settled_made(self, made: int) -> int | None:
+        """The count of pins made to remember: the last one read at least ``MADE_SETTLE`` ago
+        (None: none yet). Not the one read now: on a Redis without ``wait=``, or a write in
+        flight when its primary died, a count may be read that the replica taking over never
+        had (the pin not acknowledged); a rollback is a loss of what was there for longer."""
+        now = time.monotonic()
+        self._made_seen.append((now, made))
+        old = [i for i, (t, _) in enumerate(self._made_seen) if t <= now - MADE_SETTLE]
+        if not old:
+            return None
+        del self._made_seen[:old[-1]]
+        return self._made_seen[0][1]
 
     async def _accepted(self, store: Store) -> None:
         """The store's identity changed by the operator's hand: the pins missing now are the
@@ -234,6 +317,7 @@ class StoreGuard:
         r = self._remembered
         return {"identity": r.id if r else None, "verdict": self.kind, "lost": self.lost,
                 "remembered_pins": r.pins if r else None, "evicted_keys_seen": r.evicted if r else None,
+                "remembered_made": r.made if r else None,
                 "served_pins": len(self.served),
                 "served_bound": self.served.bound, "partial_losses": self.partial,
                 "memory": str(self._memory.path) if self._memory and self._memory.path else None}

@@ -19,6 +19,9 @@ Rules this module keeps (seeds/000, made stronger):
 - A pin whose index entry is live but whose key is gone was lost (``indexed``): the proxy
   refuses it rather than take it for a conversation never seen begin; ``drop_lost`` is the
   operator's acceptance of such losses.
+- Every durable change of a pin (create, move, forget, a pool's allocation) also counts one
+  in the store's pins made (``identity.MADE_KEY``, in the same ``apply``): a store rolled
+  back to an older copy counts fewer than a machine saw (``identity.rolled_back``).
 - ``forget`` leaves a tombstone (``forgot:<session>``: when, as long as a pin lives), so a
   proxy that served the pin tells the operator's decision from a loss (``served``).
 - A stored value that is not a valid pin (bad JSON, wrong shape, no agent) reads as no pin.
@@ -37,6 +40,7 @@ from typing import AsyncIterator, Sequence
 import msgspec
 
 from ..store.base import Check, Delete, Expire, HIncr, HSet, Set, Store, Write, ZAdd, ZRem
+from ..store.identity import made_writes
 
 PIN_PREFIX = "pin:"
 SEEN_PREFIX = "seen:"
@@ -133,8 +137,9 @@ def _indexed(session: str, pin: Pin) -> list[Write]:
 
 
 def index_writes(session: str, pin: Pin) -> list[Write]:
-    """The index entries of a pin, for a caller writing a pin in a transaction of its own."""
-    return _indexed(session, pin)
+    """The index entries of a new pin, and its count in the pins made (``made_writes``), for
+    a caller writing it in a durable transaction of its own (a pool's allocation)."""
+    return [*_indexed(session, pin), *made_writes()]
 
 
 def _unindexed(session: str, pin: Pin | None) -> list[Write]:
@@ -150,7 +155,7 @@ async def create(store: Store, session: str, pin: Pin, seen: Loaded | None = Non
     expected = seen.raw if seen is not None else None
     for _ in range(3):
         text = encode(pin)
-        writes = [Set(key(session), text, PIN_TTL), *_indexed(session, pin)]
+        writes = [Set(key(session), text, PIN_TTL), *_indexed(session, pin), *made_writes()]
         if await store.apply([Check(key(session), expected)], writes, durable=True):
             return Loaded(pin, text)
         now = await load(store, session)
@@ -175,7 +180,8 @@ async def renew(store: Store, session: str, seen: Loaded, now: float) -> bool:
 
 async def move(store: Store, session: str, seen: Loaded, new: Pin) -> bool:
     """The operator's explicit move (or a first pin): durable, only over the pin that was read."""
-    writes = [Set(key(session), encode(new), PIN_TTL), *_unindexed(session, seen.pin), *_indexed(session, new)]
+    writes = [Set(key(session), encode(new), PIN_TTL), *_unindexed(session, seen.pin), *_indexed(session, new),
+              *made_writes()]
     return await store.apply([Check(key(session), seen.raw)], writes, durable=True)
 
 
@@ -186,7 +192,7 @@ async def forget(store: Store, session: str, seen: Loaded, now: float | None = N
         return False
     when = time.time() if now is None else now
     writes: list[Write] = [Delete(key(session)), *_unindexed(session, seen.pin), Delete(SEEN_PREFIX + session),
-                           Set(FORGOT_PREFIX + session, repr(when), PIN_TTL)]
+                           Set(FORGOT_PREFIX + session, repr(when), PIN_TTL), *made_writes()]
     if seen.pin is not None:
         writes.append(ZRem(active_key(seen.pin.agent, seen.pin.server), session))
     return await store.apply([Check(key(session), seen.raw)], writes, durable=True)

@@ -19,14 +19,24 @@ Rules it keeps:
   its AOF) → **lost**; another identity → **replaced**. A lost or replaced store is never
   taken for new: the caller refuses until the operator decides.
 - A proxy that finds its store lost says so in the store too (``store:losses``: the
-  identity it expected and how much it held), so ``accept-loss`` run from any machine
-  accepts what every proxy remembers.
+  identity it expected, how much it held and how it was lost), so ``accept-loss`` run from
+  any machine accepts what every proxy remembers — and every other proxy refuses too,
+  whatever its machine remembers (``pending_loss``: a machine that never saw the store
+  whole would otherwise take it as it is). A pin a proxy found lost is recorded there as
+  well (``PARTIAL`` + session: where it was pinned, until when), and refused by every proxy
+  by that record until the operator decides.
 - A Redis that evicted keys since this machine last saw it whole (``evictions``: its own
   count, ``evicted_keys`` per ``run_id``, against the count remembered, or the count the
   operator settled by ``accept-loss`` or a restore, kept in the identity) lost keys nobody
   can name: it is **evicted**, a loss like the others, whatever ``durability=`` says. A
   count never seen before is taken as it is only with the store (first sight); a new
   ``run_id`` of a store this machine knows (a restart) counts from 0.
+- A store rolled back to an older copy of itself keeps its identity: the store counts the
+  pins made in it (``MADE_KEY``, no TTL, in the same durable ``apply`` as each creation,
+  pool allocation, move and forget), the machine remembers the count it last saw, and a
+  store that counts fewer under the same decision of the operator is **rolled back**
+  (``rolled_back``), a loss like the others. A new decision (``accept-loss``) takes the
+  count as it is.
 - A remembered file that cannot be read is an error, never "nothing remembered".
 """
 
@@ -43,7 +53,7 @@ from typing import Mapping
 import msgspec
 import platformdirs
 
-from .base import Check, Delete, NotDurable, Set, Store, StoreError
+from .base import Check, Delete, HIncr, NotDurable, Set, Store, StoreError
 
 IDENTITY_KEY = "store:identity"
 LOSSES_KEY = "store:losses"   # hash: a lost identity -> what it held; PARTIAL + session -> a lost pin
@@ -53,7 +63,14 @@ KEEP_ACCEPTED = 50          # identities an identity remembers accepting (older 
 
 OK, NEW, FIRST, ACCEPTED, LOST, REPLACED = "ok", "new", "first-sight", "accepted", "lost", "replaced"
 EVICTED = "evicted"                 # the store is there, but Redis evicted keys nobody can name
-LOSSES = frozenset({LOST, REPLACED, EVICTED})
+ROLLED_BACK = "rolled-back"         # the store is there, but as an older copy of itself
+LOSSES = frozenset({LOST, REPLACED, EVICTED, ROLLED_BACK})
+# Pins made in this store, ever (created, moved, forgotten; a hash: "n" -> count), no TTL:
+# incremented in the same durable ``apply`` as each of them, so an older copy of the store
+# holds a smaller count. Not under ``store:``: ``store copy`` carries it as data (a restored
+# backup holds the backup's count).
+MADE_KEY = "made:pins"
+MADE_FIELD = "n"
 KEEP_RUN_IDS = 64                   # eviction counts remembered (a cluster's nodes, restarts)
 
 
@@ -74,6 +91,8 @@ class Remembered(msgspec.Struct, frozen=True, omit_defaults=True):
     seen: float = 0.0               # when this machine last saw the store whole
     evicted: dict[str, int] = {}    # Redis' eviction counts (run_id -> evicted_keys) when last seen
                                     # whole: a count grown since is keys lost (``evictions``)
+    made: int = 0                   # the store's count of pins made (``MADE_KEY``) when last seen whole
+    accepted: float = 0.0           # its identity's ``accepted`` then (a new decision: counts start again)
 
 
 _id_decoder = msgspec.json.Decoder(Identity)
@@ -173,6 +192,40 @@ def judge_evictions(url: str, kind: str, remembered: Remembered | None, found: I
     return grown, keep, describe_evictions(url, grown, since) if grown else ""
 
 
+def made_writes() -> list:
+    """The write that counts one pin made, for the ``apply`` that makes it (durable)."""
+    return [HIncr(MADE_KEY, MADE_FIELD, 1)]
+
+
+async def made(store: Store) -> int:
+    """The store's count of pins made (0: none counted; a value that is not a count reads as
+    0: a store rolled back, if this machine saw more)."""
+    raw = await store.hget(MADE_KEY, MADE_FIELD)
+    try:
+        return int(raw) if raw is not None else 0
+    except ValueError:
+        return 0
+
+
+def rolled_back(remembered: Remembered | None, kind: str, found: Identity | None, now: int) -> bool:
+    """A store that answers with the identity this machine remembers, under the same
+    decision of the operator, but has counted fewer pins made than this machine saw, is an
+    older copy of itself (a directory restored from a backup, a Redis restarted on an older
+    snapshot): the pins made since read as never made."""
+    return (remembered is not None and kind == OK and found is not None
+            and found.accepted == remembered.accepted and now < remembered.made)
+
+
+def describe_rollback(url: str, remembered: Remembered, now: int) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(remembered.seen)) if remembered.seen else "?"
+    return (f"store {url} was rolled back: it is store {remembered.id} as it was when {now} pins had been made in it "
+            f"(or its count, `{MADE_KEY}`, was deleted), but when this machine last saw it whole ({when}) "
+            f"{remembered.made} had been; the pins made since read "
+            "as conversations never seen begin. sessionpin does not guess: every routed request is refused until "
+            f"you restore a copy at least that recent (`sessionpin store copy BACKUP {url}`) or start over "
+            f"(`sessionpin store accept-loss --store {url}`)")
+
+
 # ---- what a machine remembers ------------------------------------------------------------
 
 def memory_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -222,8 +275,17 @@ class Memory:
                              "move it away only if you know the store is whole") from None
 
     def save(self, r: Remembered) -> None:
+        """Write ``r``; a writer that does not count pins made (``made`` 0: the CLI) leaves the
+        count remembered of that identity as it was."""
         if self.path is None:
             return
+        if r.made == 0:
+            try:
+                old = self.load()
+            except StoreError:
+                old = None
+            if old is not None and old.id == r.id and old.made:
+                r = msgspec.structs.replace(r, made=old.made, accepted=old.accepted)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -261,11 +323,15 @@ async def _write(store: Store, checks: list, writes: list) -> bool:
         return await store.apply(checks, writes)
 
 
-async def settle(store: Store, url: str, remembered: Remembered | None, now: float) -> Settled:
+async def settle(store: Store, url: str, remembered: Remembered | None, now: float,
+                 recorded: Mapping[str, str] | None = None) -> Settled:
     """Read the store's identity and judge it against what was remembered; a new store gets
-    its identity now (the first of two racing makers wins; the other takes it)."""
+    its identity now (the first of two racing makers wins; the other takes it) — unless a
+    loss is ``recorded`` in it (its ``store:losses`` as read): nothing is made over that."""
     found, raw = await read(store)
     kind = judge(remembered, found)
+    if kind == NEW and recorded and pending_loss(recorded, None) is not None:
+        return Settled(NEW, None, None)
     if kind == NEW:
         made = Identity(id=uuid.uuid4().hex, created=now)
         text = encode(made)
@@ -278,9 +344,21 @@ async def settle(store: Store, url: str, remembered: Remembered | None, now: flo
     return Settled(kind, found, raw, message)
 
 
-async def record_loss(store: Store, remembered: Remembered, who: str, now: float) -> None:
-    """Say in the store which identity was expected (``accept-loss`` accepts it)."""
-    said = {"store": remembered.store, "pins": remembered.pins, "seen": remembered.seen, "by": who, "at": now}
+async def record_loss(store: Store, remembered: Remembered | None, who: str, now: float, kind: str | None = None,
+                      found: Identity | None = None) -> None:
+    """Say in the store which identity was expected (``accept-loss`` accepts it), and how it
+    was lost (``kind``; with the ``accepted`` time of the identity ``found``, for an
+    eviction): every other proxy and machine then refuses too (``pending_loss``). Nothing
+    is said by a machine that remembers nothing (it found the loss in the store itself)."""
+    if remembered is None:
+        return
+    said: dict = {"store": remembered.store, "pins": remembered.pins, "seen": remembered.seen, "by": who, "at": now}
+    if kind is not None:
+        said["kind"] = kind
+    if kind == ROLLED_BACK:
+        said["made"] = remembered.made
+    if found is not None:
+        said["accepted"] = found.accepted
     await store.hsetnx(LOSSES_KEY, remembered.id, msgspec.json.encode(said).decode())
 
 
@@ -288,9 +366,101 @@ async def losses(store: Store) -> dict[str, str]:
     return await store.hgetall(LOSSES_KEY)
 
 
-async def record_partial(store: Store, session: str, said: str) -> None:
-    """A proxy says the store lost a pin it served (``accept-loss`` counts them)."""
-    await store.hsetnx(LOSSES_KEY, PARTIAL + session, said)
+def _record(raw: str) -> dict:
+    try:
+        got = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def pending_loss(said: Mapping[str, str], found: Identity | None, made_now: int | None = None
+                 ) -> tuple[str, dict] | None:
+    """A loss a proxy (or the CLI) recorded in the store (``store:losses``) that still waits
+    for the operator: (the identity it expected, its record), else None. Whatever this
+    machine remembers — it may never have seen the store whole — such a store is lost:
+    ``accept-loss`` clears the records, a restore (``store copy``) the one it brings back.
+
+    Not pending: an identity the store's now accepts (the operator decided); and a store
+    that answers with the very identity recorded lost or replaced (its data came back). A
+    store evicted or rolled back keeps its identity, so such a record stays pending — unless
+    it was made before the operator's last decision (its ``accepted`` is not the store's
+    now), or, rolled back, the store counts again as many pins made as the record says
+    were (``made_now``: a newer copy was restored). A
+    record that does not say how (an older one, unreadable) stays pending: nobody can
+    tell."""
+    for key in sorted(said):
+        if key.startswith(PARTIAL):
+            continue
+        rec = _record(said[key])
+        if found is not None:
+            if key in found.accepts:
+                continue
+            if key == found.id:
+                kind = rec.get("kind")
+                if kind in (LOST, REPLACED):
+                    continue
+                if kind in (EVICTED, ROLLED_BACK) and rec.get("accepted") is not None \
+                        and rec.get("accepted") != found.accepted:
+                    continue
+                if kind == ROLLED_BACK and made_now is not None and isinstance(rec.get("made"), int) \
+                        and made_now >= rec["made"]:
+                    continue
+        return key, rec
+    return None
+
+
+def _when(t: object) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if isinstance(t, (int, float)) and t else "?"
+
+
+def describe_recorded(url: str, key: str, rec: Mapping) -> str:
+    """The refusal for a loss found recorded in the store (``pending_loss``)."""
+    pins_held = rec.get("pins")
+    held = f" holding {pins_held} pin{'s' if pins_held != 1 else ''}" if isinstance(pins_held, int) else ""
+    kind = rec.get("kind")
+    what = {EVICTED: f"Redis evicted keys of store {key}{held} and cannot say which",
+            LOST: f"it answered empty, without its identity, when it had been store {key}{held}",
+            REPLACED: f"it answered with another identity, when it had been store {key}{held}",
+            ROLLED_BACK: f"it was rolled back to an older copy of store {key} ({rec.get('made', '?')} pins had been "
+                         "made in it)",
+            }.get(kind, f"it was store {key}{held} when last seen whole")
+    return (f"store {url} lost what it held, as {rec.get('by') or 'a proxy'} recorded in it at {_when(rec.get('at'))}: "
+            f"{what}. sessionpin does not take it for a new store: every routed request is refused until you "
+            f"restore it (`sessionpin store copy BACKUP {url}`) or start over (`sessionpin store accept-loss "
+            f"--store {url}`)")
+
+
+class PartialLoss(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A pin a proxy found lost, as it recorded it in the store (``store:losses``,
+    ``PARTIAL + session``)."""
+    server: str | None = None       # where it was pinned (None: not routed)
+    agent: str = ""                 # whose session id it is ("": not said)
+    expires: float = 0.0            # when the pin would have expired (0: not said)
+    by: str = ""
+    at: float = 0.0                 # when it was recorded (0: not said)
+
+
+async def record_partial(store: Store, session: str, lost: PartialLoss) -> None:
+    """A proxy says the store lost a pin (``accept-loss`` counts them; every other proxy
+    refuses the session by it, ``partial_loss``)."""
+    await store.hsetnx(LOSSES_KEY, PARTIAL + session, encode(lost))
+
+
+def decode_partial(raw: str | None) -> PartialLoss | None:
+    """A recorded lost pin; an older record (``server (by who at time)``, text) says only
+    where it was pinned."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=PartialLoss)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        server = raw.split(" (by ", 1)[0].strip()
+        return PartialLoss(server=None if server in ("", "not routed") else server)
+
+
+async def partial_loss(store: Store, session: str) -> PartialLoss | None:
+    return decode_partial(await store.hget(LOSSES_KEY, PARTIAL + session))
 
 
 async def accept_loss(store: Store, remembered: Remembered | None, now: float,

@@ -30,6 +30,7 @@ from sessionpin.records.documents import HEARTBEAT_PREFIX
 from sessionpin.store.identity import LOSSES_KEY
 from sessionpin.reader.ids import short
 from sessionpin.decision.answers import NO_RETRY_STATUS as LOST      # a lost store: only the operator can decide
+from sessionpin.decision.answers import NO_RETRY_UPGRADE_STATUS      # the same, to a WebSocket upgrade (Codex)
 
 from .harness import Client, FakeServer, Mitmdump, Reply, TestCA, toml_config
 from .test_cli_e2e import sessionpin_argv
@@ -259,32 +260,46 @@ def test_a_redis_that_can_forget_is_not_durable_within_seconds_of_a_config_set(r
     wait_for(lambda: rig.send("opening", str(uuid.uuid4())).status == 200, 10, "durable pins again")
 
 
-def test_two_routers_on_one_redis_the_one_that_remembers_refuses(redis, rig_on, tmp_path):
-    """Router A has used the store; after a FLUSHALL, router B — another machine, which never
-    saw it — starts and takes the empty store for new (and says so). A, which remembers,
-    finds another identity and refuses; `accept-loss` brings A back."""
-    rig = rig_on(redis.url(unique_prefix()))
+def test_two_routers_on_one_redis_the_one_that_never_saw_it_refuses_once_the_loss_is_recorded(redis, rig_on, tmp_path):
+    """Router A has used the store; after a FLUSHALL it records the loss in the store itself
+    (``store:losses``). Router B — another machine, which never saw the store — starts: it
+    does not take the empty store for new (before, it did, made an identity and routed) but
+    refuses, naming the loss A recorded, and makes nothing over it. `accept-loss` brings
+    both back."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
     sessions = rig.open(3)
-    redis.client().flushall()
+    raw = redis.client()
+    raw.flushall()
+    wait_for(lambda: raw.hlen(prefix + LOSSES_KEY) == 1, 5, "A to record the loss in the store")
     b = Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
                         env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": str(tmp_path / "machine-b")},
                         options={"sessionpin_store": rig.url, "sessionpin_pool": False})
     b.start()
     try:
         opened = str(uuid.uuid4())
-        req = cc("opening", opened, stream=False)
-        r = Client.via_proxy(b.port, b.mitm_ca, timeout=15).request(
-            req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
-        assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
-        assert f"store {rig.url} is new" in b.output
-        wait_for(lambda: "answers with another identity" in rig.router.output, 5, "A to see B's identity")
-        refused_as_lost(rig, sessions, "lost what it held: it answers with another identity")
-        assert "holding 3 pins" in rig.status()["store_info"]["identity"]["lost"]
+
+        def via_b(kind: str, session: str) -> Reply:
+            req = cc(kind, session, stream=False)
+            return Client.via_proxy(b.port, b.mitm_ca, timeout=15).request(
+                req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
+        for kind, s in (("opening", opened), ("continuation", sessions[0])):
+            r = via_b(kind, s)
+            assert r.status == LOST, (kind, r.status, r.header("x-fake-server"), r.text[:300])
+            message = r.json()["error"]["message"]
+            assert f"store {rig.url} lost what it held, as " in message and "recorded in it" in message, message
+            assert "it answered empty, without its identity" in message and "holding 3 pins" in message, message
+            assert "sessionpin store accept-loss" in message and "sessionpin store copy BACKUP" in message
+        assert f"store {rig.url} is new" not in b.output
+        assert not raw.exists(prefix + "store:identity")              # nothing made over the loss
+        refused_as_lost(rig, sessions, "lost what it held: it answers empty")
         done = rig.cli("store", "accept-loss")
         assert done.returncode == 0, done.stderr
         routes_again(rig, sessions, "anthropic")
+        wait_for(lambda: via_b("opening", opened).status == 200, 10, "B to route again")
         r = rig.send("continuation", opened)                  # B's conversation, through A: on glm
         assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+        assert rig.received("anthropic", opened) == 0
     finally:
         b.stop(signal.SIGKILL)
 
@@ -410,3 +425,226 @@ def test_keys_redis_evicted_are_refused_also_by_a_router_started_after_until_acc
         r = rig.send("continuation", s)
         assert (r.status, r.header("x-fake-server")) == (200, "anthropic" if s in gone else "glm"), r.text[:300]
     assert rig.status()["store_info"]["identity"]["lost"] is None
+
+
+# ---- a request without history meets a lost pin (the index still holds it) -------------------------
+
+def test_a_subagent_request_of_a_conversation_whose_pin_was_deleted_is_refused_after_a_restart(redis, rig_on):
+    """A cleanup script DELs pin keys (their index entries stay) and the router restarts (what
+    it served is forgotten). Claude Code's subagent request (request class ``subagent``: no
+    assistant message yet, so no history) of such a conversation is refused like its
+    continuation. Before, it was sent to the server its agent addresses (200 from anthropic):
+    the index was read only for requests that carry history."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    a, b = rig.open(2)
+    r = rig.send("subagent", a)                            # while the pin is there: it follows it
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    assert redis.client().delete(prefix + pins.key(a), prefix + pins.key(b)) == 2
+    rig.router.restart(signal.SIGKILL)
+    for kind, s in (("continuation", b), ("subagent", a)):
+        r = rig.send(kind, s)
+        assert r.status == LOST, (kind, r.status, r.header("x-fake-server"), r.text[:300])
+        message = r.json()["error"]["message"]
+        assert f"no longer has the pin of session {short(s)} (pinned to glm), which its pin index still holds" \
+            in message, message
+        assert "sessionpin store accept-loss" in message and "sessionpin store copy BACKUP" in message
+    assert rig.received("anthropic", a) == 0 and rig.received("anthropic", b) == 0
+    fresh = str(uuid.uuid4())                               # a new conversation is still new
+    r = rig.send("opening", fresh)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    r = rig.send("subagent", fresh)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+
+
+@pytest.fixture(scope="module")
+def ws_rig(tmp_path_factory: pytest.TempPathFactory):
+    from . import test_websocket_e2e as wse
+    from .harness import running_rig
+
+    with running_rig(tmp_path_factory.mktemp("e2e-store-loss-ws"),
+                     lambda ca: {name: wse.WsFake(name, ca) for name in ("openai", "alt", "beta")}, wse.WsRig) as r:
+        yield r
+
+
+def test_a_codex_thread_whose_pin_was_deleted_is_refused_not_pinned_anew_after_a_restart(ws_rig):
+    """Codex over WebSocket: a thread pinned to ``alt`` loses its pin row (the index entry
+    stays), the router restarts, new threads go to ``beta`` now. Its subagent socket and its
+    reconnect (whose upgrade says ``history_initialization: new``: it reads as an opening) are
+    refused naming the loss (426: Codex goes to HTTPS, where its POST is refused too). Before, the subagent socket was left alone (to the origin it
+    addresses) and the reconnect was pinned anew, to ``beta``, over the loss."""
+    import asyncio
+
+    from sessionpin.store import open_store
+    from . import test_websocket_e2e as wse
+    from .replay import Replay
+
+    rig = ws_rig
+    if not rig.mitm.alive:
+        rig.mitm.start()
+    rig.set_current("alt")
+    r = Replay(wse.RUN)
+    ws, landed, _ = rig.open(r.prepare(wse.upgrade(1)))
+    with ws:
+        wse.converse(ws, r, wse.client_messages(1)[:1])
+    session = wse.session_of(r, wse.upgrade(1))
+    assert landed == "alt" and rig.pin(session).server == "alt"
+
+    async def delete_pin() -> None:
+        store = open_store(f"file:{rig.store_path}")
+        try:
+            assert await store.delete(pins.key(session))            # a cleanup script's DELETE of pin rows
+            assert await pins.index_entry(store, "codex", session, time.time()) is not None   # the witness stays
+        finally:
+            await store.close()
+    asyncio.run(delete_pin())
+    rig.mitm.restart(signal.SIGKILL)                # what it served goes with it
+    rig.set_current("beta")                         # new threads go to beta from now on
+    for what, p in (("subagent socket", wse.subagent_upgrade(r, wse.upgrade(1))),
+                    ("reconnect", r.prepare(wse.upgrade(1)))):
+        ws, landed, _ = rig.open(p)
+        ws.close()
+        assert landed is None and ws.status == NO_RETRY_UPGRADE_STATUS, (what, landed, ws.status, ws.reject_body[:300])
+        assert b"which its pin index still holds" in ws.reject_body, (what, ws.reject_body[:300])
+    assert rig.pin(session) is None                 # nothing pinned over the loss
+
+
+# ---- a loss one router recorded in the store is refused by the others -------------------------------
+
+def _router_on_machine_b(rig: Rig, tmp_path: Path) -> Mitmdump:
+    """A second router on another machine (a memory of its own) that never served anything."""
+    return Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
+                           env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": str(tmp_path / "machine-b")},
+                           options={"sessionpin_store": rig.url, "sessionpin_pool": False})
+
+
+def _send_via(rig: Rig, router: Mitmdump, kind: str, session: str) -> Reply:
+    req = cc(kind, session, stream=False)
+    return Client.via_proxy(router.port, router.mitm_ca, timeout=15).request(
+        req.method, rig.fakes["anthropic"].origin + req.path, req.headers, req.body)
+
+
+def test_a_pin_one_router_recorded_lost_is_refused_by_another_router(redis, rig_on, tmp_path):
+    """A cleanup script deletes a pin *and* the pin index: only router A, which served it,
+    knows it was pinned; it refuses and records the lost pin in the store. Router B (another
+    machine) meets the conversation's next request and refuses it by that record — before, it
+    sent it to the server its agent addresses. `accept-loss` clears the record."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    s, = rig.open(1)
+    raw = redis.client()
+    assert raw.delete(prefix + pins.key(s), prefix + pins.index_key("claude-code", "glm")) == 2
+    r = rig.send("continuation", s)
+    assert r.status == LOST and "which this proxy served" in r.json()["error"]["message"], r.text[:300]
+    b = _router_on_machine_b(rig, tmp_path)
+    b.start()
+    try:
+        for kind in ("continuation", "subagent"):
+            r = _send_via(rig, b, kind, s)
+            assert r.status == LOST, (kind, r.status, r.header("x-fake-server"), r.text[:300])
+            message = r.json()["error"]["message"]
+            assert f"no longer has the pin of session {short(s)} (pinned to glm), which " in message, message
+            assert "recorded lost in the store" in message and "sessionpin store accept-loss" in message, message
+        assert rig.received("anthropic", s) == 0
+        done = rig.cli("store", "accept-loss")
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: _send_via(rig, b, "continuation", s).status == 200, 10, "B to decide it afresh")
+    finally:
+        b.stop(signal.SIGKILL)
+
+
+def test_an_eviction_one_router_recorded_is_refused_by_a_router_on_another_machine(redis, rig_on, tmp_path):
+    """Redis evicts pins with their index key. Router A sees its count grow, refuses and
+    records the loss in the store. Router B on another machine starts afterwards: it never
+    saw the count, so its own judgement is "first sight" — before, it took the store as it
+    was and sent an evicted conversation to the server its agent addresses; now it refuses
+    by A's record until `accept-loss`."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    sessions = rig.open(8)
+    time.sleep(2.5)                                 # the pins grow idle (evict_cold_keys: LRU), not a verdict
+    raw = redis.client()
+    gone = evict_cold_keys(raw, prefix, sessions)
+    wait_for(lambda: raw.hlen(prefix + LOSSES_KEY) >= 1, 5, "A to record the eviction in the store")
+    b = _router_on_machine_b(rig, tmp_path)
+    b.start()
+    try:
+        r = _send_via(rig, b, "continuation", gone[0])
+        assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
+        message = r.json()["error"]["message"]
+        assert f"store {rig.url} lost what it held, as " in message and "Redis evicted keys of store" in message, \
+            message
+        assert rig.received("anthropic", gone[0]) == 0
+        status = Client.via_proxy(b.port, b.mitm_ca, timeout=10).request(
+            "GET", rig.fakes["anthropic"].origin + "/__sessionpin/status").json()
+        assert status["store_info"]["identity"]["verdict"] == "evicted"
+        done = rig.cli("store", "accept-loss")
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: _send_via(rig, b, "continuation", gone[0]).status == 200, 10, "B to route again")
+    finally:
+        b.stop(signal.SIGKILL)
+
+
+# ---- a store rolled back to an older copy of itself ---------------------------------------------------
+
+def _remembers_made(rig: Rig, n: int) -> None:
+    """The router has counted ``n`` pins made in its memory (it looks every second)."""
+    wait_for(lambda: rig.status()["store_info"]["identity"]["remembered_made"] == n, 10,
+             f"the router to remember {n} pins made")
+
+
+def test_a_file_store_restored_from_an_older_cold_backup_while_stopped_is_refused_until_accepted(rig_on, tmp_path):
+    """The store's directory is copied while the router is stopped (a cold backup),
+    conversations go on, the router is stopped again and the directory put back from that
+    backup (a disk restore, a VM snapshot). The identity is the one remembered; before, the
+    store was taken as whole and the conversations pinned after the backup went back to the
+    server their agent addresses. Now the store counts fewer pins made than the router saw:
+    rolled back, refused until `accept-loss` (or a copy at least that recent)."""
+    where = tmp_path / "state"
+    rig = rig_on(f"file:{where}/state.db")
+    early = rig.open(2)
+    rig.router.stop()
+    shutil.copytree(where, tmp_path / "backup")
+    rig.router.start()
+    later = rig.open(2)                                     # pinned to glm after the backup
+    _remembers_made(rig, 4)
+    rig.router.stop()
+    shutil.copytree(where, tmp_path / "newer")
+    shutil.rmtree(where)
+    shutil.copytree(tmp_path / "backup", where)
+    rig.router.start()
+    refused_as_lost(rig, later + early, "was rolled back: it is store")
+    assert rig.status()["store_info"]["identity"]["verdict"] == "rolled-back"
+    assert all(rig.received("anthropic", s) == 0 for s in later)
+    restored = subprocess.run([*sessionpin_argv(), "store", "copy", f"file:{tmp_path}/newer/state.db", rig.url],
+                              capture_output=True, text=True, timeout=60)       # the newer copy: all back
+    assert restored.returncode == 0, restored.stderr
+    routes_again(rig, later + early, "glm")
+
+
+def test_a_redis_restarted_on_an_older_snapshot_is_refused_until_accepted(tmp_path, rig_on):
+    """A Redis that persists by RDB snapshots only (``durability=accept-weaker``) restarts
+    on its last snapshot: the identity, the pins and the index as they were then. Before, a
+    router restarted afterwards took the pins made since the snapshot for never made (their
+    conversations went to the server the agent addresses)."""
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis", args=("--appendonly", "no", "--save", "")).start()
+    try:
+        rig = rig_on(server.url(unique_prefix(), durability="accept-weaker"))
+        early = rig.open(2)
+        server.client().save()                              # the snapshot (as `save 3600 1` would make)
+        later = rig.open(2)
+        _remembers_made(rig, 4)
+        server.kill()
+        server.start()                                      # back on its snapshot
+        rig.router.restart(signal.SIGKILL)
+        refused_as_lost(rig, later + early, "was rolled back: it is store")
+        assert all(rig.received("anthropic", s) == 0 for s in later)
+        done = rig.cli("store", "accept-loss")
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: rig.send("continuation", early[0]).status == 200, 10, "routing to resume")
+        for s in early + later:     # in the snapshot: on glm; made after it: decided afresh (as addressed)
+            r = rig.send("continuation", s)
+            assert (r.status, r.header("x-fake-server")) == (200, "glm" if s in early else "anthropic"), r.text[:300]
+    finally:
+        server.cleanup()

@@ -166,19 +166,29 @@ def test_a_look_alike_spelled_otherwise_is_not_refused(path):
 @pytest.mark.parametrize("path, named", [
     ("/chat/completions", ("/chat/completions", paths.OPENAI_CHAT)),              # a base without /v1
     ("/api/paas/v4/chat/completions", ("/chat/completions", paths.OPENAI_CHAT)),
-    ("/v1beta/openai/chat/completions", ("/chat/completions", paths.OPENAI_CHAT)),
-    ("/v1/threads/x/messages", ("/messages", paths.ANTHROPIC_MESSAGES)),         # any prefix: the pin decides
-    ("/x/Messages/", ("/messages", paths.ANTHROPIC_MESSAGES)),
+    ("/x/Messages/", ("/messages", paths.ANTHROPIC_MESSAGES)),                    # any plain prefix: the pin decides
     ("/x/messages/count_tokens?beta=true", ("/messages/count_tokens", paths.ANTHROPIC_COUNT_TOKENS)),
     ("/backend-api/codex/responses", ("/responses", paths.OPENAI_RESPONSES)),
     ("/v1/responses/compact", ("/responses/compact", paths.OPENAI_RESPONSES)),
     ("/v1/models", None),
     ("/v1/messages/batches", None),
     ("/api/event_logging/batch", None),
+    # look-alikes: another API's resource (a version segment before the last segment)
+    ("/v1/threads/x/messages", None),
+    ("/v1/organizations/x/messages", None),
+    ("/V1/Threads/x/Messages/", None),
+    ("/v1beta/openai/chat/completions", None),       # unless it is the server's own URL (below)
 ])
-def test_named_reads_the_endpoint_a_path_ends_with_whatever_comes_before(path, named):
+def test_named_reads_the_endpoint_a_path_ends_with_under_a_plain_prefix(path, named):
     assert paths.named("POST", path) == named
     assert paths.named("GET", path) is None
+
+
+def test_named_takes_the_servers_own_prefix_whatever_it_holds():
+    assert paths.named("POST", "/v1beta/openai/messages", "/v1beta/openai") == ("/messages", paths.ANTHROPIC_MESSAGES)
+    assert paths.named("POST", "/v1beta/openai/messages", None) is None
+    assert paths.named("POST", "/V1beta/OpenAI/chat/completions", "/v1beta/openai") == ("/chat/completions",
+                                                                                     paths.OPENAI_CHAT)
 
 
 @pytest.mark.parametrize("path", [

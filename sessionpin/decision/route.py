@@ -587,8 +587,7 @@ def _looks_inference(path: str) -> bool:
 def _api_looked_like(path: str) -> str:
     """The api whose error format a refused ambiguous path gets: the one its last segments
     name (``/../../v1/messages`` is Claude Code's, answered in Anthropic's format)."""
-    named = paths.named("POST", path.replace("\\", "/"))
-    return named[1] if named is not None else F.OTHER
+    return paths.endpoint_api(path)
 
 
 # ---- after the answer: a redirect from a server the request was moved to -----------------

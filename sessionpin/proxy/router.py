@@ -157,7 +157,8 @@ class Router:
             elif scope.inference:
                 facts = await self._facts(req, scope.api, flow)
                 decision = await self._route(flow, facts, source)
-            elif req.method == "POST" and (named := paths.named(req.method, req.path)) is not None:
+            elif req.method == "POST" and (named := paths.named(req.method, req.path,
+                                                                source.prefix if source else None)) is not None:
                 # a path it does not route, which a server may serve as inference: its
                 # conversation's pin is read, so one pinned elsewhere is refused, never sent here
                 if source is not None:

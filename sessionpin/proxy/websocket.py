@@ -56,7 +56,8 @@ def upgrade_facts(config: Config, req: http.Request) -> tuple[F.Facts, Server | 
     source, scope = config.scope("POST", req.scheme, req.host, req.port, req.path)
     if scope.api == F.OPENAI_RESPONSES and scope.endpoint.partition("?")[0] == "/responses":
         unnamed = ""
-    elif (named := paths.named("POST", req.path)) is not None and named[1] == F.OPENAI_RESPONSES:
+    elif (named := paths.named("POST", req.path, source.prefix if source else None)) is not None \
+            and named[1] == F.OPENAI_RESPONSES:
         unnamed = named[0]
     else:
         return None

@@ -46,9 +46,10 @@ Rules this module keeps:
   ``/v1/mess%61ges``, ``/V1/Messages``, ``/v1/messages/``, ``/v1;x=1/messages``) is refused like
   the ambiguous paths above: uvicorn and Go decode the escape, Express matches case-blind and
   ignores the slash, Java servers drop the parameters, so it may well be served as inference.
-- ``named(method, path)``: the endpoint and api a POST's path ends with, read as a lenient
-  server reads it, whatever comes before (``/chat/completions`` at a server whose base is
-  ``/v1``, ``/api/paas/v4/chat/completions`` at an origin no longer configured): a request
+- ``named(method, path, prefix)``: the endpoint and api a POST's path ends with, read as a
+  lenient server reads it, under any plain prefix or the server's own (``/chat/completions``
+  at a server whose base is ``/v1``, ``/api/paas/v4/chat/completions`` at an origin no longer
+  configured) — not a look-alike (``/v1/threads/x/messages``, as ``unrouted``): a request
   sessionpin does not route that a server may serve as inference. The router reads its
   session's pin, so a conversation pinned elsewhere never reaches the server it addressed
   this way (``route``'s "unnamed path" rule).
@@ -238,13 +239,32 @@ def api_of_path(method: str, path: str) -> str:
     return scope(method, path, None).api
 
 
-def named(method: str, path: str) -> tuple[str, str] | None:
+def named(method: str, path: str, prefix: str | None = None) -> tuple[str, str] | None:
     """(endpoint, api) of a POST whose path part, read as a lenient server reads it
-    (``normalised``), ends with an inference endpoint, whatever comes before; else None."""
+    (``normalised``), ends with an inference endpoint under any plain prefix, or under
+    ``prefix`` (the server's own, as written); else None. A look-alike — a version segment
+    before the last segment of what precedes the endpoint (``/v1/threads/x/messages``,
+    another API's resource) — is not named."""
     if method.strip().upper() != "POST":
         return None
     found = _split_endpoint(normalised(path.partition("?")[0]))
-    return (found[1], found[2]) if found is not None else None
+    if found is None:
+        return None
+    before = found[0]
+    if prefix is not None and before == normalised(prefix):
+        return found[1], found[2]
+    head, _, last = before.rpartition("/")
+    if not (_plain(head) and (last == "" or _NAME_SEGMENT.match(last))):
+        return None
+    return found[1], found[2]
+
+
+def endpoint_api(path: str) -> str:
+    """The api of the endpoint a path ends with, read as a lenient server reads it, whatever
+    comes before (``/../../v1/messages``: Anthropic's), else "other": the error format an
+    ambiguous path's refusal is answered in."""
+    found = _split_endpoint(normalised(path.partition("?")[0].replace("\\", "/")))
+    return found[2] if found is not None else OTHER
 
 
 def unrouted(method: str, path: str, prefix: str | None = None) -> str | None:

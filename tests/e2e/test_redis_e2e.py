@@ -133,10 +133,11 @@ def test_a_pinned_turn_costs_one_get(world: World) -> None:
     # heartbeats, the activity flush (every 5 s, batched), the lineage index written once a
     # response has completed (its request-id, so a resumed Claude Code names its parent), and
     # the store guard's look at the store's identity (every second) and pin count (every 30 s,
-    # from the index), the ledger's turn records (read and written after the answer, batched):
-    # none is on a turn's path
-    background = tuple(p + b for b in ("proxy:", "seen:", "active:", "lin:", "store:", "pinidx", "ledger:"))
-    turn = [c for c in commands if c and c[0].upper() not in ("PING", "INFO", "CONFIG", "HELLO", "CLIENT")
+    # from the index) and at the pins made in it (``made:``, with the losses other proxies
+    # recorded), the ledger's turn records (read and written after the answer, batched): none
+    # is on a turn's path; nor is a script's load (once, before its first use)
+    background = tuple(p + b for b in ("proxy:", "seen:", "active:", "lin:", "store:", "pinidx", "ledger:", "made:"))
+    turn = [c for c in commands if c and c[0].upper() not in ("PING", "INFO", "CONFIG", "HELLO", "CLIENT", "SCRIPT")
             and not any(a.startswith(background) for a in c[1:4])]
     pin_gets = [c for c in turn if c == ["GET", p + "pin:" + s]]
     others = [c for c in turn if c != ["GET", p + "pin:" + s]]

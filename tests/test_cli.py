@@ -248,6 +248,37 @@ def test_sessions_on_pages_found_damaged_while_it_read_says_so_then_lists_the_re
     assert code == 0 and len(o.splitlines()) == 5, (o, e)       # rebuilt from its copy: every pin
 
 
+def test_a_read_that_meets_the_repair_of_damaged_pages_says_the_store_was_found_damaged(env, capsys, monkeypatch):
+    """The check that runs while the command reads finds damaged pages and repairs the file;
+    a read that meets the repair fails ("deleted while it was open; repairing"). The damage
+    is what the command says, as when its reads ended before the repair (it was a generic
+    "cannot read" then: one run in ~60 of the test above)."""
+    from sessionpin.store import StoreUnavailable
+    from sessionpin.store.file import FileStore
+    put_pins(env.url, RUNNING)
+    path = env.dir / "state" / "state.db"
+    s = FileStore(path)
+    for i in range(3000):
+        s.set(f"filler:{i:05d}", "x" * 40)
+    s.close()
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 4096 // 2 * 4096
+    data[middle: middle + 4096 * 3] = b"\x5a" * (4096 * 3)
+    path.write_bytes(bytes(data))
+
+    def met_the_repair(ctx, args):
+        ctx.need_store()
+        raise StoreUnavailable(f"store {env.url}: cannot read: its database file was deleted while it was open; "
+                               "repairing")
+    real = cli.COMMANDS["sessions"]
+    monkeypatch.setitem(cli.COMMANDS, "sessions", met_the_repair)
+    code, o, e = run(capsys, "sessions")
+    assert code == 1 and "found damaged while this command read it" in e, (code, o, e)
+    cli.COMMANDS["sessions"] = real
+    code, o, e = run(capsys, "sessions")
+    assert code == 0 and len(o.splitlines()) == 5, (o, e)       # rebuilt from its copy: every pin
+
+
 def test_sessions_name_a_forks_parent(env, capsys):
     """A fork under a new id is pinned naming its parent: WHY says so, and a PARENT column
     appears when a listed conversation is a fork (JSON: ``parent``)."""

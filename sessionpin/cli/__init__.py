@@ -103,6 +103,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         err(f"sessionpin: {e}")
         return 1
     except StoreError as e:
+        # a read that met the repair of pages the check (run while the command read) found
+        # damaged: the damage is what to say, as when the read ended first (``settle``)
+        try:
+            ctx.settle(1)
+        except Fail as damaged:
+            err(f"sessionpin: {damaged}")
+            return damaged.code
+        except Exception:
+            pass
         shown = ctx.opened_store_url() or ctx.store_shown
         text = str(e).rstrip(".")
         text = text if shown in text else f"store {shown}: {text}"     # a Redis error names its store

@@ -4,7 +4,10 @@
   buffered whole nor sent to any server;
 - paths with dot segments or encoded slashes addressed to a configured server are
   refused (400), never forwarded under another server's key;
-- look-alike paths (``/v1/threads/x/messages``) are not inference: never routed.
+- look-alike paths (``/v1/threads/x/messages``) are not inference: never routed;
+- a redirect from a server a request was moved to is a 502 whose headers replace the
+  redirect's before any leave, also when its body is past ``stream_large_bodies`` (1 MiB
+  here: the body limit), sized or chunked: its ``Location`` never reaches the agent.
 """
 
 from __future__ import annotations
@@ -93,3 +96,43 @@ def test_a_look_alike_path_is_not_inference_and_is_left_alone(rig: Rig, path: st
     got = rig.anthropic.received()[-1]
     assert got.path == path and got.header("x-api-key") == CLIENT_KEY
     assert len(rig.glm.received()) == glm_before
+
+
+@pytest.mark.parametrize("code", [307, 302])
+def test_a_redirect_with_a_body_past_the_stream_limit_never_reaches_the_agent(rig: Rig, code: int) -> None:
+    """mitmproxy marks a response whose Content-Length passes ``stream_large_bodies`` streamed
+    before the ``responseheaders`` hook; before the fix the router left it so, and the 3xx
+    and its Location went to the agent."""
+    big = b"x" * (2 * 1024 * 1024)
+    rig.glm.canned = lambda rec: (code, [("Location", "https://evil.example/v1/messages"),
+                                         ("Content-Type", "text/plain")], big)
+    try:
+        r = rig.send("/v1/messages", opening())
+    finally:
+        rig.glm.canned = None
+    assert r.header("location") is None, f"the agent got {r.status} Location: {r.header('location')}"
+    assert r.status == 502 and r.header("x-sessionpin-refused") == "redirect"
+    assert "evil.example" in r.json()["error"]["message"]
+
+
+def test_a_chunked_redirect_growing_past_the_stream_limit_never_reaches_the_agent(rig: Rig) -> None:
+    """Without Content-Length mitmproxy buffers the body and switches to streaming once it
+    passes ``stream_large_bodies``, sending the headers then."""
+    def answer(h, rec, n):
+        h.send_response(307)
+        h.send_header("Location", "https://evil.example/v1/messages")
+        h.send_header("Content-Type", "text/plain")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        chunk = b"x" * (256 * 1024)
+        for _ in range(12):
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        h.wfile.write(b"0\r\n\r\n")
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    finally:
+        del rig.glm._answer
+    assert r.header("location") is None, f"the agent got {r.status} Location: {r.header('location')}"
+    assert r.status == 502 and r.header("x-sessionpin-refused") == "redirect"
+    assert "evil.example" in r.json()["error"]["message"]

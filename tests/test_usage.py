@@ -264,3 +264,60 @@ def test_a_json_answer_passing_as_a_stream_is_read_at_its_end_within_the_bound()
     assert small(body) == body
     small(b"")
     assert small.result().usage is None and small.result().overflow
+
+
+# ---------------------------------------------------------------- a hostile server's answers
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd"])
+def test_a_decompression_bomb_makes_no_more_than_its_room(coding):
+    """809 bytes of br made 512 MiB in one ``process`` call before (no ``output_buffer_limit``):
+    every decompressor is asked for at most one byte past 1 MiB + 128 times what was fed."""
+    import zlib
+
+    payload = b"\0" * (80 << 20)
+    if coding == "br":
+        import brotli
+        bomb = brotli.compress(payload, quality=5)
+    elif coding == "zstd":
+        from backports import zstd
+        bomb = zstd.compress(payload)
+    else:
+        c = zlib.compressobj(9, zlib.DEFLATED, 31 if coding == "gzip" else zlib.MAX_WBITS)
+        bomb = c.compress(payload) + c.flush()
+    for whole in (False, True):
+        r = UsageReader(F.ANTHROPIC_MESSAGES, coding)
+        if whole:
+            r.body(bomb)
+        else:
+            assert r(bomb) is bomb
+            r(b"")
+            assert r.result().overflow
+        assert r._inflate.total <= (1 << 20) + 128 * len(bomb)
+
+
+def test_a_flood_of_usage_events_parses_only_the_first_and_last_of_each_chunk():
+    """A usage object is restated, never added to: of a million events holding ``"usage"`` in
+    one chunk (a gzip answer of 61 KB made 24 MiB of them, parsed one by one: other clients
+    waited 1.6-2.7 s) the first and the last eight are parsed; the answer reads the same."""
+    first = {"id": "chatcmpl-1", "model": "gpt-6", "choices": [], "usage": None}
+    events = [{"id": "chatcmpl-1", "model": "gpt-6", "choices": [],
+               "usage": {"prompt_tokens": n, "completion_tokens": 1}} for n in range(1, 20_001)]
+    data = sse(first, *events, named=False) + b"data: [DONE]\n\n"
+    r = UsageReader(F.OPENAI_CHAT)
+    calls = 0
+    event = r._event
+
+    def counted(d):
+        nonlocal calls
+        calls += 1
+        event(d)
+    r._event = counted
+    r(data)
+    r(b"")
+    assert calls <= 16
+    assert r.result().usage == Usage(input=20_000, output=1) and r.result().id == "chatcmpl-1"
+    # every chunking reads the same (events straddling chunks, CRLF)
+    assert fed(F.OPENAI_CHAT, data, sizes=(1000, 4096, 65536)).usage == Usage(input=20_000, output=1)
+    assert fed(F.OPENAI_CHAT, data.replace(b"\n", b"\r\n"), sizes=(999, 65536)).usage == \
+        Usage(input=20_000, output=1)

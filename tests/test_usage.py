@@ -321,3 +321,20 @@ def test_a_flood_of_usage_events_parses_only_the_first_and_last_of_each_chunk():
     assert fed(F.OPENAI_CHAT, data, sizes=(1000, 4096, 65536)).usage == Usage(input=20_000, output=1)
     assert fed(F.OPENAI_CHAT, data.replace(b"\n", b"\r\n"), sizes=(999, 65536)).usage == \
         Usage(input=20_000, output=1)
+
+
+@pytest.mark.parametrize("absurd", [18446744073709551615, 2**63 - 1, 10**9 + 1, -5])
+def test_a_figure_no_turn_can_have_is_not_stated(absurd):
+    """One absurd number failed a Redis batch of every conversation's turns (``HINCRBY`` takes
+    int64), and 2**63-1 made the conversation's every later batch overflow. Above 10**9 tokens
+    (a thousand times the largest context window) a figure reads as not stated."""
+    data = anthropic_stream({"input_tokens": absurd, "cache_read_input_tokens": absurd,
+                             "cache_creation_input_tokens": 10**9, "output_tokens": 1},
+                            {"output_tokens": absurd},
+                            {"cache_miss_reason": {"type": "messages_changed", "cache_missed_input_tokens": absurd}})
+    read = fed(F.ANTHROPIC_MESSAGES, data)
+    assert read.usage == Usage(input=10**9, cache_write_5m=10**9)
+    assert read.diagnostic == Diagnostic(reason="messages_changed")
+    chat = sse({"id": "c", "model": "m", "choices": [], "usage": {"prompt_tokens": absurd, "completion_tokens": 3}},
+               named=False)
+    assert fed(F.OPENAI_CHAT, chat).usage == Usage(output=3)

@@ -36,6 +36,9 @@ Rules it keeps (docs/ledger.md says what each figure means):
   holding ``"usage"`` only the first and the last ``USAGE_EVENTS`` are parsed (found by C
   scans): a decompressed chunk of a million such events costs a few scans, not a million
   parses on the event loop.
+- A figure above ``MAX_TOKENS`` (10**9: a thousand times the largest context window) is not
+  stated (0; a diagnostic's ``missed``, None): one absurd number (``18446744073709551615``)
+  never reaches the store's int64 sums, and no conversation's sums can pass them.
 - Bounded memory: an event longer than ``max_event`` is dropped (``overflow``); a
   compressed body is decompressed as it comes (``lineage_stream._Inflate``: at most
   ``MAX_DECODED`` in all and ``INFLATE_SLACK`` + ``INFLATE_RATIO`` times the compressed bytes
@@ -55,6 +58,10 @@ MAX_EVENT = 4 * 1024 * 1024
 _USAGE = b'"usage"'
 _USAGE_RE = re.compile(re.escape(_USAGE))     # (a regex search: far faster than ``in`` on runs of one byte)
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+# A figure above this is not a token count of any turn (the largest context windows are ~10**7
+# tokens): it reads as not stated. It keeps every sum an int64 (the store's ``hincr``) for more
+# than 10**9 turns of a conversation, and a server's one absurd number out of the ledger.
+MAX_TOKENS = 10**9
 USAGE_EVENTS = 8        # per chunk, the first and the last this many events holding "usage" are read
 
 
@@ -259,7 +266,12 @@ def _usage_blocks(buf: bytes) -> list[bytes]:
 
 
 def _n(v: int | None) -> int:
-    return v if isinstance(v, int) and v > 0 else 0
+    """A token count as stated: one above ``MAX_TOKENS`` (or not a positive integer) is not one."""
+    return v if isinstance(v, int) and 0 < v <= MAX_TOKENS else 0
+
+
+def _missed(v: int | None) -> int | None:
+    return v if isinstance(v, int) and 0 <= v <= MAX_TOKENS else None
 
 
 class UsageReader:
@@ -459,7 +471,7 @@ class UsageReader:
         if isinstance(r, str):
             self._diag = Diagnostic(reason=r)
         elif r.type:
-            self._diag = Diagnostic(reason=r.type, missed=r.cache_missed_input_tokens)
+            self._diag = Diagnostic(reason=r.type, missed=_missed(r.cache_missed_input_tokens))
 
     def _chat(self, ev: _CChunk) -> None:
         self._id = self._id or ev.id
@@ -489,6 +501,6 @@ class UsageReader:
         if d is not None and d.type == "cache_miss":
             reason = d.reason if isinstance(d.reason, str) else \
                 d.reason.get("type") if isinstance(d.reason, dict) else None
-            self._diag = Diagnostic(reason=str(reason or "cache_miss"), missed=d.cache_missed_tokens)
+            self._diag = Diagnostic(reason=str(reason or "cache_miss"), missed=_missed(d.cache_missed_tokens))
         elif d is not None and d.type in ("comparison_response_not_found", "unavailable"):
             self._diag = Diagnostic(reason=d.type)

@@ -29,7 +29,10 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   and the miss's reason; a socket's comment, its latest turn's); the metadata gains ``ledger``.
 - Records are written in batches off the request path, a fraction of a second after the first,
   one store write at a time (as ``LineageWatch`` does); a failed write is counted and logged once
-  per outage, never retried (a lost turn costs the ledger that turn, nothing else). At most
+  per outage, never retried (a lost turn costs the ledger that turn, nothing else). A batch of
+  several conversations the store refuses is written again one conversation at a time (until
+  two fail in a row): a conversation whose record the store refuses (sums an older version let
+  reach int64's end) loses its own turns, never the others'. At most
   ``MAX_PENDING`` turns wait; the oldest are dropped and counted.
 - Bounded memory: an answer's reader is kept in its flow (``flow.metadata``,
   ``perflow.LEDGER``) and taken out when the flow ends; at most ``MAX_LANES`` lanes' last
@@ -59,6 +62,7 @@ from .otelspans import KINDS as OTEL_KINDS
 from .otelspans import Spans
 from . import perflow
 from ..reader import headerview
+from ..reader.ids import short
 from .offprocess import BodyProcess
 from .perflow import FlowState
 from .later import Later, sent, tell_view
@@ -476,8 +480,8 @@ class LedgerWatch:
             batch = list(self._pending)
             self._pending.clear()
             try:
-                writes = ledger.Batch()
-                sessions = set()
+                per: dict[str, ledger.Batch] = {}          # each conversation's writes (disjoint keys)
+                turns: Counter = Counter()
                 for p in batch:
                     turn, prior = p.turn, p.prior
                     if not p.assessed:
@@ -485,9 +489,9 @@ class LedgerWatch:
                         turn = ledger.assess(turn, p.started, p.shape, stored, None, p.diagnostic)
                         self._counted(p.agent, turn)
                         prior = ledger.prior_of(turn, p.shape, stored)
-                    writes.add(p.session, p.agent, turn, prior)
-                    sessions.add(p.session)
-                await store.apply([], writes.writes())
+                    per.setdefault(p.session, ledger.Batch()).add(p.session, p.agent, turn, prior)
+                    turns[p.session] += 1
+                sessions = await self._apply(store, per, turns)
                 now = time.time()
                 for s in sessions:
                     if now - self._renewed.get(s, float("-inf")) >= RENEW_EVERY:
@@ -501,7 +505,7 @@ class LedgerWatch:
                     del self._written[next(iter(self._written))]
                 while len(self._renewed) > MAX_LANES:     # forgotten: renewed again at its next batch
                     del self._renewed[next(iter(self._renewed))]
-                self.recorded += len(batch)
+                self.recorded += sum(turns[x] for x in sessions)
                 if self._failing:
                     log.info("sessionpin: ledger records are written again")
                 self._failing = False
@@ -512,6 +516,43 @@ class LedgerWatch:
                     log.warning("sessionpin: ledger records not written (%s); dropped until the store takes "
                                 "writes again", e)
                 self._failing = True
+
+    async def _apply(self, store, per: dict[str, ledger.Batch], turns: Counter) -> list[str]:
+        """The batch's writes in one store call, each conversation's together, its turn records
+        last. If that fails and the batch holds several conversations, each conversation not
+        written yet (its last record absent: a Redis script that fails midway keeps what it did
+        before) is written alone: a conversation whose record the store refuses (sums an older
+        version let reach int64's end) loses its own turns, not the others'. Two failures in a
+        row: the store is failing, the rest are dropped. The conversations written; raises when
+        none could be."""
+        try:
+            await store.apply([], [w for b in per.values() for w in b.writes()])
+            return list(per)
+        except Exception:
+            if len(per) == 1:
+                raise
+        written: list[str] = []
+        refused: list[str] = []
+        failed, error = 0, None
+        for session, b in per.items():
+            if failed >= 2:
+                refused.append(session)
+                continue
+            try:
+                last = b.last_record()
+                if last is None or await store.zscore(last.key, last.member) is None:
+                    await store.apply([], b.writes())
+                written.append(session)
+                failed = 0
+            except Exception as e:
+                failed, error = failed + 1, e
+                refused.append(session)
+        if not written:                                   # the store is failing: the caller says so
+            raise error if error is not None else RuntimeError("ledger batch not written")
+        self.dropped += sum(turns[x] for x in refused)
+        log.warning("sessionpin: ledger records of %d conversation(s) not written (%s), the others' were: %s",
+                    len(refused), error, " ".join(short(x) for x in refused[:5]))
+        return written
 
     # ---- Prometheus -------------------------------------------------------------------------
     def metrics(self) -> str:

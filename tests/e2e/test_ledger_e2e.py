@@ -236,3 +236,98 @@ def test_a_conversations_ledger_reasons_and_costs(rig: Rig) -> None:
     assert '"gen_ai.usage.cache_creation.input_tokens": 2700' in out
     assert '"sessionpin.cache.reason": "model_changed"' in out
     assert "Fix the failing test" not in out            # ids and numbers, never the prompt
+
+
+# --------------------------------------------------------------------------- hostile servers
+
+
+class HostileRig:
+    """A router whose new Claude Code conversations go to a fake ``glm`` answering a JSON
+    message whose usage and model the test chooses per conversation (``answers``)."""
+
+    def __init__(self, tmp: Path, store: str | None = None) -> None:
+        self.ca = TestCA(tmp / "ca")
+        self.anthropic = FakeServer("anthropic", self.ca).start()
+        self.glm = FakeServer("glm", self.ca, prefix="/api/anthropic").start()
+        self.answers: dict[str, tuple[dict, str]] = {}      # session -> (usage, model)
+        self.glm.canned = self._canned
+        config = toml_config({"anthropic": {"url": self.anthropic.url},
+                              "glm": {"url": self.glm.url, "key_env": GLM_ENV}}, {"claude-code": "glm"})
+        self.mitm = Mitmdump.router(tmp / "router", self.ca, config, env={GLM_ENV: "glm-sentinel"},
+                                    options={"sessionpin_store": store} if store else {})
+        self.mitm.start()
+
+    def _canned(self, rec):
+        if rec.method != "POST" or not rec.path.split("?")[0].endswith("/v1/messages"):
+            return None
+        usage, model = self.answers.get(rec.header("X-Claude-Code-Session-Id") or "",
+                                        ({"input_tokens": 100, "output_tokens": 1}, "glm-4.6"))
+        body = json.dumps({"id": "msg_1", "type": "message", "role": "assistant", "model": model,
+                           "content": [{"type": "text", "text": "ok"}], "usage": usage}).encode()
+        return 200, [("Content-Type", "application/json")], body
+
+    def send(self, session: str) -> None:
+        headers = [("Content-Type", "application/json"), ("User-Agent", "claude-cli/2.1.332 (external, cli)"),
+                   ("x-api-key", "sk-ant-client"), ("X-Claude-Code-Session-Id", session),
+                   ("x-claude-code-request-class", "main"), ("anthropic-version", "2023-06-01")]
+        body = json.dumps({"model": "claude-opus-4-5", "max_tokens": 10, "stream": False,
+                           "messages": [{"role": "user", "content": "hello"}]}).encode()
+        r = Client.via_proxy(self.mitm.port, self.mitm.mitm_ca).request(
+            "POST", self.anthropic.origin + "/v1/messages", headers, body)
+        assert r.status == 200, r.body[:300]
+
+    def close(self) -> None:
+        self.mitm.stop()
+        self.anthropic.stop()
+        self.glm.stop()
+
+
+def test_an_absurd_usage_number_or_a_poisoned_ledger_costs_no_other_conversation_its_turns(tmp_path) -> None:
+    """Redis store: its ``HINCRBY`` takes int64 only, and the ledger writes every conversation's
+    turns of 0.2 s in one script. Before: one server's ``"input_tokens": 18446744073709551615``
+    failed the whole batch (every other conversation's turns lost with it), and 2**63-1 made
+    every later batch of that conversation fail for 30 days. Now a figure over 10**9 is not
+    stated, and a batch the store refuses (a ledger already at int64's end, from before) is
+    written one conversation at a time."""
+    import asyncio
+    import threading
+
+    from redis_servers import RedisServer
+    from sessionpin.accounting import ledger
+    from sessionpin.store import open_store
+    from sessionpin.store.base import HIncr
+
+    (tmp_path / "redis").mkdir()
+    srv = RedisServer(tmp_path / "redis").start()
+    url = srv.url()
+    hostile, poisoned = "h-" + str(uuid.uuid4()), "p-" + str(uuid.uuid4())
+    victims = ["v-" + str(uuid.uuid4()) for _ in range(3)]
+
+    async def poison():
+        await open_store(url).apply([], [HIncr(ledger.key(poisoned), "glm|glm-4.6|input", 2**63 - 1)])
+    asyncio.run(poison())
+    rig = HostileRig(tmp_path, url)
+    try:
+        rig.answers[hostile] = ({"input_tokens": 18446744073709551615, "cache_read_input_tokens": 2**63 - 1,
+                                 "output_tokens": 7}, "glm-4.6")
+        for _ in range(2):               # twice: the hostile conversation's later batches are written too
+            sends = [threading.Thread(target=rig.send, args=(s,)) for s in (hostile, poisoned, *victims)]
+            for t in sends:
+                t.start()
+            for t in sends:
+                t.join()
+            time.sleep(1.0)
+
+        async def read(session):
+            store = open_store(url)
+            return (await store.hgetall(ledger.key(session)),
+                    await store.zcount(ledger.turns_key(session), float("-inf"), float("inf")))
+        for v in victims:
+            sums, turns = asyncio.run(read(v))
+            assert turns == 2 and int(sums["glm|glm-4.6|input"]) == 200, (v, sums, turns, rig.mitm.output[-2000:])
+        sums, turns = asyncio.run(read(hostile))
+        assert turns == 2 and int(sums["glm|glm-4.6|output"]) == 14, sums
+        assert all(int(v) <= 10**12 for k, v in sums.items() if k.startswith("glm|")), sums
+    finally:
+        rig.close()
+        srv.stop()

@@ -727,3 +727,16 @@ async def test_a_batch_the_store_refuses_for_one_conversation_costs_the_others_n
         assert (await inner.hgetall(ledger.key(s)))["glm|m|input"] == "100"
         assert await inner.zcount(ledger.turns_key(s), float("-inf"), float("inf")) == 1
     assert watch.dropped == 1
+
+
+async def test_a_server_naming_ever_new_models_does_not_grow_the_metrics_without_end(proxy):
+    """The first 100 models named get a label of their own; any other counts as ``other``."""
+    watch = watch_of(proxy)
+    for i in range(250):
+        t = ledger.Turn(t=1.0, api="anthropic-messages", lane="main", kind="opening", server="glm",
+                        model=f"model-{i}", id="x", usage=Usage(input=10, output=1))
+        watch._counted("claude-code", t)
+    models = {k[2] for k in watch.tokens}
+    assert len(models) == ledgerwatch.MAX_MODEL_LABELS + 1 and "other" in models and "model-0" in models
+    assert watch.tokens[("claude-code", "glm", "other", "input")] == 10 * (250 - ledgerwatch.MAX_MODEL_LABELS)
+    assert watch.metrics().count('model="') <= 2 * (ledgerwatch.MAX_MODEL_LABELS + 1)

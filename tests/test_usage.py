@@ -338,3 +338,15 @@ def test_a_figure_no_turn_can_have_is_not_stated(absurd):
     chat = sse({"id": "c", "model": "m", "choices": [], "usage": {"prompt_tokens": absurd, "completion_tokens": 3}},
                named=False)
     assert fed(F.OPENAI_CHAT, chat).usage == Usage(output=3)
+
+
+def test_a_name_the_server_gives_is_cut():
+    """A server naming a 1 MB model (or id, or cache-miss reason) in every answer grew the
+    ledger's store records, Prometheus' labels and the proxy without bound."""
+    huge = "glm-" + "x" * 1_000_000
+    data = anthropic_stream({"input_tokens": 5, "output_tokens": 1}, {"output_tokens": 2},
+                            {"cache_miss_reason": {"type": huge}}).replace(b'"msg_1"', json.dumps(huge).encode())
+    data = data.replace(b'"claude-opus-5-5"', json.dumps(huge).encode())
+    read = fed(F.ANTHROPIC_MESSAGES, data, sizes=(65536,))
+    assert read.model == huge[:200] and read.id == huge[:200] and read.diagnostic.reason == huge[:200]
+    assert read.usage == Usage(input=5, output=2)

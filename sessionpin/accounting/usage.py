@@ -39,6 +39,8 @@ Rules it keeps (docs/ledger.md says what each figure means):
 - A figure above ``MAX_TOKENS`` (10**9: a thousand times the largest context window) is not
   stated (0; a diagnostic's ``missed``, None): one absurd number (``18446744073709551615``)
   never reaches the store's int64 sums, and no conversation's sums can pass them.
+- A name the server gives (the model, the id, a diagnostic's reason) is cut to ``MAX_NAME``
+  (200) characters: it becomes a store record's field and a Prometheus label.
 - Bounded memory: an event longer than ``max_event`` is dropped (``overflow``); a
   compressed body is decompressed as it comes (``lineage_stream._Inflate``: at most
   ``MAX_DECODED`` in all and ``INFLATE_SLACK`` + ``INFLATE_RATIO`` times the compressed bytes
@@ -62,7 +64,8 @@ _EVENT_END = re.compile(rb"\r?\n\r?\n")
 # tokens): it reads as not stated. It keeps every sum an int64 (the store's ``hincr``) for more
 # than 10**9 turns of a conversation, and a server's one absurd number out of the ledger.
 MAX_TOKENS = 10**9
-USAGE_EVENTS = 8        # per chunk, the first and the last this many events holding "usage" are read
+USAGE_EVENTS = 8
+MAX_NAME = 200          # characters of a model, id or reason the server names (a server may name 1 MB ones)        # per chunk, the first and the last this many events holding "usage" are read
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -270,6 +273,11 @@ def _n(v: int | None) -> int:
     return v if isinstance(v, int) and 0 < v <= MAX_TOKENS else 0
 
 
+def _cut(v: str | None) -> str | None:
+    """A name the server gave (model, id, a diagnostic's reason), at most ``MAX_NAME`` characters."""
+    return v[:MAX_NAME] if isinstance(v, str) and v else None
+
+
 def _missed(v: int | None) -> int | None:
     return v if isinstance(v, int) and 0 <= v <= MAX_TOKENS else None
 
@@ -375,7 +383,7 @@ class UsageReader:
         usage = self._usage
         if self.api == facts.ANTHROPIC_MESSAGES and self._a:
             usage = self._anthropic_total()
-        return Read(api=self.api, usage=usage, model=self._model, id=self._id, diagnostic=self._diag,
+        return Read(api=self.api, usage=usage, model=_cut(self._model), id=_cut(self._id), diagnostic=self._diag,
                     overflow=self._overflow)
 
     # ------------------------------------------------------------ SSE
@@ -469,9 +477,9 @@ class UsageReader:
             return
         r = d.cache_miss_reason
         if isinstance(r, str):
-            self._diag = Diagnostic(reason=r)
+            self._diag = Diagnostic(reason=_cut(r) or "")
         elif r.type:
-            self._diag = Diagnostic(reason=r.type, missed=_missed(r.cache_missed_input_tokens))
+            self._diag = Diagnostic(reason=_cut(r.type) or "", missed=_missed(r.cache_missed_input_tokens))
 
     def _chat(self, ev: _CChunk) -> None:
         self._id = self._id or ev.id
@@ -501,6 +509,6 @@ class UsageReader:
         if d is not None and d.type == "cache_miss":
             reason = d.reason if isinstance(d.reason, str) else \
                 d.reason.get("type") if isinstance(d.reason, dict) else None
-            self._diag = Diagnostic(reason=str(reason or "cache_miss"), missed=_missed(d.cache_missed_tokens))
+            self._diag = Diagnostic(reason=_cut(str(reason or "cache_miss")) or "", missed=_missed(d.cache_missed_tokens))
         elif d is not None and d.type in ("comparison_response_not_found", "unavailable"):
             self._diag = Diagnostic(reason=d.type)

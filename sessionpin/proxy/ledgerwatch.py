@@ -40,6 +40,9 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   record instead).
 - Prometheus counters (``metrics()``, rendered by the status endpoint): tokens by agent, server,
   model and kind; turns; misses by reason; the sums of limits and of what was read within them.
+  A model name is at most ``usage.MAX_NAME`` characters (cut where it is read); the first
+  ``MAX_MODEL_LABELS`` models get a label of their own, the rest count as ``other``: a server
+  naming huge or ever new models grows neither /metrics nor the process.
 - With ``sessionpin_otel`` set, an OpenTelemetry span per answered turn (``otelspans``); a turn
   first judged when written (its lane unknown to this proxy) has its span without a verdict.
 """
@@ -56,7 +59,7 @@ from mitmproxy import http
 from ..reader import facts as F
 from ..accounting import ledger
 from ..reader import promptshape
-from ..accounting.usage import APIS, FIELDS, Read, UsageReader
+from ..accounting.usage import APIS, FIELDS, MAX_NAME, Read, UsageReader
 from .exposition import family, joined
 from .otelspans import KINDS as OTEL_KINDS
 from .otelspans import Spans
@@ -77,6 +80,8 @@ MAX_BEHIND_BYTES = 256 * 1024 * 1024   # request bytes held by turns read beside
 LOOP_RUNS = 64                      # conversations' messages arrays kept for the next turn's shape, at most
 LOOP_RUNS_BYTES = 16 * 1024 * 1024  # their bytes, at most (each under SHAPE_OFF_LOOP_MIN)
 MAX_LANES = 2_000
+MAX_MODEL_LABELS = 100              # models with a Prometheus label of their own; the rest are OTHER_MODEL
+OTHER_MODEL = "other"
 MAX_PENDING = 10_000
 FLUSH_DELAY = 0.2
 TRIM_EVERY = 500         # batches written for one conversation between looks at its number of turns
@@ -125,6 +130,7 @@ class LedgerWatch:
         self.runtime = runtime
         self.recorded = 0
         self.dropped = 0
+        self._models: set[str] = set()          # the models with a label of their own
         self.unread = 0                  # answers that stated no usage
         self.tokens: Counter[tuple[str, str, str, str]] = Counter()   # (agent, server, model, kind)
         self.turns: Counter[tuple[str, str]] = Counter()              # (agent, server)
@@ -409,7 +415,7 @@ class LedgerWatch:
         if read.usage is None:
             self.unread += 1
             return
-        model = read.model or (shape.model if shape is not None else "") or ""
+        model = (read.model or (shape.model if shape is not None else "") or "")[:MAX_NAME]
         lane = f"side:{model}"[:ledger.MAX_LANE] if w.lane == "side" else w.lane
         turn = ledger.Turn(t=ended or time.time(), api=w.api, lane=lane, kind=w.kind, server=w.server, model=model,
                            id=(read.id or "")[:200], usage=read.usage, cut=cut)
@@ -440,12 +446,24 @@ class LedgerWatch:
                 log.exception("sessionpin: ledger: cannot emit a span")
         self._queue(_Pending(w.agent, w.session, turn, w.started, shape, read.diagnostic, held is not None, prior))
 
+    def _label(self, model: str) -> str:
+        """The model as a Prometheus label: the first ``MAX_MODEL_LABELS`` models named keep
+        theirs, any other is ``OTHER_MODEL`` (a server naming a new model every answer would
+        grow /metrics and the process without end)."""
+        if model in self._models:
+            return model
+        if len(self._models) < MAX_MODEL_LABELS:
+            self._models.add(model)
+            return model
+        return OTHER_MODEL
+
     def _counted(self, agent: str, turn: ledger.Turn) -> None:
         u = turn.usage
+        model = self._label(turn.model)
         for f in FIELDS:
             v = getattr(u, f)
             if v:
-                self.tokens[(agent, turn.server, turn.model, f)] += v
+                self.tokens[(agent, turn.server, model, f)] += v
         self.turns[(agent, turn.server)] += 1
         if turn.miss:
             self.misses[(agent, turn.server, turn.reason)] += 1

@@ -331,3 +331,48 @@ def test_an_absurd_usage_number_or_a_poisoned_ledger_costs_no_other_conversation
     finally:
         rig.close()
         srv.stop()
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_a_server_naming_huge_or_ever_new_models_grows_neither_the_proxy_nor_the_store(tmp_path) -> None:
+    """File store. A routed server names a new 1 MB model in each of 40 answers, then 150
+    short new ones. Before: each 1 MB name became a Prometheus label kept for the process's
+    life (/metrics 80 MB, +100 MB of RSS) and a field of the conversation's ledger and of its
+    turn records (200 MB of store). Now a name is cut to 200 characters where it is read, and
+    the first 100 models named get a label of their own, the rest ``other``."""
+    rig = HostileRig(tmp_path)
+    try:
+        session = str(uuid.uuid4())
+        rig.send(session)
+        time.sleep(1.0)
+        pid = rig.mitm.proc.pid
+        before = _rss_mb(pid)
+        for _ in range(40):
+            rig.answers[session] = ({"input_tokens": 10, "output_tokens": 1},
+                                    "glm-" + uuid.uuid4().hex + "x" * 1_000_000)
+            rig.send(session)
+        for i in range(150):
+            rig.answers[session] = ({"input_tokens": 10, "output_tokens": 1}, f"m-{i}")
+            rig.send(session)
+        time.sleep(1.5)
+        grew = _rss_mb(pid) - before
+        metrics = Client.via_proxy(rig.mitm.port, rig.mitm.mitm_ca).request(
+            "GET", rig.anthropic.origin + "/__sessionpin/metrics", [("Host", "127.0.0.1")])
+        db = sum(p.stat().st_size for p in rig.mitm.workdir.glob("state.db*"))
+        labels = {line.split('model="', 1)[1].split('"', 1)[0] for line in metrics.text.splitlines()
+                  if line.startswith("sessionpin_ledger_tokens_total{")}
+        print(f"\n190 answers: proxy RSS +{grew:.0f} MB, /metrics {len(metrics.body) / 1e6:.2f} MB, "
+              f"{len(labels)} model labels, store files {db / 1e6:.1f} MB")
+        assert metrics.status == 200
+        assert len(metrics.body) < 500_000, f"/metrics is {len(metrics.body) / 1e6:.1f} MB"
+        assert len(labels) <= 101 and "other" in labels and max(len(x) for x in labels) <= 200
+        assert db < 20_000_000, f"the store's files are {db / 1e6:.0f} MB"
+        assert grew < 50, f"the proxy kept {grew:.0f} MB more after 190 answers"
+    finally:
+        rig.close()

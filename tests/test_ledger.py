@@ -204,3 +204,19 @@ def test_a_batchs_writes_are_folded_to_the_same_sums_in_fewer_operations():
     assert summaries[0].turns == 4 and summaries[1].turns == 1 and [len(t) for t in turns] == [4, 1]
     assert summaries[0].misses == 1 and summaries[0].reasons == {"idle": 1}
     assert [p.input for p in priors] == [400, 200]          # each lane's last turn's
+
+
+async def test_no_turn_adds_more_than_a_bounded_amount_to_any_sum(store):
+    """The store's sums are int64 (Redis ``HINCRBY``): a turn adds at most ``MAX_ADD`` to each,
+    whatever its figures say (a ``Usage`` made elsewhere, a limit from a stored record another
+    version wrote), so a conversation's sums need more than 10**9 turns to pass 2**63-1."""
+    big = 2**63 - 1
+    t = Turn(t=1.0, api=F.ANTHROPIC_MESSAGES, server="glm", model="m", lane="main",
+             usage=Usage(input=big, output=big, cache_read=big, reasoning=big), limit=big)
+    prior = prior_of(t, None, None)
+    for _ in range(2):                       # twice: a second turn over the first overflowed before
+        assert await store.apply([], ledger.writes("s1", F.CLAUDE_CODE, t, prior))
+    sums = await store.hgetall(ledger.key("s1"))
+    assert int(sums["glm|m|input"]) == 2 * ledger.MAX_ADD and int(sums["limit"]) == 2 * ledger.MAX_ADD
+    assert all(int(v) <= 2 * ledger.MAX_ADD for f, v in sums.items() if f != "agent" and not f.startswith("lane:"))
+    assert (2**63 - 1) // ledger.MAX_ADD > 10**9

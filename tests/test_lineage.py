@@ -326,7 +326,7 @@ def test_an_event_too_large_is_dropped_not_kept():
     reader = StreamReader(api_of(fx))
     for i in range(0, len(huge), 65536):
         reader(huge[i:i + 65536])
-        assert len(reader._data) <= MAX_EVENT and len(reader._line) <= MAX_EVENT
+        assert len(reader._pending) <= MAX_EVENT
     reader(raw)
     reader(b"")
     result = reader.result()
@@ -647,3 +647,107 @@ def test_a_small_history_the_walk_reads_otherwise_is_not_proven():
     body = body.replace(b'"messages":[', b'"messages":[{"role": "user", "content": "a"}, ', 1)
     expected = lineage.chain(body, api, turns=1).keys[0]
     assert lineage.root_of(body, api) == (expected, None)
+
+
+# ---------------------------------------------------------------- a hostile server's answers
+
+BOMB_DECODED = 80 * 1024 * 1024       # past MAX_DECODED: the old bound alone would make 64 MiB of it
+
+
+def _bomb(coding: str, payload: bytes = b"\0" * BOMB_DECODED) -> bytes:
+    import zlib
+
+    if coding == "br":
+        import brotli
+        return brotli.compress(payload, quality=5)
+    if coding == "zstd":
+        from backports import zstd
+        return zstd.compress(payload)
+    c = zlib.compressobj(9, zlib.DEFLATED, 31 if coding == "gzip" else zlib.MAX_WBITS)
+    return c.compress(payload) + c.flush()
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd"])
+def test_a_decompression_bomb_makes_no_more_than_its_room(coding):
+    """A few hundred bytes that inflate to 80 MiB: the decompressor is asked for at most one
+    byte past 1 MiB + 128 times the compressed bytes fed (brotli's ``process`` made it all in
+    one call before: 512 MiB from 809 bytes), and the answer says ``overflow``."""
+    bomb = _bomb(coding)
+    reader = StreamReader(facts.ANTHROPIC_MESSAGES, content_encoding=coding)
+    for i in range(0, len(bomb), 4096):
+        assert reader(bomb[i:i + 4096]) == bomb[i:i + 4096]
+        assert reader._inflate.total <= (1 << 20) + 128 * (i + 4096)
+    reader(b"")
+    assert reader.result().overflow
+
+
+def _python_calls(fn) -> int:
+    import sys
+
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        if event == "call":
+            calls += 1
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("payload", [b"\n" * (1 << 20), b"data:\n" * (1 << 17), b": comment\n\n" * (1 << 16),
+                                     b"event: ping\n\n" * (1 << 16)])
+def test_lines_and_events_without_data_cost_no_python_step_each(payload):
+    """Blank lines, comments and events without data are cut by C scans: a megabyte of them is a
+    few Python calls, not one per line (463 ms per MiB of newlines before, all on the event loop)."""
+    reader = StreamReader(facts.ANTHROPIC_MESSAGES)
+    assert _python_calls(lambda: reader(payload)) < 50
+
+
+def test_a_compressed_flood_of_tiny_events_is_read_only_within_its_budget():
+    """``data:{}`` events gzip ~500:1: 8 MiB of them is 16 KB on the wire. At most 4,096 events
+    and one per two compressed bytes are read; then the answer is not read further."""
+    bomb = _bomb("gzip", b"data:{}\n\n" * ((8 << 20) // 9))
+    reader = StreamReader(facts.ANTHROPIC_MESSAGES, content_encoding="gzip")
+    calls = 0
+    event = reader._event
+
+    def counted(data):
+        nonlocal calls
+        calls += 1
+        event(data)
+    reader._event = counted
+    for i in range(0, len(bomb), 4096):
+        reader(bomb[i:i + 4096])
+    reader(b"")
+    assert calls <= 4096 + len(bomb) // 2
+    assert reader.result().overflow
+
+
+def test_a_long_compressed_answer_is_read_whole():
+    """A real answer compressed whole (its events' boilerplate repeated) is far under the bounds:
+    the same answer as plain."""
+    import random
+    import string
+
+    fx = _claude_fork()
+    body = fx["response"]["body"].encode()
+    head, rest = body.split(b"event: content_block_delta", 1)
+    rnd = random.Random(7)
+    deltas = b"".join(b"event: content_block_delta\ndata: " + json.dumps(
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": " " + "".join(
+            rnd.choice(string.ascii_lowercase) for _ in range(rnd.randint(1, 7)))}}).encode() + b"\n\n"
+        for _ in range(20_000))
+    long_body = head + deltas + b"event: content_block_delta" + rest
+    plain = StreamReader(api_of(fx))
+    plain(long_body)
+    plain(b"")
+    packed = _bomb("gzip", long_body)
+    reader = StreamReader(api_of(fx), content_encoding="gzip")
+    for i in range(0, len(packed), 1024):
+        reader(packed[i:i + 1024])
+    reader(b"")
+    assert not reader.result().overflow and reader.result() == plain.result() and plain.result().complete

@@ -690,3 +690,53 @@ async def test_a_large_socket_message_is_not_shaped_on_the_event_loop(tmp_path, 
         assert [t.id for t in turns] == ["resp_0", "resp_1"]          # both recorded
     finally:
         proxy.close()
+
+
+async def test_a_batch_the_store_refuses_for_one_conversation_costs_the_others_nothing(proxy):
+    """A Redis script that fails midway (``HINCRBY`` on a sum an older version let reach int64's
+    end) keeps the writes before the failing one. Each conversation not yet written (its last
+    turn record absent) is then written alone: the others get their turns once, not twice and
+    not never."""
+    from collections import Counter
+
+    from sessionpin.store import open_store
+    from sessionpin.store.base import StoreError
+
+    inner = open_store("memory:")
+
+    class Midway:
+        async def apply(self, checks, writes, durable=False):
+            for w in writes:
+                if w.key == ledger.key("poisoned"):
+                    raise StoreError("ERR increment or decrement would overflow")
+                await inner.apply([], [w])
+            return True
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+    watch = watch_of(proxy)
+    per, turns = {}, Counter()
+    for s in ("before", "poisoned", "after"):
+        t = ledger.Turn(t=1.0, api="anthropic-messages", lane="main", kind="opening", server="glm", model="m",
+                        id="x", usage=Usage(input=100, output=1))
+        per.setdefault(s, ledger.Batch()).add(s, "claude-code", t, ledger.prior_of(t, None, None))
+        turns[s] += 1
+    assert await watch._apply(Midway(), per, turns) == ["before", "after"]
+    for s in ("before", "after"):
+        assert (await inner.hgetall(ledger.key(s)))["glm|m|input"] == "100"
+        assert await inner.zcount(ledger.turns_key(s), float("-inf"), float("inf")) == 1
+    assert watch.dropped == 1
+
+
+async def test_a_server_naming_ever_new_models_does_not_grow_the_metrics_without_end(proxy):
+    """The first 100 models named get a label of their own; any other counts as ``other``."""
+    watch = watch_of(proxy)
+    for i in range(250):
+        t = ledger.Turn(t=1.0, api="anthropic-messages", lane="main", kind="opening", server="glm",
+                        model=f"model-{i}", id="x", usage=Usage(input=10, output=1))
+        watch._counted("claude-code", t)
+    models = {k[2] for k in watch.tokens}
+    assert len(models) == ledgerwatch.MAX_MODEL_LABELS + 1 and "other" in models and "model-0" in models
+    assert watch.tokens[("claude-code", "glm", "other", "input")] == 10 * (250 - ledgerwatch.MAX_MODEL_LABELS)
+    assert watch.metrics().count('model="') <= 2 * (ledgerwatch.MAX_MODEL_LABELS + 1)

@@ -555,11 +555,41 @@ async def test_a_redirect_from_a_server_the_request_was_moved_to_is_not_passed_o
     f.response = tutils.tresp(status_code=status, headers=http.Headers(location=location, content_length="0"),
                               content=b"")
     proxy.router.responseheaders(f)
-    assert not f.response.stream
+    # refused before anything of it can leave: the 502's status and headers are in place
+    assert f.response.status_code == 502 and "location" not in f.response.headers
     proxy.router.response(f)
     assert f.response.status_code == 502 and "location" not in f.response.headers
+    assert not f.response.stream and f.response.headers["content-length"] == str(len(f.response.raw_content))
     msg = json.loads(f.response.content)["error"]["message"]
     assert "server glm" in msg and named in msg and SESSION in msg
+    assert proxy.router.metrics.refusals["redirect"] == 1
+
+
+@pytest.mark.parametrize("streamed_before", [True, False])
+async def test_a_refused_redirect_with_a_large_body_is_refused_before_its_headers_leave(proxy, streamed_before):
+    """mitmproxy marks a response streamed before ``responseheaders`` when its length passes
+    ``stream_large_bodies`` (and switches a chunked one to streaming once its buffer does):
+    the headers sent are those left by the hook, and the body goes through the stream
+    callable. The redirect's must never be among them."""
+    f = flow()
+    await proxy.send(f)
+    f.response = tutils.tresp(status_code=307, headers=http.Headers(
+        location="https://evil.example/v1/messages", content_type="text/plain", content_length="70000000"),
+        content=b"")
+    f.response.stream = streamed_before
+    proxy.router.responseheaders(f)
+    resp = f.response
+    assert resp.status_code == 502 and "location" not in resp.headers
+    assert resp.headers["x-sessionpin-refused"] == "redirect" and callable(resp.stream)
+    # the upstream's chunks are dropped, the refusal's body comes at the end (mitmproxy's b"")
+    assert resp.stream(b"x" * 65536) == b"" and resp.stream(b"y") == b""
+    body = resp.stream(b"")
+    assert int(resp.headers["content-length"]) == len(body)
+    assert "evil.example" in json.loads(body)["error"]["message"]
+    proxy.router.response(f)                           # what was streamed stays the one refusal
+    assert f.response is resp and f.response.status_code == 502 and not f.response.raw_content
+    assert proxy.router.metrics.refusals["redirect"] == 1
+    assert f.metadata["sessionpin"]["refused"] == 502
 
 
 async def test_a_redirect_to_a_request_left_where_it_was_sent_passes(proxy):

@@ -264,3 +264,89 @@ def test_a_json_answer_passing_as_a_stream_is_read_at_its_end_within_the_bound()
     assert small(body) == body
     small(b"")
     assert small.result().usage is None and small.result().overflow
+
+
+# ---------------------------------------------------------------- a hostile server's answers
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd"])
+def test_a_decompression_bomb_makes_no_more_than_its_room(coding):
+    """809 bytes of br made 512 MiB in one ``process`` call before (no ``output_buffer_limit``):
+    every decompressor is asked for at most one byte past 1 MiB + 128 times what was fed."""
+    import zlib
+
+    payload = b"\0" * (80 << 20)
+    if coding == "br":
+        import brotli
+        bomb = brotli.compress(payload, quality=5)
+    elif coding == "zstd":
+        from backports import zstd
+        bomb = zstd.compress(payload)
+    else:
+        c = zlib.compressobj(9, zlib.DEFLATED, 31 if coding == "gzip" else zlib.MAX_WBITS)
+        bomb = c.compress(payload) + c.flush()
+    for whole in (False, True):
+        r = UsageReader(F.ANTHROPIC_MESSAGES, coding)
+        if whole:
+            r.body(bomb)
+        else:
+            assert r(bomb) is bomb
+            r(b"")
+            assert r.result().overflow
+        assert r._inflate.total <= (1 << 20) + 128 * len(bomb)
+
+
+def test_a_flood_of_usage_events_parses_only_the_first_and_last_of_each_chunk():
+    """A usage object is restated, never added to: of a million events holding ``"usage"`` in
+    one chunk (a gzip answer of 61 KB made 24 MiB of them, parsed one by one: other clients
+    waited 1.6-2.7 s) the first and the last eight are parsed; the answer reads the same."""
+    first = {"id": "chatcmpl-1", "model": "gpt-6", "choices": [], "usage": None}
+    events = [{"id": "chatcmpl-1", "model": "gpt-6", "choices": [],
+               "usage": {"prompt_tokens": n, "completion_tokens": 1}} for n in range(1, 20_001)]
+    data = sse(first, *events, named=False) + b"data: [DONE]\n\n"
+    r = UsageReader(F.OPENAI_CHAT)
+    calls = 0
+    event = r._event
+
+    def counted(d):
+        nonlocal calls
+        calls += 1
+        event(d)
+    r._event = counted
+    r(data)
+    r(b"")
+    assert calls <= 16
+    assert r.result().usage == Usage(input=20_000, output=1) and r.result().id == "chatcmpl-1"
+    # every chunking reads the same (events straddling chunks, CRLF)
+    assert fed(F.OPENAI_CHAT, data, sizes=(1000, 4096, 65536)).usage == Usage(input=20_000, output=1)
+    assert fed(F.OPENAI_CHAT, data.replace(b"\n", b"\r\n"), sizes=(999, 65536)).usage == \
+        Usage(input=20_000, output=1)
+
+
+@pytest.mark.parametrize("absurd", [18446744073709551615, 2**63 - 1, 10**9 + 1, -5])
+def test_a_figure_no_turn_can_have_is_not_stated(absurd):
+    """One absurd number failed a Redis batch of every conversation's turns (``HINCRBY`` takes
+    int64), and 2**63-1 made the conversation's every later batch overflow. Above 10**9 tokens
+    (a thousand times the largest context window) a figure reads as not stated."""
+    data = anthropic_stream({"input_tokens": absurd, "cache_read_input_tokens": absurd,
+                             "cache_creation_input_tokens": 10**9, "output_tokens": 1},
+                            {"output_tokens": absurd},
+                            {"cache_miss_reason": {"type": "messages_changed", "cache_missed_input_tokens": absurd}})
+    read = fed(F.ANTHROPIC_MESSAGES, data)
+    assert read.usage == Usage(input=10**9, cache_write_5m=10**9)
+    assert read.diagnostic == Diagnostic(reason="messages_changed")
+    chat = sse({"id": "c", "model": "m", "choices": [], "usage": {"prompt_tokens": absurd, "completion_tokens": 3}},
+               named=False)
+    assert fed(F.OPENAI_CHAT, chat).usage == Usage(output=3)
+
+
+def test_a_name_the_server_gives_is_cut():
+    """A server naming a 1 MB model (or id, or cache-miss reason) in every answer grew the
+    ledger's store records, Prometheus' labels and the proxy without bound."""
+    huge = "glm-" + "x" * 1_000_000
+    data = anthropic_stream({"input_tokens": 5, "output_tokens": 1}, {"output_tokens": 2},
+                            {"cache_miss_reason": {"type": huge}}).replace(b'"msg_1"', json.dumps(huge).encode())
+    data = data.replace(b'"claude-opus-5-5"', json.dumps(huge).encode())
+    read = fed(F.ANTHROPIC_MESSAGES, data, sizes=(65536,))
+    assert read.model == huge[:200] and read.id == huge[:200] and read.diagnostic.reason == huge[:200]
+    assert read.usage == Usage(input=5, output=2)

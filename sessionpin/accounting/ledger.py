@@ -29,7 +29,8 @@ Rules it keeps:
   what was read within them; the last turn of each lane, compact) and
   ``ledger:turns:<session>`` (a sorted set, one member per turn, scored by time; the last
   ``MAX_TURNS``, trimmed by the writer now and then). Ids,
-  digests, names and numbers only. Sums are ``hincr``: several proxies add to one ledger.
+  digests, names and numbers only. Sums are ``hincr``: several proxies add to one ledger; a
+  turn adds at most ``MAX_ADD`` to any of them, so none passes an int64.
 - Pure (no I/O here): the proxy's shell performs the writes this module describes.
 """
 
@@ -43,7 +44,7 @@ from ..reader import facts as F
 from ..records import pins
 from ..reader.promptshape import Shape, compare
 from ..store.base import HIncr, HSet, Store, Write, ZAdd
-from .usage import FIELDS, Diagnostic, Usage
+from .usage import FIELDS, MAX_TOKENS, Diagnostic, Usage
 
 PREFIX = "ledger:"
 TURNS_PREFIX = "ledger:turns:"
@@ -53,6 +54,10 @@ CACHE_TTL = 300.0            # a prompt cache's default lifetime (refreshed by e
 CACHE_TTL_1H = 3600.0
 MAX_LANE = 64
 MAX_TURNS = 10_000           # turns kept per conversation (the oldest go; the sums stay whole)
+# The most one turn adds to any sum: a turn's figures are at most ``usage.MAX_TOKENS`` each (its
+# input three of them); a limit comes from a stored record, maybe another version's. A sum then
+# stays an int64 (the store's ``hincr``) for more than 10**9 turns of a conversation.
+MAX_ADD = 3 * MAX_TOKENS
 # The shortest prompt a provider caches: 1,024 tokens (OpenAI, and Anthropic's larger models);
 # some Anthropic models need 2,048 or 4,096 (``SHORT_PREFIX``): a miss after a shorter prompt
 # than that is said to be "too_short" when nothing else explains it.
@@ -269,9 +274,14 @@ class Batch:
         if turn.miss:
             adds += [("misses", 1), ("miss:" + turn.reason, 1)]
         for field, by in adds:
-            incrs[(k, field)] = incrs.get((k, field), 0) + by
+            incrs[(k, field)] = incrs.get((k, field), 0) + max(0, min(by, MAX_ADD))
         _set(sets, (k, "lane:" + turn.lane), prior)
         self._records.append(ZAdd(turns_key(session), _turn_encoder.encode(turn).decode(), turn.t))
+
+    def last_record(self) -> ZAdd | None:
+        """The batch's last turn record: its writes end with it (a store that applied it applied
+        everything before it)."""
+        return self._records[-1] if self._records else None
 
     def writes(self) -> list[Write]:
         return [*(HSet(k, f, v if isinstance(v, str) else _turn_encoder.encode(v).decode())

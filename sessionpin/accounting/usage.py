@@ -32,9 +32,19 @@ Rules it keeps (docs/ledger.md says what each figure means):
   cached_tokens``; ``output_tokens_details.reasoning_tokens``) and
   ``response.prompt_cache_diagnostics`` (``{type: cache_miss, reason, cache_missed_tokens}``).
 - A usage object counts once per answer: the last one the answer sent wins (a server that
-  repeats usage in several chunks restates it, it does not add to it).
+  repeats usage in several chunks restates it, it does not add to it). So of a chunk's events
+  holding ``"usage"`` only the first and the last ``USAGE_EVENTS`` are parsed (found by C
+  scans): a decompressed chunk of a million such events costs a few scans, not a million
+  parses on the event loop.
+- A figure above ``MAX_TOKENS`` (10**9: a thousand times the largest context window) is not
+  stated (0; a diagnostic's ``missed``, None): one absurd number (``18446744073709551615``)
+  never reaches the store's int64 sums, and no conversation's sums can pass them.
+- A name the server gives (the model, the id, a diagnostic's reason) is cut to ``MAX_NAME``
+  (200) characters: it becomes a store record's field and a Prometheus label.
 - Bounded memory: an event longer than ``max_event`` is dropped (``overflow``); a
-  compressed body is decompressed as it comes (at most ``lineage_stream.MAX_DECODED``).
+  compressed body is decompressed as it comes (``lineage_stream._Inflate``: at most
+  ``MAX_DECODED`` in all and ``INFLATE_SLACK`` + ``INFLATE_RATIO`` times the compressed bytes
+  so far; beyond, ``overflow``).
 """
 
 from __future__ import annotations
@@ -50,6 +60,12 @@ MAX_EVENT = 4 * 1024 * 1024
 _USAGE = b'"usage"'
 _USAGE_RE = re.compile(re.escape(_USAGE))     # (a regex search: far faster than ``in`` on runs of one byte)
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+# A figure above this is not a token count of any turn (the largest context windows are ~10**7
+# tokens): it reads as not stated. It keeps every sum an int64 (the store's ``hincr``) for more
+# than 10**9 turns of a conversation, and a server's one absurd number out of the ledger.
+MAX_TOKENS = 10**9
+USAGE_EVENTS = 8
+MAX_NAME = 200          # characters of a model, id or reason the server names (a server may name 1 MB ones)        # per chunk, the first and the last this many events holding "usage" are read
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -217,8 +233,53 @@ def _last_end(buf: bytes) -> int:
     return max(lf + 2 if lf != -1 else 0, crlf + 4 if crlf != -1 else 0)
 
 
+def _span(buf: bytes, at: int, lo: int, hi: int) -> tuple[int, int]:
+    """The event of ``buf[lo:hi]`` holding the byte at ``at``: after the blank line before it, up
+    to the blank line after it."""
+    lf, crlf = buf.rfind(b"\n\n", lo, at), buf.rfind(b"\n\r\n", lo, at)
+    start = max(lf + 2 if lf != -1 else lo, crlf + 3 if crlf != -1 else lo)
+    ends = [e for e in (buf.find(b"\n\n", at, hi), buf.find(b"\n\r\n", at, hi)) if e != -1]
+    return start, min(ends) if ends else hi
+
+
+def _usage_blocks(buf: bytes) -> list[bytes]:
+    """The events of ``buf`` (whole events) holding ``"usage"``: the first and the last
+    ``USAGE_EVENTS`` of them, in order, found by C scans. A usage object is restated, not
+    added to (the last one stated wins), so the events between are passed over: a chunk of
+    a million of them costs a few scans, not a million parses."""
+    spans: list[tuple[int, int]] = []
+    pos, n = 0, len(buf)
+    while len(spans) < USAGE_EVENTS:
+        m = _USAGE_RE.search(buf, pos)
+        if m is None:
+            return [buf[s:e] for s, e in spans]
+        span = _span(buf, m.start(), pos, n)
+        spans.append(span)
+        pos = span[1]
+    last: list[tuple[int, int]] = []
+    end = n
+    while len(last) < USAGE_EVENTS:
+        at = buf.rfind(_USAGE, pos, end)
+        if at == -1:
+            break
+        span = _span(buf, at, pos, end)
+        last.append(span)
+        end = span[0]
+    return [buf[s:e] for s, e in spans + last[::-1]]
+
+
 def _n(v: int | None) -> int:
-    return v if isinstance(v, int) and v > 0 else 0
+    """A token count as stated: one above ``MAX_TOKENS`` (or not a positive integer) is not one."""
+    return v if isinstance(v, int) and 0 < v <= MAX_TOKENS else 0
+
+
+def _cut(v: str | None) -> str | None:
+    """A name the server gave (model, id, a diagnostic's reason), at most ``MAX_NAME`` characters."""
+    return v[:MAX_NAME] if isinstance(v, str) and v else None
+
+
+def _missed(v: int | None) -> int | None:
+    return v if isinstance(v, int) and 0 <= v <= MAX_TOKENS else None
 
 
 class UsageReader:
@@ -322,7 +383,7 @@ class UsageReader:
         usage = self._usage
         if self.api == facts.ANTHROPIC_MESSAGES and self._a:
             usage = self._anthropic_total()
-        return Read(api=self.api, usage=usage, model=self._model, id=self._id, diagnostic=self._diag,
+        return Read(api=self.api, usage=usage, model=_cut(self._model), id=_cut(self._id), diagnostic=self._diag,
                     overflow=self._overflow)
 
     # ------------------------------------------------------------ SSE
@@ -346,10 +407,8 @@ class UsageReader:
             buf = data[max(0, _EVENT_END.search(probe).end() - len(tail)):end]
         else:
             buf = bytes(self._pending) + data[:end] if self._pending else data[:end]
-        if _USAGE_RE.search(buf) is not None:
-            for block in _EVENT_END.split(buf):
-                if _USAGE_RE.search(block) is not None:
-                    self._block(block)
+        for block in _usage_blocks(buf):
+            self._block(block)
         self._pending = bytearray(data[end:])
         if len(self._pending) > self.max_event:
             self._overflow = self._dropping = True
@@ -418,9 +477,9 @@ class UsageReader:
             return
         r = d.cache_miss_reason
         if isinstance(r, str):
-            self._diag = Diagnostic(reason=r)
+            self._diag = Diagnostic(reason=_cut(r) or "")
         elif r.type:
-            self._diag = Diagnostic(reason=r.type, missed=r.cache_missed_input_tokens)
+            self._diag = Diagnostic(reason=_cut(r.type) or "", missed=_missed(r.cache_missed_input_tokens))
 
     def _chat(self, ev: _CChunk) -> None:
         self._id = self._id or ev.id
@@ -450,6 +509,6 @@ class UsageReader:
         if d is not None and d.type == "cache_miss":
             reason = d.reason if isinstance(d.reason, str) else \
                 d.reason.get("type") if isinstance(d.reason, dict) else None
-            self._diag = Diagnostic(reason=str(reason or "cache_miss"), missed=d.cache_missed_tokens)
+            self._diag = Diagnostic(reason=_cut(str(reason or "cache_miss")) or "", missed=_missed(d.cache_missed_tokens))
         elif d is not None and d.type in ("comparison_response_not_found", "unavailable"):
             self._diag = Diagnostic(reason=d.type)

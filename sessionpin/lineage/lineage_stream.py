@@ -20,11 +20,23 @@ Rules it keeps:
 - Bounded memory: an event (or line) longer than ``max_event`` bytes is dropped and the result
   says ``overflow``; the text is hashed as it comes, never kept; at most ``MAX_IDS`` tool ids.
   A compressed body (gzip, deflate, br, zstd) is decompressed as it comes, at most
-  ``MAX_DECODED`` bytes in all.
+  ``MAX_DECODED`` bytes in all and at most ``INFLATE_SLACK`` + ``INFLATE_RATIO`` times the
+  compressed bytes fed so far (real SSE compresses 5-30:1 streamed, up to ~60:1 for a
+  chat-completions stream compressed whole, its chunks' boilerplate repeated; a bomb's small
+  chunk would otherwise give up to ``MAX_DECODED`` at once): beyond either, the answer is not read further
+  (``overflow``). Every decompressor is asked for at most one byte past its room (brotli's
+  ``output_buffer_limit`` too), so nothing beyond the bound is ever made.
+- Bounded work per chunk: the chunk is cut at its last event end and the events split out
+  by C scans (``re.split``); a Python step is taken per event holding ``data:``, never per
+  line or per blank line; and at most ``EVENT_SLACK`` + one per ``WIRE_PER_EVENT`` bytes of
+  the body as it came (compressed) events are read (a real event is tens of bytes even
+  compressed; a bomb of ``data:{}`` would be a million events from a few kilobytes): beyond,
+  the answer is not read further (``overflow``).
 """
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import msgspec
@@ -35,6 +47,12 @@ from . import lineage
 MAX_EVENT = 1024 * 1024
 MAX_IDS = 1024
 MAX_DECODED = 64 * 1024 * 1024
+# Decoded bytes allowed beyond INFLATE_RATIO times the compressed bytes fed so far.
+INFLATE_SLACK = 1024 * 1024
+INFLATE_RATIO = 128
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+EVENT_SLACK = 4096
+WIRE_PER_EVENT = 2
 
 
 class Answer(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,10 +136,11 @@ _DECODERS = {facts.ANTHROPIC_MESSAGES: msgspec.json.Decoder(_AEvent), facts.OPEN
 
 
 class _Inflate:
-    """Incremental decompression with a total output cap."""
+    """Incremental decompression with a total output cap and a cap on the ratio of output to
+    input: ``feed`` raises ``OverflowError`` rather than make more than its room."""
 
     def __init__(self, coding: str) -> None:
-        self.coding, self.total, self._d = coding, 0, None
+        self.coding, self.total, self.fed, self._d = coding, 0, 0, None
         if coding in ("gzip", "x-gzip"):
             self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif coding == "deflate":
@@ -139,17 +158,38 @@ class _Inflate:
             raise ValueError(coding)
 
     def feed(self, data: bytes) -> bytes:
-        room = MAX_DECODED - self.total
-        if room <= 0:
+        self.fed += len(data)
+        room = min(MAX_DECODED, INFLATE_SLACK + INFLATE_RATIO * self.fed) - self.total
+        if room < 0:
             raise OverflowError
+        # each is asked for one byte past the room: that byte says there was more
         if self.coding == "br":
-            out = self._d.process(data)
+            out = self._d.process(data, output_buffer_limit=room + 1)
+            if len(out) > room or not self._d.can_accept_more_data():
+                raise OverflowError
         elif self.coding == "zstd":
-            out = self._d.decompress(data, max_length=room)
+            out = self._d.decompress(data, max_length=room + 1)
         else:
-            out = self._d.decompress(data, room)
+            out = self._d.decompress(data, room + 1)
+        if len(out) > room:
+            raise OverflowError
         self.total += len(out)
         return out
+
+
+def _last_end(buf) -> int:
+    """Where the last complete event of ``buf`` ends (after its blank line), 0 if none does."""
+    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\n\r\n")
+    return max(lf + 2 if lf != -1 else 0, crlf + 3 if crlf != -1 else 0)
+
+
+def event_data(block: bytes) -> bytes | None:
+    """One event's data lines joined, as SSE says (``None``: it has none)."""
+    if block.startswith(b"data:") and b"\n" not in block and b"\r" not in block:
+        return block[6:] if block.startswith(b"data: ") else block[5:]      # the usual event: one line
+    data = [line[6:] if line.startswith(b"data: ") else line[5:]
+            for line in block.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(data) if data else None
 
 
 class StreamReader:
@@ -159,9 +199,10 @@ class StreamReader:
         self.api = api
         self.max_event = max_event
         self._decoder = _DECODERS.get(api)
-        self._line = bytearray()
-        self._data = bytearray()
-        self._has_data = False
+        self._pending = bytearray()       # the event under way (its start came in an earlier chunk)
+        self._tail = b""                  # the stream's last two bytes (a blank line may straddle chunks)
+        self._wire = 0                    # the body's bytes as they came
+        self._read = 0                    # events read
         self._dropping = False
         self._done = False
         self._id: str | None = None
@@ -194,6 +235,7 @@ class StreamReader:
             if not chunk:
                 self._end()
                 return chunk
+            self._wire += len(chunk)
             data = self._inflate.feed(chunk) if self._inflate is not None else chunk
             self._lines(data)
         except OverflowError:
@@ -225,54 +267,54 @@ class StreamReader:
     # ------------------------------------------------------------ SSE
 
     def _lines(self, data: bytes) -> None:
-        start = 0
-        while True:
-            nl = data.find(b"\n", start)
-            if nl == -1:
-                rest = data[start:]
-                if len(self._line) + len(rest) > self.max_event:
-                    self._line.clear()
+        """Whole events are cut at their blank line by C scans; one Python step per event that
+        holds ``data:``. An event growing past ``max_event`` is dropped up to its end."""
+        tail = self._tail                         # a blank line may straddle two chunks
+        probe = tail + data if tail else data
+        self._tail = probe[-2:]
+        last = _last_end(probe)
+        if last == 0:
+            if not self._dropping:
+                self._pending += data
+                if len(self._pending) > self.max_event:
                     self._drop()
+            return
+        end = last - len(tail)                    # where, in ``data``, the last complete event ends
+        if self._dropping:                        # the end of an event over the bound: skip it
+            self._dropping = False
+            buf = data[max(0, _EVENT_END.search(probe).end() - len(tail)):end]
+        else:
+            buf = bytes(self._pending) + data[:end] if self._pending else data[:end]
+        self._pending = bytearray(data[end:])
+        self._events(buf)
+        if len(self._pending) > self.max_event:
+            self._drop()
+
+    def _events(self, buf: bytes) -> None:
+        if b"data:" not in buf:
+            return
+        budget = EVENT_SLACK + self._wire // WIRE_PER_EVENT
+        for block in _EVENT_END.split(buf):
+            if b"data:" in block:
+                data = event_data(block)
+                if data is None:
+                    continue
+                self._read += 1
+                if self._read > budget:
+                    raise OverflowError
+                if len(data) > self.max_event:
+                    self._overflow = True
                 else:
-                    self._line += rest
-                return
-            if self._line:
-                self._line += data[start:nl]
-                line = bytes(self._line)
-                self._line.clear()
-            else:
-                line = data[start:nl]
-            self._one_line(line[:-1] if line.endswith(b"\r") else line)
-            start = nl + 1
+                    self._event(data)
 
     def _drop(self) -> None:
-        self._overflow, self._dropping = True, True
-        self._data.clear()
-        self._has_data = False
-
-    def _one_line(self, line: bytes) -> None:
-        if not line:
-            if self._has_data and not self._dropping:
-                self._event(bytes(self._data))
-            self._data.clear()
-            self._has_data = self._dropping = False
-        elif self._dropping or line.startswith(b":"):
-            return
-        elif line.startswith(b"data:"):
-            value = line[6:] if line.startswith(b"data: ") else line[5:]
-            if len(self._data) + len(value) + 1 > self.max_event:
-                self._drop()
-                return
-            if self._has_data:
-                self._data += b"\n"
-            self._data += value
-            self._has_data = True
+        self._overflow = self._dropping = True
+        self._pending.clear()
 
     def _end(self) -> None:
-        if self._line:
-            self._one_line(bytes(self._line))
-            self._line.clear()
-        self._one_line(b"")
+        if self._pending and not self._dropping:
+            self._events(bytes(self._pending))
+        self._pending = bytearray()
         self._done = True
 
     # ------------------------------------------------------------ events

@@ -29,7 +29,10 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   and the miss's reason; a socket's comment, its latest turn's); the metadata gains ``ledger``.
 - Records are written in batches off the request path, a fraction of a second after the first,
   one store write at a time (as ``LineageWatch`` does); a failed write is counted and logged once
-  per outage, never retried (a lost turn costs the ledger that turn, nothing else). At most
+  per outage, never retried (a lost turn costs the ledger that turn, nothing else). A batch of
+  several conversations the store refuses is written again one conversation at a time (until
+  two fail in a row): a conversation whose record the store refuses (sums an older version let
+  reach int64's end) loses its own turns, never the others'. At most
   ``MAX_PENDING`` turns wait; the oldest are dropped and counted.
 - Bounded memory: an answer's reader is kept in its flow (``flow.metadata``,
   ``perflow.LEDGER``) and taken out when the flow ends; at most ``MAX_LANES`` lanes' last
@@ -37,6 +40,9 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
   record instead).
 - Prometheus counters (``metrics()``, rendered by the status endpoint): tokens by agent, server,
   model and kind; turns; misses by reason; the sums of limits and of what was read within them.
+  A model name is at most ``usage.MAX_NAME`` characters (cut where it is read); the first
+  ``MAX_MODEL_LABELS`` models get a label of their own, the rest count as ``other``: a server
+  naming huge or ever new models grows neither /metrics nor the process.
 - With ``sessionpin_otel`` set, an OpenTelemetry span per answered turn (``otelspans``); a turn
   first judged when written (its lane unknown to this proxy) has its span without a verdict.
 """
@@ -53,12 +59,13 @@ from mitmproxy import http
 from ..reader import facts as F
 from ..accounting import ledger
 from ..reader import promptshape
-from ..accounting.usage import APIS, FIELDS, Read, UsageReader
+from ..accounting.usage import APIS, FIELDS, MAX_NAME, Read, UsageReader
 from .exposition import family, joined
 from .otelspans import KINDS as OTEL_KINDS
 from .otelspans import Spans
 from . import perflow
 from ..reader import headerview
+from ..reader.ids import short
 from .offprocess import BodyProcess
 from .perflow import FlowState
 from .later import Later, sent, tell_view
@@ -73,6 +80,8 @@ MAX_BEHIND_BYTES = 256 * 1024 * 1024   # request bytes held by turns read beside
 LOOP_RUNS = 64                      # conversations' messages arrays kept for the next turn's shape, at most
 LOOP_RUNS_BYTES = 16 * 1024 * 1024  # their bytes, at most (each under SHAPE_OFF_LOOP_MIN)
 MAX_LANES = 2_000
+MAX_MODEL_LABELS = 100              # models with a Prometheus label of their own; the rest are OTHER_MODEL
+OTHER_MODEL = "other"
 MAX_PENDING = 10_000
 FLUSH_DELAY = 0.2
 TRIM_EVERY = 500         # batches written for one conversation between looks at its number of turns
@@ -121,6 +130,7 @@ class LedgerWatch:
         self.runtime = runtime
         self.recorded = 0
         self.dropped = 0
+        self._models: set[str] = set()          # the models with a label of their own
         self.unread = 0                  # answers that stated no usage
         self.tokens: Counter[tuple[str, str, str, str]] = Counter()   # (agent, server, model, kind)
         self.turns: Counter[tuple[str, str]] = Counter()              # (agent, server)
@@ -405,7 +415,7 @@ class LedgerWatch:
         if read.usage is None:
             self.unread += 1
             return
-        model = read.model or (shape.model if shape is not None else "") or ""
+        model = (read.model or (shape.model if shape is not None else "") or "")[:MAX_NAME]
         lane = f"side:{model}"[:ledger.MAX_LANE] if w.lane == "side" else w.lane
         turn = ledger.Turn(t=ended or time.time(), api=w.api, lane=lane, kind=w.kind, server=w.server, model=model,
                            id=(read.id or "")[:200], usage=read.usage, cut=cut)
@@ -436,12 +446,24 @@ class LedgerWatch:
                 log.exception("sessionpin: ledger: cannot emit a span")
         self._queue(_Pending(w.agent, w.session, turn, w.started, shape, read.diagnostic, held is not None, prior))
 
+    def _label(self, model: str) -> str:
+        """The model as a Prometheus label: the first ``MAX_MODEL_LABELS`` models named keep
+        theirs, any other is ``OTHER_MODEL`` (a server naming a new model every answer would
+        grow /metrics and the process without end)."""
+        if model in self._models:
+            return model
+        if len(self._models) < MAX_MODEL_LABELS:
+            self._models.add(model)
+            return model
+        return OTHER_MODEL
+
     def _counted(self, agent: str, turn: ledger.Turn) -> None:
         u = turn.usage
+        model = self._label(turn.model)
         for f in FIELDS:
             v = getattr(u, f)
             if v:
-                self.tokens[(agent, turn.server, turn.model, f)] += v
+                self.tokens[(agent, turn.server, model, f)] += v
         self.turns[(agent, turn.server)] += 1
         if turn.miss:
             self.misses[(agent, turn.server, turn.reason)] += 1
@@ -476,8 +498,8 @@ class LedgerWatch:
             batch = list(self._pending)
             self._pending.clear()
             try:
-                writes = ledger.Batch()
-                sessions = set()
+                per: dict[str, ledger.Batch] = {}          # each conversation's writes (disjoint keys)
+                turns: Counter = Counter()
                 for p in batch:
                     turn, prior = p.turn, p.prior
                     if not p.assessed:
@@ -485,9 +507,9 @@ class LedgerWatch:
                         turn = ledger.assess(turn, p.started, p.shape, stored, None, p.diagnostic)
                         self._counted(p.agent, turn)
                         prior = ledger.prior_of(turn, p.shape, stored)
-                    writes.add(p.session, p.agent, turn, prior)
-                    sessions.add(p.session)
-                await store.apply([], writes.writes())
+                    per.setdefault(p.session, ledger.Batch()).add(p.session, p.agent, turn, prior)
+                    turns[p.session] += 1
+                sessions = await self._apply(store, per, turns)
                 now = time.time()
                 for s in sessions:
                     if now - self._renewed.get(s, float("-inf")) >= RENEW_EVERY:
@@ -501,7 +523,7 @@ class LedgerWatch:
                     del self._written[next(iter(self._written))]
                 while len(self._renewed) > MAX_LANES:     # forgotten: renewed again at its next batch
                     del self._renewed[next(iter(self._renewed))]
-                self.recorded += len(batch)
+                self.recorded += sum(turns[x] for x in sessions)
                 if self._failing:
                     log.info("sessionpin: ledger records are written again")
                 self._failing = False
@@ -512,6 +534,43 @@ class LedgerWatch:
                     log.warning("sessionpin: ledger records not written (%s); dropped until the store takes "
                                 "writes again", e)
                 self._failing = True
+
+    async def _apply(self, store, per: dict[str, ledger.Batch], turns: Counter) -> list[str]:
+        """The batch's writes in one store call, each conversation's together, its turn records
+        last. If that fails and the batch holds several conversations, each conversation not
+        written yet (its last record absent: a Redis script that fails midway keeps what it did
+        before) is written alone: a conversation whose record the store refuses (sums an older
+        version let reach int64's end) loses its own turns, not the others'. Two failures in a
+        row: the store is failing, the rest are dropped. The conversations written; raises when
+        none could be."""
+        try:
+            await store.apply([], [w for b in per.values() for w in b.writes()])
+            return list(per)
+        except Exception:
+            if len(per) == 1:
+                raise
+        written: list[str] = []
+        refused: list[str] = []
+        failed, error = 0, None
+        for session, b in per.items():
+            if failed >= 2:
+                refused.append(session)
+                continue
+            try:
+                last = b.last_record()
+                if last is None or await store.zscore(last.key, last.member) is None:
+                    await store.apply([], b.writes())
+                written.append(session)
+                failed = 0
+            except Exception as e:
+                failed, error = failed + 1, e
+                refused.append(session)
+        if not written:                                   # the store is failing: the caller says so
+            raise error if error is not None else RuntimeError("ledger batch not written")
+        self.dropped += sum(turns[x] for x in refused)
+        log.warning("sessionpin: ledger records of %d conversation(s) not written (%s), the others' were: %s",
+                    len(refused), error, " ".join(short(x) for x in refused[:5]))
+        return written
 
     # ---- Prometheus -------------------------------------------------------------------------
     def metrics(self) -> str:

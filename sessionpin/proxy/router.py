@@ -36,8 +36,11 @@ this module keeps, about performing and showing:
   the server pools, the ledger's counters) has its ``request`` called, in order; one that
   returns a ``Refuse`` gets it answered like the router's own refusals, and the request is
   not sent. A participant's exception is logged and the request goes on without it.
-- A redirect the stepper refuses (``route.redirect_refused``) is held, not streamed, and
-  answered in ``response`` with its 502.
+- A redirect the stepper refuses (``route.redirect_refused``) is answered in
+  ``responseheaders``, before anything of it can leave: its status and headers become the
+  502's (no ``Location``), its body a stream that drops the upstream's bytes and gives the
+  refusal's at the end, whether mitmproxy streams the body (past ``stream_large_bodies``) or
+  not. One refusal, counted once.
 """
 
 from __future__ import annotations
@@ -455,7 +458,14 @@ class Router:
         if resp is None:
             return
         if route.redirect_refused(resp.status_code, flow.metadata.get("sessionpin")):
-            return   # buffered: ``response`` answers it instead
+            # Answered here, before any of it can leave: mitmproxy may already have marked the
+            # response streamed (a body past ``stream_large_bodies``), or would switch to
+            # streaming once a chunked body grows past it, and a streamed response's headers go
+            # out right after this hook. The 502's status and headers replace the redirect's
+            # now; its body is a stream that drops the upstream's bytes and gives the refusal's
+            # at the end (an answer with no body at all gets it in ``response``).
+            self._refuse_redirect(flow)
+            return
         if not resp.stream:
             ctype = headerview.get(resp.headers, "content-type").lower()
             if any(t in ctype for t in STREAM_TYPES):
@@ -472,9 +482,29 @@ class Router:
     def response(self, flow: http.HTTPFlow) -> None:
         meta = flow.metadata.get("sessionpin")
         resp = flow.response
-        if resp is None or not route.redirect_refused(resp.status_code, meta):
+        if resp is None or not meta:
             return
-        location = resp.headers.get("location", "")
+        held = resp.stream if isinstance(resp.stream, _RedirectRefused) else None
+        if held is not None:
+            # refused in ``responseheaders``; a streamed body already gave the refusal's bytes
+            resp.stream = False
+            resp.trailers = None
+            if not held.sent:
+                resp.content = held.body
+            return
+        if route.redirect_refused(resp.status_code, meta):
+            self._refuse_redirect(flow)      # never seen in ``responseheaders``: answered whole
+            held = flow.response.stream
+            flow.response.stream = False
+            flow.response.trailers = None
+            flow.response.content = held.body
+
+    def _refuse_redirect(self, flow: http.HTTPFlow) -> None:
+        """The redirect's status and headers replaced by its 502 in place (no ``Location``), its
+        body by a ``_RedirectRefused`` stream; counted and logged once."""
+        meta = flow.metadata["sessionpin"]
+        resp = flow.response
+        location = headerview.get(resp.headers, "location")
         try:
             target_host = url.parse_authority(location.split("://", 1)[-1].split("/", 1)[0], False)[0] \
                 if "://" in location else (flow.request.host + " (same origin)")
@@ -483,7 +513,9 @@ class Router:
         refusal = route.redirect_refusal(resp.status_code, target_host, meta)
         api = refusal.api or F.api_of("POST", flow.request.path)
         body, headers = answers.refusal(api, refusal.status, refusal.kind, refusal.message)
-        flow.response = http.Response.make(refusal.status, body, headers)
+        made = http.Response.make(refusal.status, body, headers)
+        resp.status_code, resp.reason, resp.headers = made.status_code, made.reason, made.headers
+        resp.stream = _RedirectRefused(made.raw_content or b"")
         meta.update({"refused": 502, "refusal": "redirect", "message": refusal.message})
         flow.comment = f"{flow.comment}\nrefused 502: redirect to {target_host}"
         self.metrics.refusals["redirect"] += 1
@@ -506,6 +538,23 @@ class Router:
         ``response.create`` the client sends, with the map recorded here."""
         read = websocket.upgrade_facts(self.config.config, flow.request)
         return await self._route(flow, *read) if read else None
+
+
+class _RedirectRefused:
+    """A refused redirect's body as a ``flow.response.stream`` callable: the upstream's chunks
+    are dropped as they come (nothing kept), and the refusal's body is given at the end
+    (mitmproxy calls the callable with ``b""`` then)."""
+
+    __slots__ = ("body", "sent")
+
+    def __init__(self, body: bytes) -> None:
+        self.body, self.sent = body, False
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if chunk or self.sent:
+            return b""
+        self.sent = True
+        return self.body
 
 
 def _option(name: str, default: int) -> int:

@@ -123,7 +123,7 @@ def _br(data: bytes, limit: int) -> bytes:
             raise _TooLarge
         return out
     wire.count(len(data) + len(out))
-    if len(out) > limit:
+    if len(out) > limit or not d.can_accept_more_data():    # (more made than the limit lets out)
         raise _TooLarge
     if not d.is_finished():
         raise ValueError("truncated")

@@ -4,13 +4,24 @@
   buffered whole nor sent to any server;
 - paths with dot segments or encoded slashes addressed to a configured server are
   refused (400), never forwarded under another server's key;
-- look-alike paths (``/v1/threads/x/messages``) are not inference: never routed.
+- look-alike paths (``/v1/threads/x/messages``) are not inference: never routed;
+- a redirect from a server a request was moved to is a 502 whose headers replace the
+  redirect's before any leave, also when its body is past ``stream_large_bodies`` (1 MiB
+  here: the body limit), sized or chunked: its ``Location`` never reaches the agent;
+- a compressed answer made to inflate far (a brotli bomb: 809 bytes, 512 MiB) or into a flood
+  of lines or usage events costs the proxy a bounded amount of memory and of CPU (the CPU
+  time of the mitmdump process, not wall time: what the event loop spent on it, which other
+  clients would have waited for).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 import uuid
+import zlib
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -93,3 +104,97 @@ def test_a_look_alike_path_is_not_inference_and_is_left_alone(rig: Rig, path: st
     got = rig.anthropic.received()[-1]
     assert got.path == path and got.header("x-api-key") == CLIENT_KEY
     assert len(rig.glm.received()) == glm_before
+
+
+@pytest.mark.parametrize("code", [307, 302])
+def test_a_redirect_with_a_body_past_the_stream_limit_never_reaches_the_agent(rig: Rig, code: int) -> None:
+    """mitmproxy marks a response whose Content-Length passes ``stream_large_bodies`` streamed
+    before the ``responseheaders`` hook; before the fix the router left it so, and the 3xx
+    and its Location went to the agent."""
+    big = b"x" * (2 * 1024 * 1024)
+    rig.glm.canned = lambda rec: (code, [("Location", "https://evil.example/v1/messages"),
+                                         ("Content-Type", "text/plain")], big)
+    try:
+        r = rig.send("/v1/messages", opening())
+    finally:
+        rig.glm.canned = None
+    assert r.header("location") is None, f"the agent got {r.status} Location: {r.header('location')}"
+    assert r.status == 502 and r.header("x-sessionpin-refused") == "redirect"
+    assert "evil.example" in r.json()["error"]["message"]
+
+
+def test_a_chunked_redirect_growing_past_the_stream_limit_never_reaches_the_agent(rig: Rig) -> None:
+    """Without Content-Length mitmproxy buffers the body and switches to streaming once it
+    passes ``stream_large_bodies``, sending the headers then."""
+    def answer(h, rec, n):
+        h.send_response(307)
+        h.send_header("Location", "https://evil.example/v1/messages")
+        h.send_header("Content-Type", "text/plain")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        chunk = b"x" * (256 * 1024)
+        for _ in range(12):
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        h.wfile.write(b"0\r\n\r\n")
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    finally:
+        del rig.glm._answer
+    assert r.header("location") is None, f"the agent got {r.status} Location: {r.header('location')}"
+    assert r.status == 502 and r.header("x-sessionpin-refused") == "redirect"
+    assert "evil.example" in r.json()["error"]["message"]
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _peak_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _compressed(coding: str, piece: bytes, size: int) -> bytes:
+    """``piece`` repeated to ``size`` bytes, compressed a mebibyte at a time (never held whole)."""
+    block = piece * ((1 << 20) // len(piece))
+    if coding == "br":
+        import brotli
+        c = brotli.Compressor(quality=5)
+        out = b"".join(c.process(block) for _ in range(size // len(block)))
+        return out + c.finish()
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return b"".join(c.compress(block) for _ in range(size // len(block))) + c.flush()
+
+
+@pytest.mark.parametrize("what,content_type", [
+    ("br 512 MiB of zeros", "text/event-stream"), ("br 512 MiB of zeros", "application/json"),
+    ("gzip 16 MiB of blank lines", "text/event-stream"), ("gzip 24 MiB of usage events", "text/event-stream")])
+def test_a_compressed_answer_inflating_far_costs_the_proxy_bounded_memory_and_cpu(rig: Rig, what: str,
+                                                                                  content_type: str) -> None:
+    """Before: br was inflated with no limit (+1 GB of peak RSS, 2-4 s of the event loop);
+    16 MiB of newlines from 16 KB of gzip took a Python step per line (9 s); 24 MiB of
+    ``data:{"usage":{}}`` from 61 KB had every event parsed (2-4 s). Every other client
+    waited that long. The bounds are twenty times what the fixed proxy spends (0.05 s, +12 MB at most)."""
+    coding, piece, size = {"br 512 MiB of zeros": ("br", b"\0", 512 << 20),
+                           "gzip 16 MiB of blank lines": ("gzip", b"\n", 16 << 20),
+                           "gzip 24 MiB of usage events": ("gzip", b'data:{"usage":{}}\n\n', 24 << 20)}[what]
+    body = _compressed(coding, piece, size)
+    pid = rig.mitm.proc.pid
+    assert rig.send("/v1/messages", opening()).status == 200          # warm: the same path, answered plainly
+    rig.glm.canned = lambda rec: (200, [("Content-Type", content_type), ("Content-Encoding", coding)], body)
+    try:
+        peak, cpu = _peak_mb(pid), _cpu_s(pid)
+        r = rig.send("/v1/messages", opening())
+    finally:
+        rig.glm.canned = None
+    time.sleep(0.5)                              # a buffered answer's usage is read once it has left
+    assert rig.send("/v1/messages", opening()).status == 200
+    cpu, grew = _cpu_s(pid) - cpu, _peak_mb(pid) - peak
+    print(f"\n{what} ({len(body)} B, {content_type}): proxy CPU {cpu:.2f} s, peak RSS +{grew:.0f} MB")
+    assert r.status == 200 and r.body == body and rig.mitm.alive
+    assert grew < 200, f"a {len(body)}-byte answer grew the proxy's peak RSS by {grew:.0f} MB"
+    assert cpu < 1.0, f"a {len(body)}-byte answer took {cpu:.2f} s of the proxy's CPU"

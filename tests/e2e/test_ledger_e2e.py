@@ -236,3 +236,144 @@ def test_a_conversations_ledger_reasons_and_costs(rig: Rig) -> None:
     assert '"gen_ai.usage.cache_creation.input_tokens": 2700' in out
     assert '"sessionpin.cache.reason": "model_changed"' in out
     assert "Fix the failing test" not in out            # ids and numbers, never the prompt
+
+
+# --------------------------------------------------------------------------- hostile servers
+
+
+class HostileRig:
+    """A router whose new Claude Code conversations go to a fake ``glm`` answering a JSON
+    message whose usage and model the test chooses per conversation (``answers``)."""
+
+    def __init__(self, tmp: Path, store: str | None = None) -> None:
+        self.ca = TestCA(tmp / "ca")
+        self.anthropic = FakeServer("anthropic", self.ca).start()
+        self.glm = FakeServer("glm", self.ca, prefix="/api/anthropic").start()
+        self.answers: dict[str, tuple[dict, str]] = {}      # session -> (usage, model)
+        self.glm.canned = self._canned
+        config = toml_config({"anthropic": {"url": self.anthropic.url},
+                              "glm": {"url": self.glm.url, "key_env": GLM_ENV}}, {"claude-code": "glm"})
+        self.mitm = Mitmdump.router(tmp / "router", self.ca, config, env={GLM_ENV: "glm-sentinel"},
+                                    options={"sessionpin_store": store} if store else {})
+        self.mitm.start()
+
+    def _canned(self, rec):
+        if rec.method != "POST" or not rec.path.split("?")[0].endswith("/v1/messages"):
+            return None
+        usage, model = self.answers.get(rec.header("X-Claude-Code-Session-Id") or "",
+                                        ({"input_tokens": 100, "output_tokens": 1}, "glm-4.6"))
+        body = json.dumps({"id": "msg_1", "type": "message", "role": "assistant", "model": model,
+                           "content": [{"type": "text", "text": "ok"}], "usage": usage}).encode()
+        return 200, [("Content-Type", "application/json")], body
+
+    def send(self, session: str) -> None:
+        headers = [("Content-Type", "application/json"), ("User-Agent", "claude-cli/2.1.332 (external, cli)"),
+                   ("x-api-key", "sk-ant-client"), ("X-Claude-Code-Session-Id", session),
+                   ("x-claude-code-request-class", "main"), ("anthropic-version", "2023-06-01")]
+        body = json.dumps({"model": "claude-opus-4-5", "max_tokens": 10, "stream": False,
+                           "messages": [{"role": "user", "content": "hello"}]}).encode()
+        r = Client.via_proxy(self.mitm.port, self.mitm.mitm_ca).request(
+            "POST", self.anthropic.origin + "/v1/messages", headers, body)
+        assert r.status == 200, r.body[:300]
+
+    def close(self) -> None:
+        self.mitm.stop()
+        self.anthropic.stop()
+        self.glm.stop()
+
+
+def test_an_absurd_usage_number_or_a_poisoned_ledger_costs_no_other_conversation_its_turns(tmp_path) -> None:
+    """Redis store: its ``HINCRBY`` takes int64 only, and the ledger writes every conversation's
+    turns of 0.2 s in one script. Before: one server's ``"input_tokens": 18446744073709551615``
+    failed the whole batch (every other conversation's turns lost with it), and 2**63-1 made
+    every later batch of that conversation fail for 30 days. Now a figure over 10**9 is not
+    stated, and a batch the store refuses (a ledger already at int64's end, from before) is
+    written one conversation at a time."""
+    import asyncio
+    import threading
+
+    from redis_servers import RedisServer
+    from sessionpin.accounting import ledger
+    from sessionpin.store import open_store
+    from sessionpin.store.base import HIncr
+
+    (tmp_path / "redis").mkdir()
+    srv = RedisServer(tmp_path / "redis").start()
+    url = srv.url()
+    hostile, poisoned = "h-" + str(uuid.uuid4()), "p-" + str(uuid.uuid4())
+    victims = ["v-" + str(uuid.uuid4()) for _ in range(3)]
+
+    async def poison():
+        await open_store(url).apply([], [HIncr(ledger.key(poisoned), "glm|glm-4.6|input", 2**63 - 1)])
+    asyncio.run(poison())
+    rig = HostileRig(tmp_path, url)
+    try:
+        rig.answers[hostile] = ({"input_tokens": 18446744073709551615, "cache_read_input_tokens": 2**63 - 1,
+                                 "output_tokens": 7}, "glm-4.6")
+        for _ in range(2):               # twice: the hostile conversation's later batches are written too
+            sends = [threading.Thread(target=rig.send, args=(s,)) for s in (hostile, poisoned, *victims)]
+            for t in sends:
+                t.start()
+            for t in sends:
+                t.join()
+            time.sleep(1.0)
+
+        async def read(session):
+            store = open_store(url)
+            return (await store.hgetall(ledger.key(session)),
+                    await store.zcount(ledger.turns_key(session), float("-inf"), float("inf")))
+        for v in victims:
+            sums, turns = asyncio.run(read(v))
+            assert turns == 2 and int(sums["glm|glm-4.6|input"]) == 200, (v, sums, turns, rig.mitm.output[-2000:])
+        sums, turns = asyncio.run(read(hostile))
+        assert turns == 2 and int(sums["glm|glm-4.6|output"]) == 14, sums
+        assert all(int(v) <= 10**12 for k, v in sums.items() if k.startswith("glm|")), sums
+    finally:
+        rig.close()
+        srv.stop()
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_a_server_naming_huge_or_ever_new_models_grows_neither_the_proxy_nor_the_store(tmp_path) -> None:
+    """File store. A routed server names a new 1 MB model in each of 40 answers, then 150
+    short new ones. Before: each 1 MB name became a Prometheus label kept for the process's
+    life (/metrics 80 MB, +100 MB of RSS) and a field of the conversation's ledger and of its
+    turn records (200 MB of store). Now a name is cut to 200 characters where it is read, and
+    the first 100 models named get a label of their own, the rest ``other``."""
+    rig = HostileRig(tmp_path)
+    try:
+        session = str(uuid.uuid4())
+        rig.send(session)
+        time.sleep(1.0)
+        pid = rig.mitm.proc.pid
+        before = _rss_mb(pid)
+        for _ in range(40):
+            rig.answers[session] = ({"input_tokens": 10, "output_tokens": 1},
+                                    "glm-" + uuid.uuid4().hex + "x" * 1_000_000)
+            rig.send(session)
+        for i in range(150):
+            rig.answers[session] = ({"input_tokens": 10, "output_tokens": 1}, f"m-{i}")
+            rig.send(session)
+        time.sleep(1.5)
+        grew = _rss_mb(pid) - before
+        metrics = Client.via_proxy(rig.mitm.port, rig.mitm.mitm_ca).request(
+            "GET", rig.anthropic.origin + "/__sessionpin/metrics", [("Host", "127.0.0.1")])
+        db = sum(p.stat().st_size for p in rig.mitm.workdir.glob("state.db*"))
+        labels = {line.split('model="', 1)[1].split('"', 1)[0] for line in metrics.text.splitlines()
+                  if line.startswith("sessionpin_ledger_tokens_total{")}
+        print(f"\n190 answers: proxy RSS +{grew:.0f} MB, /metrics {len(metrics.body) / 1e6:.2f} MB, "
+              f"{len(labels)} model labels, store files {db / 1e6:.1f} MB")
+        assert metrics.status == 200
+        assert len(metrics.body) < 500_000, f"/metrics is {len(metrics.body) / 1e6:.1f} MB"
+        assert len(labels) <= 101 and "other" in labels and max(len(x) for x in labels) <= 200
+        assert db < 20_000_000, f"the store's files are {db / 1e6:.0f} MB"
+        # (40 answers of 1 MB with a short model grow it ~20-25 MB too: mitmproxy and the allocator)
+        assert grew < 60, f"the proxy kept {grew:.0f} MB more after 190 answers"
+    finally:
+        rig.close()

@@ -750,6 +750,59 @@ def test_a_store_emptied_after_use_fails_commands_until_accept_loss(env, capsys)
     assert code == 0, e
 
 
+def test_a_loss_a_proxy_on_another_machine_recorded_fails_commands_until_accept_loss(env, capsys):
+    """This machine never saw the store whole; a proxy elsewhere found it emptied and recorded
+    the loss in it (``store:losses``): the CLI judges by that record too, as the proxies do."""
+    from sessionpin.store import identity
+    put_pins(env.url, RUNNING)
+
+    async def record() -> None:
+        store = open_store(env.url)
+        try:
+            now = time.time()
+            gone = identity.Remembered(env.url, "0123456789abcdef", pins=4, seen=now - 60)
+            await identity.record_loss(store, gone, "a proxy on another machine", now, identity.LOST)
+        finally:
+            await store.close()
+    asyncio.run(record())
+    code, o, e = run(capsys, "sessions")
+    assert code == 1 and "0123456789abcdef" in e and "sessionpin store accept-loss" in e, (code, o, e)
+    code, o, e = run(capsys, "status")
+    assert "LOST: store" in o, o
+    assert run(capsys, "store", "accept-loss")[0] == 0
+    code, o, e = run(capsys, "sessions")
+    assert code == 0 and len(o.splitlines()) == 5, (o, e)
+
+
+def test_a_store_rolled_back_to_an_older_copy_fails_commands_until_accept_loss(env, capsys, tmp_path):
+    """A proxy remembered the count of pins made in the store; its directory is then restored
+    from an older cold copy: the pins made since read as never made, so the CLI says so."""
+    import shutil
+    from sessionpin.store import identity
+    put_pins(env.url, RUNNING[:2])
+    assert run(capsys, "sessions")[0] == 0
+    shutil.copytree(env.dir / "state", tmp_path / "older")
+    put_pins(env.url, RUNNING[2:])
+
+    async def remember() -> None:                # what a proxy remembers of it, seen whole now
+        store = open_store(env.url)
+        try:
+            found, _ = await identity.read(store)
+            made = await identity.made(store)
+        finally:
+            await store.close()
+        identity.Memory(env.url).save(identity.Remembered(env.url, found.id, pins=len(RUNNING), seen=time.time(),
+                                                          made=made, accepted=found.accepted))
+    asyncio.run(remember())
+    shutil.rmtree(env.dir / "state")
+    shutil.copytree(tmp_path / "older", env.dir / "state")
+    code, o, e = run(capsys, "sessions")
+    assert code == 1 and "was rolled back" in e, (code, o, e)
+    assert run(capsys, "store", "accept-loss")[0] == 0
+    code, o, e = run(capsys, "sessions")
+    assert code == 0 and len(o.splitlines()) == 3, (o, e)
+
+
 def test_store_copy_is_a_restore_carrying_the_identity(env, capsys, tmp_path):
     put_pins(env.url, RUNNING)
     assert run(capsys, "sessions")[0] == 0

@@ -128,13 +128,33 @@ class Ctx:
             raise Fail(str(e)) from None
         now = time.time()
         try:
-            s = self.settled = self.run(identity.settle(store, store.url, remembered, now))
+            # what proxies (or another CLI) recorded lost, read first: nothing is made over it
+            said = self.run(identity.losses(store))
+            s = self.settled = self.run(identity.settle(store, store.url, remembered, now, said))
         except StoreError:
             if self.lost_ok:
                 return                  # status and doctor show the fault themselves
             raise
         if s.kind in identity.LOSSES:
             self._lost(store, remembered, s, now)
+            return
+        try:
+            made = self.run(identity.made(store))
+        except StoreError:
+            if not self.lost_ok:
+                raise
+            made = None
+        if made is not None and identity.rolled_back(remembered, s.kind, s.identity, made):  # an older copy
+            self.settled = identity.Settled(identity.ROLLED_BACK, s.identity, s.raw,
+                                            identity.describe_rollback(store.url, remembered, made))
+            self._lost(store, remembered, self.settled, now)
+            return
+        pending = identity.pending_loss(said, s.identity, made)
+        if pending is not None:         # a loss a proxy on any machine recorded, still waiting
+            kind = pending[1].get("kind")
+            self.settled = identity.Settled(kind if kind in identity.LOSSES else identity.LOST, s.identity, s.raw,
+                                            identity.describe_recorded(store.url, *pending))
+            self._lost(store, remembered, self.settled, now, recorded=True)
             return
         evicted = remembered.evicted if remembered is not None else {}
         if hasattr(store, "evictions"):     # Redis: did it evict keys since this machine last looked?
@@ -155,13 +175,15 @@ class Ctx:
         except (StoreError, OSError):
             pass                        # remembering is best effort here; the proxy remembers too
 
-    def _lost(self, store: Store, remembered, s, now: float) -> None:
+    def _lost(self, store: Store, remembered, s, now: float, recorded: bool = False) -> None:
         """A loss the CLI found: recorded in the store for every proxy (best effort), then the
         command stops with its message (status and doctor, ``lost_ok``, show it themselves)."""
-        try:
-            self.run(identity.record_loss(store, remembered, f"the CLI (pid {os.getpid()})", now))
-        except StoreError:
-            pass
+        if not recorded:
+            try:
+                self.run(identity.record_loss(store, remembered, f"the CLI (pid {os.getpid()})", now, s.kind,
+                                              s.identity))
+            except StoreError:
+                pass
         if not self.lost_ok:
             raise Fail(s.message)
 

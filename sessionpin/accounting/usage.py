@@ -64,8 +64,8 @@ _EVENT_END = re.compile(rb"\r?\n\r?\n")
 # tokens): it reads as not stated. It keeps every sum an int64 (the store's ``hincr``) for more
 # than 10**9 turns of a conversation, and a server's one absurd number out of the ledger.
 MAX_TOKENS = 10**9
-USAGE_EVENTS = 8
-MAX_NAME = 200          # characters of a model, id or reason the server names (a server may name 1 MB ones)        # per chunk, the first and the last this many events holding "usage" are read
+USAGE_EVENTS = 8        # per chunk, the first and the last this many events holding "usage" are read
+MAX_NAME = 200          # characters of a model, id or reason the server names (a server may name 1 MB ones)
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

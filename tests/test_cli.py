@@ -228,9 +228,9 @@ def test_sessions_table_and_filters(env, capsys):
     assert data[0]["server"] is None and data[0]["requests"] == 5 and data[0]["agent"] == "claude-code"
 
 
-def test_sessions_on_pages_found_damaged_while_it_read_says_so_then_lists_the_repaired_store(env, capsys):
-    # the CLI opens a file store without checking every page first (quick_check of a
-    # million pins takes seconds) and asks for the background check's verdict at the end
+def damage_pages(env, garbage: bytes) -> None:
+    """The store's pins, 3,000 fillers after them, and ``garbage`` over pages in the middle of
+    its file: pages the open itself does not read, found by the check that runs beside the reads."""
     from sessionpin.store.file import FileStore
     put_pins(env.url, RUNNING)
     path = env.dir / "state" / "state.db"
@@ -240,8 +240,14 @@ def test_sessions_on_pages_found_damaged_while_it_read_says_so_then_lists_the_re
     s.close()
     data = bytearray(path.read_bytes())
     middle = len(data) // 4096 // 2 * 4096
-    data[middle: middle + 4096 * 3] = os.urandom(4096 * 3)    # pages the open itself does not read
+    data[middle: middle + len(garbage)] = garbage
     path.write_bytes(bytes(data))
+
+
+def test_sessions_on_pages_found_damaged_while_it_read_says_so_then_lists_the_repaired_store(env, capsys):
+    # the CLI opens a file store without checking every page first (quick_check of a
+    # million pins takes seconds) and asks for the background check's verdict at the end
+    damage_pages(env, os.urandom(4096 * 3))
     code, o, e = run(capsys, "sessions")
     assert code == 1 and "damaged" in e, (code, o, e)
     code, o, e = run(capsys, "sessions")
@@ -254,17 +260,7 @@ def test_a_read_that_meets_the_repair_of_damaged_pages_says_the_store_was_found_
     is what the command says, as when its reads ended before the repair (it was a generic
     "cannot read" then: one run in ~60 of the test above)."""
     from sessionpin.store import StoreUnavailable
-    from sessionpin.store.file import FileStore
-    put_pins(env.url, RUNNING)
-    path = env.dir / "state" / "state.db"
-    s = FileStore(path)
-    for i in range(3000):
-        s.set(f"filler:{i:05d}", "x" * 40)
-    s.close()
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 4096 // 2 * 4096
-    data[middle: middle + 4096 * 3] = b"\x5a" * (4096 * 3)
-    path.write_bytes(bytes(data))
+    damage_pages(env, b"\x5a" * (4096 * 3))
 
     def met_the_repair(ctx, args):
         ctx.need_store()

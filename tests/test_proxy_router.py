@@ -465,24 +465,26 @@ async def test_a_codex_websocket_is_routed_at_its_upgrade(proxy, cfg_path):
     assert fork.metadata["sessionpin"]["parent"] == "01a22bef-e03d-7c53-8141-6c5fbf6ba8c0"
 
 
-@pytest.mark.parametrize("path", ["/v1//responses", "/v1/respons%65s", "/v1/responses/", "/x/../v1/responses"])
-async def test_a_codex_upgrade_at_an_ambiguous_path_is_refused_as_its_post_would_be(proxy, cfg_path, path):
+async def upgrade_at(proxy, cfg_path, path: str):
+    """Codex's upgrade at ``path`` of api.openai.com, sent through the router (codex → alt)."""
     cfg_path.write_text(CODEX_CONFIG)
     proxy.reload()
     f = upgrade()
     f.request.path = path
     await proxy.send(f)
+    return f
+
+
+@pytest.mark.parametrize("path", ["/v1//responses", "/v1/respons%65s", "/v1/responses/", "/x/../v1/responses"])
+async def test_a_codex_upgrade_at_an_ambiguous_path_is_refused_as_its_post_would_be(proxy, cfg_path, path):
+    f = await upgrade_at(proxy, cfg_path, path)
     assert f.response is not None and f.response.status_code == 400
     assert f.response.headers["x-sessionpin-refused"] == "ambiguous-path" and f.request.host == "api.openai.com"
 
 
 @pytest.mark.parametrize("path", ["/socket//x", "/ws/./feed", "/v1/Realtime"])
 async def test_another_socket_of_a_configured_origin_passes_whatever_its_path(proxy, cfg_path, path):
-    cfg_path.write_text(CODEX_CONFIG)
-    proxy.reload()
-    f = upgrade()
-    f.request.path = path
-    await proxy.send(f)
+    f = await upgrade_at(proxy, cfg_path, path)
     assert f.response is None and f.request.host == "api.openai.com" and f.request.path == path
 
 

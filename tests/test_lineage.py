@@ -751,3 +751,22 @@ def test_a_long_compressed_answer_is_read_whole():
         reader(packed[i:i + 1024])
     reader(b"")
     assert not reader.result().overflow and reader.result() == plain.result() and plain.result().complete
+
+
+@pytest.mark.parametrize("end,complete", [("response.incomplete", True), ("response.failed", False)])
+def test_a_responses_answer_stopped_at_its_token_limit_is_whole(end, complete):
+    """``response.incomplete`` (max_output_tokens reached) ends an answer the client keeps, as chat's
+    finish_reason "length" and Anthropic's message_stop after max_tokens do; ``response.failed``
+    ends none."""
+    fx = next(fx for fx in load("pi", "lineage-responses") if fx["expect"]["turn"] == "opening")
+    raw = fx["response"]["body"]
+    assert raw.count('"type":"response.completed"') == 1
+    cut = raw.replace('"type":"response.completed"', f'"type":"{end}"') \
+             .replace("event: response.completed", f"event: {end}")
+    reader = StreamReader(api_of(fx))
+    reader(cut.encode())
+    reader(b"")
+    got = reader.result()
+    assert got.complete is complete
+    if complete:
+        assert got.digest == answer_of(fx).digest

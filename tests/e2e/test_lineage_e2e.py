@@ -345,3 +345,42 @@ def test_a_server_echoing_the_id_it_was_sent_takes_no_fork_of_another_servers_co
     if first_claim == "kept":
         assert rig.mitm.wait_output(rf"the anchor {re.escape(anchor)} was issued by 2 servers \(alt, glm\)",
                                     since=since), rig.mitm.tail(20)
+
+
+# ---- answers, restarts and bodies the first reads missed (review of forks, 2026-12-05) ----------
+
+
+def wait_for_root(rig: Rig, agent: str, root: str, timeout: float = 10.0) -> str | None:
+    """The session recorded under ``root``, once the proxy wrote it (None after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while (got := root_recorded(rig, agent, root)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+def test_a_fork_reaches_its_parent_whose_responses_opening_stopped_at_its_token_limit(rig: Rig):
+    """pi on Responses: the opening's answer ends in ``response.incomplete`` (max_output_tokens
+    reached) rather than ``response.completed``. The client keeps that answer, so it is the first
+    exchange the fork carries: the proxy must index it as a whole answer (chat's finish_reason
+    "length" and Anthropic's message_stop after max_tokens already were). Before, it was taken
+    for one cut short and the fork went where the agent addressed it."""
+    agent, scenario = "pi", "lineage-responses"
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    rig.forget_lineage()
+    first = CURRENT[agent]
+    recs = load(agent, scenario)
+    replay = Replay(uuid.uuid4().hex[:8])
+    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    opening = next(r for r in recs if conversation(r) == "A" and r.turn == "opening")
+    status, headers, body = recorded_response(files[opening.nn], replay)
+    body = body.replace(b'"type":"response.completed"', b'"type":"response.incomplete"') \
+               .replace(b"event: response.completed", b"event: response.incomplete")
+    assert b"response.incomplete" in body and b"response.completed" not in body
+    assert answered_with(rig, replay.prepare(opening), (status, headers, body)).landed == first
+    fork_post = next(r for r in recs if conversation(r) == "A-fork" and r.method == "POST")
+    fork = replay.prepare(fork_post)
+    fork_root = lineage.chain(fork.body, F.api_of("POST", fork_post.path), turns=1).keys[0]
+    assert wait_for_root(rig, agent, fork_root) is not None, "the opening's answer gave no root"
+    rig.set_current(**{agent.replace("-", "_"): OTHER[first]})
+    sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
+    assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"

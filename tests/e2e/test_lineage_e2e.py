@@ -384,3 +384,33 @@ def test_a_fork_reaches_its_parent_whose_responses_opening_stopped_at_its_token_
     rig.set_current(**{agent.replace("-", "_"): OTHER[first]})
     sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
     assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"
+
+
+@pytest.mark.parametrize("agent, scenario", [("claude-code", "lineage"), ("opencode", "lineage")])
+def test_a_fork_reaches_its_parent_when_the_proxy_stopped_cleanly_right_after_its_only_exchange(
+        rig: Rig, agent, scenario):
+    """The parent's only exchange (its opening) is answered whole, and the proxy is stopped
+    gracefully (SIGTERM) at once — inside the batching window of its records (the reads gather
+    50 ms, the records 100 ms) — and started again; then the fork. A clean stop writes what is
+    pending before the store closes. Before, the store closed first and the records were lost:
+    the fork went where the agent addressed it (a kill -9 still loses them: not durable)."""
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    rig.forget_lineage()
+    first = CURRENT[agent]
+    recs = load(agent, scenario)
+    replay = Replay(uuid.uuid4().hex[:8])
+    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    a_recs = [r for r in recs if conversation(r) == "A"]
+    opening = next(r for r in a_recs if r.turn == "opening")
+    for rec in a_recs[:a_recs.index(opening)]:      # what comes before it (opencode's title)
+        answered_with(rig, replay.prepare(rec), recorded_response(files[rec.nn], replay))
+    rig.forget_lineage()                            # (waits until that was written: only the opening's is pending)
+    sent = answered_with(rig, replay.prepare(opening), recorded_response(files[opening.nn], replay))
+    assert sent.reply.status == 200 and sent.landed == first
+    rig.mitm.restart(sig=signal.SIGTERM)
+    assert "lineage records and ledger turns not written" not in rig.mitm.output
+    rig.set_current(**{agent.replace("-", "_"): OTHER[first]})
+    fork_post = next(r for r in recs if conversation(r) == "A-fork" and r.method == "POST")
+    fork = replay.prepare(fork_post)
+    sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
+    assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"

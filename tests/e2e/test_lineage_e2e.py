@@ -414,3 +414,47 @@ def test_a_fork_reaches_its_parent_when_the_proxy_stopped_cleanly_right_after_it
     fork = replay.prepare(fork_post)
     sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
     assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"
+
+
+def with_large_first_tool_result(p, size: int = 9_000_000):
+    """A Claude Code request whose item right after the first answer (the first tool result) holds
+    a large document — a PDF read by the Read tool, as base64 — as every later request of the
+    conversation and of its forks carries it. Its first exchange is untouched (a few KB)."""
+    body = json.loads(p.body)
+    msgs = body["messages"]
+    k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant") + 1
+    assert msgs[k]["role"] == "user" and isinstance(msgs[k]["content"], list)
+    block = next(b for b in msgs[k]["content"] if b.get("type") == "tool_result")
+    block["content"] = [{"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                                        "data": "JVBERi0x" + "A" * size}}]
+    return p.with_body(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def test_a_fork_reaches_its_parent_whose_first_tool_result_is_larger_than_the_roots_budget(rig: Rig):
+    """Claude Code conversation A: its opening answered with a tool call, then a tool result of
+    ~9 MB (a PDF), which every later request of A and the fork carry right after the first answer.
+    The first exchange is a few KB: its root is read (the large item for its kind alone, from its
+    first bytes), on A's side and the fork's. Before, the read met the root's 8 MiB budget inside
+    that item and gave no root, which also refuted the fork's cc_prev_req anchor: left alone."""
+    agent, scenario = "claude-code", "lineage"
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    rig.forget_lineage()
+    first = CURRENT[agent]
+    recs = load(agent, scenario)
+    replay = Replay(uuid.uuid4().hex[:8])
+    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    landed = []
+    for rec in [r for r in recs if conversation(r) == "A"]:
+        p = replay.prepare(rec)
+        if rec.turn != "opening":
+            p = with_large_first_tool_result(p)
+        landed.append(answered_with(rig, p, recorded_response(files[rec.nn], replay)).landed)
+    assert landed == [first] * len(landed)
+    fork_post = next(r for r in recs if conversation(r) == "A-fork")
+    fork = replay.prepare(fork_post)
+    fork_root = lineage.chain(fork.body, F.api_of("POST", fork_post.path), turns=1).keys[0]  # its first exchange's
+    fork = with_large_first_tool_result(fork)
+    assert wait_for_root(rig, agent, fork_root) is not None, "A's requests recorded no root"
+    rig.set_current(claude_code=OTHER[first])
+    sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
+    assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"

@@ -751,3 +751,108 @@ def test_a_long_compressed_answer_is_read_whole():
         reader(packed[i:i + 1024])
     reader(b"")
     assert not reader.result().overflow and reader.result() == plain.result() and plain.result().complete
+
+
+@pytest.mark.parametrize("end,complete", [("response.incomplete", True), ("response.failed", False)])
+def test_a_responses_answer_stopped_at_its_token_limit_is_whole(end, complete):
+    """``response.incomplete`` (max_output_tokens reached) ends an answer the client keeps, as chat's
+    finish_reason "length" and Anthropic's message_stop after max_tokens do; ``response.failed``
+    ends none."""
+    fx = next(fx for fx in load("pi", "lineage-responses") if fx["expect"]["turn"] == "opening")
+    raw = fx["response"]["body"]
+    assert raw.count('"type":"response.completed"') == 1
+    cut = raw.replace('"type":"response.completed"', f'"type":"{end}"') \
+             .replace("event: response.completed", f"event: {end}")
+    reader = StreamReader(api_of(fx))
+    reader(cut.encode())
+    reader(b"")
+    got = reader.result()
+    assert got.complete is complete
+    if complete:
+        assert got.digest == answer_of(fx).digest
+
+
+_LARGE = "JVBERi0x" + "A" * (lineage.TURNS_BUDGET.size + 1024 * 1024)     # a PDF read as base64: over the budget
+
+
+def _after_first_answer(api: str, big: dict, before: list[dict] | None = None) -> tuple[bytes, bytes]:
+    """(a history whose first answer is followed by ``big``, the same first exchange followed by a
+    small item of the same kind): their first exchange is the same few hundred bytes."""
+    if api == facts.OPENAI_RESPONSES:
+        first = [{"role": "user", "content": [{"type": "input_text", "text": "read the pdf"}]},
+                 {"type": "reasoning", "encrypted_content": "gAAA-enc", "summary": []},
+                 {"type": "function_call", "call_id": "call_1", "name": "read", "arguments": "{}"}]
+        small = {"type": "function_call_output", "call_id": "call_1", "output": "x"}
+        key = "input"
+    else:
+        first = [{"role": "user", "content": "read the pdf"},
+                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "sig-1"},
+                                                   {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {}}]}]
+        small = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}
+        key = "messages"
+    tail = [{"role": "assistant", "content": "done"}, {"role": "user", "content": "thanks"}]
+
+    def body(item: dict) -> bytes:
+        return json.dumps({"model": "m", key: (before or []) + first + [item] + tail}).encode()
+    return body(big), body(small)
+
+
+@pytest.mark.parametrize("api", [facts.ANTHROPIC_MESSAGES, facts.OPENAI_RESPONSES])
+def test_a_first_answer_followed_by_an_item_over_the_budget_has_its_root(api):
+    """Claude Code: the first answer is a tool call and the tool result right after it holds a
+    9 MB PDF, as every later request of the conversation and of its forks carries it (Responses:
+    a function_call_output). The first exchange is a few hundred bytes: the root is read, the
+    same as with a small item there, and the large item is read for its kind only (a bounded
+    prefix), not past the budget. Before, the walk met the budget inside that item: no root."""
+    if api == facts.OPENAI_RESPONSES:
+        big = {"type": "function_call_output", "call_id": "call_1", "output": _LARGE}
+    else:
+        big = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": _LARGE}}]}]}
+    large, small = _after_first_answer(api, big)
+    want = lineage.chain(small, api, turns=1).keys
+    assert want and want[0] == lineage.chain(large, api).keys[0]          # the whole read's root
+    n = _steps(lambda: lineage.chain(large, api, turns=1))
+    got = lineage.chain(large, api, turns=1)
+    assert got.parsed and got.keys == want and got.head is None
+    assert n <= 3 * lineage.TURNS_BUDGET.size, f"{n} bytes scanned for a {len(large)} byte body"
+    assert lineage.root_of(large, api) == (want[0], None)               # read again next time, within the budget
+
+
+@pytest.mark.parametrize("shape", ["role after the large member", "a model item", "no role nor type",
+                                   "first answer over the budget", "a second turn asked for"])
+def test_an_item_over_the_budget_read_for_its_kind_alone_ends_only_a_model_run(shape):
+    """What the bounded prefix of an item past the budget cannot tell gives no root, as before:
+    its role written after its large member, an item that continues the model run, an item with
+    neither role nor type, a first answer itself over the budget, or turns past the first."""
+    api = facts.ANTHROPIC_MESSAGES
+    turns = 1
+    if shape == "role after the large member":
+        big = {"content": _LARGE, "role": "user"}
+    elif shape == "a model item":
+        big = {"role": "assistant", "content": _LARGE}
+    elif shape == "no role nor type":
+        big = {"content": _LARGE}
+    elif shape == "first answer over the budget":
+        big = {"role": "assistant", "content": [{"type": "text", "text": _LARGE}]}
+    else:
+        big, turns = {"role": "user", "content": _LARGE}, 2
+    large, _ = _after_first_answer(api, big)
+    if shape == "first answer over the budget":
+        large = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}, big,
+                                                       {"role": "user", "content": "go"}]}).encode()
+    n = _steps(lambda: lineage.chain(large, api, turns=turns))
+    got = lineage.chain(large, api, turns=turns)
+    assert (got.keys, got.parsed, got.reason) == ((), False, lineage.OVER_BUDGET)
+    assert n <= 3 * lineage.TURNS_BUDGET.size
+
+
+def test_an_items_kind_is_read_from_a_bounded_prefix():
+    big = json.dumps({"role": "user", "content": "x" * 200_000}).encode()
+    assert lw.kind_of_prefix(big, 0) == lw.KindOnly(role="user")
+    typed = json.dumps({"type": "function_call_output", "call_id": "c", "output": "x" * 200_000}).encode()
+    assert lw.kind_of_prefix(typed, 0) == lw.KindOnly(type="function_call_output")
+    late = b'{"pad":"' + b"p" * lw.KIND_PREFIX + b'","role":"user"}'
+    assert lw.kind_of_prefix(late, 0) is None                     # past the prefix: not read
+    assert lw.kind_of_prefix(b'{"role":7,"content":"' + b"y" * 100 + b'"}', 0) is None
+    assert lw.kind_of_prefix(b'[1,2]', 0) is None

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from mitmproxy import exceptions, hooks
+from mitmproxy import exceptions, hooks, http
 from mitmproxy.addonmanager import traverse
 from mitmproxy.addons import script
 from mitmproxy.test import taddons, tflow, tutils
@@ -226,3 +226,77 @@ def test_a_part_left_out_for_a_benchmark_is_never_called():
     whole = make_addons([])[0]
     assert isinstance(whole.router.lineage, LineageWatch) and isinstance(whole.ledger, LedgerWatch)
     whole.done()
+
+
+SSE_WITH_USAGE = [
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","model":"glm-4.6","content":[],'
+    b'"usage":{"input_tokens":3,"cache_read_input_tokens":0,"cache_creation_input_tokens":900,"output_tokens":1}}}\n\n',
+    b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+    b'"content_block":{"type":"text","text":""}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"Hello."}}\n\n',
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+    b'"usage":{"output_tokens":5}}\n\n',
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+]
+
+
+async def _answered(p, f) -> None:
+    """The response through the bundle's hooks, as mitmproxy hands it: headers, the stream, the end."""
+    f.response = tutils.tresp(status_code=200, content=b"", headers=http.Headers(
+        [(b"content-type", b"text/event-stream"), (b"request-id", b"req_stop_1")]))
+    f.response.headers.pop("content-length", None)
+    p.bundle.responseheaders(f)
+    for chunk in SSE_WITH_USAGE + [b""]:
+        f.response.stream(chunk)
+    await _settle(p.bundle.response(f))
+
+
+async def test_a_clean_stop_writes_the_records_the_watches_hold_back_before_the_store_closes(cfg_path, tmp_path):
+    """SIGTERM right after a turn, inside the watches' batching window (reads gather 50 ms,
+    records 100-200 ms): the lineage's root and anchor and the ledger's turn are written before
+    the store closes. Before, the store closed first and the watches' flushes found none."""
+    from sessionpin.accounting import ledger
+    from sessionpin.records import lineindex
+    from sessionpin.store import open_store
+
+    url = f"file:{tmp_path / 'store'}"
+    p = start(cfg_path, sessionpin_store=url)
+    f = flow("continuation")
+    await p.send(f)
+    await _answered(p, f)
+    assert p.bundle.lineage.busy() and p.bundle.ledger.busy()      # nothing written yet
+    p.tctx.master.should_exit.set()                                  # mitmproxy is stopping
+    await asyncio.wait_for(_settle(p.bundle.done()), 30)             # mitmproxy awaits what it returns
+    assert p.runtime.store is None                                   # closed, after the records
+    assert not p.bundle.lineage.busy() and not p.bundle.ledger.busy()
+    store = open_store(url)
+    try:
+        assert len(await store.keys("lin:claude-code:root:")) == 1
+        assert await store.keys("lin:claude-code:req:req_stop_1@")
+        assert (await ledger.load(store, SESSION)).turns == 1
+    finally:
+        await store.close()
+
+
+async def test_a_stop_waits_for_pending_records_at_most_the_drain_timeout(cfg_path, monkeypatch, caplog):
+    """A store that does not take the records: the stop goes on after ``DRAIN_TIMEOUT``, with one
+    warning, and every part's ``done`` still runs (the store is closed)."""
+    from sessionpin.proxy import bundle as B
+
+    async def never(self) -> None:
+        await asyncio.Event().wait()
+    monkeypatch.setattr(B, "DRAIN_TIMEOUT", 0.2)
+    monkeypatch.setattr(LineageWatch, "drain", never)
+    p = start(cfg_path)
+    f = flow("continuation")
+    await p.send(f)
+    assert p.bundle.lineage.busy()
+    p.tctx.master.should_exit.set()
+    with caplog.at_level(logging.WARNING, logger="sessionpin"):
+        await asyncio.wait_for(_settle(p.bundle.done()), 10)
+    assert p.runtime.store is None
+    assert [r.getMessage() for r in caplog.records if "at exit" in r.getMessage()] == [
+        "sessionpin: at exit: lineage records and ledger turns not written within 0.2 s: dropped "
+        "(forks of those conversations may be left alone)"]
+

@@ -34,7 +34,12 @@ docs/facts.md "Lineage" lists each rule and its limits):
   (``parsed=False``, "over the read's budget") — its root is not known, on either side of a
   fork, as for a history never seen. Real first exchanges are a few items and well under a
   MiB; a pathological body (a million tiny messages, or one huge message, before the first
-  answer) then costs a bounded read, never the whole body (issue 20).
+  answer) then costs a bounded read, never the whole body (issue 20). The N-th model run ends
+  at the item after it, which need not fit: the item that crosses the budget is read for its
+  role and type alone, from its first bytes (``lineage_wire.KindOnly``) — a first answer
+  followed by a 9 MB tool result (a PDF read as base64) has its root, and so does every
+  request and fork that carries it, all read the same way. Such a root is not proven for the
+  next request (``root_of``: it is read again, within the budget).
 """
 
 from __future__ import annotations
@@ -298,6 +303,8 @@ def _chain_of(data: bytes, flavour: str, turns: int | None, members: dict[str, R
     stopped = False
     for item in items:
         kind = _kind(item)
+        if isinstance(item, lw.KindOnly) and (kind in (None, MODEL) or run is None or run.kind != MODEL):
+            raise lw.OverBudget     # past the budget, its kind alone says only that a model run ended
         if kind is None:
             continue
         if run is not None and kind != run.kind:
@@ -308,6 +315,8 @@ def _chain_of(data: bytes, flavour: str, turns: int | None, members: dict[str, R
                     stopped, run = True, None
                     break
             run = None
+        if isinstance(item, lw.KindOnly):
+            raise lw.OverBudget     # the turns asked for go on past the budget
         if run is None:
             run = _Run(kind)
         run.add(item)
@@ -399,7 +408,7 @@ def _root_of(body, api, content_encoding, members, known) -> tuple[str | None, F
             return root, None
     elif root is None or c.head is not None:     # the first run not ended
         return root, None
-    if not ends:                                 # not walked
+    if not ends or ends[-1] < 0:                 # not walked, or its run ended by an item past the budget
         return root, None
     s = lw.array_start(data, b"input" if flavour == "responses" else b"messages")
     return root, FirstRun(api=api, first=bytes(data[:ends[-1]]), at=s, root=root)

@@ -14,7 +14,8 @@ Rules it keeps:
   ``[DONE]`` or a ``finish_reason`` ends it.
 - Responses SSE (and Codex's WebSocket, one event per message: ``message()``): ``response.created``
   gives the response id; ``output_item.added``/``done`` the call ids and encrypted reasoning;
-  ``output_text.delta`` the text; ``response.completed`` ends it.
+  ``output_text.delta`` the text; ``response.completed`` or ``response.incomplete`` (stopped at
+  ``max_output_tokens``: the client keeps the answer) ends it, ``response.failed`` does not.
 - The same identity as ``lineage.chain`` reads from a later request: the texts joined and
   stripped, the ids and token digests as sets.
 - Bounded memory: an event (or line) longer than ``max_event`` bytes is dropped and the result
@@ -391,5 +392,8 @@ class StreamReader:
                 self._tokens.append(lineage.token_digest(item.encrypted_content))
         elif t == "response.output_text.delta" and ev.delta:
             self._text.feed(ev.delta)
-        elif t == "response.completed":
+        elif t in ("response.completed", "response.incomplete"):
+            # incomplete: the answer stopped at max_output_tokens (or a content filter) and the
+            # client keeps what came, as chat's finish_reason "length" and Anthropic's
+            # message_stop after max_tokens; response.failed is not an answer
             self._complete = True

@@ -19,7 +19,12 @@ Rules this module keeps:
 - A walk may be given a budget (``Budget``: bytes of the array and items): an item that does
   not end within it is not scanned past it, and the walk raises ``OverBudget`` — the reader
   that needs only the first turns of a history (its root) never pays for a pathological one
-  (a million tiny messages, or one of 60 MB, before the first answer), on any thread.
+  (a million tiny messages, or one of 60 MB, before the first answer), on any thread. Before
+  it raises, the walk yields that item's role and type alone (``KindOnly``), read from its
+  first ``KIND_PREFIX`` bytes at most (its members in order, until one does not end within
+  them): what says whether it ends the model run before it (a 9 MB tool result right after the
+  first answer: the first exchange is whole before it). A reader that needs more of it than
+  its kind gets ``OverBudget`` by iterating on.
 """
 
 from __future__ import annotations
@@ -148,6 +153,64 @@ class OverBudget(Exception):
     """The items asked for do not fit in the walk's budget."""
 
 
+class KindOnly(Item):
+    """An item past the walk's budget: its ``role`` and ``type`` alone, from its first bytes."""
+
+
+KIND_PREFIX = 64 * 1024     # bytes of an item past the budget read for its role and type, at most
+_raw = msgspec.json.Decoder(Raw)
+_name = msgspec.json.Decoder(str | None)
+
+
+def _end_within(view: memoryview, i: int, lim: int) -> int:
+    """The index of the first non-space byte after the JSON value at ``i``, when the value
+    ends before ``lim`` (and something follows it there); else -1."""
+    try:
+        _raw.decode(view[i:lim])
+        return -1
+    except (msgspec.ValidationError, RecursionError):
+        return -1
+    except msgspec.DecodeError as err:
+        m = _TRAILING.search(str(err))
+        return -1 if m is None else i + int(m.group(1)) - 1
+
+
+def kind_of_prefix(data: bytes, i: int, size: int = KIND_PREFIX) -> KindOnly | None:
+    """The ``role`` and ``type`` of the object whose ``{`` is at ``i``, from at most ``size`` of
+    its bytes: its members are read in order until one does not end within them (a member of
+    another type counts as absent, as ``item`` reads it). None: neither was read."""
+    lim = min(len(data), i + size)
+    if i >= lim or data[i] != ord("{"):
+        return None
+    view = memoryview(data)
+    found: dict[str, str | None] = {}
+    j = skip_ws(data, i + 1)
+    while j < lim and data[j] == ord('"'):
+        colon = _end_within(view, j, lim)
+        if colon == -1 or data[colon] != ord(":"):
+            break
+        v = skip_ws(data, colon + 1)
+        end = _end_within(view, v, lim)
+        if end == -1:
+            break
+        count(end - j)
+        try:
+            key = msgspec.json.decode(view[j:colon], type=str)
+        except (msgspec.DecodeError, RecursionError):
+            break
+        if key in ("role", "type"):
+            try:
+                found[key] = _name.decode(view[v:end])
+            except (msgspec.DecodeError, RecursionError):
+                found.pop(key, None)
+        if data[end] != ord(","):
+            break
+        j = skip_ws(data, end + 1)
+    if found.get("role") is None and found.get("type") is None:
+        return None
+    return KindOnly(role=found.get("role"), type=found.get("type"))
+
+
 class Budget(Struct, frozen=True):
     size: int            # bytes of the array walked, from its opening bracket
     items: int           # items read
@@ -157,9 +220,11 @@ def walk(data: bytes, key: bytes, budget: Budget | None = None, ends: list[int] 
     """The items of the top-level array ``key`` one by one, reading only as far as the caller
     iterates; None when the body does not look like ``{..., "key": [...], ...}``. A body that
     turns out malformed further on ends the iteration early (the caller sees fewer items).
-    With a ``budget``, iterating past it raises ``OverBudget``. ``ends``: receives, before each
-    item is yielded, the offset just past it (the bytes from ``array_start`` to there are what
-    the items read so far were parsed from)."""
+    With a ``budget``, iterating past it raises ``OverBudget``, once the item that crosses it has
+    been yielded as its kind alone (``KindOnly``, when its first bytes say it). ``ends``:
+    receives, before each item is yielded, the offset just past it (the bytes from
+    ``array_start`` to there are what the items read so far were parsed from); -1 for a
+    ``KindOnly`` one (it was not read to its end)."""
     s = array_start(data, key)
     if s == -1:
         return None
@@ -173,23 +238,29 @@ def walk(data: bytes, key: bytes, budget: Budget | None = None, ends: list[int] 
             return
         n = 0
         while i < len(data):
-            if most is not None and n >= most:
-                raise OverBudget
-            try:
-                _skip.decode(view[i:stop])
-                if stop < len(data):
-                    end = stop           # the item ends exactly at the budget's edge
-                else:
-                    return  # an item running to the end of the body: not inside an array
-            except (msgspec.ValidationError, RecursionError):
-                return  # not an object, or nested deeper than msgspec reads
-            except msgspec.DecodeError as err:
-                m = _TRAILING.search(str(err))
-                if m is None:
+            over = most is not None and n >= most
+            if not over:
+                try:
+                    _skip.decode(view[i:stop])
                     if stop < len(data):
-                        raise OverBudget from None   # it does not end within the budget
-                    return
-                end = i + int(m.group(1)) - 1
+                        end = stop           # the item ends exactly at the budget's edge
+                    else:
+                        return  # an item running to the end of the body: not inside an array
+                except (msgspec.ValidationError, RecursionError):
+                    return  # not an object, or nested deeper than msgspec reads
+                except msgspec.DecodeError as err:
+                    m = _TRAILING.search(str(err))
+                    if m is None and stop >= len(data):
+                        return
+                    over = m is None             # it does not end within the budget
+                    end = -1 if over else i + int(m.group(1)) - 1
+            if over:
+                kind = kind_of_prefix(data, i)   # what it is, from its first bytes only
+                if kind is not None:
+                    if ends is not None:
+                        ends.append(-1)
+                    yield kind
+                raise OverBudget
             count(2 * (end - i))   # the skip, then the item's decode
             one = item(view[i:end])
             n += 1

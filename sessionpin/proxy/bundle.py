@@ -24,6 +24,12 @@ Rules this module keeps:
   call every part at once and hand what is to be awaited (``StoreRuntime.done``'s task on
   Redis, already scheduled) back to mitmproxy: the parts after the store's ``done`` no
   longer wait for its last words (they never depended on them).
+- A clean stop loses no record a watch holds back for its batch (``LineageWatch``'s roots
+  and anchors, ``LedgerWatch``'s turns): when mitmproxy is stopping and one has work
+  pending, ``done`` first lets it finish and write while the store is still open — in a task
+  handed to mitmproxy, which awaits it at exit; at most ``DRAIN_TIMEOUT``, then what is left
+  is dropped with one warning — and only then calls every part's ``done``, the store's close
+  among them. A script reload's ``done`` (synchronous, not awaited) calls them at once.
 - Per-flow facts pass between parts in ``flow.metadata`` (``"sessionpin"``: the decision;
   ``"sessionpin.*"``: a part's own, removed when its flow ends): no part keeps a dict keyed
   by flow.
@@ -43,6 +49,8 @@ from . import perflow
 log = logging.getLogger("sessionpin")
 
 _THROUGH = (exceptions.OptionsError, exceptions.AddonHalt)
+
+DRAIN_TIMEOUT = 2.0     # seconds a clean stop waits for the watches' pending records, at most
 
 # the parts, in the order each hook calls them (a hook skips the parts that do not take it)
 ORDER = ("defaults", "config", "runtime", "connect", "limit", "pages", "status", "router", "lineage",
@@ -115,7 +123,30 @@ class Sessionpin:
         _every(self._running, "running")
 
     def done(self) -> Awaitable[Any] | None:
-        return _every(self._done, "done")
+        """Every part's ``done``; first, when mitmproxy is stopping and a watch has records not yet
+        written (a stop inside their batching window), those are written while the store is open:
+        a task that drains them (``DRAIN_TIMEOUT`` at most) and then calls the parts, handed to
+        mitmproxy, which awaits it. A script reload's ``done`` (synchronous) calls them at once."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        busy = [w for w in (self.lineage, self.ledger) if _busy(w)] if loop is not None and _exiting() else []
+        if not busy:
+            return _every(self._done, "done")
+        return loop.create_task(self._drained_then_done(busy))
+
+    async def _drained_then_done(self, busy: list[Any]) -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.drain() for w in busy)), DRAIN_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("sessionpin: at exit: lineage records and ledger turns not written within %g s: "
+                        "dropped (forks of those conversations may be left alone)", DRAIN_TIMEOUT)
+        except Exception:
+            log.exception("sessionpin: at exit: cannot write the pending records")
+        got = _every(self._done, "done")
+        if got is not None:
+            await got
 
     # ---- connections ---------------------------------------------------------------------------
     def client_connected(self, client) -> None:
@@ -213,6 +244,25 @@ class Idle:
 
 def _nothing(*args: Any) -> None:
     return None
+
+
+def _exiting() -> bool:
+    """mitmproxy is stopping (SIGTERM, SIGINT, ``q``: its master's exit is set), as opposed to a
+    script reload, whose ``done`` is called from synchronous code and is not awaited."""
+    try:
+        from mitmproxy import ctx
+        return ctx.master.should_exit.is_set()
+    except Exception:
+        return False
+
+
+def _busy(part: Any) -> bool:
+    """A watch with work a stop would lose (``busy()``); a part left out (``Idle``) has none."""
+    try:
+        return not isinstance(part, Idle) and bool(part.busy())
+    except Exception:
+        _failed(_busy, "done")
+        return False
 
 
 def _one(fn: Callable[..., Any], hook: str, *args: Any) -> None:

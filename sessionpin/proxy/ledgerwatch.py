@@ -28,7 +28,8 @@ Rules it keeps (``sessionpin.accounting.ledger`` holds the rules of the figures,
 - The flow's comment gains the turn's tokens and cache read (``… | in 12.3k out 420 cache 97%``,
   and the miss's reason; a socket's comment, its latest turn's); the metadata gains ``ledger``.
 - Records are written in batches off the request path, a fraction of a second after the first,
-  one store write at a time (as ``LineageWatch`` does); a failed write is counted and logged once
+  one store write at a time (as ``LineageWatch`` does), and on a clean stop before the store
+  closes (``drain``: as ``LineageWatch``'s, bounded by ``bundle.DRAIN_TIMEOUT``); a failed write is counted and logged once
   per outage, never retried (a lost turn costs the ledger that turn, nothing else). A batch of
   several conversations the store refuses is written again one conversation at a time (until
   two fail in a row): a conversation whose record the store refuses (sums an older version let
@@ -180,6 +181,8 @@ class LedgerWatch:
         self.spans, self._otel = spans, kind
 
     def done(self) -> None:
+        if self._flusher is not None and not self._flusher.done():
+            self._flusher.cancel()       # (the exit's drain ran out of time: what is left is dropped)
         if self.spans is not None:
             self.spans.shutdown()
             self.spans = None
@@ -316,6 +319,19 @@ class LedgerWatch:
         await self.later.settled()
         while self._behind:
             await asyncio.gather(*list(self._behind.values()), return_exceptions=True)
+
+    def busy(self) -> bool:
+        """Work a stop would lose: turns not yet read, turns not yet written."""
+        return bool(self.later.pending or self._behind or
+                    (self._pending and self.runtime.store is not None)
+                    or (self._flusher is not None and not self._flusher.done()))
+
+    async def drain(self) -> None:
+        """At a clean stop, before the store closes (``bundle.Sessionpin.done``): the turns being
+        read, then their records, written. The caller bounds the wait."""
+        while self.busy() and self.runtime.store is not None:
+            await self.settled()
+            await asyncio.sleep(0.01)
 
     def error(self, flow: http.HTTPFlow):
         # An answer cut short (the client went away, the connection broke) was still billed for

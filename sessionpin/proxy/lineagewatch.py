@@ -43,6 +43,9 @@ Rules it keeps:
   reads waiting for the thread are bounded in number and bytes (``OffLoop.submit``: over it
   the record is skipped and counted). They gather for ``GATHER`` and go to the thread
   together: one hop per batch, not one per request with history.
+- A clean stop (SIGTERM, ``q``) writes what is pending before the store closes: the answers
+  that ended, their reads, the records (``drain``, awaited by ``bundle.Sessionpin.done``,
+  ``DRAIN_TIMEOUT`` at most: then dropped, one warning). A ``kill -9`` loses them.
 - Records are written in batches, a tenth of a second after the first of them (a hop to
   the store's writer thread per response cost more than the rest of this addon), one
   store write at a time: while a write waits (a
@@ -173,7 +176,20 @@ class LineageWatch:
         self.later = Later("lineage")   # what an answer gives, read once it has left
 
     def done(self) -> None:
+        if self._flusher is not None and not self._flusher.done():
+            self._flusher.cancel()       # (the exit's drain ran out of time: what is left is dropped)
         self.reads.close()
+
+    def busy(self) -> bool:
+        """Work a stop would lose: answers not yet read, reads, records not yet written."""
+        return bool(self.later.pending or self.reads.jobs or self._pending
+                    or (self._flusher is not None and not self._flusher.done()))
+
+    async def drain(self) -> None:
+        """At a clean stop, before the store closes (``bundle.Sessionpin.done``): what the answers
+        that ended give, then the reads, then the records, written. The caller bounds the wait."""
+        while self.busy() and self.runtime.store is not None:
+            await asyncio.sleep(0.01)
 
     def counts(self) -> dict[str, int]:
         """For the metrics: records written, dropped, skipped; reads and records still pending."""

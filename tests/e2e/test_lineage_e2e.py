@@ -345,3 +345,116 @@ def test_a_server_echoing_the_id_it_was_sent_takes_no_fork_of_another_servers_co
     if first_claim == "kept":
         assert rig.mitm.wait_output(rf"the anchor {re.escape(anchor)} was issued by 2 servers \(alt, glm\)",
                                     since=since), rig.mitm.tail(20)
+
+
+# ---- answers, restarts and bodies the first reads missed (review of forks, 2026-12-05) ----------
+
+
+def wait_for_root(rig: Rig, agent: str, root: str, timeout: float = 10.0) -> str | None:
+    """The session recorded under ``root``, once the proxy wrote it (None after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while (got := root_recorded(rig, agent, root)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+def test_a_fork_reaches_its_parent_whose_responses_opening_stopped_at_its_token_limit(rig: Rig):
+    """pi on Responses: the opening's answer ends in ``response.incomplete`` (max_output_tokens
+    reached) rather than ``response.completed``. The client keeps that answer, so it is the first
+    exchange the fork carries: the proxy must index it as a whole answer (chat's finish_reason
+    "length" and Anthropic's message_stop after max_tokens already were). Before, it was taken
+    for one cut short and the fork went where the agent addressed it."""
+    agent, scenario = "pi", "lineage-responses"
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    rig.forget_lineage()
+    first = CURRENT[agent]
+    recs = load(agent, scenario)
+    replay = Replay(uuid.uuid4().hex[:8])
+    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    opening = next(r for r in recs if conversation(r) == "A" and r.turn == "opening")
+    status, headers, body = recorded_response(files[opening.nn], replay)
+    body = body.replace(b'"type":"response.completed"', b'"type":"response.incomplete"') \
+               .replace(b"event: response.completed", b"event: response.incomplete")
+    assert b"response.incomplete" in body and b"response.completed" not in body
+    assert answered_with(rig, replay.prepare(opening), (status, headers, body)).landed == first
+    fork_post = next(r for r in recs if conversation(r) == "A-fork" and r.method == "POST")
+    fork = replay.prepare(fork_post)
+    fork_root = lineage.chain(fork.body, F.api_of("POST", fork_post.path), turns=1).keys[0]
+    assert wait_for_root(rig, agent, fork_root) is not None, "the opening's answer gave no root"
+    rig.set_current(**{agent.replace("-", "_"): OTHER[first]})
+    sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
+    assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"
+
+
+@pytest.mark.parametrize("agent, scenario", [("claude-code", "lineage"), ("opencode", "lineage")])
+def test_a_fork_reaches_its_parent_when_the_proxy_stopped_cleanly_right_after_its_only_exchange(
+        rig: Rig, agent, scenario):
+    """The parent's only exchange (its opening) is answered whole, and the proxy is stopped
+    gracefully (SIGTERM) at once — inside the batching window of its records (the reads gather
+    50 ms, the records 100 ms) — and started again; then the fork. A clean stop writes what is
+    pending before the store closes. Before, the store closed first and the records were lost:
+    the fork went where the agent addressed it (a kill -9 still loses them: not durable)."""
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    rig.forget_lineage()
+    first = CURRENT[agent]
+    recs = load(agent, scenario)
+    replay = Replay(uuid.uuid4().hex[:8])
+    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    a_recs = [r for r in recs if conversation(r) == "A"]
+    opening = next(r for r in a_recs if r.turn == "opening")
+    for rec in a_recs[:a_recs.index(opening)]:      # what comes before it (opencode's title)
+        answered_with(rig, replay.prepare(rec), recorded_response(files[rec.nn], replay))
+    rig.forget_lineage()                            # (waits until that was written: only the opening's is pending)
+    sent = answered_with(rig, replay.prepare(opening), recorded_response(files[opening.nn], replay))
+    assert sent.reply.status == 200 and sent.landed == first
+    rig.mitm.restart(sig=signal.SIGTERM)
+    assert "lineage records and ledger turns not written" not in rig.mitm.output
+    rig.set_current(**{agent.replace("-", "_"): OTHER[first]})
+    fork_post = next(r for r in recs if conversation(r) == "A-fork" and r.method == "POST")
+    fork = replay.prepare(fork_post)
+    sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
+    assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"
+
+
+def with_large_first_tool_result(p, size: int = 9_000_000):
+    """A Claude Code request whose item right after the first answer (the first tool result) holds
+    a large document — a PDF read by the Read tool, as base64 — as every later request of the
+    conversation and of its forks carries it. Its first exchange is untouched (a few KB)."""
+    body = json.loads(p.body)
+    msgs = body["messages"]
+    k = next(i for i, m in enumerate(msgs) if m["role"] == "assistant") + 1
+    assert msgs[k]["role"] == "user" and isinstance(msgs[k]["content"], list)
+    block = next(b for b in msgs[k]["content"] if b.get("type") == "tool_result")
+    block["content"] = [{"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                                        "data": "JVBERi0x" + "A" * size}}]
+    return p.with_body(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def test_a_fork_reaches_its_parent_whose_first_tool_result_is_larger_than_the_roots_budget(rig: Rig):
+    """Claude Code conversation A: its opening answered with a tool call, then a tool result of
+    ~9 MB (a PDF), which every later request of A and the fork carry right after the first answer.
+    The first exchange is a few KB: its root is read (the large item for its kind alone, from its
+    first bytes), on A's side and the fork's. Before, the read met the root's 8 MiB budget inside
+    that item and gave no root, which also refuted the fork's cc_prev_req anchor: left alone."""
+    agent, scenario = "claude-code", "lineage"
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    rig.forget_lineage()
+    first = CURRENT[agent]
+    recs = load(agent, scenario)
+    replay = Replay(uuid.uuid4().hex[:8])
+    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    landed = []
+    for rec in [r for r in recs if conversation(r) == "A"]:
+        p = replay.prepare(rec)
+        if rec.turn != "opening":
+            p = with_large_first_tool_result(p)
+        landed.append(answered_with(rig, p, recorded_response(files[rec.nn], replay)).landed)
+    assert landed == [first] * len(landed)
+    fork_post = next(r for r in recs if conversation(r) == "A-fork")
+    fork = replay.prepare(fork_post)
+    fork_root = lineage.chain(fork.body, F.api_of("POST", fork_post.path), turns=1).keys[0]  # its first exchange's
+    fork = with_large_first_tool_result(fork)
+    assert wait_for_root(rig, agent, fork_root) is not None, "A's requests recorded no root"
+    rig.set_current(claude_code=OTHER[first])
+    sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
+    assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"

@@ -118,10 +118,14 @@ class Allocations(Participant):
             msg = f"{store.url}: {e}" if store.url not in str(e) else str(e)
             return route.NotSaved(msg)
         if isinstance(got, members.Lost):
+            self.runtime.guard.saw(effect.session, got.loaded.pin, time.time())     # another proxy's pin
             return route.PinLost(got.loaded)
         if isinstance(got, members.Refused):
             return route.NotAllocated(got.status, got.kind, got.message, got.retry_after)
         if effect.commit:
+            # the pin the allocation wrote is one this proxy served, as a CreatePin's is: its loss
+            # later is a loss (a refusal), never "a conversation never seen begin"
+            self.runtime.guard.saw(effect.session, got.loaded.pin, time.time(), made=True)
             counter = self.moved if effect.reason else self.allocated
             counter[(pool.name, got.member)] += 1
             if effect.reason:
@@ -189,9 +193,16 @@ class Allocations(Participant):
             log.warning("sessionpin: quota of %s: %s", member, e)
 
     def failed(self, flow: http.HTTPFlow) -> None:
-        """The router's ``error`` hook: a soft member whose connection failed leaves new allocations."""
+        """The router's ``error`` hook: a soft member whose connection failed leaves new
+        allocations. Only a connection that failed: a member that answered, or whose connection
+        was made (the client hung up while it thought, or mid-stream), is not unreachable."""
         member = (flow.metadata.get("sessionpin") or {}).get("target")
-        if member and any(p.affinity == "soft" for p in self.config.config.pools_of(member)):
+        if not member or flow.response is not None:
+            return
+        conn = flow.server_conn
+        if conn.timestamp_tcp_setup is not None and (not conn.tls or conn.timestamp_tls_setup is not None):
+            return
+        if any(p.affinity == "soft" for p in self.config.config.pools_of(member)):
             self.unreachable[member] = time.monotonic()
 
     def _later(self, coro: Any) -> None:

@@ -357,3 +357,66 @@ def test_a_lying_member_gets_no_more_than_a_full_member_s_share_under_quota(rig:
         got[next(iter(rig.where(s)))] += 1
     # its share is a full member's: 1 / (1 + 0.8 + 0.8) of 30 = 11.5
     assert got[liar] <= 14 and all(got[m] >= 7 for m in honest), got
+
+
+# ---- a missing answer is not a "no" (found in review, 2026-12-05) ------------------------------
+
+
+def _lose_pin(rig: Pools, session: str, member: str) -> None:
+    """A cleanup script deletes the pin and its index entry (the store's identity untouched)."""
+    async def lose(store) -> None:
+        assert await store.delete(pins.key(session))
+        assert await store.zrem(pins.index_key("claude-code", member), session)
+    rig.store(lose)
+
+
+@pytest.mark.parametrize("pool", ["glm", "local"])
+def test_a_pool_pin_lost_after_its_opening_is_refused_never_moved(rig: Pools, pool: str) -> None:
+    """The pin a pool's allocation wrote is one the proxy served, as a plain server's pin is:
+    lost, the next turn is refused 424 naming the loss. Before, it was taken for a
+    conversation never seen begin and sent to the origin the agent addresses, pinned "not
+    routed" over the loss."""
+    rig.use(pool)
+    s = new_session()
+    assert rig.send(cc("opening", s)).status == 200
+    [member] = rig.where(s)
+    _lose_pin(rig, s, member)
+    r = rig.send(cc("continuation", s))
+    assert r.status == 424 and r.header("x-sessionpin-refused") == "store-lost", (r.status, r.text[:300])
+    assert rig.where(s) == {member: 1}
+
+
+def _hang_up_mid_stream(rig: Pools, session: str) -> None:
+    """An opening whose client reads the answer's headers and first bytes, then hangs up."""
+    p = rig.proxies[0]
+    req = cc("opening", session)
+    c = Client.via_proxy(p.port, p.mitm_ca, 10).connect(rig.fakes["anthropic"].origin)._conn
+    c.putrequest(req.method, req.path, skip_accept_encoding=True)
+    for k, v in req.headers:
+        c.putheader(k, v)
+    c.putheader("Content-Length", str(len(req.body)))
+    c.endheaders(req.body)
+    resp = c.getresponse()
+    assert resp.status == 200 and resp.read1(100)       # the member answered, and streams
+    resp.close()
+    c.close()
+
+
+def test_a_client_hanging_up_mid_stream_leaves_its_soft_member_in_the_pool(rig: Pools) -> None:
+    """A member that answered is reachable, whatever the client did then: before, a client
+    that hung up mid-stream (Esc) took its soft member out of new allocations for 10 s, and
+    with one such client on each replica every new conversation was refused 503."""
+    rig.use("local")
+    for name in REPLICAS:
+        rig.fakes[name].pause_after_first_ms = 2500
+    sessions = [new_session(), new_session()]
+    try:
+        for s in sessions:                              # round-robin: one on each replica
+            _hang_up_mid_stream(rig, s)
+        time.sleep(3.0)         # the members' streams end, and the proxy meets the clients gone
+    finally:
+        for name in REPLICAS:
+            rig.fakes[name].pause_after_first_ms = 0
+    assert sorted(m for s in sessions for m in rig.where(s)) == sorted(REPLICAS)
+    r = rig.send(cc("opening", new_session()))
+    assert r.status == 200, (r.status, r.header("x-sessionpin-refused"), r.text[:300])

@@ -202,6 +202,17 @@ def test_a_fork_reaches_its_parent_whose_answers_were_not_seen_whole(rig: Rig, a
     assert not wrong, f"off their conversation's server: {wrong}\nall: {landed}"
 
 
+def afresh(rig: Rig, agent: str, scenario: str):
+    """Every agent on its first server, an empty lineage index, and the recording with ids of
+    its own (no other test's pins or roots): (the agent's server, the records, their replay,
+    each record's file)."""
+    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
+    rig.forget_lineage()
+    recs = load(agent, scenario)
+    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    return CURRENT[agent], recs, Replay(uuid.uuid4().hex[:8]), files
+
+
 OVERLOADED = (529, [("content-type", "application/json"), ("request-id", "req_overloaded_1")],
               b'{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}')
 
@@ -225,12 +236,7 @@ def test_a_fork_reaches_its_parent_whose_opening_was_retried_after_an_error_answ
     and the root its fork carries. Before, only the answer of the request that *made* the pin
     was read, so a parent whose first exchange is all it had was not found and its fork went
     where the agent addressed it (found in review, 2026-12-05)."""
-    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
-    rig.forget_lineage()
-    first = CURRENT[agent]
-    recs = load(agent, scenario)
-    replay = Replay(uuid.uuid4().hex[:8])        # ids of its own: no other test's pins or roots
-    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    first, recs, replay, files = afresh(rig, agent, scenario)
     a_recs = [r for r in recs if conversation(r) == "A"]
     opening = next(r for r in a_recs if r.turn == "opening")
     for rec in a_recs[:a_recs.index(opening)]:      # what comes before it (opencode's title)
@@ -365,12 +371,7 @@ def test_a_fork_reaches_its_parent_whose_responses_opening_stopped_at_its_token_
     "length" and Anthropic's message_stop after max_tokens already were). Before, it was taken
     for one cut short and the fork went where the agent addressed it."""
     agent, scenario = "pi", "lineage-responses"
-    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
-    rig.forget_lineage()
-    first = CURRENT[agent]
-    recs = load(agent, scenario)
-    replay = Replay(uuid.uuid4().hex[:8])
-    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    first, recs, replay, files = afresh(rig, agent, scenario)
     opening = next(r for r in recs if conversation(r) == "A" and r.turn == "opening")
     status, headers, body = recorded_response(files[opening.nn], replay)
     body = body.replace(b'"type":"response.completed"', b'"type":"response.incomplete"') \
@@ -394,12 +395,7 @@ def test_a_fork_reaches_its_parent_when_the_proxy_stopped_cleanly_right_after_it
     50 ms, the records 100 ms) — and started again; then the fork. A clean stop writes what is
     pending before the store closes. Before, the store closed first and the records were lost:
     the fork went where the agent addressed it (a kill -9 still loses them: not durable)."""
-    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
-    rig.forget_lineage()
-    first = CURRENT[agent]
-    recs = load(agent, scenario)
-    replay = Replay(uuid.uuid4().hex[:8])
-    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    first, recs, replay, files = afresh(rig, agent, scenario)
     a_recs = [r for r in recs if conversation(r) == "A"]
     opening = next(r for r in a_recs if r.turn == "opening")
     for rec in a_recs[:a_recs.index(opening)]:      # what comes before it (opencode's title)
@@ -437,12 +433,7 @@ def test_a_fork_reaches_its_parent_whose_first_tool_result_is_larger_than_the_ro
     first bytes), on A's side and the fork's. Before, the read met the root's 8 MiB budget inside
     that item and gave no root, which also refuted the fork's cc_prev_req anchor: left alone."""
     agent, scenario = "claude-code", "lineage"
-    rig.set_current(without=(), **{k.replace("-", "_"): v for k, v in CURRENT.items()})
-    rig.forget_lineage()
-    first = CURRENT[agent]
-    recs = load(agent, scenario)
-    replay = Replay(uuid.uuid4().hex[:8])
-    files = {r.nn: next((FIXTURES / agent).glob(f"{scenario}-{r.nn:02d}-*.json")) for r in recs}
+    first, recs, replay, files = afresh(rig, agent, scenario)
     landed = []
     for rec in [r for r in recs if conversation(r) == "A"]:
         p = replay.prepare(rec)

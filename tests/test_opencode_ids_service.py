@@ -11,7 +11,7 @@ from sessionpin.opencode_ids.options import OPTIONS, PoolConfig
 from sessionpin.opencode_ids.participant import PoolParticipant
 from sessionpin.opencode_ids.service import PoolService, conversation_of, scope_of
 from sessionpin.opencode_ids.signals import ProbeResult
-from sessionpin.store import open_store
+from sessionpin.store import identity, open_store
 from sessionpin.store.aio import Inline
 from sessionpin.decision.steps import Refuse
 from sessionpin.store.base import READS, WRITES, NotDurable, StoreUnavailable
@@ -253,8 +253,8 @@ async def test_probe_credentials_stay_in_memory_and_are_replaced():
     assert dict(t.probe_target.headers) == {"authorization": "Bearer k1"}
     await svc.route("POST", CHAT, {"authorization": "Bearer k2"}, session="fp:1", model=M)
     assert dict(t.probe_target.headers) == {"authorization": "Bearer k2"}
-    dump = repr([await svc.store.hgetall(k) if k.startswith(state.SPARE_PREFIX) else await svc.store.get(k)
-                 for k in await svc.store.keys("")])
+    dump = repr([await svc.store.hgetall(k) if k.startswith(state.SPARE_PREFIX) or k == identity.MADE_KEY
+                 else await svc.store.get(k) for k in await svc.store.keys("")])
     assert "k1" not in dump and "k2" not in dump and "opencode.ai" not in dump
 
 

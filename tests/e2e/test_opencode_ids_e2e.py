@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -20,7 +21,7 @@ import pytest
 
 from fakegateway import FakeGateway, is_fast_id
 from sessionpin.opencode_ids import report, state
-from sessionpin.store import open_store
+from sessionpin.store import identity, open_store
 
 from .harness import Client, Mitmdump, TestCA
 
@@ -262,6 +263,65 @@ def test_two_proxies_sharing_one_store_never_share_an_id(env):
                 assert seen == conv or seen not in ids
     finally:
         m2.stop()
+
+
+PI_HEADERS = [("user-agent", "pi-coding-agent"), ("authorization", f"Bearer {KEY}"),
+              ("content-type", "application/json")]
+
+
+def status(env) -> dict:
+    return env["client"].request("GET", env["gw"].origin + "/__sessionpin/status").json()
+
+
+def restart(env) -> None:
+    env["m"].start()
+    env["client"] = Client.via_proxy(env["m"].port, env["m"].mitm_ca)
+
+
+def test_a_store_rolled_back_under_the_pools_bindings_is_refused_not_reused():
+    """A cold backup of the file store is taken while the proxy is stopped; conversation A
+    then takes a spare; the proxy is stopped and the backup put back. The proxy passes only
+    gateway traffic (no router pins), so before, nothing counted the binding: the rollback
+    went unseen, a new conversation B opening first was given A's id (a spare again in the
+    old copy) and A a new id mid-conversation. A binding counts one pin made now, so the
+    store reads as rolled back and every request is refused until the operator decides."""
+    with tempfile.TemporaryDirectory(prefix="sessionpin-pool-rb-") as tmp:
+        gen = _env(Path(tmp))
+        env = next(gen)
+        try:
+            work, m = env["work"], env["m"]
+            wait_spares(env, 2)
+            m.stop()
+            backup = work / "backup"
+            backup.mkdir()
+            for f in work.glob("state.db*"):
+                shutil.copy2(f, backup / f.name)
+            restart(env)
+            a_first = [{"role": "system", "content": f"pi {RUN} rb"}, {"role": "user", "content": "conversation A"}]
+            assert chat(env, PI_HEADERS, a_first).status == 200
+            a1 = last_request(env).session
+            made = read_store(env, identity.made)
+            deadline = time.monotonic() + 15                # the proxy remembers the count (it looks every second)
+            while status(env)["store_info"]["identity"].get("remembered_made", 0) < made:
+                assert time.monotonic() < deadline, status(env)["store_info"]
+                time.sleep(0.2)
+            m.stop()
+            for f in work.glob("state.db*"):
+                f.unlink()
+            for f in backup.iterdir():
+                shutil.copy2(f, work / f.name)
+            restart(env)
+            before = len(env["gw"].requests())
+            b_first = [{"role": "system", "content": f"pi {RUN} rb"}, {"role": "user", "content": "conversation B"}]
+            rb = chat(env, PI_HEADERS, b_first)             # a new conversation opens first
+            assert rb.status == 424 and rb.header("x-sessionpin-refused") == "store-lost", (rb.status, rb.text[:300])
+            assert "rolled back" in rb.text
+            ra = chat(env, PI_HEADERS, [*a_first, {"role": "assistant", "content": "ok"},
+                                        {"role": "user", "content": "more"}])
+            assert ra.status == 424 and ra.header("x-sessionpin-refused") == "store-lost", (ra.status, ra.text[:300])
+            assert all(r.session != a1 for r in env["gw"].requests()[before:])   # A's id went to nobody
+        finally:
+            next(gen, None)
 
 
 # ---- behind a corporate proxy: probes go out the way mitmproxy's upstream connections go ----

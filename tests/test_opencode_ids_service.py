@@ -239,7 +239,8 @@ async def test_a_refused_pool_request_is_answered_by_the_router_in_the_agents_fo
     flow = SimpleNamespace(response=None, metadata={}, comment="",
                            request=SimpleNamespace(method="POST", url=CHAT, headers={"authorization": "Bearer k1"},
                                                    raw_content=b""))
-    facts = SimpleNamespace(session="fp:9", model=M, has_history=True)   # no budget: no probe
+    facts = SimpleNamespace(session="s9", session_source="metadata.user_id", model=M,
+                            has_history=True)   # no budget: no probe
     got = await part.request(flow, facts)
     assert isinstance(got, Refuse) and got.status == 503
     assert flow.request.headers == {"authorization": "Bearer k1"} and flow.metadata == {}   # nothing changed

@@ -6,7 +6,10 @@ Rules this module keeps:
   chat/completions, messages, responses, with a model and credentials. Anything else is
   left alone (``route`` returns None).
 - The binding key is (conversation, provider, model); the conversation is the client's
-  ``x-opencode-session``, else the request reader's session (pi's ``fp:`` fingerprint).
+  ``x-opencode-session``, else the session the caller passes: the router's for a conversation
+  named by a fingerprint of its opening (pi), which the participant passes only when the
+  router resolved it (``unresolved``: it did not, and the request is left alone: two
+  conversations that opened alike share a fingerprint, and must not share an id).
 - The request leaves with ``x-opencode-session`` = ``Route.routed_id``; nothing else changes.
 - No pooled id (no fresh spare, no budget): a client that sent its own id keeps it; a
   client that sent none is bound a fresh random id, so the gateway (400 without the
@@ -147,6 +150,7 @@ class PoolService:
         self._probe_impl = probe
         self._ssl = None
         self.counters: Counter[str] = Counter()
+        self._said_unresolved = False   # the warning about a fingerprint the router did not resolve, said once
         self.targets: dict[tuple[str, str, str], _Target] = {}   # (origin, provider, model)
         self._inflight: dict[str, asyncio.Future] = {}
         self._cooldown: dict[str, int] = {}
@@ -239,11 +243,13 @@ class PoolService:
     # ---- the request path ---------------------------------------------------------------
 
     async def route(self, method: str, url: str, headers: Mapping[str, str], *, session: str | None,
-                    model: str | None, opening: bool = False) -> Route | Refuse | None:
+                    model: str | None, opening: bool = False, unresolved: bool = False) -> Route | Refuse | None:
         """The pool's decision for one request: a route, a refusal (the store failed twice), or
-        None to leave it alone. Never raises."""
+        None to leave it alone. Never raises. ``unresolved``: the request's conversation is
+        named by a fingerprint the router did not resolve (``session`` is None then); without
+        an id of the client's own it is left alone, counted, and said once in the log."""
         try:
-            return await self._route(method, url, headers, session, model, opening)
+            return await self._route(method, url, headers, session, model, opening, unresolved)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug of ours: the request goes on, untouched
@@ -251,13 +257,23 @@ class PoolService:
             self.counters["errors"] += 1
             return None
 
-    async def _route(self, method, url, headers, session, model, opening) -> Route | Refuse | None:
+    async def _route(self, method, url, headers, session, model, opening, unresolved=False) -> Route | Refuse | None:
         sc = scope_of(self.cfg, method, url)
         if sc is None or not model:
             return None
         h = {str(k).lower(): str(v) for k, v in headers.items()}
         conversation = conversation_of(h, session)
         target = self._learn(sc, model, h)
+        if conversation is None and unresolved and target is not None:
+            self.counters["skipped_unresolved"] += 1
+            if not self._said_unresolved:
+                self._said_unresolved = True
+                log.warning("sessionpin pool: a request to %s without an x-opencode-session, whose conversation "
+                            "only the fingerprint of its opening names, was left alone: conversations that opened "
+                            "alike share that fingerprint, and only the router tells them apart — for a server it "
+                            "routes. Configure the gateway as a server (docs/opencode_ids.md, \"Scope\") or have "
+                            "the client send its own id", sc.origin)
+            return None
         if conversation is None or target is None:
             self.counters["skipped"] += 1   # no conversation or no credentials: header untouched
             return None

@@ -246,6 +246,66 @@ async def test_a_refused_pool_request_is_answered_by_the_router_in_the_agents_fo
     assert flow.request.headers == {"authorization": "Bearer k1"} and flow.metadata == {}   # nothing changed
 
 
+async def _bound(svc, clock, conv="ses_del"):
+    await add_spare(svc, clock, "spare-1")
+    await add_spare(svc, clock, "spare-2")
+    h = {"x-opencode-session": conv, **AUTH}
+    r = await svc.route("POST", CHAT, h, session=conv, model=M)
+    assert r.routed_id == "spare-1"
+    return h, r
+
+
+async def test_a_binding_deleted_while_its_id_record_names_it_is_refused_not_given_a_new_id(caplog):
+    """A cleanup deletes a conversation's binding; its id's record still names the key. Before,
+    the next request took the next spare: the conversation's id changed mid-way."""
+    svc, clock, _ = make()
+    h, r = await _bound(svc, clock)
+    assert await svc.store.delete(state.bind_key(r.key))
+    assert await svc.store.get(state.id_key("spare-1")) == r.key
+    clock.now += 60_000
+    for _ in range(2):                      # refused each time, said once
+        got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+        assert isinstance(got, Refuse) and (got.status, got.kind, got.retry_after) == (424, "pool-lost", None)
+        assert "ses_del" in got.message and "store copy" in got.message
+    assert "spare-2" in await state.spares(svc.store, "opencode-go", M)          # no spare taken
+    assert await state.binding(svc.store, r.key) is None
+    assert svc.counters["refused_lost"] == 2
+    assert sum("is gone from store" in rec.getMessage() for rec in caplog.records) == 1
+
+
+async def test_a_binding_and_its_id_record_deleted_within_the_hour_are_a_loss_but_not_later():
+    """Both deleted less than an hour after this proxy routed the binding: a retirement since
+    would have left its tombstone, so this is a loss. Later (a tombstone may have expired), or
+    on a proxy that never routed the key, nothing says it was one: a new conversation."""
+    svc, clock, _ = make()
+    h, r = await _bound(svc, clock)
+    assert await svc.store.delete(state.bind_key(r.key)) and await svc.store.delete(state.id_key("spare-1"))
+    clock.now += 10 * 60_000
+    got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+    assert isinstance(got, Refuse) and got.kind == "pool-lost"
+    other = make()[0]                        # another proxy on a store of its own, which never routed it
+    await add_spare(other, clock, "spare-9")
+    assert (await other.route("POST", CHAT, h, session="ses_del", model=M)).routed_id == "spare-9"
+    clock.now += int(state.KEEP_RETIRED_S * 1000)
+    await add_spare(svc, clock, "spare-3")
+    got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+    assert got.routed_id == "spare-3" and got.how == "spare"
+
+
+async def test_a_retired_binding_takes_a_new_id_and_that_one_deleted_is_refused():
+    """A retirement leaves its tombstone: the next request takes a new id, as before; the
+    binding it makes is watched as the first was."""
+    svc, clock, _ = make()
+    h, r = await _bound(svc, clock)
+    assert await state.retire(svc.store, r.key, "spare-1", clock.now)
+    got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+    assert got.routed_id == "spare-2" and got.how == "spare"
+    assert await svc.store.delete(state.bind_key(r.key))
+    await add_spare(svc, clock, "spare-3")
+    got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+    assert isinstance(got, Refuse) and got.kind == "pool-lost"
+
+
 async def test_probe_credentials_stay_in_memory_and_are_replaced():
     svc, clock, _ = make()
     await svc.route("POST", CHAT, {"authorization": "Bearer k1", "x-opencode-session": "a", "cookie": "c"},

@@ -80,7 +80,7 @@ COUNTERS = (
     "probes_overloaded", "probes_timeout", "probes_failed",
     "spares_added", "spares_reverified", "spares_dropped",
     "observed", "strikes", "retired_quarantine", "retired_429", "retired_strikes", "retired_idle",
-    "retired_cap", "cycles", "store_errors", "refused_store", "errors",
+    "retired_cap", "cycles", "store_errors", "refused_store", "refused_lost", "errors",
 )
 
 

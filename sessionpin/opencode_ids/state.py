@@ -212,6 +212,25 @@ async def bind(store: Store, key: str, b: Binding) -> Binding | None:
     return await binding(store, key)
 
 
+class BindingLost(Exception):
+    """A binding this proxy routed is gone from the store, and nothing says it was retired."""
+
+    def __init__(self, key: str, routed_id: str, record: str | None) -> None:
+        super().__init__(key, routed_id, record)
+        self.key, self.routed_id, self.record = key, routed_id, record
+
+
+async def witness(store: Store, key: str, routed_id: str, *, recent: bool) -> None:
+    """The binding of ``key`` is missing, and this proxy routed ``routed_id`` for it: raise
+    ``BindingLost`` unless the id's record says it was retired. The record still naming the key
+    is a binding deleted (a cleanup, a partial loss); no record at all, when the proxy routed it
+    within ``KEEP_RETIRED_S`` (``recent``), is both deleted — a retirement since would have left
+    its tombstone. An older one may have been retired and its tombstone expired: not a loss."""
+    record = await store.get(id_key(routed_id))
+    if record == key or (record is None and recent):
+        raise BindingLost(key, routed_id, record)
+
+
 async def change(store: Store, key: str, routed_id: str, fn: Callable[[Binding], Binding]) -> Binding | None:
     """Replace the binding of ``key`` by ``fn(binding)`` if it still routes ``routed_id``.
 

@@ -22,6 +22,7 @@ import pytest
 
 from fakegateway import FakeGateway, is_fast_id
 from sessionpin.opencode_ids import report, state
+from sessionpin.reader.ids import short
 from sessionpin.records import lineindex, pins
 from sessionpin.store import identity, open_store
 
@@ -380,6 +381,32 @@ def test_a_store_rolled_back_under_the_pools_bindings_is_refused_not_reused():
             assert all(r.session != a1 for r in env["gw"].requests()[before:])   # A's id went to nobody
         finally:
             next(gen, None)
+
+
+def test_an_opencode_binding_deleted_is_refused_not_taken_for_a_new_conversation(env):
+    """A cleanup deletes a conversation's binding, while its id's record still names it.
+    Before, the next request was given another id mid-conversation; now it is refused (424,
+    as a lost pin is), naming the conversation and the way out, and no id is sent."""
+    wait_spares(env, 2)
+    conv = f"ses_{RUN}_del"
+    h = [*OPENCODE_HEADERS, ("x-opencode-session", conv)]
+    assert chat(env, h, [{"role": "user", "content": "one"}]).status == 200
+    first = last_request(env).session
+    assert first != conv
+
+    async def lose(st):
+        keys = [k for k in await st.keys(state.BIND_PREFIX) if k.startswith(state.BIND_PREFIX + conv + state.SEP)]
+        assert len(keys) == 1
+        assert await st.delete(keys[0])
+        assert await st.get(state.id_key(first)) == keys[0][len(state.BIND_PREFIX):]   # the witness stays
+    read_store(env, lose)
+    before = len(env["gw"].requests())
+    r = chat(env, h, [{"role": "user", "content": "one"}, {"role": "assistant", "content": "OK"},
+                      {"role": "user", "content": "two"}])
+    assert r.status == 424 and r.header("x-sessionpin-refused") == "pool-lost", (r.status, r.text[:300])
+    assert short(conv) in r.text and "store copy" in r.text, r.text[:300]
+    assert len(env["gw"].requests()) == before                          # nothing sent, under no id
+    assert env["m"].wait_output(r"sessionpin pool: the binding of conversation .* is gone from store", timeout=5)
 
 
 # ---- behind a corporate proxy: probes go out the way mitmproxy's upstream connections go ----

@@ -7,7 +7,9 @@ import pytest
 from mitmproxy import exceptions
 from mitmproxy.test import taddons, tflow, tutils
 
+from sessionpin.decision import ladder
 from sessionpin.opencode_ids import Manager, state
+from sessionpin.reader import facts as F
 from sessionpin.opencode_ids.options import OPTIONS
 from sessionpin.opencode_ids.participant import META, PoolOptions, PoolParticipant
 from sessionpin.store import open_store
@@ -84,10 +86,10 @@ async def test_the_gateway_host_check_follows_the_configured_gateways(wired):
     """The cheap host check before the scope's: a gateway's host in any case routes, a new
     gateway list takes effect at once (a self-hosted gateway on its own port), others not."""
     p, opts, tctx, _ = wired
-    pi = [("user-agent", "pi"), ("authorization", "Bearer k")]
+    pi = [("user-agent", "opencode/1"), ("authorization", "Bearer k"), ("x-opencode-session", "ses_1")]
     f = flow(pi, host="OpenCode.AI")
     await p.request(f)
-    assert f.metadata[META]["how"] == "fresh"
+    assert f.metadata[META]["how"] == "client"
     tctx.configure(opts, sessionpin_pool_gateways="https://gw.example.test:8443")
     for host, routed in (("opencode.ai", False), ("gw.example.test", False), ("GW.example.test", False)):
         g = flow(pi, host=host)
@@ -96,15 +98,67 @@ async def test_the_gateway_host_check_follows_the_configured_gateways(wired):
     h = flow(pi, host="gw.example.test")
     h.request.port = 8443
     await p.request(h)
-    assert h.metadata[META]["how"] in ("fresh", "binding")
+    assert h.metadata[META]["how"] == "client"
+
+
+PI = [("user-agent", "pi"), ("authorization", "Bearer k")]
+OPENING = [{"role": "system", "content": "pi"}, {"role": "user", "content": "go"}]
+
+
+def routed_pi(messages, resolved: str | None, pin_action=ladder.CREATE):
+    """A pi request (no id of its own: a fingerprint session) as the router leaves it: the
+    session it resolved in the flow's metadata, and its decision."""
+    f = flow(PI, messages=messages)
+    facts = F.read(f.request.method, f.request.url, f.request.headers.fields, f.request.raw_content, None)
+    assert facts.session_source == "fingerprint" and facts.session.startswith("fp:")
+    f.metadata["sessionpin"] = {"session": resolved if resolved is not None else facts.session}
+    return f, facts, ladder.Decision("zen", pin_action, ladder.Rule.OPENING, "pinned")
 
 
 async def test_pi_shaped_request_gets_a_session_header(wired):
     p, *_ = wired
-    f = flow([("user-agent", "pi"), ("authorization", "Bearer k")],
-             messages=[{"role": "system", "content": "pi"}, {"role": "user", "content": "go"}])
-    await p.request(f)
+    f, facts, decision = routed_pi(OPENING, "fp:x.1")
+    await p.request(f, facts, decision)
     assert f.metadata[META]["how"] == "fresh" and f.request.headers["x-opencode-session"] == f.metadata[META]["id"]
+    assert f.metadata[META]["key"].startswith("fp:x.1::")
+
+
+async def test_two_pi_conversations_that_opened_alike_are_keyed_by_the_routers_sessions(wired):
+    """One fingerprint (the same opening), two conversations the router told apart (a nonce
+    each, then their lineage): two bindings, two ids; each keeps its own on its next turn."""
+    p, *_ = wired
+    ids = {}
+    for resolved in ("fp:x.a", "fp:x.b"):
+        f, facts, decision = routed_pi(OPENING, resolved)
+        await p.request(f, facts, decision)
+        ids[resolved] = f.request.headers["x-opencode-session"]
+    assert ids["fp:x.a"] != ids["fp:x.b"]
+    for resolved in ("fp:x.a", "fp:x.b"):
+        turn2 = [*OPENING, {"role": "assistant", "content": resolved}, {"role": "user", "content": "on"}]
+        f, facts, decision = routed_pi(turn2, resolved, ladder.RENEW)
+        await p.request(f, facts, decision)
+        assert f.request.headers["x-opencode-session"] == ids[resolved]
+
+
+@pytest.mark.parametrize("how", ["no router", "bare fingerprint", "no pin", "refused"])
+async def test_a_pi_conversation_the_router_did_not_resolve_is_left_alone(wired, caplog, how):
+    """Without the router's resolution (the gateway is not a server it routes: an opening's
+    nonce that no later turn finds, then the fingerprint alone), a fingerprint names every
+    conversation that opened alike: no binding is made for it, the request leaves untouched."""
+    p, *_ = wired
+    f, facts, decision = routed_pi(OPENING, None if how == "bare fingerprint" else "fp:x.1",
+                                   ladder.NONE if how == "no pin" else ladder.CREATE)
+    if how == "refused":
+        decision = ladder.Decision(None, ladder.CREATE, ladder.Rule.OPENING, "x", refuse=424)
+    with caplog.at_level("WARNING", logger="sessionpin.opencode_ids.service"):
+        if how == "no router":
+            await p.request(f)
+        else:
+            await p.request(f, facts, decision)
+    assert "x-opencode-session" not in f.request.headers and META not in f.metadata
+    assert p.status()["counters"]["skipped_unresolved"] == 1
+    assert "only the fingerprint of its opening names" in caplog.text
+    assert await state.bindings(p.service.store) == {}
 
 
 async def test_mitmproxys_upstream_options_reach_the_pools_probes(wired, caplog):

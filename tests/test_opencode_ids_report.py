@@ -3,7 +3,7 @@ import json
 from collections import Counter
 
 from sessionpin.opencode_ids import report, state
-from sessionpin.store import open_store
+from sessionpin.store import identity, open_store
 
 NOW = 1_794_000_000_000
 TTL = 1_800_000
@@ -28,7 +28,8 @@ async def filled():
 async def dump(store):
     out = {}
     for k in await store.keys(""):
-        out[k] = await store.hgetall(k) if k.startswith(state.SPARE_PREFIX) else await store.get(k)
+        hashed = k.startswith(state.SPARE_PREFIX) or k == identity.MADE_KEY     # (each binding counts one pin made)
+        out[k] = await store.hgetall(k) if hashed else await store.get(k)
     return out
 
 

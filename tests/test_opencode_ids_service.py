@@ -11,7 +11,7 @@ from sessionpin.opencode_ids.options import OPTIONS, PoolConfig
 from sessionpin.opencode_ids.participant import PoolParticipant
 from sessionpin.opencode_ids.service import PoolService, conversation_of, scope_of
 from sessionpin.opencode_ids.signals import ProbeResult
-from sessionpin.store import open_store
+from sessionpin.store import identity, open_store
 from sessionpin.store.aio import Inline
 from sessionpin.decision.steps import Refuse
 from sessionpin.store.base import READS, WRITES, NotDurable, StoreUnavailable
@@ -239,10 +239,71 @@ async def test_a_refused_pool_request_is_answered_by_the_router_in_the_agents_fo
     flow = SimpleNamespace(response=None, metadata={}, comment="",
                            request=SimpleNamespace(method="POST", url=CHAT, headers={"authorization": "Bearer k1"},
                                                    raw_content=b""))
-    facts = SimpleNamespace(session="fp:9", model=M, has_history=True)   # no budget: no probe
+    facts = SimpleNamespace(session="s9", session_source="metadata.user_id", model=M,
+                            has_history=True)   # no budget: no probe
     got = await part.request(flow, facts)
     assert isinstance(got, Refuse) and got.status == 503
     assert flow.request.headers == {"authorization": "Bearer k1"} and flow.metadata == {}   # nothing changed
+
+
+async def _bound(svc, clock, conv="ses_del"):
+    await add_spare(svc, clock, "spare-1")
+    await add_spare(svc, clock, "spare-2")
+    h = {"x-opencode-session": conv, **AUTH}
+    r = await svc.route("POST", CHAT, h, session=conv, model=M)
+    assert r.routed_id == "spare-1"
+    return h, r
+
+
+async def test_a_binding_deleted_while_its_id_record_names_it_is_refused_not_given_a_new_id(caplog):
+    """A cleanup deletes a conversation's binding; its id's record still names the key. Before,
+    the next request took the next spare: the conversation's id changed mid-way."""
+    svc, clock, _ = make()
+    h, r = await _bound(svc, clock)
+    assert await svc.store.delete(state.bind_key(r.key))
+    assert await svc.store.get(state.id_key("spare-1")) == r.key
+    clock.now += 60_000
+    for _ in range(2):                      # refused each time, said once
+        got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+        assert isinstance(got, Refuse) and (got.status, got.kind, got.retry_after) == (424, "pool-lost", None)
+        assert "ses_del" in got.message and "store copy" in got.message
+    assert "spare-2" in await state.spares(svc.store, "opencode-go", M)          # no spare taken
+    assert await state.binding(svc.store, r.key) is None
+    assert svc.counters["refused_lost"] == 2
+    assert sum("is gone from store" in rec.getMessage() for rec in caplog.records) == 1
+
+
+async def test_a_binding_and_its_id_record_deleted_within_the_hour_are_a_loss_but_not_later():
+    """Both deleted less than an hour after this proxy routed the binding: a retirement since
+    would have left its tombstone, so this is a loss. Later (a tombstone may have expired), or
+    on a proxy that never routed the key, nothing says it was one: a new conversation."""
+    svc, clock, _ = make()
+    h, r = await _bound(svc, clock)
+    assert await svc.store.delete(state.bind_key(r.key)) and await svc.store.delete(state.id_key("spare-1"))
+    clock.now += 10 * 60_000
+    got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+    assert isinstance(got, Refuse) and got.kind == "pool-lost"
+    other = make()[0]                        # another proxy on a store of its own, which never routed it
+    await add_spare(other, clock, "spare-9")
+    assert (await other.route("POST", CHAT, h, session="ses_del", model=M)).routed_id == "spare-9"
+    clock.now += int(state.KEEP_RETIRED_S * 1000)
+    await add_spare(svc, clock, "spare-3")
+    got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+    assert got.routed_id == "spare-3" and got.how == "spare"
+
+
+async def test_a_retired_binding_takes_a_new_id_and_that_one_deleted_is_refused():
+    """A retirement leaves its tombstone: the next request takes a new id, as before; the
+    binding it makes is watched as the first was."""
+    svc, clock, _ = make()
+    h, r = await _bound(svc, clock)
+    assert await state.retire(svc.store, r.key, "spare-1", clock.now)
+    got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+    assert got.routed_id == "spare-2" and got.how == "spare"
+    assert await svc.store.delete(state.bind_key(r.key))
+    await add_spare(svc, clock, "spare-3")
+    got = await svc.route("POST", CHAT, h, session="ses_del", model=M)
+    assert isinstance(got, Refuse) and got.kind == "pool-lost"
 
 
 async def test_probe_credentials_stay_in_memory_and_are_replaced():
@@ -253,8 +314,8 @@ async def test_probe_credentials_stay_in_memory_and_are_replaced():
     assert dict(t.probe_target.headers) == {"authorization": "Bearer k1"}
     await svc.route("POST", CHAT, {"authorization": "Bearer k2"}, session="fp:1", model=M)
     assert dict(t.probe_target.headers) == {"authorization": "Bearer k2"}
-    dump = repr([await svc.store.hgetall(k) if k.startswith(state.SPARE_PREFIX) else await svc.store.get(k)
-                 for k in await svc.store.keys("")])
+    dump = repr([await svc.store.hgetall(k) if k.startswith(state.SPARE_PREFIX) or k == identity.MADE_KEY
+                 else await svc.store.get(k) for k in await svc.store.keys("")])
     assert "k1" not in dump and "k2" not in dump and "opencode.ai" not in dump
 
 

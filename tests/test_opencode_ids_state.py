@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from sessionpin.opencode_ids import state
 from sessionpin.opencode_ids.acquire import take_fresh
 from sessionpin.opencode_ids.options import PoolConfig
-from sessionpin.store import open_store, open_sync_store
+from sessionpin.store import identity, open_store, open_sync_store
 
 P, M = "opencode", "big-pickle"
 NOW = 1_794_000_000_000
@@ -83,6 +83,22 @@ async def test_bind_is_first_writer_wins_and_an_id_binds_once(store):
     assert (await state.bind(store, "c1", binding("r2"))).routed_id == "r1"   # the key's binding wins
     assert await state.bind(store, "c2", binding("r1")) is None                # r1 is taken: never twice
     assert await state.binding(store, "c2") is None
+
+
+async def test_every_binding_made_counts_one_pin_made_so_a_rolled_back_store_is_seen(store):
+    """A new binding is counted in the store's pins made (``identity.made``), in its apply: a
+    copy of the store older than a binding counts fewer and is refused as rolled back (the
+    router's guard), instead of the binding reading as never made and its id, a spare again
+    in the old copy, going to another conversation. A bind that finds the key bound, or the
+    id taken, writes nothing and counts nothing."""
+    assert await identity.made(store) == 0
+    assert await state.bind(store, "c1", binding("r1")) == binding("r1")
+    assert await identity.made(store) == 1
+    assert (await state.bind(store, "c1", binding("r2"))).routed_id == "r1"
+    assert await state.bind(store, "c2", binding("r1")) is None
+    assert await identity.made(store) == 1
+    assert await state.bind(store, "c2", binding("r2")) == binding("r2")
+    assert await identity.made(store) == 2
 
 
 async def test_retire_is_final_even_against_a_late_update(store):

@@ -7,6 +7,8 @@ every branch runs under a fake clock in tests.
 Rules it keeps:
 - a live binding is returned (and touched at most every 30 s): a resumed conversation
   keeps its id;
+- no binding, where the caller routed one for the key (``lost``): a loss is raised
+  (``state.BindingLost``), never a new id taken (the binding was deleted, not retired);
 - else the best *fresh* spare is claimed and bound in one store transition, with no
   network call; a stale spare is only probed when the budget allows a probe at all;
 - then, only while budget remains: probes of new random ids, spaced by
@@ -133,10 +135,14 @@ async def take_fresh(store: Store, key: str, provider: str, model: str, cfg: Poo
     return None
 
 
-async def existing(store: Store, key: str, cfg: PoolConfig, now: int, counters: Counter[str]) -> Acquired | None:
-    """A live binding (touched at most every 30 s); a dead one is retired on sight."""
+async def existing(store: Store, key: str, cfg: PoolConfig, now: int, counters: Counter[str],
+                   lost: Callable[[], Awaitable[None]] | None = None) -> Acquired | None:
+    """A live binding (touched at most every 30 s); a dead one is retired on sight. ``lost``:
+    awaited when there is no binding, raises when that is a loss (``state.witness``)."""
     b = await state.binding(store, key)
     if b is None:
+        if lost is not None:
+            await lost()
         return None
 
     def dead(x: state.Binding) -> bool:
@@ -155,10 +161,13 @@ async def existing(store: Store, key: str, cfg: PoolConfig, now: int, counters: 
 
 
 async def acquire(store: Store, key: str, provider: str, model: str, *, budget_ms: int, cfg: PoolConfig,
-                  clock: Clock, probe: ProbeFn, target: TargetState, counters: Counter[str]) -> Acquired | None:
-    """seeds/002 §5. None: no pooled id for this request (the caller falls back)."""
+                  clock: Clock, probe: ProbeFn, target: TargetState, counters: Counter[str],
+                  lost: Callable[[], Awaitable[None]] | None = None) -> Acquired | None:
+    """seeds/002 §5. None: no pooled id for this request (the caller falls back). ``lost``
+    (``existing``) raises ``state.BindingLost`` rather than take an absent binding for a new
+    conversation when the caller knows the key had one."""
     now = clock.now_ms()
-    found = await existing(store, key, cfg, now, counters)
+    found = await existing(store, key, cfg, now, counters, lost)
     if found is not None:
         return found
     found = await take_fresh(store, key, provider, model, cfg, now, counters)

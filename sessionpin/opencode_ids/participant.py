@@ -24,7 +24,11 @@ Hooks, in the order mitmproxy drives them:
 - ``running()``: start the refresh loop (sync). ``done()``: detach (sync). ``wants(method,
   url)``: is the request in the pool's scope (the router reads its facts only then).
 - ``request(flow, facts, decision)``: after the router decided; the request's *current*
-  URL decides the scope, so a request the router sent elsewhere is left alone. When the
+  URL decides the scope, so a request the router sent elsewhere is left alone. A
+  conversation named by the fingerprint of its opening (pi) is keyed by the session the
+  router resolved and pinned (``conversation``), never by the fingerprint: two conversations
+  that opened alike share it. One the router did not resolve (the gateway is not a server
+  it routes), without an id of the client's own, is left alone. When the
   pool's store failed twice it returns the service's ``Refuse`` (and changes nothing): the
   router answers the flow with it, as it answers its own refusals.
 - ``responseheaders(flow)``: starts the observation as a task of its own (on the running
@@ -46,10 +50,12 @@ from .options import OPTIONS, PoolConfig, parse
 from .service import HEADER, PoolService, Route, scope_of
 from .upstream import UPSTREAM_OPTIONS
 from ..reader import headerview
+from ..decision import ladder
 from ..decision.steps import Refuse
 
 log = logging.getLogger(__name__)
 META = "sessionpin_pool"
+FINGERPRINT = "fingerprint"     # a session the reader made of a conversation's opening (``Facts.session_source``)
 
 
 class PoolParticipant:
@@ -120,8 +126,10 @@ class PoolParticipant:
             from ..reader import facts as F
             facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
                            headerview.get(req.headers, "content-encoding", None))
-        route = await svc.route(req.method, req.url, req.headers, session=facts.session, model=facts.model,
-                                opening=not facts.has_history)
+        session = conversation(flow, facts, decision)
+        route = await svc.route(req.method, req.url, req.headers, session=session, model=facts.model,
+                                opening=not facts.has_history,
+                                unresolved=session is None and facts.session_source == FINGERPRINT)
         if route is None:
             return None
         if isinstance(route, Refuse):
@@ -214,6 +222,25 @@ class PoolOptions:
             self.participant.configure(values)
         except ValueError as e:
             raise self.error(str(e)) from None
+
+
+def conversation(flow, facts, decision) -> str | None:
+    """The conversation a request's binding is keyed by (the client's own ``x-opencode-session``
+    comes first, in the service): the reader's session, but for a conversation named by the
+    fingerprint of its opening (pi, which sends no id) the session the router resolved it to
+    (``flow.metadata["sessionpin"]["session"]``: the fingerprint, a nonce and its lineage), and
+    only when the router holds a pin for it (its decision creates or renews one) — two
+    conversations that opened alike share the fingerprint, so the fingerprint alone, or a
+    session the router resolved without pinning it (an opening's fresh nonce, which no later
+    turn finds), would give two conversations one id, or one conversation two. None: no
+    conversation the pool may key by."""
+    if facts.session_source != FINGERPRINT:
+        return facts.session
+    resolved = (flow.metadata.get("sessionpin") or {}).get("session")
+    if (decision is None or decision.refuse is not None or decision.pin_action not in (ladder.CREATE, ladder.RENEW)
+            or not isinstance(resolved, str) or not resolved or resolved == facts.session):
+        return None
+    return resolved
 
 
 async def _observe(svc: PoolService, route: Route, status: int, headers: dict[str, str]) -> str:

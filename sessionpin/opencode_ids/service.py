@@ -6,11 +6,18 @@ Rules this module keeps:
   chat/completions, messages, responses, with a model and credentials. Anything else is
   left alone (``route`` returns None).
 - The binding key is (conversation, provider, model); the conversation is the client's
-  ``x-opencode-session``, else the request reader's session (pi's ``fp:`` fingerprint).
+  ``x-opencode-session``, else the session the caller passes: the router's for a conversation
+  named by a fingerprint of its opening (pi), which the participant passes only when the
+  router resolved it (``unresolved``: it did not, and the request is left alone: two
+  conversations that opened alike share a fingerprint, and must not share an id).
 - The request leaves with ``x-opencode-session`` = ``Route.routed_id``; nothing else changes.
 - No pooled id (no fresh spare, no budget): a client that sent its own id keeps it; a
   client that sent none is bound a fresh random id, so the gateway (400 without the
   header) accepts it and the conversation keeps one id from then on.
+- A binding this proxy routed (remembered in bounded memory) that is gone from the store
+  while nothing says it was retired (``state.witness``: its id's record still names it, or
+  is gone too within the hour a retirement's tombstone lasts) is a loss: the request is
+  refused (424 ``pool-lost``, naming the conversation and the way out), never given a new id.
 - Probe credentials come from clients' live requests to that gateway and provider; they
   are kept in this object's memory only. A new credential unblocks a target that a
   401/403/400 had stopped.
@@ -40,7 +47,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
@@ -63,6 +70,7 @@ HEADER = "x-opencode-session"
 PROVIDERS = (("/zen/go/v1/", "opencode-go"), ("/zen/v1/", "opencode"))
 KINDS = ("chat/completions", "messages", "responses")
 MAX_CONVERSATION = 256
+ROUTED_BOUND = 50_000      # bindings this proxy remembers routing (as records/served.py for pins)
 STORE_RETRY_AFTER = 1      # seconds: a store that failed twice in a row may well be back by then
 
 
@@ -147,6 +155,11 @@ class PoolService:
         self._probe_impl = probe
         self._ssl = None
         self.counters: Counter[str] = Counter()
+        self._said_unresolved = False   # the warning about a fingerprint the router did not resolve, said once
+        # binding key -> (id, when last routed): the bindings this proxy routed, so one gone
+        # from the store is a loss, not a new conversation (bounded: the least recent goes first)
+        self._routed: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._lost_said: set[str] = set()
         self.targets: dict[tuple[str, str, str], _Target] = {}   # (origin, provider, model)
         self._inflight: dict[str, asyncio.Future] = {}
         self._cooldown: dict[str, int] = {}
@@ -239,11 +252,13 @@ class PoolService:
     # ---- the request path ---------------------------------------------------------------
 
     async def route(self, method: str, url: str, headers: Mapping[str, str], *, session: str | None,
-                    model: str | None, opening: bool = False) -> Route | Refuse | None:
+                    model: str | None, opening: bool = False, unresolved: bool = False) -> Route | Refuse | None:
         """The pool's decision for one request: a route, a refusal (the store failed twice), or
-        None to leave it alone. Never raises."""
+        None to leave it alone. Never raises. ``unresolved``: the request's conversation is
+        named by a fingerprint the router did not resolve (``session`` is None then); without
+        an id of the client's own it is left alone, counted, and said once in the log."""
         try:
-            return await self._route(method, url, headers, session, model, opening)
+            return await self._route(method, url, headers, session, model, opening, unresolved)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug of ours: the request goes on, untouched
@@ -251,13 +266,23 @@ class PoolService:
             self.counters["errors"] += 1
             return None
 
-    async def _route(self, method, url, headers, session, model, opening) -> Route | Refuse | None:
+    async def _route(self, method, url, headers, session, model, opening, unresolved=False) -> Route | Refuse | None:
         sc = scope_of(self.cfg, method, url)
         if sc is None or not model:
             return None
         h = {str(k).lower(): str(v) for k, v in headers.items()}
         conversation = conversation_of(h, session)
         target = self._learn(sc, model, h)
+        if conversation is None and unresolved and target is not None:
+            self.counters["skipped_unresolved"] += 1
+            if not self._said_unresolved:
+                self._said_unresolved = True
+                log.warning("sessionpin pool: a request to %s without an x-opencode-session, whose conversation "
+                            "only the fingerprint of its opening names, was left alone: conversations that opened "
+                            "alike share that fingerprint, and only the router tells them apart — for a server it "
+                            "routes. Configure the gateway as a server (docs/opencode_ids.md, \"Scope\") or have "
+                            "the client send its own id", sc.origin)
+            return None
         if conversation is None or target is None:
             self.counters["skipped"] += 1   # no conversation or no credentials: header untouched
             return None
@@ -272,12 +297,15 @@ class PoolService:
             self.counters["deduped"] += 1
         try:
             got: Acquired | None = await asyncio.shield(pending)
+        except state.BindingLost as e:
+            return self._lost(e, sc.provider, conversation)
         except Exception as e:
             if not _is_store_fault(e):
                 raise
             return self._refusal(e, sc.provider, conversation)
         if got is not None:
             self.counters[f"routed_{got.how}"] += 1
+            self._remember(key, got.routed_id)
             return Route(key, got.routed_id, got.how, sc.provider, model, sc.origin, client_id)
         if client_id:
             self.counters["routed_client"] += 1
@@ -289,7 +317,45 @@ class PoolService:
                 raise
             return self._refusal(e, sc.provider, conversation)
         self.counters[f"routed_{fresh.how}"] += 1
+        self._remember(key, fresh.routed_id)
         return Route(key, fresh.routed_id, fresh.how, sc.provider, model, sc.origin, None)
+
+    def _remember(self, key: str, routed_id: str) -> None:
+        self._routed[key] = (routed_id, self.clock.now_ms())
+        self._routed.move_to_end(key)
+        self._lost_said.discard(key)
+        while len(self._routed) > ROUTED_BOUND:
+            self._routed.popitem(last=False)
+
+    def _witness(self, key: str):
+        """For ``acquire``: the check that a missing binding of ``key`` is not a loss (None:
+        this proxy never routed the key, nothing to say)."""
+        known = self._routed.get(key)
+        if known is None:
+            return None
+        routed_id, at = known
+
+        async def lost() -> None:
+            recent = self.clock.now_ms() - at < state.KEEP_RETIRED_S * 1000
+            await state.witness(self.store, key, routed_id, recent=recent)
+        return lost
+
+    def _lost(self, e: state.BindingLost, provider: str, conversation: str) -> Refuse:
+        self.counters["refused_lost"] += 1
+        url = getattr(self._store, "url", "?")
+        how = ("its id's record still names it" if e.record is not None
+               else "and its id's record with it, less than an hour after this proxy routed it")
+        if e.key not in self._lost_said:
+            self._lost_said.add(e.key)
+            log.error("sessionpin pool: the binding of conversation %s (%s %s -> %s) is gone from store %s, %s: "
+                      "refused until it is back", short(conversation), provider, e.key.rsplit(state.SEP, 1)[-1],
+                      e.routed_id[:8], url, how)
+        return Refuse(424, "pool-lost", (
+            f"sessionpin: the {provider} session id of conversation {short(conversation)} is gone from its pool "
+            f"store {url}: the binding was deleted, not retired ({how}), so the request was not sent — another "
+            f"id would change the conversation's id mid-way. Restore the store from a backup ('sessionpin store "
+            f"copy BACKUP {url}') or start a new conversation; a restart of the proxy forgets the conversation, "
+            "whose next request then takes a new id."))
 
     async def _acquire(self, key: str, sc: Scope, model: str, target: _Target, opening: bool) -> Acquired | None:
         now = self.clock.now_ms()
@@ -300,7 +366,7 @@ class PoolService:
             try:
                 got = await acquire(self.store, key, sc.provider, model, budget_ms=budget, cfg=self.cfg,
                                     clock=self.clock, probe=self._probe_fn(target), target=target.state,
-                                    counters=self.counters)
+                                    counters=self.counters, lost=self._witness(key))
                 break
             except asyncio.CancelledError:
                 raise

@@ -24,7 +24,11 @@ Invariants, and how they hold across processes sharing one store:
    checks the binding is still the one read; every later change of a binding is a
    compare-and-set on the text it read, so it cannot resurrect a retired binding.
 
-Durability: a new binding is durable (a conversation keeps its id across a crash).
+Durability: a new binding is durable (a conversation keeps its id across a crash), and
+counts one pin made (``identity.made_writes``, in the same ``apply``), as every pin
+creation does: a store put back as an older copy of itself counts fewer and is refused as
+rolled back (docs/store.md), rather than its bindings made since read as never made — their
+ids, spares again in the old copy, would go to other conversations.
 Retirement and updates need not be: tombstone and deletion are one ``apply``, so a lost
 retirement brings back the binding as it was, and prune or the next observation retires
 it again. Observation's retirements ask for durability anyway (a slow id should not
@@ -40,6 +44,7 @@ from typing import Callable
 import msgspec
 
 from ..store.base import Check, Delete, HSet, Set, Store, WrongType
+from ..store.identity import made_writes
 
 SPARE_PREFIX = "pool:spare:"
 BIND_PREFIX = "pool:bind:"
@@ -199,11 +204,31 @@ async def bind(store: Store, key: str, b: Binding) -> Binding | None:
             return existing
         # ``raw`` may be an unreadable value: it reads as no binding and is replaced.
         if await store.apply([Check(bind_key(key), raw), Check(id_key(b.routed_id), None)],
-                             [Set(bind_key(key), encode(b)), Set(id_key(b.routed_id), key)], durable=True):
+                             [Set(bind_key(key), encode(b)), Set(id_key(b.routed_id), key), *made_writes()],
+                             durable=True):
             return b
         if await store.get(id_key(b.routed_id)) is not None:
             return await binding(store, key)
     return await binding(store, key)
+
+
+class BindingLost(Exception):
+    """A binding this proxy routed is gone from the store, and nothing says it was retired."""
+
+    def __init__(self, key: str, routed_id: str, record: str | None) -> None:
+        super().__init__(key, routed_id, record)
+        self.key, self.routed_id, self.record = key, routed_id, record
+
+
+async def witness(store: Store, key: str, routed_id: str, *, recent: bool) -> None:
+    """The binding of ``key`` is missing, and this proxy routed ``routed_id`` for it: raise
+    ``BindingLost`` unless the id's record says it was retired. The record still naming the key
+    is a binding deleted (a cleanup, a partial loss); no record at all, when the proxy routed it
+    within ``KEEP_RETIRED_S`` (``recent``), is both deleted — a retirement since would have left
+    its tombstone. An older one may have been retired and its tombstone expired: not a loss."""
+    record = await store.get(id_key(routed_id))
+    if record == key or (record is None and recent):
+        raise BindingLost(key, routed_id, record)
 
 
 async def change(store: Store, key: str, routed_id: str, fn: Callable[[Binding], Binding]) -> Binding | None:

@@ -9,7 +9,9 @@ the pool's probes both trust that CA. The pool's state is read back from the sam
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -20,7 +22,9 @@ import pytest
 
 from fakegateway import FakeGateway, is_fast_id
 from sessionpin.opencode_ids import report, state
-from sessionpin.store import open_store
+from sessionpin.reader.ids import short
+from sessionpin.records import lineindex, pins
+from sessionpin.store import identity, open_store
 
 from .harness import Client, Mitmdump, TestCA
 
@@ -104,6 +108,8 @@ def last_request(env):
 OPENCODE_HEADERS = [("user-agent", "opencode/1.18.33"), ("authorization", f"Bearer {KEY}"),
                     ("x-opencode-project", "prj_1"), ("x-opencode-request", "msg_1"),
                     ("x-opencode-client", "cli"), ("content-type", "application/json")]
+PI_HEADERS = [("user-agent", "pi-coding-agent"), ("authorization", f"Bearer {KEY}"),
+              ("content-type", "application/json")]
 
 
 def test_opencode_client_first_keeps_its_id_then_new_conversations_get_verified_spares(env):
@@ -144,18 +150,75 @@ def test_only_the_session_header_changes(env):
     assert [v for k, v in seen.headers if k.lower() == "x-opencode-session"] == [seen.session]
 
 
+ROOTS = lineindex.root_key("pi", "")      # the router's record of a conversation's history root
+
+
+@contextlib.contextmanager
+def gateway_routed_for_pi(env):
+    """The gateway configured as a server pi is routed to, so the router tells pi's
+    conversations apart (a fingerprint of the opening, a nonce, the lineage) and pins them."""
+    m, cfg = env["m"], env["work"] / "config.toml"
+    mark = m.line_count
+    cfg.write_text(f'[servers.zen]\nurl = "{env["gw"].origin}/zen/go"\n\n[agents.pi]\nserver = "zen"\n')
+    assert m.wait_output(r"config reloaded from .*servers: zen", timeout=15, since=mark), m.tail(20)
+    try:
+        yield
+    finally:
+        mark = m.line_count
+        cfg.write_text("")
+        assert m.wait_output(r"config reloaded from .*servers: none", timeout=15, since=mark), m.tail(20)
+
+
 def test_pi_shaped_client_without_a_session_header_gets_one_id_for_the_whole_conversation(env):
     wait_spares(env, 1)
-    pi = [("user-agent", "pi-coding-agent"), ("authorization", f"Bearer {KEY}"), ("content-type", "application/json")]
-    system = {"role": "system", "content": f"You are pi {RUN}"}
-    first = [system, {"role": "user", "content": "list files"}]
-    r = chat(env, pi, first)
-    assert r.status == 200                         # the gateway got a session header
-    routed = last_request(env).session
-    assert routed and is_fast_id(routed)
-    turn2 = [*first, {"role": "assistant", "content": "a b c"}, {"role": "user", "content": "thanks"}]
-    chat(env, pi, turn2)
-    assert last_request(env).session == routed
+    with gateway_routed_for_pi(env):
+        system = {"role": "system", "content": f"You are pi {RUN}"}
+        first = [system, {"role": "user", "content": "list files"}]
+        roots = set(read_store(env, lambda st: st.keys(ROOTS)))
+        r = chat(env, PI_HEADERS, first)
+        assert r.status == 200                         # the gateway got a session header
+        routed = last_request(env).session
+        assert routed and is_fast_id(routed)
+        deadline = time.monotonic() + 10               # the router learns the root from the answer, after it
+        while not set(read_store(env, lambda st: st.keys(ROOTS))) - roots:
+            assert time.monotonic() < deadline, env["m"].tail(20)
+            time.sleep(0.05)
+        turn2 = [*first, {"role": "assistant", "content": "OK"}, {"role": "user", "content": "thanks"}]
+        chat(env, PI_HEADERS, turn2)
+        assert last_request(env).session == routed
+
+
+def test_two_pi_conversations_that_opened_alike_never_share_a_gateway_id(env):
+    """pi sends no id: the reader names a conversation by a fingerprint of its opening, so
+    two that opened alike share it. The router tells them apart (a nonce each) and pins them
+    apart; before, the pool keyed its binding by the fingerprint alone and gave both one id."""
+    wait_spares(env, 2)
+    with gateway_routed_for_pi(env):
+        first = [{"role": "system", "content": f"You are pi {RUN}-alike"}, {"role": "user", "content": "hello"}]
+        assert chat(env, PI_HEADERS, first).status == 200
+        a = last_request(env).session
+        assert chat(env, PI_HEADERS, first).status == 200       # a second conversation, opened alike
+        b = last_request(env).session
+        pinned = [k for k in read_store(env, lambda st: st.keys(pins.PIN_PREFIX)) if k.startswith("pin:fp:")]
+        bound = [k for k in read_store(env, lambda st: st.keys(state.BIND_PREFIX)) if k.startswith("pool:bind:fp:")]
+        assert a and b and a != b, (a, b, pinned, bound)
+        for sid in (a, b):                                       # one binding each, under the router's sessions
+            key = read_store(env, lambda st, sid=sid: st.get(state.id_key(sid)))
+            assert key.split(state.SEP)[0] in {p[len(pins.PIN_PREFIX):] for p in pinned}, (key, pinned)
+
+
+def test_a_pi_conversation_the_router_does_not_resolve_is_left_alone(env):
+    """The gateway is not a server the router routes (no configuration): the router resolves
+    no pi conversation, and the fingerprint alone would give every conversation that opened
+    alike one id. The pool leaves the request alone (the gateway's own answer: 400 without an
+    id) and says why, once, in the log."""
+    wait_spares(env, 1)
+    before = len(read_store(env, lambda st: st.keys(state.BIND_PREFIX)))
+    first = [{"role": "system", "content": f"You are pi {RUN}-alone"}, {"role": "user", "content": "hello"}]
+    r = chat(env, PI_HEADERS, first)
+    assert r.status == 400 and last_request(env).session is None, (r.status, last_request(env))
+    assert len(read_store(env, lambda st: st.keys(state.BIND_PREFIX))) == before
+    assert env["m"].wait_output(r"only the fingerprint of its opening names", timeout=5), env["m"].tail(20)
 
 
 def test_a_bound_id_that_turns_slow_is_retired_and_replaced(env):
@@ -262,6 +325,88 @@ def test_two_proxies_sharing_one_store_never_share_an_id(env):
                 assert seen == conv or seen not in ids
     finally:
         m2.stop()
+
+
+def status(env) -> dict:
+    return env["client"].request("GET", env["gw"].origin + "/__sessionpin/status").json()
+
+
+def restart(env) -> None:
+    env["m"].start()
+    env["client"] = Client.via_proxy(env["m"].port, env["m"].mitm_ca)
+
+
+def test_a_store_rolled_back_under_the_pools_bindings_is_refused_not_reused():
+    """A cold backup of the file store is taken while the proxy is stopped; conversation A
+    then takes a spare; the proxy is stopped and the backup put back. The proxy passes only
+    gateway traffic (no router pins), so before, nothing counted the binding: the rollback
+    went unseen, a new conversation B opening first was given A's id (a spare again in the
+    old copy) and A a new id mid-conversation. A binding counts one pin made now, so the
+    store reads as rolled back and every request is refused until the operator decides."""
+    with tempfile.TemporaryDirectory(prefix="sessionpin-pool-rb-") as tmp:
+        gen = _env(Path(tmp))
+        env = next(gen)
+        try:
+            work, m = env["work"], env["m"]
+            wait_spares(env, 2)
+            m.stop()
+            backup = work / "backup"
+            backup.mkdir()
+            for f in work.glob("state.db*"):
+                shutil.copy2(f, backup / f.name)
+            restart(env)
+            a_headers = [*OPENCODE_HEADERS, ("x-opencode-session", f"ses_{RUN}_rb_a")]
+            b_headers = [*OPENCODE_HEADERS, ("x-opencode-session", f"ses_{RUN}_rb_b")]
+            a_first = [{"role": "user", "content": "conversation A"}]
+            assert chat(env, a_headers, a_first).status == 200
+            a1 = last_request(env).session
+            made = read_store(env, identity.made)
+            deadline = time.monotonic() + 15                # the proxy remembers the count (it looks every second)
+            while status(env)["store_info"]["identity"].get("remembered_made", 0) < made:
+                assert time.monotonic() < deadline, status(env)["store_info"]
+                time.sleep(0.2)
+            m.stop()
+            for f in work.glob("state.db*"):
+                f.unlink()
+            for f in backup.iterdir():
+                shutil.copy2(f, work / f.name)
+            restart(env)
+            before = len(env["gw"].requests())
+            rb = chat(env, b_headers, [{"role": "user", "content": "conversation B"}])   # a new one opens first
+            assert rb.status == 424 and rb.header("x-sessionpin-refused") == "store-lost", (rb.status, rb.text[:300])
+            assert "rolled back" in rb.text
+            ra = chat(env, a_headers, [*a_first, {"role": "assistant", "content": "OK"},
+                                       {"role": "user", "content": "more"}])
+            assert ra.status == 424 and ra.header("x-sessionpin-refused") == "store-lost", (ra.status, ra.text[:300])
+            assert all(r.session != a1 for r in env["gw"].requests()[before:])   # A's id went to nobody
+        finally:
+            next(gen, None)
+
+
+def test_an_opencode_binding_deleted_is_refused_not_taken_for_a_new_conversation(env):
+    """A cleanup deletes a conversation's binding, while its id's record still names it.
+    Before, the next request was given another id mid-conversation; now it is refused (424,
+    as a lost pin is), naming the conversation and the way out, and no id is sent."""
+    wait_spares(env, 2)
+    conv = f"ses_{RUN}_del"
+    h = [*OPENCODE_HEADERS, ("x-opencode-session", conv)]
+    assert chat(env, h, [{"role": "user", "content": "one"}]).status == 200
+    first = last_request(env).session
+    assert first != conv
+
+    async def lose(st):
+        keys = [k for k in await st.keys(state.BIND_PREFIX) if k.startswith(state.BIND_PREFIX + conv + state.SEP)]
+        assert len(keys) == 1
+        assert await st.delete(keys[0])
+        assert await st.get(state.id_key(first)) == keys[0][len(state.BIND_PREFIX):]   # the witness stays
+    read_store(env, lose)
+    before = len(env["gw"].requests())
+    r = chat(env, h, [{"role": "user", "content": "one"}, {"role": "assistant", "content": "OK"},
+                      {"role": "user", "content": "two"}])
+    assert r.status == 424 and r.header("x-sessionpin-refused") == "pool-lost", (r.status, r.text[:300])
+    assert short(conv) in r.text and "store copy" in r.text, r.text[:300]
+    assert len(env["gw"].requests()) == before                          # nothing sent, under no id
+    assert env["m"].wait_output(r"sessionpin pool: the binding of conversation .* is gone from store", timeout=5)
 
 
 # ---- behind a corporate proxy: probes go out the way mitmproxy's upstream connections go ----

@@ -141,10 +141,11 @@ async def test_two_pi_conversations_that_opened_alike_are_keyed_by_the_routers_s
 
 
 @pytest.mark.parametrize("how", ["no router", "bare fingerprint", "no pin", "refused"])
-async def test_a_pi_conversation_the_router_did_not_resolve_is_left_alone(wired, caplog, how):
+async def test_a_pi_conversation_the_router_did_not_resolve_is_keyed_by_its_fingerprint(wired, caplog, how):
     """Without the router's resolution (the gateway is not a server it routes: an opening's
-    nonce that no later turn finds, then the fingerprint alone), a fingerprint names every
-    conversation that opened alike: no binding is made for it, the request leaves untouched."""
+    nonce that no later turn finds, then the fingerprint alone), the fingerprint keys the
+    binding, as before: the gateway answers (it refuses a request without an id), and the log
+    says once that conversations that opened alike then share an id, with the way out."""
     p, *_ = wired
     f, facts, decision = routed_pi(OPENING, None if how == "bare fingerprint" else "fp:x.1",
                                    ladder.NONE if how == "no pin" else ladder.CREATE)
@@ -155,10 +156,11 @@ async def test_a_pi_conversation_the_router_did_not_resolve_is_left_alone(wired,
             await p.request(f)
         else:
             await p.request(f, facts, decision)
-    assert "x-opencode-session" not in f.request.headers and META not in f.metadata
-    assert p.status()["counters"]["skipped_unresolved"] == 1
+    assert f.request.headers.get("x-opencode-session") and META in f.metadata
+    assert p.status()["counters"]["routed_unresolved"] == 1
     assert "only the fingerprint of its opening names" in caplog.text
-    assert await state.bindings(p.service.store) == {}
+    bound = await state.bindings(p.service.store)
+    assert len(bound) == 1 and facts.session in next(iter(bound))       # keyed by the fingerprint
 
 
 async def test_mitmproxys_upstream_options_reach_the_pools_probes(wired, caplog):

@@ -28,7 +28,8 @@ Hooks, in the order mitmproxy drives them:
   conversation named by the fingerprint of its opening (pi) is keyed by the session the
   router resolved and pinned (``conversation``), never by the fingerprint: two conversations
   that opened alike share it. One the router did not resolve (the gateway is not a server
-  it routes), without an id of the client's own, is left alone. When the
+  it routes) is keyed by its fingerprint, as before, and the log says once that conversations
+  that opened alike then share an id. When the
   pool's store failed twice it returns the service's ``Refuse`` (and changes nothing): the
   router answers the flow with it, as it answers its own refusals.
 - ``responseheaders(flow)``: starts the observation as a task of its own (on the running
@@ -127,9 +128,9 @@ class PoolParticipant:
             facts = F.read(req.method, req.url, req.headers.fields, req.raw_content,
                            headerview.get(req.headers, "content-encoding", None))
         session = conversation(flow, facts, decision)
-        route = await svc.route(req.method, req.url, req.headers, session=session, model=facts.model,
-                                opening=not facts.has_history,
-                                unresolved=session is None and facts.session_source == FINGERPRINT)
+        unresolved = session is None and facts.session_source == FINGERPRINT
+        route = await svc.route(req.method, req.url, req.headers, session=facts.session if unresolved else session,
+                                model=facts.model, opening=not facts.has_history, unresolved=unresolved)
         if route is None:
             return None
         if isinstance(route, Refuse):

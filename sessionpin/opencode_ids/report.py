@@ -75,7 +75,7 @@ def text(snap: Mapping[str, Any]) -> str:
 # Counters a service keeps in memory, in the order status shows them.
 COUNTERS = (
     "routed_binding", "routed_spare", "routed_stale", "routed_probe", "routed_fresh", "routed_client",
-    "skipped", "skipped_unresolved", "deduped", "takes", "take_races_lost", "bind_conflicts", "cooldowns",
+    "skipped", "routed_unresolved", "deduped", "takes", "take_races_lost", "bind_conflicts", "cooldowns",
     "probes", "probes_fast", "probes_slow", "probes_unauthorized", "probes_rejected",
     "probes_overloaded", "probes_timeout", "probes_failed",
     "spares_added", "spares_reverified", "spares_dropped",

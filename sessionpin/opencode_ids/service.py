@@ -8,8 +8,9 @@ Rules this module keeps:
 - The binding key is (conversation, provider, model); the conversation is the client's
   ``x-opencode-session``, else the session the caller passes: the router's for a conversation
   named by a fingerprint of its opening (pi), which the participant passes only when the
-  router resolved it (``unresolved``: it did not, and the request is left alone: two
-  conversations that opened alike share a fingerprint, and must not share an id).
+  router resolved it; ``unresolved``: it did not (the gateway is not a server it routes), and
+  the fingerprint keys it, as before — two conversations that opened alike then share an id,
+  which the log says once, with the configuration that tells them apart.
 - The request leaves with ``x-opencode-session`` = ``Route.routed_id``; nothing else changes.
 - No pooled id (no fresh spare, no budget): a client that sent its own id keeps it; a
   client that sent none is bound a fresh random id, so the gateway (400 without the
@@ -255,8 +256,8 @@ class PoolService:
                     model: str | None, opening: bool = False, unresolved: bool = False) -> Route | Refuse | None:
         """The pool's decision for one request: a route, a refusal (the store failed twice), or
         None to leave it alone. Never raises. ``unresolved``: the request's conversation is
-        named by a fingerprint the router did not resolve (``session`` is None then); without
-        an id of the client's own it is left alone, counted, and said once in the log."""
+        named by a fingerprint the router did not resolve (``session`` is that fingerprint);
+        without an id of the client's own it is counted, and said once in the log."""
         try:
             return await self._route(method, url, headers, session, model, opening, unresolved)
         except asyncio.CancelledError:
@@ -273,16 +274,17 @@ class PoolService:
         h = {str(k).lower(): str(v) for k, v in headers.items()}
         conversation = conversation_of(h, session)
         target = self._learn(sc, model, h)
-        if conversation is None and unresolved and target is not None:
-            self.counters["skipped_unresolved"] += 1
+        if unresolved and not h.get(HEADER) and target is not None:
+            # keyed by the fingerprint, as before the router told conversations apart: the
+            # gateway answers (it refuses a request without an id), and the limit is said once
+            self.counters["routed_unresolved"] += 1
             if not self._said_unresolved:
                 self._said_unresolved = True
-                log.warning("sessionpin pool: a request to %s without an x-opencode-session, whose conversation "
-                            "only the fingerprint of its opening names, was left alone: conversations that opened "
-                            "alike share that fingerprint, and only the router tells them apart — for a server it "
-                            "routes. Configure the gateway as a server (docs/opencode_ids.md, \"Scope\") or have "
-                            "the client send its own id", sc.origin)
-            return None
+                log.warning("sessionpin pool: requests to %s without an x-opencode-session, whose conversation "
+                            "only the fingerprint of its opening names, are keyed by that fingerprint: "
+                            "conversations that opened alike share it (and so one gateway id); only the router "
+                            "tells them apart — for a server it routes. Configure the gateway as a server "
+                            "(docs/opencode_ids.md, \"Scope\") or have the client send its own id", sc.origin)
         if conversation is None or target is None:
             self.counters["skipped"] += 1   # no conversation or no credentials: header untouched
             return None

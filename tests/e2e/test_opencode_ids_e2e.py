@@ -207,17 +207,17 @@ def test_two_pi_conversations_that_opened_alike_never_share_a_gateway_id(env):
             assert key.split(state.SEP)[0] in {p[len(pins.PIN_PREFIX):] for p in pinned}, (key, pinned)
 
 
-def test_a_pi_conversation_the_router_does_not_resolve_is_left_alone(env):
+def test_a_pi_conversation_the_router_does_not_resolve_is_keyed_by_its_fingerprint(env):
     """The gateway is not a server the router routes (no configuration): the router resolves
-    no pi conversation, and the fingerprint alone would give every conversation that opened
-    alike one id. The pool leaves the request alone (the gateway's own answer: 400 without an
-    id) and says why, once, in the log."""
+    no pi conversation. The pool keys it by its fingerprint, as before, so pi keeps working
+    (the gateway refuses a request without an id), and the log says once that conversations
+    that opened alike then share an id, and how to tell them apart."""
     wait_spares(env, 1)
     before = len(read_store(env, lambda st: st.keys(state.BIND_PREFIX)))
     first = [{"role": "system", "content": f"You are pi {RUN}-alone"}, {"role": "user", "content": "hello"}]
     r = chat(env, PI_HEADERS, first)
-    assert r.status == 400 and last_request(env).session is None, (r.status, last_request(env))
-    assert len(read_store(env, lambda st: st.keys(state.BIND_PREFIX))) == before
+    assert r.status == 200 and last_request(env).session, (r.status, last_request(env))
+    assert len(read_store(env, lambda st: st.keys(state.BIND_PREFIX))) == before + 1
     assert env["m"].wait_output(r"only the fingerprint of its opening names", timeout=5), env["m"].tail(20)
 
 

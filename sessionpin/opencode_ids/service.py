@@ -62,6 +62,7 @@ from .refresh import Plan, cycle
 from .signals import ProbeResult
 from .upstream import describe as describe_upstream, ssl_context
 from ..reader.ids import short
+from ..decision.answers import NO_RETRY_STATUS
 from ..decision.steps import Refuse
 from ..store.base import Store, StoreError
 
@@ -348,11 +349,13 @@ class PoolService:
         how = ("its id's record still names it" if e.record is not None
                else "and its id's record with it, less than an hour after this proxy routed it")
         if e.key not in self._lost_said:
+            if len(self._lost_said) >= ROUTED_BOUND:     # said once per key, in bounded memory
+                self._lost_said.clear()
             self._lost_said.add(e.key)
             log.error("sessionpin pool: the binding of conversation %s (%s %s -> %s) is gone from store %s, %s: "
                       "refused until it is back", short(conversation), provider, e.key.rsplit(state.SEP, 1)[-1],
                       e.routed_id[:8], url, how)
-        return Refuse(424, "pool-lost", (
+        return Refuse(NO_RETRY_STATUS, "pool-lost", (
             f"sessionpin: the {provider} session id of conversation {short(conversation)} is gone from its pool "
             f"store {url}: the binding was deleted, not retired ({how}), so the request was not sent — another "
             f"id would change the conversation's id mid-way. Restore the store from a backup ('sessionpin store "

@@ -56,3 +56,27 @@ def test_the_no_retry_answer_as_each_agent_shows_it_at_once():
         status, body, headers = answers.no_retry(agent, api, "unreachable", message)
         assert status == answers.NO_RETRY_STATUS and headers["content-type"] == "application/json"
         assert "refused to connect" in body.decode()
+
+
+@pytest.mark.parametrize("api", [F.ANTHROPIC_MESSAGES, F.OPENAI_CHAT, F.OPENAI_RESPONSES])
+def test_pi_reads_no_status_in_the_numbers_of_a_no_retry_answer(api):
+    """pi retries any error whose text holds 429 or 500-504, inside a longer number too: a port,
+    a short id, a count. What pi is told holds none (a word joiner inside each run); what the
+    other agents are told is unchanged."""
+    message = ("sessionpin: conversation a5003f29 (4429 turns) is pinned to server local "
+               "(http://127.0.0.1:5000), which cannot be reached; 50429 and 5504 stay")
+    status, body, _ = answers.no_retry(F.PI, api, "unreachable", message)
+    shown = json.loads(body)["error"]["message"]
+    assert status == answers.NO_RETRY_STATUS
+    assert not PI_RETRY.search(shown) and not PI_RETRY.search(body.decode()), shown
+    assert shown.replace(answers.WORD_JOINER, "") == message
+    for agent in (F.CLAUDE_CODE, F.OPENCODE, F.UNKNOWN_AGENT):
+        _, body, _ = answers.no_retry(agent, api, "unreachable", message)
+        assert json.loads(body)["error"]["message"] == message
+
+
+def test_unnumbered_breaks_every_overlapping_run():
+    for text in ("429", "500", "502", "503", "504", "5004", "50429", "4290", "505", "4500429", "x5029y"):
+        out = answers.unnumbered(text)
+        assert not re.search(r"429|50[0234]", out) and out.replace(answers.WORD_JOINER, "") == text
+    assert answers.unnumbered("505 401 42 9") == "505 401 42 9"

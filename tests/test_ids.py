@@ -30,3 +30,14 @@ def test_shorts_are_unique_among_the_ids_shown():
 def test_an_id_nothing_shorter_tells_apart_is_shown_whole():
     got = ids.shorts(["abcdefgh1", "abcdefgh2"])
     assert got == {"abcdefgh1": "abcdefgh1", "abcdefgh2": "abcdefgh2"}
+
+
+def test_an_id_pasted_from_a_refusal_to_pi_is_the_id():
+    """A refusal to pi holds a word joiner inside digits pi's retry rule reads (answers.unnumbered):
+    pasted back into the CLI, the id is the id."""
+    from sessionpin.decision import answers
+    session = "a5003f29-0000-4000-8000-000000000429"
+    pasted = " " + answers.unnumbered(ids.short(session)) + "\n"
+    assert pasted.strip() != ids.short(session)
+    assert ids.typed(pasted) == ids.short(session) and ids.matches(session, ids.typed(pasted))
+    assert ids.typed("  abc ") == "abc"

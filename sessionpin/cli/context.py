@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from ..config import config as configmod
 from ..records import pins
-from ..reader.ids import matches, short
+from ..reader.ids import matches, short, typed
 from ..store import Store, StoreError, default_store_url, open_store, safe_url
 from ..store import identity
 from .common import HOUR, NOT_SEEN_BEGIN, Fail, iso, plural, where, why
@@ -315,7 +315,7 @@ async def _rows(store: Store, keep: Callable[[str], bool] | None = None) -> list
 
 def resolve(ctx: Ctx, given: str) -> Row:
     """A pinned conversation by its id, a unique prefix of it, or the short form shown."""
-    given = given.strip()
+    given = typed(given)
     if not given:
         raise Fail("give a session id, or its first characters (see `sessionpin sessions`)")
     store = ctx.store()

@@ -13,7 +13,7 @@ import time
 
 from ..accounting import ledger, prices
 from ..config.config import Config
-from ..reader.ids import matches, short
+from ..reader.ids import matches, short, typed
 from ..accounting.usage import FIELDS, Usage
 from .common import Fail, ago, dump_json, out, table
 from .context import Ctx
@@ -96,7 +96,7 @@ def _summary_json(cfg: Config, s: ledger.Summary) -> dict:
 
 def _resolve(ctx: Ctx, given: str) -> str:
     """A conversation with a ledger: its id, a unique prefix, or the short form shown."""
-    given = given.strip()
+    given = typed(given)
     if not given:
         raise Fail("give a session id, or its first characters (see `sessionpin sessions`)")
     store = ctx.store()

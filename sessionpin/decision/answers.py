@@ -60,6 +60,19 @@ _CALM = [(re.compile(p, re.IGNORECASE), w) for p, w in (
     (r"upstream.?connect", "upstream link"), (r"retry delay", "wait"))]
 
 
+# pi's rule also reads the numbers 429, 500, 502, 503 and 504 anywhere in the text, inside a
+# longer one too: a local server's port (``127.0.0.1:5000``), a short id (``…a5003f…``), a
+# count. A word joiner (U+2060, drawn as nothing) goes inside each such run in what pi is told,
+# so its rule reads no status there; the CLI drops it from an id pasted back (``ids.typed``).
+_STATUS_NUMBERS = re.compile(r"(?<=4)(?=29)|(?<=5)(?=0[0234])")
+WORD_JOINER = "\u2060"
+
+
+def unnumbered(message: str) -> str:
+    """``message`` with no run of digits pi's retry rule reads as a status (see above)."""
+    return _STATUS_NUMBERS.sub(WORD_JOINER, message)
+
+
 def calm(message: str) -> str:
     """``message`` without the words an agent's retry rule reads as "passing" (pi's)."""
     for pattern, words in _CALM:
@@ -91,6 +104,8 @@ def no_retry(agent: str, api: str, kind: str, message: str,
     """(status, body, headers) of a refusal no client may retry (``NO_RETRY_STATUS``), as the
     agent shows it at once: a WebSocket upgrade's 426 (Codex goes to HTTPS now); Codex's 400
     with the message as plain text; everyone else's 424 in its API's error format."""
+    if agent == F.PI:
+        message = unnumbered(message)
     body, headers = refusal(api, NO_RETRY_STATUS, kind, message)
     if upgrade:
         return NO_RETRY_UPGRADE_STATUS, body, headers

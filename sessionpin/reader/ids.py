@@ -9,7 +9,8 @@ Rules it keeps:
   says what sort of id it is; ``user_`` (an old Claude Code form) is dropped.
 - ``matches(id, given)`` is how the CLI finds a session from what a person typed: a
   prefix of the id, or a prefix of its short form, or the end of the id, or a shown
-  ``head…tail`` (both).
+  ``head…tail`` (both); ``typed(given)`` first drops what is drawn as nothing (pasted from a
+  refusal to pi).
 - ``shorts(ids)``: the short forms of the ids shown together, unique among them: where two
   share one (two pi conversations that opened alike: one fingerprint, two nonces), each
   gets ``…`` and as much of its end as tells it apart; the whole id if nothing does.
@@ -18,6 +19,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import re
+import unicodedata
 
 _UUID7 = re.compile(r"\A[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}\Z", re.IGNORECASE)
 _TIME_FIRST = ("ses_", "msg_", "prt_")   # opencode's time-ordered identifiers
@@ -61,6 +63,13 @@ def shorts(sessions) -> dict[str, str]:
             tail = x[-k:] if len({y[-k:] for y in same}) == len(same) else None
             out[x] = f"{head}{ELLIPSIS}{tail}" if tail is not None and len(head) + k < len(x) else x
     return out
+
+
+def typed(given: str) -> str:
+    """What a person typed or pasted as an id, without the blanks around it and the characters
+    drawn as nothing (a refusal to pi holds a word joiner inside digits its retry rule reads)."""
+    given = given.strip()
+    return "".join(c for c in given if unicodedata.category(c) != "Cf") if not given.isascii() else given
 
 
 def matches(session: str, given: str) -> bool:

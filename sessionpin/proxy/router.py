@@ -298,8 +298,8 @@ class Router:
             if isinstance(effect, route.ReadTitle):
                 return route.TitleRead(await store.get(TITLE_PREFIX + effect.session))
             if isinstance(effect, route.FindConversation):
-                return route.ConversationFound(await lineindex.find_conversation(store, effect.agent, effect.root,
-                                                                                 effect.fingerprint))
+                found = await lineindex.find_conversation(store, effect.agent, effect.root, effect.fingerprint)
+                return route.ConversationFound(found.session, found.apart)
             if isinstance(effect, route.FindParent):
                 found = await lineindex.find_parent(store, effect.agent, effect.session, effect.sessions,
                                                     effect.anchors, effect.root, state.request.config.servers)

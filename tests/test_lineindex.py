@@ -184,3 +184,27 @@ async def test_two_openings_at_once_on_one_store_both_stay_listed():
         assert sorted((await s.get(lineindex.opening_key("pi", FP))).split()) == [f"{FP}.{i}" for i in range(4)]
     finally:
         await s.close()
+
+
+async def test_a_parent_whose_pin_was_lost_stops_the_lookup_and_one_never_pinned_does_not(store):
+    """The root names P; P's pin is missing. Asked (``missing``): lost → the lookup says so and
+    names P (before: P was skipped as if never pinned, and the fork had no parent); never
+    pinned → the next candidate, as before."""
+    await record(store, "P", ROOT_P)
+    await store.delete(pins.key("P"))
+    asked = []
+
+    async def lost(session):
+        asked.append(session)
+        return f"the pin of {session} was lost"
+
+    async def never(session):
+        asked.append(session)
+        return None
+
+    found = await lineindex.find_parent(store, AGENT, "FORK", ["Q"], [], ROOT_P, SERVERS, never)
+    assert found.session == "Q" and asked == []                     # Q pinned, named first: P not asked
+    found = await lineindex.find_parent(store, AGENT, "FORK", [], [], ROOT_P, SERVERS, lost)
+    assert (found.session, found.lost, found.lost_parent) == (None, "the pin of P was lost", "P") and asked == ["P"]
+    found = await lineindex.find_parent(store, AGENT, "FORK", [], [], ROOT_P, SERVERS, never)
+    assert (found.session, found.lost) == (None, None)

@@ -32,13 +32,15 @@ Rules it keeps (docs/facts.md "Lineage", docs/router.md):
   found by its root). The newest writer of a key wins.
 - Looking up a parent tries the client's explicit links first (parent session ids, then
   corroborated anchors), then the root; a candidate counts only if it is not the request's
-  own session and has a pin of the same agent.
+  own session and has a pin of the same agent. A candidate whose pin is missing is asked
+  about (``missing``): a pin that was lost (the store lost it) stops the lookup — the fork is
+  refused as its parent's turn would be, never taken for one with no parent.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Awaitable, Callable, Iterable
 
 from . import pins
 from .pins import Loaded
@@ -142,13 +144,18 @@ class Lookup:
     loaded: Loaded = Loaded(None, None)
     voided: tuple[tuple[str, tuple[str, ...]], ...] = ()      # (anchor, the servers that all claim it)
     refuted: tuple[tuple[str, str], ...] = ()                 # (anchor, session) whose history disagrees
+    lost: str | None = None             # the parent's pin is missing and was lost (``missing``'s message)
+    lost_parent: str | None = None      # … that parent
 
 
 async def find_parent(store: Store, agent: str, own: str, sessions: Iterable[str], anchors: Iterable[str],
-                      root: str | None, servers: Iterable[str] = ()) -> Lookup:
+                      root: str | None, servers: Iterable[str] = (),
+                      missing: Callable[[str], Awaitable[str | None]] | None = None) -> Lookup:
     """The conversation a request without a pin forks or resumes, with its pin: explicit
     links first (anchors only as corroborated, see the module's rules), then the history's
-    root. ``servers``: every server that may have issued an anchor (the configured ones)."""
+    root. ``servers``: every server that may have issued an anchor (the configured ones).
+    ``missing(session)``: whether a candidate's missing pin was lost (a message) or never was
+    (None) — a parent whose pin was lost is not "no parent": the lookup stops there, ``lost``."""
     candidates = [s for s in sessions if s and s != own]
     anchors = list(dict.fromkeys(a for a in anchors if a))
     servers = sorted(set(servers))
@@ -175,6 +182,8 @@ async def find_parent(store: Store, agent: str, own: str, sessions: Iterable[str
         loaded = await pins.load(store, session)
         if loaded.pin is not None and loaded.pin.agent == agent:
             return Lookup(session, loaded, tuple(voided), tuple(refuted))
+        if loaded.pin is None and missing is not None and (lost := await missing(session)):
+            return Lookup(None, Loaded(None, None), tuple(voided), tuple(refuted), lost, session)
     return Lookup(None, Loaded(None, None), tuple(voided), tuple(refuted))
 
 

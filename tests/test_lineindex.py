@@ -114,9 +114,9 @@ async def test_conversations_that_began_alike_pinned_apart_are_not_told_by_their
     await pi_pin(store, FP + ".b", "alt")
     await lineindex.remember_opening(store, "pi", FP, FP + ".b")
     found = await lineindex.find_conversation(store, "pi", ROOT_P, FP)
-    assert found == lineindex.Found(None, ((FP + ".b", "alt"), (FP + ".a", "glm")))
+    assert found == lineindex.Found(None, apart=((FP + ".b", "alt"), (FP + ".a", "glm")))
     await store.set(lineindex.root_key("pi", ROOT_P), FP + ".a")     # its root known: no doubt
-    assert await lineindex.find_conversation(store, "pi", ROOT_P, FP) == lineindex.Found(FP + ".a")
+    assert await lineindex.find_conversation(store, "pi", ROOT_P, FP) == lineindex.Found(FP + ".a", by_root=True)
 
 
 async def test_pinned_apart_a_conversation_whose_known_root_is_another_is_not_this_one(store):
@@ -143,7 +143,7 @@ async def test_pinned_apart_and_every_known_root_another_none_is_told(store):
     await lineindex.record(store, "pi", FP + ".a", ROOT_P)
     await lineindex.record(store, "pi", FP + ".b", ROOT_Q)
     found = await lineindex.find_conversation(store, "pi", "c" * 32, FP)
-    assert found == lineindex.Found(None, ((FP + ".b", "alt"), (FP + ".a", "glm")))
+    assert found == lineindex.Found(None, apart=((FP + ".b", "alt"), (FP + ".a", "glm")))
 
 
 def test_only_a_conversation_keyed_by_a_fingerprint_records_its_root_by_session():

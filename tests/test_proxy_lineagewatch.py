@@ -83,6 +83,33 @@ async def test_an_openings_root_is_read_after_its_answer_never_before_it_leaves(
     assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123", "glm")) == f"{root} {SESSION}"
 
 
+async def test_an_openings_root_is_known_to_the_router_as_its_answer_has_left(proxy):
+    """The opening's head is read at once once its answer has left (a small body, no history), so
+    its root is known in memory before its client can send the next turn, whose lookup would
+    otherwise race the batched store write (pi's next turn right after a tool call)."""
+    f = flow()
+    await proxy.send(f)
+    watch = watch_of(proxy)
+    f.response = tutils.tresp(status_code=200, content=b"", headers=http.Headers(
+        [(b"content-type", b"text/event-stream"), (b"request-id", b"req_abc123")]))
+    f.response.headers.pop("content-length", None)
+    proxy.router.responseheaders(f)
+    watch.responseheaders(f)
+    for c in SSE:
+        f.response.stream(c)
+    watch.response(f)
+    await watch.later.settled()                    # the answer has left; the records not yet written
+    reader = StreamReader(F.ANTHROPIC_MESSAGES)
+    for c in SSE:
+        reader(c)
+    root = lineage.extend(lineage.chain(f.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).head,
+                          reader.result().digest)
+    assert watch.known_root("claude-code", root) == SESSION and watch.reads.jobs == 0
+    assert watch.known_root("claude-code", "0" * 32) is None
+    await watch.settled()
+    assert await proxy.store.get(lineindex.root_key("claude-code", root)) == SESSION
+
+
 async def test_an_answer_cut_short_records_no_root_but_the_next_request_carrying_it_does(proxy, monkeypatch):
     """Issue 18: the opening's answer was interrupted; the continuation that carries the
     history as the client kept it names the conversation by its root all the same."""

@@ -299,6 +299,11 @@ class Router:
                 return route.TitleRead(await store.get(TITLE_PREFIX + effect.session))
             if isinstance(effect, route.FindConversation):
                 found = await lineindex.find_conversation(store, effect.agent, effect.root, effect.fingerprint)
+                if not found.by_root and effect.root and self.lineage is not None \
+                        and (mine := self.lineage.known_root(effect.agent, effect.root)):
+                    # this proxy saw that root made (an opening's answer a moment ago) and its
+                    # record is still on its way to the store: the conversation is known
+                    return route.ConversationFound(mine)
                 return route.ConversationFound(found.session, found.apart)
             if isinstance(effect, route.FindParent):
                 async def missing(session: str) -> str | None:     # a parent's missing pin: lost, or never?

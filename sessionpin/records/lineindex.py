@@ -95,6 +95,7 @@ def _listed(value: str | None) -> list[str]:
 class Found:
     """Which conversation a turn named by a fingerprint belongs to."""
     session: str | None                                  # None: none known
+    by_root: bool = False                                # found by its history's root entry
     apart: tuple[tuple[str, str | None], ...] = ()       # (session, server) of conversations begun
     #                                                      alike and pinned apart: which one cannot be told
 
@@ -108,7 +109,7 @@ async def find_conversation(store: Store, agent: str, root: str | None, fingerpr
     keys = ([root_key(agent, root)] if root else []) + [opening_key(agent, fingerprint)]
     values = await store.mget(keys)
     if root and values[0]:
-        return Found(values[0])
+        return Found(values[0], by_root=True)
     listed = _listed(values[-1])
     if len(listed) <= 1:
         return Found(listed[0] if listed else None)
@@ -120,7 +121,7 @@ async def find_conversation(store: Store, agent: str, root: str | None, fingerpr
         # this one (its opening's answer was seen, this history's was not: another conversation)
         pinned = [c for c in pinned if not c[2] or c[2] == root] or pinned
     if len({server for _, server, _ in pinned}) > 1:
-        return Found(None, tuple((s, server) for s, server, _ in pinned))
+        return Found(None, apart=tuple((s, server) for s, server, _ in pinned))
     return Found(pinned[0][0] if pinned else listed[0])
 
 

@@ -475,6 +475,7 @@ def test_a_pi_turn_whose_root_is_unknown_is_not_given_to_a_later_conversation_th
     told (A's recorded root is not this one either) — refused clearly, sent nowhere."""
     agent, scenario = "pi", "lineage-chat"
     first, recs, replay, files = afresh(rig, agent, scenario)
+    rig.mitm.restart()         # nor what the proxy remembers of the index (the same first exchanges)
     a_open, a_resume, b_open, b_resume = (next(r for r in recs if r.nn == n) for n in (1, 2, 3, 4))
     assert (conversation(a_open), a_open.turn, conversation(b_open), b_open.turn) == ("A", "opening", "B", "opening")
     assert replay.prepare(a_open).body == replay.prepare(b_open).body     # the same opening
@@ -496,3 +497,23 @@ def test_a_pi_turn_whose_root_is_unknown_is_not_given_to_a_later_conversation_th
     assert sent.reply.status == 424, sent.reply.text
     text = sent.reply.text
     assert "cannot tell" in text and first in text and OTHER[first] in text, text
+
+
+def test_a_pi_turn_right_after_its_opening_is_its_own_while_an_alike_conversation_is_pinned_elsewhere(rig: Rig):
+    """The race the rule above must not lose: A (its root never known: its opening's answer cut)
+    on the agent's first server; switched; B opens with the same prompt on the other server and
+    its next turn follows at once — before B's records reach the store (they are batched a
+    moment after the answer). B's turn is B's: the proxy that saw B's opening answered whole
+    knows B's root from that moment (in memory), and never refuses it as one that cannot be
+    told, nor sends it to A's server."""
+    agent, scenario = "pi", "lineage-chat"
+    first, recs, replay, files = afresh(rig, agent, scenario)
+    rig.mitm.restart()         # nor what the proxy remembers of the index (the same first exchanges)
+    a_open, b_open, b_resume = (next(r for r in recs if r.nn == n) for n in (1, 3, 4))
+    sent = answered_with(rig, replay.prepare(a_open), cut_short(recorded_response(files[a_open.nn], replay)))
+    assert sent.landed == first
+    time.sleep(0.5)                                   # A's opening entry written
+    rig.set_current(**{agent: OTHER[first]})
+    assert answered_with(rig, replay.prepare(b_open), recorded_response(files[b_open.nn], replay)).landed == OTHER[first]
+    sent = answered_with(rig, replay.prepare(b_resume), recorded_response(files[b_resume.nn], replay))
+    assert sent.landed == OTHER[first], f"B's turn (B runs on {OTHER[first]}): {sent.landed} {sent.reply.text[:300]}"

@@ -66,6 +66,7 @@ from collections import OrderedDict, deque
 from mitmproxy import http
 
 from ..reader import facts as F
+from ..reader.kinds import FINGERPRINT_PREFIX
 from ..lineage import lineage
 from ..records import lineindex
 from ..lineage.lineage_stream import StreamReader
@@ -317,10 +318,12 @@ class LineageWatch:
                     if root:
                         self._recorded_lately(w.agent, root, w.session)
                         self._record(lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server))
-                if len(body) < HOLD_FROM and not encoding:
-                    # an opening's head, here (a few KB, no history: µs): its root is known to
-                    # ``known_root`` before any later request of its client is read — pi's next
-                    # turn follows at once and is placed by it, before the records reach the store
+                if w.session.startswith(FINGERPRINT_PREFIX) and len(body) < HOLD_FROM and not encoding:
+                    # a conversation without an id (pi's): its opening's head, here (a few KB, no
+                    # history: µs), so its root is known to ``known_root`` before any later request
+                    # of its client is read — its next turn, placed by its root, follows at once,
+                    # before the records reach the store. (Others are placed by their ids: the
+                    # thread, as before — a Claude Code opening's 100 KB would cost the loop more.)
                     answered(_head(body, w.api, ""))
                 else:
                     _when(self.reads.submit(len(body), _head, body, w.api, encoding), answered)

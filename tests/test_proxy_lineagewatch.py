@@ -83,6 +83,31 @@ async def test_an_openings_root_is_read_after_its_answer_never_before_it_leaves(
     assert await proxy.store.get(lineindex.anchor_key("claude-code", "req:req_abc123", "glm")) == f"{root} {SESSION}"
 
 
+@pytest.mark.parametrize("session, at_once", [("fp:0123abcd.89ab4567", True), (SESSION, False)])
+async def test_an_openings_root_is_known_as_its_answer_has_left_for_a_conversation_without_an_id(
+        proxy, session, at_once):
+    """A conversation keyed by a fingerprint (pi's) is placed by its root: its opening's head is
+    read at once when its answer has left (a small body, no history), so the root is known in
+    memory (``known_root``) before its client can send the next turn, whose lookup would
+    otherwise race the batched store write. Others are placed by their ids: read on the thread."""
+    f = flow()
+    await proxy.send(f)
+    watch = watch_of(proxy)
+    w = lineagewatch._Watched("pi" if at_once else "claude-code", session, F.ANTHROPIC_MESSAGES, True, "glm")
+    w.reader = StreamReader(F.ANTHROPIC_MESSAGES)
+    for c in SSE:
+        w.reader(c)
+    root = lineage.extend(lineage.chain(f.request.raw_content, F.ANTHROPIC_MESSAGES, turns=1).head,
+                          w.reader.result().digest)
+    watch._answered(f, w)
+    assert watch.known_root(w.agent, root) == (session if at_once else None)
+    assert watch.reads.jobs == (0 if at_once else 1)
+    await watch.settled()
+    assert watch.known_root(w.agent, root) == session
+    assert await proxy.store.get(lineindex.root_key(w.agent, root)) == session
+    assert watch.known_root(w.agent, "0" * 32) is None
+
+
 async def test_an_answer_cut_short_records_no_root_but_the_next_request_carrying_it_does(proxy, monkeypatch):
     """Issue 18: the opening's answer was interrupted; the continuation that carries the
     history as the client kept it names the conversation by its root all the same."""

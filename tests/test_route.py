@@ -53,7 +53,7 @@ NONE = Loaded(None, None)
 
 
 def answerer(*, pin=NONE, title=None, plan=OK, create=None, read_fails=False, signals=None, root=None,
-             parent=None, conversation=None, pins_by_session=None, unreachable=None, instead=None):
+             parent=None, conversation=None, apart=(), pins_by_session=None, unreachable=None, instead=None):
     """How the shell answers each effect, as told (``instead``: an effect's name -> the event
     its first performance gets in place of the usual answer)."""
     instead = dict(instead or {})
@@ -67,7 +67,7 @@ def answerer(*, pin=NONE, title=None, plan=OK, create=None, read_fails=False, si
         if isinstance(e, route.ReadLineage):
             return route.LineageRead(signals or Signals(), root)
         if isinstance(e, route.FindConversation):
-            return route.ConversationFound(conversation)
+            return route.ConversationFound(conversation, apart)
         if isinstance(e, route.FindParent):
             assert e.session != (parent or (None,))[0]
             return route.ParentFound(*parent) if parent else route.ParentFound(None)
@@ -232,6 +232,22 @@ def test_a_pi_opening_gets_its_own_id_and_a_fork_names_its_parent():
     assert isinstance(s2.effect, route.CreatePin) and s2.effect.pin.parent == "p" and s2.effect.pin.rule == "fork"
 
 
+def test_a_pi_turn_of_conversations_begun_alike_and_pinned_apart_is_refused_naming_them():
+    """Its root not known, the opening names two conversations pinned to different servers: it
+    could continue either. Before, it went to the latest one's pin (moving the other); now it
+    is refused, nothing pinned, nothing after it."""
+    pi = facts(F.CONTINUATION, agent=F.PI, session="fp:0123abcd", session_source="fingerprint", has_history=True)
+    seen, s = drive(request(pi), root="r1", apart=(("fp:0123abcd.bbbbbbbb", "alt"), ("fp:0123abcd.aaaaaaaa", "glm")))
+    assert seen == ["ReadLineage", "FindConversation"]
+    assert isinstance(s.effect, route.Refuse) and s.effect.status == 424 and s.effect.kind == "lineage-apart"
+    assert s.effect.retry_after is None and s.after == ()
+    msg = s.effect.message
+    assert "cannot tell" in msg and "alt" in msg and "glm" in msg and "sessionpin move" in msg
+    _, s = drive(request(pi), root="r1", conversation="fp:0123abcd.aaaaaaaa", pins_by_session={
+        "fp:0123abcd.aaaaaaaa": loaded("glm", agent=F.PI)})                     # told: its pin decides
+    assert s.state.session == "fp:0123abcd.aaaaaaaa" and s.state.decision.rule == "pinned"
+
+
 def unnamed(f=None, source=ANTHROPIC, endpoint="/chat/completions", path="/chat/completions"):
     """A request at a path sessionpin does not route that ends with ``endpoint``."""
     return route.Request(facts=f or facts(F.CONTINUATION, has_history=True), source=source, config=CONFIG,
@@ -377,6 +393,7 @@ PI_POOL = pools.facts(F.CONTINUATION, agent=F.PI, has_history=True)
 SOFT_GONE = pools.pool_pin("vllm-9", "local")  # a soft pool's member since removed: allocated afresh
 SOFT_MOVED = pools.allocated("vllm-2", "local", rule="soft-move")
 R, PR = request, pools.request
+APART = (("fp:0123abcd.b", "alt"), ("fp:0123abcd.a", "glm"))   # pi conversations begun alike
 
 WALK = [
     # (phase, event, the phase it leads to, whose answers, request, answers)
@@ -393,6 +410,7 @@ WALK = [
     (P.READING_LINEAGE, "LineageRead", P.FINDING_CONVERSATION, "", R(PI_TURN), {}),
     (P.READING_LINEAGE, "LineageRead", P.FINDING_PARENT, "", R(CONT), {}),
     (P.FINDING_CONVERSATION, "ConversationFound", P.READING_PIN, "", R(PI_TURN), {}),
+    (P.FINDING_CONVERSATION, "ConversationFound", P.REFUSED, "", R(PI_TURN), {"apart": APART}),
     (P.FINDING_PARENT, "ParentFound", P.LEFT, "", R(CONT), {}),
     (P.FINDING_PARENT, "ParentFound", P.REFUSED, "", R(FORK), {"parent": ("s-1", loaded("ete"))}),
     (P.FINDING_PARENT, "ParentFound", P.PLANNING, "", R(FORK), {"parent": ("s-1", loaded("anthropic"))}),

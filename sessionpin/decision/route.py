@@ -18,7 +18,7 @@ that answer them:
 
     ReadPin(session)         READING_PIN          -> PinRead(loaded) | StoreFailed | StoreLost
     ReadLineage()            READING_LINEAGE      -> LineageRead(signals, root)   (``lineage_of`` the body)
-    FindConversation(root, fingerprint) FINDING_CONVERSATION -> ConversationFound(session | None) | …
+    FindConversation(root, fingerprint) FINDING_CONVERSATION -> ConversationFound(session | None, apart) | …
     FindParent(links)        FINDING_PARENT       -> ParentFound(session | None, loaded) | …
     ReadTitle(session)       READING_TITLE        -> TitleRead(server | None) | …
     Plan(target, body)       PLANNING             -> Planned(changes)   (``plan`` with the request's bytes)
@@ -161,7 +161,7 @@ TRANSITIONS: dict[Phase, dict[type, frozenset[Phase]]] = {
     START: {Request: frozenset({LEFT, READING_PIN, READING_LINEAGE})},
     READING_PIN: {PinRead: _DECIDED | {READING_LINEAGE, READING_TITLE}, **_STORE},
     READING_LINEAGE: {LineageRead: frozenset({FINDING_CONVERSATION, FINDING_PARENT})},
-    FINDING_CONVERSATION: {ConversationFound: frozenset({READING_PIN}), **_STORE},
+    FINDING_CONVERSATION: {ConversationFound: frozenset({READING_PIN, REFUSED}), **_STORE},
     FINDING_PARENT: {ParentFound: frozenset({LEFT, REFUSED, PLANNING, READING_TITLE}), **_STORE},
     READING_TITLE: {TitleRead: frozenset({LEFT, PLANNING}), **_STORE},
     PLANNING: {Planned: frozenset({REFUSED, CREATING_PIN, CHECKING_REACHABLE, FORWARDED})},
@@ -292,8 +292,27 @@ def _on_lineage_read(state: State, event: LineageRead) -> Step:
 
 
 def _on_conversation_found(state: State, event: ConversationFound) -> Step:
+    if event.apart:
+        return _apart(state, event.apart)
     session = event.session or state.request.facts.session     # else a pin of the fingerprint alone (older pins)
     return _go(_replace(state, session=session), ReadPin(session))
+
+
+def _apart(state: State, apart: tuple[tuple[str, str | None], ...]) -> Step:
+    """A turn whose history's root is not known, of an opening several conversations began with,
+    pinned to different places: it continues one of them, which one cannot be told. Sent to the
+    latest of them (as before) it would move an older one, running on its own server; left
+    alone it would go where the agent addresses, perhaps another server still. Refused, naming
+    them: nothing is pinned or moved."""
+    f = state.request.facts
+    where = ", ".join(f"{s} on {server if server else '(not routed)'}" for s, server in apart)
+    return _go(state, Refuse(NO_RETRY_STATUS, "lineage-apart", (
+        f"sessionpin: this {f.agent} turn continues one of {len(apart)} conversations that began with the "
+        f"same opening and are pinned to different servers ({where}), and sessionpin cannot tell which: "
+        f"the first answer its history carries is not in its lineage index (not seen whole, or its record "
+        f"was lost). It was not sent anywhere, so no "
+        f"conversation is moved. If they may share one server, move them there "
+        f"(`sessionpin move ID SERVER`, then send it again); otherwise start the conversation afresh.")))
 
 
 def _on_parent_found(state: State, event: ParentFound) -> Step:

@@ -178,6 +178,9 @@ class LineageRead(msgspec.Struct, frozen=True):
 
 class ConversationFound(msgspec.Struct, frozen=True):
     session: str | None
+    # conversations that began with the same opening, pinned to different places (session,
+    # server): the turn could be any of them (``lineindex.Found.apart``); then no session
+    apart: tuple[tuple[str, str | None], ...] = ()
 
 
 class ParentFound(msgspec.Struct, frozen=True):

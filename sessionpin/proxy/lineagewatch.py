@@ -66,6 +66,7 @@ from collections import OrderedDict, deque
 from mitmproxy import http
 
 from ..reader import facts as F
+from ..reader.kinds import FINGERPRINT_PREFIX
 from ..lineage import lineage
 from ..records import lineindex
 from ..lineage.lineage_stream import StreamReader
@@ -266,6 +267,12 @@ class LineageWatch:
         self._recorded_lately(agent, root, session)
         self._record(lineindex.record_writes(agent, session, root))
 
+    def known_root(self, agent: str, root: str) -> str | None:
+        """The conversation this proxy lately recorded ``root`` for — written to the store or
+        still on its way there (the router asks when the store has no entry for it yet)."""
+        seen = self._roots.get((agent, root))
+        return seen[0] if seen is not None and time.monotonic() - seen[1] < REFRESH else None
+
     def _recorded_lately(self, agent: str, root: str, session: str) -> None:
         self._roots[(agent, root)] = (session, time.monotonic())
         self._roots.move_to_end((agent, root))
@@ -304,14 +311,22 @@ class LineageWatch:
             req = flow.request
             body = req.raw_content
             if answer.complete and not answer.overflow and body:
-                fut = self.reads.submit(len(body), _head, body, w.api, headerview.get(req.headers, "content-encoding"))
+                encoding = headerview.get(req.headers, "content-encoding")
 
                 def answered(head: str | None) -> None:
                     root = lineage.extend(head, answer.digest) if head is not None else None
                     if root:
                         self._recorded_lately(w.agent, root, w.session)
                         self._record(lineindex.record_writes(w.agent, w.session, root, w.anchors, w.server))
-                _when(fut, answered)
+                if w.session.startswith(FINGERPRINT_PREFIX) and len(body) < HOLD_FROM and not encoding:
+                    # a conversation without an id (pi's): its opening's head, here (a few KB, no
+                    # history: µs), so its root is known to ``known_root`` before any later request
+                    # of its client is read — its next turn, placed by its root, follows at once,
+                    # before the records reach the store. (Others are placed by their ids: the
+                    # thread, as before — a Claude Code opening's 100 KB would cost the loop more.)
+                    answered(_head(body, w.api, ""))
+                else:
+                    _when(self.reads.submit(len(body), _head, body, w.api, encoding), answered)
             return
         if w.anchors:
             _when(w.root, lambda root: self._record(

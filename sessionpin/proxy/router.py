@@ -298,15 +298,29 @@ class Router:
             if isinstance(effect, route.ReadTitle):
                 return route.TitleRead(await store.get(TITLE_PREFIX + effect.session))
             if isinstance(effect, route.FindConversation):
-                return route.ConversationFound(await lineindex.find_conversation(store, effect.agent, effect.root,
-                                                                                 effect.fingerprint))
+                found = await lineindex.find_conversation(store, effect.agent, effect.root, effect.fingerprint)
+                if not found.by_root and effect.root and self.lineage is not None \
+                        and (mine := self.lineage.known_root(effect.agent, effect.root)):
+                    # this proxy saw that root made (an opening's answer a moment ago) and its
+                    # record is still on its way to the store: the conversation is known
+                    return route.ConversationFound(mine)
+                return route.ConversationFound(found.session, found.apart)
             if isinstance(effect, route.FindParent):
+                async def missing(session: str) -> str | None:     # a parent's missing pin: lost, or never?
+                    return await guard.missed(store, session, effect.agent, time.time())
                 found = await lineindex.find_parent(store, effect.agent, effect.session, effect.sessions,
-                                                    effect.anchors, effect.root, state.request.config.servers)
+                                                    effect.anchors, effect.root, state.request.config.servers,
+                                                    missing)
                 for anchor, issuers in found.voided:
                     log.warning("sessionpin: %s %s: the anchor %s was issued by %d servers (%s); it names no "
                                 "conversation (an anchor belongs to the one server that issued it)", effect.agent,
                                 short(effect.session), anchor, len(issuers), ", ".join(issuers))
+                if found.lost:
+                    self.metrics.store_lost += 1
+                    # its parent's pin is gone: not "no parent". The parent by its short id on the
+                    # agent's screen, as the session's own (``_refuse``); the guard logged the whole one
+                    parent = found.lost_parent or ""
+                    return route.StoreLost(found.lost.replace(parent, short(parent)) if parent else found.lost)
                 return route.ParentFound(found.session, found.loaded) if found.session else route.ParentFound(None)
             if isinstance(effect, route.CreatePin):
                 got = await pins.create(store, effect.session, effect.pin, effect.seen)

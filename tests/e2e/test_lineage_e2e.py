@@ -449,3 +449,71 @@ def test_a_fork_reaches_its_parent_whose_first_tool_result_is_larger_than_the_ro
     rig.set_current(claude_code=OTHER[first])
     sent = answered_with(rig, fork, recorded_response(files[fork_post.nn], replay))
     assert sent.landed == first, f"the fork of a parent on {first} landed on {sent.landed}"
+
+
+def cut_short(answer):
+    """A recorded SSE answer without its last two events (the finish and ``[DONE]``): not whole."""
+    status, headers, body = answer
+    events = body.split(b"\n\n")
+    kept = [e for e in events if e.strip()][:-2]
+    assert kept and b"finish_reason\":\"stop" not in b"".join(kept)
+    return status, headers, b"\n\n".join(kept) + b"\n\n"
+
+
+@pytest.mark.parametrize("how", ["cut-short", "answers-differ"])
+def test_a_pi_turn_whose_root_is_unknown_is_not_given_to_a_later_conversation_that_began_alike(rig: Rig, how):
+    """pi without an id (chat/completions): conversation A opens on the agent's server, and the
+    proxy does not learn the root its history carries — ``cut-short``: its opening's answer
+    reaches the proxy without its end (no root recorded, as for a stream cut, an event over the
+    reader's bound, a record lost to a kill -9); ``answers-differ``: the answer the proxy saw is
+    not the one A's history carries (a root is recorded for A, not this one). The agent is
+    switched to the other server, and B opens there with the same prompt, answered whole: the
+    latest conversation begun with that opening. Then A's next turn. Before, it went to B's
+    server (the latest with that opening: a guess), moving A, which runs on its first server.
+    Now B, whose root is known and is not this history's, is not taken for it: ``cut-short``
+    leaves A alone as the one candidate — A's server; ``answers-differ`` leaves none that can be
+    told (A's recorded root is not this one either) — refused clearly, sent nowhere."""
+    agent, scenario = "pi", "lineage-chat"
+    first, recs, replay, files = afresh(rig, agent, scenario)
+    rig.mitm.restart()         # nor what the proxy remembers of the index (the same first exchanges)
+    a_open, a_resume, b_open, b_resume = (next(r for r in recs if r.nn == n) for n in (1, 2, 3, 4))
+    assert (conversation(a_open), a_open.turn, conversation(b_open), b_open.turn) == ("A", "opening", "B", "opening")
+    assert replay.prepare(a_open).body == replay.prepare(b_open).body     # the same opening
+    if how == "cut-short":
+        sent = answered_with(rig, replay.prepare(a_open), cut_short(recorded_response(files[a_open.nn], replay)))
+    else:
+        sent = rig.send(replay.prepare(a_open))       # the fake's own answer, not the recorded one
+    assert sent.reply.status == 200 and sent.landed == first
+    rig.set_current(**{agent: OTHER[first]})
+    sent = answered_with(rig, replay.prepare(b_open), recorded_response(files[b_open.nn], replay))
+    assert sent.reply.status == 200 and sent.landed == OTHER[first]
+    b_root = lineage.chain(replay.prepare(b_resume).body, F.api_of("POST", b_resume.path), turns=1).keys[0]
+    assert wait_for_root(rig, agent, b_root) is not None, "B's opening gave no root"
+    sent = answered_with(rig, replay.prepare(a_resume), recorded_response(files[a_resume.nn], replay))
+    if how == "cut-short":
+        assert sent.landed == first, f"A's turn (A runs on {first}) was sent to {sent.landed}: {sent.reply.text[:300]}"
+        return
+    assert sent.landed is None, f"A's turn (A runs on {first}) was sent to {sent.landed}"
+    assert sent.reply.status == 424, sent.reply.text
+    text = sent.reply.text
+    assert "cannot tell" in text and first in text and OTHER[first] in text, text
+
+
+def test_a_pi_turn_right_after_its_opening_is_its_own_while_an_alike_conversation_is_pinned_elsewhere(rig: Rig):
+    """The race the rule above must not lose: A (its root never known: its opening's answer cut)
+    on the agent's first server; switched; B opens with the same prompt on the other server and
+    its next turn follows at once — before B's records reach the store (they are batched a
+    moment after the answer). B's turn is B's: the proxy that saw B's opening answered whole
+    knows B's root from that moment (in memory), and never refuses it as one that cannot be
+    told, nor sends it to A's server."""
+    agent, scenario = "pi", "lineage-chat"
+    first, recs, replay, files = afresh(rig, agent, scenario)
+    rig.mitm.restart()         # nor what the proxy remembers of the index (the same first exchanges)
+    a_open, b_open, b_resume = (next(r for r in recs if r.nn == n) for n in (1, 3, 4))
+    sent = answered_with(rig, replay.prepare(a_open), cut_short(recorded_response(files[a_open.nn], replay)))
+    assert sent.landed == first
+    time.sleep(0.5)                                   # A's opening entry written
+    rig.set_current(**{agent: OTHER[first]})
+    assert answered_with(rig, replay.prepare(b_open), recorded_response(files[b_open.nn], replay)).landed == OTHER[first]
+    sent = answered_with(rig, replay.prepare(b_resume), recorded_response(files[b_resume.nn], replay))
+    assert sent.landed == OTHER[first], f"B's turn (B runs on {OTHER[first]}): {sent.landed} {sent.reply.text[:300]}"

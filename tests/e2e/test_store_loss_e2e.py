@@ -648,3 +648,39 @@ def test_a_redis_restarted_on_an_older_snapshot_is_refused_until_accepted(tmp_pa
             assert (r.status, r.header("x-fake-server")) == (200, "glm" if s in early else "anthropic"), r.text[:300]
     finally:
         server.cleanup()
+
+
+def fork_of(rig: Rig, parent: str, fork: str) -> Reply:
+    """``claude --resume PARENT --fork-session``'s first request: a new session id, the parent's history."""
+    import json as _json
+    from .test_router_e2e import history
+    req = cc("continuation", fork, stream=False)
+    body = _json.loads(req.body)
+    body["messages"] = history(parent)
+    client = Client.via_proxy(rig.router.port, rig.router.mitm_ca, timeout=15)
+    return client.request(req.method, rig.fakes["anthropic"].origin + req.path, req.headers,
+                          _json.dumps(body).encode())
+
+
+def test_a_fork_of_a_conversation_whose_pin_was_deleted_is_refused_not_left_alone(redis, rig_on):
+    """A cleanup script DELs conversation A's pin (its index entry stays; its lineage entries
+    too). Then ``--fork-session`` of A: its history's root names A, whose pin is missing — lost,
+    not "never pinned". Before, the parent was skipped as one without a pin and the fork was left
+    alone: sent to the server the agent addresses (anthropic), while A lives on glm. Now it is
+    refused like A's own continuation, naming A's lost pin; nothing reaches a server."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    a, = rig.open(1)
+    raw = redis.client()
+    wait_for(lambda: bool(raw.keys(prefix + "lin:claude-code:root:*")), 10, "A's root recorded")
+    r = fork_of(rig, a, str(uuid.uuid4()))                  # while A's pin is there: A's server
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    assert raw.delete(prefix + pins.key(a)) == 1
+    fork = str(uuid.uuid4())
+    r = fork_of(rig, fork=fork, parent=a)
+    assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
+    message = r.json()["error"]["message"]
+    assert f"no longer has the pin of session {short(a)} (pinned to glm)" in message, message
+    assert "sessionpin store accept-loss" in message and "sessionpin store copy BACKUP" in message
+    assert rig.received("anthropic", fork) == 0 and rig.received("glm", fork) == 0
+    assert raw.get(prefix + pins.key(fork)) is None          # nothing pinned for it

@@ -216,6 +216,31 @@ async def test_the_index_says_which_missing_pins_were_lost(store, clock):
     assert await pins.drop_lost(store, now) == 0
 
 
+async def test_lost_names_the_index_entries_whose_pins_are_gone_and_forget_takes_one(store, clock):
+    """What the CLI lists and decides one by one: a live index entry whose pin is gone (not
+    an expired one, not a pin that is there). ``forget`` of such a pin (read as absent, its
+    pin as the index says) unindexes it and leaves a tombstone, and only while it is absent."""
+    await pins.create(store, "a", make("glm"))
+    await pins.create(store, "b", make("glm"))
+    await pins.create(store, "c", make(None))
+    now = clock.t
+    for s in ("a", "c"):
+        await store.delete(pins.key(s))
+    names = await pins.groups(store)
+    assert sorted(await pins.lost(store, now, names)) == [
+        ("a", "claude-code", "glm", pins.expiry(make("glm"))), ("c", "claude-code", None, pins.expiry(make(None)))]
+    assert await pins.lost(store, pins.expiry(make("glm")) + 1, names) == []        # expired: not lost
+    assert not await pins.forget(store, "a", Loaded(None, None))                    # nothing read: nothing forgotten
+    lost_a = Loaded(make("glm"), None)
+    await pins.create(store, "a", make("glm", t=now))                               # made again meanwhile
+    assert not await pins.forget(store, "a", lost_a)                                # not forgotten over it
+    await store.delete(pins.key("a"))
+    assert await pins.forget(store, "a", lost_a, now=now)
+    assert await pins.index_entry(store, "claude-code", "a", now) is None
+    assert await store.get(pins.FORGOT_PREFIX + "a") == repr(now)
+    assert [x[0] for x in await pins.lost(store, now, await pins.groups(store))] == ["c"]
+
+
 async def test_record_seen_is_one_read_and_one_write_per_flush(store, clock):
     """A flush of many sessions' activity: one read and one apply, not a store call per field
     (fails before: four to five calls per session)."""

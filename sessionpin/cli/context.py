@@ -17,6 +17,12 @@ Rules it keeps:
 - Every store change a command makes is compare-and-set against the pin it showed the
   operator (``pins.move``/``pins.forget`` with what ``resolve`` read): a pin that changed
   meanwhile is not overwritten — the command says so.
+- A pin the store lost is not "no pin" here either (``lost_pins``): one whose index entry
+  outlives it, or that a proxy recorded lost (``store:losses``), not expired and not
+  forgotten since — exactly what the proxies refuse — is found by ``resolve`` (a ``Row``
+  with ``lost`` set, its pin as the index or record says it was), so ``move`` puts that
+  conversation back and ``forget`` lets it be decided afresh, one at a time; ``sessions``
+  lists them.
 """
 
 from __future__ import annotations
@@ -277,6 +283,7 @@ class Row:
     session: str
     loaded: pins.Loaded
     seen: pins.Seen
+    lost: str = ""              # the store lost this pin: how it is known ("" : it is there)
 
     @property
     def pin(self) -> pins.Pin:
@@ -313,8 +320,50 @@ async def _rows(store: Store, keep: Callable[[str], bool] | None = None) -> list
     return out
 
 
+async def lost_pins(store: Store, now: float, names: list[str] | None = None) -> list[Row]:
+    """The pins the store lost that proxies refuse (docs/store.md, "Partial loss"), as rows
+    whose pin is what was known of it (``lost`` says how): a live entry of the index groups
+    ``names`` (None: every group) whose pin is gone, and a pin a proxy recorded lost whose
+    group is among them, of its agent, not expired, with no ``forget`` made after the record
+    and no pin now. A walk of those groups: for the CLI, never the proxy."""
+    every = sorted(await store.hgetall(pins.INDEX_NAMES))
+    names = every if names is None else names
+    found: dict[str, Row] = {}
+    for session, agent, server, expires in await pins.lost(store, now, names):
+        found.setdefault(session, _lost_row(session, agent, server, expires, "its pin index still holds it"))
+    wanted = set(names) if names is not every else None
+    for field_name, raw in (await identity.losses(store)).items():
+        if not field_name.startswith(identity.PARTIAL):
+            continue
+        session = field_name[len(identity.PARTIAL):]
+        rec = identity.decode_partial(raw)
+        if session in found or rec is None or not rec.agent or (rec.expires and rec.expires <= now):
+            continue
+        if wanted is not None and pins.group(rec.agent, rec.server) not in wanted:
+            continue
+        tombstone = await store.get(pins.FORGOT_PREFIX + session)
+        if tombstone is not None:
+            try:
+                if float(tombstone) >= rec.at:
+                    continue                # forgotten since (as the proxies read it)
+            except ValueError:
+                continue                    # a tombstone we cannot date: the operator's
+        if await store.get(pins.key(session)) is not None:
+            continue                        # it is there (put back, or made anew)
+        found[session] = _lost_row(session, rec.agent, rec.server, rec.expires or now + pins.PIN_TTL,
+                                   f"{rec.by or 'a proxy'} recorded it lost")
+    return sorted(found.values(), key=lambda r: (-r.pin.renewed, r.session))
+
+
+def _lost_row(session: str, agent: str, server: str | None, expires: float, how: str) -> Row:
+    pin = pins.Pin(agent=agent, server=server, since=0.0, renewed=expires - pins.PIN_TTL, rule="lost")
+    return Row(session, pins.Loaded(pin, None), pins.Seen(), how)
+
+
 def resolve(ctx: Ctx, given: str) -> Row:
-    """A pinned conversation by its id, a unique prefix of it, or the short form shown."""
+    """A pinned conversation by its id, a unique prefix of it, or the short form shown —
+    or one whose pin the store lost (``lost_pins``: the proxies refuse it; the operator
+    decides it here)."""
     given = given.strip()
     if not given:
         raise Fail("give a session id, or its first characters (see `sessionpin sessions`)")
@@ -331,6 +380,12 @@ def resolve(ctx: Ctx, given: str) -> Row:
     if exact:
         return exact[0]
     candidates = [r for r in rows if matches(r.session, given)]
+    if not candidates and store is not None:
+        # not pinned: perhaps lost (a walk of the index, only when nothing pinned matched)
+        candidates = [r for r in ctx.run(lost_pins(store, time.time())) if matches(r.session, given)]
+        exact = [r for r in candidates if r.session == given]
+        if exact:
+            return exact[0]
     if not candidates:
         raise Fail(f"no pinned conversation matches {given!r}; list them with `sessionpin sessions`")
     if len(candidates) > 1:

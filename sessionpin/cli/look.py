@@ -16,7 +16,7 @@ from typing import Iterator
 from ..reader.facts import AGENTS
 from ..reader.ids import short, shorts
 from .common import Fail, JsonArray, ago, dump_json, err, line, out, table, where, why, widths_of
-from .context import Ctx, Row
+from .context import Ctx, Row, lost_pins
 from .ledgercmd import LEDGER_COLUMNS, ledger_cells, ledger_json
 from .proxies import config_mismatch, find_proxies, find_proxy, key_state, proxy_keys
 
@@ -129,9 +129,25 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
     many = ctx.indexed(names) > SORTED_UP_TO
     walk = ctx.listing(names, LISTING_BATCH)
     try:
-        return _print_sessions(ctx, args, walk, store is not None, now, many)
+        code = _print_sessions(ctx, args, walk, store is not None, now, many)
     finally:
         walk.close()            # a walk left early (a closed pipe) ends its store reads here
+    if store is not None and names:
+        _say_lost(ctx.run(lost_pins(store, now, names)))
+    return code
+
+
+def _say_lost(rows: list[Row]) -> None:
+    """The pins of these groups the store lost, which the proxies refuse (standard error: the
+    table and the JSON array list the pins there are): each with its ways out, the commands
+    the proxies' refusal names. Before, they were simply not listed, while ``status`` counted them."""
+    shown = shorts([r.session for r in rows])      # unique among them, as the table's
+    for r in rows:
+        sid, pin = shown[r.session], r.pin
+        back = f"sessionpin move {sid} {pin.server}" if pin.server else f"sessionpin move {sid} --not-routed"
+        err(f"LOST {sid} ({pin.agent}, pinned {where(pin.server)}): the store no longer has its pin ({r.lost}); "
+            f"proxies refuse it until you decide: `{back}` puts it back, `sessionpin forget {sid}` lets it be "
+            f"decided afresh (or restore the store, or `sessionpin store accept-loss` for every loss)")
 
 
 def _print_sessions(ctx: Ctx, args: argparse.Namespace, batches: Iterator[list[Row]], have_store: bool,

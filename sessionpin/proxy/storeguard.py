@@ -147,9 +147,13 @@ class StoreGuard:
         if await store.get(pins.key(session)) is not None:
             return None                     # made meanwhile (another proxy's opening won the race): its pin decides
         server = expected[0] or "not routed"
+        # the ways out for this conversation alone come first: the CLI finds a lost pin as the
+        # proxy does (by the index or the record), so the operator need not decide every loss at once
+        back = f"sessionpin move {session} {expected[0]}" if expected[0] else f"sessionpin move {session} --not-routed"
         message = (f"store {store.url} no longer has the pin of session {session} (pinned to {server}), {how}; "
                    f"no `sessionpin forget` of it is recorded and it had not expired. It is not taken for a new "
-                   f"conversation: restore the store (`sessionpin store copy BACKUP {store.url}`) or accept the "
+                   f"conversation: put it back (`{back}`) or let it be decided afresh (`sessionpin forget "
+                   f"{session}`), restore the store (`sessionpin store copy BACKUP {store.url}`) or accept the "
                    f"loss (`sessionpin store accept-loss --store {store.url}`)")
         if self.served.report(session):
             self.partial += 1

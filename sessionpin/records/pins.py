@@ -188,8 +188,11 @@ async def move(store: Store, session: str, seen: Loaded, new: Pin) -> bool:
 async def forget(store: Store, session: str, seen: Loaded, now: float | None = None) -> bool:
     """Delete the pin that was read (durable), with its index entry and its activity; a
     tombstone says when (a proxy that served the pin does not take it for a loss)."""
-    if seen.raw is None:
-        return False
+    if seen.raw is None and seen.pin is None:
+        return False                # nothing read: nothing to forget
+    # (``seen.raw`` None with a pin: a lost pin, as the index or a proxy's record names it
+    # (``lost``) — forgotten only while its key is still absent, so the proxies that refuse
+    # it decide it afresh by the tombstone)
     when = time.time() if now is None else now
     writes: list[Write] = [Delete(key(session)), *_unindexed(session, seen.pin), Delete(SEEN_PREFIX + session),
                            Set(FORGOT_PREFIX + session, repr(when), PIN_TTL), *made_writes()]
@@ -224,6 +227,23 @@ async def drop_lost(store: Store, now: float, batch: int = 500) -> int:
                 if raw is None and await store.zrem(INDEX_PREFIX + name, session):
                     dropped += 1
     return dropped
+
+
+async def lost(store: Store, now: float, names: Sequence[str], batch: int = 500
+               ) -> list[tuple[str, str, str | None, float]]:
+    """(session, agent, server, expiry) of each live entry of the index groups ``names``
+    whose pin is gone: what a proxy refuses as lost (``index_entry``), as the CLI lists it
+    and lets the operator decide one by one. A walk: for the CLI, never the proxy."""
+    out = []
+    for name in names:
+        agent, server = split_group(name)
+        members = await store.zrange(INDEX_PREFIX + name, now, float("inf"))
+        for i in range(0, len(members), batch):
+            chunk = members[i:i + batch]
+            for (session, score), raw in zip(chunk, await store.mget([key(s) for s, _ in chunk])):
+                if raw is None:
+                    out.append((session, agent, server, score))
+    return out
 
 
 async def reindex(store: Store, batch: int = 500) -> int:

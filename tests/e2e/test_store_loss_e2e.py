@@ -648,3 +648,62 @@ def test_a_redis_restarted_on_an_older_snapshot_is_refused_until_accepted(tmp_pa
             assert (r.status, r.header("x-fake-server")) == (200, "glm" if s in early else "anthropic"), r.text[:300]
     finally:
         server.cleanup()
+
+
+def _decide_alone(rig: Rig, moved: str, forgotten: str, how: str) -> None:
+    """The operator decides two lost conversations one by one, with the commands the refusal
+    names: one moved back to glm (where it was), one forgotten (decided afresh: left alone).
+    ``sessions`` lists both as lost before (``how``: what the CLI found them by), and neither
+    after; nothing else changes."""
+    for s in (moved, forgotten):
+        r = rig.send("continuation", s)
+        assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
+        message = r.json()["error"]["message"]
+        assert "which this proxy served" in message, message
+        # the ways out for this conversation alone, by the id the agent's screen shows
+        assert f"`sessionpin move {short(s)} glm`" in message and f"`sessionpin forget {short(s)}`" in message, message
+    listed = rig.cli("sessions")
+    assert listed.returncode == 0, listed.stderr
+    for s in (moved, forgotten):
+        said = [ln for ln in listed.stderr.splitlines() if short(s) in ln]
+        assert said and "LOST" in said[0] and "glm" in said[0] and how in said[0], listed.stdout + listed.stderr
+    # a prefix as the agent's screen shows it, as for any pinned conversation
+    done = rig.cli("move", short(moved), "glm", "--yes", "--config", str(rig.router.config_path))
+    assert done.returncode == 0 and "glm" in done.stdout, done.stdout + done.stderr
+    done = rig.cli("forget", short(forgotten), "--yes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    r = rig.send("continuation", moved)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    r = rig.send("continuation", forgotten)
+    assert (r.status, r.header("x-fake-server")) == (200, "anthropic"), r.text[:300]
+    listed = rig.cli("sessions")
+    assert listed.returncode == 0 and "LOST" not in listed.stderr, listed.stdout + listed.stderr
+    assert short(moved) in listed.stdout, listed.stdout
+    assert rig.received("anthropic", moved) == 0
+
+
+def test_a_lost_pin_is_listed_and_moved_back_or_forgotten_alone_by_the_cli(redis, rig_on):
+    """A cleanup script DELs two pin keys; their index entries stay. The proxy refuses both
+    (424) — and the CLI said "no pinned conversation matches" to `move` and `forget` of them
+    and listed neither in `sessions` (while `status` counted them): the only ways out were a
+    restore or `accept-loss` of every loss at once. Now `sessions` lists them as lost, `move`
+    puts one back where it was, `forget` lets one be decided afresh; the others are untouched."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    moved, forgotten, kept = rig.open(3)
+    assert redis.client().delete(*(prefix + pins.key(s) for s in (moved, forgotten))) == 2
+    _decide_alone(rig, moved, forgotten, "its pin index still holds it")
+    r = rig.send("continuation", kept)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+
+
+def test_a_lost_pin_only_a_record_knows_is_listed_and_decided_alone_by_the_cli(redis, rig_on, tmp_path):
+    """The pins and their whole index are deleted: only the router that served them knows,
+    and it records each lost pin in the store at its next request. The CLI (another machine)
+    finds them by those records: listed as lost, moved back or forgotten one by one."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    moved, forgotten = rig.open(2)
+    assert redis.client().delete(prefix + pins.key(moved), prefix + pins.key(forgotten),
+                                 prefix + pins.index_key("claude-code", "glm")) == 3
+    _decide_alone(rig, moved, forgotten, "recorded it lost")

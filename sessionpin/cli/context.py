@@ -341,13 +341,8 @@ async def lost_pins(store: Store, now: float, names: list[str] | None = None) ->
             continue
         if wanted is not None and pins.group(rec.agent, rec.server) not in wanted:
             continue
-        tombstone = await store.get(pins.FORGOT_PREFIX + session)
-        if tombstone is not None:
-            try:
-                if float(tombstone) >= rec.at:
-                    continue                # forgotten since (as the proxies read it)
-            except ValueError:
-                continue                    # a tombstone we cannot date: the operator's
+        if pins.forgot_after(await store.get(pins.FORGOT_PREFIX + session), 0.0, rec.expires, rec.at):
+            continue                        # forgotten since (as the proxies read it)
         if await store.get(pins.key(session)) is not None:
             continue                        # it is there (put back, or made anew)
         found[session] = _lost_row(session, rec.agent, rec.server, rec.expires or now + pins.PIN_TTL,

@@ -114,7 +114,7 @@ class StoreGuard:
 
     def saw(self, session: str, pin: pins.Pin | None, now: float, made: bool = False) -> None:
         if pin is not None:
-            self.served.saw(session, pin.server, pins.expiry(pin), now)
+            self.served.saw(session, pin.server, pins.expiry(pin), now, pin.since)
             self._made += made              # pins made since the last count (what a loss says it held)
 
     async def missed(self, store: Store, session: str, agent: str, now: float) -> str | None:
@@ -172,14 +172,8 @@ class StoreGuard:
         rec = await ident.partial_loss(store, session)
         if rec is None or (rec.agent and rec.agent != agent) or (rec.expires and rec.expires <= now):
             return None
-        tombstone = await store.get(pins.FORGOT_PREFIX + session)
-        if tombstone is not None:
-            try:
-                forgot = float(tombstone)
-            except ValueError:
-                forgot = float("inf")       # a tombstone we cannot date: the operator's, to be safe
-            if forgot >= rec.at:
-                return None
+        if pins.forgot_after(await store.get(pins.FORGOT_PREFIX + session), 0.0, rec.expires, rec.at):
+            return None
         return rec
 
     # ---- looking at the store ---------------------------------------------------------------

@@ -707,3 +707,33 @@ def test_a_lost_pin_only_a_record_knows_is_listed_and_decided_alone_by_the_cli(r
     assert redis.client().delete(prefix + pins.key(moved), prefix + pins.key(forgotten),
                                  prefix + pins.index_key("claude-code", "glm")) == 3
     _decide_alone(rig, moved, forgotten, "recorded it lost")
+
+
+def test_a_forget_dated_before_the_proxys_last_serving_is_the_operators_not_a_loss(rig_on, tmp_path):
+    """The operator forgets a running conversation from a machine whose wall clock is behind
+    the proxy's (or after the clock stepped back: an NTP correction): the tombstone's time
+    is before the proxy last served the pin. The proxy took the operator's decision for a
+    loss — 424 store-lost for a conversation the operator had just released, recorded in the
+    store so that every proxy refused it until `accept-loss`. Now a tombstone names the pin it
+    forgot (its creation and expiry, as the store held them), and the proxy compares pins, not
+    clocks: the next request is decided afresh (left alone, to the server its agent addresses)."""
+    import asyncio
+
+    from sessionpin.store import open_store
+
+    rig = rig_on(f"file:{tmp_path}/state/state.db")
+    s, kept = rig.open(2)
+
+    async def forget_behind(seconds: float) -> None:
+        store = open_store(rig.url)
+        try:
+            assert await pins.forget(store, s, await pins.load(store, s), now=time.time() - seconds)
+        finally:
+            await store.close()
+    asyncio.run(forget_behind(600))
+    r = rig.send("continuation", s)
+    assert (r.status, r.header("x-fake-server")) == (200, "anthropic"), (r.status, r.text[:300])
+    assert rig.status()["store_info"]["identity"]["partial_losses"] == 0
+    assert "no longer has the pin" not in rig.router.output
+    r = rig.send("continuation", kept)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]

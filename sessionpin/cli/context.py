@@ -320,22 +320,26 @@ async def _rows(store: Store, keep: Callable[[str], bool] | None = None) -> list
     return out
 
 
-async def lost_pins(store: Store, now: float, names: list[str] | None = None) -> list[Row]:
+async def lost_pins(store: Store, now: float, names: list[str] | None = None,
+                    keep: Callable[[str], bool] | None = None) -> list[Row]:
     """The pins the store lost that proxies refuse (docs/store.md, "Partial loss"), as rows
     whose pin is what was known of it (``lost`` says how): a live entry of the index groups
     ``names`` (None: every group) whose pin is gone, and a pin a proxy recorded lost whose
     group is among them, of its agent, not expired, with no ``forget`` made after the record
-    and no pin now. A walk of those groups: for the CLI, never the proxy."""
+    and no pin now (``keep``: only the sessions it keeps, chosen by id before a pin is read).
+    A walk of those groups: for the CLI, never the proxy."""
     every = sorted(await store.hgetall(pins.INDEX_NAMES))
     names = every if names is None else names
     found: dict[str, Row] = {}
-    for session, agent, server, expires in await pins.lost(store, now, names):
+    for session, agent, server, expires in await pins.lost(store, now, names, keep=keep):
         found.setdefault(session, _lost_row(session, agent, server, expires, "its pin index still holds it"))
     wanted = set(names) if names is not every else None
     for field_name, raw in (await identity.losses(store)).items():
         if not field_name.startswith(identity.PARTIAL):
             continue
         session = field_name[len(identity.PARTIAL):]
+        if keep is not None and not keep(session):
+            continue
         rec = identity.decode_partial(raw)
         if session in found or rec is None or not rec.agent or (rec.expires and rec.expires <= now):
             continue
@@ -377,7 +381,7 @@ def resolve(ctx: Ctx, given: str) -> Row:
     candidates = [r for r in rows if matches(r.session, given)]
     if not candidates and store is not None:
         # not pinned: perhaps lost (a walk of the index, only when nothing pinned matched)
-        candidates = [r for r in ctx.run(lost_pins(store, time.time())) if matches(r.session, given)]
+        candidates = ctx.run(lost_pins(store, time.time(), keep=lambda session: matches(session, given)))
         exact = [r for r in candidates if r.session == given]
         if exact:
             return exact[0]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import msgspec
 
@@ -277,15 +277,18 @@ async def drop_lost(store: Store, now: float, batch: int = 500) -> int:
     return dropped
 
 
-async def lost(store: Store, now: float, names: Sequence[str], batch: int = 500
-               ) -> list[tuple[str, str, str | None, float]]:
+async def lost(store: Store, now: float, names: Sequence[str], batch: int = 500,
+               keep: Callable[[str], bool] | None = None) -> list[tuple[str, str, str | None, float]]:
     """(session, agent, server, expiry) of each live entry of the index groups ``names``
     whose pin is gone: what a proxy refuses as lost (``index_entry``), as the CLI lists it
-    and lets the operator decide one by one. A walk: for the CLI, never the proxy."""
+    and lets the operator decide one by one (``keep``: only the sessions it keeps, chosen
+    before any pin is read). A walk: for the CLI, never the proxy."""
     out = []
     for name in names:
         agent, server = split_group(name)
         members = await store.zrange(INDEX_PREFIX + name, now, float("inf"))
+        if keep is not None:
+            members = [m for m in members if keep(m[0])]
         for i in range(0, len(members), batch):
             chunk = members[i:i + batch]
             for (session, score), raw in zip(chunk, await store.mget([key(s) for s, _ in chunk])):

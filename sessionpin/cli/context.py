@@ -333,7 +333,17 @@ async def lost_pins(store: Store, now: float, names: list[str] | None = None,
     found: dict[str, Row] = {}
     for session, agent, server, expires in await pins.lost(store, now, names, keep=keep):
         found.setdefault(session, _lost_row(session, agent, server, expires, "its pin index still holds it"))
-    wanted = set(names) if names is not every else None
+    for row in await recorded_lost(store, now, None if names is every else set(names), keep, found):
+        found[row.session] = row
+    return sorted(found.values(), key=lambda r: (-r.pin.renewed, r.session))
+
+
+async def recorded_lost(store: Store, now: float, wanted: set[str] | None = None,
+                        keep: Callable[[str], bool] | None = None, known: Any = ()) -> list[Row]:
+    """The lost pins proxies recorded in the store (``store:losses``) that still stand — what
+    every proxy refuses by the record — of the index groups ``wanted`` (None: any), not in
+    ``known``. One read of the records, and two per record: cheap enough for ``doctor``."""
+    found: list[Row] = []
     for field_name, raw in (await identity.losses(store)).items():
         if not field_name.startswith(identity.PARTIAL):
             continue
@@ -341,7 +351,7 @@ async def lost_pins(store: Store, now: float, names: list[str] | None = None,
         if keep is not None and not keep(session):
             continue
         rec = identity.decode_partial(raw)
-        if session in found or rec is None or not rec.agent or (rec.expires and rec.expires <= now):
+        if session in known or rec is None or not rec.agent or (rec.expires and rec.expires <= now):
             continue
         if wanted is not None and pins.group(rec.agent, rec.server) not in wanted:
             continue
@@ -349,9 +359,9 @@ async def lost_pins(store: Store, now: float, names: list[str] | None = None,
             continue                        # forgotten since (as the proxies read it)
         if await store.get(pins.key(session)) is not None:
             continue                        # it is there (put back, or made anew)
-        found[session] = _lost_row(session, rec.agent, rec.server, rec.expires or now + pins.PIN_TTL,
-                                   f"{rec.by or 'a proxy'} recorded it lost")
-    return sorted(found.values(), key=lambda r: (-r.pin.renewed, r.session))
+        found.append(_lost_row(session, rec.agent, rec.server, rec.expires or now + pins.PIN_TTL,
+                               f"{rec.by or 'a proxy'} recorded it lost"))
+    return found
 
 
 def _lost_row(session: str, agent: str, server: str | None, expires: float, how: str) -> Row:

@@ -667,6 +667,9 @@ def _decide_alone(rig: Rig, moved: str, forgotten: str, how: str) -> None:
     for s in (moved, forgotten):
         said = [ln for ln in listed.stderr.splitlines() if short(s) in ln]
         assert said and "LOST" in said[0] and "glm" in said[0] and how in said[0], listed.stdout + listed.stderr
+    doctor = rig.cli("doctor", "--config", str(rig.router.config_path))    # the proxy recorded both
+    said = [ln for ln in doctor.stdout.splitlines() if ln.startswith("FAIL  lost pins")]
+    assert said and short(moved) in said[0] and short(forgotten) in said[0], doctor.stdout + doctor.stderr
     # a prefix as the agent's screen shows it, as for any pinned conversation
     done = rig.cli("move", short(moved), "glm", "--yes", "--config", str(rig.router.config_path))
     assert done.returncode == 0 and "glm" in done.stdout, done.stdout + done.stderr
@@ -680,6 +683,8 @@ def _decide_alone(rig: Rig, moved: str, forgotten: str, how: str) -> None:
     assert listed.returncode == 0 and "LOST" not in listed.stderr, listed.stdout + listed.stderr
     assert short(moved) in listed.stdout, listed.stdout
     assert rig.received("anthropic", moved) == 0
+    doctor = rig.cli("doctor", "--config", str(rig.router.config_path))
+    assert "lost pins" not in doctor.stdout, doctor.stdout
 
 
 def test_a_lost_pin_is_listed_and_moved_back_or_forgotten_alone_by_the_cli(redis, rig_on):

@@ -3,7 +3,12 @@
 Rules it keeps:
 - A command opens the store only when it needs it, and a file store that does not exist
   yet is not created by a read command (``store(create=False)`` is None). A store that
-  is not a file (Redis) always "exists": whether it answers is the store's to say.
+  is not a file (Redis) always "exists": whether it answers is the store's to say — but a
+  read command does not make its identity either: one that holds none and no pin index,
+  that this machine never used and no proxy recorded lost, is ``unused`` (nothing
+  sessionpin made is there: a wrong database or prefix, or no proxy yet), and the commands
+  say so, as "no file yet" for a file — not "no pinned conversations" over a store that was
+  never the proxies'.
 - The store URL is shown only as ``store_shown`` (a password as ``***``), in every line
   and every error a command prints.
 - The store is the async ``Store`` every part uses; the CLI runs it on one event loop
@@ -50,6 +55,7 @@ class Ctx:
     store_url: str
     _store: Store | None = None
     lost_ok: bool = False                        # the command shows or decides a loss: do not fail on one
+    unused: bool = False                         # a store with no identity this machine never used (not made)
     settled: identity.Settled | None = None      # the store's identity, judged when it was opened
     _runner: asyncio.Runner | None = field(default=None, repr=False)
 
@@ -104,6 +110,7 @@ class Ctx:
             # (quick_check of a 1M-pin store takes seconds); ``settle`` waits for the verdict
             options = {} if self.store_file() is None else {"check_at_open": False}
             self._store = open_store(self.store_url, **options)
+            self._make = create
         except StoreError as e:
             raise Fail(f"cannot open the store {self.store_shown}: {e}; check --store or SESSIONPIN_STORE") from None
         except OSError as e:
@@ -136,7 +143,8 @@ class Ctx:
         try:
             # what proxies (or another CLI) recorded lost, read first: nothing is made over it
             said = self.run(identity.losses(store))
-            s = self.settled = self.run(identity.settle(store, store.url, remembered, now, said))
+            s = self.settled = self.run(identity.settle(store, store.url, remembered, now, said,
+                                                        make=getattr(self, "_make", True)))
         except StoreError:
             if self.lost_ok:
                 return                  # status and doctor show the fault themselves
@@ -144,6 +152,12 @@ class Ctx:
         if s.kind in identity.LOSSES:
             self._lost(store, remembered, s, now)
             return
+        if s.identity is None and identity.pending_loss(said, None) is None:
+            if not self.run(store.hgetall(pins.INDEX_NAMES)):
+                self.unused = True      # read, not made: nothing sessionpin made is there (yet)
+                return
+            # pins with no identity (an older release made them): made now, as before
+            s = self.settled = self.run(identity.settle(store, store.url, remembered, now, said))
         try:
             made = self.run(identity.made(store))
         except StoreError:

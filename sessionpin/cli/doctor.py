@@ -23,6 +23,7 @@ from ..store import NotDurable, StoreError
 from ..reader.ids import short
 from .common import Fail, dump_json, out, plural, where
 from .context import Ctx, recorded_lost
+from .look import UNUSED
 from .launch import CA_FILE
 from .proxies import config_mismatch, confdir_of, find_proxies, find_proxy, key_state, proxy_keys
 
@@ -126,7 +127,10 @@ def _store(ctx: Ctx, add) -> bool:
     if ctx.settled is not None and ctx.settled.message:     # it lost what it held (store.identity)
         add("store identity", "FAIL", ctx.settled.message)
     if store is not None and hasattr(store, "check"):
-        return _redis(ctx, store, add)
+        ok = _redis(ctx, store, add)
+        if ok and ctx.unused:
+            add("store identity", "warn", UNUSED.format(store=ctx.store_shown) + "; a proxy makes it at its first use")
+        return ok
     if store is None:
         parent = next((p for p in [f.parent, *f.parent.parents] if p.exists()), None) if f else None
         if parent is not None and os.access(parent, os.W_OK | os.X_OK):

@@ -45,7 +45,7 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     if args.json:
         dump_json({
             "config": str(ctx.config_path), "config_exists": ctx.config_path.exists(),
-            "store": ctx.store_shown, "store_exists": store is not None,
+            "store": ctx.store_shown, "store_exists": store is not None, "store_unused": ctx.unused,
             "store_info": _described(store, ctx),
             "store_lost": ctx.settled.message if ctx.settled is not None and ctx.settled.message else None,
             "proxy": proxy.as_json(), "proxies": [p.as_json() for p in proxies], "servers": servers,
@@ -59,6 +59,8 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     info = _described(store)
     if info.get("kind") == "redis":
         note = f"  ({info.get('health')}; {info.get('note')})"
+        if ctx.unused:
+            note += f"\n        {UNUSED.format(store=ctx.store_shown)}"
     out(f"store   {ctx.store_shown}{note}")
     if ctx.settled is not None and ctx.settled.message:
         out(f"        LOST: {ctx.settled.message}")
@@ -103,6 +105,12 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
 # batch), so the first row comes after one batch and memory stays flat at a million pins.
 SORTED_UP_TO = 5_000
 LISTING_BATCH = 1_000       # pins per store round trip (three calls: index page, pins, activity)
+
+
+# A store with no identity that this machine never used: nothing sessionpin made is there.
+UNUSED = ("nothing sessionpin made is in {store} (no store identity, no pin index, and this machine never "
+          "used it): no proxy has used it yet, or it was emptied — if a proxy runs, check the URL's database "
+          "and prefix against the proxy's (--store, SESSIONPIN_STORE)")
 
 
 def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
@@ -174,6 +182,8 @@ def _print_sessions(ctx: Ctx, args: argparse.Namespace, batches: Iterator[list[R
         return 0
     if not head:
         what = "no pinned conversations" + ("" if have_store else f" (no store file yet at {ctx.store_file()})")
+        if ctx.unused:
+            what += f" ({UNUSED.format(store=ctx.store_shown)})"
         out(what + (" match" if (args.agent or args.server or args.not_routed) and have_store else ""))
         return 0
     # the PARENT column, when a listed one is a fork (always, when rows stream: a fork may come later)

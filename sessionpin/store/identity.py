@@ -324,13 +324,14 @@ async def _write(store: Store, checks: list, writes: list) -> bool:
 
 
 async def settle(store: Store, url: str, remembered: Remembered | None, now: float,
-                 recorded: Mapping[str, str] | None = None) -> Settled:
+                 recorded: Mapping[str, str] | None = None, make: bool = True) -> Settled:
     """Read the store's identity and judge it against what was remembered; a new store gets
     its identity now (the first of two racing makers wins; the other takes it) — unless a
-    loss is ``recorded`` in it (its ``store:losses`` as read): nothing is made over that."""
+    loss is ``recorded`` in it (its ``store:losses`` as read): nothing is made over that —
+    or ``make`` is False (a command that only reads: ``Settled(NEW, None, None)``)."""
     found, raw = await read(store)
     kind = judge(remembered, found)
-    if kind == NEW and recorded and pending_loss(recorded, None) is not None:
+    if kind == NEW and (not make or (recorded and pending_loss(recorded, None) is not None)):
         return Settled(NEW, None, None)
     if kind == NEW:
         made = Identity(id=uuid.uuid4().hex, created=now)

@@ -13,6 +13,7 @@ routing back without restarting the router.
 from __future__ import annotations
 
 import http.client
+import os
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import pytest
 from redis_servers import RedisServer, unique_prefix, wait_for
 from sessionpin.records import pins
 from sessionpin.records.documents import HEARTBEAT_PREFIX
+from sessionpin.store import open_store
 from sessionpin.store.identity import LOSSES_KEY
 from sessionpin.reader.ids import short
 from sessionpin.decision.answers import NO_RETRY_STATUS as LOST      # a lost store: only the operator can decide
@@ -724,8 +726,6 @@ def test_a_forget_dated_before_the_proxys_last_serving_is_the_operators_not_a_lo
     clocks: the next request is decided afresh (left alone, to the server its agent addresses)."""
     import asyncio
 
-    from sessionpin.store import open_store
-
     rig = rig_on(f"file:{tmp_path}/state/state.db")
     s, kept = rig.open(2)
 
@@ -742,3 +742,39 @@ def test_a_forget_dated_before_the_proxys_last_serving_is_the_operators_not_a_lo
     assert "no longer has the pin" not in rig.router.output
     r = rig.send("continuation", kept)
     assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+
+
+def test_a_new_store_while_the_machine_remembers_another_with_live_pins_is_said(redis, rig_on, tmp_path):
+    """The router is restarted on another key prefix of the same Redis (a config edited by
+    mistake; a wrong ``db`` or path, an environment without ``SESSIONPIN_STORE`` are alike):
+    the store there is new, and every conversation pinned in the first reads as never
+    pinned — left alone, sent where its agent addresses it. Nobody can tell a mistake from a
+    second setup, so it routes on; but before it said only "store … is new" (INFO). Now one
+    WARNING names the other store this machine remembers holding live pins, and status shows it."""
+    machine = str(tmp_path / "machine")
+    first = redis.url(unique_prefix())
+    rig = rig_on(first)
+    rig.router.stop()
+    rig.router = Mitmdump.router(tmp_path / "router-a", rig.ca, rig.router.config_path.read_text(),
+                                 env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": machine},
+                                 options={"sessionpin_store": first, "sessionpin_pool": False})
+    rig.router.start()
+    sessions = rig.open(2)
+    # what this machine remembers of it, as any command that reads it counts it
+    counted = subprocess.run([*sessionpin_argv(), "sessions", "--store", first], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "SESSIONPIN_STORE_MEMORY": machine})
+    assert counted.returncode == 0, counted.stderr
+    rig.router.stop()
+    second = redis.url(unique_prefix())
+    rig.router = Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
+                                 env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": machine},
+                                 options={"sessionpin_store": second, "sessionpin_pool": False})
+    rig.router.start()
+    r = rig.send("continuation", sessions[0])                # routed on: nobody can tell
+    assert r.status == 200, r.text[:300]
+    shown = open_store(first).url
+    said = [ln for ln in rig.router.output.splitlines() if "this machine last used another store" in ln]
+    assert len(said) == 1 and shown in said[0] and "(2 pins" in said[0], rig.router.output[-2000:]
+    assert "set sessionpin_store" in said[0]
+    others = rig.status()["store_info"]["identity"]["other_stores"]
+    assert [(o["store"], o["pins"]) for o in others] == [(shown, 2)], others

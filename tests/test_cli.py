@@ -450,7 +450,11 @@ def test_a_lost_pin_is_listed_and_decided_one_by_one(env, capsys):
     assert "host:1 recorded it lost" in lost["ses_77aa"]
     code, o, e = run(capsys, "sessions", "--agent", "opencode")
     assert [ln.split()[1] for ln in e.splitlines() if ln.startswith("LOST ")] == ["ses_77aa"]
-    # doctor says what the proxies recorded lost (one read, no walk): the recorded one
+    # status and doctor say what the proxies recorded lost (no walk of the index): the recorded one
+    code, o, e = run(capsys, "status")
+    assert "LOST PINS: the proxies refuse 1 conversation whose pin the store lost: ses_77aa (opencode, glm)" in o, o
+    code, o, e = run(capsys, "status", "--json")
+    assert json.loads(o)["lost_pins"] == [{"session": "ses_77aa00bb", "agent": "opencode", "server": "glm"}]
     code, o, e = run(capsys, "doctor", "--json")
     checks = {c["check"]: c for c in json.loads(o)["checks"]}
     assert checks["lost pins"]["state"] == "fail" and "ses_77aa (opencode, glm)" in checks["lost pins"]["detail"]
@@ -472,6 +476,8 @@ def test_a_lost_pin_is_listed_and_decided_one_by_one(env, capsys):
     assert code == 0 and "LOST" not in e and short(a) in o, o + e
     code, o, e = run(capsys, "doctor", "--json")
     assert "lost pins" not in {c["check"] for c in json.loads(o)["checks"]}
+    code, o, e = run(capsys, "status")
+    assert "LOST PINS" not in o
     code, o, e = run(capsys, "forget", b, "--yes")                         # forgotten: neither pinned nor lost
     assert code == 1 and "no pinned conversation matches" in e
 

@@ -16,7 +16,7 @@ from typing import Iterator
 from ..reader.facts import AGENTS
 from ..reader.ids import short, shorts
 from .common import Fail, JsonArray, ago, dump_json, err, line, out, table, where, why, widths_of
-from .context import Ctx, Row, lost_pins
+from .context import Ctx, Row, lost_pins, recorded_lost
 from .ledgercmd import LEDGER_COLUMNS, ledger_cells, ledger_json
 from .proxies import config_mismatch, find_proxies, find_proxy, key_state, proxy_keys
 
@@ -32,6 +32,10 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     proxies = find_proxies(ctx)
     proxy = find_proxy(ctx, proxies)
     penv = proxy_keys(proxy)
+    # pins the store lost that the proxies recorded, and refuse (their index entries still
+    # count as pinned above): said here too, not only when a conversation meets the refusal
+    lost = [] if store is None or (ctx.settled is not None and ctx.settled.message) \
+        else ctx.run(recorded_lost(store, now))
     servers = []
     for s in cfg.servers.values():
         pinned, active = counts.get(s.name, (0, 0))
@@ -48,6 +52,7 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
             "store": ctx.store_shown, "store_exists": store is not None, "store_unused": ctx.unused,
             "store_info": _described(store, ctx),
             "store_lost": ctx.settled.message if ctx.settled is not None and ctx.settled.message else None,
+            "lost_pins": [{"session": r.session, "agent": r.pin.agent, "server": r.pin.server} for r in lost],
             "proxy": proxy.as_json(), "proxies": [p.as_json() for p in proxies], "servers": servers,
             "not_routed": {"pinned": nr_pinned, "active_last_hour": nr_active},
             "unconfigured_servers_with_pins": missing, "agents": agents,
@@ -64,6 +69,11 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     out(f"store   {ctx.store_shown}{note}")
     if ctx.settled is not None and ctx.settled.message:
         out(f"        LOST: {ctx.settled.message}")
+    if lost:
+        named = ", ".join(f"{short(r.session)} ({r.pin.agent}, {where(r.pin.server)})" for r in lost[:5])
+        more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+        out(f"        LOST PINS: the proxies refuse {len(lost)} conversation{'s' if len(lost) != 1 else ''} whose pin "
+            f"the store lost: {named}{more}; `sessionpin sessions` lists each with its ways out")
     live = [p for p in proxies if p.answering]
     for p in live:
         up = f", up {ago(p.started, now).removesuffix(' ago')}" if p.started else ""

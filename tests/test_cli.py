@@ -482,6 +482,22 @@ def test_a_lost_pin_is_listed_and_decided_one_by_one(env, capsys):
     assert code == 1 and "no pinned conversation matches" in e
 
 
+def test_no_store_here_while_the_machine_remembers_another_names_it(env, capsys, tmp_path, monkeypatch):
+    """A shell without the proxy's SESSIONPIN_STORE (or with a wrong path) looks at a store
+    that does not exist: "no pinned conversations" — while this machine remembers another
+    store holding live pins. The command names it (stderr), so the operator looks there."""
+    monkeypatch.setenv("SESSIONPIN_STORE_MEMORY", str(tmp_path / "machine"))
+    put_pins(env.url, RUNNING)
+    code, _, _ = run(capsys, "sessions")                 # remembered, with its 4 pins
+    assert code == 0
+    elsewhere = f"file:{tmp_path / 'other' / 'state.db'}"
+    code, o, e = run(capsys, "sessions", "--store", elsewhere)
+    assert code == 0 and "no pinned conversations (no store file yet at" in o
+    assert f"this machine last used store {env.url} (4 pins, seen " in e, e
+    code, o, e = run(capsys, "status", "--store", elsewhere)
+    assert f"this machine last used store {env.url} (4 pins" in e, o + e
+
+
 def test_missing_store(env, capsys, tmp_path):
     missing = tmp_path / "nowhere" / "state.db"
     code, o, _ = run(capsys, "--store", f"file:{missing}", "sessions")

@@ -14,6 +14,7 @@ import time
 from typing import Iterator
 
 from ..reader.facts import AGENTS
+from ..store import identity
 from ..reader.ids import short, shorts
 from .common import Fail, JsonArray, ago, dump_json, err, line, out, table, where, why, widths_of
 from .context import Ctx, Row, lost_pins, recorded_lost
@@ -67,6 +68,8 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
         if ctx.unused:
             note += f"\n        {UNUSED.format(store=ctx.store_shown)}"
     out(f"store   {ctx.store_shown}{note}")
+    if store is None or ctx.unused:
+        _say_elsewhere(ctx, now, indent="        ")
     if ctx.settled is not None and ctx.settled.message:
         out(f"        LOST: {ctx.settled.message}")
     if lost:
@@ -155,6 +158,15 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
     return code
 
 
+def _say_elsewhere(ctx: Ctx, now: float, indent: str = "") -> None:
+    """No store yet at this URL, while this machine remembers another holding live pins: the
+    command may be looking at the wrong store (a shell without the proxy's SESSIONPIN_STORE,
+    a wrong db or prefix). Said, not guessed: which one the proxy uses is the operator's."""
+    for r in identity.others(identity.Memory(ctx.store_url), now)[:3]:
+        err(f"{indent}this machine last used store {r.store} ({r.pins} pins, seen {ago(r.seen, now)}): "
+            f"if the proxy uses that one, give it with --store (or SESSIONPIN_STORE)")
+
+
 def _say_lost(rows: list[Row]) -> None:
     """The pins of these groups the store lost, which the proxies refuse (standard error: the
     table and the JSON array list the pins there are): each with its ways out, the commands
@@ -195,6 +207,8 @@ def _print_sessions(ctx: Ctx, args: argparse.Namespace, batches: Iterator[list[R
         if ctx.unused:
             what += f" ({UNUSED.format(store=ctx.store_shown)})"
         out(what + (" match" if (args.agent or args.server or args.not_routed) and have_store else ""))
+        if not have_store or ctx.unused:
+            _say_elsewhere(ctx, now)
         return 0
     # the PARENT column, when a listed one is a fork (always, when rows stream: a fork may come later)
     forks = streamed or any(r.pin.parent for r in head)

@@ -18,6 +18,7 @@ from sessionpin.config import config
 from sessionpin.records import pins
 from sessionpin.cli import common, context, launch, look, proxies
 from sessionpin.store import open_store
+from sessionpin.reader.ids import short, shorts
 import ports  # tests/ports.py: a port that is free again at a restart
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -411,6 +412,90 @@ def test_forget(env, capsys):
     assert read_pin(env.url, "ses_5a1b2c3d4e5f") is not None
     code, _, _ = run(capsys, "forget", "ses_5a", "-y")
     assert code == 0 and read_pin(env.url, "ses_5a1b2c3d4e5f") is None
+
+
+def lose_pins(url: str, sessions: list[str], recorded: dict[str, tuple[str, str]] | None = None) -> None:
+    """The pins of ``sessions`` deleted by hand (their index entries stay); ``recorded``: a
+    proxy's record of a lost pin (session -> (agent, server)) whose index entry is gone too."""
+    from sessionpin.store import identity
+
+    async def lose() -> None:
+        store = open_store(url)
+        try:
+            for s in sessions:
+                await store.delete(pins.key(s))
+            for s, (agent, server) in (recorded or {}).items():
+                await identity.record_partial(store, s, identity.PartialLoss(
+                    server, agent, time.time() + 3600, "host:1", time.time()))
+        finally:
+            await store.close()
+    asyncio.run(lose())
+
+
+def test_a_lost_pin_is_listed_and_decided_one_by_one(env, capsys):
+    """A pin the store lost (its index entry left, or only a proxy's record of it) is what the
+    proxies refuse: ``sessions`` lists it as lost with its ways out, ``move`` puts it back (no
+    question when it goes back where it was), ``forget`` lets it be decided afresh. Before:
+    not listed, and "no pinned conversation matches" to both commands."""
+    put_pins(env.url, RUNNING)
+    a, b = RUNNING[0][0], RUNNING[1][0]
+    lose_pins(env.url, [a, b], {"ses_77aa00bb": ("opencode", "glm")})
+    code, o, e = run(capsys, "sessions")
+    assert code == 0 and short(a) not in o and "77e1d3c4" in o
+    lost = {ln.split()[1]: ln for ln in e.splitlines() if ln.startswith("LOST ")}
+    shown = shorts([a, b, "ses_77aa00bb"])          # a and b begin alike: longer forms, unique
+    assert set(lost) == set(shown.values()), e
+    assert "(claude-code, pinned anthropic)" in lost[shown[a]] and "its pin index still holds it" in lost[shown[a]]
+    assert f"`sessionpin move {shown[a]} anthropic` puts it back" in lost[shown[a]]
+    assert "host:1 recorded it lost" in lost["ses_77aa"]
+    code, o, e = run(capsys, "sessions", "--agent", "opencode")
+    assert [ln.split()[1] for ln in e.splitlines() if ln.startswith("LOST ")] == ["ses_77aa"]
+    # status and doctor say what the proxies recorded lost (no walk of the index): the recorded one
+    code, o, e = run(capsys, "status")
+    assert "LOST PINS: the proxies refuse 1 conversation whose pin the store lost: ses_77aa (opencode, glm)" in o, o
+    code, o, e = run(capsys, "status", "--json")
+    assert json.loads(o)["lost_pins"] == [{"session": "ses_77aa00bb", "agent": "opencode", "server": "glm"}]
+    code, o, e = run(capsys, "doctor", "--json")
+    checks = {c["check"]: c for c in json.loads(o)["checks"]}
+    assert checks["lost pins"]["state"] == "fail" and "ses_77aa (opencode, glm)" in checks["lost pins"]["detail"]
+    # back where it was (by the form shown): nothing moves, nothing asked
+    code, o, e = run(capsys, "move", shown[a], "anthropic")
+    assert code == 0 and "whose pin the store had lost, back on anthropic" in o, o + e
+    assert read_pin(env.url, a).server == "anthropic"
+    # elsewhere: a move like any other, confirmed
+    code, o, e = run(capsys, "move", "ses_77aa", "anthropic")
+    assert code == 1 and "not moved: confirm with --yes" in e, e
+    code, o, e = run(capsys, "forget", b)
+    assert code == 1 and "lost the pin" in e and "not forgotten: confirm with --yes" in e, e
+    code, o, e = run(capsys, "forget", b, "--yes")
+    assert code == 0 and "its pin had been lost" in o, o + e
+    assert read_pin(env.url, b) is None
+    code, o, e = run(capsys, "forget", "ses_77aa", "--yes")
+    assert code == 0, e
+    code, o, e = run(capsys, "sessions")
+    assert code == 0 and "LOST" not in e and short(a) in o, o + e
+    code, o, e = run(capsys, "doctor", "--json")
+    assert "lost pins" not in {c["check"] for c in json.loads(o)["checks"]}
+    code, o, e = run(capsys, "status")
+    assert "LOST PINS" not in o
+    code, o, e = run(capsys, "forget", b, "--yes")                         # forgotten: neither pinned nor lost
+    assert code == 1 and "no pinned conversation matches" in e
+
+
+def test_no_store_here_while_the_machine_remembers_another_names_it(env, capsys, tmp_path, monkeypatch):
+    """A shell without the proxy's SESSIONPIN_STORE (or with a wrong path) looks at a store
+    that does not exist: "no pinned conversations" — while this machine remembers another
+    store holding live pins. The command names it (stderr), so the operator looks there."""
+    monkeypatch.setenv("SESSIONPIN_STORE_MEMORY", str(tmp_path / "machine"))
+    put_pins(env.url, RUNNING)
+    code, _, _ = run(capsys, "sessions")                 # remembered, with its 4 pins
+    assert code == 0
+    elsewhere = f"file:{tmp_path / 'other' / 'state.db'}"
+    code, o, e = run(capsys, "sessions", "--store", elsewhere)
+    assert code == 0 and "no pinned conversations (no store file yet at" in o
+    assert f"this machine last used store {env.url} (4 pins, seen " in e, e
+    code, o, e = run(capsys, "status", "--store", elsewhere)
+    assert f"this machine last used store {env.url} (4 pins" in e, o + e
 
 
 def test_missing_store(env, capsys, tmp_path):

@@ -83,6 +83,32 @@ def test_status_json_shows_the_store_masked_and_how_durable(env, server, capsys,
     assert "(ok; durable writes are fsynced by Redis before they return)" in o.splitlines()[1]
 
 
+def test_a_redis_store_nothing_made_is_said_so_not_made_by_a_read(env, server, capsys, monkeypatch, tmp_path):
+    """A Redis URL no proxy used (a wrong database or prefix): `sessions` said "no pinned
+    conversations" as of a store in use, and a read command made the store's identity there
+    and remembered it. Now nothing is written and each read command says nothing sessionpin
+    made is there (as "no file yet" for a file); the first proxy or pool command makes it."""
+    prefix = unique_prefix()
+    url = server.url(prefix)
+    monkeypatch.setenv("SESSIONPIN_STORE", url)
+    monkeypatch.setenv("SESSIONPIN_STORE_MEMORY", str(tmp_path / "memory"))
+    shown = open_store(url).url
+    code, o, _ = run(capsys, "sessions")
+    assert code == 0 and "no pinned conversations (nothing sessionpin made is in " in o and shown in o, o
+    assert "check the URL's database and prefix" in o
+    code, o, _ = run(capsys, "status")
+    assert "nothing sessionpin made is in" in o.splitlines()[2], o
+    code, o, _ = run(capsys, "status", "--json")
+    assert json.loads(o)["store_unused"] is True
+    code, o, _ = run(capsys, "doctor")
+    assert lines(o)["store identity"][0] == "warn", o
+    assert server.client().keys(prefix + "*") == []           # nothing written
+    assert not (tmp_path / "memory").exists() or not any((tmp_path / "memory").iterdir())
+    put_pins(url, [("aaaa1111-0000-4000-8000-000000000001", "claude-code", "anthropic", 300, 200, 4)])
+    code, o, _ = run(capsys, "status", "--json")     # pins with no identity (an older release): made, as before
+    assert json.loads(o)["store_unused"] is False
+
+
 def lines(out: str) -> dict[str, tuple[str, str]]:
     got = {}
     for line in out.splitlines():

@@ -216,6 +216,49 @@ async def test_the_index_says_which_missing_pins_were_lost(store, clock):
     assert await pins.drop_lost(store, now) == 0
 
 
+async def test_lost_names_the_index_entries_whose_pins_are_gone_and_forget_takes_one(store, clock):
+    """What the CLI lists and decides one by one: a live index entry whose pin is gone (not
+    an expired one, not a pin that is there). ``forget`` of such a pin (read as absent, its
+    pin as the index says) unindexes it and leaves a tombstone, and only while it is absent."""
+    await pins.create(store, "a", make("glm"))
+    await pins.create(store, "b", make("glm"))
+    await pins.create(store, "c", make(None))
+    now = clock.t
+    for s in ("a", "c"):
+        await store.delete(pins.key(s))
+    names = await pins.groups(store)
+    assert sorted(await pins.lost(store, now, names)) == [
+        ("a", "claude-code", "glm", pins.expiry(make("glm"))), ("c", "claude-code", None, pins.expiry(make(None)))]
+    assert await pins.lost(store, pins.expiry(make("glm")) + 1, names) == []        # expired: not lost
+    assert not await pins.forget(store, "a", Loaded(None, None))                    # nothing read: nothing forgotten
+    lost_a = Loaded(make("glm"), None)
+    await pins.create(store, "a", make("glm", t=now))                               # made again meanwhile
+    assert not await pins.forget(store, "a", lost_a)                                # not forgotten over it
+    await store.delete(pins.key("a"))
+    assert await pins.forget(store, "a", lost_a, now=now)
+    assert await pins.index_entry(store, "claude-code", "a", now) is None
+    assert pins.tombstone(await store.get(pins.FORGOT_PREFIX + "a")) == pins.Tombstone(
+        at=now, since=make("glm").since, expires=pins.expiry(make("glm")))         # the pin it forgot
+    assert [x[0] for x in await pins.lost(store, now, await pins.groups(store))] == ["c"]
+
+
+def test_a_tombstone_is_compared_by_the_pin_it_names_not_by_clocks():
+    """``forgot_after``: the same pin forgotten (or a later one) is the operator's whatever the
+    clocks say; an older pin's tombstone is not; a tombstone of a lost pin (no ``since``) goes
+    by the expiry; an older tombstone (its time alone) by the time; garbage is the operator's."""
+    t = '{"at":100.0,"since":50.0,"expires":2000.0}'
+    assert pins.forgot_after(t, since=50.0, expires=2000.0, at=500.0)      # served after the forget's clock
+    assert pins.forgot_after(t, since=40.0, expires=1990.0, at=500.0)      # an older pin: forgotten too
+    assert not pins.forgot_after(t, since=60.0, expires=3000.0, at=50.0)   # a pin made after it: a loss
+    lost = '{"at":100.0,"expires":2000.0}'
+    assert pins.forgot_after(lost, since=50.0, expires=2000.0, at=500.0)
+    assert not pins.forgot_after(lost, since=60.0, expires=3000.0, at=50.0)
+    assert pins.forgot_after("100.0", since=50.0, expires=2000.0, at=90.0)
+    assert not pins.forgot_after("100.0", since=50.0, expires=2000.0, at=110.0)
+    assert pins.forgot_after("garbage", since=50.0, expires=2000.0, at=110.0)
+    assert not pins.forgot_after(None, since=50.0, expires=2000.0, at=1.0)
+
+
 async def test_record_seen_is_one_read_and_one_write_per_flush(store, clock):
     """A flush of many sessions' activity: one read and one apply, not a store call per field
     (fails before: four to five calls per session)."""

@@ -35,6 +35,19 @@ def test_a_tombstone_made_after_the_serving_is_the_operators():
     assert s.forgotten("b", "garbage")                  # a tombstone we cannot date: the operator's
 
 
+def test_a_tombstone_naming_the_pin_served_is_the_operators_whatever_the_clocks():
+    """The operator's machine runs behind the proxy's: its tombstone's time is before the
+    proxy last served the pin, but it names that very pin (its ``since``): forgotten, not a
+    loss (before: a 424 store-lost for a conversation the operator had just released). A pin
+    made after the one forgotten is still a loss."""
+    s = Served()
+    s.saw("a", "glm", 2000.0, now=500.0, since=50.0)
+    assert s.forgotten("a", '{"at":100.0,"since":50.0,"expires":2000.0}')
+    s.saw("b", "glm", 3000.0, now=500.0, since=60.0)
+    assert not s.forgotten("b", '{"at":900.0,"since":50.0,"expires":2000.0}')
+    assert s.expected("b", 600.0)
+
+
 def test_each_loss_is_reported_once_and_clear_forgets_everything():
     s = Served()
     s.saw("a", "glm", 100.0, 1.0)

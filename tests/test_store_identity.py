@@ -217,3 +217,21 @@ def test_a_writer_that_does_not_count_keeps_the_count_remembered(tmp_path):
     assert m.load() == Remembered("u", "x", pins=3, seen=4.0, made=7, accepted=2.0)
     m.save(Remembered("u", "y", pins=0, seen=5.0))                         # another identity: nothing kept
     assert m.load() == Remembered("u", "y", pins=0, seen=5.0)
+
+
+def test_others_are_the_other_stores_remembered_with_live_pins(tmp_path):
+    """What a proxy names when it makes a new store's identity: the other stores this
+    machine saw whole within a pin's life holding pins, most first — not itself, not an
+    empty one, not one seen too long ago, not an unreadable file."""
+    env = {ident.MEMORY_ENV: str(tmp_path / "mem")}
+    now = 1_800_000_000.0
+    here = Memory("file:/x/new.db", env)
+    Memory("redis://h:1/0?prefix={a}:", env).save(Remembered("redis://h:1/0?prefix={a}:", "a", 3, now - 60))
+    Memory("redis://h:1/1?prefix={a}:", env).save(Remembered("redis://h:1/1?prefix={a}:", "b", 9, now - 60))
+    Memory("file:/x/empty.db", env).save(Remembered("file:/x/empty.db", "c", 0, now - 60))
+    Memory("file:/x/old.db", env).save(Remembered("file:/x/old.db", "d", 5, now - ident.REMEMBERED_LIVE - 1))
+    here.save(Remembered("file:/x/new.db", "e", 4, now))
+    (tmp_path / "mem" / "garbage.json").write_text("{")
+    assert [(r.store, r.pins) for r in ident.others(here, now)] == [
+        ("redis://h:1/1?prefix={a}:", 9), ("redis://h:1/0?prefix={a}:", 3)]
+    assert ident.others(Memory("memory:", env), now) == []

@@ -24,6 +24,7 @@ from ..records import pins
 from ..reader.facts import AGENTS
 from ..reader.ids import short
 from ..store import StoreError
+from ..store import identity
 from .common import HOUR, NOT_SEEN_BEGIN, Fail, ago, dump_json, err, out, plural, table, where
 from .context import Ctx, describe_running, resolve
 from .proxies import (Proxy, config_mismatch, find_proxies, find_proxy, key_state, live, proxy_keys,
@@ -157,6 +158,8 @@ def cmd_move(ctx: Ctx, args: argparse.Namespace) -> int:
     store = ctx.need_store()
     row = resolve(ctx, args.session)
     sid, pin = row.session, row.pin
+    if row.lost:
+        return _move_lost(ctx, args, row, target, cfg)
     if pin.server == target:
         out(f"{short(sid)} ({pin.agent}) is already {'on ' + target if target else 'not routed'}; nothing written.")
         return 0
@@ -176,10 +179,56 @@ def cmd_move(ctx: Ctx, args: argparse.Namespace) -> int:
     return 0
 
 
+def _move_lost(ctx: Ctx, args: argparse.Namespace, row, target: str | None, cfg: configmod.Config) -> int:
+    """A conversation whose pin the store lost (the proxies refuse it): the operator says
+    where it goes. Back where it was pinned moves nothing (no question asked); elsewhere is a
+    move like any other. Written only while its pin is still absent."""
+    sid, pin = row.session, row.pin
+    frm, to = where(pin.server), where(target)
+    if pin.server != target:
+        err(f"The store lost the pin of {short(sid)} ({pin.agent}: {row.lost}); it was {frm}. Putting it {to} "
+            f"moves it.")
+        err(MOVE_RISKS.format(frm=frm if pin.server else "the server it began on",
+                              to=to if target else "the server the agent addresses"))
+        confirm(args, "Move it?", f"{short(sid)} not moved")
+    now = time.time()
+    new = pins.Pin(agent=pin.agent, server=target, since=now, renewed=now, rule="operator")
+    _saved(ctx, "move it", ctx.run(pins.move(ctx.need_store(), sid, row.loaded, new)), sid)
+    _settled_loss(ctx, sid)
+    placed = f"on {target}" if target else "not routed"
+    out(f"Put {short(sid)} ({pin.agent}), whose pin the store had lost, {'back ' if pin.server == target else ''}"
+        f"{placed}. Its next request goes to {to}" + (f" (left alone: where {pin.agent} sends it)." if target is None
+                                                      else "."))
+    warn_key(cfg, target, find_proxy(ctx))
+    return 0
+
+
+def _settled_loss(ctx: Ctx, sid: str) -> None:
+    """The operator decided this lost pin: a proxy's record of it is moot (``accept-loss``
+    would count it). Best effort: the record no longer refuses anything once the pin is
+    there again, or the tombstone is newer than it."""
+    try:
+        ctx.run(ctx.need_store().hdel(identity.LOSSES_KEY, identity.PARTIAL + sid))
+    except StoreError:
+        pass
+
+
 def cmd_forget(ctx: Ctx, args: argparse.Namespace) -> int:
     store = ctx.need_store()
     row = resolve(ctx, args.session)
     sid, pin = row.session, row.pin
+    if row.lost:
+        if pin.server is not None:
+            err(f"The store lost the pin of {short(sid)} ({pin.agent}, on {pin.server}: {row.lost}); the proxies "
+                f"refuse it. Forgetting it lets its next request be decided afresh: {NOT_SEEN_BEGIN}, so it leaves "
+                f"{pin.server} for the server {pin.agent} addresses.")
+            err(MOVE_RISKS.format(frm=pin.server, to="that server"))
+            confirm(args, "Forget it?", f"{short(sid)} not forgotten")
+        _saved(ctx, "forget it", ctx.run(pins.forget(store, sid, row.loaded)), sid)
+        _settled_loss(ctx, sid)
+        out(f"Forgot {short(sid)} ({pin.agent}, was {where(pin.server)}; its pin had been lost). Its next request "
+            f"is decided afresh: {NOT_SEEN_BEGIN}.")
+        return 0
     if pin.server is not None:
         err(f"Forgetting {short(sid)} ({pin.agent}, on {pin.server}) moves it: its next request is decided "
             f"afresh, and {NOT_SEEN_BEGIN}, so it leaves {pin.server} for the server {pin.agent} addresses.")

@@ -3,7 +3,12 @@
 Rules it keeps:
 - A command opens the store only when it needs it, and a file store that does not exist
   yet is not created by a read command (``store(create=False)`` is None). A store that
-  is not a file (Redis) always "exists": whether it answers is the store's to say.
+  is not a file (Redis) always "exists": whether it answers is the store's to say — but a
+  read command does not make its identity either: one that holds none and no pin index,
+  that this machine never used and no proxy recorded lost, is ``unused`` (nothing
+  sessionpin made is there: a wrong database or prefix, or no proxy yet), and the commands
+  say so, as "no file yet" for a file — not "no pinned conversations" over a store that was
+  never the proxies'.
 - The store URL is shown only as ``store_shown`` (a password as ``***``), in every line
   and every error a command prints.
 - The store is the async ``Store`` every part uses; the CLI runs it on one event loop
@@ -17,6 +22,12 @@ Rules it keeps:
 - Every store change a command makes is compare-and-set against the pin it showed the
   operator (``pins.move``/``pins.forget`` with what ``resolve`` read): a pin that changed
   meanwhile is not overwritten — the command says so.
+- A pin the store lost is not "no pin" here either (``lost_pins``): one whose index entry
+  outlives it, or that a proxy recorded lost (``store:losses``), not expired and not
+  forgotten since — exactly what the proxies refuse — is found by ``resolve`` (a ``Row``
+  with ``lost`` set, its pin as the index or record says it was), so ``move`` puts that
+  conversation back and ``forget`` lets it be decided afresh, one at a time; ``sessions``
+  lists them.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ class Ctx:
     store_url: str
     _store: Store | None = None
     lost_ok: bool = False                        # the command shows or decides a loss: do not fail on one
+    unused: bool = False                         # a store with no identity this machine never used (not made)
     settled: identity.Settled | None = None      # the store's identity, judged when it was opened
     _runner: asyncio.Runner | None = field(default=None, repr=False)
 
@@ -98,6 +110,7 @@ class Ctx:
             # (quick_check of a 1M-pin store takes seconds); ``settle`` waits for the verdict
             options = {} if self.store_file() is None else {"check_at_open": False}
             self._store = open_store(self.store_url, **options)
+            self._make = create
         except StoreError as e:
             raise Fail(f"cannot open the store {self.store_shown}: {e}; check --store or SESSIONPIN_STORE") from None
         except OSError as e:
@@ -130,7 +143,8 @@ class Ctx:
         try:
             # what proxies (or another CLI) recorded lost, read first: nothing is made over it
             said = self.run(identity.losses(store))
-            s = self.settled = self.run(identity.settle(store, store.url, remembered, now, said))
+            s = self.settled = self.run(identity.settle(store, store.url, remembered, now, said,
+                                                        make=getattr(self, "_make", True)))
         except StoreError:
             if self.lost_ok:
                 return                  # status and doctor show the fault themselves
@@ -138,6 +152,12 @@ class Ctx:
         if s.kind in identity.LOSSES:
             self._lost(store, remembered, s, now)
             return
+        if s.identity is None and identity.pending_loss(said, None) is None:
+            if not self.run(store.hgetall(pins.INDEX_NAMES)):
+                self.unused = True      # read, not made: nothing sessionpin made is there (yet)
+                return
+            # pins with no identity (an older release made them): made now, as before
+            s = self.settled = self.run(identity.settle(store, store.url, remembered, now, said))
         try:
             made = self.run(identity.made(store))
         except StoreError:
@@ -277,6 +297,7 @@ class Row:
     session: str
     loaded: pins.Loaded
     seen: pins.Seen
+    lost: str = ""              # the store lost this pin: how it is known ("" : it is there)
 
     @property
     def pin(self) -> pins.Pin:
@@ -313,8 +334,66 @@ async def _rows(store: Store, keep: Callable[[str], bool] | None = None) -> list
     return out
 
 
+async def lost_pins(store: Store, now: float, names: list[str] | None = None,
+                    keep: Callable[[str], bool] | None = None) -> list[Row]:
+    """The pins the store lost that proxies refuse (docs/store.md, "Partial loss"), as rows
+    whose pin is what was known of it (``lost`` says how): a live entry of the index groups
+    ``names`` (None: every group) whose pin is gone, and a pin a proxy recorded lost whose
+    group is among them, of its agent, not expired, with no ``forget`` made after the record
+    and no pin now (``keep``: only the sessions it keeps, chosen by id before a pin is read).
+    A walk of those groups: for the CLI, never the proxy."""
+    every = sorted(await store.hgetall(pins.INDEX_NAMES))
+    names = every if names is None else names
+    found: dict[str, Row] = {}
+    for session, agent, server, expires in await pins.lost(store, now, names, keep=keep):
+        found.setdefault(session, _lost_row(session, agent, server, expires, "its pin index still holds it"))
+    for row in await recorded_lost(store, now, None if names is every else set(names), keep, found):
+        found[row.session] = row
+    return sorted(found.values(), key=lambda r: (-r.pin.renewed, r.session))
+
+
+async def recorded_lost(store: Store, now: float, wanted: set[str] | None = None,
+                        keep: Callable[[str], bool] | None = None, known: Any = ()) -> list[Row]:
+    """The lost pins proxies recorded in the store (``store:losses``) that still stand — what
+    every proxy refuses by the record — of the index groups ``wanted`` (None: any), not in
+    ``known``. One read of the records, and one ``mget`` per 500 of them: cheap enough for
+    ``doctor`` and ``status``."""
+    standing: list[tuple[str, identity.PartialLoss]] = []
+    for field_name, raw in (await identity.losses(store)).items():
+        if not field_name.startswith(identity.PARTIAL):
+            continue
+        session = field_name[len(identity.PARTIAL):]
+        if keep is not None and not keep(session):
+            continue
+        rec = identity.decode_partial(raw)
+        if session in known or rec is None or not rec.agent or (rec.expires and rec.expires <= now):
+            continue
+        if wanted is not None and pins.group(rec.agent, rec.server) not in wanted:
+            continue
+        standing.append((session, rec))
+    found: list[Row] = []
+    for i in range(0, len(standing), 500):          # the pins and tombstones a batch at a time
+        batch = standing[i:i + 500]
+        got = await store.mget([pins.key(s) for s, _ in batch] + [pins.FORGOT_PREFIX + s for s, _ in batch])
+        for (session, rec), pin, tomb in zip(batch, got[:len(batch)], got[len(batch):]):
+            if pin is not None:
+                continue                    # it is there (put back, or made anew)
+            if pins.forgot_after(tomb, 0.0, rec.expires, rec.at):
+                continue                    # forgotten since (as the proxies read it)
+            found.append(_lost_row(session, rec.agent, rec.server, rec.expires or now + pins.PIN_TTL,
+                                   f"{rec.by or 'a proxy'} recorded it lost"))
+    return found
+
+
+def _lost_row(session: str, agent: str, server: str | None, expires: float, how: str) -> Row:
+    pin = pins.Pin(agent=agent, server=server, since=0.0, renewed=expires - pins.PIN_TTL, rule="lost")
+    return Row(session, pins.Loaded(pin, None), pins.Seen(), how)
+
+
 def resolve(ctx: Ctx, given: str) -> Row:
-    """A pinned conversation by its id, a unique prefix of it, or the short form shown."""
+    """A pinned conversation by its id, a unique prefix of it, or the short form shown —
+    or one whose pin the store lost (``lost_pins``: the proxies refuse it; the operator
+    decides it here)."""
     given = typed(given)
     if not given:
         raise Fail("give a session id, or its first characters (see `sessionpin sessions`)")
@@ -331,6 +410,12 @@ def resolve(ctx: Ctx, given: str) -> Row:
     if exact:
         return exact[0]
     candidates = [r for r in rows if matches(r.session, given)]
+    if not candidates and store is not None:
+        # not pinned: perhaps lost (a walk of the index, only when nothing pinned matched)
+        candidates = ctx.run(lost_pins(store, time.time(), keep=lambda session: matches(session, given)))
+        exact = [r for r in candidates if r.session == given]
+        if exact:
+            return exact[0]
     if not candidates:
         raise Fail(f"no pinned conversation matches {given!r}; list them with `sessionpin sessions`")
     if len(candidates) > 1:

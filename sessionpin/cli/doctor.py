@@ -20,8 +20,10 @@ from typing import Any
 
 from ..config import config as configmod
 from ..store import NotDurable, StoreError
-from .common import Fail, dump_json, out, plural
-from .context import Ctx
+from ..reader.ids import short
+from .common import Fail, dump_json, out, plural, where
+from .context import Ctx, recorded_lost
+from .look import UNUSED
 from .launch import CA_FILE
 from .proxies import config_mismatch, confdir_of, find_proxies, find_proxy, key_state, proxy_keys
 
@@ -44,6 +46,8 @@ def cmd_doctor(ctx: Ctx, args: argparse.Namespace) -> int:
 
     cfg = _config(ctx, add)
     store_ok = _store(ctx, add)
+    if store_ok:
+        _lost_pins(ctx, add)
     proxies = find_proxies(ctx) if store_ok else []
     proxy = find_proxy(ctx, proxies)
     ca = confdir_of(proxy, args.confdir) / CA_FILE
@@ -123,7 +127,10 @@ def _store(ctx: Ctx, add) -> bool:
     if ctx.settled is not None and ctx.settled.message:     # it lost what it held (store.identity)
         add("store identity", "FAIL", ctx.settled.message)
     if store is not None and hasattr(store, "check"):
-        return _redis(ctx, store, add)
+        ok = _redis(ctx, store, add)
+        if ok and ctx.unused:
+            add("store identity", "warn", UNUSED.format(store=ctx.store_shown) + "; a proxy makes it at its first use")
+        return ok
     if store is None:
         parent = next((p for p in [f.parent, *f.parent.parents] if p.exists()), None) if f else None
         if parent is not None and os.access(parent, os.W_OK | os.X_OK):
@@ -250,6 +257,28 @@ def _unrouted(proxy, add) -> None:
 
 
 SLOW_DURABLE_WRITE = 0.05    # seconds: a new routed conversation's first request waits this long
+
+
+def _lost_pins(ctx: Ctx, add) -> None:
+    """Pins the store lost that the proxies refuse, as they recorded them in the store (one
+    read: no walk of the index). Before, doctor said nothing of them: every check was ok
+    while those conversations were refused."""
+    store = ctx.store(create=False)
+    if store is None or (ctx.settled is not None and ctx.settled.message):
+        return                      # no store yet, or the whole store lost (said above)
+    try:
+        rows = ctx.run(recorded_lost(store, time.time()))
+    except StoreError as e:
+        add("lost pins", "FAIL", f"cannot read what the proxies recorded lost: {e}")
+        return
+    if not rows:
+        return
+    named = ", ".join(f"{short(r.session)} ({r.pin.agent}, {where(r.pin.server)})" for r in rows[:5])
+    more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
+    add("lost pins", "FAIL", f"the proxies refuse {plural(len(rows), 'conversation')} whose pin the store lost: "
+        f"{named}{more}; `sessionpin sessions` lists each with its ways out (`sessionpin move SESSION SERVER` "
+        f"puts one back, `sessionpin forget SESSION` lets it be decided afresh, `sessionpin store accept-loss` "
+        f"decides every loss)")
 
 
 def _redis(ctx: Ctx, store, add) -> bool:

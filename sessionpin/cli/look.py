@@ -14,9 +14,10 @@ import time
 from typing import Iterator
 
 from ..reader.facts import AGENTS
+from ..store import identity
 from ..reader.ids import short, shorts
 from .common import Fail, JsonArray, ago, dump_json, err, line, out, table, where, why, widths_of
-from .context import Ctx, Row
+from .context import Ctx, Row, lost_pins, recorded_lost
 from .ledgercmd import LEDGER_COLUMNS, ledger_cells, ledger_json
 from .proxies import config_mismatch, find_proxies, find_proxy, key_state, proxy_keys
 
@@ -32,6 +33,10 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     proxies = find_proxies(ctx)
     proxy = find_proxy(ctx, proxies)
     penv = proxy_keys(proxy)
+    # pins the store lost that the proxies recorded, and refuse (their index entries still
+    # count as pinned above): said here too, not only when a conversation meets the refusal
+    lost = [] if store is None or (ctx.settled is not None and ctx.settled.message) \
+        else ctx.run(recorded_lost(store, now))
     servers = []
     for s in cfg.servers.values():
         pinned, active = counts.get(s.name, (0, 0))
@@ -45,9 +50,10 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     if args.json:
         dump_json({
             "config": str(ctx.config_path), "config_exists": ctx.config_path.exists(),
-            "store": ctx.store_shown, "store_exists": store is not None,
+            "store": ctx.store_shown, "store_exists": store is not None, "store_unused": ctx.unused,
             "store_info": _described(store, ctx),
             "store_lost": ctx.settled.message if ctx.settled is not None and ctx.settled.message else None,
+            "lost_pins": [{"session": r.session, "agent": r.pin.agent, "server": r.pin.server} for r in lost],
             "proxy": proxy.as_json(), "proxies": [p.as_json() for p in proxies], "servers": servers,
             "not_routed": {"pinned": nr_pinned, "active_last_hour": nr_active},
             "unconfigured_servers_with_pins": missing, "agents": agents,
@@ -59,9 +65,18 @@ def cmd_status(ctx: Ctx, args: argparse.Namespace) -> int:
     info = _described(store)
     if info.get("kind") == "redis":
         note = f"  ({info.get('health')}; {info.get('note')})"
+        if ctx.unused:
+            note += f"\n        {UNUSED.format(store=ctx.store_shown)}"
     out(f"store   {ctx.store_shown}{note}")
+    if store is None or ctx.unused:
+        _say_elsewhere(ctx, now, indent="        ")
     if ctx.settled is not None and ctx.settled.message:
         out(f"        LOST: {ctx.settled.message}")
+    if lost:
+        named = ", ".join(f"{short(r.session)} ({r.pin.agent}, {where(r.pin.server)})" for r in lost[:5])
+        more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+        out(f"        LOST PINS: the proxies refuse {len(lost)} conversation{'s' if len(lost) != 1 else ''} whose pin "
+            f"the store lost: {named}{more}; `sessionpin sessions` lists each with its ways out")
     live = [p for p in proxies if p.answering]
     for p in live:
         up = f", up {ago(p.started, now).removesuffix(' ago')}" if p.started else ""
@@ -105,6 +120,12 @@ SORTED_UP_TO = 5_000
 LISTING_BATCH = 1_000       # pins per store round trip (three calls: index page, pins, activity)
 
 
+# A store with no identity that this machine never used: nothing sessionpin made is there.
+UNUSED = ("nothing sessionpin made is in {store} (no store identity, no pin index, and this machine never "
+          "used it): no proxy has used it yet, or it was emptied — if a proxy runs, check the URL's database "
+          "and prefix against the proxy's (--store, SESSIONPIN_STORE)")
+
+
 def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
     if args.agent and args.agent not in AGENTS:
         raise Fail(f"unknown agent {args.agent!r} (known: {', '.join(AGENTS)})")
@@ -129,9 +150,34 @@ def cmd_sessions(ctx: Ctx, args: argparse.Namespace) -> int:
     many = ctx.indexed(names) > SORTED_UP_TO
     walk = ctx.listing(names, LISTING_BATCH)
     try:
-        return _print_sessions(ctx, args, walk, store is not None, now, many)
+        code = _print_sessions(ctx, args, walk, store is not None, now, many)
     finally:
         walk.close()            # a walk left early (a closed pipe) ends its store reads here
+    if store is not None and names:
+        _say_lost(ctx.run(lost_pins(store, now, names)))
+    return code
+
+
+def _say_elsewhere(ctx: Ctx, now: float, indent: str = "") -> None:
+    """No store yet at this URL, while this machine remembers another holding live pins: the
+    command may be looking at the wrong store (a shell without the proxy's SESSIONPIN_STORE,
+    a wrong db or prefix). Said, not guessed: which one the proxy uses is the operator's."""
+    for r in identity.others(identity.Memory(ctx.store_url), now)[:3]:
+        err(f"{indent}this machine last used store {r.store} ({r.pins} pins, seen {ago(r.seen, now)}): "
+            f"if the proxy uses that one, give it with --store (or SESSIONPIN_STORE)")
+
+
+def _say_lost(rows: list[Row]) -> None:
+    """The pins of these groups the store lost, which the proxies refuse (standard error: the
+    table and the JSON array list the pins there are): each with its ways out, the commands
+    the proxies' refusal names. Before, they were simply not listed, while ``status`` counted them."""
+    shown = shorts([r.session for r in rows])      # unique among them, as the table's
+    for r in rows:
+        sid, pin = shown[r.session], r.pin
+        back = f"sessionpin move {sid} {pin.server}" if pin.server else f"sessionpin move {sid} --not-routed"
+        err(f"LOST {sid} ({pin.agent}, pinned {where(pin.server)}): the store no longer has its pin ({r.lost}); "
+            f"proxies refuse it until you decide: `{back}` puts it back, `sessionpin forget {sid}` lets it be "
+            f"decided afresh (or restore the store, or `sessionpin store accept-loss` for every loss)")
 
 
 def _print_sessions(ctx: Ctx, args: argparse.Namespace, batches: Iterator[list[Row]], have_store: bool,
@@ -158,7 +204,11 @@ def _print_sessions(ctx: Ctx, args: argparse.Namespace, batches: Iterator[list[R
         return 0
     if not head:
         what = "no pinned conversations" + ("" if have_store else f" (no store file yet at {ctx.store_file()})")
+        if ctx.unused:
+            what += f" ({UNUSED.format(store=ctx.store_shown)})"
         out(what + (" match" if (args.agent or args.server or args.not_routed) and have_store else ""))
+        if not have_store or ctx.unused:
+            _say_elsewhere(ctx, now)
         return 0
     # the PARENT column, when a listed one is a fork (always, when rows stream: a fork may come later)
     forks = streamed or any(r.pin.parent for r in head)

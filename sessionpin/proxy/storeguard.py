@@ -77,6 +77,7 @@ class StoreGuard:
         self.lost: str | None = None          # why every routed request is refused
         self.kind: str | None = None          # the last verdict (identity.OK, LOST…)
         self.partial = 0                      # sessions whose served pin the store lost
+        self.others: list[ident.Remembered] = []  # other stores with live pins, when this one was new
         self._store: Store | None = None
         self._url = ""                        # as given (the memory is keyed by its location)
         self._memory: ident.Memory | None = None
@@ -100,6 +101,7 @@ class StoreGuard:
         self._accepted_at, self._whole_at = None, 0.0
         self._made_seen = []
         self.lost, self.kind = None, None
+        self.others = []
         self.served.clear()
 
     # ---- what the router asks ---------------------------------------------------------------
@@ -114,7 +116,7 @@ class StoreGuard:
 
     def saw(self, session: str, pin: pins.Pin | None, now: float, made: bool = False) -> None:
         if pin is not None:
-            self.served.saw(session, pin.server, pins.expiry(pin), now)
+            self.served.saw(session, pin.server, pins.expiry(pin), now, pin.since)
             self._made += made              # pins made since the last count (what a loss says it held)
 
     async def missed(self, store: Store, session: str, agent: str, now: float) -> str | None:
@@ -147,9 +149,13 @@ class StoreGuard:
         if await store.get(pins.key(session)) is not None:
             return None                     # made meanwhile (another proxy's opening won the race): its pin decides
         server = expected[0] or "not routed"
+        # the ways out for this conversation alone come first: the CLI finds a lost pin as the
+        # proxy does (by the index or the record), so the operator need not decide every loss at once
+        back = f"sessionpin move {session} {expected[0]}" if expected[0] else f"sessionpin move {session} --not-routed"
         message = (f"store {store.url} no longer has the pin of session {session} (pinned to {server}), {how}; "
                    f"no `sessionpin forget` of it is recorded and it had not expired. It is not taken for a new "
-                   f"conversation: restore the store (`sessionpin store copy BACKUP {store.url}`) or accept the "
+                   f"conversation: put it back (`{back}`) or let it be decided afresh (`sessionpin forget "
+                   f"{session}`), restore the store (`sessionpin store copy BACKUP {store.url}`) or accept the "
                    f"loss (`sessionpin store accept-loss --store {store.url}`)")
         if self.served.report(session):
             self.partial += 1
@@ -168,14 +174,8 @@ class StoreGuard:
         rec = await ident.partial_loss(store, session)
         if rec is None or (rec.agent and rec.agent != agent) or (rec.expires and rec.expires <= now):
             return None
-        tombstone = await store.get(pins.FORGOT_PREFIX + session)
-        if tombstone is not None:
-            try:
-                forgot = float(tombstone)
-            except ValueError:
-                forgot = float("inf")       # a tombstone we cannot date: the operator's, to be safe
-            if forgot >= rec.at:
-                return None
+        if pins.forgot_after(await store.get(pins.FORGOT_PREFIX + session), 0.0, rec.expires, rec.at):
+            return None
         return rec
 
     # ---- looking at the store ---------------------------------------------------------------
@@ -265,6 +265,7 @@ class StoreGuard:
             self.lost = None
             if s.kind == ident.NEW:
                 log.info("sessionpin: store %s is new: its identity %s was made now", store.url, s.identity.id)
+                await self._say_others(store)
             elif s.kind == ident.FIRST:
                 log.warning("sessionpin: this machine has not used store %s before: it is taken as it is "
                             "(identity %s)", store.url, s.identity.id)
@@ -281,6 +282,23 @@ class StoreGuard:
             elif evicted != self._remembered.evicted or (settled_made or 0) > self._remembered.made:
                 await self._remember(msgspec.structs.replace(
                     self._remembered, evicted=evicted, made=max(settled_made or 0, self._remembered.made)))
+
+    async def _say_others(self, store: Store) -> None:
+        """A new store, while this machine remembers another holding live pins: the likely
+        mistake (a wrong ``db``, ``prefix`` or path; an environment without
+        ``SESSIONPIN_STORE``) reads every conversation pinned there as never pinned — left
+        alone here, sent where its agent addresses it. Said once, loudly, naming the other
+        store (status ``store_info.identity.other_stores``); nobody can tell a mistake from
+        a second setup, so the proxy routes on."""
+        self.others = await asyncio.to_thread(ident.others, self._memory, time.time())
+        if self.others:
+            named = "; ".join(f"{r.store} ({r.pins} pins, seen whole {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.seen))})"
+                              for r in self.others[:3])
+            log.warning("sessionpin: store %s is new, but this machine last used another store holding live pins: "
+                        "%s. If this proxy should use that store, stop it and set sessionpin_store (or "
+                        "SESSIONPIN_STORE) to it: here, every conversation pinned there is taken for one never seen "
+                        "begin (left alone, sent where its agent addresses it) and new ones are pinned in %s",
+                        store.url, named, store.url)
 
     def _settled_made(self, made: int) -> int | None:
         """The count of pins made to remember: the last one read at least ``MADE_SETTLE`` ago
@@ -320,5 +338,6 @@ class StoreGuard:
                 "remembered_made": r.made if r else None,
                 "served_pins": len(self.served),
                 "served_bound": self.served.bound, "partial_losses": self.partial,
+                "other_stores": [{"store": o.store, "pins": o.pins, "seen": o.seen} for o in self.others],
                 "memory": str(self._memory.path) if self._memory and self._memory.path else None}
 

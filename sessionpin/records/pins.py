@@ -22,8 +22,10 @@ Rules this module keeps (seeds/000, made stronger):
 - Every durable change of a pin (create, move, forget, a pool's allocation) also counts one
   in the store's pins made (``identity.MADE_KEY``, in the same ``apply``): a store rolled
   back to an older copy counts fewer than a machine saw (``identity.rolled_back``).
-- ``forget`` leaves a tombstone (``forgot:<session>``: when, as long as a pin lives), so a
-  proxy that served the pin tells the operator's decision from a loss (``served``).
+- ``forget`` leaves a tombstone (``forgot:<session>``, as long as a pin lives): when, and
+  the pin it forgot (its ``since`` and expiry as read), so a proxy that served the pin tells
+  the operator's decision from a loss (``served``, ``forgot_after``) by comparing pins, not
+  clocks: the operator's machine may run behind the proxy's, or the clock step back between.
 - A stored value that is not a valid pin (bad JSON, wrong shape, no agent) reads as no pin.
 - A pool's allocation adds ``pool``, ``models`` and ``why`` (defaults omitted, so other pins
   read and write as before; unknown fields are ignored by older readers).
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import msgspec
 
@@ -47,7 +49,7 @@ SEEN_PREFIX = "seen:"
 INDEX_PREFIX = "pinidx:"
 INDEX_NAMES = "pinidx"          # hash: "<agent>:<server or ->" -> "1"
 ACTIVE_PREFIX = "active:"       # sorted set per agent and server: session -> last seen
-FORGOT_PREFIX = "forgot:"       # the operator forgot this session's pin (when): not a loss
+FORGOT_PREFIX = "forgot:"       # the operator forgot this session's pin (when, which pin): not a loss
 NOT_ROUTED = "-"
 DAY = 86_400.0
 PIN_TTL = 30 * DAY
@@ -165,6 +167,50 @@ async def create(store: Store, session: str, pin: Pin, seen: Loaded | None = Non
     return await load(store, session)
 
 
+class Tombstone(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What ``forget`` leaves: when (the forgetting machine's clock), and the pin it forgot —
+    its ``since`` (0: not known, a lost pin forgotten as the index named it) and its expiry."""
+    at: float
+    since: float = 0.0
+    expires: float = 0.0
+
+
+_tomb_encoder = msgspec.json.Encoder()
+_tomb_decoder = msgspec.json.Decoder(Tombstone)
+
+
+def tombstone(raw: str) -> Tombstone | None:
+    """A tombstone as written; an older one is its time alone (``repr(when)``); None: one
+    that cannot be read (the caller takes it for the operator's, to be safe)."""
+    try:
+        return Tombstone(at=float(raw))
+    except ValueError:
+        pass
+    try:
+        return _tomb_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def forgot_after(raw: str | None, since: float, expires: float, at: float) -> bool:
+    """Did the operator's ``forget`` (tombstone ``raw``) come after the pin known as
+    (``since``, ``expires``: 0 when not known), seen or recorded at ``at``? By the pins when
+    both name one — the same pin or a later one was forgotten (a pin made after a forget has a
+    later ``since``, and a later expiry) — and by the clocks only for a tombstone that names
+    none (written before it did). Clocks of two machines, or one stepped back, would take the
+    operator's decision for a loss. An unreadable tombstone is the operator's."""
+    if raw is None:
+        return False
+    t = tombstone(raw)
+    if t is None:
+        return True
+    if t.since and since:
+        return t.since >= since
+    if t.expires and expires:
+        return t.expires >= expires
+    return t.at >= at
+
+
 def renew_due(pin: Pin, now: float) -> bool:
     return now - pin.renewed >= RENEW_AFTER
 
@@ -188,11 +234,16 @@ async def move(store: Store, session: str, seen: Loaded, new: Pin) -> bool:
 async def forget(store: Store, session: str, seen: Loaded, now: float | None = None) -> bool:
     """Delete the pin that was read (durable), with its index entry and its activity; a
     tombstone says when (a proxy that served the pin does not take it for a loss)."""
-    if seen.raw is None:
-        return False
+    if seen.raw is None and seen.pin is None:
+        return False                # nothing read: nothing to forget
+    # (``seen.raw`` None with a pin: a lost pin, as the index or a proxy's record names it
+    # (``lost``) — forgotten only while its key is still absent, so the proxies that refuse
+    # it decide it afresh by the tombstone)
     when = time.time() if now is None else now
+    tomb = Tombstone(at=when, since=seen.pin.since if seen.pin else 0.0, expires=expiry(seen.pin) if seen.pin else 0.0)
     writes: list[Write] = [Delete(key(session)), *_unindexed(session, seen.pin), Delete(SEEN_PREFIX + session),
-                           Set(FORGOT_PREFIX + session, repr(when), PIN_TTL), *made_writes()]
+                           Set(FORGOT_PREFIX + session, _tomb_encoder.encode(tomb).decode(), PIN_TTL),
+                           *made_writes()]
     if seen.pin is not None:
         writes.append(ZRem(active_key(seen.pin.agent, seen.pin.server), session))
     return await store.apply([Check(key(session), seen.raw)], writes, durable=True)
@@ -224,6 +275,26 @@ async def drop_lost(store: Store, now: float, batch: int = 500) -> int:
                 if raw is None and await store.zrem(INDEX_PREFIX + name, session):
                     dropped += 1
     return dropped
+
+
+async def lost(store: Store, now: float, names: Sequence[str], batch: int = 500,
+               keep: Callable[[str], bool] | None = None) -> list[tuple[str, str, str | None, float]]:
+    """(session, agent, server, expiry) of each live entry of the index groups ``names``
+    whose pin is gone: what a proxy refuses as lost (``index_entry``), as the CLI lists it
+    and lets the operator decide one by one (``keep``: only the sessions it keeps, chosen
+    before any pin is read). A walk: for the CLI, never the proxy."""
+    out = []
+    for name in names:
+        agent, server = split_group(name)
+        members = await store.zrange(INDEX_PREFIX + name, now, float("inf"))
+        if keep is not None:
+            members = [m for m in members if keep(m[0])]
+        for i in range(0, len(members), batch):
+            chunk = members[i:i + batch]
+            for (session, score), raw in zip(chunk, await store.mget([key(s) for s, _ in chunk])):
+                if raw is None:
+                    out.append((session, agent, server, score))
+    return out
 
 
 async def reindex(store: Store, batch: int = 500) -> int:

@@ -11,13 +11,17 @@ Rules it keeps:
   after that expiry is missed, never invented).
 - The operator's decisions are not losses: a forgotten pin leaves a tombstone the caller
   checks (``pins.FORGOT_PREFIX``); when the operator accepts the store's losses, the caller
-  drops the sessions whose pins are missing then (``drop``), and keeps watching the rest; a tombstone older than the serving is not this pin's (``forgotten``).
+  drops the sessions whose pins are missing then (``drop``), and keeps watching the rest; a
+  tombstone of an older pin than the one served is not this pin's (``forgotten``: by the
+  pins it names, not by clocks — the operator's machine may run behind ours).
   Each lost session is reported once (``report``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from . import pins
 
 BOUND = 50_000
 
@@ -31,8 +35,8 @@ class Served:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def saw(self, session: str, server: str | None, expires: float, now: float) -> None:
-        self._pins[session] = (server, expires, now)
+    def saw(self, session: str, server: str | None, expires: float, now: float, since: float = 0.0) -> None:
+        self._pins[session] = (server, expires, now, since)
         self._pins.move_to_end(session)
         self._reported.discard(session)
         while len(self._pins) > self.bound:
@@ -47,18 +51,15 @@ class Served:
         if got[1] <= now:
             self.drop(session)
             return None
-        return got
+        return got[:3]
 
     def forgotten(self, session: str, tombstone: str | None) -> bool:
-        """Did the operator forget the pin served (a tombstone made after it was served)?"""
+        """Did the operator forget the pin served (or a later one)? By the pin the tombstone
+        names (``pins.forgot_after``), not by comparing the operator's clock with ours."""
         got = self._pins.get(session)
         if got is None or tombstone is None:
             return False
-        try:
-            when = float(tombstone)
-        except ValueError:
-            when = float("inf")         # a tombstone we cannot date: the operator's, to be safe
-        if when >= got[2]:
+        if pins.forgot_after(tombstone, got[3], got[1], got[2]):
             self.drop(session)
             return True
         return False

@@ -297,6 +297,34 @@ class Memory:
         os.replace(tmp, self.path)
 
 
+REMEMBERED_LIVE = 30 * 86_400.0     # a store seen whole this recently may still hold live pins (their TTL)
+
+
+def others(memory: Memory, now: float) -> list[Remembered]:
+    """The other stores this machine remembers holding live pins when last seen whole, within
+    a pin's life (most pins first): when a proxy makes a new store's identity, its
+    conversations may be pinned in one of these — a wrong database, prefix or path, an
+    environment without ``SESSIONPIN_STORE`` — and would be read here as never pinned.
+    Unreadable files are skipped (this only informs)."""
+    if memory.path is None:
+        return []
+    found = []
+    try:
+        paths = sorted(memory.path.parent.glob("*.json"))
+    except OSError:
+        return []
+    for path in paths:
+        if path == memory.path:
+            continue
+        try:
+            r = _mem_decoder.decode(path.read_bytes())
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if r.pins > 0 and now - r.seen < REMEMBERED_LIVE:
+            found.append(r)
+    return sorted(found, key=lambda r: (-r.pins, r.store))
+
+
 # ---- what a store holds ------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -324,13 +352,14 @@ async def _write(store: Store, checks: list, writes: list) -> bool:
 
 
 async def settle(store: Store, url: str, remembered: Remembered | None, now: float,
-                 recorded: Mapping[str, str] | None = None) -> Settled:
+                 recorded: Mapping[str, str] | None = None, make: bool = True) -> Settled:
     """Read the store's identity and judge it against what was remembered; a new store gets
     its identity now (the first of two racing makers wins; the other takes it) — unless a
-    loss is ``recorded`` in it (its ``store:losses`` as read): nothing is made over that."""
+    loss is ``recorded`` in it (its ``store:losses`` as read): nothing is made over that —
+    or ``make`` is False (a command that only reads: ``Settled(NEW, None, None)``)."""
     found, raw = await read(store)
     kind = judge(remembered, found)
-    if kind == NEW and recorded and pending_loss(recorded, None) is not None:
+    if kind == NEW and (not make or (recorded and pending_loss(recorded, None) is not None)):
         return Settled(NEW, None, None)
     if kind == NEW:
         made = Identity(id=uuid.uuid4().hex, created=now)

@@ -13,6 +13,7 @@ routing back without restarting the router.
 from __future__ import annotations
 
 import http.client
+import os
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import pytest
 from redis_servers import RedisServer, unique_prefix, wait_for
 from sessionpin.records import pins
 from sessionpin.records.documents import HEARTBEAT_PREFIX
+from sessionpin.store import open_store
 from sessionpin.store.identity import LOSSES_KEY
 from sessionpin.reader.ids import short
 from sessionpin.decision.answers import NO_RETRY_STATUS as LOST      # a lost store: only the operator can decide
@@ -684,3 +686,131 @@ def test_a_fork_of_a_conversation_whose_pin_was_deleted_is_refused_not_left_alon
     assert "sessionpin store accept-loss" in message and "sessionpin store copy BACKUP" in message
     assert rig.received("anthropic", fork) == 0 and rig.received("glm", fork) == 0
     assert raw.get(prefix + pins.key(fork)) is None          # nothing pinned for it
+
+
+def _decide_alone(rig: Rig, moved: str, forgotten: str, how: str) -> None:
+    """The operator decides two lost conversations one by one, with the commands the refusal
+    names: one moved back to glm (where it was), one forgotten (decided afresh: left alone).
+    ``sessions`` lists both as lost before (``how``: what the CLI found them by), and neither
+    after; nothing else changes."""
+    for s in (moved, forgotten):
+        r = rig.send("continuation", s)
+        assert r.status == LOST, (r.status, r.header("x-fake-server"), r.text[:300])
+        message = r.json()["error"]["message"]
+        assert "which this proxy served" in message, message
+        # the ways out for this conversation alone, by the id the agent's screen shows
+        assert f"`sessionpin move {short(s)} glm`" in message and f"`sessionpin forget {short(s)}`" in message, message
+    listed = rig.cli("sessions")
+    assert listed.returncode == 0, listed.stderr
+    for s in (moved, forgotten):
+        said = [ln for ln in listed.stderr.splitlines() if short(s) in ln]
+        assert said and "LOST" in said[0] and "glm" in said[0] and how in said[0], listed.stdout + listed.stderr
+    doctor = rig.cli("doctor", "--config", str(rig.router.config_path))    # the proxy recorded both
+    said = [ln for ln in doctor.stdout.splitlines() if ln.startswith("FAIL  lost pins")]
+    assert said and short(moved) in said[0] and short(forgotten) in said[0], doctor.stdout + doctor.stderr
+    # a prefix as the agent's screen shows it, as for any pinned conversation
+    done = rig.cli("move", short(moved), "glm", "--yes", "--config", str(rig.router.config_path))
+    assert done.returncode == 0 and "glm" in done.stdout, done.stdout + done.stderr
+    done = rig.cli("forget", short(forgotten), "--yes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    r = rig.send("continuation", moved)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+    r = rig.send("continuation", forgotten)
+    assert (r.status, r.header("x-fake-server")) == (200, "anthropic"), r.text[:300]
+    listed = rig.cli("sessions")
+    assert listed.returncode == 0 and "LOST" not in listed.stderr, listed.stdout + listed.stderr
+    assert short(moved) in listed.stdout, listed.stdout
+    assert rig.received("anthropic", moved) == 0
+    doctor = rig.cli("doctor", "--config", str(rig.router.config_path))
+    assert "lost pins" not in doctor.stdout, doctor.stdout
+
+
+def test_a_lost_pin_is_listed_and_moved_back_or_forgotten_alone_by_the_cli(redis, rig_on):
+    """A cleanup script DELs two pin keys; their index entries stay. The proxy refuses both
+    (424) — and the CLI said "no pinned conversation matches" to `move` and `forget` of them
+    and listed neither in `sessions` (while `status` counted them): the only ways out were a
+    restore or `accept-loss` of every loss at once. Now `sessions` lists them as lost, `move`
+    puts one back where it was, `forget` lets one be decided afresh; the others are untouched."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    moved, forgotten, kept = rig.open(3)
+    assert redis.client().delete(*(prefix + pins.key(s) for s in (moved, forgotten))) == 2
+    _decide_alone(rig, moved, forgotten, "its pin index still holds it")
+    r = rig.send("continuation", kept)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+
+
+def test_a_lost_pin_only_a_record_knows_is_listed_and_decided_alone_by_the_cli(redis, rig_on, tmp_path):
+    """The pins and their whole index are deleted: only the router that served them knows,
+    and it records each lost pin in the store at its next request. The CLI (another machine)
+    finds them by those records: listed as lost, moved back or forgotten one by one."""
+    prefix = unique_prefix()
+    rig = rig_on(redis.url(prefix))
+    moved, forgotten = rig.open(2)
+    assert redis.client().delete(prefix + pins.key(moved), prefix + pins.key(forgotten),
+                                 prefix + pins.index_key("claude-code", "glm")) == 3
+    _decide_alone(rig, moved, forgotten, "recorded it lost")
+
+
+def test_a_forget_dated_before_the_proxys_last_serving_is_the_operators_not_a_loss(rig_on, tmp_path):
+    """The operator forgets a running conversation from a machine whose wall clock is behind
+    the proxy's (or after the clock stepped back: an NTP correction): the tombstone's time
+    is before the proxy last served the pin. The proxy took the operator's decision for a
+    loss — 424 store-lost for a conversation the operator had just released, recorded in the
+    store so that every proxy refused it until `accept-loss`. Now a tombstone names the pin it
+    forgot (its creation and expiry, as the store held them), and the proxy compares pins, not
+    clocks: the next request is decided afresh (left alone, to the server its agent addresses)."""
+    import asyncio
+
+    rig = rig_on(f"file:{tmp_path}/state/state.db")
+    s, kept = rig.open(2)
+
+    async def forget_behind(seconds: float) -> None:
+        store = open_store(rig.url)
+        try:
+            assert await pins.forget(store, s, await pins.load(store, s), now=time.time() - seconds)
+        finally:
+            await store.close()
+    asyncio.run(forget_behind(600))
+    r = rig.send("continuation", s)
+    assert (r.status, r.header("x-fake-server")) == (200, "anthropic"), (r.status, r.text[:300])
+    assert rig.status()["store_info"]["identity"]["partial_losses"] == 0
+    assert "no longer has the pin" not in rig.router.output
+    r = rig.send("continuation", kept)
+    assert (r.status, r.header("x-fake-server")) == (200, "glm"), r.text[:300]
+
+
+def test_a_new_store_while_the_machine_remembers_another_with_live_pins_is_said(redis, rig_on, tmp_path):
+    """The router is restarted on another key prefix of the same Redis (a config edited by
+    mistake; a wrong ``db`` or path, an environment without ``SESSIONPIN_STORE`` are alike):
+    the store there is new, and every conversation pinned in the first reads as never
+    pinned — left alone, sent where its agent addresses it. Nobody can tell a mistake from a
+    second setup, so it routes on; but before it said only "store … is new" (INFO). Now one
+    WARNING names the other store this machine remembers holding live pins, and status shows it."""
+    machine = str(tmp_path / "machine")
+    first = redis.url(unique_prefix())
+    rig = rig_on(first)
+    rig.router.stop()
+    rig.router = Mitmdump.router(tmp_path / "router-a", rig.ca, rig.router.config_path.read_text(),
+                                 env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": machine},
+                                 options={"sessionpin_store": first, "sessionpin_pool": False})
+    rig.router.start()
+    sessions = rig.open(2)
+    # what this machine remembers of it, as any command that reads it counts it
+    counted = subprocess.run([*sessionpin_argv(), "sessions", "--store", first], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "SESSIONPIN_STORE_MEMORY": machine})
+    assert counted.returncode == 0, counted.stderr
+    rig.router.stop()
+    second = redis.url(unique_prefix())
+    rig.router = Mitmdump.router(tmp_path / "router-b", rig.ca, rig.router.config_path.read_text(),
+                                 env={GLM_ENV: GLM_KEY, "SESSIONPIN_STORE_MEMORY": machine},
+                                 options={"sessionpin_store": second, "sessionpin_pool": False})
+    rig.router.start()
+    r = rig.send("continuation", sessions[0])                # routed on: nobody can tell
+    assert r.status == 200, r.text[:300]
+    shown = open_store(first).url
+    said = [ln for ln in rig.router.output.splitlines() if "this machine last used another store" in ln]
+    assert len(said) == 1 and shown in said[0] and "(2 pins" in said[0], rig.router.output[-2000:]
+    assert "set sessionpin_store" in said[0]
+    others = rig.status()["store_info"]["identity"]["other_stores"]
+    assert [(o["store"], o["pins"]) for o in others] == [(shown, 2)], others

@@ -184,6 +184,46 @@ def test_named_reads_the_endpoint_a_path_ends_with_under_a_plain_prefix(path, na
     assert paths.named("GET", path) is None
 
 
+@pytest.mark.parametrize("path, named", [
+    # Bedrock (Claude Code on Bedrock, or a gateway's prefix before it): the model in the path
+    ("/model/anthropic.claude-sonnet-4-5-20250929-v1:0/invoke", ("/invoke", paths.ANTHROPIC_MESSAGES)),
+    ("/model/us.anthropic.claude-x-v1:0/invoke-with-response-stream",
+     ("/invoke-with-response-stream", paths.ANTHROPIC_MESSAGES)),
+    ("/bedrock/model/x/converse", ("/converse", paths.ANTHROPIC_MESSAGES)),
+    ("/model/x/Converse-Stream", ("/converse-stream", paths.ANTHROPIC_MESSAGES)),
+    ("/model/arn%3Aaws%3Abedrock%3Aus-east-1%3A1%3Aapplication-inference-profile%2Fabc/invoke",
+     ("/invoke", paths.ANTHROPIC_MESSAGES)),                       # an ARN's escaped slash, decoded
+    ("/model//invoke", None), ("/model/invoke", None), ("/model/x/invoke/more", None), ("/x/invoke", None),
+    # Vertex (Claude Code on Vertex) and Gemini's native API (Gemini CLI): a model method
+    ("/v1/projects/p/locations/us-east5/publishers/anthropic/models/claude-sonnet-4-5@20250929:streamRawPredict",
+     (":streamrawpredict", paths.ANTHROPIC_MESSAGES)),
+    ("/v1/projects/p/locations/l/publishers/anthropic/models/m:rawPredict", (":rawpredict", paths.ANTHROPIC_MESSAGES)),
+    ("/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse", (":streamgeneratecontent", paths.OPENAI_CHAT)),
+    ("/v1beta/models/gemini-2.5-pro:generateContent", (":generatecontent", paths.OPENAI_CHAT)),
+    ("/v1beta/models/gemini-2.5-pro:countTokens", (":counttokens", paths.OPENAI_CHAT)),
+    ("/v1beta/models/:generateContent", None), ("/v1beta/models/x:listThings", None), ("/v1/x:generateContent", None),
+    ("/v1beta/models/a/b:generateContent", None),
+    # the legacy completions, under a plain prefix as the endpoints above
+    ("/v1/complete", ("/complete", paths.ANTHROPIC_MESSAGES)),
+    ("/v1/completions", ("/completions", paths.OPENAI_CHAT)),
+    ("/zen/v1/completions", ("/completions", paths.OPENAI_CHAT)),
+    ("/v1/threads/x/completions", None),                           # a look-alike, as for the endpoints
+    ("/v1/messages/batches", None),                                # many requests, no one conversation's turn
+])
+def test_named_reads_other_apis_inference_endpoints(path, named):
+    """Endpoints sessionpin never routes but a server may serve as inference: named, so a
+    conversation pinned elsewhere is refused there (``route._guard``), never scoped as routed."""
+    assert paths.named("POST", path) == named
+    assert paths.named("GET", path) is None
+    assert not paths.scope("POST", path, "").inference
+
+
+def test_a_path_of_many_model_segments_is_read_to_its_end():
+    path = "/model/" * 200_000 + "x"
+    assert paths.named("POST", path) is None
+    assert paths.named("POST", path + "/invoke") == ("/invoke", paths.ANTHROPIC_MESSAGES)
+
+
 def test_named_takes_the_servers_own_prefix_whatever_it_holds():
     assert paths.named("POST", "/v1beta/openai/messages", "/v1beta/openai") == ("/messages", paths.ANTHROPIC_MESSAGES)
     assert paths.named("POST", "/v1beta/openai/messages", None) is None

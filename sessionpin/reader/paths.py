@@ -52,7 +52,10 @@ Rules this module keeps:
   configured) — not a look-alike (``/v1/threads/x/messages``, as ``unrouted``): a request
   sessionpin does not route that a server may serve as inference. The router reads its
   session's pin, so a conversation pinned elsewhere never reaches the server it addressed
-  this way (``route``'s "unnamed path" rule).
+  this way (``route``'s "unnamed path" rule). Other APIs' inference endpoints are named too
+  (``_other_api``: Bedrock's ``…/model/{id}/invoke``, Vertex's and Gemini's
+  ``…/models/{m}:streamRawPredict``/``:generateContent``, the legacy ``/v1/complete`` and
+  ``/v1/completions``), never scoped: sessionpin routes none of them.
 - ``/responses/compact`` is an endpoint (of the Responses api): Codex on OpenAI's provider
   compacts a thread there (codex-rs ``compact.rs``); the recorded Codex (0.171, on a custom
   provider) compacts through ``/v1/responses`` (``request_kind: compaction``).
@@ -247,9 +250,14 @@ def named(method: str, path: str, prefix: str | None = None) -> tuple[str, str] 
     another API's resource) — is not named."""
     if method.strip().upper() != "POST":
         return None
-    found = _split_endpoint(normalised(path.partition("?")[0]))
+    normal = normalised(path.partition("?")[0])
+    found = _split_endpoint(normal)
     if found is None:
-        return None
+        if (other := _other_api(normal)) is not None:
+            return other
+        found = next(((normal[: -len(e)], e, api) for e, api in _LEGACY.items() if normal.endswith(e)), None)
+        if found is None:
+            return None
     before = found[0]
     if prefix is not None and before == normalised(prefix):
         return found[1], found[2]
@@ -257,6 +265,36 @@ def named(method: str, path: str, prefix: str | None = None) -> tuple[str, str] 
     if not (_plain(head) and (last == "" or _NAME_SEGMENT.match(last))):
         return None
     return found[1], found[2]
+
+
+# Other APIs' inference endpoints, which sessionpin never routes but a server may well serve
+# (``named``): Bedrock's InvokeModel and Converse (``…/model/{id}/invoke``: Claude Code on
+# Bedrock, or a gateway's prefix before it), Vertex's and Gemini's model methods
+# (``…/models/{m}:streamRawPredict``: Claude Code on Vertex; ``:generateContent``: Gemini CLI),
+# and the legacy completions (``/v1/complete``, ``/v1/completions``). Each with the api its
+# body is read as: Claude's for Bedrock's and Vertex's (the Messages body less the model),
+# chat's for the rest (their session, if any, is in the headers). Matched on the path read as a
+# lenient server reads it (``normalised``: an ARN's ``%2F`` decoded, lower case). A batch
+# (``/v1/messages/batches``) is not: it holds many requests, none of them one conversation's turn.
+_BEDROCK = frozenset({"invoke", "invoke-with-response-stream", "converse", "converse-stream"})
+_GOOGLE = frozenset({"streamrawpredict", "rawpredict", "streamgeneratecontent", "generatecontent", "counttokens"})
+_LEGACY = {"/complete": ANTHROPIC_MESSAGES, "/completions": OPENAI_CHAT}
+
+
+def _other_api(normal: str) -> tuple[str, str] | None:
+    """(endpoint, api) of a normalised path part that ends with another API's inference
+    endpoint (``/invoke``, ``:streamrawpredict``…), else None. String scans, no regex: a
+    hostile path costs one pass."""
+    head, _, last = normal.rpartition("/")
+    if last in _BEDROCK:
+        at = head.find("/model/")        # the model id after it may hold a decoded ARN's ``/``
+        if at != -1 and len(head) > at + len("/model/"):
+            return "/" + last, ANTHROPIC_MESSAGES
+        return None
+    model, colon, method = last.rpartition(":")
+    if colon and model and method in _GOOGLE and head.endswith("/models"):
+        return ":" + method, ANTHROPIC_MESSAGES if method.endswith("rawpredict") else OPENAI_CHAT
+    return None
 
 
 def endpoint_api(path: str) -> str:

@@ -224,6 +224,26 @@ def test_a_path_of_many_model_segments_is_read_to_its_end():
     assert paths.named("POST", path + "/invoke") == ("/invoke", paths.ANTHROPIC_MESSAGES)
 
 
+@pytest.mark.parametrize("path, alike", [
+    ("/v1/threads/x/messages", ("/messages", paths.ANTHROPIC_MESSAGES)),            # the Assistants API's
+    ("/v1/acct/gw/anthropic/v1/messages?beta=true", ("/messages", paths.ANTHROPIC_MESSAGES)),   # Cloudflare
+    ("/v1/acct/gw/anthropic/v1/messages/count_tokens", ("/messages/count_tokens", paths.ANTHROPIC_COUNT_TOKENS)),
+    ("/v1/projects/p/locations/l/endpoints/openapi/chat/completions", ("/chat/completions", paths.OPENAI_CHAT)),
+    ("/V1/Acct/GW/OpenAI/Responses/", ("/responses", paths.OPENAI_RESPONSES)),       # read as a lenient server does
+    ("/v1/messages", None), ("/chat/completions", None), ("/zen/v1/responses", None),  # named, or routed
+    ("/v1/messages/batches", None), ("/v1/models", None),
+])
+def test_lookalike_is_an_endpoint_after_a_version_segment_that_named_leaves_out(path, alike):
+    assert paths.lookalike("POST", path) == alike
+    assert paths.lookalike("GET", path) is None
+    assert alike is None or paths.named("POST", path) is None
+
+
+def test_lookalike_leaves_the_servers_own_prefix_to_named():
+    assert paths.lookalike("POST", "/v1beta/openai/chat/completions") == ("/chat/completions", paths.OPENAI_CHAT)
+    assert paths.lookalike("POST", "/v1beta/openai/chat/completions", "/v1beta/openai") is None
+
+
 def test_named_takes_the_servers_own_prefix_whatever_it_holds():
     assert paths.named("POST", "/v1beta/openai/messages", "/v1beta/openai") == ("/messages", paths.ANTHROPIC_MESSAGES)
     assert paths.named("POST", "/v1beta/openai/messages", None) is None

@@ -56,6 +56,10 @@ Rules this module keeps:
   (``_other_api``: Bedrock's ``…/model/{id}/invoke``, Vertex's and Gemini's
   ``…/models/{m}:streamRawPredict``/``:generateContent``, the legacy ``/v1/complete`` and
   ``/v1/completions``), never scoped: sessionpin routes none of them.
+- ``lookalike(method, path, prefix)``: what ``named`` leaves out that still ends with an
+  endpoint (a version segment before: ``/v1/threads/x/messages``, or a gateway's
+  ``/v1/ACCT/GW/anthropic/v1/messages``); the router guards it when its body is an inference
+  request (a model), or cannot be read.
 - ``/responses/compact`` is an endpoint (of the Responses api): Codex on OpenAI's provider
   compacts a thread there (codex-rs ``compact.rs``); the recorded Codex (0.171, on a custom
   provider) compacts through ``/v1/responses`` (``request_kind: compaction``).
@@ -295,6 +299,21 @@ def _other_api(normal: str) -> tuple[str, str] | None:
     if colon and model and method in _GOOGLE and head.endswith("/models"):
         return ":" + method, ANTHROPIC_MESSAGES if method.endswith("rawpredict") else OPENAI_CHAT
     return None
+
+
+def lookalike(method: str, path: str, prefix: str | None = None) -> tuple[str, str] | None:
+    """(endpoint, api) of a POST whose path part, read as a lenient server reads it, ends with
+    an inference endpoint that ``named`` leaves out: a version segment before the last segment
+    of what precedes it. Another API's resource (``/v1/threads/x/messages``), or a gateway's
+    own versioned path before the agent's base (Cloudflare's ``/v1/ACCT/GW/anthropic/v1/messages``,
+    Vertex's ``/v1/projects/P/locations/L/endpoints/openapi/chat/completions``): only the body
+    tells them apart (the router's rule), never the path."""
+    if method.strip().upper() != "POST":
+        return None
+    found = _split_endpoint(normalised(path.partition("?")[0]))
+    if found is None or named(method, path, prefix) is not None:
+        return None
+    return found[1], found[2]
 
 
 def endpoint_api(path: str) -> str:

@@ -88,3 +88,43 @@ def test_a_batch_is_not_one_conversation_and_passes(rig):  # noqa: F811
     body = json.dumps({"requests": [{"custom_id": "1", "params": json.loads(cont.body)}]}).encode()
     reply, got = rig.send("POST", rig.a.origin + "/v1/messages/batches", cont.headers, body)
     assert reply.status == 200 and got == {"a": ["/v1/messages/batches"]}, (reply.status, got, reply.text[:300])
+
+
+# Gateways whose own path holds a version before the agent's base: Cloudflare's AI Gateway
+# (``https://gateway.ai.cloudflare.com/v1/ACCT/GW/anthropic`` as ANTHROPIC_BASE_URL, ``…/openai``
+# as an OpenAI base), Vertex's OpenAI-compatible endpoint. Read as look-alikes of another API's
+# resource (``/v1/threads/x/messages``), they passed untouched whatever the pin.
+GATEWAY_PATHS = [
+    "/v1/acct0123/gw/anthropic/v1/messages?beta=true",
+    "/v1/acct0123/gw/anthropic/v1/messages/count_tokens?beta=true",
+    "/v1/projects/p/locations/us-central1/endpoints/openapi/chat/completions",
+    "/v1/acct0123/gw/openai/responses",
+]
+
+
+@pytest.mark.parametrize("path", GATEWAY_PATHS)
+def test_a_pinned_conversation_at_a_gateways_versioned_path_is_refused_not_sent(rig, path):  # noqa: F811
+    session = claude_code_pinned_to_b(rig)
+    cont = cc("continuation", session, stream=False)
+    reply, got = rig.send("POST", rig.a.origin + path, cont.headers, cont.body)
+    assert (reply.status, got) == (424, {}), (path, reply.status, got, reply.text[:300])
+    assert short(session) in reply.text and "'b'" in reply.text
+
+
+@pytest.mark.parametrize("path", ["/v1/threads/thread_abc/messages", "/v1/organizations/org_x/messages"])
+def test_another_apis_resource_that_is_not_an_inference_request_still_passes(rig, path):  # noqa: F811
+    """The Assistants API's "add a message to a thread" (``{"role", "content"}``, no model): not
+    inference, it goes where it was addressed, also under a pinned session's headers."""
+    session = claude_code_pinned_to_b(rig)
+    cont = cc("continuation", session, stream=False)
+    body = json.dumps({"role": "user", "content": "hello"}).encode()
+    reply, got = rig.send("POST", rig.a.origin + path, cont.headers, body)
+    assert reply.status == 200 and got == {"a": [path]}, (path, reply.status, got, reply.text[:300])
+
+
+def test_a_codex_threads_websocket_upgrade_at_a_gateways_versioned_path_is_refused_when_pinned_elsewhere(rig):  # noqa: F811
+    from .test_unnamed_paths_e2e import UPGRADE, codex_headers, codex_pinned_to_b
+    session = codex_pinned_to_b(rig)
+    reply, got = rig.send("GET", rig.a.origin + "/v1/acct0123/gw/openai/responses", codex_headers(session) + UPGRADE, b"")
+    assert got == {} and reply.status in (424, 426), (reply.status, got, reply.text[:300])
+    assert short(session) in reply.text or session in reply.text

@@ -1168,3 +1168,33 @@ def test_read_parts_of_a_mangled_large_body_is_none_or_what_read_says():
             told += 1
             assert got == read("POST", url, h, data, None, api=facts.ANTHROPIC_MESSAGES, locate_model=True)
     assert told > 50, "most mangled bodies keep their head, first messages and tail readable"
+
+
+def _cc_headers(*sessions):
+    return tuple([(b"user-agent", b"claude-cli/2.1.332 (external, cli)"), (b"content-type", b"application/json")]
+                 + [(b"x-claude-code-session-id", v) for v in sessions])
+
+
+_CC_BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "metadata": {"user_id": json.dumps({"session_id": "s-body"})}}).encode()
+
+
+@pytest.mark.parametrize("sessions, conflict", [
+    ((b"s-1",), ""),
+    ((b"s-1", b"s-1"), ""),                      # the same value twice: one session
+    ((b"s-1", b" s-1 "), ""),
+    ((b"s-1", b"s-2"), "the x-claude-code-session-id header is sent 2 times with different values"),
+    ((b"s-2", b"s-1", b"s-3"), "the x-claude-code-session-id header is sent 3 times with different values"),
+    ((b"", b"s-2"), ""),                         # the first is empty: the session is the body's, not a header's
+    ((b"s-1", b""), ""),                         # an empty value names nothing
+])
+def test_a_session_header_sent_twice_apart_is_a_conflict(sessions, conflict):
+    f = facts.read("POST", "/v1/messages", _cc_headers(*sessions), _CC_BODY, api=facts.ANTHROPIC_MESSAGES)
+    assert f.conflict == conflict
+    as_lists = [list(p) for p in _cc_headers(*sessions)]      # as the body reader's process gets them
+    assert facts.read("POST", "/v1/messages", as_lists, _CC_BODY, api=facts.ANTHROPIC_MESSAGES).conflict == conflict
+
+
+def test_a_codex_upgrade_naming_two_sessions_is_a_conflict():
+    h = ((b"user-agent", b"codex_cli_rs/0.171.0"), (b"session-id", b"a"), (b"session-id", b"b"))
+    assert facts.read_upgrade("/v1/responses", h).conflict.startswith("the session-id header is sent 2 times")

@@ -230,6 +230,7 @@ def test_a_path_of_many_model_segments_is_read_to_its_end():
     ("/v1/acct/gw/anthropic/v1/messages/count_tokens", ("/messages/count_tokens", paths.ANTHROPIC_COUNT_TOKENS)),
     ("/v1/projects/p/locations/l/endpoints/openapi/chat/completions", ("/chat/completions", paths.OPENAI_CHAT)),
     ("/V1/Acct/GW/OpenAI/Responses/", ("/responses", paths.OPENAI_RESPONSES)),       # read as a lenient server does
+    ("/models/claude@2025/messages", ("/messages", paths.ANTHROPIC_MESSAGES)),       # a segment not a plain name
     ("/v1/messages", None), ("/chat/completions", None), ("/zen/v1/responses", None),  # named, or routed
     ("/v1/messages/batches", None), ("/v1/models", None),
 ])

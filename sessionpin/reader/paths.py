@@ -304,7 +304,8 @@ def _other_api(normal: str) -> tuple[str, str] | None:
 def lookalike(method: str, path: str, prefix: str | None = None) -> tuple[str, str] | None:
     """(endpoint, api) of a POST whose path part, read as a lenient server reads it, ends with
     an inference endpoint that ``named`` leaves out: a version segment before the last segment
-    of what precedes it. Another API's resource (``/v1/threads/x/messages``), or a gateway's
+    of what precedes it, or a segment that is not a plain name (``/models/m@2025/messages``).
+    Another API's resource (``/v1/threads/x/messages``), or a gateway's
     own versioned path before the agent's base (Cloudflare's ``/v1/ACCT/GW/anthropic/v1/messages``,
     Vertex's ``/v1/projects/P/locations/L/endpoints/openapi/chat/completions``): only the body
     tells them apart (the router's rule), never the path."""

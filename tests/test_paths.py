@@ -207,6 +207,8 @@ def test_named_reads_the_endpoint_a_path_ends_with_under_a_plain_prefix(path, na
     ("/v1/complete", ("/complete", paths.ANTHROPIC_MESSAGES)),
     ("/v1/completions", ("/completions", paths.OPENAI_CHAT)),
     ("/zen/v1/completions", ("/completions", paths.OPENAI_CHAT)),
+    ("/v1/responses/input_tokens", ("/responses/input_tokens", paths.OPENAI_RESPONSES)),
+    ("/model/x/count-tokens", ("/count-tokens", paths.ANTHROPIC_MESSAGES)),
     ("/v1/threads/x/completions", None),                           # a look-alike, as for the endpoints
     ("/v1/messages/batches", None),                                # many requests, no one conversation's turn
 ])

@@ -55,7 +55,7 @@ Rules this module keeps:
   this way (``route``'s "unnamed path" rule). Other APIs' inference endpoints are named too
   (``_other_api``: Bedrock's ``…/model/{id}/invoke``, Vertex's and Gemini's
   ``…/models/{m}:streamRawPredict``/``:generateContent``, the legacy ``/v1/complete`` and
-  ``/v1/completions``), never scoped: sessionpin routes none of them.
+  ``/v1/completions``, ``/v1/responses/input_tokens``), never scoped: sessionpin routes none of them.
 - ``lookalike(method, path, prefix)``: what ``named`` leaves out that still ends with an
   endpoint (a version segment before: ``/v1/threads/x/messages``, or a gateway's
   ``/v1/ACCT/GW/anthropic/v1/messages``); the router guards it when its body is an inference
@@ -259,7 +259,7 @@ def named(method: str, path: str, prefix: str | None = None) -> tuple[str, str] 
     if found is None:
         if (other := _other_api(normal)) is not None:
             return other
-        found = next(((normal[: -len(e)], e, api) for e, api in _LEGACY.items() if normal.endswith(e)), None)
+        found = next(((normal[: -len(e)], e, api) for e, api in _NAMED_ONLY.items() if normal.endswith(e)), None)
         if found is None:
             return None
     before = found[0]
@@ -277,12 +277,17 @@ def named(method: str, path: str, prefix: str | None = None) -> tuple[str, str] 
 # (``…/models/{m}:streamRawPredict``: Claude Code on Vertex; ``:generateContent``: Gemini CLI),
 # and the legacy completions (``/v1/complete``, ``/v1/completions``). Each with the api its
 # body is read as: Claude's for Bedrock's and Vertex's (the Messages body less the model),
-# chat's for the rest (their session, if any, is in the headers). Matched on the path read as a
+# chat's for the rest (their session, if any, is in the headers); Bedrock's CountTokens too
+# (``…/model/{id}/count-tokens``). Matched on the path read as a
 # lenient server reads it (``normalised``: an ARN's ``%2F`` decoded, lower case). A batch
 # (``/v1/messages/batches``) is not: it holds many requests, none of them one conversation's turn.
-_BEDROCK = frozenset({"invoke", "invoke-with-response-stream", "converse", "converse-stream"})
+_BEDROCK = frozenset({"invoke", "invoke-with-response-stream", "converse", "converse-stream", "count-tokens"})
 _GOOGLE = frozenset({"streamrawpredict", "rawpredict", "streamgeneratecontent", "generatecontent", "counttokens"})
-_LEGACY = {"/complete": ANTHROPIC_MESSAGES, "/completions": OPENAI_CHAT}
+# ... and endpoints under a plain prefix as the routed ones: the legacy completions, and the
+# Responses API's token count (``/v1/responses/input_tokens``: a conversation's whole input,
+# as Anthropic's ``/messages/count_tokens``, which is routed).
+_NAMED_ONLY = {"/complete": ANTHROPIC_MESSAGES, "/completions": OPENAI_CHAT,
+               "/responses/input_tokens": OPENAI_RESPONSES}
 
 
 def _other_api(normal: str) -> tuple[str, str] | None:

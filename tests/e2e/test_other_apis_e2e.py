@@ -36,6 +36,8 @@ OTHER_APIS = [
     "/v1beta/models/gemini-2.5-pro:generateContent",
     "/v1/complete",
     "/v1/completions",
+    "/model/anthropic.claude-sonnet-4-5/count-tokens",
+    "/v1/responses/input_tokens",
 ]
 
 

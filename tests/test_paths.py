@@ -362,3 +362,13 @@ def test_a_short_target_is_remembered_and_a_long_one_is_not():
     assert paths._memo.cache_info().currsize == 1                  # the long one not kept
     assert paths.scope("post", "/v1/messages", "").inference      # the method as sent: its own entry
     assert paths.scope("GET", "/v1/messages", "").api == "other"
+
+
+@pytest.mark.parametrize("path, api", [
+    ("/chat/completions", paths.OPENAI_CHAT), ("/v1/threads/x/messages", paths.ANTHROPIC_MESSAGES),
+    ("/model/x/invoke", paths.ANTHROPIC_MESSAGES), ("/v1/messages", paths.ANTHROPIC_MESSAGES),
+    ("/v1/files", None), ("/v1/messages/batches", None),
+])
+def test_guarded_is_named_or_a_lookalike(path, api):
+    assert paths.guarded("POST", path) == api
+    assert paths.guarded("GET", path) is None

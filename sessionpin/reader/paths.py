@@ -322,6 +322,13 @@ def lookalike(method: str, path: str, prefix: str | None = None) -> tuple[str, s
     return found[1], found[2]
 
 
+def guarded(method: str, path: str, prefix: str | None = None) -> str | None:
+    """The api of a POST that the router guards without routing it (``named``, ``lookalike``),
+    else None: its body must reach the router whole, for the router to read its pin."""
+    found = named(method, path, prefix) or lookalike(method, path, prefix)
+    return found[1] if found is not None else None
+
+
 def endpoint_api(path: str) -> str:
     """The api of the endpoint a path ends with, read as a lenient server reads it, whatever
     comes before (``/../../v1/messages``: Anthropic's), else "other": the error format an

@@ -409,6 +409,15 @@ def _decided(state: State, d: Decision) -> Step:
     session = state.session or ""
     if d.rule is Rule.PINNED_SERVER_GONE and _soft_pool(r, state.loaded.pin) is not None:
         return _soft_miss(state, state.loaded.pin.server, "gone")
+    if d.refuse and d.rule is Rule.OTHER_AGENT_PIN:
+        pin = state.loaded.pin
+        return _go(state, Refuse(d.refuse, d.rule, (
+            f"sessionpin: session {session} is pinned to server '{pin.server if pin else '?'}' by "
+            f"{pin.agent if pin else '?'}, but this request reads as {f.agent}'s, so which conversation it is "
+            f"cannot be told; it was not sent anywhere, and the pin is unchanged. If it is that "
+            f"{pin.agent if pin else '?'} conversation sent by another client (a provider that sends another "
+            f"agent's User-Agent), move it yourself with `sessionpin move {short(session)} SERVER`, or start a "
+            f"new conversation.")))
     if d.refuse:
         pin = state.loaded.pin or state.parent_pin
         pinned = pin.server if pin else "?"

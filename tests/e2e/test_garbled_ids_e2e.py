@@ -65,3 +65,33 @@ def test_a_codex_upgrade_naming_two_threads_sessions_is_refused_and_sent_nowhere
     reply, got = rig.send("GET", rig.a.origin + "/v1/responses", headers, b"")
     assert got == {} and reply.status in (400, 426), (reply.status, got, reply.text[:300])
     assert "session-id" in reply.text
+
+
+def test_a_conversation_pinned_by_one_agent_named_by_a_request_read_as_another_is_refused(rig):  # noqa: F811
+    """opencode's and pi's Claude Pro/Max providers send Claude Code's User-Agent (``claude-cli/…``)
+    to api.anthropic.com: opencode's conversation, pinned to b from the gateway, switched to
+    such a model, names its session (``x-session-id: ses_…``) in a request read as Claude Code's.
+    The pin was another agent's, so the request was left alone and went to a, with the
+    conversation's history. Now it is refused (424 naming the session, both agents and the
+    server), sent nowhere; the pin is unchanged and opencode's own next turn still goes to b."""
+    from .test_unnamed_paths_e2e import opencode_chat
+    import json
+    s = "ses_" + uuid.uuid4().hex[:26]
+    h, body = opencode_chat(s, history=False)
+    h = [(k, v) for k, v in h if k != "x-opencode-session"] + [("x-session-id", s), ("x-session-affinity", s)]
+    reply, got = rig.send("POST", rig.a.origin + "/v1/chat/completions", h, body)
+    assert reply.status == 200 and got == {"b": ["/v1/chat/completions"]}, (reply.status, got)
+    spoofed = [("content-type", "application/json"), ("user-agent", "claude-cli/2.1.2 (external, cli)"),
+               ("x-app", "cli"), ("authorization", "Bearer sk-ant-oat01-CLIENT"), ("x-session-id", s),
+               ("x-session-affinity", s)]
+    msgs = {"model": "claude-sonnet-4-5", "max_tokens": 100, "stream": False,
+            "system": "You are Claude Code, Anthropic's official CLI for Claude.",
+            "messages": [{"role": "user", "content": f"fix the test {s}"}, {"role": "assistant", "content": "ok"},
+                         {"role": "user", "content": "more"}]}
+    reply, got = rig.send("POST", rig.a.origin + "/v1/messages", spoofed, json.dumps(msgs).encode())
+    assert (reply.status, got) == (424, {}), (reply.status, got, reply.text[:300])
+    assert "opencode" in reply.text and "'b'" in reply.text and s[-8:] in reply.text, reply.text[:400]
+    h, body = opencode_chat(s, history=True)
+    h = [(k, v) for k, v in h if k != "x-opencode-session"] + [("x-session-id", s)]
+    reply, got = rig.send("POST", rig.a.origin + "/v1/chat/completions", h, body)
+    assert reply.status == 200 and got == {"b": ["/v1/chat/completions"]}, (reply.status, got)

@@ -210,6 +210,8 @@ async def test_non_model_paths_pass_untouched(proxy, path, method):
     (json.dumps({"role": "user", "content": "hi"}).encode(), False),   # the Assistants API's message: no model
     (body("continuation"), True),                                      # an inference request
     (b"{not json", True),                                              # cannot tell: not sent where it may be one
+    (json.dumps({k: v for k, v in json.loads(body("continuation")).items() if k != "model"}).encode(), True),
+    # ^ a conversation's turn naming no model (an Azure deployment's, through a gateway's versioned path)
 ])
 async def test_a_lookalike_path_is_guarded_when_its_body_is_or_may_be_inference(proxy, content, refused):
     """A path ending with an endpoint after a version segment (another API's resource, or a

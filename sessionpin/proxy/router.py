@@ -177,9 +177,10 @@ class Router:
                 # ends with an endpoint after a version segment: another API's resource
                 # (/v1/threads/x/messages) or a gateway's versioned path (Cloudflare's
                 # /v1/ACCT/GW/anthropic/v1/messages). Its body tells: an inference request (a
-                # model), or one that cannot be read, is guarded as a path it does not route
+                # model, or a conversation's history or tools: an Azure deployment's body names
+                # no model), or one that cannot be read, is guarded as a path it does not route
                 read = await self._facts(req, alike[1])
-                if read.agent in F.AGENTS and (read.model or not read.parsed):
+                if read.agent in F.AGENTS and (read.model or read.has_history or read.has_tools or not read.parsed):
                     facts = read
                     decision = await self._route(flow, facts, source, unnamed=alike[0])
             if facts is None and decision is None and not upgrade and not scope.inference \

@@ -1198,3 +1198,23 @@ def test_a_session_header_sent_twice_apart_is_a_conflict(sessions, conflict):
 def test_a_codex_upgrade_naming_two_sessions_is_a_conflict():
     h = ((b"user-agent", b"codex_cli_rs/0.171.0"), (b"session-id", b"a"), (b"session-id", b"b"))
     assert facts.read_upgrade("/v1/responses", h).conflict.startswith("the session-id header is sent 2 times")
+
+
+@pytest.mark.parametrize("agent, name, value, why", [
+    (b"claude-cli/2.1.332 (external, cli)", b"x-claude-code-session-id", b"x" * 300, "longer than 256 characters"),
+    (b"claude-cli/2.1.332 (external, cli)", b"x-claude-code-session-id", b"fp:" + b"0" * 32, "fingerprint"),
+    (b"opencode/1.18.33", b"x-opencode-session", b"y" * 300, "longer than 256 characters"),
+    (b"opencode/1.18.33", b"x-parent-session-id", b"fp:1", "fingerprint"),
+    (b"codex_cli_rs/0.171.0", b"session-id", b"z" * 300, "longer than 256 characters"),
+])
+def test_an_agents_own_session_header_that_holds_no_usable_id_is_a_conflict(agent, name, value, why):
+    """The session is then read elsewhere (the body, the fingerprint): a pinned conversation's
+    turn would be read as another conversation's."""
+    h = ((b"user-agent", agent), (name, value))
+    f = facts.read("POST", "/v1/messages", h, _CC_BODY, api=facts.ANTHROPIC_MESSAGES)
+    assert f.conflict.startswith(f"the {name.decode()} header is not a usable session id") and why in f.conflict
+
+
+def test_a_generic_header_that_holds_no_usable_id_is_not_the_agents_own():
+    h = ((b"user-agent", b"claude-cli/2.1.332 (external, cli)"), (b"x-session-id", b"x" * 300))
+    assert facts.read("POST", "/v1/messages", h, _CC_BODY, api=facts.ANTHROPIC_MESSAGES).conflict == ""

@@ -46,9 +46,10 @@ Rules this module keeps beyond the ladder's:
   is read (its parent's, for a fork), and pinned to another server it is refused (424 naming
   the session, the server and the path); otherwise it goes where it was addressed, untouched,
   pinning and renewing nothing (``_guard``).
-- A request that names its session in a header sent twice with different values
-  (``Facts.conflict``) is refused 400 before any pin is read: which conversation it is cannot
-  be told, and following the first value's pin would be a guess.
+- A request that names its session in a header sent twice with different values, or whose
+  agent's own session header holds no usable id (``Facts.conflict``), is refused 400 before
+  any pin is read: which conversation it is cannot be told, and following the first value's
+  pin (or the fingerprint's, the body's) would be a guess.
 - A pin that could not be read is a refusal (424 naming the store, no retry signals: the shell
   rode out a short blip first), never "no pin".
 - A store that lost what it held (``StoreLost``: emptied, replaced, a served pin gone) is
@@ -246,11 +247,11 @@ def _begin(state: State, request: Request) -> Step:
     f = request.facts
     if not ladder.in_scope(f):
         return _decided(state, ladder.decide(f, None, request.config, request.source))
-    if f.conflict:      # two sessions named: following either pin would be a guess
+    if f.conflict:      # two sessions named, or one unreadable: following any pin would be a guess
         return _go(state, Refuse(400, "session-conflict", (
-            f"sessionpin: {f.conflict} ({short(f.session)} first), so which "
-            f"{f.agent} conversation this request belongs to cannot be told; it was not sent anywhere and "
-            f"no pin was read or written. Send the header once.")))
+            f"sessionpin: {f.conflict}, so which {f.agent} conversation this request belongs to cannot be "
+            f"told; it was not sent anywhere and no pin was read or written. Send the session's id once, "
+            f"as the agent does.")))
     if f.session_source == "fingerprint":
         if not f.has_history:     # an opening is always a new conversation
             if request.unnamed:

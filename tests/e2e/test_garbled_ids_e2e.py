@@ -95,3 +95,24 @@ def test_a_conversation_pinned_by_one_agent_named_by_a_request_read_as_another_i
     h = [(k, v) for k, v in h if k != "x-opencode-session"] + [("x-session-id", s)]
     reply, got = rig.send("POST", rig.a.origin + "/v1/chat/completions", h, body)
     assert reply.status == 200 and got == {"b": ["/v1/chat/completions"]}, (reply.status, got)
+
+
+@pytest.mark.parametrize("bad", ["x" * 10240, "fp:" + "0" * 32], ids=["10KB", "fingerprint-like"])
+def test_a_session_header_that_holds_no_usable_id_is_refused_not_read_as_another_conversation(rig, bad):  # noqa: F811
+    """Claude Code's conversation pinned to b, its agent's current server now a. Its count_tokens
+    (the whole history, no metadata) with the session header garbled — 10 KB, or an id shaped
+    like sessionpin's fingerprint — was read as a conversation keyed by the fingerprint: a side
+    request with no pin, sent to the current server a. It is refused (400 naming the header)."""
+    import json
+    session = claude_code_pinned_to_b(rig)
+    rig.use(current="a")
+    body = json.loads(cc("continuation", session, stream=False).body)
+    count = json.dumps({"model": body["model"], "messages": body["messages"], "tools": body["tools"]}).encode()
+    headers = with_sessions(cc("count_tokens", session, stream=False).headers, bad)
+    reply, got = rig.send("POST", rig.a.origin + "/v1/messages/count_tokens?beta=true", headers, count)
+    assert (reply.status, got) == (400, {}), (reply.status, got, reply.text[:300])
+    assert "x-claude-code-session-id header is not a usable session id" in reply.text
+    # with its header as the agent sends it, it follows its pin
+    reply, got = rig.send("POST", rig.a.origin + "/v1/messages/count_tokens?beta=true",
+                          with_sessions(headers, session), count)
+    assert reply.status == 200 and got == {"b": ["/v1/messages/count_tokens?beta=true"]}, (reply.status, got)

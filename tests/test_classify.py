@@ -15,7 +15,7 @@ HERE = Path(__file__).parent
 SAMPLE = HERE / "fixtures" / "flows" / "sample.flow"
 TRAFFIC = HERE / "fixtures" / "traffic"
 KEYS = {"file", "index", "method", "url", "api", "agent", "session", "session_source", "turn", "model", "stream",
-        "has_history", "has_tools", "parsed", "reason"}
+        "has_history", "has_tools", "parsed", "reason", "conflict"}
 
 
 def run(*args: str | Path) -> tuple[int, list[dict], list[str]]:

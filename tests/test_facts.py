@@ -1168,3 +1168,53 @@ def test_read_parts_of_a_mangled_large_body_is_none_or_what_read_says():
             told += 1
             assert got == read("POST", url, h, data, None, api=facts.ANTHROPIC_MESSAGES, locate_model=True)
     assert told > 50, "most mangled bodies keep their head, first messages and tail readable"
+
+
+def _cc_headers(*sessions):
+    return tuple([(b"user-agent", b"claude-cli/2.1.332 (external, cli)"), (b"content-type", b"application/json")]
+                 + [(b"x-claude-code-session-id", v) for v in sessions])
+
+
+_CC_BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "metadata": {"user_id": json.dumps({"session_id": "s-body"})}}).encode()
+
+
+@pytest.mark.parametrize("sessions, conflict", [
+    ((b"s-1",), ""),
+    ((b"s-1", b"s-1"), ""),                      # the same value twice: one session
+    ((b"s-1", b" s-1 "), ""),
+    ((b"s-1", b"s-2"), "the x-claude-code-session-id header is sent 2 times with different values"),
+    ((b"s-2", b"s-1", b"s-3"), "the x-claude-code-session-id header is sent 3 times with different values"),
+    ((b"", b"s-2"), ""),                         # the first is empty: the session is the body's, not a header's
+    ((b"s-1", b""), ""),                         # an empty value names nothing
+])
+def test_a_session_header_sent_twice_apart_is_a_conflict(sessions, conflict):
+    f = facts.read("POST", "/v1/messages", _cc_headers(*sessions), _CC_BODY, api=facts.ANTHROPIC_MESSAGES)
+    assert f.conflict == conflict
+    as_lists = [list(p) for p in _cc_headers(*sessions)]      # as the body reader's process gets them
+    assert facts.read("POST", "/v1/messages", as_lists, _CC_BODY, api=facts.ANTHROPIC_MESSAGES).conflict == conflict
+
+
+def test_a_codex_upgrade_naming_two_sessions_is_a_conflict():
+    h = ((b"user-agent", b"codex_cli_rs/0.171.0"), (b"session-id", b"a"), (b"session-id", b"b"))
+    assert facts.read_upgrade("/v1/responses", h).conflict.startswith("the session-id header is sent 2 times")
+
+
+@pytest.mark.parametrize("agent, name, value, why", [
+    (b"claude-cli/2.1.332 (external, cli)", b"x-claude-code-session-id", b"x" * 300, "longer than 256 characters"),
+    (b"claude-cli/2.1.332 (external, cli)", b"x-claude-code-session-id", b"fp:" + b"0" * 32, "fingerprint"),
+    (b"opencode/1.18.33", b"x-opencode-session", b"y" * 300, "longer than 256 characters"),
+    (b"opencode/1.18.33", b"x-parent-session-id", b"fp:1", "fingerprint"),
+    (b"codex_cli_rs/0.171.0", b"session-id", b"z" * 300, "longer than 256 characters"),
+])
+def test_an_agents_own_session_header_that_holds_no_usable_id_is_a_conflict(agent, name, value, why):
+    """The session is then read elsewhere (the body, the fingerprint): a pinned conversation's
+    turn would be read as another conversation's."""
+    h = ((b"user-agent", agent), (name, value))
+    f = facts.read("POST", "/v1/messages", h, _CC_BODY, api=facts.ANTHROPIC_MESSAGES)
+    assert f.conflict.startswith(f"the {name.decode()} header is not a usable session id") and why in f.conflict
+
+
+def test_a_generic_header_that_holds_no_usable_id_is_not_the_agents_own():
+    h = ((b"user-agent", b"claude-cli/2.1.332 (external, cli)"), (b"x-session-id", b"x" * 300))
+    assert facts.read("POST", "/v1/messages", h, _CC_BODY, api=facts.ANTHROPIC_MESSAGES).conflict == ""

@@ -43,7 +43,8 @@ CASES = [
     ("pin followed, body unreadable", facts(F.UNKNOWN_TURN, parsed=False), pin("glm"), ("glm", "renew", "pinned", None)),
     ("pin 'not routed' followed", facts(), pin(None), (None, "renew", "pinned-not-routed", None)),
     ("pinned server no longer configured", facts(F.CONTINUATION), pin("ete"), (None, "none", "pinned-server-gone", 424)),
-    ("another agent's pin: not followed, not overwritten", facts(agent=F.OPENCODE), pin("glm"), (None, "none", "other-agent-pin", None)),
+    ("another agent's pin elsewhere: refused, not overwritten", facts(agent=F.OPENCODE), pin("glm"), (None, "none", "other-agent-pin", 424)),
+    ("another agent's pin to the server it addresses: left alone", facts(agent=F.OPENCODE), pin("anthropic"), (None, "none", "other-agent-pin", None)),
     ("another agent's 'not routed' pin", facts(agent=F.OPENCODE), pin(None), (None, "none", "other-agent-pin", None)),
     # rule 2: the agent is not routed
     ("not routed: opening", facts(agent=F.PI), None, (None, "create", "not-routed", None)),

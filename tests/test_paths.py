@@ -184,6 +184,69 @@ def test_named_reads_the_endpoint_a_path_ends_with_under_a_plain_prefix(path, na
     assert paths.named("GET", path) is None
 
 
+@pytest.mark.parametrize("path, named", [
+    # Bedrock (Claude Code on Bedrock, or a gateway's prefix before it): the model in the path
+    ("/model/anthropic.claude-sonnet-4-5-20250929-v1:0/invoke", ("/invoke", paths.ANTHROPIC_MESSAGES)),
+    ("/model/us.anthropic.claude-x-v1:0/invoke-with-response-stream",
+     ("/invoke-with-response-stream", paths.ANTHROPIC_MESSAGES)),
+    ("/bedrock/model/x/converse", ("/converse", paths.ANTHROPIC_MESSAGES)),
+    ("/model/x/Converse-Stream", ("/converse-stream", paths.ANTHROPIC_MESSAGES)),
+    ("/model/arn%3Aaws%3Abedrock%3Aus-east-1%3A1%3Aapplication-inference-profile%2Fabc/invoke",
+     ("/invoke", paths.ANTHROPIC_MESSAGES)),                       # an ARN's escaped slash, decoded
+    ("/model//invoke", None), ("/model/invoke", None), ("/model/x/invoke/more", None), ("/x/invoke", None),
+    # Vertex (Claude Code on Vertex) and Gemini's native API (Gemini CLI): a model method
+    ("/v1/projects/p/locations/us-east5/publishers/anthropic/models/claude-sonnet-4-5@20250929:streamRawPredict",
+     (":streamrawpredict", paths.ANTHROPIC_MESSAGES)),
+    ("/v1/projects/p/locations/l/publishers/anthropic/models/m:rawPredict", (":rawpredict", paths.ANTHROPIC_MESSAGES)),
+    ("/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse", (":streamgeneratecontent", paths.OPENAI_CHAT)),
+    ("/v1beta/models/gemini-2.5-pro:generateContent", (":generatecontent", paths.OPENAI_CHAT)),
+    ("/v1beta/models/gemini-2.5-pro:countTokens", (":counttokens", paths.OPENAI_CHAT)),
+    ("/v1beta/models/:generateContent", None), ("/v1beta/models/x:listThings", None), ("/v1/x:generateContent", None),
+    ("/v1beta/models/a/b:generateContent", None),
+    # the legacy completions, under a plain prefix as the endpoints above
+    ("/v1/complete", ("/complete", paths.ANTHROPIC_MESSAGES)),
+    ("/v1/completions", ("/completions", paths.OPENAI_CHAT)),
+    ("/zen/v1/completions", ("/completions", paths.OPENAI_CHAT)),
+    ("/v1/responses/input_tokens", ("/responses/input_tokens", paths.OPENAI_RESPONSES)),
+    ("/model/x/count-tokens", ("/count-tokens", paths.ANTHROPIC_MESSAGES)),
+    ("/v1/threads/x/completions", None),                           # a look-alike, as for the endpoints
+    ("/v1/messages/batches", None),                                # many requests, no one conversation's turn
+])
+def test_named_reads_other_apis_inference_endpoints(path, named):
+    """Endpoints sessionpin never routes but a server may serve as inference: named, so a
+    conversation pinned elsewhere is refused there (``route._guard``), never scoped as routed."""
+    assert paths.named("POST", path) == named
+    assert paths.named("GET", path) is None
+    assert not paths.scope("POST", path, "").inference
+
+
+def test_a_path_of_many_model_segments_is_read_to_its_end():
+    path = "/model/" * 200_000 + "x"
+    assert paths.named("POST", path) is None
+    assert paths.named("POST", path + "/invoke") == ("/invoke", paths.ANTHROPIC_MESSAGES)
+
+
+@pytest.mark.parametrize("path, alike", [
+    ("/v1/threads/x/messages", ("/messages", paths.ANTHROPIC_MESSAGES)),            # the Assistants API's
+    ("/v1/acct/gw/anthropic/v1/messages?beta=true", ("/messages", paths.ANTHROPIC_MESSAGES)),   # Cloudflare
+    ("/v1/acct/gw/anthropic/v1/messages/count_tokens", ("/messages/count_tokens", paths.ANTHROPIC_COUNT_TOKENS)),
+    ("/v1/projects/p/locations/l/endpoints/openapi/chat/completions", ("/chat/completions", paths.OPENAI_CHAT)),
+    ("/V1/Acct/GW/OpenAI/Responses/", ("/responses", paths.OPENAI_RESPONSES)),       # read as a lenient server does
+    ("/models/claude@2025/messages", ("/messages", paths.ANTHROPIC_MESSAGES)),       # a segment not a plain name
+    ("/v1/messages", None), ("/chat/completions", None), ("/zen/v1/responses", None),  # named, or routed
+    ("/v1/messages/batches", None), ("/v1/models", None),
+])
+def test_lookalike_is_an_endpoint_after_a_version_segment_that_named_leaves_out(path, alike):
+    assert paths.lookalike("POST", path) == alike
+    assert paths.lookalike("GET", path) is None
+    assert alike is None or paths.named("POST", path) is None
+
+
+def test_lookalike_leaves_the_servers_own_prefix_to_named():
+    assert paths.lookalike("POST", "/v1beta/openai/chat/completions") == ("/chat/completions", paths.OPENAI_CHAT)
+    assert paths.lookalike("POST", "/v1beta/openai/chat/completions", "/v1beta/openai") is None
+
+
 def test_named_takes_the_servers_own_prefix_whatever_it_holds():
     assert paths.named("POST", "/v1beta/openai/messages", "/v1beta/openai") == ("/messages", paths.ANTHROPIC_MESSAGES)
     assert paths.named("POST", "/v1beta/openai/messages", None) is None
@@ -299,3 +362,13 @@ def test_a_short_target_is_remembered_and_a_long_one_is_not():
     assert paths._memo.cache_info().currsize == 1                  # the long one not kept
     assert paths.scope("post", "/v1/messages", "").inference      # the method as sent: its own entry
     assert paths.scope("GET", "/v1/messages", "").api == "other"
+
+
+@pytest.mark.parametrize("path, api", [
+    ("/chat/completions", paths.OPENAI_CHAT), ("/v1/threads/x/messages", paths.ANTHROPIC_MESSAGES),
+    ("/model/x/invoke", paths.ANTHROPIC_MESSAGES), ("/v1/messages", paths.ANTHROPIC_MESSAGES),
+    ("/v1/files", None), ("/v1/messages/batches", None),
+])
+def test_guarded_is_named_or_a_lookalike(path, api):
+    assert paths.guarded("POST", path) == api
+    assert paths.guarded("GET", path) is None

@@ -163,19 +163,22 @@ url = "https://glm.example/api/anthropic"
 [servers.zen]
 url = "https://opencode.ai/zen/v1"
 """
-# (host, path, whether the router routes it)
+# (host, path, whether the router routes it, whether it guards it unrouted: ``paths.guarded``)
 REQUESTS = [
-    ("api.z.ai", "/api/paas/v4/chat/completions", True),          # the server's own base (no /v1)
-    ("api.z.ai", "/api/paas/v4/responses?x=1", True),
-    ("open.bigmodel.cn", "/api/coding/paas/v4/chat/completions", True),
-    ("glm.example", "/api/anthropic/v1/messages?beta=true", True),
-    ("opencode.ai", "/zen/v1/chat/completions", True),
-    ("api.anthropic.com", "/v1/messages", True),
-    ("api.anthropic.com", "/api/paas/v4/chat/completions", False),  # not this server's base
-    ("api.z.ai", "/api/paas/v4/threads/x/messages", False),         # a look-alike
-    ("api.z.ai", "/api/paas/v4/chat/completions/", False),
-    ("elsewhere.example", "/api/paas/v4/chat/completions", False),  # no server there: the path alone
-    ("elsewhere.example", "/v1/chat/completions", True),
+    ("api.z.ai", "/api/paas/v4/chat/completions", True, False),          # the server's own base (no /v1)
+    ("api.z.ai", "/api/paas/v4/responses?x=1", True, False),
+    ("open.bigmodel.cn", "/api/coding/paas/v4/chat/completions", True, False),
+    ("glm.example", "/api/anthropic/v1/messages?beta=true", True, False),
+    ("opencode.ai", "/zen/v1/chat/completions", True, False),
+    ("api.anthropic.com", "/v1/messages", True, False),
+    ("api.anthropic.com", "/api/paas/v4/chat/completions", False, True),  # not this server's base
+    ("api.z.ai", "/api/paas/v4/threads/x/messages", False, True),         # a look-alike
+    ("api.z.ai", "/api/paas/v4/chat/completions/", False, True),          # spelled otherwise (the router's 400)
+    ("elsewhere.example", "/api/paas/v4/chat/completions", False, True),  # no server there: the path alone
+    ("elsewhere.example", "/v1/chat/completions", True, False),
+    ("bedrock.example", "/model/anthropic.claude-x/invoke", False, True),  # another API's endpoint
+    ("api.z.ai", "/api/paas/v4/files", False, False),                     # neither
+    ("api.anthropic.com", "/v1/messages/batches", False, False),
 ]
 
 
@@ -188,13 +191,16 @@ def servers(tmp_path):
     p.close()
 
 
-@pytest.mark.parametrize("host,path,routed", REQUESTS)
-def test_the_limit_sees_exactly_what_the_router_routes(servers, host, path, routed):
+@pytest.mark.parametrize("host,path,routed,guarded", REQUESTS)
+def test_the_limit_sees_exactly_what_the_router_routes_or_guards(servers, host, path, routed, guarded):
     """A server written ``…/api/paas/v4`` had its ``/api/paas/v4/chat/completions`` routed, yet
-    a 300 MB body was buffered whole: the limit went by the path alone."""
+    a 300 MB body was buffered whole: the limit went by the path alone. A path the router
+    guards (a conversation pinned elsewhere is refused there) had its body over the limit
+    streamed to the server it addressed before the router could read the pin."""
     b = _running(servers)
     f = _over(path=path.encode(), host=host)
     b.requestheaders(f)
-    assert bool(f.request.stream) is routed and (f.request.host == "127.0.0.1") is routed
-    assert (f.metadata.get("sessionpin", {}).get("refused") == 413) is routed
+    bounded = routed or guarded
+    assert bool(f.request.stream) is bounded and (f.request.host == "127.0.0.1") is bounded
+    assert (f.metadata.get("sessionpin", {}).get("refused") == 413) is bounded
     assert servers.config.config.scope("POST", "https", host, 443, path)[1].inference is routed   # the router's

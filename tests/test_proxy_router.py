@@ -206,6 +206,27 @@ async def test_non_model_paths_pass_untouched(proxy, path, method):
     assert "sessionpin" not in f.metadata and f.response is None
 
 
+@pytest.mark.parametrize("content, refused", [
+    (json.dumps({"role": "user", "content": "hi"}).encode(), False),   # the Assistants API's message: no model
+    (body("continuation"), True),                                      # an inference request
+    (b"{not json", True),                                              # cannot tell: not sent where it may be one
+    (json.dumps({k: v for k, v in json.loads(body("continuation")).items() if k != "model"}).encode(), True),
+    # ^ a conversation's turn naming no model (an Azure deployment's, through a gateway's versioned path)
+])
+async def test_a_lookalike_path_is_guarded_when_its_body_is_or_may_be_inference(proxy, content, refused):
+    """A path ending with an endpoint after a version segment (another API's resource, or a
+    gateway's versioned path such as Cloudflare's) is told by its body: a session pinned to glm
+    is refused there when the body is an inference request or cannot be read; else it passes."""
+    await put(proxy, "glm")
+    f = flow("continuation", path="/v1/acct/gw/anthropic/v1/messages", content=content)
+    await proxy.send(f)
+    if refused:
+        assert f.response.status_code == 424 and f.response.headers["x-sessionpin-refused"] == "unnamed-path"
+    else:
+        assert f.response is None and f.request.host == "api.anthropic.com" and f.request.content == content
+    assert f.request.host == "api.anthropic.com" and (await pin_of(proxy)).server == "glm"
+
+
 async def test_unconfigured_origin_without_a_pin_passes_untouched(proxy):
     f = flow(host="example.com")
     before = (f.request.url, f.request.content, f.request.headers.fields)

@@ -398,6 +398,7 @@ APART = (("fp:0123abcd.b", "alt"), ("fp:0123abcd.a", "glm"))   # pi conversation
 WALK = [
     # (phase, event, the phase it leads to, whose answers, request, answers)
     (P.START, "Request", P.LEFT, "", R(facts(None, api=F.OTHER)), {}),
+    (P.START, "Request", P.REFUSED, "", R(facts(conflict="the x-claude-code-session-id header is sent 2 times")), {}),
     (P.START, "Request", P.READING_PIN, "", R(), {}),
     (P.START, "Request", P.READING_LINEAGE, "", R(PI_TURN), {}),
     (P.READING_PIN, "PinRead", P.LEFT, "", R(facts(F.CONTINUATION)), {"pin": loaded(None)}),
@@ -541,3 +542,17 @@ def test_the_plain_data_of_a_step_is_frozen_and_a_request_never_shows_its_keys()
         with pytest.raises(AttributeError):
             value.session = "other"         # type: ignore[misc]
     assert route.ReadPin("a") == route.ReadPin("a") != route.ReadTitle("a")
+
+
+@pytest.mark.parametrize("f", [facts(F.CONTINUATION, has_history=True, conflict="x"), facts(conflict="x"),
+                               facts(agent=F.PI, session="fp:1", session_source="fingerprint", conflict="x")])
+def test_a_session_named_twice_apart_is_refused_400_before_any_pin_is_read(f):
+    """Which conversation it is cannot be told: following the first value's pin would be a guess."""
+    s = route.begin(request(f))
+    assert s.done and isinstance(s.effect, route.Refuse) and (s.effect.status, s.effect.kind) == (400, "session-conflict")
+    assert s.after == ()
+
+
+def test_a_conflict_out_of_scope_is_left_as_any_request_out_of_scope():
+    s = route.begin(request(facts(agent=F.UNKNOWN_AGENT, conflict="x")))
+    assert s.done and isinstance(s.effect, route.Leave)

@@ -13,7 +13,10 @@
    request addresses** (a server removed from the config, an emptied config). A pinned
    server that is no longer configured is refused (``answers.NO_RETRY_STATUS``, 424: only
    the operator can bring it back or move the conversation, so no client may retry it), never moved. A pin of another
-   agent is neither followed nor overwritten: the request is left alone.
+   agent is neither followed nor overwritten: the request is left alone when that pin is
+   "not routed" or names the server it addresses, and refused (424) when it names another
+   server — which conversation it is cannot be told, and leaving it alone would send a
+   conversation pinned elsewhere to the server it addressed.
    Without a pin, a request that addresses no configured server is out of scope.
    - A body that could not be read (``parsed=False``) and has no pin is left alone,
      pinned nothing: its turn is unknowable, and guessing "opening" would pin a running
@@ -139,6 +142,13 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
     # 1. a pin decides, wherever the request was addressed
     if pin is not None:
         if pin.agent != facts.agent:
+            # Ids are each agent's own (UUIDs, ses_…): the same id read as another agent is the
+            # same conversation read otherwise (opencode's and pi's Claude Pro/Max providers send
+            # Claude Code's User-Agent) or a forged one — which cannot be told. Pinned to a
+            # server other than the one it addresses, it is refused; else left alone as before.
+            if pin.server is not None and (source is None or pin.server != source.name):
+                return Decision(None, NONE, Rule.OTHER_AGENT_PIN, f"session pinned by {pin.agent} to {pin.server}",
+                                refuse=NO_RETRY_STATUS)
             return _leave(Rule.OTHER_AGENT_PIN, f"session pinned by {pin.agent}")
         if pin.server is None:
             return _leave(Rule.PINNED_NOT_ROUTED, "pinned: not routed", RENEW)

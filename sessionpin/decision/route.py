@@ -46,6 +46,10 @@ Rules this module keeps beyond the ladder's:
   is read (its parent's, for a fork), and pinned to another server it is refused (424 naming
   the session, the server and the path); otherwise it goes where it was addressed, untouched,
   pinning and renewing nothing (``_guard``).
+- A request that names its session in a header sent twice with different values, or whose
+  agent's own session header holds no usable id (``Facts.conflict``), is refused 400 before
+  any pin is read: which conversation it is cannot be told, and following the first value's
+  pin (or the fingerprint's, the body's) would be a guess.
 - A pin that could not be read is a refusal (424 naming the store, no retry signals: the shell
   rode out a short blip first), never "no pin".
 - A store that lost what it held (``StoreLost``: emptied, replaced, a served pin gone) is
@@ -158,7 +162,7 @@ _DECIDED = frozenset({LEFT, REFUSED, PLANNING, ALLOCATING, CHECKING_MEMBER})  # 
 _STORE = {StoreFailed: frozenset({REFUSED}), StoreLost: frozenset({REFUSED})}
 
 TRANSITIONS: dict[Phase, dict[type, frozenset[Phase]]] = {
-    START: {Request: frozenset({LEFT, READING_PIN, READING_LINEAGE})},
+    START: {Request: frozenset({LEFT, REFUSED, READING_PIN, READING_LINEAGE})},
     READING_PIN: {PinRead: _DECIDED | {READING_LINEAGE, READING_TITLE}, **_STORE},
     READING_LINEAGE: {LineageRead: frozenset({FINDING_CONVERSATION, FINDING_PARENT})},
     FINDING_CONVERSATION: {ConversationFound: frozenset({READING_PIN, REFUSED}), **_STORE},
@@ -243,6 +247,11 @@ def _begin(state: State, request: Request) -> Step:
     f = request.facts
     if not ladder.in_scope(f):
         return _decided(state, ladder.decide(f, None, request.config, request.source))
+    if f.conflict:      # two sessions named, or one unreadable: following any pin would be a guess
+        return _go(state, Refuse(400, "session-conflict", (
+            f"sessionpin: {f.conflict}, so which {f.agent} conversation this request belongs to cannot be "
+            f"told; it was not sent anywhere and no pin was read or written. Send the session's id once, "
+            f"as the agent does.")))
     if f.session_source == "fingerprint":
         if not f.has_history:     # an opening is always a new conversation
             if request.unnamed:
@@ -420,6 +429,15 @@ def _decided(state: State, d: Decision) -> Step:
     session = state.session or ""
     if d.rule is Rule.PINNED_SERVER_GONE and _soft_pool(r, state.loaded.pin) is not None:
         return _soft_miss(state, state.loaded.pin.server, "gone")
+    if d.refuse and d.rule is Rule.OTHER_AGENT_PIN:
+        pin = state.loaded.pin
+        return _go(state, Refuse(d.refuse, d.rule, (
+            f"sessionpin: session {session} is pinned to server '{pin.server if pin else '?'}' by "
+            f"{pin.agent if pin else '?'}, but this request reads as {f.agent}'s, so which conversation it is "
+            f"cannot be told; it was not sent anywhere, and the pin is unchanged. If it is that "
+            f"{pin.agent if pin else '?'} conversation sent by another client (a provider that sends another "
+            f"agent's User-Agent), move it yourself with `sessionpin move {short(session)} SERVER`, or start a "
+            f"new conversation.")))
     if d.refuse:
         pin = state.loaded.pin or state.parent_pin
         pinned = pin.server if pin else "?"

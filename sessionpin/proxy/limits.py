@@ -11,7 +11,11 @@ Rules it keeps:
 - Only the POSTs the router would take as inference are checked, by the router's own rule
   (``config.Config.scope``: the configured server the request addresses and its API base,
   so ``/api/paas/v4/chat/completions`` to a server written ``…/api/paas/v4`` is bounded as
-  it is routed); other traffic passes as mitmproxy passes it.
+  it is routed) — and the POSTs it guards (``paths.guarded``: a path it does not route that
+  ends with an endpoint, another API's inference endpoint, a look-alike): a body over the
+  limit would be streamed to the server it addressed before the router could read its
+  conversation's pin, so one pinned elsewhere would reach it. Other traffic passes as
+  mitmproxy passes it.
 - Nothing of the request reaches any server: its credentials are removed before it is
   sent to the sink, and the sink keeps nothing.
 - Each 413 is counted in the router's metrics (``sessionpin_refusals_total{reason="too-large"}``).
@@ -40,7 +44,7 @@ from mitmproxy import ctx, exceptions, http
 from ..decision import answers, headers
 from ..reader import facts as F
 from . import perflow
-from ..reader import headerview
+from ..reader import headerview, paths
 from .configwatch import ConfigWatch
 from .perflow import FlowState
 
@@ -122,10 +126,11 @@ class BodyLimit:
         length = headerview.get(req.headers, "content-length", None)
         if length is not None and not F.body_too_large(length, limit):
             return                          # the common case: judged by its length, nothing more
-        scope = self.config.config.scope(req.method, req.scheme, req.host, req.port, req.path)[1]
-        if not scope.inference:
+        source, scope = self.config.config.scope(req.method, req.scheme, req.host, req.port, req.path)
+        api = scope.api if scope.inference else paths.guarded(req.method, req.path,
+                                                               source.prefix if source else None)
+        if api is None:
             return
-        api = scope.api
         if length is None:
             self._hold(flow, api, limit)
             return

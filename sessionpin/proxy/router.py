@@ -23,6 +23,10 @@ this module keeps, about performing and showing:
   the router's own (``offprocess.BodyProcess``): a whole-body decode is one long C call
   holding the GIL, so a thread would not spare the event loop. Any other body's are read
   inline (no hop).
+- A POST at a path that ends with an endpoint after a version segment (``paths.lookalike``:
+  another API's resource, or a gateway's versioned path) has its facts read, and is guarded as
+  a path sessionpin does not route when its body is an inference request (a model) or cannot
+  be read; otherwise it passes as any request out of scope.
 - A store that lost what it held (``StoreGuard``) routes nothing: every request that would
   read or write a pin is refused (503 naming the store and the loss), and nothing is
   written over the loss.
@@ -168,7 +172,19 @@ class Router:
                     self.metrics.unrouted.note(source, req.method, req.path)   # said once, never silent
                 facts = await self._facts(req, named[1], flow)
                 decision = await self._route(flow, facts, source, unnamed=named[0])
-            elif any(_wants(p, req.method, req.url) for p in self.participants):
+            elif req.method == "POST" and (alike := paths.lookalike(req.method, req.path,
+                                                                   source.prefix if source else None)) is not None:
+                # ends with an endpoint after a version segment: another API's resource
+                # (/v1/threads/x/messages) or a gateway's versioned path (Cloudflare's
+                # /v1/ACCT/GW/anthropic/v1/messages). Its body tells: an inference request (a
+                # model, or a conversation's history or tools: an Azure deployment's body names
+                # no model), or one that cannot be read, is guarded as a path it does not route
+                read = await self._facts(req, alike[1])
+                if read.agent in F.AGENTS and (read.model or read.has_history or read.has_tools or not read.parsed):
+                    facts = read
+                    decision = await self._route(flow, facts, source, unnamed=alike[0])
+            if facts is None and decision is None and not upgrade and not scope.inference \
+                    and any(_wants(p, req.method, req.url) for p in self.participants):
                 facts = await self._facts(req, None)
         except Exception as e:
             if facts is None or facts.agent not in F.AGENTS:

@@ -51,13 +51,17 @@ def is_upgrade(req: http.Request) -> bool:
 def upgrade_facts(config: Config, req: http.Request) -> tuple[F.Facts, Server | None, str] | None:
     """The facts of an upgrade the router decides (a known agent's, to a Responses endpoint),
     told by its headers (``facts.read_upgrade``), the server it addresses, and — for an
-    upgrade at a path sessionpin does not route that ends with ``/responses`` (``paths.named``)
-    — that endpoint (the stepper then only guards it: ``Request.unnamed``); else None."""
+    upgrade at a path sessionpin does not route that ends with ``/responses`` (``paths.named``,
+    or ``paths.lookalike``) — that endpoint (the stepper then only guards it: ``Request.unnamed``); else None."""
     source, scope = config.scope("POST", req.scheme, req.host, req.port, req.path)
     if scope.api == F.OPENAI_RESPONSES and scope.endpoint.partition("?")[0] == "/responses":
         unnamed = ""
-    elif (named := paths.named("POST", req.path, source.prefix if source else None)) is not None \
+    elif ((named := paths.named("POST", req.path, source.prefix if source else None)) is not None
+          or (named := paths.lookalike("POST", req.path, source.prefix if source else None)) is not None) \
             and named[1] == F.OPENAI_RESPONSES:
+        # (a look-alike too: an upgrade of a known agent, with its session headers, to a path
+        # ending with /responses is a Responses socket whatever comes before — Cloudflare's
+        # /v1/ACCT/GW/openai/responses — and has no body to tell otherwise)
         unnamed = named[0]
     else:
         return None

@@ -16,6 +16,9 @@ tests/fixtures/traffic, seeds/000's turn rule; docs/facts.md lists each one):
   session headers, then a fingerprint ``fp:<hash>`` of the conversation's opening (system
   prompt + first user message), normalised so every later turn gives the same one. A client
   id is never taken if it looks like a fingerprint, is empty, too long, or has control chars.
+- conflict: the header that named the session, sent again with another value, or one of the
+  agent's own session headers holding no usable id (``conflict``): the router refuses such a
+  request, which names two conversations, or names one it cannot read.
 - turn: count_tokens is side; Claude Code by ``x-claude-code-request-class``, then the
   billing line of system[0]; opencode by ``x-parent-session-id`` and the title request;
   Codex by ``x-openai-subagent`` and ``x-codex-turn-metadata``; everyone else by history.
@@ -40,8 +43,8 @@ from .kinds import (AGENTS, ANTHROPIC_COUNT_TOKENS, ANTHROPIC_MESSAGES, BILLING_
                     OPENAI_CHAT, OPENAI_RESPONSES, OPENCODE, OPENING, OTHER, PI, SIDE, SUBAGENT, UNKNOWN_AGENT,
                     UNKNOWN_TURN)
 from .kinds import text as _text
-from .sessions import (clean_id, codex_turn_metadata, fingerprint, opening, session_of,  # noqa: F401
-                       user_id_session)
+from .sessions import (AGENT_SESSION_HEADERS, clean_id, codex_turn_metadata, fingerprint, opening,  # noqa: F401
+                       session_of, user_id_session)
 from .turns import billing_line, has_history, has_tools, turn_of, upgrade_turn  # noqa: F401
 
 class Facts(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +62,8 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     model_span: tuple[int, int] | None = None  # where the top-level model's value lies in the
                                   # decoded body, when the large-body reader found it (the
                                   # rewrite then renames it without reading the body again)
+    conflict: str = ""            # the header that named the session, sent twice with different
+                                  # values: which conversation it is cannot be told (refused)
 
 
 # ---------------------------------------------------------------- the entry point
@@ -140,7 +145,8 @@ def read_upgrade(url: str | bytes, headers: object) -> Facts:
         turn, why, history = upgrade_turn(h)
         model = codex_turn_metadata(h).get("model")
         return Facts(api=OPENAI_RESPONSES, agent=agent, session=session, session_source=source, turn=turn,
-                     model=model, stream=True, has_history=history, has_tools=True, reason=why)
+                     model=model, stream=True, has_history=history, has_tools=True, reason=why,
+                     conflict=conflict(headers, h, source, agent))
     except Exception as e:  # pragma: no cover - a last resort
         return Facts(api=OPENAI_RESPONSES, agent=UNKNOWN_AGENT, turn=UNKNOWN_TURN, parsed=False,
                      reason=f"internal error: {type(e).__name__}")
@@ -196,6 +202,7 @@ def _read(method, url, headers, body, content_encoding, api=None, locate_model=F
         parsed=ok,
         reason=reason,
         model_span=spans.get("model") if b.model is not None else None,
+        conflict=conflict(headers, h, source, agent),
     )
 
 
@@ -239,6 +246,45 @@ def header_map(headers: object) -> dict[str, str]:
     except Exception:  # a broken iterable: keep what was read
         pass
     return out
+
+
+def conflict(headers: object, h: dict[str, str], source: str | None, agent: str = "") -> str:
+    """"" — or what is wrong with the headers that name the request's session, when which
+    conversation it belongs to cannot be told (no client sends either):
+    - one of the agent's own session headers (``AGENT_SESSION_HEADERS``, and a parent's) holds
+      a value that is not a usable id (``clean_id``: longer than ``MAX_ID``, a control
+      character, a fingerprint's ``fp:``): the session was read elsewhere — the body, another
+      header, the fingerprint — and a pinned conversation's turn, read as another, went where
+      that other one goes;
+    - the header it came from (``source`` ``header:NAME``) is sent more than once with
+      different values (``header_map`` keeps the first, a server may keep the last or both).
+      Only pairs are looked at again, only when ``h`` holds fewer names than ``headers`` has
+      fields (a name sent twice): one comparison for every other request."""
+    own = AGENT_SESSION_HEADERS.get(agent, ())
+    if agent not in (CLAUDE_CODE, CODEX):
+        own = ("x-parent-session-id", *own)
+    for name in own:
+        value = h.get(name)
+        if value and clean_id(value) is None:
+            why = (f"longer than {MAX_ID} characters" if len(value) > MAX_ID
+                   else "it looks like sessionpin's fingerprint" if value.startswith(FINGERPRINT_PREFIX)
+                   else "a control character")
+            return f"the {name} header is not a usable session id ({why})"
+    if not source or not source.startswith("header:") or not isinstance(headers, (tuple, list)) \
+            or len(headers) == len(h):
+        return ""
+    name = source[len("header:"):]
+    values: set[str] = set()
+    for pair in headers:
+        try:
+            k, v = pair
+        except (TypeError, ValueError):
+            continue
+        if _text(k).strip().lower() == name and (value := _text(v).strip()):
+            values.add(value)           # (an empty one names nothing)
+    if len(values) < 2:
+        return ""
+    return f"the {name} header is sent {len(values)} times with different values"
 
 
 def api_of(method: str, url: str) -> str:

@@ -52,7 +52,14 @@ Rules this module keeps:
   configured) — not a look-alike (``/v1/threads/x/messages``, as ``unrouted``): a request
   sessionpin does not route that a server may serve as inference. The router reads its
   session's pin, so a conversation pinned elsewhere never reaches the server it addressed
-  this way (``route``'s "unnamed path" rule).
+  this way (``route``'s "unnamed path" rule). Other APIs' inference endpoints are named too
+  (``_other_api``: Bedrock's ``…/model/{id}/invoke``, Vertex's and Gemini's
+  ``…/models/{m}:streamRawPredict``/``:generateContent``, the legacy ``/v1/complete`` and
+  ``/v1/completions``, ``/v1/responses/input_tokens``), never scoped: sessionpin routes none of them.
+- ``lookalike(method, path, prefix)``: what ``named`` leaves out that still ends with an
+  endpoint (a version segment before: ``/v1/threads/x/messages``, or a gateway's
+  ``/v1/ACCT/GW/anthropic/v1/messages``); the router guards it when its body is an inference
+  request (a model), or cannot be read.
 - ``/responses/compact`` is an endpoint (of the Responses api): Codex on OpenAI's provider
   compacts a thread there (codex-rs ``compact.rs``); the recorded Codex (0.171, on a custom
   provider) compacts through ``/v1/responses`` (``request_kind: compaction``).
@@ -247,9 +254,14 @@ def named(method: str, path: str, prefix: str | None = None) -> tuple[str, str] 
     another API's resource) — is not named."""
     if method.strip().upper() != "POST":
         return None
-    found = _split_endpoint(normalised(path.partition("?")[0]))
+    normal = normalised(path.partition("?")[0])
+    found = _split_endpoint(normal)
     if found is None:
-        return None
+        if (other := _other_api(normal)) is not None:
+            return other
+        found = next(((normal[: -len(e)], e, api) for e, api in _NAMED_ONLY.items() if normal.endswith(e)), None)
+        if found is None:
+            return None
     before = found[0]
     if prefix is not None and before == normalised(prefix):
         return found[1], found[2]
@@ -257,6 +269,64 @@ def named(method: str, path: str, prefix: str | None = None) -> tuple[str, str] 
     if not (_plain(head) and (last == "" or _NAME_SEGMENT.match(last))):
         return None
     return found[1], found[2]
+
+
+# Other APIs' inference endpoints, which sessionpin never routes but a server may well serve
+# (``named``): Bedrock's InvokeModel and Converse (``…/model/{id}/invoke``: Claude Code on
+# Bedrock, or a gateway's prefix before it), Vertex's and Gemini's model methods
+# (``…/models/{m}:streamRawPredict``: Claude Code on Vertex; ``:generateContent``: Gemini CLI),
+# and the legacy completions (``/v1/complete``, ``/v1/completions``). Each with the api its
+# body is read as: Claude's for Bedrock's and Vertex's (the Messages body less the model),
+# chat's for the rest (their session, if any, is in the headers); Bedrock's CountTokens too
+# (``…/model/{id}/count-tokens``). Matched on the path read as a
+# lenient server reads it (``normalised``: an ARN's ``%2F`` decoded, lower case). A batch
+# (``/v1/messages/batches``) is not: it holds many requests, none of them one conversation's turn.
+_BEDROCK = frozenset({"invoke", "invoke-with-response-stream", "converse", "converse-stream", "count-tokens"})
+_GOOGLE = frozenset({"streamrawpredict", "rawpredict", "streamgeneratecontent", "generatecontent", "counttokens"})
+# ... and endpoints under a plain prefix as the routed ones: the legacy completions, and the
+# Responses API's token count (``/v1/responses/input_tokens``: a conversation's whole input,
+# as Anthropic's ``/messages/count_tokens``, which is routed).
+_NAMED_ONLY = {"/complete": ANTHROPIC_MESSAGES, "/completions": OPENAI_CHAT,
+               "/responses/input_tokens": OPENAI_RESPONSES}
+
+
+def _other_api(normal: str) -> tuple[str, str] | None:
+    """(endpoint, api) of a normalised path part that ends with another API's inference
+    endpoint (``/invoke``, ``:streamrawpredict``…), else None. String scans, no regex: a
+    hostile path costs one pass."""
+    head, _, last = normal.rpartition("/")
+    if last in _BEDROCK:
+        at = head.find("/model/")        # the model id after it may hold a decoded ARN's ``/``
+        if at != -1 and len(head) > at + len("/model/"):
+            return "/" + last, ANTHROPIC_MESSAGES
+        return None
+    model, colon, method = last.rpartition(":")
+    if colon and model and method in _GOOGLE and head.endswith("/models"):
+        return ":" + method, ANTHROPIC_MESSAGES if method.endswith("rawpredict") else OPENAI_CHAT
+    return None
+
+
+def lookalike(method: str, path: str, prefix: str | None = None) -> tuple[str, str] | None:
+    """(endpoint, api) of a POST whose path part, read as a lenient server reads it, ends with
+    an inference endpoint that ``named`` leaves out: a version segment before the last segment
+    of what precedes it, or a segment that is not a plain name (``/models/m@2025/messages``).
+    Another API's resource (``/v1/threads/x/messages``), or a gateway's
+    own versioned path before the agent's base (Cloudflare's ``/v1/ACCT/GW/anthropic/v1/messages``,
+    Vertex's ``/v1/projects/P/locations/L/endpoints/openapi/chat/completions``): only the body
+    tells them apart (the router's rule), never the path."""
+    if method.strip().upper() != "POST":
+        return None
+    found = _split_endpoint(normalised(path.partition("?")[0]))
+    if found is None or named(method, path, prefix) is not None:
+        return None
+    return found[1], found[2]
+
+
+def guarded(method: str, path: str, prefix: str | None = None) -> str | None:
+    """The api of a POST that the router guards without routing it (``named``, ``lookalike``),
+    else None: its body must reach the router whole, for the router to read its pin."""
+    found = named(method, path, prefix) or lookalike(method, path, prefix)
+    return found[1] if found is not None else None
 
 
 def endpoint_api(path: str) -> str:

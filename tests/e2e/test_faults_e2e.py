@@ -38,7 +38,9 @@ module, one test at a time, against a copy of c33fb11 with this harness (its tre
    ``chatgpt-account-id`` (seen with the path check left out).
 7. ``test_look_alike_paths_of_a_pinned_session_are_not_routed``: ``/v1/threads/x/messages``
    of a pinned session went to glm. (test_bounds_e2e.py's look-alike test covers fresh
-   sessions; it cannot run on c33fb11 at all, whose mitmdump lacks its options.)
+   sessions; it cannot run on c33fb11 at all, whose mitmdump lacks its options.) Since review
+   (2026-12-05) a turn there (an inference body) of a session pinned elsewhere is refused 424,
+   sent nowhere; another API's resource (no model) still passes untouched.
 8. ``test_ambiguous_paths_of_a_pinned_session_are_refused``: ``/../../v1/messages`` of a
    pinned session reached glm as ``/api/anthropic/../../v1/messages`` with glm's key;
    ``/v1%2fmessages`` passed to anthropic. (test_bounds_e2e.py covers fresh sessions.)
@@ -360,9 +362,12 @@ def test_removed_or_emptied_config_never_moves_a_pinned_conversation(rig: Rig) -
         got = rig.of(s1)
         assert list(got) == ["glm"] and len(got["glm"]) == 2
         assert got["glm"][-1].header("x-api-key") == GLM_KEY and got["glm"][-1].json()["model"] == "glm-4.6"
-        # … only on an exact inference path: a look-alike passes where it was sent, untouched,
-        # and an ambiguous path is refused
+        # … only on an exact inference path: at a look-alike its turn is refused (a gateway's
+        # versioned path looks the same: docs/router.md), another API's resource passes where
+        # it was sent, untouched, and an ambiguous path is refused
         r = rig.send("continuation", s1, path="/v1/threads/x/messages")
+        assert r.status == 424 and "anthropic" not in rig.of(s1) and len(rig.of(s1)["glm"]) == 2, r.text[:300]
+        r = rig.send("continuation", s1, path="/v1/threads/x/messages", body=ASSISTANTS_MESSAGE)
         assert r.status == 200 and rig.of(s1)["anthropic"][0].header("x-api-key") == CLIENT_KEY
         r = rig.send("continuation", s1, path="/../../v1/messages")
         assert r.status == 400 and len(rig.of(s1)["anthropic"]) == 1 and len(rig.of(s1)["glm"]) == 2
@@ -522,10 +527,20 @@ def test_unknown_headers_and_query_parameters_never_reach_the_other_server(rig: 
 # --------------------------------------------------------------------------- rows 7 and 8
 
 
+# the Assistants API's "add a message to a thread": another API's resource, not inference
+ASSISTANTS_MESSAGE = json.dumps({"role": "user", "content": "hello"}).encode()
+
+
 @pytest.mark.parametrize("path", ["/v1/threads/x/messages", "/v1/organizations/x/messages"])
 def test_look_alike_paths_of_a_pinned_session_are_not_routed(rig: Rig, path: str) -> None:
+    """Never routed (no server's key attached). A turn of the conversation there (an inference
+    body: a model) is refused, sent nowhere — a gateway's versioned path looks the same
+    (Cloudflare's /v1/ACCT/GW/anthropic/v1/messages); another API's resource passes untouched."""
     s = rig.pinned()
     r = rig.send("continuation", s, path=path)
+    assert r.status == 424 and r.header("x-sessionpin-refused") == "unnamed-path", (r.status, r.text[:300])
+    assert list(rig.of(s)) == ["glm"] and len(rig.of(s)["glm"]) == 1, "not routed, sent nowhere"
+    r = rig.send("continuation", s, path=path, body=ASSISTANTS_MESSAGE)
     assert r.status == 200
     got = rig.of(s)
     assert len(got["glm"]) == 1, "not routed"

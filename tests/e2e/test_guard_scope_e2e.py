@@ -5,7 +5,10 @@ A server written with a base that has no ``/v1`` (``https://host/api/paas/v4``, 
 OpenAI-compatible API) has its ``/api/paas/v4/chat/completions`` routed; the body limit
 decided by the path alone, so such a request over the limit was buffered whole and sent on
 instead of getting the 413. Both now ask the one rule (``config.Config.scope``), and a path
-the router does not route gets no 413 from sessionpin either.
+the router neither routes nor guards gets no 413 from sessionpin either. A path it guards
+(``paths.guarded``: one it does not route that ends with an endpoint, where a conversation
+pinned elsewhere is refused) gets the 413 too: streamed to the server it addressed, its body
+went there before the router could read the pin.
 """
 
 from __future__ import annotations
@@ -75,9 +78,48 @@ def test_such_a_request_over_the_limit_gets_the_413_naming_it(rig: Rig) -> None:
     assert rig.counts() == before, "nothing reached any server"
 
 
+def opencode_headers(session: str) -> list[tuple[str, str]]:
+    return [("Content-Type", "application/json"), ("User-Agent", "opencode/1.18.33"),
+            ("Authorization", "Bearer agent-key"), ("x-opencode-session", session)]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
+def test_a_pinned_conversations_turn_over_the_limit_at_a_path_the_router_guards_reaches_no_server(
+        rig: Rig, chunked: bool) -> None:
+    """opencode opened at zai's own base, pinned to bare; its next turn, 3 MiB, at zai's
+    /chat/completions (a base sessionpin does not route, which the router guards: a
+    conversation pinned elsewhere is refused there). Failed before: a body over the limit was
+    streamed to zai (mitmproxy's stream_large_bodies, which sessionpin sets to the limit)
+    before the router could read the pin, and zai answered it with the agent's key."""
+    session = "ses_" + uuid.uuid4().hex[:20]
+    client = Client.via_proxy(rig.mitm.port, rig.mitm.mitm_ca)
+    r = client.request("POST", rig.zai.origin + BASE + "/chat/completions", opencode_headers(session), chat(100))
+    assert r.status == 200 and rig.bare.received()[-1].path == "/v1/chat/completions", r.text[:300]
+    before = rig.counts()
+    body, headers = chat(3 * 1024 * 1024), opencode_headers(session)
+    if chunked:
+        body, headers = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body), headers + [("Transfer-Encoding", "chunked")]
+    r = Client.via_proxy(rig.mitm.port, rig.mitm.mitm_ca).request("POST", rig.zai.origin + "/chat/completions",
+                                                                  headers, body)
+    assert (r.status, rig.counts()) == (413, before), (r.status, r.text[:300])
+    assert r.header("x-sessionpin-refused") == "too-large"
+
+
 @pytest.mark.parametrize("where,path", [("zai", BASE + "/threads/x/messages"),        # a look-alike
-                                        ("bare", BASE + "/chat/completions")])        # not this server's base
-def test_a_path_the_router_does_not_route_gets_no_413_from_sessionpin(rig: Rig, where: str, path: str) -> None:
+                                        ("bare", BASE + "/chat/completions"),         # not this server's base
+                                        ("bare", "/model/x/invoke")])                 # another API's endpoint
+def test_a_path_the_router_guards_gets_the_413_over_the_limit_too(rig: Rig, where: str, path: str) -> None:
+    """Its body over the limit cannot be read, so whether its conversation is pinned elsewhere
+    cannot be told: refused clearly, sent nowhere (before: sent where it was addressed)."""
+    before = rig.counts()
+    fake = rig.zai if where == "zai" else rig.bare
+    r = rig.send(fake, path, chat(3 * 1024 * 1024))
+    assert (r.status, rig.counts()) == (413, before), (r.status, r.text[:300])
+
+
+@pytest.mark.parametrize("where,path", [("zai", BASE + "/files"), ("bare", "/v1/uploads/x/parts")])
+def test_a_path_the_router_neither_routes_nor_guards_gets_no_413_from_sessionpin(rig: Rig, where: str,
+                                                                                path: str) -> None:
     fake = rig.zai if where == "zai" else rig.bare
     before = len(fake.received())
     r = rig.send(fake, path, chat(3 * 1024 * 1024))

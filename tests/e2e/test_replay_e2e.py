@@ -609,8 +609,11 @@ def test_codex_websocket_upgrade_passes_when_codex_is_not_routed(rig):
 
 
 def test_a_pin_of_another_agent_is_neither_followed_nor_overwritten(rig):
-    """A Codex request carrying the session id of a Claude Code conversation pinned to glm is left
-    alone (not sent to glm, not re-pinned to alt); the Claude Code conversation stays on glm."""
+    """A Codex request carrying the session id of a Claude Code conversation pinned to glm is not
+    sent to glm nor re-pinned to alt; the Claude Code conversation stays on glm. Since review
+    (2026-12-05) it is refused (other-agent-pin) rather than left alone: the same id read as
+    another agent cannot be told from the pinned conversation sent by another client, and left
+    alone it went to the server it addressed."""
     cc = load("claude-code", "print")
     opening, tool_result = [x for x in cc if x.kind == "opening"][0], [x for x in cc if x.kind == "tool-result"][0]
     r_cc = Replay(RUN)
@@ -625,7 +628,8 @@ def test_a_pin_of_another_agent_is_neither_followed_nor_overwritten(rig):
     for rec in cx:
         s = rig.send(r_cx.prepare(rec))
         assert s.p.header("session-id") == session
-        assert_untouched(s)
+        assert s.landed is None and s.reply.status in (400, 424), (s.p.name, s.reply.status, s.reply.text[:300])
+        assert s.reply.header("x-sessionpin-refused") == "other-agent-pin", s.p.name
     assert rig.pin(session) == before, "the pin of another agent was overwritten"
     assert_routed(rig.send(r_cc.prepare(tool_result)), "glm")
 

@@ -198,3 +198,77 @@ def test_a_compressed_answer_inflating_far_costs_the_proxy_bounded_memory_and_cp
     assert r.status == 200 and r.body == body and rig.mitm.alive
     assert grew < 200, f"a {len(body)}-byte answer grew the proxy's peak RSS by {grew:.0f} MB"
     assert cpu < 1.0, f"a {len(body)}-byte answer took {cpu:.2f} s of the proxy's CPU"
+
+
+HEAD_FILL = 96 << 20        # bytes of a response head that never ends (a header line growing)
+
+
+def test_a_response_head_that_never_ends_costs_the_proxy_bounded_memory(rig: Rig) -> None:
+    """A server that answers with a header line growing without end (here 96 MiB, then a
+    blank line): mitmproxy buffered the whole head before any hook could see it (its own
+    ``FIXME: protect against header size DoS``): the proxy's peak RSS grew by the head's size,
+    and it was then parsed, passed to every addon and sent on. Now a head past
+    ``httpbounds.MAX_HEAD`` fails the answer there: the agent gets a 502 naming the limit, the
+    server's connection is closed, and the proxy goes on."""
+    def answer(h, rec, n):
+        h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Fill: ")
+        chunk = b"a" * (1 << 20)
+        try:
+            for _ in range(HEAD_FILL >> 20):
+                h.wfile.write(chunk)
+            h.wfile.write(b"\r\nContent-Length: 2\r\n\r\n{}")
+        except OSError:
+            pass                  # the proxy hung up: what the fixed proxy does
+        h.close_connection = True
+    pid = rig.mitm.proc.pid
+    assert rig.send("/v1/messages", opening()).status == 200          # warm
+    lines = rig.mitm.line_count
+    peak = _peak_mb(pid)
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    except Exception as e:        # (before: the head reached the agent, which could not read it)
+        r = e
+    finally:
+        del rig.glm._answer
+    grew = _peak_mb(pid) - peak
+    assert grew < 48, f"a never-ending response head grew the proxy's peak RSS by {grew:.0f} MB"
+    assert not isinstance(r, Exception) and r.status == 502, r
+    assert "256 KiB" in r.text and "response head" in r.text, r.text[:300]
+    assert rig.mitm.wait_output(r"sessionpin: the response head from the server \(127\.0\.0\.1:\d+\) grew past "
+                                r"256 KiB without ending", since=lines)
+    assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive
+
+
+def test_a_chunk_size_line_that_never_ends_costs_the_proxy_bounded_memory(rig: Rig) -> None:
+    """The same inside a chunked answer: mitmproxy's chunked reader waited for the end of a
+    chunk-size line (a chunk extension growing without end) with no bound. Now the answer's
+    stream ends there (its head had left: the agent's read fails), the server's connection is
+    closed, and the proxy goes on."""
+    def answer(h, rec, n):
+        h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      b"2\r\n{}\r\n1;x=")
+        chunk = b"a" * (1 << 20)
+        try:
+            for _ in range(HEAD_FILL >> 20):
+                h.wfile.write(chunk)
+            h.wfile.write(b"\r\n \r\n0\r\n\r\n")
+        except OSError:
+            pass
+        h.close_connection = True
+    pid = rig.mitm.proc.pid
+    assert rig.send("/v1/messages", opening()).status == 200          # warm
+    lines = rig.mitm.line_count
+    peak = _peak_mb(pid)
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    except Exception as e:        # the answer's stream was cut (fixed), or its read failed (before)
+        r = e
+    finally:
+        del rig.glm._answer
+    grew = _peak_mb(pid) - peak
+    assert grew < 48, f"a never-ending chunk-size line grew the proxy's peak RSS by {grew:.0f} MB"
+    assert rig.mitm.wait_output(r"sessionpin: the response body line from the server \(127\.0\.0\.1:\d+\) grew "
+                                r"past 256 KiB without ending", since=lines)
+    assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive

@@ -1,0 +1,121 @@
+"""HeadBounds: an HTTP/1 message's head, and a line of its chunked body, cost the proxy at most
+``MAX_HEAD`` bytes before mitmproxy has parsed them.
+
+mitmproxy's HTTP/1 connections gather a peer's bytes in one buffer until the head's blank line
+comes (its own ``FIXME: protect against header size DoS``), and its chunked body reader waits
+for each chunk-size line (and the trailer's lines) likewise, with no bound: no hook sees any of
+it before it ends. A server that answered with a header line growing without end (96 MiB, then a
+blank line) grew the proxy's peak RSS by 537 MB, and every other client of the proxy shared what
+was left. No option of mitmproxy's bounds it. So, while this part is loaded, the HTTP/1
+connection classes mitmproxy makes are ours (``_BoundedClient``, ``_BoundedServer``, put in place of
+``Http1Client`` and ``Http1Server`` in ``mitmproxy.proxy.layers.http``, as ``wsbounds`` does for
+WebSocket connections):
+
+- After each read, a connection still reading a head or a body whose buffer holds more than
+  ``MAX_HEAD`` is holding one unfinished line or head (a body's data are handed on as they
+  come: what stays is a line not yet ended) and is failed there: its buffer is dropped, its
+  connection closed, one warning line names the side and its address.
+- From a server: the answer fails with a protocol error, which mitmproxy answers the agent
+  with a 502 naming the limit (or, once the answer's head has left, ends its stream); nothing
+  of the head is sent on. From a client: a head that long is answered 431 and the
+  connection closed.
+- ``MAX_HEAD`` (256 KiB) is sixteen times what Node's HTTP client (Claude Code, OpenCode, pi)
+  accepts for a whole head, and four times Python's line limit: no server an agent can read
+  sends more.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from h11._receivebuffer import ReceiveBuffer
+from mitmproxy.proxy import commands, events
+from mitmproxy.proxy.layers import http as http_layer
+from mitmproxy.proxy.layers.http import _http1
+from mitmproxy.proxy.layers.http._base import ReceiveHttp
+from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
+
+log = logging.getLogger("sessionpin")
+
+MAX_HEAD = 256 * 1024
+
+
+def _where(conn) -> str:
+    peer = getattr(conn, "peername", None) or getattr(conn, "address", None)
+    return f"{peer[0]}:{peer[1]}" if peer else "?"
+
+
+def _unfinished(conn: _http1.Http1Connection) -> str | None:
+    """What ``conn`` is gathering past the bound ("head", "body line"), or None."""
+    if len(conn.buf) <= MAX_HEAD:
+        return None
+    if conn.state == conn.read_headers:
+        return "head"
+    if conn.state == conn.read_body:
+        return "body line"
+    return None
+
+
+def _message(side: str, what: str, conn) -> str:
+    kind = "response" if side == "server" else "request"
+    return (f"sessionpin: the {kind} {what} from the {side} ({_where(conn)}) grew past {MAX_HEAD // 1024} KiB "
+            f"without ending; the connection was closed, nothing of it was sent on")
+
+
+def _drop(conn: _http1.Http1Connection) -> None:
+    conn.buf = ReceiveBuffer()
+    conn.state = conn._dropped
+
+
+class _BoundedClient(_http1.Http1Client):
+    """mitmproxy's Http1Client (its side facing a server) with the bound of this module."""
+
+    def _handle_event(self, event: events.Event):
+        yield from super()._handle_event(event)
+        if isinstance(event, events.DataReceived) and (what := _unfinished(self)) is not None:
+            message = _message("server", what, self.conn)
+            log.warning(message)
+            stream = self.stream_id
+            _drop(self)
+            yield commands.CloseConnection(self.conn)
+            if stream is not None:
+                yield ReceiveHttp(ResponseProtocolError(stream, message, ErrorCode.GENERIC_SERVER_ERROR))
+
+    def _dropped(self, event: events.Event):
+        self.buf = ReceiveBuffer()
+        yield from ()
+
+
+class _BoundedServer(_http1.Http1Server):
+    """mitmproxy's Http1Server (its side facing a client) with the bound of this module, for a
+    head (a body line of a request already on its way is mitmproxy's to end)."""
+
+    def _handle_event(self, event: events.Event):
+        yield from super()._handle_event(event)
+        if isinstance(event, events.DataReceived) and _unfinished(self) == "head":
+            message = _message("client", "head", self.conn)
+            log.warning(message)
+            _drop(self)
+            yield commands.SendData(self.conn, _http1.make_error_response(431, message))
+            yield commands.CloseConnection(self.conn)
+
+    def _dropped(self, event: events.Event):
+        self.buf = ReceiveBuffer()
+        yield from ()
+
+
+_ORIGINAL = (http_layer.Http1Client, http_layer.Http1Server)
+_installed = 0            # HeadBounds loaded (a reloaded script's new addons load before the old go)
+
+
+class HeadBounds:
+    def load(self, loader) -> None:
+        global _installed
+        _installed += 1
+        http_layer.Http1Client, http_layer.Http1Server = _BoundedClient, _BoundedServer
+
+    def done(self) -> None:
+        global _installed
+        _installed = max(0, _installed - 1)
+        if not _installed:
+            http_layer.Http1Client, http_layer.Http1Server = _ORIGINAL

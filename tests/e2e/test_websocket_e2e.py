@@ -454,6 +454,34 @@ def test_a_message_of_many_empty_frames_closes_the_socket_1009_at_a_bounded_cost
     assert landed == "alt"
 
 
+PINGS = 5_000
+
+
+def test_a_ping_flood_writes_no_line_per_ping(rig: WsRig):
+    """Pings from Codex's side (6 bytes each) are relayed to the server, whose pongs come back:
+    mitmproxy wrote a log line for each ping and each pong (two lines of ~90 bytes per 6 bytes
+    a peer sent: a flood filled the operator's terminal or log file and buried the decision
+    lines). They are its per-frame chatter, dropped as its connect lines are unless
+    ``sessionpin_connection_log`` is on; the socket goes on."""
+    r = Replay(RUN)
+    ws, landed, sock = rig.open(r.prepare(upgrade(1)))
+    with ws:
+        converse(ws, r, client_messages(1)[:1])
+        lines = rig.mitm.line_count
+        ws.send_raw(b"".join(ping_frame(i) for i in range(PINGS)))
+        converse(ws, r, client_messages(1)[1:2])          # after every ping: the socket goes on
+        time.sleep(0.5)
+        new = rig.mitm.line_count - lines
+        logged = [x for x in rig.mitm.tail(new).splitlines() if "WebSocket p" in x] if new else []
+    assert landed == "alt" and len(logged) < 10, f"{len(logged)} lines for {PINGS} pings: {logged[:2]}"
+
+
+def ping_frame(i: int) -> bytes:
+    """A client's (masked) ping frame carrying ``i``."""
+    payload, key = str(i).encode(), os.urandom(4)
+    return bytes([0x89, 0x80 | len(payload)]) + key + bytes(b ^ key[j % 4] for j, b in enumerate(payload))
+
+
 def test_a_long_socket_keeps_the_proxy_s_memory_flat(rig: WsRig):
     """80 MB of the server's messages over one routed socket: the proxy keeps only the newest
     (``sessionpin_ws_keep_kb``), during the session and after it."""

@@ -11,8 +11,8 @@ from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import http as http_layer
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
-from mitmproxy.proxy.layers.http._events import (RequestEndOfMessage, RequestHeaders, ResponseData,
-                                                 ResponseHeaders, ResponseProtocolError)
+from mitmproxy.proxy.layers.http._events import (RequestData, RequestEndOfMessage, RequestHeaders, ResponseData,
+                                                 ResponseEndOfMessage, ResponseHeaders, ResponseProtocolError)
 from mitmproxy.test import tflow
 
 from sessionpin.proxy import headbounds
@@ -99,3 +99,26 @@ def test_a_request_head_that_never_ends_is_answered_431():
     assert len(sent) == 1 and sent[0].startswith(b"HTTP/1.1 431 ") and b"request head" in sent[0]
     assert any(isinstance(x, commands.CloseConnection) for x in cmds) and len(s.buf) == 0
     assert MAX_HEAD == 256 * 1024
+
+
+def test_a_chunked_answer_s_trailers_are_dropped_and_it_ends_whole(caplog):
+    """mitmproxy raised NotImplementedError at an HTTP/1 trailer section (its connection torn
+    down with the answer's last bytes); the answer now ends as it would have without them."""
+    c, ctx = _client()
+    wire = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-checksum\r\n\r\n"
+            b"5\r\nhello\r\n0\r\nX-Checksum: abc\r\n\r\n")
+    got = _received(_feed(c, ctx.server, wire, step=9))
+    assert type(got[0]) is ResponseHeaders and type(got[-1]) is ResponseEndOfMessage
+    assert b"".join(e.data for e in got[1:-1]) == b"hello"
+    assert "ended with trailers (x-checksum); they were dropped" in caplog.text
+
+
+def test_a_chunked_request_s_trailers_are_dropped_and_it_ends_whole(caplog):
+    ctx = Context(tflow.tclient_conn(), options.Options())
+    s = headbounds._BoundedServer(ctx)
+    list(s.handle_event(events.Start()))
+    wire = (b"POST /v1/messages HTTP/1.1\r\nHost: a.example\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"2\r\n{}\r\n0\r\nX-Sig: 1\r\n\r\n")
+    got = _received(_feed(s, ctx.client, wire))
+    assert [type(e) for e in got] == [RequestHeaders, RequestData, RequestEndOfMessage]
+    assert "request from the client" in caplog.text and "(x-sig)" in caplog.text

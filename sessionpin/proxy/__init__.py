@@ -24,7 +24,7 @@ sitting, in this order:
 | participants | participants.py | ``running``/``done`` of the parts the router and status call (below) |
 | ``PoolOptions`` | (sessionpin.opencode_ids) | the OpenCode id pool's options |
 | ``Allocations`` | allocations.py | the server pools' option (the pools themselves are a participant) |
-| ``HeadBounds`` | headbounds.py | an HTTP/1 head (or chunked body line) past 256 KiB fails its connection, before it is buffered further |
+| ``HeadBounds`` | headbounds.py | an HTTP/1 head (or chunked body line) past 256 KiB fails its connection, before it is buffered further; HTTP/1 trailers are dropped, not crashed on |
 
 The participants (``participants.Participant``, one interface, every method called as
 written): ``LedgerMetrics`` (the ledger's counters, for ``/metrics``), the OpenCode id pool

@@ -1,5 +1,6 @@
 """HeadBounds: an HTTP/1 message's head, and a line of its chunked body, cost the proxy at most
-``MAX_HEAD`` bytes before mitmproxy has parsed them.
+``MAX_HEAD`` bytes before mitmproxy has parsed them; a chunked message's trailers are dropped
+rather than crash its connection.
 
 mitmproxy's HTTP/1 connections gather a peer's bytes in one buffer until the head's blank line
 comes (its own ``FIXME: protect against header size DoS``), and its chunked body reader waits
@@ -19,6 +20,11 @@ WebSocket connections):
   with a 502 naming the limit (or, once the answer's head has left, ends its stream); nothing
   of the head is sent on. From a client: a head that long is answered 431 and the
   connection closed.
+- A chunked message's trailer section (legal HTTP/1.1) is dropped, with one warning line naming
+  its fields: mitmproxy cannot relay trailers over HTTP/1 and raised there ("mitmproxy has
+  crashed!"), tearing the connection down with the message's last bytes: the agent read an
+  answer cut short with no error to say why. Dropped, the message ends as it would have
+  without them (no agent reads an HTTP/1 trailer; the inference APIs send none).
 - ``MAX_HEAD`` (256 KiB) is sixteen times what Node's HTTP client (Claude Code, OpenCode, pi)
   accepts for a whole head, and four times Python's line limit: no server an agent can read
   sends more.
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import logging
 
+import h11
 from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.layers import http as http_layer
@@ -62,6 +69,34 @@ def _message(side: str, what: str, conn) -> str:
             f"without ending; the connection was closed, nothing of it was sent on")
 
 
+class _NoTrailers:
+    """A body reader of h11's that ends its message without the trailers it read (see the module)."""
+
+    __slots__ = ("reader", "side", "conn")
+
+    def __init__(self, reader, side: str, conn) -> None:
+        self.reader, self.side, self.conn = reader, side, conn
+
+    def __call__(self, buf):
+        event = self.reader(buf)
+        if isinstance(event, h11.EndOfMessage) and event.headers:
+            names = ", ".join(sorted({n.decode("ascii", "replace").lower() for n, _ in event.headers}))[:200]
+            kind = "response" if self.side == "server" else "request"
+            log.warning("sessionpin: the %s from the %s (%s) ended with trailers (%s); they were dropped (mitmproxy "
+                        "cannot pass trailers on over HTTP/1)", kind, self.side, _where(self.conn), names)
+            return h11.EndOfMessage()
+        return event
+
+    def read_eof(self):
+        return self.reader.read_eof()
+
+
+def _without_trailers(conn: _http1.Http1Connection, side: str) -> None:
+    reader = getattr(conn, "body_reader", None)     # (set with each message's head)
+    if reader is not None and not isinstance(reader, _NoTrailers):
+        conn.body_reader = _NoTrailers(reader, side, conn.conn)
+
+
 def _drop(conn: _http1.Http1Connection) -> None:
     conn.buf = ReceiveBuffer()
     conn.state = conn._dropped
@@ -81,6 +116,10 @@ class _BoundedClient(_http1.Http1Client):
             if stream is not None:
                 yield ReceiveHttp(ResponseProtocolError(stream, message, ErrorCode.GENERIC_SERVER_ERROR))
 
+    def read_body(self, event: events.Event):
+        _without_trailers(self, "server")
+        yield from super().read_body(event)
+
     def _dropped(self, event: events.Event):
         self.buf = ReceiveBuffer()
         yield from ()
@@ -98,6 +137,10 @@ class _BoundedServer(_http1.Http1Server):
             _drop(self)
             yield commands.SendData(self.conn, _http1.make_error_response(431, message))
             yield commands.CloseConnection(self.conn)
+
+    def read_body(self, event: events.Event):
+        _without_trailers(self, "client")
+        yield from super().read_body(event)
 
     def _dropped(self, event: events.Event):
         self.buf = ReceiveBuffer()

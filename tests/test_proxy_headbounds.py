@@ -122,3 +122,29 @@ def test_a_chunked_request_s_trailers_are_dropped_and_it_ends_whole(caplog):
     got = _received(_feed(s, ctx.client, wire))
     assert [type(e) for e in got] == [RequestHeaders, RequestData, RequestEndOfMessage]
     assert "request from the client" in caplog.text and "(x-sig)" in caplog.text
+
+
+@pytest.mark.parametrize("step", [1, 7, 65536])
+def test_informational_answers_are_passed_over_and_the_answer_read(step):
+    c, ctx = _client()
+    wire = (b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\nHTTP/1.1 100 Continue\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+    got = _received(_feed(c, ctx.server, wire, step=step))
+    assert type(got[0]) is ResponseHeaders and got[0].response.status_code == 200
+    assert b"".join(e.data for e in got if isinstance(e, ResponseData)) == b"{}"
+
+
+def test_a_switching_protocols_answer_is_the_answer():
+    c, ctx = _client()
+    got = _received(_feed(c, ctx.server, b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n"))
+    assert type(got[0]) is ResponseHeaders and got[0].response.status_code == 101
+
+
+def test_bytes_past_the_answer_are_counted_never_logged(caplog):
+    c, ctx = _client()
+    got = _received(_feed(c, ctx.server, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
+    assert type(got[-1]) is ResponseEndOfMessage
+    cmds = _feed(c, ctx.server, b"SECRET-ANSWER-TEXT")
+    assert any(isinstance(x, commands.CloseConnection) for x in cmds)
+    assert not any(isinstance(x, commands.Log) and b"SECRET" in x.message.encode() for x in cmds)
+    assert "sent 18 bytes past its answer" in caplog.text and "SECRET" not in caplog.text

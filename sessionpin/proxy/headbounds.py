@@ -25,6 +25,12 @@ WebSocket connections):
   crashed!"), tearing the connection down with the message's last bytes: the agent read an
   answer cut short with no error to say why. Dropped, the message ends as it would have
   without them (no agent reads an HTTP/1 trailer; the inference APIs send none).
+- From a server, an informational answer (1xx but 101: a 103 Early Hints, as CDNs send) is
+  passed over: mitmproxy took it for the answer (the agent got a bodiless 103) and the real
+  answer then for stray bytes. Bytes a server sends with no request outstanding (past its
+  answer's length) close its connection with one warning line saying how many, never what they
+  were: mitmproxy logged them as they came ("Unexpected data from server: b'…'"), the answer's
+  content among them.
 - ``MAX_HEAD`` (256 KiB) is sixteen times what Node's HTTP client (Claude Code, OpenCode, pi)
   accepts for a whole head, and four times Python's line limit: no server an agent can read
   sends more.
@@ -33,6 +39,7 @@ WebSocket connections):
 from __future__ import annotations
 
 import logging
+import re
 
 import h11
 from h11._receivebuffer import ReceiveBuffer
@@ -45,6 +52,7 @@ from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
 log = logging.getLogger("sessionpin")
 
 MAX_HEAD = 256 * 1024
+_INFORMATIONAL = re.compile(rb"HTTP/1\.[01] 1(?!01)\d\d[ \r\n]")
 
 
 def _where(conn) -> str:
@@ -115,6 +123,19 @@ class _BoundedClient(_http1.Http1Client):
             yield commands.CloseConnection(self.conn)
             if stream is not None:
                 yield ReceiveHttp(ResponseProtocolError(stream, message, ErrorCode.GENERIC_SERVER_ERROR))
+
+    def read_headers(self, event: events.Event):
+        if isinstance(event, events.DataReceived):
+            if not self.request:
+                log.warning("sessionpin: the server (%s) sent %d bytes past its answer (with no request "
+                            "outstanding); its connection was closed (the bytes are not shown: they may hold "
+                            "an answer's content)", _where(self.conn), len(self.buf))
+                _drop(self)
+                yield commands.CloseConnection(self.conn)
+                return
+            while _INFORMATIONAL.match(bytes(self.buf)[:16]) and self.buf.maybe_extract_lines() is not None:
+                pass        # an informational answer, whole: not the answer (RFC 9110, 15.2)
+        yield from super().read_headers(event)
 
     def read_body(self, event: events.Event):
         _without_trailers(self, "server")

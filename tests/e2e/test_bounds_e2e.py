@@ -300,3 +300,50 @@ def test_an_answer_with_trailers_reaches_the_agent_whole(rig: Rig) -> None:
                                 r"trailers \(x-checksum\); they were dropped", since=lines)
     assert "has crashed" not in rig.mitm.tail(rig.mitm.line_count - lines)
     assert rig.send("/v1/messages", opening()).status == 200
+
+
+def test_an_early_hints_answer_before_the_answer_is_passed_over(rig: Rig) -> None:
+    """A 103 Early Hints (legal HTTP/1.1, as CDNs send) before the answer: mitmproxy took it for
+    the answer (the agent got a bodiless 103), then logged the real answer as "Unexpected data
+    from server: b'…'" — its content in the proxy's log — and closed the connection. Now an
+    informational answer is passed over and the answer reaches the agent."""
+    sentinel = "ANSWER-CONTENT-" + uuid.uuid4().hex[:8]
+    body = json.dumps({"type": "message", "content": [{"type": "text", "text": sentinel}]}).encode()
+
+    def answer(h, rec, n):
+        h.wfile.write(b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+                      b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                      % (len(body), body))
+        h.close_connection = True
+    lines = rig.mitm.line_count
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    finally:
+        del rig.glm._answer
+    time.sleep(0.3)
+    assert r.status == 200 and r.body == body, (r.status, r.body[:200])
+    assert sentinel not in rig.mitm.tail(rig.mitm.line_count - lines)
+
+
+def test_bytes_a_server_sends_past_its_answer_never_reach_the_log(rig: Rig) -> None:
+    """A server that sends more than its answer's Content-Length: mitmproxy logged the rest as
+    "Unexpected data from server: b'…'" (up to a read, the answer's content among it). Now the
+    line says how many bytes, not what they were."""
+    sentinel = "PAST-THE-ANSWER-" + uuid.uuid4().hex[:8]
+
+    def answer(h, rec, n):
+        h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+                      + sentinel.encode() * 10)
+        h.close_connection = True
+    lines = rig.mitm.line_count
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    finally:
+        del rig.glm._answer
+    assert r.status == 200 and r.body == b"{}"
+    said = rig.mitm.wait_output(r"sessionpin: the server \(127\.0\.0\.1:\d+\) sent \d+ bytes past its answer",
+                                since=lines)
+    assert sentinel not in rig.mitm.tail(rig.mitm.line_count - lines)
+    assert said

@@ -148,3 +148,19 @@ def test_bytes_past_the_answer_are_counted_never_logged(caplog):
     assert any(isinstance(x, commands.CloseConnection) for x in cmds)
     assert not any(isinstance(x, commands.Log) and b"SECRET" in x.message.encode() for x in cmds)
     assert "sent 18 bytes past its answer" in caplog.text and "SECRET" not in caplog.text
+
+
+def test_a_head_cut_short_is_said_by_its_size_never_its_bytes(caplog):
+    ctx = Context(tflow.tclient_conn(), options.Options())
+    s = headbounds._BoundedServer(ctx)
+    list(s.handle_event(events.Start()))
+    cmds = _feed(s, ctx.client, b"POST /v1/messages HTTP/1.1\r\nx-api-key: sk-ant-SECRET\r\n")
+    cmds += list(s.handle_event(events.ConnectionClosed(ctx.client)))
+    assert any(isinstance(x, commands.CloseConnection) for x in cmds)
+    assert not any(isinstance(x, commands.Log) and "SECRET" in x.message for x in cmds)
+    assert "within a request head (54 bytes" in caplog.text and "SECRET" not in caplog.text
+    c, ctx = _client()
+    cmds = _feed(c, ctx.server, b"HTTP/1.1 200 OK\r\nset-cookie: SECRET\r\n")
+    cmds += list(c.handle_event(events.ConnectionClosed(ctx.server)))
+    [error] = [e for e in _received(cmds) if isinstance(e, ResponseProtocolError)]
+    assert "within its answer's head (37 bytes, not shown)" in error.message and "SECRET" not in error.message

@@ -31,6 +31,10 @@ WebSocket connections):
   answer's length) close its connection with one warning line saying how many, never what they
   were: mitmproxy logged them as they came ("Unexpected data from server: b'…'"), the answer's
   content among them.
+- A peer that closes its connection within a head is said with a count of bytes, never the
+  bytes: mitmproxy logged a client's partial head verbatim ("Client closed connection before
+  completing request headers: b'…'"), the agent's key among them, and put a server's into the
+  flow's error (logged by the router, and in the agent's 502).
 - ``MAX_HEAD`` (256 KiB) is sixteen times what Node's HTTP client (Claude Code, OpenCode, pi)
   accepts for a whole head, and four times Python's line limit: no server an agent can read
   sends more.
@@ -43,6 +47,7 @@ import re
 
 import h11
 from h11._receivebuffer import ReceiveBuffer
+from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.layers import http as http_layer
 from mitmproxy.proxy.layers.http import _http1
@@ -135,6 +140,15 @@ class _BoundedClient(_http1.Http1Client):
                 return
             while _INFORMATIONAL.match(bytes(self.buf)[:16]) and self.buf.maybe_extract_lines() is not None:
                 pass        # an informational answer, whole: not the answer (RFC 9110, 15.2)
+        elif isinstance(event, events.ConnectionClosed) and self.stream_id and self.buf:
+            n = len(self.buf)
+            _drop(self)
+            if self.conn.state & ConnectionState.CAN_WRITE:
+                yield commands.CloseConnection(self.conn)
+            yield ReceiveHttp(ResponseProtocolError(
+                self.stream_id, f"the server ({_where(self.conn)}) closed its connection within its answer's head "
+                                f"({n} bytes, not shown)", ErrorCode.GENERIC_SERVER_ERROR))
+            return
         yield from super().read_headers(event)
 
     def read_body(self, event: events.Event):
@@ -158,6 +172,15 @@ class _BoundedServer(_http1.Http1Server):
             _drop(self)
             yield commands.SendData(self.conn, _http1.make_error_response(431, message))
             yield commands.CloseConnection(self.conn)
+
+    def read_headers(self, event: events.Event):
+        if isinstance(event, events.ConnectionClosed) and bytes(self.buf).strip():
+            log.warning("sessionpin: the client (%s) closed its connection within a request head (%d bytes, not "
+                        "shown: they may hold its key)", _where(self.conn), len(self.buf))
+            _drop(self)
+            yield commands.CloseConnection(self.conn)
+            return
+        yield from super().read_headers(event)
 
     def read_body(self, event: events.Event):
         _without_trailers(self, "client")

@@ -347,3 +347,27 @@ def test_bytes_a_server_sends_past_its_answer_never_reach_the_log(rig: Rig) -> N
                                 since=lines)
     assert sentinel not in rig.mitm.tail(rig.mitm.line_count - lines)
     assert said
+
+
+def test_a_request_head_cut_short_never_writes_its_key_to_the_log(rig: Rig) -> None:
+    """An agent whose connection drops inside its request's head (its key already sent):
+    mitmproxy logged the partial head verbatim ("Client closed connection before completing
+    request headers: b'…x-api-key: …'"). Now the line says how many bytes, not what they were."""
+    import socket
+    import ssl
+    sock = socket.create_connection(("127.0.0.1", rig.mitm.port), timeout=10)
+    host = f"127.0.0.1:{rig.anthropic.port}"
+    sock.sendall(f"CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    ctx = ssl.create_default_context(cafile=str(rig.mitm.mitm_ca))
+    tls = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
+    lines = rig.mitm.line_count
+    tls.sendall(f"POST /v1/messages HTTP/1.1\r\nHost: {host}\r\nx-api-key: {CLIENT_KEY}\r\n".encode())
+    time.sleep(0.3)
+    tls.close()
+    said = rig.mitm.wait_output(r"sessionpin: the client \(127\.0\.0\.1:\d+\) closed its connection within a "
+                                r"request head \(\d+ bytes", since=lines)
+    assert CLIENT_KEY not in rig.mitm.tail(rig.mitm.line_count - lines)
+    assert said

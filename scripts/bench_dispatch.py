@@ -65,7 +65,7 @@ def arrangements() -> tuple[_Script, _Script]:
     bundle = make_addons([])[0]
     stand = {n: _stand_in(getattr(bundle, n)) for n in ("defaults", "config", "runtime", "connect", "limit", "pages",
                                                          "status", "router", "lineage", "ws_models", "ws_turns",
-                                                         "ws_bounds", "ledger", "allocations")}
+                                                         "ws_bounds", "ledger", "allocations", "heads")}
     participants = [_stand_in(p) for p in bundle.participants]
     one = Sessionpin(**stand, participants=participants, pool_options=None)
     # before: 13 addons, the participants' _Lifecycle and the pools' _Options shims

@@ -308,6 +308,20 @@ def test_chunk_boundaries_do_not_change_the_answer(agent, scenario):
             assert crlf.result() == one
 
 
+def test_an_empty_chunk_mid_stream_is_no_end():
+    """mitmproxy hands an empty HTTP/2 DATA frame to the stream callable as b"", as it does the
+    stream's end: taken for the end, the rest of the answer went unread (incomplete, its root
+    never recorded). Anywhere in the stream, the answer reads as without it."""
+    fx = _claude_fork()
+    whole = answer_of(fx)
+    raw = fx["response"]["body"].encode()
+    assert whole.complete
+    for cut in (1, len(raw) // 3, len(raw) // 2, len(raw) - 1):
+        reader = StreamReader(api_of(fx))
+        reader(raw[:cut]), reader(b""), reader(raw[cut:])
+        assert reader.result() == whole, cut
+
+
 def test_a_compressed_stream_reads_like_the_plain_one():
     fx = _claude_fork()
     plain = answer_of(fx)

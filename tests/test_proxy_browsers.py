@@ -77,6 +77,23 @@ async def test_a_page_browsing_other_sites_through_the_proxy_passes_untouched(pr
     assert f.response is None and f.request.host == "example.org"
 
 
+@pytest.mark.parametrize("extra", [CROSS_SITE, [(b"origin", b"https://example.org")]])
+async def test_a_page_s_request_to_another_host_is_never_routed_even_continuing_a_pinned_conversation(proxy, extra):
+    """The router follows a pin whatever origin a request addressed: a page's request to its own
+    host, naming a pinned conversation, went to that conversation's server with its key."""
+    f = flow()
+    await proxy.send(f)
+    assert f.request.host == "api.z.ai" and (await pins.load(proxy.store, SESSION)).pin is not None
+    agent = flow("continuation", host="example.org")                 # the agent's own: follows the pin
+    await proxy.send(agent)
+    assert agent.request.host == "api.z.ai"
+    page = flow("continuation", host="example.org", headers=extra)
+    await proxy.send(page)
+    assert page.response is None and page.request.host == "example.org"
+    assert page.request.headers["x-api-key"] == "agent-sentinel" and "sessionpin" not in page.metadata
+    assert not any(k.startswith("sessionpin.") for k in page.metadata)
+
+
 async def test_the_status_endpoints_refuse_a_page_with_an_origin(proxy):
     f = internal("/__sessionpin/status", headers=[(b"origin", b"http://127.0.0.1:8080")])
     await proxy.send(f)

@@ -27,8 +27,10 @@ def test_connection_chatter_is_off_unless_asked(proxy, caplog):
         server_log.info("server disconnect api.z.ai:443")
         server_log.info("error establishing server connection: refused")
         server_log.info("Streaming response from api.z.ai.")          # one per streamed answer
+        server_log.info("Received WebSocket ping from server (payload: b'')")     # one per ping relayed
+        server_log.info("Received WebSocket pong from client (payload: b'')")
     assert "client connect" not in caplog.text and "server disconnect" not in caplog.text
-    assert "Streaming response" not in caplog.text
+    assert "Streaming response" not in caplog.text and "Received WebSocket" not in caplog.text
     assert "error establishing" in caplog.text
     d = next(a for a in proxy.addons if isinstance(a, Defaults))
     proxy.tctx.configure(d, sessionpin_connection_log=True)

@@ -12,7 +12,7 @@ import wsproto
 from mitmproxy import websocket
 from mitmproxy.proxy.layers import websocket as ws_layer
 from mitmproxy.test import tflow
-from wsproto.events import CloseConnection, Message, TextMessage
+from wsproto.events import CloseConnection, Message, Ping, TextMessage
 from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import Opcode
 
@@ -170,3 +170,50 @@ def test_a_compressed_message_of_many_frames_is_judged_by_its_inflated_size(prox
     out = b"".join(client.send(Message(data=text[:400_000], message_finished=False)) for _ in range(3))
     got, events = _receive(side, out)
     assert got <= MIB and [e.code for e in events if isinstance(e, CloseConnection)] == [1009]
+
+
+def _frames(client, text: bytes, count: int) -> bytes:
+    """``text`` as one message in ``count`` frames: its bytes in the first, then empty ones."""
+    out = client.send(Message(data=text, message_finished=False))
+    out += b"".join(client.send(Message(data=b"", message_finished=False)) for _ in range(count - 2))
+    return out + client.send(Message(data=b"", message_finished=True))
+
+
+def test_a_message_of_more_frames_than_the_limit_allows_is_closed_1009_whatever_its_bytes(proxy):
+    """Empty frames cost the byte limit nothing but cost the proxy per frame: a message may come
+    in one frame per ``FRAME_BYTES`` of the limit, compressed or not; one more closes the socket."""
+    proxy.tctx.configure(_bounds(proxy), sessionpin_ws_max_message_mb=1)
+    allowed = wsbounds.max_frames(MIB)
+    assert wsbounds.FRAME_BYTES == 4000 and allowed == MIB // 4000 + 1 == 263
+    for deflate in (True, False):
+        client, side = _pair(deflate)
+        got, events = _receive(side, _frames(client, b"{}", allowed))
+        assert got == 2 and not any(isinstance(e, CloseConnection) for e in events)
+        client, side = _pair(deflate)
+        got, events = _receive(side, _frames(client, b"{}", allowed + 1))
+        assert [e.code for e in events if isinstance(e, CloseConnection)] == [1009]
+        assert not any(isinstance(e, Message) and e.message_finished for e in events)
+
+
+def test_the_frame_count_is_per_message_and_control_frames_do_not_count(proxy):
+    """Pings between a message's frames are not its frames; every message starts its count afresh."""
+    proxy.tctx.configure(_bounds(proxy), sessionpin_ws_max_message_mb=1)
+    client, side = _pair(deflate=False)
+    allowed = wsbounds.max_frames(MIB)
+    one = client.send(Message(data=b"{", message_finished=False))
+    for _ in range(allowed - 2):
+        one += client.send(Ping(b"p")) + client.send(Message(data=b"", message_finished=False))
+    one += client.send(Message(data=b"}", message_finished=True))
+    got, events = _receive(side, one * 3)
+    assert got == 6 and not any(isinstance(e, CloseConnection) for e in events)
+
+
+def test_a_message_as_mitmproxy_refragments_it_within_the_limit_passes(proxy):
+    """mitmproxy sends a message it changed in 4000-byte frames: one of the limit passes."""
+    proxy.tctx.configure(_bounds(proxy), sessionpin_ws_max_message_mb=1)
+    client, side = _pair(deflate=False)
+    text = b"x" * MIB
+    out = b"".join(client.send(Message(data=text[i:i + 4000], message_finished=i + 4000 >= len(text)))
+                   for i in range(0, len(text), 4000))
+    got, events = _receive(side, out)
+    assert got == len(text) and not any(isinstance(e, CloseConnection) for e in events)

@@ -266,6 +266,31 @@ def test_a_json_answer_passing_as_a_stream_is_read_at_its_end_within_the_bound()
     assert small.result().usage is None and small.result().overflow
 
 
+def test_an_empty_chunk_mid_stream_is_no_end():
+    """mitmproxy hands an empty HTTP/2 DATA frame to the stream callable as b"", as it does the
+    stream's end: inside an event, that event was read as two broken halves (its usage lost);
+    in a JSON answer, the body was read at it, half. The end is ``result()``."""
+    data = anthropic_stream({"input_tokens": 11, "output_tokens": 1}, {"output_tokens": 77})
+    want = fed(F.ANTHROPIC_MESSAGES, data).usage
+    at = data.index(b'"output_tokens": 77')
+    for cut in (at, data.index(b"message_stop"), 1, len(data) - 1):
+        r = UsageReader(F.ANTHROPIC_MESSAGES)
+        assert r(data[:cut]) == data[:cut] and r(b"") == b"" and r(b"") == b"" and r(data[cut:]) == data[cut:]
+        assert r.result().usage == want == Usage(input=11, output=77), cut
+    body = json.dumps({"id": "msg_3", "model": "m", "content": [], "usage": {"input_tokens": 7, "output_tokens": 4}})
+    r = UsageReader(F.ANTHROPIC_MESSAGES, whole=True)
+    r(body[:20].encode()), r(b""), r(body[20:].encode())
+    assert r.result().usage == Usage(input=7, output=4)
+
+
+def test_the_last_event_without_its_blank_line_is_read_when_the_result_is_taken():
+    data = anthropic_stream({"input_tokens": 11, "output_tokens": 1}, {"output_tokens": 77})
+    data = data[:data.index(b"event: message_stop")].rstrip(b"\n")      # message_delta last, unended
+    r = UsageReader(F.ANTHROPIC_MESSAGES)
+    r(data)
+    assert r.result().usage == r.result().usage == Usage(input=11, output=77)
+
+
 # ---------------------------------------------------------------- a hostile server's answers
 
 

@@ -41,6 +41,9 @@ Rules it keeps (docs/ledger.md says what each figure means):
   never reaches the store's int64 sums, and no conversation's sums can pass them.
 - A name the server gives (the model, the id, a diagnostic's reason) is cut to ``MAX_NAME``
   (200) characters: it becomes a store record's field and a Prometheus label.
+- An empty chunk is no data, never the end (mitmproxy passes an empty HTTP/2 DATA frame
+  mid-stream as one, as it passes the end): the end is ``result()``, which reads what is left
+  (a last event without its blank line, a JSON answer passing as a stream).
 - Bounded memory: an event longer than ``max_event`` is dropped (``overflow``); a
   compressed body is decompressed as it comes (``lineage_stream._Inflate``: at most
   ``MAX_DECODED`` in all and ``INFLATE_SLACK`` + ``INFLATE_RATIO`` times the compressed bytes
@@ -311,23 +314,19 @@ class UsageReader:
             except Exception:
                 self._broken = True
 
-    # mitmproxy calls the stream callable with each chunk, and with b"" at the end
+    # mitmproxy calls the stream callable with each chunk, and with b"" at the end — and with b""
+    # for an empty HTTP/2 DATA frame mid-stream too (legal, a server's choice): so an empty chunk
+    # is no data, never the end; the end is ``result()`` (taken once the answer has ended)
     def __call__(self, chunk: bytes) -> bytes:
         try:
-            if self._broken:
+            if self._broken or not chunk:
                 return chunk
             if self.whole:
-                if not chunk:
-                    self.body(bytes(self._body))
-                    self._body.clear()
-                elif len(self._body) + len(chunk) > self.max_event:
+                if len(self._body) + len(chunk) > self.max_event:
                     self._overflow = self._broken = True
                     self._body.clear()
                 else:
                     self._body += chunk
-                return chunk
-            if not chunk:
-                self._end()
                 return chunk
             self._lines(self._inflate.feed(chunk) if self._inflate is not None else chunk)
         except OverflowError:
@@ -380,6 +379,11 @@ class UsageReader:
             self._responses(_REvent(type="response.completed", response=b))
 
     def result(self) -> Read:
+        try:
+            if not self._broken:
+                self._end()          # the last event, if the stream ended without its blank line
+        except Exception:
+            self._broken = True
         usage = self._usage
         if self.api == facts.ANTHROPIC_MESSAGES and self._a:
             usage = self._anthropic_total()
@@ -424,6 +428,11 @@ class UsageReader:
             self._event(b"\n".join(data))
 
     def _end(self) -> None:
+        """What is left when the stream has ended (again: nothing left)."""
+        if self.whole:
+            body, self._body = bytes(self._body), bytearray()
+            self.body(body)
+            return
         if self._pending and not self._dropping and _USAGE_RE.search(self._pending) is not None:
             self._block(bytes(self._pending))
         self._pending = bytearray()

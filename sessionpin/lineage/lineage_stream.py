@@ -18,6 +18,8 @@ Rules it keeps:
   ``max_output_tokens``: the client keeps the answer) ends it, ``response.failed`` does not.
 - The same identity as ``lineage.chain`` reads from a later request: the texts joined and
   stripped, the ids and token digests as sets.
+- An empty chunk is no data, never the end (mitmproxy passes an empty HTTP/2 DATA frame
+  mid-stream as one, as it passes the end): the end is ``result()``, which reads what is left.
 - Bounded memory: an event (or line) longer than ``max_event`` bytes is dropped and the result
   says ``overflow``; the text is hashed as it comes, never kept; at most ``MAX_IDS`` tool ids.
   A compressed body (gzip, deflate, br, zstd) is decompressed as it comes, at most
@@ -224,17 +226,17 @@ class StreamReader:
             except Exception:
                 self._broken = True
 
-    # mitmproxy calls the stream callable with each chunk, and with b"" at the end
+    # mitmproxy calls the stream callable with each chunk, and with b"" at the end — and with b""
+    # for an empty HTTP/2 DATA frame mid-stream too (legal, a server's choice): so an empty chunk
+    # is no data, never the end (taken for it, the rest of the answer went unread and its root
+    # unrecorded); the end is ``result()`` (taken once the answer has ended)
     def __call__(self, chunk: bytes) -> bytes:
         self.feed(chunk)
         return chunk
 
     def feed(self, chunk: bytes) -> bytes:
         try:
-            if self._broken or self._done:
-                return chunk
-            if not chunk:
-                self._end()
+            if self._broken or self._done or not chunk:
                 return chunk
             self._wire += len(chunk)
             data = self._inflate.feed(chunk) if self._inflate is not None else chunk
@@ -258,6 +260,11 @@ class StreamReader:
             self._broken = True
 
     def result(self) -> Answer:
+        try:
+            if not self._broken and not self._done:
+                self._end()          # the last event, if the stream ended without its blank line
+        except Exception:
+            self._broken = True
         ids = tuple(self._ids)
         tokens = list(self._tokens) + [lineage.token_digest("".join(p)) for _, p in sorted(self._signature.items())]
         text = self._text.digest()

@@ -24,6 +24,7 @@ sitting, in this order:
 | participants | participants.py | ``running``/``done`` of the parts the router and status call (below) |
 | ``PoolOptions`` | (sessionpin.opencode_ids) | the OpenCode id pool's options |
 | ``Allocations`` | allocations.py | the server pools' option (the pools themselves are a participant) |
+| ``HeadBounds`` | headbounds.py | an HTTP/1 head (or chunked body line) past 256 KiB fails its connection, before it is buffered further; HTTP/1 trailers are dropped, not crashed on |
 
 The participants (``participants.Participant``, one interface, every method called as
 written): ``LedgerMetrics`` (the ledger's counters, for ``/metrics``), the OpenCode id pool
@@ -40,9 +41,10 @@ Rules this package keeps:
   manager is kept on mitmproxy's master by ``PoolOptions.load`` (a script reload builds the
   addon anew on the same master, and finds the same pool: ``sessionpin.opencode_ids`` says why it
   must). ``tests/test_package.py`` checks that the shell and the pool keep no module-level
-  state. The one change the process sees is ``wsbounds``': while a ``SocketBounds`` is
-  loaded, mitmproxy's WebSocket connection class (itself the process's) is replaced by a
-  bounded one, and put back when the last ``SocketBounds`` is done.
+  state. The changes the process sees are ``wsbounds``' and ``headbounds``': while a
+  ``SocketBounds`` (a ``HeadBounds``) is loaded, mitmproxy's WebSocket connection class (its
+  HTTP/1 connection classes), themselves the process's, are replaced by bounded ones, and put
+  back when the last one is done.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from .bundle import Idle, Sessionpin
 from .configwatch import ConfigWatch
 from .connect import ConnectCheck
 from .defaults import DecisionLog, Defaults
+from .headbounds import HeadBounds
 from .limits import BodyLimit
 from .offprocess import BodyProcess
 from .participants import Participant
@@ -108,4 +111,4 @@ def make_addons(participants: list[Participant] | None = None, env=None, *, with
                        router=router, lineage=Idle() if "lineage" in without else watch,
                        ws_models=WebSocketModels(), ws_turns=SocketTurns(runtime), ws_bounds=SocketBounds(),
                        ledger=Idle() if "ledger" in without else ledger, participants=participants,
-                       pool_options=pool_options, allocations=allocations)]
+                       pool_options=pool_options, allocations=allocations, heads=HeadBounds())]

@@ -12,7 +12,10 @@ see it, and reaches no server:
 - on the other listeners (regular, upstream, …): a request addressed to a configured
   server (its origin and path prefix) and the proxy's own ``/__sessionpin/`` paths. A
   browser that uses the proxy to browse other sites keeps working: those requests pass
-  untouched, as every request sessionpin does not route.
+  untouched — and are marked so (``perflow.PAGE``), for the router never routes one: it
+  follows a pin whatever origin a request addressed, so a page's request to its own host
+  shaped as a turn of a pinned conversation (pi's are keyed by what they say) was sent to
+  that conversation's server with the server's key, its answer the page's to read.
 
 ``sessionpin_allow_origins`` names the pages an operator lets through (their ``Origin``,
 ``https://app.example``). Each refusal is counted (``sessionpin_refusals_total{reason=
@@ -29,6 +32,7 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ReverseMode
 
 from ..decision import answers, headers
+from . import perflow
 from .configwatch import ConfigWatch
 from .router import INTERNAL_PREFIX
 
@@ -71,7 +75,10 @@ class PageGuard:
             return
         req = flow.request
         why = headers.from_web_page(_page_headers(req.headers.fields), self.allowed)
-        if why is None or not self._guarded(flow):
+        if why is None:
+            return
+        if not self._guarded(flow):
+            flow.metadata[perflow.PAGE] = why       # browsing: passes untouched, never routed
             return
         # the error format its API reads, by the router's own rule (config.Config.scope)
         api = self.config.config.scope("POST", req.scheme, req.host, req.port, req.path)[1].api

@@ -54,7 +54,7 @@ DRAIN_TIMEOUT = 2.0     # seconds a clean stop waits for the watches' pending re
 
 # the parts, in the order each hook calls them (a hook skips the parts that do not take it)
 ORDER = ("defaults", "config", "runtime", "connect", "limit", "pages", "status", "router", "lineage",
-         "ws_models", "ws_turns", "ws_bounds", "ledger", "participants", "pool_options", "allocations")
+         "ws_models", "ws_turns", "ws_bounds", "ledger", "participants", "pool_options", "allocations", "heads")
 
 
 class Sessionpin:
@@ -80,18 +80,19 @@ class Sessionpin:
         self.participants: list[Any] = list(parts["participants"])
         self.pool_options = po = parts.get("pool_options")
         self.allocations = al = parts["allocations"]
+        self.heads = hb = parts["heads"]
         ps = self.participants
         opt = (po,) if po is not None else ()
 
         # hook -> the parts' methods it calls, in order
         self._load = (d.load, c.load, rt.load, cc.load, bl.load, pg.load, r.load, wb.load, lg.load,
-                      *(p.load for p in opt), al.load)
+                      *(p.load for p in opt), al.load, hb.load)
         self._configure = (d.configure, c.configure, rt.configure, cc.configure, bl.configure, pg.configure,
                            wb.configure, lg.configure, *(p.configure for p in opt))
         # (the defaults' last: what it freezes out of the collector is what the others made ready)
         self._running = (c.running, rt.running, bl.running, *(p.running for p in ps), d.running)
         self._done = (d.done, c.done, rt.done, cc.done, bl.done, r.done, lw.done, wb.done, lg.done,
-                      *(p.done for p in ps))
+                      *(p.done for p in ps), hb.done)
         self._requestheaders = (cc.requestheaders, bl.requestheaders)
         self._request = (bl.request, pg.request, st.request, r.request)
         self._responseheaders = (r.responseheaders, lw.responseheaders, lg.responseheaders)

@@ -7,7 +7,8 @@ Rules it keeps:
   the body limit, and refuses another value (it would send request bodies upstream before
   the router can read and route them).
 - One line per decision: mitmproxy's connection chatter ("client connect", "server
-  disconnect …", and "Streaming response from …" for each streamed answer) is dropped
+  disconnect …", "Streaming response from …" for each streamed answer, and "Received
+  WebSocket ping/pong from …" for each ping and pong it relays) is dropped
   unless ``sessionpin_connection_log`` is on; decision lines, timestamped as mitmproxy's own
   (``[15:37:40.960] sessionpin: …``, local time; a ``DecisionLog`` the addon's parts share), go to the terminal directly (``sessionpin_decision_log=terminal``, the
   default) — gathered and written once per turn of the event loop, not through Python's
@@ -38,7 +39,10 @@ from mitmproxy import ctx
 log = logging.getLogger("sessionpin")
 decisions = logging.getLogger("sessionpin.decisions")
 
-CHATTER = ("client connect", "client disconnect", "server connect ", "server disconnect ", "Streaming response from ")
+CHATTER = ("client connect", "client disconnect", "server connect ", "server disconnect ", "Streaming response from ",
+           # one per WebSocket ping and pong relayed: two lines of ~90 bytes for a 6-byte ping, so a
+           # peer's ping flood filled the operator's terminal or log file and buried the decisions
+           "Received WebSocket ping from ", "Received WebSocket pong from ")
 DECISION_LOGS = ("terminal", "eventlog", "off")
 
 

@@ -26,6 +26,7 @@ HELD = "sessionpin.held"            # limits: a body of unknown length, pointed 
 SINK = "sessionpin.sink"            # limits: the token of this flow's prepared 413
 WS_KEPT = "sessionpin.ws_kept"      # wsbounds: bytes this socket's kept messages cost
 BODY = "sessionpin.body"            # router: the request body's top level as the facts read it (``Body``)
+PAGE = "sessionpin.page"            # browsers: a web page's request let by (why: the header): never routed
 
 
 class FlowState:

@@ -143,6 +143,8 @@ class Router:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live or flow.metadata.get("sessionpin", {}).get("refused"):
             return
+        if flow.metadata.pop(perflow.PAGE, None) is not None:
+            return      # a web page browsing a host no server names (browsers.PageGuard): never routed
         req = flow.request
         if req.path.startswith(INTERNAL_PREFIX):
             return

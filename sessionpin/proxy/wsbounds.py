@@ -19,6 +19,9 @@ in memory). No option of mitmproxy's bounds either. So:
   the body limit (64 MiB) because a message is inflated on the event loop, in one piece: every
   other client waits for it (about 10 ms per MiB on a busy 2-core machine, docs/benchmarks.md),
   while Codex's messages are incremental (the largest recorded: 79 KB).
+- A message may come in at most one frame per ``FRAME_BYTES`` of the limit, and one more
+  (``max_frames``): each frame costs the proxy whatever its size, and empty ones cost the byte
+  limit nothing. One frame more closes the socket the same way (1009, one warning line).
 - After each message (and at the socket's end), the socket's older messages beyond
   ``sessionpin_ws_keep_kb`` are dropped from ``flow.websocket.messages``: mitmweb shows the
   newest; the newest message itself stays until the next one arrives (the addons after ours
@@ -44,6 +47,14 @@ log = logging.getLogger("sessionpin")
 MIB = 1024 * 1024
 MAX_MESSAGE_MB = 16
 OVERHEAD = 200            # bytes a kept message costs beyond its content (the object, its fields)
+# A message may come in at most one frame per this many bytes of the limit, and one more (16 MiB:
+# 4195 frames). A frame costs the proxy ~50 us of CPU with nothing to wait on whatever its size
+# (wsproto's parse, mitmproxy's entry in its list of the message's fragments, and one frame sent
+# on per frame received), so a message of 2 million empty frames (12 MB on the wire) held the
+# event loop for minutes and grew the proxy by hundreds of MB: the byte limit never saw it. The
+# size is mitmproxy's own fragment size (a message it changed is sent on in frames of it), so a
+# message mitmproxy — this one or another on the way — cut up within the limit passes.
+FRAME_BYTES = ws_layer.Fragmentizer.FRAGMENT_SIZE
 _SYNC = b"\x00\x00\xff\xff"
 
 
@@ -57,11 +68,26 @@ def max_message() -> int:
         return MAX_MESSAGE_MB * MIB
 
 
-def _too_big(side: str, conn, limit: int) -> CloseReason:
+def _where(conn) -> str:
     peer = getattr(conn, "peername", None) or getattr(conn, "address", None)
-    where = f"{peer[0]}:{peer[1]}" if peer else "?"
+    return f"{peer[0]}:{peer[1]}" if peer else "?"
+
+
+def _too_big(side: str, conn, limit: int) -> CloseReason:
     log.warning("sessionpin: a WebSocket message from the %s (%s) grew past %d MiB (sessionpin_ws_max_message_mb); "
-                "the socket was closed (1009), nothing of that message was sent on", side, where, limit // MIB)
+                "the socket was closed (1009), nothing of that message was sent on", side, _where(conn), limit // MIB)
+    return CloseReason.MESSAGE_TOO_BIG
+
+
+def max_frames(limit: int) -> int:
+    """The frames a message of at most ``limit`` bytes may come in: one per ``FRAME_BYTES``, and one more."""
+    return limit // FRAME_BYTES + 1
+
+
+def _too_many(side: str, conn, limit: int) -> CloseReason:
+    log.warning("sessionpin: a WebSocket message from the %s (%s) came in more than %d frames (one per %d bytes of "
+                "sessionpin_ws_max_message_mb); the socket was closed (1009), nothing of that message was sent on",
+                side, _where(conn), max_frames(limit), FRAME_BYTES)
     return CloseReason.MESSAGE_TOO_BIG
 
 
@@ -73,6 +99,7 @@ class _MessageLimit(wsproto.extensions.Extension):
     def __init__(self, side: str, conn) -> None:
         self.side, self.conn = side, conn
         self.size = 0
+        self.frames = 0                 # the current message's frames so far
         self.limit = max_message()
         self.compressed = False         # the current message's first frame had RSV1 (deflated)
 
@@ -85,8 +112,13 @@ class _MessageLimit(wsproto.extensions.Extension):
     def frame_inbound_header(self, proto, opcode: Opcode, rsv: RsvBits, payload_length: int) -> CloseReason | RsvBits:
         if opcode in (Opcode.TEXT, Opcode.BINARY):
             # (only a message's first frame carries RSV1: its continuations are compressed alike)
-            self.size, self.limit, self.compressed = 0, max_message(), rsv.rsv1
-        if not opcode.iscontrol() and not self.compressed and self.size + payload_length > self.limit:
+            self.size, self.frames, self.limit, self.compressed = 0, 0, max_message(), rsv.rsv1
+        if opcode.iscontrol():
+            return RsvBits(False, False, False)
+        self.frames += 1
+        if self.frames > max_frames(self.limit):
+            return _too_many(self.side, self.conn, self.limit)
+        if not self.compressed and self.size + payload_length > self.limit:
             return _too_big(self.side, self.conn, self.limit)     # said at its header: not waited for
         return RsvBits(False, False, False)
 

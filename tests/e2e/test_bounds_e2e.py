@@ -198,3 +198,176 @@ def test_a_compressed_answer_inflating_far_costs_the_proxy_bounded_memory_and_cp
     assert r.status == 200 and r.body == body and rig.mitm.alive
     assert grew < 200, f"a {len(body)}-byte answer grew the proxy's peak RSS by {grew:.0f} MB"
     assert cpu < 1.0, f"a {len(body)}-byte answer took {cpu:.2f} s of the proxy's CPU"
+
+
+HEAD_FILL = 96 << 20        # bytes of a response head that never ends (a header line growing)
+
+
+def test_a_response_head_that_never_ends_costs_the_proxy_bounded_memory(rig: Rig) -> None:
+    """A server that answers with a header line growing without end (here 96 MiB, then a
+    blank line): mitmproxy buffered the whole head before any hook could see it (its own
+    ``FIXME: protect against header size DoS``): the proxy's peak RSS grew by the head's size,
+    and it was then parsed, passed to every addon and sent on. Now a head past
+    ``httpbounds.MAX_HEAD`` fails the answer there: the agent gets a 502 naming the limit, the
+    server's connection is closed, and the proxy goes on."""
+    def answer(h, rec, n):
+        h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Fill: ")
+        chunk = b"a" * (1 << 20)
+        try:
+            for _ in range(HEAD_FILL >> 20):
+                h.wfile.write(chunk)
+            h.wfile.write(b"\r\nContent-Length: 2\r\n\r\n{}")
+        except OSError:
+            pass                  # the proxy hung up: what the fixed proxy does
+        h.close_connection = True
+    pid = rig.mitm.proc.pid
+    assert rig.send("/v1/messages", opening()).status == 200          # warm
+    lines = rig.mitm.line_count
+    peak = _peak_mb(pid)
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    except Exception as e:        # (before: the head reached the agent, which could not read it)
+        r = e
+    finally:
+        del rig.glm._answer
+    grew = _peak_mb(pid) - peak
+    assert grew < 48, f"a never-ending response head grew the proxy's peak RSS by {grew:.0f} MB"
+    assert not isinstance(r, Exception) and r.status == 502, r
+    assert "256 KiB" in r.text and "response head" in r.text, r.text[:300]
+    assert rig.mitm.wait_output(r"sessionpin: the response head from the server \(127\.0\.0\.1:\d+\) grew past "
+                                r"256 KiB without ending", since=lines)
+    assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive
+
+
+def test_a_chunk_size_line_that_never_ends_costs_the_proxy_bounded_memory(rig: Rig) -> None:
+    """The same inside a chunked answer: mitmproxy's chunked reader waited for the end of a
+    chunk-size line (a chunk extension growing without end) with no bound. Now the answer's
+    stream ends there (its head had left: the agent's read fails), the server's connection is
+    closed, and the proxy goes on."""
+    def answer(h, rec, n):
+        h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      b"2\r\n{}\r\n1;x=")
+        chunk = b"a" * (1 << 20)
+        try:
+            for _ in range(HEAD_FILL >> 20):
+                h.wfile.write(chunk)
+            h.wfile.write(b"\r\n \r\n0\r\n\r\n")
+        except OSError:
+            pass
+        h.close_connection = True
+    pid = rig.mitm.proc.pid
+    assert rig.send("/v1/messages", opening()).status == 200          # warm
+    lines = rig.mitm.line_count
+    peak = _peak_mb(pid)
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    except Exception as e:        # the answer's stream was cut (fixed), or its read failed (before)
+        r = e
+    finally:
+        del rig.glm._answer
+    grew = _peak_mb(pid) - peak
+    assert grew < 48, f"a never-ending chunk-size line grew the proxy's peak RSS by {grew:.0f} MB"
+    assert rig.mitm.wait_output(r"sessionpin: the response body line from the server \(127\.0\.0\.1:\d+\) grew "
+                                r"past 256 KiB without ending", since=lines)
+    assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive
+
+
+def test_an_answer_with_trailers_reaches_the_agent_whole(rig: Rig) -> None:
+    """A chunked answer ending with a trailer section (legal HTTP/1.1; here after SSE events):
+    mitmproxy cannot relay trailers over HTTP/1 and raised there ("mitmproxy has crashed!"):
+    the connection was torn down with the answer's last bytes, and the agent read a body cut
+    short with no error to tell it why. Now the trailers are dropped, one warning line says
+    so, and the answer reaches the agent whole."""
+    events = b"".join(b'event: e\ndata: {"n": %d}\n\n' % i for i in range(3))
+
+    def answer(h, rec, n):
+        h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                      b"Trailer: x-checksum\r\n\r\n")
+        h.wfile.write(b"%x\r\n%s\r\n" % (len(events), events) + b"0\r\nx-checksum: abc\r\n\r\n")
+        h.close_connection = True
+    lines = rig.mitm.line_count
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    except Exception as e:        # (before: IncompleteRead)
+        r = e
+    finally:
+        del rig.glm._answer
+    assert not isinstance(r, Exception) and r.status == 200 and r.body == events, r
+    assert rig.mitm.wait_output(r"sessionpin: the response from the server \(127\.0\.0\.1:\d+\) ended with "
+                                r"trailers \(x-checksum\); they were dropped", since=lines)
+    assert "has crashed" not in rig.mitm.tail(rig.mitm.line_count - lines)
+    assert rig.send("/v1/messages", opening()).status == 200
+
+
+def test_an_early_hints_answer_before_the_answer_is_passed_over(rig: Rig) -> None:
+    """A 103 Early Hints (legal HTTP/1.1, as CDNs send) before the answer: mitmproxy took it for
+    the answer (the agent got a bodiless 103), then logged the real answer as "Unexpected data
+    from server: b'…'" — its content in the proxy's log — and closed the connection. Now an
+    informational answer is passed over and the answer reaches the agent."""
+    sentinel = "ANSWER-CONTENT-" + uuid.uuid4().hex[:8]
+    body = json.dumps({"type": "message", "content": [{"type": "text", "text": sentinel}]}).encode()
+
+    def answer(h, rec, n):
+        h.wfile.write(b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+                      b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                      % (len(body), body))
+        h.close_connection = True
+    lines = rig.mitm.line_count
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    finally:
+        del rig.glm._answer
+    time.sleep(0.3)
+    assert r.status == 200 and r.body == body, (r.status, r.body[:200])
+    assert sentinel not in rig.mitm.tail(rig.mitm.line_count - lines)
+
+
+def test_bytes_a_server_sends_past_its_answer_never_reach_the_log(rig: Rig) -> None:
+    """A server that sends more than its answer's Content-Length: mitmproxy logged the rest as
+    "Unexpected data from server: b'…'" (up to a read, the answer's content among it). Now the
+    line says how many bytes, not what they were."""
+    sentinel = "PAST-THE-ANSWER-" + uuid.uuid4().hex[:8]
+
+    def answer(h, rec, n):
+        h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+                      + sentinel.encode() * 10)
+        h.close_connection = True
+    lines = rig.mitm.line_count
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    finally:
+        del rig.glm._answer
+    assert r.status == 200 and r.body == b"{}"
+    said = rig.mitm.wait_output(r"sessionpin: the server \(127\.0\.0\.1:\d+\) sent \d+ bytes past its answer",
+                                since=lines)
+    assert sentinel not in rig.mitm.tail(rig.mitm.line_count - lines)
+    assert said
+
+
+def test_a_request_head_cut_short_never_writes_its_key_to_the_log(rig: Rig) -> None:
+    """An agent whose connection drops inside its request's head (its key already sent):
+    mitmproxy logged the partial head verbatim ("Client closed connection before completing
+    request headers: b'…x-api-key: …'"). Now the line says how many bytes, not what they were."""
+    import socket
+    import ssl
+    sock = socket.create_connection(("127.0.0.1", rig.mitm.port), timeout=10)
+    host = f"127.0.0.1:{rig.anthropic.port}"
+    sock.sendall(f"CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    ctx = ssl.create_default_context(cafile=str(rig.mitm.mitm_ca))
+    tls = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
+    lines = rig.mitm.line_count
+    tls.sendall(f"POST /v1/messages HTTP/1.1\r\nHost: {host}\r\nx-api-key: {CLIENT_KEY}\r\n".encode())
+    time.sleep(0.3)
+    tls.close()
+    said = rig.mitm.wait_output(r"sessionpin: the client \(127\.0\.0\.1:\d+\) closed its connection within a "
+                                r"request head \(\d+ bytes", since=lines)
+    assert CLIENT_KEY not in rig.mitm.tail(rig.mitm.line_count - lines)
+    assert said

@@ -119,3 +119,29 @@ def test_a_page_browsing_another_host_passes_untouched(rig: Rig) -> None:
     assert r.status == 200, r.text[:300]
     assert rig.counts() == (before[0], before[1], before[2] + 1)
     assert rig.other.received()[-1].header("origin") == rig.other.origin
+
+
+@pytest.mark.parametrize("page", [[("Origin", "https://evil.example"), ("Sec-Fetch-Site", "same-origin")],
+                                  [("Sec-Fetch-Site", "cross-site")]], ids=["origin", "sec-fetch-site"])
+def test_a_page_s_request_to_a_host_no_server_names_is_never_routed_even_naming_a_pinned_conversation(
+        rig: Rig, page: list[tuple[str, str]]) -> None:
+    """Pins are followed whatever origin a request addressed, but the page guard only guards the
+    configured servers' origins (a page browsing other hosts must keep working): a page's request
+    to its own host, shaped as a turn of a pinned conversation (pi's are keyed by what they say),
+    was routed to glm with glm's key — and, same-origin, its answer was the page's to read. Now a
+    request with browser fetch metadata that the guard lets by passes untouched to the host it
+    addressed, never routed."""
+    r = Replay(RUN)
+    first, turn = (r.prepare(x) for x in load("pi", "zen-messages")[:2])
+    for p in (first, turn):             # pi's conversation, pinned to glm
+        got = rig.send(p.path, [(k, v) for k, v in p.headers if k.lower() != "host"], p.body, reverse=False)
+        assert got.status == 200 and rig.glm.received()[-1].header("x-api-key") == GLM_KEY
+    before = rig.counts()
+    headers = [(k, v) for k, v in turn.headers if k.lower() != "host"] + page
+    got = Client.via_proxy(rig.regular_port, rig.mitm.mitm_ca).request("POST", rig.other.origin + turn.path,
+                                                                         headers, turn.body)
+    assert got.status == 200 and rig.counts() == (before[0], before[1], before[2] + 1), \
+        f"the page's request reached {rig.counts()} (opencode, glm, other) from {before}"
+    received = rig.other.received()[-1]
+    assert received.path == turn.path and GLM_KEY not in str(received.headers)
+    assert received.header("x-api-key") == dict((k.lower(), v) for k, v in turn.headers).get("x-api-key")

@@ -24,7 +24,9 @@ Codex's current server: alt, unless a test says otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import time
 import uuid
@@ -41,7 +43,7 @@ from sessionpin.store import open_store
 from .harness import LOOPBACK, Client, Mitmdump, TestCA, free_port, running_rig, toml_config
 from .replay import FIXTURES, Prepared, Recorded, Replay, load
 from .test_replay_e2e import is_credential
-from .wsfake import HANDSHAKE, WsClient, WsFake, WsSocket, deflate_frame
+from .wsfake import HANDSHAKE, WsClient, WsFake, WsSocket, deflate_frame, fragmented
 
 RUN = uuid.uuid4().hex[:8]
 KEYS = {"alt": ("SESSIONPIN_WS_ALT_KEY", f"ALT-WS-KEY-SENTINEL-{RUN}"),
@@ -401,6 +403,83 @@ def test_a_deflate_bomb_on_a_routed_socket_closes_it_1009_and_reaches_no_one(rig
     with ws:
         converse(ws, r, client_messages(2)[:1])
     assert landed == "alt"
+
+
+def cpu_s(rig: WsRig) -> float:
+    """The CPU time the proxy has used so far (user + system, seconds)."""
+    fields = Path(f"/proc/{rig.mitm.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# (the default limit allows 4195 frames per message, one per 4000 bytes and one more; the
+# server's message, 0.2 MB on the wire as the deflate bomb's, was relayed whole, at a cost of CPU)
+FRAGMENTS = {"client": 5_000, "server": 100_000}
+
+
+@pytest.mark.parametrize("side", ["client", "server"])
+def test_a_message_of_many_empty_frames_closes_the_socket_1009_at_a_bounded_cost(rig: WsRig, side: str):
+    """A text message in thousands of empty frames (2 bytes each from the server, 6 from the
+    client) from either side: the proxy spent ~50 us of CPU per frame with nothing to
+    wait on (every other client stalled), kept a list entry per frame whatever its size (the
+    limit counted bytes only), then sent each frame on. Now a message of more frames than the
+    limit allows (one per 4000 bytes of it, mitmproxy's own frame size) closes both sides with
+    1009, nothing of it passed on."""
+    r = Replay(RUN)
+    ws, landed, sock = rig.open(r.prepare(upgrade(1)))
+    lines = rig.mitm.line_count
+    with ws:
+        sent = converse(ws, r, client_messages(1)[:1])
+        before, cpu0 = len(ws.received), cpu_s(rig)
+        if side == "client":
+            with contextlib.suppress(OSError):
+                ws.send_raw(fragmented('{"type":"response.processed"}', FRAGMENTS[side], masked=True))
+        else:
+            ws.send(json.dumps({"type": "test.fragments", "count": FRAGMENTS[side]}))
+        assert ws.wait_closed(30), "the proxy closed the socket"
+    cpu = cpu_s(rig) - cpu0
+    assert ws.close_code == 1009 and len(ws.received) == before
+    assert landed == "alt" and sock is not None
+    deadline = time.monotonic() + 5
+    while sock.close_code is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sock.close_code == 1009, "the server's side was closed with 1009 too"
+    assert len(sock.received) == len(sent) + (side == "server")   # the message never reached the server
+    assert rig.mitm.wait_output(rf"a WebSocket message from the {side} \(127\.0\.0\.1:\d+\) came in more than "
+                                r"4195 frames \(one per 4000 bytes of sessionpin_ws_max_message_mb\); the socket was "
+                                r"closed \(1009\)", since=lines)
+    assert cpu < 4, f"the proxy spent {cpu:.1f} s of CPU on one message"
+    ws, landed, sock = rig.open(r.prepare(upgrade(2)))            # the proxy goes on
+    with ws:
+        converse(ws, r, client_messages(2)[:1])
+    assert landed == "alt"
+
+
+PINGS = 5_000
+
+
+def test_a_ping_flood_writes_no_line_per_ping(rig: WsRig):
+    """Pings from Codex's side (6 bytes each) are relayed to the server, whose pongs come back:
+    mitmproxy wrote a log line for each ping and each pong (two lines of ~90 bytes per 6 bytes
+    a peer sent: a flood filled the operator's terminal or log file and buried the decision
+    lines). They are its per-frame chatter, dropped as its connect lines are unless
+    ``sessionpin_connection_log`` is on; the socket goes on."""
+    r = Replay(RUN)
+    ws, landed, sock = rig.open(r.prepare(upgrade(1)))
+    with ws:
+        converse(ws, r, client_messages(1)[:1])
+        lines = rig.mitm.line_count
+        ws.send_raw(b"".join(ping_frame(i) for i in range(PINGS)))
+        converse(ws, r, client_messages(1)[1:2])          # after every ping: the socket goes on
+        time.sleep(0.5)
+        new = rig.mitm.line_count - lines
+        logged = [x for x in rig.mitm.tail(new).splitlines() if "WebSocket p" in x] if new else []
+    assert landed == "alt" and len(logged) < 10, f"{len(logged)} lines for {PINGS} pings: {logged[:2]}"
+
+
+def ping_frame(i: int) -> bytes:
+    """A client's (masked) ping frame carrying ``i``."""
+    payload, key = str(i).encode(), os.urandom(4)
+    return bytes([0x89, 0x80 | len(payload)]) + key + bytes(b ^ key[j % 4] for j, b in enumerate(payload))
 
 
 def test_a_long_socket_keeps_the_proxy_s_memory_flat(rig: WsRig):

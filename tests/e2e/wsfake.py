@@ -18,7 +18,9 @@ is mocked, so a test built on these sees what Codex would.
     Test messages (never sent by Codex): ``{"type": "test.bomb", "size": N}`` is answered with
     one permessage-deflate frame that inflates to N spaces (``deflate_frame``: a few hundred KB
     on the wire for 256 MiB), ``{"type": "test.stream", "count": C, "size": S}`` with C text
-    messages of about S bytes each, then a ``response.completed``.
+    messages of about S bytes each, then a ``response.completed``; ``{"type": "test.fragments",
+    "count": N}`` with one uncompressed text message ``{"type":"test.fragments"}`` in N + 2 frames,
+    N of them empty (``fragmented``: 2 bytes on the wire each).
     ``permessage-deflate`` is accepted when offered (``deflate=False``: declined), so messages
     cross the proxy compressed. ``sockets`` is every upgrade received (``WsSocket``: path, host,
     headers as a list of pairs, offered extensions, ``received`` and ``sent`` message texts in
@@ -36,6 +38,10 @@ is mocked, so a test built on these sees what Codex would.
     ``received`` is every message text in order; ``wait_closed()``; ``close()``; ``close_code``
     (the code of the peer's close frame, once it came). ``send_raw(frame)`` writes bytes as they are
     (``deflate_frame(n, masked=True)``: a client's compressed frame of n spaces).
+
+``fragmented(text, empty, masked)``
+    One uncompressed text message of ``text`` in ``empty + 2`` frames: its first half, ``empty``
+    empty continuation frames, its second half (masked as a client's must be).
 
 ``deflate_frame(size, masked)``
     One final permessage-deflate text frame (RSV1) whose payload inflates to ``size`` spaces,
@@ -124,6 +130,26 @@ def deflate_frame(size: int, masked: bool) -> bytes:
     key = os.urandom(4)
     stream = (key * (n // 4 + 1))[:n]
     return head + key + (int.from_bytes(payload, "big") ^ int.from_bytes(stream, "big")).to_bytes(n, "big")
+
+
+def _frame(opcode: int, payload: bytes, fin: bool, masked: bool) -> bytes:
+    """One uncompressed frame (payload under 64 KiB)."""
+    n = len(payload)
+    head = bytes([(0x80 if fin else 0) | opcode])
+    mask_bit = 0x80 if masked else 0
+    head += bytes([mask_bit | n]) if n < 126 else bytes([mask_bit | 126]) + n.to_bytes(2, "big")
+    if not masked:
+        return head + payload
+    key = os.urandom(4)
+    return head + key + bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+
+
+def fragmented(text: str, empty: int, masked: bool) -> bytes:
+    """``text`` as one message in ``empty + 2`` frames (see the module)."""
+    data = text.encode()
+    half = len(data) // 2
+    return (_frame(0x1, data[:half], False, masked) + _frame(0x0, b"", False, masked) * empty
+            + _frame(0x0, data[half:], True, masked))
 
 
 def _text(value: bytes | str) -> str:
@@ -295,6 +321,8 @@ class WsFake:
             for i in range(int(body["count"])):
                 tls.sendall(ws.send(Message(data=f'{{"type":"response.output_text.delta","n":{i},"delta":"{filler}"}}')))
             tls.sendall(ws.send(Message(data=json.dumps({"type": "response.completed", "response": {}}))))
+        elif body["type"] == "test.fragments":
+            tls.sendall(fragmented('{"type":"test.fragments"}', int(body["count"]), masked=False))
         return True
 
     def _answer(self, sock: WsSocket, text: str) -> list[str]:

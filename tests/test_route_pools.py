@@ -24,6 +24,8 @@ key_env = "B_KEY"
 url = "http://10.0.0.1:8000"
 [servers.vllm-2]
 url = "http://10.0.0.2:8000"
+[servers.vllm-3]
+url = "http://10.0.0.3:8000"
 [pools.glm]
 members = ["glm-a", "glm-b"]
 [pools.local]
@@ -159,6 +161,13 @@ CASES = [
      request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-9", "local", F.PI), "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
      ["ReadPin", "Allocate(vllm-9)", "CheckMember(vllm-2)", "Plan", "CheckReachable"], ("Forward", None, "soft-move", "vllm-2", ())),
+    ("soft: pinned member taken out of the pool's members (still a server) -> moved, not checked",
+     request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
+     {"pin": pool_pin("vllm-3", "local", F.PI), "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
+     ["ReadPin", "Allocate(vllm-3)", "CheckMember(vllm-2)", "Plan", "CheckReachable"], ("Forward", None, "soft-move", "vllm-2", ())),
+    ("hard: pinned member taken out of the pool's members (still a server) -> stays, never moved",
+     request(facts(F.CONTINUATION, has_history=True)), {"pin": pool_pin("anthropic")},
+     ["ReadPin", "CheckMember(anthropic)", "Plan", "CheckReachable"], ("Forward", None, "pinned", "anthropic", ())),
     ("soft: exhausted is deferred, not a miss", request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [EXHAUSTED]},
      ["ReadPin", "CheckMember(vllm-1)"], ("Refuse", 429, "pinned", "vllm-1", ())),
@@ -219,6 +228,13 @@ def test_a_soft_move_compares_against_the_old_pin_and_says_why():
     assert isinstance(s.effect, route.Forward)
     assert s.state.decision.why == "soft: vllm-1 unreachable → vllm-2"
     assert s.state.loaded.pin.server == "vllm-2"
+
+
+def test_a_soft_member_out_of_the_pool_is_a_miss_that_says_so():
+    s = route.begin(request(facts(F.CONTINUATION, agent=F.PI, has_history=True)))
+    s = route.step(s.state, route.PinRead(pool_pin("vllm-3", "local", F.PI)))
+    e = s.effect
+    assert isinstance(e, route.Allocate) and e.reason == "left the pool" and e.exclude == {"vllm-3"} and e.commit
 
 
 def test_the_deferral_names_member_session_and_reset():

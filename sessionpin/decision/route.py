@@ -85,9 +85,9 @@ Rules this module keeps beyond the ladder's:
   written by the allocation itself (``members.allocate``); a side request with no pin
   goes where the allocator would send the opening, pinning nothing. A turn pinned to a
   pool member known exhausted is answered 429 with the reset as ``retry-after`` — never
-  moved. In a soft pool, a pinned member that is gone, drained or unreachable is a clean
-  miss: the conversation is allocated afresh (compare-and-set over its pin), the move
-  recorded; a hard pool's pin never moves.
+  moved. In a soft pool, a pinned member that is gone, out of the pool's members, drained
+  or unreachable is a clean miss: the conversation is allocated afresh (compare-and-set
+  over its pin), the move recorded; a hard pool's pin never moves.
 - A redirect answered by a server the request was moved to is not passed on: the agent
   would follow it with its own key (to another host, or to that server's origin, where
   requests keep the agent's headers). It gets a 502 naming the server and the host the
@@ -460,7 +460,12 @@ def _decided(state: State, d: Decision) -> Step:
         return _go(state, Allocate(session, d.target, _new_pin(state, d), state.loaded,
                                    commit=d.pin_action == ladder.CREATE))
     if d.rule is Rule.PINNED and pin is not None and pin.pool and state.checked != d.target:
-        return _go(state, CheckMember(pin.pool, d.target, _soft_pool(r, pin) is not None))
+        soft = _soft_pool(r, pin)
+        if soft is not None and d.target not in soft.members and d.target not in state.missed:
+            # a soft pin is a hint over the pool's members as configured now: one taken out of
+            # `members` is out of the candidate set (seed 004), though it may stay a server
+            return _soft_miss(state, d.target, "left the pool")
+        return _go(state, CheckMember(pin.pool, d.target, soft is not None))
     return _plan(state, d.target)
 
 

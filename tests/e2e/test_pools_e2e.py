@@ -15,7 +15,8 @@ one config file, fake TLS members that answer 429 and rate-limit headers, real k
   more than a full member's share.
 - A soft pool's member killed and restarted: its conversations move to a fresh member
   when they next ask while it is down; one still pinned to it goes back to it once it
-  is up.
+  is up. A soft member taken out of the pool's ``members`` (still a server, still up) is a
+  miss too: its conversation moves at its next turn.
 """
 
 from __future__ import annotations
@@ -57,18 +58,19 @@ class Pools:
                 "sessionpin_pools_wait_ms": 4000}
         self.proxies = [Mitmdump.router(tmp / f"proxy{i}", ca, "", env=ENV, options=opts) for i in range(3)]
 
-    def config(self, current: str) -> str:
+    def config(self, current: str, replicas: tuple[str, ...] = REPLICAS) -> str:
         servers: dict[str, dict[str, Any]] = {"anthropic": {"url": self.fakes["anthropic"].url}}
         for name in MEMBERS + REPLICAS:
             servers[name] = {"url": self.fakes[name].url, "key_env": f"SP_E2E_{name.upper().replace('-', '_')}_KEY"}
         text = toml_config(servers, {"claude-code": current})
         return text + (f'[pools.glm]\nmembers = {list(MEMBERS)!r}\n\n'
-                       f'[pools.local]\nmembers = {list(REPLICAS)!r}\naffinity = "soft"\n\n'
+                       f'[pools.local]\nmembers = {list(replicas)!r}\naffinity = "soft"\n\n'
                        f'[pools.quota]\nmembers = {list(MEMBERS)!r}\npolicy = "quota"\n').replace("'", '"')
 
-    def use(self, current: str) -> None:
-        """Point claude-code at a pool and wait until all three proxies show it."""
-        self.config_path.write_text(self.config(current))
+    def use(self, current: str, replicas: tuple[str, ...] = REPLICAS) -> None:
+        """Point claude-code at a pool (the soft pool ``local`` of ``replicas``) and wait until
+        all three proxies show it."""
+        self.config_path.write_text(self.config(current, replicas))
         deadline = time.monotonic() + 5
         for p in self.proxies:
             while time.monotonic() < deadline:
@@ -284,6 +286,38 @@ def test_a_soft_member_killed_and_restarted(rig: Pools) -> None:
     assert rig.where(moving) == {"vllm-1": 1, "vllm-2": 2}
     moves = [r for r in rig.store(lambda s: members.history(s, "local", 0)) if r.kind == "move"]
     assert [(r.session, r.previous, r.member) for r in moves] == [(moving, "vllm-1", "vllm-2")]
+
+
+def test_a_soft_member_taken_out_of_the_pool_is_a_miss_though_still_a_server(rig: Pools) -> None:
+    """The operator takes vllm-1 out of the soft pool's members (its [servers.vllm-1] stays:
+    ``servers remove`` refuses a member, so this is the first step of retiring it, or it is
+    kept for direct use). A soft pin is a hint over the pool's current members (seed 004: a
+    node no longer in the candidate set is a clean miss): the conversation pinned to vllm-1
+    moves to a member at its next turn, through any proxy, although vllm-1 is up; a hard
+    pin would stay."""
+    rig.use("local")
+    cursor = rig.store(lambda s: members.cursor(s, "local")).n
+    sessions = [new_session() for _ in range(2)]
+    for s in sessions:
+        assert rig.send(cc("opening", s), proxy=0).status == 200
+    on_1 = [s for s in sessions if rig.where(s) == {"vllm-1": 1}]
+    assert len(on_1) == 1, (cursor, [rig.where(s) for s in sessions])
+    pinned = on_1[0]
+    try:
+        rig.use("glm")
+        rig.use("local", replicas=("vllm-2",))
+        mark = rig.proxies[1].line_count
+        r = rig.send(cc("continuation", pinned), proxy=1)
+        assert r.status == 200 and rig.where(pinned) == {"vllm-1": 1, "vllm-2": 1}
+        assert rig.proxies[1].wait_output(r"soft: vllm-1 left the pool → vllm-2", since=mark)
+        pin = rig.store(lambda st: pins.load(st, pinned)).pin
+        assert (pin.server, pin.rule, pin.why) == ("vllm-2", "soft-move", "soft: vllm-1 left the pool → vllm-2")
+        # and it stays there
+        assert rig.send(cc("continuation", pinned), proxy=2).status == 200
+        assert rig.where(pinned) == {"vllm-1": 1, "vllm-2": 2}
+    finally:
+        rig.use("glm")
+        rig.use("local")
 
 
 def _cli(rig: Pools, *argv: str) -> subprocess.CompletedProcess[str]:

@@ -287,3 +287,20 @@ async def test_by_pool_counts_a_member_s_pins_per_pool_that_allocated_them(store
     assert await members.by_pool(store, "glm-a", clock()) == {"glm": 2, "": 1}
     assert await members.by_pool(store, "glm-b", clock()) == {"glm": 1}
     assert await members.by_pool(store, "nobody", clock()) == {}
+
+
+async def test_an_answer_sent_before_a_stored_exhaustion_never_shortens_it(store, clock):
+    """Proxy 1 stores a 429 (60 s); proxy 0's success to a request sent before it lands
+    after: not written. An answer to a request sent after the 429 is."""
+    t = clock()
+    await exhaust(store, clock, "glm-a", 60)
+    ok = quota.observe(200, [], t + 1)
+    assert not await members.write_quota(store, "glm-a", ok, sent=t - 5)
+    assert (await members.read_quota(store, "glm-a", t + 1)).exhausted_until == t + 60
+    # a longer exhaustion from an older request still extends it (it only ever grows then)
+    longer = quota.observe(429, [("retry-after", "120")], t + 1)
+    assert await members.write_quota(store, "glm-a", longer, sent=t - 5)
+    assert (await members.read_quota(store, "glm-a", t + 1)).exhausted_until == t + 121
+    # a request sent after the state was observed: its success clears it
+    assert await members.write_quota(store, "glm-a", quota.observe(200, [], t + 2), sent=t + 1.5)
+    assert (await members.read_quota(store, "glm-a", t + 2)).exhausted_until == 0.0

@@ -28,7 +28,8 @@ Rules it keeps:
   per agent that has pinned there), never a walk; only ``by_pool`` (a drain's count of a
   pool's own conversations on a member, for the CLI) walks the member's pins.
 - Quota state and drains are shared by every proxy through the store; quota writes are
-  ordinary (an observation lost costs one stale reading), drains durable. A member's
+  ordinary (an observation lost costs one stale reading), drains durable; an answer to a
+  request sent before the stored exhaustion was observed never shortens it (``write_quota``). A member's
   exhaustion is read clamped to ``max_reset`` after it was observed, whoever wrote it;
   ``reset`` forgets a member's state (the operator's ``sessionpin pools reset``).
 - Records hold ids, names, times and rules — never content.
@@ -276,8 +277,20 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
 
 # ---- quota, drains, records ---------------------------------------------------------------
 
-async def write_quota(store: Store, member: str, q: quota.Quota) -> None:
-    await store.set(quota_key(member), quota.encode(q), quota.ttl(q, q.observed))
+async def write_quota(store: Store, member: str, q: quota.Quota, sent: float | None = None) -> bool:
+    """Store ``q``, the answer to a request sent at ``sent``: unless the state stored now is
+    a later exhaustion it would shorten (``quota.supersedes``), compare-and-set on the text
+    read, so two proxies' answers cannot land in the wrong order. False: not written."""
+    key = quota_key(member)
+    if sent is None:
+        return bool(await store.set(key, quota.encode(q), quota.ttl(q, q.observed)))
+    for _ in range(3):
+        raw = await store.get(key)
+        if not quota.supersedes(q, sent, quota.decode(raw)):
+            return False
+        if await store.apply([Check(key, raw)], [Set(key, quota.encode(q), quota.ttl(q, q.observed))]):
+            return True
+    return False        # the state keeps changing under it: others' newer answers hold
 
 
 async def drain(store: Store, member: str, now: float) -> bool:

@@ -12,7 +12,8 @@ one config file, fake TLS members that answer 429 and rate-limit headers, real k
   defers its pinned turns for at most an hour (``retry-after`` at most 3600), ``sessionpin
   pools`` shows it, and ``sessionpin pools reset MEMBER`` makes every proxy send them again;
   under ``policy = "quota"`` a member claiming ``remaining 1000000`` of a limit of 1 gets no
-  more than a full member's share.
+  more than a full member's share. A slow turn's 200, sent before another proxy's 429,
+  does not clear the exhaustion that 429 taught every proxy.
 - A soft pool's member killed and restarted: its conversations move to a fresh member
   when they next ask while it is down; one still pinned to it goes back to it once it
   is up. A soft member taken out of the pool's ``members`` (still a server, still up) is a
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import json
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +36,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from sessionpin.proxy import allocations
 from sessionpin.serverpools import members
 from sessionpin.records import pins
 from sessionpin.store import open_store
@@ -214,6 +218,63 @@ def test_a_pinned_turn_on_an_exhausted_member_is_deferred_never_moved(rig: Pools
     for i, f in enumerate(fresh):
         assert rig.send(cc("opening", f), proxy=i % 3).status == 200
     assert Counter(next(iter(rig.where(f))) for f in fresh) == {others[0]: 2, others[1]: 2}
+
+
+def test_a_success_sent_before_another_proxy_s_429_does_not_clear_the_exhaustion(rig: Pools) -> None:
+    """Two conversations on one member, through two proxies. Proxy 0's turn is slow to be
+    answered; meanwhile proxy 1's turn is answered 429 ``retry-after: 60`` and every proxy
+    learns it through the store. Then the slow turn's 200 arrives at proxy 0, which never saw
+    the 429: that answer says the member admitted a request sent *before* the 429, nothing
+    of after it. It used to be written over the store's state as "not exhausted" (any success
+    cleared exhaustion), so the other proxies sent new conversations and pinned turns to a
+    member still refusing them for most of a minute."""
+    rig.use("glm")
+    started = time.monotonic()
+    sessions = [new_session() for _ in range(len(MEMBERS) + 1)]
+    for s in sessions:
+        assert rig.send(cc("opening", s), proxy=2).status == 200
+    member = next(iter(rig.where(sessions[0])))
+    slow, limited = sessions[0], sessions[-1]
+    assert rig.where(limited) == {member: 1}
+    fake = rig.fakes[member]
+    release = threading.Event()
+    body = json.dumps({"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}).encode()
+
+    def canned(rec):
+        if rec.header(SESSION_HEADER) == slow:     # its continuation: the opening came before
+            release.wait(30)            # answered normally, once released
+            return None
+        if rec.header(SESSION_HEADER) == limited:
+            return 429, [("content-type", "application/json"), ("retry-after", "60")], body
+        return None
+
+    fake.canned = canned
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(rig.send, cc("continuation", slow), 0)
+            assert _until(lambda: rig.where(slow) == {member: 2})
+            r = rig.send(cc("continuation", limited), proxy=1)
+            assert r.status == 429 and r.header("x-fake-server") is None
+            assert _until(lambda: _exhausted(rig, member))
+            # a slow turn: past the 5 s in which proxy 0 would not write an unchanged state again
+            # (it may have written this member's "fine" in an earlier test)
+            time.sleep(max(0.0, started + allocations.WRITE_EVERY + 0.5 - time.monotonic()))
+            release.set()
+            assert pending.result(30).status == 200
+        # proxy 0 has read the 200 (its quota write is in the background): wait for what it
+        # would write, then look; the exhaustion stands
+        time.sleep(1.0)
+        assert _exhausted(rig, member), rig.store(lambda st: st.get(members.quota_key(member)))
+        r = rig.send(cc("continuation", limited), proxy=2)
+        assert r.status == 429 and r.header("x-sessionpin-refused") == "member-exhausted"
+    finally:
+        release.set()
+        fake.canned = None
+
+
+def _exhausted(rig: Pools, member: str) -> bool:
+    q = rig.store(lambda st: members.read_quota(st, member, time.time()))
+    return q is not None and q.exhausted_until > time.time() + 10
 
 
 def _exhaust(rig: Pools, member: str, seconds: int) -> None:

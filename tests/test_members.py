@@ -185,6 +185,19 @@ async def test_drained_members_and_side_choices(store, clock):
     assert ("drain", "glm-a") in kinds and ("undrain", "glm-a") in kinds
 
 
+async def test_a_hard_pool_s_opening_moved_off_an_exhausted_member_says_so(store, clock):
+    first = await alloc(store, "s1", clock)
+    assert first.member == "glm-a"
+    await exhaust(store, clock, "glm-a", 60)
+    got = await members.allocate(store, CONFIG, POOL, "s1", template(clock()), first.loaded,
+                                 exclude=frozenset({"glm-a"}), move_reason="out of quota before the opening began",
+                                 clock=clock)
+    assert got.member == "glm-b" and got.why == "hard: glm-a out of quota before the opening began → glm-b"
+    assert (await pins.load(store, "s1")).pin.server == "glm-b"
+    move = [r for r in await members.history(store, "glm") if r.kind == "move"]
+    assert [(r.session, r.previous, r.member) for r in move] == [("s1", "glm-a", "glm-b")]
+
+
 async def test_a_soft_move_replaces_the_pin_read_and_records_from_where(store, clock):
     soft = parse(TEXT.replace('members = ["glm-a", "glm-b", "glm-c"]',
                               'members = ["glm-a", "glm-b", "glm-c"]\naffinity = "soft"'))

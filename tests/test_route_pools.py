@@ -168,6 +168,23 @@ CASES = [
     ("hard: pinned member taken out of the pool's members (still a server) -> stays, never moved",
      request(facts(F.CONTINUATION, has_history=True)), {"pin": pool_pin("anthropic")},
      ["ReadPin", "CheckMember(anthropic)", "Plan", "CheckReachable"], ("Forward", None, "pinned", "anthropic", ())),
+    ("opening asked again, its member now exhausted: nothing began there -> allocated afresh, sent",
+     request(facts(F.OPENING)), {"pin": pool_pin("glm-a"), "checks": [EXHAUSTED],
+                                 "allocations": [allocated("glm-b")]},
+     ["ReadPin", "CheckMember(glm-a)", "Allocate(glm-a)", "Plan", "CheckReachable"],
+     ("Forward", None, "pinned", "glm-b", ())),
+    ("opening asked again, every other member exhausted too -> the pool's 429",
+     request(facts(F.OPENING)), {"pin": pool_pin("glm-a"), "checks": [EXHAUSTED],
+                                 "allocations": [route.NotAllocated(429, "pool-exhausted", "every member …", 30)]},
+     ["ReadPin", "CheckMember(glm-a)", "Allocate(glm-a)"], ("Refuse", 429, "pinned", "glm-a", ())),
+    ("soft: opening asked again on an exhausted member -> allocated afresh, the new member checked",
+     request(facts(F.OPENING, agent=F.PI)), {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [EXHAUSTED],
+                                             "allocations": [allocated("vllm-2", "local", F.PI)]},
+     ["ReadPin", "CheckMember(vllm-1)", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan", "CheckReachable"],
+     ("Forward", None, "pinned", "vllm-2", ())),
+    ("a pin that is not the opening's allocation (moved since) -> deferred, not moved",
+     request(facts(F.OPENING)), {"pin": pool_pin("glm-a", rule="soft-move"), "checks": [EXHAUSTED]},
+     ["ReadPin", "CheckMember(glm-a)"], ("Refuse", 429, "pinned", "glm-a", ())),
     ("soft: exhausted is deferred, not a miss", request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [EXHAUSTED]},
      ["ReadPin", "CheckMember(vllm-1)"], ("Refuse", 429, "pinned", "vllm-1", ())),
@@ -235,6 +252,16 @@ def test_a_soft_member_out_of_the_pool_is_a_miss_that_says_so():
     s = route.step(s.state, route.PinRead(pool_pin("vllm-3", "local", F.PI)))
     e = s.effect
     assert isinstance(e, route.Allocate) and e.reason == "left the pool" and e.exclude == {"vllm-3"} and e.commit
+
+
+def test_an_opening_asked_again_is_moved_with_its_reason_and_the_opening_s_pin():
+    old = pool_pin("glm-a")
+    s = route.begin(request(facts(F.OPENING)))
+    s = route.step(s.state, route.PinRead(old))
+    s = route.step(s.state, EXHAUSTED)
+    e = s.effect
+    assert isinstance(e, route.Allocate) and e.seen == old and e.commit and e.exclude == {"glm-a"}
+    assert e.reason == "out of quota before the opening began" and e.pin.rule == "opening" and e.pin.server is None
 
 
 def test_the_deferral_names_member_session_and_reset():

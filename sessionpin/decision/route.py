@@ -85,7 +85,8 @@ Rules this module keeps beyond the ladder's:
   written by the allocation itself (``members.allocate``); a side request with no pin
   goes where the allocator would send the opening, pinning nothing. A turn pinned to a
   pool member known exhausted is answered 429 with the reset as ``retry-after`` — never
-  moved. In a soft pool, a pinned member that is gone, out of the pool's members, drained
+  moved, but for the opening asked again while its pin is still its allocation (nothing
+  began there: allocated afresh, the member left out). In a soft pool, a pinned member that is gone, out of the pool's members, drained
   or unreachable is a clean miss: the conversation is allocated afresh (compare-and-set
   over its pin), the move recorded; a hard pool's pin never moves.
 - A redirect answered by a server the request was moved to is not passed on: the agent
@@ -534,6 +535,28 @@ def _soft_miss(state: State, member: str, reason: str) -> Step:
     return _go(state, Allocate(state.session or "", pin.pool, fresh, state.loaded, exclude=state.missed, reason=reason))
 
 
+def _opening_again(state: State) -> bool:
+    """The conversation's opening asked again (no history: its agent used no answer of it)
+    while its pin is still the pool's allocation of that opening: nothing of the
+    conversation began on the member, so its exhaustion is no reason to keep it there."""
+    r, pin = state.request, state.loaded.pin
+    f = r.facts
+    return (pin is not None and pin.rule == Rule.OPENING and pin.pool in r.config.pools and not state.missed
+            and f.turn == F.OPENING and not f.has_history and state.decision is not None
+            and state.decision.rule is Rule.PINNED)
+
+
+def _reallocate(state: State, member: str) -> Step:
+    """An opening whose member is out of quota: allocated afresh over its pin, the member left
+    out (compare-and-set over the pin read, recorded as a move), hard pool or soft."""
+    r, pin = state.request, state.loaded.pin
+    state = _replace(state, missed=state.missed | {member}, checked=None)
+    fresh = Pin(agent=pin.agent, server=None, since=r.now, renewed=r.now, rule=Rule.OPENING, turn=pin.turn,
+                source=pin.source)
+    return _go(state, Allocate(state.session or "", pin.pool, fresh, state.loaded, exclude=state.missed,
+                               reason="out of quota before the opening began"))
+
+
 def _on_not_allocated(state: State, event: NotAllocated) -> Step:
     return _go(state, Refuse(event.status, event.kind, event.message, event.retry_after))
 
@@ -554,6 +577,8 @@ def _on_member_checked(state: State, event: MemberChecked) -> Step:
     r, d = state.request, state.decision
     f = r.facts
     member, pin = d.target, state.loaded.pin
+    if event.exhausted_until > r.now and _opening_again(state):
+        return _reallocate(state, member)
     if event.exhausted_until > r.now:           # deferred, never moved
         wait = max(1, math.ceil(event.exhausted_until - r.now))
         return _go(state, Refuse(429, "member-exhausted", (

@@ -22,8 +22,9 @@ Rules it keeps:
 - When every eligible member is exhausted the allocation waits (``allocate.wait``) up
   to the caller's deadline, then ``Refused`` (429 "pool exhausted", retry-after: the
   earliest reset).
-- A soft pool's move is the same transaction over the old pin (its index entry is
-  removed in the same ``apply``); the record says from where and why.
+- A move is the same transaction over the old pin (its index entry is removed in the
+  same ``apply``); the record says from where and why: a soft pool's miss, or (any pool)
+  an opening asked again after its member ran out of quota, which never began there.
 - "Active conversations" per member are the pin index's live members (one ``zcount``
   per agent that has pinned there), never a walk; only ``by_pool`` (a drain's count of a
   pool's own conversations on a member, for the CLI) walks the member's pins.
@@ -236,7 +237,8 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
                            f"was not sent anywhere. `sessionpin undrain MEMBER` or check the members "
                            f"(`sessionpin pools`).", MISSED_RETRY if exclude else None)
         moved = seen.pin is not None and seen.pin.server is not None
-        why = f"soft: {seen.pin.server} {move_reason or 'missed'} → {got.member}" if moved and seen.pin else got.why
+        why = (f"{pool.affinity}: {seen.pin.server} {move_reason or 'missed'} → {got.member}"
+               if moved and seen.pin else got.why)
         if not commit:
             return Allocated(got.member, pins.Loaded(None, None), why)
         server = config.servers[got.member]

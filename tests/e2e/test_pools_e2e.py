@@ -7,7 +7,8 @@ one config file, fake TLS members that answer 429 and rate-limit headers, real k
 - A pinned turn on an exhausted member is deferred with ``retry-after`` — by the member's
   own 429, then by the proxies themselves (which learned it from that answer, through the
   store) — and never moved; new conversations avoid the member, wait for a reset within
-  ``sessionpin_pools_wait_ms``, and get 429 "pool exhausted" past it.
+  ``sessionpin_pools_wait_ms``, and get 429 "pool exhausted" past it. An opening the
+  member refused, asked again, is allocated afresh (nothing of it began there).
 - A member's claims are clamped (issue 20): a 429 with ``retry-after: 99999999`` or ``1e300``
   defers its pinned turns for at most an hour (``retry-after`` at most 3600), ``sessionpin
   pools`` shows it, and ``sessionpin pools reset MEMBER`` makes every proxy send them again;
@@ -275,6 +276,60 @@ def test_a_success_sent_before_another_proxy_s_429_does_not_clear_the_exhaustion
 def _exhausted(rig: Pools, member: str) -> bool:
     q = rig.store(lambda st: members.read_quota(st, member, time.time()))
     return q is not None and q.exhausted_until > time.time() + 10
+
+
+def test_an_opening_its_member_refused_429_is_allocated_afresh_when_asked_again(rig: Pools) -> None:
+    """A member that refuses new conversations (429, retry-after 30) but serves the ones it
+    has. The opening allocated to it is answered with its 429; when the agent asks the
+    opening again (no history: it used no answer of it), nothing of the conversation began
+    there, so it is allocated afresh among the other members (a recorded move), through any
+    proxy. It used to stay pinned to the member: deferred by the proxies until the reset,
+    then sent to the same member again and refused again, while the others had room.
+    A conversation that began on the member is still deferred, never moved."""
+    rig.use("glm")
+    began = None
+    for _ in range(len(MEMBERS)):
+        s = new_session()
+        assert rig.send(cc("opening", s), proxy=0).status == 200
+        began = s
+    member = next(iter(rig.where(began)))           # the last one: the next opening goes elsewhere…
+    fake = rig.fakes[member]
+    body = json.dumps({"type": "error", "error": {"type": "rate_limit_error", "message": "no new sessions"}}).encode()
+    fake.canned = lambda rec: None if rec.header(SESSION_HEADER) == began else (
+        429, [("content-type", "application/json"), ("retry-after", "30")], body)
+    try:
+        opening = None
+        for _ in range(len(MEMBERS)):                # …until the member's turn comes round again
+            s = new_session()
+            r = rig.send(cc("opening", s), proxy=0)
+            if member in rig.where(s):
+                opening = s
+                break
+            assert r.status == 200
+        assert opening is not None and r.status == 429 and r.header("retry-after") == "30"
+        assert r.header("x-fake-server") is None             # the member's own answer
+        assert _until(lambda: _exhausted(rig, member))
+        mark = rig.proxies[1].line_count
+        r = rig.send(cc("opening", opening), proxy=1)
+        assert r.status == 200, r.body[:300]
+        [moved_to] = [m for m in rig.where(opening) if m != member]
+        assert rig.where(opening) == {member: 1, moved_to: 1}
+        why = f"hard: {member} out of quota before the opening began → {moved_to}"
+        assert rig.proxies[1].wait_output(why, since=mark)
+        pin = rig.store(lambda st: pins.load(st, opening)).pin
+        assert (pin.server, pin.pool, pin.rule, pin.why) == (moved_to, "glm", "opening", why)
+        moves = [x for x in rig.store(lambda st: members.history(st, "glm", 0)) if x.kind == "move"]
+        assert [(x.session, x.previous, x.member) for x in moves if x.session == opening] == [
+            (opening, member, moved_to)]
+        # its next turn stays where it began
+        assert rig.send(cc("continuation", opening), proxy=2).status == 200
+        assert rig.where(opening) == {member: 1, moved_to: 2}
+        # a conversation that began on the member: deferred, never moved
+        r = rig.send(cc("continuation", began), proxy=2)
+        assert r.status == 429 and r.header("x-sessionpin-refused") == "member-exhausted"
+        assert rig.where(began) == {member: 1}
+    finally:
+        fake.canned = None
 
 
 def _exhaust(rig: Pools, member: str, seconds: int) -> None:

@@ -577,6 +577,11 @@ def _on_member_checked(state: State, event: MemberChecked) -> Step:
     r, d = state.request, state.decision
     f = r.facts
     member, pin = d.target, state.loaded.pin
+    # a soft pool's miss (gone, drained, unreachable) comes before its exhaustion: the member
+    # cannot take the turn after its reset either, and draining it is how the operator moves
+    # its conversations off
+    if event.missing and member not in state.missed and _soft_pool(r, pin) is not None:
+        return _soft_miss(state, member, event.missing)
     if event.exhausted_until > r.now and _opening_again(state):
         return _reallocate(state, member)
     if event.exhausted_until > r.now:           # deferred, never moved
@@ -585,8 +590,6 @@ def _on_member_checked(state: State, event: MemberChecked) -> Step:
             f"sessionpin: server {member} (pool {pin.pool if pin else '?'}) is out of quota for another {wait}s "
             f"({event.exhausted_why or 'it said so'}); {f.agent} session {state.session} stays on {member} and is not "
             f"moved. Retry after {wait}s."), wait))
-    if event.missing and member not in state.missed and _soft_pool(r, pin) is not None:
-        return _soft_miss(state, member, event.missing)
     return _plan(_replace(state, checked=member), member)
 
 

@@ -18,7 +18,8 @@ one config file, fake TLS members that answer 429 and rate-limit headers, real k
 - A soft pool's member killed and restarted: its conversations move to a fresh member
   when they next ask while it is down; one still pinned to it goes back to it once it
   is up. A soft member taken out of the pool's ``members`` (still a server, still up) is a
-  miss too: its conversation moves at its next turn.
+  miss too: its conversation moves at its next turn; so is a drained one that is out of
+  quota (the miss comes before the deferral).
 """
 
 from __future__ import annotations
@@ -534,6 +535,37 @@ def test_a_pool_pin_lost_after_its_opening_is_refused_never_moved(rig: Pools, po
     r = rig.send(cc("continuation", s))
     assert r.status == 424 and r.header("x-sessionpin-refused") == "store-lost", (r.status, r.text[:300])
     assert rig.where(s) == {member: 1}
+
+
+def test_a_soft_member_drained_while_out_of_quota_is_a_miss_not_a_deferral(rig: Pools) -> None:
+    """In a soft pool a drained member is a miss: its conversations move at their next turn.
+    One that had also just answered 429 (retry-after 600) kept them instead: the deferral
+    was decided before the miss, so draining it to move its conversations off did nothing
+    for ten minutes. A miss (drained, gone, left the pool, unreachable) now comes first in a
+    soft pool; exhaustion alone still defers."""
+    rig.use("local")
+    sessions = [new_session() for _ in range(2)]
+    for s in sessions:
+        assert rig.send(cc("opening", s), proxy=0).status == 200
+    [pinned] = [s for s in sessions if rig.where(s) == {"vllm-1": 1}]
+    fake = rig.fakes["vllm-1"]
+    fake.status, fake.headers = 429, [("retry-after", "600")]
+    try:
+        assert rig.send(cc("continuation", pinned), proxy=0).status == 429
+    finally:
+        fake.status, fake.headers = None, []
+    assert _until(lambda: _exhausted(rig, "vllm-1"))
+    r = rig.send(cc("continuation", pinned), proxy=1)        # exhausted alone: deferred, not moved
+    assert r.status == 429 and r.header("x-sessionpin-refused") == "member-exhausted"
+    assert _cli(rig, "drain", "vllm-1").returncode == 0
+    try:
+        mark = rig.proxies[2].line_count
+        r = rig.send(cc("continuation", pinned), proxy=2)
+        assert r.status == 200, r.body[:300]
+        assert rig.where(pinned) == {"vllm-1": 2, "vllm-2": 1}
+        assert rig.proxies[2].wait_output(r"soft: vllm-1 drained → vllm-2", since=mark)
+    finally:
+        assert _cli(rig, "undrain", "vllm-1").returncode == 0
 
 
 def _hang_up_mid_stream(rig: Pools, session: str) -> None:

@@ -86,9 +86,10 @@ Rules this module keeps beyond the ladder's:
   goes where the allocator would send the opening, pinning nothing. A turn pinned to a
   pool member known exhausted is answered 429 with the reset as ``retry-after`` — never
   moved, but for the opening asked again while its pin is still its allocation (nothing
-  began there: allocated afresh, the member left out). In a soft pool, a pinned member that is gone, out of the pool's members, drained
-  or unreachable is a clean miss: the conversation is allocated afresh (compare-and-set
-  over its pin), the move recorded; a hard pool's pin never moves.
+  began there: allocated afresh, the member left out). In a soft pool, a pinned member
+  that is gone, out of the pool's members, drained or unreachable is a clean miss (before
+  its exhaustion is looked at): the conversation is allocated afresh (compare-and-set over
+  its pin), the move recorded; a hard pool's pin never moves.
 - A redirect answered by a server the request was moved to is not passed on: the agent
   would follow it with its own key (to another host, or to that server's origin, where
   requests keep the agent's headers). It gets a 502 naming the server and the host the

@@ -246,7 +246,8 @@ def pool_metrics_text(pools: Iterable[Any], allocated: Mapping[tuple[str, str], 
     family(out, "sessionpin_pool_allocations_total", "counter",
            "New conversations allocated to a pool member by this proxy.", ("pool", "member"),
            [((p.name, m), allocated.get((p.name, m), 0)) for p in pools for m in p.members])
-    family(out, "sessionpin_pool_moves_total", "counter", "Soft-pool conversations moved to a member by this proxy.",
+    family(out, "sessionpin_pool_moves_total", "counter",
+           "Pool conversations moved to a member by this proxy (soft misses, openings off an exhausted member).",
            ("pool", "member"), sorted(moved.items()))
     family(out, "sessionpin_pool_member_active", "gauge", "Live pinned conversations per pool member.", ("member",),
            [(m, active.get(m, 0)) for m in everyone])

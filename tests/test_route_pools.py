@@ -64,10 +64,10 @@ def allocated(member, pool="glm", agent=F.CLAUDE_CODE, rule="opening"):
     return route.Allocated(member, loaded, loaded.pin.why)
 
 
-def answerer(*, pin=NONE, allocations=(), checks=(), plan=OK, create=None, instead=None):
+def answerer(*, pin=NONE, allocations=(), checks=(), plan=OK, create=None, instead=None, reach=()):
     """How the shell answers each effect: from the given queues (``instead``: an effect's name
     -> the event its first performance gets in place of the usual answer)."""
-    allocations, checks, instead = list(allocations), list(checks), dict(instead or {})
+    allocations, checks, instead, reach = list(allocations), list(checks), dict(instead or {}), list(reach)
 
     def answer(e):
         if type(e).__name__ in instead:
@@ -83,7 +83,7 @@ def answerer(*, pin=NONE, allocations=(), checks=(), plan=OK, create=None, inste
         if isinstance(e, route.CreatePin):
             return create if create is not None else route.PinCreated()
         if isinstance(e, route.CheckReachable):
-            return route.Reachable()
+            return route.Reachable(reach.pop(0) if reach else None)
         raise AssertionError(e)  # pragma: no cover
     return answer
 
@@ -186,6 +186,25 @@ CASES = [
     ("a pin that is not the opening's allocation (moved since) -> deferred, not moved",
      request(facts(F.OPENING)), {"pin": pool_pin("glm-a", rule="soft-move"), "checks": [EXHAUSTED]},
      ["ReadPin", "CheckMember(glm-a)"], ("Refuse", 429, "pinned", "glm-a", ())),
+    ("opening allocated to a member found unreachable -> allocated afresh before anything is sent",
+     request(), {"allocations": [allocated("glm-a"), allocated("glm-b")], "reach": ["connection refused"]},
+     ["ReadPin", "Allocate", "Plan", "CheckReachable", "Allocate(glm-a)", "Plan", "CheckReachable"],
+     ("Forward", None, "opening", "glm-b", ())),
+    ("opening asked again, its member unreachable -> allocated afresh",
+     request(facts(F.OPENING)), {"pin": pool_pin("glm-a"), "allocations": [allocated("glm-b")],
+                                 "reach": ["connection refused"]},
+     ["ReadPin", "CheckMember(glm-a)", "Plan", "CheckReachable", "Allocate(glm-a)", "Plan", "CheckReachable"],
+     ("Forward", None, "pinned", "glm-b", ())),
+    ("opening allocated afresh, the next member unreachable too -> both left out: the pool's answer",
+     request(), {"allocations": [allocated("glm-a"), allocated("glm-b"),
+                                 route.NotAllocated(503, "pool-no-member", "no member …", None)],
+                 "reach": ["connection refused", "connection refused"]},
+     ["ReadPin", "Allocate", "Plan", "CheckReachable", "Allocate(glm-a)", "Plan", "CheckReachable",
+      "Allocate(glm-a,glm-b)"],
+     ("Refuse", 503, "opening", "glm-b", ())),
+    ("a conversation that began on an unreachable member (hard): refused, never moved",
+     request(facts(F.CONTINUATION, has_history=True)), {"pin": pool_pin("glm-a"), "reach": ["connection refused"]},
+     ["ReadPin", "CheckMember(glm-a)", "Plan", "CheckReachable"], ("Refuse", 424, "pinned", "glm-a", ())),
     ("soft: exhausted is deferred, not a miss", request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [EXHAUSTED]},
      ["ReadPin", "CheckMember(vllm-1)"], ("Refuse", 429, "pinned", "vllm-1", ())),

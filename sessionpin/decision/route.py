@@ -86,7 +86,8 @@ Rules this module keeps beyond the ladder's:
   goes where the allocator would send the opening, pinning nothing. A turn pinned to a
   pool member known exhausted is answered 429 with the reset as ``retry-after`` — never
   moved, but for the opening asked again while its pin is still its allocation (nothing
-  began there: allocated afresh, the member left out). In a soft pool, a pinned member
+  began there: allocated afresh, the member left out); so is an opening whose member is
+  unreachable (``CheckReachable``), its first request or asked again. In a soft pool, a pinned member
   that is gone, out of the pool's members, drained or unreachable is a clean miss (before
   its exhaustion is looked at): the conversation is allocated afresh (compare-and-set over
   its pin), the move recorded; a hard pool's pin never moves.
@@ -176,7 +177,7 @@ TRANSITIONS: dict[Phase, dict[type, frozenset[Phase]]] = {
     ALLOCATING: {Allocated: frozenset({PLANNING, CHECKING_MEMBER}), PinLost: _DECIDED,
                  NotAllocated: frozenset({REFUSED}), NotSaved: frozenset({REFUSED}), **_STORE},
     CHECKING_MEMBER: {MemberChecked: frozenset({PLANNING, ALLOCATING, REFUSED}), **_STORE},
-    CHECKING_REACHABLE: {Reachable: frozenset({FORWARDED, REFUSED})},
+    CHECKING_REACHABLE: {Reachable: frozenset({FORWARDED, REFUSED, ALLOCATING})},
 }
 
 
@@ -378,6 +379,8 @@ def _on_reachable(state: State, event: Reachable) -> Step:
     if event.error is None:
         return _go(state, Forward(state.changes), state.pending)
     r, d, c = state.request, state.decision, state.changes
+    if d.target and _opening_unbegun(state):     # a pool's member down before the opening began
+        return _reallocate(state, d.target, "unreachable before the opening began")
     f = r.facts
     server = r.config.servers.get(d.target)
     session = state.session or f.session
@@ -536,26 +539,28 @@ def _soft_miss(state: State, member: str, reason: str) -> Step:
     return _go(state, Allocate(state.session or "", pin.pool, fresh, state.loaded, exclude=state.missed, reason=reason))
 
 
-def _opening_again(state: State) -> bool:
-    """The conversation's opening asked again (no history: its agent used no answer of it)
-    while its pin is still the pool's allocation of that opening: nothing of the
-    conversation began on the member, so its exhaustion is no reason to keep it there."""
-    r, pin = state.request, state.loaded.pin
+def _opening_unbegun(state: State) -> bool:
+    """The request is the conversation's opening (no history: its agent used no answer of
+    it, if it was asked before) and its pin is still the pool's allocation of that opening,
+    to the member it is headed for: nothing of the conversation began there, so the member
+    being out of quota or unreachable is no reason to keep it there."""
+    r, pin, d = state.request, state.loaded.pin, state.decision
     f = r.facts
-    return (pin is not None and pin.rule == Rule.OPENING and pin.pool in r.config.pools and not state.missed
-            and f.turn == F.OPENING and not f.has_history and state.decision is not None
-            and state.decision.rule is Rule.PINNED)
+    return (pin is not None and d is not None and pin.rule == Rule.OPENING and pin.pool in r.config.pools
+            and pin.server == d.target and d.target not in state.missed
+            and f.turn == F.OPENING and not f.has_history
+            and (d.rule is Rule.PINNED or (d.rule is Rule.OPENING and state.allocated)))
 
 
-def _reallocate(state: State, member: str) -> Step:
-    """An opening whose member is out of quota: allocated afresh over its pin, the member left
+def _reallocate(state: State, member: str, reason: str) -> Step:
+    """An opening whose member cannot take it: allocated afresh over its pin, the member left
     out (compare-and-set over the pin read, recorded as a move), hard pool or soft."""
     r, pin = state.request, state.loaded.pin
     state = _replace(state, missed=state.missed | {member}, checked=None)
     fresh = Pin(agent=pin.agent, server=None, since=r.now, renewed=r.now, rule=Rule.OPENING, turn=pin.turn,
                 source=pin.source)
     return _go(state, Allocate(state.session or "", pin.pool, fresh, state.loaded, exclude=state.missed,
-                               reason="out of quota before the opening began"))
+                               reason=reason))
 
 
 def _on_not_allocated(state: State, event: NotAllocated) -> Step:
@@ -583,8 +588,8 @@ def _on_member_checked(state: State, event: MemberChecked) -> Step:
     # its conversations off
     if event.missing and member not in state.missed and _soft_pool(r, pin) is not None:
         return _soft_miss(state, member, event.missing)
-    if event.exhausted_until > r.now and _opening_again(state):
-        return _reallocate(state, member)
+    if event.exhausted_until > r.now and _opening_unbegun(state):
+        return _reallocate(state, member, "out of quota before the opening began")
     if event.exhausted_until > r.now:           # deferred, never moved
         wait = max(1, math.ceil(event.exhausted_until - r.now))
         return _go(state, Refuse(429, "member-exhausted", (

@@ -8,7 +8,8 @@ one config file, fake TLS members that answer 429 and rate-limit headers, real k
   own 429, then by the proxies themselves (which learned it from that answer, through the
   store) — and never moved; new conversations avoid the member, wait for a reset within
   ``sessionpin_pools_wait_ms``, and get 429 "pool exhausted" past it. An opening the
-  member refused, asked again, is allocated afresh (nothing of it began there).
+  member refused, asked again, is allocated afresh (nothing of it began there); so is one
+  allocated to a hard member that is down.
 - A member's claims are clamped (issue 20): a 429 with ``retry-after: 99999999`` or ``1e300``
   defers its pinned turns for at most an hour (``retry-after`` at most 3600), ``sessionpin
   pools`` shows it, and ``sessionpin pools reset MEMBER`` makes every proxy send them again;
@@ -331,6 +332,49 @@ def test_an_opening_its_member_refused_429_is_allocated_afresh_when_asked_again(
         assert rig.where(began) == {member: 1}
     finally:
         fake.canned = None
+
+
+def test_an_opening_allocated_to_a_member_that_is_down_is_allocated_afresh(rig: Pools) -> None:
+    """A hard pool's member goes down. The new conversation whose turn it is used to be
+    pinned to it and refused 424 "stays there" — for good: its retry, the same opening,
+    went to the same dead member. Nothing of it began there: it is allocated afresh among
+    the others before anything is sent. A conversation that began on the member is still
+    refused, never moved."""
+    rig.use("glm")
+    began = None
+    for _ in range(len(MEMBERS)):
+        began = new_session()
+        assert rig.send(cc("opening", began), proxy=0).status == 200
+    member = next(iter(rig.where(began)))
+    down = MEMBERS[(MEMBERS.index(member) + 1) % len(MEMBERS)]
+    on_down = new_session()
+    for _ in range(len(MEMBERS)):
+        on_down = new_session()
+        assert rig.send(cc("opening", on_down), proxy=0).status == 200
+        if down in rig.where(on_down):
+            break
+    assert rig.where(on_down) == {down: 1}
+    rig.fakes[down].stop()
+    s = None
+    for _ in range(len(MEMBERS)):                    # round-robin comes round to `down` again
+        s = new_session()
+        mark = rig.proxies[1].line_count
+        r = rig.send(cc("opening", s), proxy=1)
+        assert r.status == 200, r.body[:300]
+        if rig.proxies[1].wait_output(f"hard: {down} unreachable before the opening began", since=mark,
+                                      timeout=0.5):
+            break
+    else:
+        raise AssertionError("no opening was allocated to the member that is down")
+    [moved_to] = rig.where(s)
+    assert moved_to != down
+    pin = rig.store(lambda st: pins.load(st, s)).pin
+    assert (pin.server, pin.rule) == (moved_to, "opening")
+    assert pin.why == f"hard: {down} unreachable before the opening began → {moved_to}"
+    # a conversation that began on it: refused, stays there
+    r = rig.send(cc("continuation", on_down), proxy=2)
+    assert r.status == 424 and down in r.json()["error"]["message"]
+    assert rig.store(lambda st: pins.load(st, on_down)).pin.server == down
 
 
 def _exhaust(rig: Pools, member: str, seconds: int) -> None:

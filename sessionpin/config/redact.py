@@ -20,12 +20,18 @@ Rules this module keeps:
 - ``shown(value)`` names a value by its first few characters and its length only
   (``sk-a…(40 chars)``), whatever it is.
 - ``scrub(text)`` replaces every word of a message holding a key-looking part with ``[redacted]``.
+- ``unquoted(message)`` replaces every value a message quotes as Python prints one (``b'…'``,
+  ``bytearray(b'…')``, ``'…'``: how mitmproxy's and h11's parse errors show a peer's bytes — a
+  header line with the agent's key, a request line with ``?key=``, the first line of an answer)
+  with its size: such a message is logged, put in the flow's error and sent to the agent, and a
+  peer's bytes are content, whatever their shape, so the key heuristic is not enough there.
 It is a heuristic: it errs towards calling things keys, because the places it guards
 (forwarded headers, error messages) lose little when a harmless value is dropped.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 
 # Vendor key prefixes (case-sensitive), each followed by >= 16 key characters.
@@ -79,3 +85,29 @@ def scrub(text: str) -> str:
     """``text`` with every word that holds a key-looking part replaced by ``[redacted]``
     (the whole word: a z.ai key is ``<hex>.<secret>``, and only its hex reads as random)."""
     return _TOKEN.sub(lambda m: "[redacted]" if contains_key(m.group()) else m.group(), text)
+
+
+# A value as Python's repr() prints it, where a message quotes one: bytes (``b'…'``), a
+# bytearray (``bytearray(b'…')``) or a str (``'…'``), not inside a word (an apostrophe in
+# "server's" opens nothing). Escapes inside are taken whole, so a quote the repr escaped
+# does not end it.
+_QUOTED = re.compile(r"""(?<![\w'"])(?:bytearray\()?b?(?:'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")\)?""")
+
+
+def _quoted_size(quoted: str) -> str:
+    inner = quoted[len("bytearray("):-1] if quoted.startswith("bytearray(") else quoted
+    try:
+        n = len(ast.literal_eval(inner))
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        n = len(inner)
+    unit = "bytes" if inner[:1] == "b" else "characters"
+    return f"({n} {unit}, not shown)"
+
+
+def unquoted(message: str) -> str:
+    """``message`` with every value it quotes as Python prints one replaced by its size
+    (``Invalid header line: b'x-api-key sk-…'`` → ``Invalid header line: (52 bytes, not shown)``).
+    A message without a quote character is returned as it is, unread."""
+    if not isinstance(message, str) or ("'" not in message and '"' not in message):
+        return message
+    return _QUOTED.sub(lambda m: _quoted_size(m.group()), message)

@@ -45,13 +45,17 @@ def _received(cmds) -> list:
 
 def test_the_classes_mitmproxy_makes_are_ours_while_loaded():
     original = (http_layer.Http1Client, http_layer.Http1Server)
+    h2 = (http_layer.Http2Client, http_layer.Http2Server)
     a, b = HeadBounds(), HeadBounds()
     a.load(None)
     b.load(None)                # a reloaded script: the new part loads before the old goes
     a.done()
     assert (http_layer.Http1Client, http_layer.Http1Server) == (headbounds._BoundedClient, headbounds._BoundedServer)
+    assert (http_layer.Http2Client, http_layer.Http2Server) == (headbounds._QuietHttp2Client,
+                                                                headbounds._QuietHttp2Server)
     b.done()
     assert (http_layer.Http1Client, http_layer.Http1Server) == original
+    assert (http_layer.Http2Client, http_layer.Http2Server) == h2
 
 
 def test_a_response_head_that_never_ends_fails_at_the_bound_and_is_dropped():

@@ -15,6 +15,11 @@ from sessionpin.config.redact import unquoted
     ("invalid content-length header: '1SECRET'", "invalid content-length header: (7 characters, not shown)"),
     ("Bad HTTP request line: b\"POST /?key=SECRET'x HTTP/1.1 y\"", "Bad HTTP request line: (30 bytes, not shown)"),
     ("a: b'SECRET\\'S' and b'SECRET'", "a: (8 bytes, not shown) and (6 bytes, not shown)"),   # an escaped quote ends nothing
+    # h2 quotes the raw character, then the value: the character's quotes must not pair with the value's
+    ("Illegal character '\n' in header value: b'sk-ant-SECRET\\n'",
+     "Illegal character '\n' in header value: (14 bytes, not shown)"),
+    ("Received header value surrounded by whitespace b' sk-ant-SECRET'",
+     "Received header value surrounded by whitespace (14 bytes, not shown)"),
 ])
 def test_a_quoted_value_is_said_by_its_size(message: str, said: str):
     assert unquoted(message) == said

@@ -87,11 +87,13 @@ def scrub(text: str) -> str:
     return _TOKEN.sub(lambda m: "[redacted]" if contains_key(m.group()) else m.group(), text)
 
 
-# A value as Python's repr() prints it, where a message quotes one: bytes (``b'…'``), a
-# bytearray (``bytearray(b'…')``) or a str (``'…'``), not inside a word (an apostrophe in
-# "server's" opens nothing). Escapes inside are taken whole, so a quote the repr escaped
-# does not end it.
-_QUOTED = re.compile(r"""(?<![\w'"])(?:bytearray\()?b?(?:'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")\)?""")
+# A value as Python's repr() prints it, where a message quotes one: bytes (``b'…'``) or a
+# bytearray (``bytearray(b'…')``) first, then a str (``'…'``); not inside a word (an apostrophe
+# in "server's" opens nothing). Escapes inside are taken whole, so a quote the repr escaped does
+# not end it. Bytes first: a message may also hold a raw character in quotes (h2's "Illegal
+# character '\n' in header value: b'…'"), which must not pair with the bytes' opening quote.
+_QUOTED_BYTES = re.compile(r"""(?<![\w'"])(?:bytearray\()?b(?:'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")\)?""")
+_QUOTED_STR = re.compile(r"""(?<![\w'"])(?:'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")""")
 
 
 def _quoted_size(quoted: str) -> str:
@@ -110,4 +112,5 @@ def unquoted(message: str) -> str:
     A message without a quote character is returned as it is, unread."""
     if not isinstance(message, str) or ("'" not in message and '"' not in message):
         return message
-    return _QUOTED.sub(lambda m: _quoted_size(m.group()), message)
+    message = _QUOTED_BYTES.sub(lambda m: _quoted_size(m.group()), message)
+    return _QUOTED_STR.sub(lambda m: _quoted_size(m.group()), message)

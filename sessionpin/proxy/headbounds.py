@@ -43,7 +43,11 @@ WebSocket connections):
   b'x-api-key sk-…'``, whatever ``flow_detail``) and put the server's into the flow's error,
   which the router logged and the agent's 502 showed. The same for the header checks both
   HTTP versions run on a message's head (``validate_headers``: ``Received invalid header name:
-  b'…'``), whose message goes into the flow's error and the peer's 400 or 502.
+  b'…'``), whose message goes into the flow's error and the peer's 400 or 502, and for
+  mitmproxy's HTTP/2 connections (``_QuietHttp2Client``, ``_QuietHttp2Server``, in place of
+  ``Http2Client`` and ``Http2Server``: nothing else of theirs changes), where h2 quotes a header
+  value it refuses ("HTTP/2 protocol error: Received header value surrounded by whitespace
+  b' sk-…'", logged with the peer's address).
 - ``MAX_HEAD`` (256 KiB) is sixteen times what Node's HTTP client (Claude Code, OpenCode, pi)
   accepts for a whole head, and four times Python's line limit: no server an agent can read
   sends more.
@@ -59,7 +63,7 @@ from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.layers import http as http_layer
-from mitmproxy.proxy.layers.http import _http1
+from mitmproxy.proxy.layers.http import _http1, _http2
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestProtocolError, ResponseProtocolError
 
@@ -225,7 +229,24 @@ class _BoundedServer(_http1.Http1Server):
         yield from ()
 
 
+class _QuietHttp2Client(_http2.Http2Client):
+    """mitmproxy's Http2Client (its side facing a server), its errors quoting nothing."""
+
+    def _handle_event(self, event: events.Event):
+        for command in super()._handle_event(event):
+            yield _unquoted(command)
+
+
+class _QuietHttp2Server(_http2.Http2Server):
+    """mitmproxy's Http2Server (its side facing a client), its errors quoting nothing."""
+
+    def _handle_event(self, event: events.Event):
+        for command in super()._handle_event(event):
+            yield _unquoted(command)
+
+
 _ORIGINAL = (http_layer.Http1Client, http_layer.Http1Server)
+_ORIGINAL_H2 = (http_layer.Http2Client, http_layer.Http2Server)
 _VALIDATE = http_layer.validate_headers    # mitmproxy's check of a head (HTTP/1 and HTTP/2), by name in its layer
 _installed = 0            # HeadBounds loaded (a reloaded script's new addons load before the old go)
 
@@ -236,6 +257,7 @@ class HeadBounds:
         _installed += 1
         http_layer.Http1Client, http_layer.Http1Server = _BoundedClient, _BoundedServer
         http_layer.validate_headers = _validate_headers
+        http_layer.Http2Client, http_layer.Http2Server = _QuietHttp2Client, _QuietHttp2Server
 
     def done(self) -> None:
         global _installed
@@ -243,3 +265,4 @@ class HeadBounds:
         if not _installed:
             http_layer.Http1Client, http_layer.Http1Server = _ORIGINAL
             http_layer.validate_headers = _VALIDATE
+            http_layer.Http2Client, http_layer.Http2Server = _ORIGINAL_H2

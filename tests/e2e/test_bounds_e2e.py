@@ -469,3 +469,53 @@ def test_a_request_the_proxy_cannot_parse_never_writes_its_bytes_to_the_log(rig:
     said = rig.mitm.tail(rig.mitm.line_count - lines)
     assert key not in said, said
     assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive
+
+
+@pytest.mark.parametrize("value", ["surrounded-by-whitespace", "with-a-newline"])
+def test_an_http2_header_the_proxy_refuses_never_writes_its_value_to_the_log(rig: Rig, value: str) -> None:
+    """An HTTP/2 client's header value mitmproxy's h2 refuses (surrounded by whitespace, holding
+    a newline): h2 quoted the value in its error, which mitmproxy logged with the client's
+    address whatever flow_detail ("HTTP/2 protocol error: Received header value surrounded by
+    whitespace b' sk-ant-…'"): the agent's key in the proxy's log. Now the line says how many
+    bytes, not what they were."""
+    import h2.config
+    import h2.connection
+    key = CLIENT_KEY + "-" + uuid.uuid4().hex[:8]
+    sent = " " + key if value == "surrounded-by-whitespace" else key + "\n"
+    tls, host = _tunnel_h2(rig)
+    lines = rig.mitm.line_count
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, header_encoding="utf-8", validate_outbound_headers=False, normalize_outbound_headers=False))
+    conn.initiate_connection()
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", host),
+                            (":path", "/v1/messages"), ("x-api-key", sent)], end_stream=True)
+    tls.sendall(conn.data_to_send())
+    try:
+        while tls.recv(65536):
+            pass
+    except OSError:
+        pass
+    tls.close()
+    # (h2 quotes a newline as it is: that error is two lines, the value on the second)
+    said = rig.mitm.wait_output(r"(HTTP/2 protocol error: |' in header value: ).*\(\d+ bytes, not shown\)", since=lines)
+    assert key not in rig.mitm.tail(rig.mitm.line_count - lines)
+    assert said
+    assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive
+
+
+def _tunnel_h2(rig: Rig):
+    """``_tunnel`` speaking HTTP/2 (ALPN h2)."""
+    import socket
+    import ssl
+    sock = socket.create_connection(("127.0.0.1", rig.mitm.port), timeout=10)
+    host = f"127.0.0.1:{rig.anthropic.port}"
+    sock.sendall(f"CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    ctx = ssl.create_default_context(cafile=str(rig.mitm.mitm_ca))
+    ctx.set_alpn_protocols(["h2"])
+    tls = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
+    assert tls.selected_alpn_protocol() == "h2"
+    return tls, host

@@ -17,7 +17,9 @@ from sessionpin.config.redact import unquoted
     ("a: b'SECRET\\'S' and b'SECRET'", "a: (8 bytes, not shown) and (6 bytes, not shown)"),   # an escaped quote ends nothing
     # h2 quotes the raw character, then the value: the character's quotes must not pair with the value's
     ("Illegal character '\n' in header value: b'sk-ant-SECRET\\n'",
-     "Illegal character '\n' in header value: (14 bytes, not shown)"),
+     "Illegal character (1 characters, not shown) in header value: (14 bytes, not shown)"),
+    ("b'" + "\\\\" * 5000 + "' then b'SECRET'", "(5000 bytes, not shown) then (6 bytes, not shown)"),
+    ("header: b'SECRET", "header: (6 bytes, not shown)"),            # never closed (cut short?): hidden all the same
     ("Received header value surrounded by whitespace b' sk-ant-SECRET'",
      "Received header value surrounded by whitespace (14 bytes, not shown)"),
 ])

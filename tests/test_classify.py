@@ -156,3 +156,17 @@ def test_every_recorded_flow_file():
     for d in lines:
         if d["api"] == facts.OTHER:
             assert d["session"] is None and d["turn"] is None
+
+
+def test_no_credential_a_url_carries_is_printed(tmp_path):
+    """A URL carrying a key (Gemini's ``?key=AIza…``, a user and password) printed whole: the
+    key on the operator's terminal, and in the bug report the line was pasted into. Now the
+    query's values are ``…`` but ``beta``'s, and the user and password are left out."""
+    key, password = "AIzaSyA1b2C3d4E5f6G7h8I9j0KlMnOpQrStUv", "hunter2-password"
+    req = dict(CHAT, url=f"https://me:{password}@generativelanguage.googleapis.com/v1beta/openai/chat/completions"
+                         f"?key={key}&beta=true&alt=sse")
+    code, lines, err = run(write(tmp_path, "gemini.json", req))
+    assert (code, err) == (0, [])
+    assert lines[0]["url"] == ("https://…@generativelanguage.googleapis.com/v1beta/openai/chat/completions"
+                               "?key=…&beta=true&alt=…")
+    assert key not in json.dumps(lines) and password not in json.dumps(lines)

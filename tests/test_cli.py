@@ -929,3 +929,21 @@ def test_env_lists_every_live_proxy_and_points_at_the_first(env, capsys, monkeyp
             f"another: sessionpin env claude-code --proxy URL") in o
     code, o, _ = run(capsys, "env", "claude-code", "--json")
     assert [p["address"] for p in json.loads(o)["proxies"]] == ["http://127.0.0.1:18081", "http://127.0.0.1:18082"]
+
+
+def test_run_never_prints_a_secret_passed_to_mitmdump(env, capsys):
+    """``run`` prints the command it starts (to stderr; ``--dry-run``: to stdout), which a
+    service manager keeps in its journal: the passwords an operator passes on to mitmdump after
+    ``--`` were printed as written. Now each is ``***``, as the store's password already was."""
+    import shlex
+    secrets = ["hunter2-a", "hunter2-b", "hunter2-c", "hunter2-d", "hunter2-e"]
+    code, o, _ = run(capsys, "run", "--dry-run", "--",
+                     "--set", f"upstream_auth=me:{secrets[0]}", "--proxyauth", f"me:{secrets[1]}",
+                     "--mode", f"upstream:http://me:{secrets[2]}@127.0.0.1:3128", "--set", f"web_password={secrets[3]}",
+                     "--upstream-auth", f"me:{secrets[4]}", "--set", "termlog_verbosity=warn")
+    assert code == 0
+    assert not any(s in o for s in secrets), o
+    cmd = shlex.split(o)
+    assert cmd[-12:] == ["--set", "upstream_auth=***", "--proxyauth", "***", "--mode",
+                         "upstream:http://***@127.0.0.1:3128", "--set", "web_password=***", "--upstream-auth", "***",
+                         "--set", "termlog_verbosity=warn"]

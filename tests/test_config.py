@@ -165,7 +165,7 @@ def test_error_names_file_line_key_and_the_servers():
     ('[servers.a]\nurl = "https://a:99999"\n', "config.toml:2: servers.a.url: not a URL: Port out of range 0-65535"),
     ('[servers.a]\nurl = "https://a"\nkey_env = "MY KEY"\n',
      "config.toml:3: servers.a.key_env: not an environment variable name: M…(6 chars) (letters, digits and '_', not starting with a digit)"),
-    ('[servers.a]\nurl = "https://a"\nauth = "basic"\n', "config.toml:3: servers.a.auth: must be one of x-api-key, bearer, got 'basic'"),
+    ('[servers.a]\nurl = "https://a"\nauth = "basic"\n', "config.toml:3: servers.a.auth: must be one of x-api-key, bearer (the style the key is sent in, not the key), got 'basic'"),
     ('[servers.a]\nurl = "https://a"\nmodels = { "x" = 1 }\n', "config.toml:3: servers.a.models.x: must be a string, not a number"),
     ('[servers.a]\nurl = "https://a"\nmodels = { "claude-*" = "" }\n', 'config.toml:3: servers.a.models."claude-*": maps to an empty model name'),
     ('[servers.a]\nurl = "https://a"\nmodel = {}\n', "config.toml:3: servers.a.model: unknown key (known: url, key_env, auth, models, prices)"),
@@ -287,3 +287,25 @@ def test_a_config_renames_when_a_server_has_a_model_map_or_there_is_a_pool():
     assert config.parse('[servers.a]\nurl = "https://a"\nmodels = {"claude-*" = "glm-4.6"}\n').renames
     assert config.parse('[servers.a]\nurl = "https://a"\n[servers.b]\nurl = "https://b"\n'
                         '[pools.p]\nmembers = ["a", "b"]\n').renames
+
+
+MIXED_KEY = "Xy7kQ2mN9pL4rT8vW3zA6bC1dE5fG0hJ"     # 32 mixed-case letters and digits, as Mistral's keys
+
+
+@pytest.mark.parametrize("line, secret", [
+    (f'url = "https://api.mistral.ai"\nauth = "Bearer {MIXED_KEY}"', MIXED_KEY),   # the key where its style goes
+    (f'url = "https://api.mistral.ai"\nauth = "{MIXED_KEY}"', MIXED_KEY),
+    ('url = "api.example.com/v1?key=hunter2-secret"', "hunter2-secret"),          # no scheme: the query not echoed
+    ('url = "user:hunter2-secret@api.example.com"', "hunter2-secret"),
+    ('url = "ftp://user:hunter2-secret@api.example.com"', "hunter2-secret"),
+    (f'url = "{MIXED_KEY}"', MIXED_KEY),                                           # the key where the URL goes
+    (f'url = "https://api.example.com"\n[servers.a.prices."x"]\ninput = "{MIXED_KEY}"', MIXED_KEY),
+])
+def test_a_config_error_never_echoes_a_credential_it_quotes(line: str, secret: str):
+    """A key pasted where a style, a URL or a price belongs: the error (logged by the proxy, in
+    its status, printed by the CLI) names the place, never the key. Before, ``auth`` was echoed
+    lower-cased (which hid a mixed-case key from the redaction too) and a URL whole."""
+    with pytest.raises(ConfigError) as e:
+        config.parse(f"[servers.a]\n{line}\n")
+    assert secret not in str(e.value) and secret.lower() not in str(e.value), str(e.value)
+    assert "servers.a." in str(e.value)

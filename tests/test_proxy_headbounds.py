@@ -45,13 +45,17 @@ def _received(cmds) -> list:
 
 def test_the_classes_mitmproxy_makes_are_ours_while_loaded():
     original = (http_layer.Http1Client, http_layer.Http1Server)
+    h2 = (http_layer.Http2Client, http_layer.Http2Server)
     a, b = HeadBounds(), HeadBounds()
     a.load(None)
     b.load(None)                # a reloaded script: the new part loads before the old goes
     a.done()
     assert (http_layer.Http1Client, http_layer.Http1Server) == (headbounds._BoundedClient, headbounds._BoundedServer)
+    assert (http_layer.Http2Client, http_layer.Http2Server) == (headbounds._QuietHttp2Client,
+                                                                headbounds._QuietHttp2Server)
     b.done()
     assert (http_layer.Http1Client, http_layer.Http1Server) == original
+    assert (http_layer.Http2Client, http_layer.Http2Server) == h2
 
 
 def test_a_response_head_that_never_ends_fails_at_the_bound_and_is_dropped():
@@ -164,3 +168,40 @@ def test_a_head_cut_short_is_said_by_its_size_never_its_bytes(caplog):
     cmds += list(c.handle_event(events.ConnectionClosed(ctx.server)))
     [error] = [e for e in _received(cmds) if isinstance(e, ResponseProtocolError)]
     assert "within its answer's head (37 bytes, not shown)" in error.message and "SECRET" not in error.message
+
+
+@pytest.mark.parametrize("head", [b"POST /v1/messages HTTP/1.1\r\nx-api-key sk-ant-SECRET\r\n\r\n",
+                                  b"POST /v1/messages?key=SECRET HTTP/1.1 x\r\n\r\n"])
+def test_a_request_head_it_cannot_parse_is_said_by_its_size_never_its_bytes(head: bytes):
+    ctx = Context(tflow.tclient_conn(), options.Options())
+    s = headbounds._BoundedServer(ctx)
+    list(s.handle_event(events.Start()))
+    cmds = _feed(s, ctx.client, head)
+    logs = [x.message for x in cmds if isinstance(x, commands.Log)]
+    assert logs and all("not shown" in m and "SECRET" not in m for m in logs), logs
+
+
+@pytest.mark.parametrize("answer", [b'{"error": "SECRET"}\r\n\r\n',
+                                    b"HTTP/1.1 200 OK\r\nX-Detail SECRET\r\n\r\n",
+                                    b"HTTP/1.1 200 OK\r\nContent-Length: SECRET\r\n\r\n",
+                                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n{\"SECRET\": 1}\r\n"])
+def test_an_answer_it_cannot_parse_is_said_by_its_size_never_its_bytes(answer: bytes):
+    c, ctx = _client()
+    [error] = [e for e in _received(_feed(c, ctx.server, answer)) if isinstance(e, ResponseProtocolError)]
+    assert "not shown" in error.message and "SECRET" not in error.message, error.message
+
+
+def test_the_header_check_of_both_http_versions_says_a_value_by_its_size_while_loaded():
+    from mitmproxy import http
+    original = http_layer.validate_headers
+    bad = http.Request.make("POST", "https://example.com/v1/messages", b"")
+    bad.headers["content-length"] = "1SECRET"
+    h = HeadBounds()
+    h.load(None)
+    try:
+        with pytest.raises(ValueError) as e:
+            http_layer.validate_headers(bad)
+        assert "not shown" in str(e.value) and "SECRET" not in str(e.value)
+    finally:
+        h.done()
+    assert http_layer.validate_headers is original

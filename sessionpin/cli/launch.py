@@ -5,13 +5,17 @@ shows one line per decision (``flow_detail=0``: mitmdump's own per-flow lines of
 router drops mitmproxy's connection chatter) — ``--verbose`` brings both back.
 A store URL holding a password is handed to mitmdump in ``$SESSIONPIN_STORE``, never on
 its command line (which ``ps`` shows to every user, and which ``run`` prints): the
-printed command shows it masked.
+printed command shows it masked. So do the secrets an operator passes to mitmdump after
+``--`` (``--set upstream_auth=…``, ``--upstream-auth``, ``--proxyauth``, ``web_password``, a
+store URL with a password, a ``--mode upstream:http://user:pass@…``): the line ``run`` prints
+goes to a terminal, and to the journal of a service manager.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -208,6 +212,30 @@ def private_umask() -> int:
     return old
 
 
+SECRET_OPTIONS = ("upstream_auth", "proxyauth", "web_password")      # mitmproxy's, holding a password
+SECRET_FLAGS = ("--upstream-auth", "--proxyauth", "--web-password")
+_USERINFO = re.compile(r"(?<=//)[^/@\s]+@")
+
+
+def shown_command(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` as ``run`` prints it: every secret it carries masked (``***``), the rest as is."""
+    out: list[str] = []
+    for i, arg in enumerate(cmd):
+        before = cmd[i - 1] if i else ""
+        if before in SECRET_FLAGS:
+            arg = "***"
+        elif before == "--set" and "=" in arg:
+            name, _, value = arg.partition("=")
+            if name in SECRET_OPTIONS:
+                arg = f"{name}=***"
+            elif name == "sessionpin_store":
+                arg = f"{name}={safe_url(value)}"
+        elif before in ("--mode", "-m") or arg.startswith("--mode="):
+            arg = _USERINFO.sub("***@", arg)
+        out.append(arg)
+    return out
+
+
 def store_env(ctx: Ctx) -> dict[str, str]:
     """The environment that hands mitmdump a store URL holding a password (else none)."""
     return {} if safe_url(ctx.store_url) == ctx.store_url else {"SESSIONPIN_STORE": ctx.store_url}
@@ -218,7 +246,7 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace, extra: Sequence[str]) -> int:
     extra = [a for a in extra if a != "--"] if extra[:1] == ["--"] else list(extra)
     cmd = run_command(ctx, args.web, extra, args.verbose)
     env = store_env(ctx)
-    shown = shlex.join(cmd)
+    shown = shlex.join(shown_command(cmd))
     if env:
         shown = f"SESSIONPIN_STORE={shlex.quote(ctx.store_shown)} {shown}"
     if args.dry_run:

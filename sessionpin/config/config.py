@@ -37,7 +37,7 @@ from ..reader import paths
 from ..reader.facts import AGENTS
 from ..accounting.prices import KINDS as PRICE_KINDS
 from ..accounting.prices import Price
-from .redact import contains_key, shown
+from .redact import contains_key, scrub, shown
 
 AUTH_STYLES = ("x-api-key", "bearer")
 SERVER_KEYS = ("url", "key_env", "auth", "models", "prices")
@@ -246,6 +246,18 @@ def _trusted(p: Path, st: os.stat_result) -> None:
                           f"send your keys elsewhere: refusing it; run 'chmod go-w {p}'")
 
 
+def _url_shown(url: str) -> str:
+    """A URL the config refuses, as an error quotes it: without what may hold a credential (a
+    user and password, a query, a fragment), by its first characters and length if the rest
+    still reads as a key."""
+    cut = url.split("?", 1)[0].split("#", 1)[0]
+    if "@" in cut.split("/", 3)[2 if "://" in cut else 0]:
+        scheme, sep, rest = cut.rpartition("://")
+        cut = scheme + sep + "…@" + rest.split("@", 1)[1]
+    hidden = "" if cut == url else " (its user, query or fragment not shown)"
+    return (shown(cut) if contains_key(cut) else repr(cut)) + hidden
+
+
 def parse(text: str, path: str | None = None) -> Config:
     try:
         doc = tomllib.loads(text)
@@ -304,7 +316,9 @@ class _Validator:
             return None
 
     def error(self, keys: tuple[str, ...], message: str) -> ConfigError:
-        return ConfigError(self.path, self.line_of(keys), ".".join(_show(k) for k in keys), message)
+        # (a message quotes what the operator wrote; a key pasted where a name or a URL belongs
+        # must not be echoed by the log, status and the CLI: what reads as one is redacted)
+        return ConfigError(self.path, self.line_of(keys), ".".join(_show(k) for k in keys), scrub(message))
 
     def table(self, value: object, keys: tuple[str, ...]) -> dict:
         if not isinstance(value, dict):
@@ -358,9 +372,9 @@ class _Validator:
         except ValueError as e:
             raise self.error(at + ("url",), f"not a URL: {e}") from None
         if parts.scheme not in _DEFAULT_PORT:
-            raise self.error(at + ("url",), f"must start with https:// or http://, got {url!r}")
+            raise self.error(at + ("url",), f"must start with https:// or http://, got {_url_shown(url)}")
         if not parts.hostname:
-            raise self.error(at + ("url",), f"no host in {url!r}")
+            raise self.error(at + ("url",), f"no host in {_url_shown(url)}")
         if parts.query or parts.fragment or parts.username or parts.password:
             raise self.error(at + ("url",), "an origin and a path prefix only: no query, fragment or user")
         prefix = parts.path.rstrip("/")
@@ -378,9 +392,15 @@ class _Validator:
                                                     "(letters, digits and '_', not starting with a digit)")
         auth = None
         if "auth" in body:
-            auth = self.string(body["auth"], at + ("auth",)).strip().lower() or None
+            written = self.string(body["auth"], at + ("auth",)).strip()
+            auth = written.lower() or None
             if auth not in (None, *AUTH_STYLES):
-                raise self.error(at + ("auth",), f"must be one of {', '.join(AUTH_STYLES)}, got {auth!r}")
+                # said as written (lower case hid a mixed-case key from the redaction) and, when
+                # it reads as a credential (``Bearer <key>``: the key itself, not its style), by
+                # its first characters and length only
+                said = shown(written) if contains_key(written) else repr(written)
+                raise self.error(at + ("auth",), f"must be one of {', '.join(AUTH_STYLES)} (the style the key "
+                                                 f"is sent in, not the key), got {said}")
         models: list[tuple[str, str]] = []
         if "models" in body:
             for pattern, target in self.table(body["models"], at + ("models",)).items():

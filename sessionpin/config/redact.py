@@ -20,12 +20,18 @@ Rules this module keeps:
 - ``shown(value)`` names a value by its first few characters and its length only
   (``sk-a…(40 chars)``), whatever it is.
 - ``scrub(text)`` replaces every word of a message holding a key-looking part with ``[redacted]``.
+- ``unquoted(message)`` replaces every value a message quotes as Python prints one (``b'…'``,
+  ``bytearray(b'…')``, ``'…'``: how mitmproxy's and h11's parse errors show a peer's bytes — a
+  header line with the agent's key, a request line with ``?key=``, the first line of an answer)
+  with its size: such a message is logged, put in the flow's error and sent to the agent, and a
+  peer's bytes are content, whatever their shape, so the key heuristic is not enough there.
 It is a heuristic: it errs towards calling things keys, because the places it guards
 (forwarded headers, error messages) lose little when a harmless value is dropped.
 """
 
 from __future__ import annotations
 
+import codecs
 import re
 
 # Vendor key prefixes (case-sensitive), each followed by >= 16 key characters.
@@ -79,3 +85,75 @@ def scrub(text: str) -> str:
     """``text`` with every word that holds a key-looking part replaced by ``[redacted]``
     (the whole word: a z.ai key is ``<hex>.<secret>``, and only its hex reads as random)."""
     return _TOKEN.sub(lambda m: "[redacted]" if contains_key(m.group()) else m.group(), text)
+
+
+# A value as Python's repr() prints it, where a message quotes one: bytes (``b'…'``) or a
+# bytearray (``bytearray(b'…')``) first, then a str (``'…'``); not inside a word (an apostrophe
+# in "server's" opens nothing). Only its start is found by a pattern; its end is the next quote
+# of the same kind that no backslash escapes, found by ``str.find`` (a 256 KiB head's repr: a
+# few milliseconds at most, where a pattern walking it took 25-50). Bytes first: a message may
+# also hold a raw character in quotes (h2's "Illegal character '\n' in header value: b'…'"),
+# which must not pair with the bytes' opening quote (it is then hidden too: a character).
+_BYTES_START = re.compile(r"(?<![\w'\"])(?:bytearray\()?b['\"]")
+_STR_START = re.compile(r"(?<![\w'\"])['\"]")
+
+
+def _closing(text: str, quote: str, at: int) -> int:
+    """Where the quote opened before ``at`` ends (-1: it does not)."""
+    floor = at
+    while True:
+        k = text.find(quote, at)
+        if k < 0:
+            return -1
+        if not _escaped(text, k, floor):
+            return k
+        at = k + 1
+
+
+def _escaped(text: str, k: int, floor: int) -> bool:
+    """Whether an odd run of backslashes (after ``floor``) ends at ``k``: counted in C, in
+    windows growing fourfold, so a long run costs its length once, not a step per backslash."""
+    width = 64
+    while True:
+        low = max(floor, k - width)
+        seg = text[low:k]
+        run = len(seg) - len(seg.rstrip("\\"))
+        if run < len(seg) or low == floor:
+            return run % 2 == 1
+        width *= 4
+
+
+def _quoted_size(body: str, is_bytes: bool) -> str:
+    try:
+        # the repr's escapes undone in C
+        n = len(codecs.escape_decode(body.encode("latin-1", "replace"))[0])
+    except (ValueError, UnicodeError):
+        n = len(body)
+    return f"({n} {'bytes' if is_bytes else 'characters'}, not shown)"
+
+
+def _replace_quoted(text: str, start: re.Pattern, is_bytes: bool) -> str:
+    out, at = [], 0
+    while (m := start.search(text, at)) is not None:
+        quote = m.group()[-1]
+        end = _closing(text, quote, m.end())
+        if end < 0:         # never closed (cut short?): the rest is hidden, not shown
+            out += [text[at:m.start()], _quoted_size(text[m.end():], is_bytes)]
+            return "".join(out)
+        if m.group().startswith("bytearray(") and text.startswith(")", end + 1):
+            stop = end + 2
+        else:
+            stop = end + 1
+        out += [text[at:m.start()], _quoted_size(text[m.end():end], is_bytes)]
+        at = stop
+    out.append(text[at:])
+    return "".join(out)
+
+
+def unquoted(message: str) -> str:
+    """``message`` with every value it quotes as Python prints one replaced by its size
+    (``Invalid header line: b'x-api-key sk-…'`` → ``Invalid header line: (23 bytes, not shown)``).
+    A message without a quote character is returned as it is, unread."""
+    if not isinstance(message, str) or ("'" not in message and '"' not in message):
+        return message
+    return _replace_quoted(_replace_quoted(message, _BYTES_START, True), _STR_START, False)

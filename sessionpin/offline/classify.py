@@ -8,7 +8,10 @@ Rules this command keeps:
   Content-Encoding header says. A flow's body is raw and decoded by its Content-Encoding.
 - One line per request: ``file``, ``index`` (the flow's position, 0 for a JSON request),
   ``method``, ``url``, then every field of ``Facts`` (null where a fact does not apply).
-  Nothing from a prompt is printed.
+  Nothing from a prompt is printed, and no credential a URL carries: ``url`` is printed without
+  its user and password, and with each query parameter's value replaced by ``…`` but ``beta``'s
+  (Claude Code's ``?beta=true``), whose value is kept unless it reads as a key — Gemini's
+  ``?key=AIza…`` is a credential, and these lines get pasted into bug reports.
 - A file that cannot be read gives one line on stderr naming it, the others are still
   classified, and the exit status is 1.
 """
@@ -19,9 +22,11 @@ import json
 import sys
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import unquote_plus
 
 import msgspec
 
+from ..config.redact import contains_key
 from ..reader import facts
 from . import flowfile
 
@@ -60,8 +65,30 @@ def json_request(data: bytes) -> tuple[str, str, Any, bytes | None, str | None]:
     return method, url, [tuple(p) for p in headers], raw, "identity"
 
 
+SHOWN_QUERY = frozenset({"beta"})      # the query parameters whose values are printed (as headers.QUERY)
+
+
+def shown_url(url: str) -> str:
+    """``url`` as a line prints it: no user or password, the query's values but ``beta``'s as ``…``."""
+    base, sep, query = url.partition("?")
+    scheme, slashes, rest = base.partition("://")
+    if slashes:
+        authority, slash, path = rest.partition("/")
+        if "@" in authority:
+            base = f"{scheme}://…@{authority.rpartition('@')[2]}{slash}{path}"
+    if not sep:
+        return base
+    query, hash_, _fragment = query.partition("#")
+    parts = []
+    for part in query.split("&"):
+        name, eq, value = part.partition("=")
+        keep = unquote_plus(name) in SHOWN_QUERY and not contains_key(unquote_plus(value))
+        parts.append(part if keep or not eq else f"{name}=…")
+    return base + "?" + "&".join(parts) + ("#…" if hash_ else "")
+
+
 def _line(path: str, index: int, method: str, url: str, f: facts.Facts) -> str:
-    out: dict[str, Any] = {"file": path, "index": index, "method": method, "url": url}
+    out: dict[str, Any] = {"file": path, "index": index, "method": method, "url": shown_url(url)}
     out.update(msgspec.structs.asdict(f))
     out.pop("model_span", None)      # where the model sits in the body: the rewriter's, not a fact
     return json.dumps(out, ensure_ascii=False)

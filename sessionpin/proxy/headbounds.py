@@ -35,6 +35,19 @@ WebSocket connections):
   bytes: mitmproxy logged a client's partial head verbatim ("Client closed connection before
   completing request headers: b'…'"), the agent's key among them, and put a server's into the
   flow's error (logged by the router, and in the agent's 502).
+- A peer's bytes that mitmproxy or h11 quote in a parse error are said by their size, never
+  shown (``redact.unquoted``): a request line (``?key=…``) or a header line without a colon
+  (``x-api-key sk-…``) from a client, a server's first line that is no status line (an answer
+  written without its head), a header line or length it cannot read, a chunk-size line that
+  is the answer's content. mitmproxy logged the client's (``127.0.0.1:…: Invalid header line:
+  b'x-api-key sk-…'``, whatever ``flow_detail``) and put the server's into the flow's error,
+  which the router logged and the agent's 502 showed. The same for the header checks both
+  HTTP versions run on a message's head (``validate_headers``: ``Received invalid header name:
+  b'…'``), whose message goes into the flow's error and the peer's 400 or 502, and for
+  mitmproxy's HTTP/2 connections (``_QuietHttp2Client``, ``_QuietHttp2Server``, in place of
+  ``Http2Client`` and ``Http2Server``: nothing else of theirs changes), where h2 quotes a header
+  value it refuses ("HTTP/2 protocol error: Received header value surrounded by whitespace
+  b' sk-…'", logged with the peer's address).
 - ``MAX_HEAD`` (256 KiB) is sixteen times what Node's HTTP client (Claude Code, OpenCode, pi)
   accepts for a whole head, and four times Python's line limit: no server an agent can read
   sends more.
@@ -50,9 +63,11 @@ from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.layers import http as http_layer
-from mitmproxy.proxy.layers.http import _http1
+from mitmproxy.proxy.layers.http import _http1, _http2
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
-from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
+from mitmproxy.proxy.layers.http._events import ErrorCode, RequestProtocolError, ResponseProtocolError
+
+from ..config.redact import unquoted
 
 log = logging.getLogger("sessionpin")
 
@@ -110,6 +125,27 @@ def _without_trailers(conn: _http1.Http1Connection, side: str) -> None:
         conn.body_reader = _NoTrailers(reader, side, conn.conn)
 
 
+def _unquoted(command):
+    """A command of mitmproxy's HTTP/1 connection with the peer's bytes it quotes said by their
+    size: its log lines and its protocol errors (the flow's error, the agent's 502). Everything
+    else (the data, the heads, the peer's own 400) passes as it is: one type check each."""
+    if isinstance(command, ReceiveHttp):
+        event = command.event
+        if isinstance(event, (RequestProtocolError, ResponseProtocolError)):
+            event.message = unquoted(event.message)
+    elif isinstance(command, commands.Log):
+        command.message = unquoted(command.message)
+    return command
+
+
+def _validate_headers(message) -> None:
+    """mitmproxy's ``validate_headers``, its error saying the value by its size."""
+    try:
+        _VALIDATE(message)
+    except ValueError as e:
+        raise ValueError(unquoted(str(e))) from None
+
+
 def _drop(conn: _http1.Http1Connection) -> None:
     conn.buf = ReceiveBuffer()
     conn.state = conn._dropped
@@ -119,7 +155,8 @@ class _BoundedClient(_http1.Http1Client):
     """mitmproxy's Http1Client (its side facing a server) with the bound of this module."""
 
     def _handle_event(self, event: events.Event):
-        yield from super()._handle_event(event)
+        for command in super()._handle_event(event):
+            yield _unquoted(command)
         if isinstance(event, events.DataReceived) and (what := _unfinished(self)) is not None:
             message = _message("server", what, self.conn)
             log.warning(message)
@@ -165,7 +202,8 @@ class _BoundedServer(_http1.Http1Server):
     head (a body line of a request already on its way is mitmproxy's to end)."""
 
     def _handle_event(self, event: events.Event):
-        yield from super()._handle_event(event)
+        for command in super()._handle_event(event):
+            yield _unquoted(command)
         if isinstance(event, events.DataReceived) and _unfinished(self) == "head":
             message = _message("client", "head", self.conn)
             log.warning(message)
@@ -191,7 +229,25 @@ class _BoundedServer(_http1.Http1Server):
         yield from ()
 
 
+class _QuietHttp2Client(_http2.Http2Client):
+    """mitmproxy's Http2Client (its side facing a server), its errors quoting nothing."""
+
+    def _handle_event(self, event: events.Event):
+        for command in super()._handle_event(event):
+            yield _unquoted(command)
+
+
+class _QuietHttp2Server(_http2.Http2Server):
+    """mitmproxy's Http2Server (its side facing a client), its errors quoting nothing."""
+
+    def _handle_event(self, event: events.Event):
+        for command in super()._handle_event(event):
+            yield _unquoted(command)
+
+
 _ORIGINAL = (http_layer.Http1Client, http_layer.Http1Server)
+_ORIGINAL_H2 = (http_layer.Http2Client, http_layer.Http2Server)
+_VALIDATE = http_layer.validate_headers    # mitmproxy's check of a head (HTTP/1 and HTTP/2), by name in its layer
 _installed = 0            # HeadBounds loaded (a reloaded script's new addons load before the old go)
 
 
@@ -200,9 +256,13 @@ class HeadBounds:
         global _installed
         _installed += 1
         http_layer.Http1Client, http_layer.Http1Server = _BoundedClient, _BoundedServer
+        http_layer.validate_headers = _validate_headers
+        http_layer.Http2Client, http_layer.Http2Server = _QuietHttp2Client, _QuietHttp2Server
 
     def done(self) -> None:
         global _installed
         _installed = max(0, _installed - 1)
         if not _installed:
             http_layer.Http1Client, http_layer.Http1Server = _ORIGINAL
+            http_layer.validate_headers = _VALIDATE
+            http_layer.Http2Client, http_layer.Http2Server = _ORIGINAL_H2

@@ -57,6 +57,7 @@ from collections import Counter, OrderedDict, deque
 
 from mitmproxy import http
 
+from ..config.redact import unquoted
 from ..reader import facts as F
 from ..accounting import ledger
 from ..reader import promptshape
@@ -365,8 +366,10 @@ class LedgerWatch:
             return
         try:
             resp = flow.response
+            # (a protocol error may quote a peer's bytes: said by their size, as in the log)
             self.spans.emit_request(meta, flow.request.timestamp_start or time.time(), time.time(),
-                                    resp.status_code if resp is not None else None, error)
+                                    resp.status_code if resp is not None else None,
+                                    unquoted(error) if error is not None else None)
         except Exception:
             log.exception("sessionpin: ledger: cannot emit a span")
 

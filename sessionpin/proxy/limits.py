@@ -239,6 +239,12 @@ class BodyLimit:
 
 def _message(flow: http.HTTPFlow, limit: int) -> str:
     size = headerview.get(flow.request.headers, "content-length", None)
-    what = f"body ({size} bytes) is over" if size is not None else "body (sent without a length) grew past"
+    if size is not None and not (size.strip().isascii() and size.strip().isdigit() and len(size.strip()) <= 20):
+        # a length that is no number is refused as too large; the header's value is the
+        # client's, not a thing to copy into the log and the answer
+        what = "body (sent with a length that is not a number) is over"
+    else:
+        what = f"body ({size.strip()} bytes) is over" if size is not None else \
+            "body (sent without a length) grew past"
     return (f"sessionpin: this request's {what} the proxy's limit of {limit // MIB} MiB "
             f"(sessionpin_max_body_mb); it was not sent anywhere.")

@@ -61,6 +61,7 @@ import msgspec
 from mitmproxy import ctx, http
 from mitmproxy.net.http import url
 
+from ..config.redact import unquoted
 from ..decision import answers, ladder, rewrite, route
 from ..records import lineindex, pins
 from ..reader import facts as F
@@ -559,7 +560,7 @@ class Router:
         if not meta or not meta.get("target") or flow.response is not None:
             return
         log.warning("sessionpin: %s %s → %s failed: %s (the conversation stays on %s)", meta.get("turn"),
-                    short(meta.get("session")), meta.get("target"), flow.error.msg if flow.error else "?",
+                    short(meta.get("session")), meta.get("target"), unquoted(flow.error.msg) if flow.error else "?",
                     meta.get("target"))
 
     # ---- Codex's WebSocket -----------------------------------------------------------------------

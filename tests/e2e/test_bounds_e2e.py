@@ -371,3 +371,151 @@ def test_a_request_head_cut_short_never_writes_its_key_to_the_log(rig: Rig) -> N
                                 r"request head \(\d+ bytes", since=lines)
     assert CLIENT_KEY not in rig.mitm.tail(rig.mitm.line_count - lines)
     assert said
+
+
+def _tunnel(rig: Rig):
+    """A TLS connection through the proxy to the anthropic fake, for bytes no client library sends."""
+    import socket
+    import ssl
+    sock = socket.create_connection(("127.0.0.1", rig.mitm.port), timeout=10)
+    host = f"127.0.0.1:{rig.anthropic.port}"
+    sock.sendall(f"CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    ctx = ssl.create_default_context(cafile=str(rig.mitm.mitm_ca))
+    return ctx.wrap_socket(sock, server_hostname="127.0.0.1"), host
+
+
+UNREADABLE_ANSWERS = {
+    # an answer written without its head: its first line is no status line
+    "no-status-line": b'{"type": "error", "error": {"message": "%s"}}\r\n\r\n',
+    "header-line-without-colon": b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nX-Detail %s\r\n\r\n",
+    "length-not-a-number": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %s\r\n\r\n{}",
+    "bad-header-name": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n%s x: y\r\n\r\n{}",
+    # chunked said, the content written as it is: the first line of content read as a chunk size
+    "content-as-chunk-size": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b'{"type": "message", "content": "%s"}\r\n\r\n',
+}
+
+
+@pytest.mark.parametrize("shape", sorted(UNREADABLE_ANSWERS))
+def test_an_answer_the_proxy_cannot_parse_never_writes_its_bytes_to_the_log(rig: Rig, shape: str) -> None:
+    """A server whose answer mitmproxy cannot parse: mitmproxy quoted the bytes it could not read
+    in the flow's error ("Cannot parse HTTP response: Bad HTTP response line: b'{"type": …'",
+    "illegal chunk header: bytearray(b'…')", "invalid content-length header: '…'"), which the
+    router logged (`opening … → glm failed: …`) and the agent's 502 showed: the answer's
+    content in the proxy's log. Now the error says how many bytes, not what they were; the
+    proxy goes on."""
+    sentinel = "ANSWER-CONTENT-" + uuid.uuid4().hex[:8]
+    raw = UNREADABLE_ANSWERS[shape].replace(b"%s", sentinel.encode())
+
+    def answer(h, rec, n):
+        h.wfile.write(raw)
+        h.wfile.flush()
+        time.sleep(0.2)
+        h.close_connection = True
+    lines = rig.mitm.line_count
+    rig.glm._answer = answer
+    try:
+        r = rig.send("/v1/messages", opening())
+    except Exception as e:        # the answer's head had left (chunked): its stream is cut
+        r = e
+    finally:
+        del rig.glm._answer
+    if not isinstance(r, Exception):
+        assert r.status == 502 and sentinel not in r.text, (r.status, r.text[:300])
+    assert rig.mitm.wait_output(r"POST https://127\.0\.0\.1:\d+/api/anthropic/v1/messages", since=lines)
+    time.sleep(0.3)
+    said = rig.mitm.tail(rig.mitm.line_count - lines)
+    assert "not shown" in said, said
+    assert sentinel not in said, said
+    assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive
+
+
+UNREADABLE_REQUESTS = {
+    "header-line-without-colon": "POST /v1/messages HTTP/1.1\r\nHost: {host}\r\nx-api-key {key}\r\n\r\n",
+    "request-line": "POST /v1/messages?key={key} HTTP/1.1 x\r\nHost: {host}\r\n\r\n",
+    "bad-header-name": "POST /v1/messages HTTP/1.1\r\nHost: {host}\r\nx-api-key: {key}\r\n{key} x: y\r\n\r\n",
+    "length-not-a-number": "POST /v1/messages HTTP/1.1\r\nHost: {host}\r\nContent-Length: 1{key}\r\n\r\n",
+    "content-as-chunk-size": "POST /v1/messages HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                             "Transfer-Encoding: chunked\r\n\r\n{{\"model\": \"claude-opus-4-5\", \"x\": \"{key}\"}}\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(UNREADABLE_REQUESTS))
+def test_a_request_the_proxy_cannot_parse_never_writes_its_bytes_to_the_log(rig: Rig, shape: str) -> None:
+    """A request head (or chunk line) mitmproxy cannot parse: it logged the line it could not
+    read verbatim, whatever flow_detail ("127.0.0.1:…: Invalid header line: b'x-api-key sk-…'",
+    "Bad HTTP request line: b'POST /v1/messages?key=…'"), and put the others into the flow's
+    error (a header name, a length, the body's first line); sessionpin's 413 copied a length
+    that is no number into its line. Now each says how many bytes, not what they were."""
+    key = CLIENT_KEY + "-" + uuid.uuid4().hex[:8]
+    tls, host = _tunnel(rig)
+    lines = rig.mitm.line_count
+    tls.sendall(UNREADABLE_REQUESTS[shape].format(host=host, key=key).encode())
+    got = b""
+    try:
+        while chunk := tls.recv(65536):
+            got += chunk
+    except OSError:
+        pass
+    tls.close()
+    if shape == "content-as-chunk-size":
+        assert got == b"", got[:200]    # mitmproxy closes the connection (its head had gone on to the hooks)
+    else:
+        assert got.startswith((b"HTTP/1.1 400", b"HTTP/1.1 413")), got[:200]   # the client is told
+    time.sleep(0.5)
+    said = rig.mitm.tail(rig.mitm.line_count - lines)
+    assert key not in said, said
+    assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive
+
+
+@pytest.mark.parametrize("value", ["surrounded-by-whitespace", "with-a-newline"])
+def test_an_http2_header_the_proxy_refuses_never_writes_its_value_to_the_log(rig: Rig, value: str) -> None:
+    """An HTTP/2 client's header value mitmproxy's h2 refuses (surrounded by whitespace, holding
+    a newline): h2 quoted the value in its error, which mitmproxy logged with the client's
+    address whatever flow_detail ("HTTP/2 protocol error: Received header value surrounded by
+    whitespace b' sk-ant-…'"): the agent's key in the proxy's log. Now the line says how many
+    bytes, not what they were."""
+    import h2.config
+    import h2.connection
+    key = CLIENT_KEY + "-" + uuid.uuid4().hex[:8]
+    sent = " " + key if value == "surrounded-by-whitespace" else key + "\n"
+    tls, host = _tunnel_h2(rig)
+    lines = rig.mitm.line_count
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, header_encoding="utf-8", validate_outbound_headers=False, normalize_outbound_headers=False))
+    conn.initiate_connection()
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", host),
+                            (":path", "/v1/messages"), ("x-api-key", sent)], end_stream=True)
+    tls.sendall(conn.data_to_send())
+    try:
+        while tls.recv(65536):
+            pass
+    except OSError:
+        pass
+    tls.close()
+    # (h2 quotes a newline as it is: that error is two lines, the value on the second)
+    said = rig.mitm.wait_output(r"(HTTP/2 protocol error: |' in header value: ).*\(\d+ bytes, not shown\)", since=lines)
+    assert key not in rig.mitm.tail(rig.mitm.line_count - lines)
+    assert said
+    assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive
+
+
+def _tunnel_h2(rig: Rig):
+    """``_tunnel`` speaking HTTP/2 (ALPN h2)."""
+    import socket
+    import ssl
+    sock = socket.create_connection(("127.0.0.1", rig.mitm.port), timeout=10)
+    host = f"127.0.0.1:{rig.anthropic.port}"
+    sock.sendall(f"CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    ctx = ssl.create_default_context(cafile=str(rig.mitm.mitm_ca))
+    ctx.set_alpn_protocols(["h2"])
+    tls = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
+    assert tls.selected_alpn_protocol() == "h2"
+    return tls, host

@@ -705,6 +705,32 @@ def test_config_error_on_reload_is_refused_and_the_previous_config_stays(rig):
     rig.set_config(current="glm")
 
 
+@pytest.mark.parametrize("written", ["auth", "url"])
+def test_a_config_error_never_writes_a_pasted_key_to_the_log_or_the_status(rig, written):
+    """The operator pastes the key where its style goes (``auth = "Bearer <key>"``) or puts it
+    in a URL's query: the reload is refused, and the error the proxy logs and its status shows
+    named the value it refused — the key, lower-cased (so not even the redaction saw a
+    mixed-case one) or the URL whole. Now it names the place, never the key."""
+    key = "Qz" + uuid.uuid4().hex[:15].upper() + uuid.uuid4().hex[:15]      # mixed case, letters and digits
+    rig.set_config(current="glm")
+    mark = rig.mitm.line_count
+    lines = rig.config(current="glm").rstrip("\n").splitlines()
+    table = lines.index("[servers.alt]")          # url, key_env, auth = "bearer" follow it
+    assert lines[table + 1].startswith("url =") and lines[table + 3] == 'auth = "bearer"', lines
+    if written == "auth":
+        lines[table + 3] = f'auth = "Bearer {key}"'
+    else:
+        lines[table + 1] = f'url = "127.0.0.1:{rig.fakes["alt"].port}/v1?key={key}"'
+    rig.mitm.write_config("\n".join(lines) + "\n")
+    assert rig.mitm.wait_output(r"config rejected", timeout=5.0, since=mark), rig.mitm.tail(20)
+    status = rig.status()
+    assert status is not None and status.get("config_error"), status
+    said = rig.mitm.tail(rig.mitm.line_count - mark) + json.dumps(status)
+    assert f"servers.alt.{written}" in said, said
+    assert key not in said and key.lower() not in said, said
+    rig.set_config(current="glm")
+
+
 def test_config_error_at_start_stops_mitmdump_with_the_message(rig, tmp_path):
     text = rig.config(current="nosuchserver")
     m = Mitmdump.router(tmp_path, rig.ca, text)

@@ -201,3 +201,49 @@ def test_what_is_alive_when_the_proxy_runs_is_frozen_out_of_the_collector_until_
         assert gc.get_freeze_count() == 0 and d.frozen == 0
     finally:
         gc.unfreeze()
+
+
+def _fail_on(value: str) -> None:
+    raise ValueError(f"cannot read header value {value!r} near {value.encode()!r}")
+
+
+@pytest.mark.parametrize("name", ["sessionpin", "sessionpin.store.file", "sessionpin.store.redis", "sessionpin.decisions"])
+def test_a_traceback_sessionpin_logs_says_where_never_what(proxy, caplog, name):
+    """An exception's text can quote what it failed on (a header's value, a piece of a body):
+    what sessionpin's loggers write of it is its type, its frames and its message with every
+    quoted value said by its size and key-looking words hidden."""
+    secret = "sk-ant-api03-Q8zv2Lr7XwKp4TnB9sYd6HcJ1mFgA5eRuV0iO3lZ"
+    read = " ".join(("PROMPT-" + "SENTINEL", secret))      # (the traceback shows this file's lines)
+    with caplog.at_level(logging.INFO, logger=name):
+        try:
+            _fail_on(read)
+        except ValueError:
+            logging.getLogger(name).exception("sessionpin: cannot decide %s %s", "POST", "/v1/messages")
+    text = caplog.text
+    assert "PROMPT-SENTINEL" not in text and "Q8zv2Lr7" not in text, text
+    assert "cannot decide POST /v1/messages" in text and "ValueError: cannot read header value" in text
+    assert "_fail_on" in text and "not shown" in text
+
+
+def test_tracebacks_are_as_they_were_once_the_proxy_is_done(tmp_path, caplog):
+    p = start(tmp_path / "none.toml")
+    p.close()
+    with caplog.at_level(logging.INFO, logger="sessionpin"):
+        try:
+            _fail_on("VISIBLE")
+        except ValueError:
+            logging.getLogger("sessionpin").exception("after")
+    assert "VISIBLE" in caplog.text
+
+
+def test_every_logger_sessionpin_writes_to_is_one_the_filter_knows():
+    import pathlib
+    from sessionpin.proxy import defaults
+    root = pathlib.Path(defaults.__file__).resolve().parents[1]
+    named = set()
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        named |= set(re.findall(r'getLogger\("(sessionpin[^"]*)"\)', text))
+        if "getLogger(__name__)" in text:
+            named.add(".".join(path.relative_to(root.parent).with_suffix("").parts))
+    assert named <= set(defaults.LOGGERS), named - set(defaults.LOGGERS)

@@ -880,3 +880,12 @@ def test_more_than_counts_as_bytes_count_does(raw, limit):
     stopping after ``limit + 1``) instead of ``bytes.count``: the same answer at every boundary."""
     from sessionpin.proxy.router import _more_than
     assert _more_than(raw, b"{", limit) is (raw.count(b"{") > limit)
+
+
+def test_an_exception_said_in_a_refusal_quotes_nothing_it_read():
+    from sessionpin.proxy.router import _said
+    e = KeyError("PROMPT-SENTINEL x-api-key sk-ant-api03-Q8zv2Lr7XwKp4TnB9sYd6HcJ1mFgA5eRuV0iO3lZ")
+    said = _said(e)
+    assert "PROMPT-SENTINEL" not in said and "Q8zv2Lr7" not in said and "not shown" in said
+    assert _said(RuntimeError("store closed")) == "store closed"
+    assert len(_said(RuntimeError("x" * 5000))) == 300

@@ -33,8 +33,11 @@ import os
 import stat
 import sys
 import time
+import traceback
 
 from mitmproxy import ctx
+
+from ..config import redact
 
 log = logging.getLogger("sessionpin")
 decisions = logging.getLogger("sessionpin.decisions")
@@ -50,6 +53,37 @@ class _NoChatter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.msg
         return not (isinstance(msg, str) and (msg in CHATTER[:2] or msg.startswith(CHATTER[2:])))
+
+
+class _ContentFree(logging.Filter):
+    """A traceback sessionpin logs says where, never what: the lines of the exception's own
+    message (not the frames') go through ``redact.unquoted`` (a quoted value → its size) and
+    ``redact.scrub`` (a key-looking word → ``[redacted]``). An exception's text can quote what
+    it failed on — a header's value, a piece of a body — and ``log.exception`` wrote it as it
+    was. mitmproxy's formatter reads ``exc_info`` itself, so the record carries the text
+    instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            lines = traceback.format_exception(*record.exc_info)
+            text = "".join(line if line.startswith("  ") else redact.scrub(redact.unquoted(line)) for line in lines)
+            record.msg, record.args = f"{record.getMessage()}\n{text.rstrip()}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_content_free = _ContentFree()
+
+
+# Every logger sessionpin's modules write to (a filter is a logger's own: its children's records
+# pass by it), made here if their module is not imported yet (the store's, at configure).
+LOGGERS = ("sessionpin", "sessionpin.decisions", "sessionpin.store.file", "sessionpin.store.redis",
+           "sessionpin.opencode_ids.service", "sessionpin.opencode_ids.participant")
+
+
+def _our_loggers() -> list[logging.Logger]:
+    made = [n for n in list(logging.root.manager.loggerDict) if n.startswith("sessionpin.")]
+    return [logging.getLogger(n) for n in dict.fromkeys((*LOGGERS, *made))]
 
 
 class DecisionLog:
@@ -190,6 +224,9 @@ class Defaults:
             "walk only what was made since.",
         )
 
+        for logger in _our_loggers():
+            logger.addFilter(_content_free)
+
     def running(self) -> None:
         if _option("sessionpin_gc_freeze", True):
             gc.collect()
@@ -216,6 +253,8 @@ class Defaults:
             self.frozen = 0
         self.decisions.flush()
         logging.getLogger("mitmproxy.proxy.server").removeFilter(_no_chatter)
+        for logger in _our_loggers():
+            logger.removeFilter(_content_free)
 
 
 def _option(name: str, default):

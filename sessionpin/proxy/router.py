@@ -61,7 +61,7 @@ import msgspec
 from mitmproxy import ctx, http
 from mitmproxy.net.http import url
 
-from ..config.redact import unquoted
+from ..config.redact import scrub, unquoted
 from ..decision import answers, ladder, rewrite, route
 from ..records import lineindex, pins
 from ..reader import facts as F
@@ -195,7 +195,7 @@ class Router:
             else:
                 log.exception("sessionpin: cannot decide %s %s", req.method, req.path.split("?")[0])
                 self._refuse(flow, facts, route.Refuse(
-                    502, "error", f"sessionpin could not decide this request ({type(e).__name__}: {e}); "
+                    502, "error", f"sessionpin could not decide this request ({type(e).__name__}: {_said(e)}); "
                                   "it was not sent"))
                 return
         if flow.response is None:
@@ -588,6 +588,12 @@ class _RedirectRefused:
             return b""
         self.sent = True
         return self.body
+
+
+def _said(e: Exception) -> str:
+    """An exception's text as an answer may carry it: what it quotes (a header's value, a piece
+    of a body) said by its size, key-looking words hidden, at most 300 characters."""
+    return scrub(unquoted(str(e)))[:300]
 
 
 def _option(name: str, default: int) -> int:

@@ -69,6 +69,7 @@ def test_every_package_says_what_it_holds():
 # Module-level objects of the shell and the pool that hold state, with why (proxy/__init__.py).
 PROCESS_STATE = {
     "sessionpin.proxy.defaults._no_chatter": "a logging filter without state (added and removed by identity)",
+    "sessionpin.proxy.defaults._content_free": "a logging filter without state (added and removed by identity)",
     "sessionpin.opencode_ids.options.BY_NAME": "a constant table: option name -> option",
 }
 

@@ -33,7 +33,6 @@ import os
 import stat
 import sys
 import time
-import traceback
 
 from mitmproxy import ctx
 
@@ -55,20 +54,52 @@ class _NoChatter(logging.Filter):
         return not (isinstance(msg, str) and (msg in CHATTER[:2] or msg.startswith(CHATTER[2:])))
 
 
+class _Said(Exception):
+    """An exception as a log may say it: its type's name, its frames, its text made safe."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _said(e: BaseException | None, depth: int = 0) -> BaseException | None:
+    """``e`` as a ``_Said`` of the same name and frames, its text (and its notes) through
+    ``redact.unquoted`` and ``redact.scrub``; its cause and context likewise."""
+    if e is None or depth > 8:
+        return None
+    kind = type(e)               # (made per exception logged: rare, and no state kept)
+    cls = type(kind.__name__, (_Said,), {"__module__": kind.__module__, "__qualname__": kind.__qualname__})
+    try:
+        text = str(e)
+    except Exception:                               # noqa: BLE001 - a __str__ that fails says nothing
+        text = ""
+    out = cls(redact.scrub(redact.unquoted(text)))
+    out.__traceback__ = e.__traceback__
+    out.__cause__ = _said(e.__cause__, depth + 1)
+    out.__context__ = _said(e.__context__, depth + 1)
+    out.__suppress_context__ = e.__suppress_context__
+    notes = getattr(e, "__notes__", None)
+    if isinstance(notes, list):
+        out.__notes__ = [redact.scrub(redact.unquoted(str(n))) for n in notes]
+    return out
+
+
 class _ContentFree(logging.Filter):
-    """A traceback sessionpin logs says where, never what: the lines of the exception's own
-    message (not the frames') go through ``redact.unquoted`` (a quoted value → its size) and
-    ``redact.scrub`` (a key-looking word → ``[redacted]``). An exception's text can quote what
-    it failed on — a header's value, a piece of a body — and ``log.exception`` wrote it as it
-    was. mitmproxy's formatter reads ``exc_info`` itself, so the record carries the text
-    instead."""
+    """A traceback sessionpin logs says where, never what: the exception's text (its cause's
+    and context's too) goes through ``redact.unquoted`` (a quoted value → its size) and
+    ``redact.scrub`` (a key-looking word → ``[redacted]``); its type's name and its frames stay.
+    An exception's text can quote what it failed on — a header's value, a piece of a body —
+    and ``log.exception`` wrote it as it was. mitmproxy's formatter reads ``exc_info`` itself,
+    so the record's exception is replaced by one that says only that."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            lines = traceback.format_exception(*record.exc_info)
-            text = "".join(line if line.startswith("  ") else redact.scrub(redact.unquoted(line)) for line in lines)
-            record.msg, record.args = f"{record.getMessage()}\n{text.rstrip()}", ()
-            record.exc_info, record.exc_text = None, None
+        info = record.exc_info
+        if info and info[1] is not None and not isinstance(info[1], _Said):
+            said = _said(info[1])
+            record.exc_info, record.exc_text = (type(said), said, info[2]), None
         return True
 
 

@@ -400,6 +400,27 @@ def test_move_yes_and_not_routed_and_already_there(env, capsys):
     assert code == 0 and "already not routed; nothing written" in o
 
 
+def test_move_to_a_re_pointed_server_is_how_the_operator_accepts_its_new_address(env, capsys):
+    # The proxy refuses a conversation whose server name now points at another host
+    # (ladder.moved) and says `sessionpin move SESSION SERVER`: that must write, not say
+    # "already on glm; nothing written", and record the new address.
+    async def put() -> None:
+        store = open_store(env.url)
+        try:
+            await pins.create(store, "ses_re1", pins.Pin(agent="opencode", server="glm", since=time.time(),
+                                                         renewed=time.time(), at="https://old.example"))
+        finally:
+            await store.close()
+    asyncio.run(put())
+    code, o, e = run(capsys, "move", "ses_re1", "glm", "--yes")
+    assert code == 0 and "Moved" in o and "https://old.example" in o + e and "https://api.z.ai" in o + e, (o, e)
+    assert read_pin(env.url, "ses_re1").at == "https://api.z.ai"
+    code, o, _ = run(capsys, "move", "ses_re1", "glm", "--yes")
+    assert code == 0 and "already on glm; nothing written" in o
+    code, o, _ = run(capsys, "move", "ses_re1", "anthropic", "--yes")
+    assert code == 0 and read_pin(env.url, "ses_re1").at == "https://api.anthropic.com"
+
+
 def test_forget(env, capsys):
     put_pins(env.url, RUNNING)
     # A not-routed pin: forgetting it moves nothing, no question asked.

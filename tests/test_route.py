@@ -313,6 +313,30 @@ def test_refusals_say_what_to_do():
     assert s.effect.retry_after is None and "'ete'" in s.effect.message
 
 
+def test_a_new_pin_records_where_its_server_is():
+    # the address ladder.moved compares a pin with: a server name re-pointed elsewhere later
+    made = []
+    def create(e):
+        made.append(e.pin)
+        return route.PinCreated()
+    seen, _, s = run(request(), lambda e: create(e) if isinstance(e, route.CreatePin) else answerer()(e))
+    assert made and made[0].server == "glm" and made[0].at == "https://api.z.ai"
+    assert pins.decode(pins.encode(made[0])).at == "https://api.z.ai"
+    old = pins.decode('{"agent":"claude-code","server":"glm","since":1,"renewed":1}')
+    assert old is not None and old.at == ""          # a pin made before: read, not compared
+
+
+def test_a_re_pointed_server_is_refused_naming_both_addresses_and_the_way_out():
+    p = Pin(agent=F.CLAUDE_CODE, server="glm", since=NOW - 60, renewed=NOW - 60, at="https://old.example:8443")
+    seen, s = drive(request(facts(F.CONTINUATION, has_history=True)), pin=Loaded(p, pins.encode(p)))
+    assert seen == ["ReadPin"]
+    e = s.effect
+    assert (type(e).__name__, e.status, e.kind, e.retry_after) == ("Refuse", 424, "pinned-server-moved", None)
+    m = e.message
+    assert "s-1" in m and "'glm'" in m and "https://old.example:8443" in m and "https://api.z.ai" in m
+    assert "sessionpin move s-1 glm" in m
+
+
 def test_a_store_that_lost_what_it_held_is_a_refusal_never_no_pin():
     s = route.begin(request(facts(F.CONTINUATION, has_history=True)))
     s = route.step(s.state, route.StoreLost("store file:x lost what it held: run `sessionpin store accept-loss`"))

@@ -427,8 +427,8 @@ def _decided(state: State, d: Decision) -> Step:
     r = state.request
     f = r.facts
     session = state.session or ""
-    if d.rule is Rule.PINNED_SERVER_GONE and _soft_pool(r, state.loaded.pin) is not None:
-        return _soft_miss(state, state.loaded.pin.server, "gone")
+    if d.rule in (Rule.PINNED_SERVER_GONE, Rule.PINNED_SERVER_MOVED) and _soft_pool(r, state.loaded.pin) is not None:
+        return _soft_miss(state, state.loaded.pin.server, "gone" if d.rule is Rule.PINNED_SERVER_GONE else "moved")
     if d.refuse and d.rule is Rule.OTHER_AGENT_PIN:
         pin = state.loaded.pin
         return _go(state, Refuse(d.refuse, d.rule, (
@@ -443,6 +443,13 @@ def _decided(state: State, d: Decision) -> Step:
         pinned = pin.server if pin else "?"
         where = r.config.path or "the sessionpin config"
         whose = f"session {session}" if state.loaded.pin else f"session {session} (a fork of {state.parent})"
+        if d.rule in (Rule.PINNED_SERVER_MOVED, Rule.FORK_OF_MOVED) and pin is not None:
+            now_at = r.config.servers[pinned].origin
+            return _go(state, Refuse(d.refuse, d.rule, (
+                f"sessionpin: {whose} is pinned to server '{pinned}' at {pin.at}, but '{pinned}' in {where} is "
+                f"now {now_at}, another host: the conversation is not sent there. Point [servers.{pinned}] "
+                f"url back at {pin.at} to carry on where it began, or move it to the new address yourself "
+                f"with `sessionpin move {state.parent or session} {pinned}` (or start a new conversation).")))
         return _go(state, Refuse(d.refuse, d.rule, (
             f"sessionpin: {whose} is pinned to server '{pinned}', which is no longer configured. "
             f"It is not moved to another server. Add [servers.{pinned}] back to {where}, or move the "
@@ -508,8 +515,10 @@ def _remember_opening(state: State) -> tuple[After, ...]:
 
 def _new_pin(state: State, d: Decision) -> Pin:
     r = state.request
+    server = r.config.servers.get(d.target) if d.target else None   # a pool's name: its allocation says
     return Pin(agent=r.facts.agent, server=d.target, since=r.now, renewed=r.now, rule=d.rule,
-               turn=r.facts.turn or "", source=r.source.name if r.source else "", parent=state.parent or "")
+               turn=r.facts.turn or "", source=r.source.name if r.source else "", parent=state.parent or "",
+               at=server.origin if server else "")
 
 
 # ---- server pools -----------------------------------------------------------------------

@@ -449,6 +449,47 @@ def test_switch_by_editing_the_config_keeps_running_conversations(rig):
         assert got.header("x-api-key") == GLM_KEY and got.path.startswith("/api/anthropic/v1/messages")
 
 
+def _reload(rig, text: str) -> None:
+    """Write ``text`` as the config and wait for the proxy's line saying it took it."""
+    mark = rig.mitm.line_count
+    rig.mitm.write_config(text)
+    rig.applied = text
+    assert rig.mitm.wait_output(r"config reloaded from", timeout=5.0, since=mark), rig.mitm.tail()
+
+
+def test_a_pinned_server_re_pointed_to_another_host_is_refused_not_followed(rig):
+    """A pin names a server; the server's URL names where it is. Re-pointed to another host
+    (the operator reused the name, or changed a provider), a running conversation pinned
+    there must not be sent on, history and all, to a host it never talked to: it is refused
+    (424) naming the session, the server, both addresses and the way out. New conversations
+    go to the new address; pointed back, the conversation carries on where it began."""
+    rig.set_config(current="glm")
+    s1 = new_session()
+    assert rig.send(cc("opening", s1)).status == 200
+    assert rig.where(s1) == {"glm": 1}
+    f = rig.fakes
+    # glm now at alt's address (with alt's key: the operator's pairing), alt itself gone
+    repointed = toml_config({"anthropic": {"url": f["anthropic"].url},
+                             "glm": {"url": f["alt"].url, "key_env": ALT_ENV, "auth": "bearer"}},
+                            {"claude-code": "glm"})
+    _reload(rig, repointed)
+    r = rig.send(cc("continuation", s1))
+    assert r.status == 424, (r.status, r.body[:300])
+    msg = r.body.decode()
+    assert short(s1) in msg or s1 in msg
+    assert "'glm'" in msg and f["glm"].origin in msg and f["alt"].origin in msg, msg
+    assert "sessionpin move" in msg, msg
+    assert r.header("x-should-retry") == "false"
+    assert rig.where(s1) == {"glm": 1}, "never sent to the host glm now names"
+    s2 = new_session()
+    assert rig.send(cc("opening", s2)).status == 200
+    assert rig.where(s2) == {"alt": 1}, "a new conversation goes where glm now is"
+    # pointed back: the running conversation carries on where it began, nothing lost
+    rig.set_config(current="glm")
+    assert rig.send(cc("continuation", s1)).status == 200
+    assert rig.where(s1) == {"glm": 2}
+
+
 def test_continuation_never_seen_begin_is_left_alone(rig):
     rig.set_config(current="glm")
     s = new_session()

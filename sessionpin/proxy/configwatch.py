@@ -8,6 +8,9 @@ Rules it keeps:
 - While running, the file is looked at every ``sessionpin_reload_ms``; a new text is
   applied once two looks in a row find it (never a half-written file); a text that fails
   validation is logged (file:line: key: problem) and the previous config stays in force.
+- Only a regular file of a config's size is read (``config.read_trusted``): a FIFO, a
+  directory, a device or a huge file at the path is refused, said once, the config kept —
+  never waited on or read whole on the loop.
 - A file that vanished keeps the config in force (an editor's save-by-rename, a
   mistaken delete). An emptied file is a valid, empty config: it routes no new
   conversation, and pinned ones still follow their pins (the router consults pins for

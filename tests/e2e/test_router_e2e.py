@@ -746,6 +746,65 @@ def test_config_error_on_reload_is_refused_and_the_previous_config_stays(rig):
     rig.set_config(current="glm")
 
 
+@pytest.mark.parametrize("shape", ["huge", "fifo", "directory"])
+def test_a_config_path_that_is_no_config_file_is_refused_and_the_proxy_keeps_serving(rig, shape):
+    """The config path replaced, while running, by something no config is: a file of 2 MiB (a
+    log file or a dump given as the config: valid TOML, a comment), a FIFO, a directory. The
+    watcher reads the path on the proxy's loop every 250 ms: a FIFO's open() waited there for a
+    writer — every request stalled — a huge file was read whole four times a second, and a
+    directory was skipped in silence. Each is refused with one line saying what it is; the
+    previous config stays in force, and the proxy keeps serving."""
+    import os
+    import shutil
+    rig.set_config(current="glm")
+    path = rig.mitm.config_path
+    good = path.read_text()
+    mark = rig.mitm.line_count
+    path.unlink()
+    if shape == "huge":
+        path.write_text(rig.config(current="anthropic") + "#" + "x" * (2 << 20) + "\n")
+    elif shape == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        path.mkdir(mode=0o700)
+    try:
+        said = {"huge": r"config rejected.*\d+ bytes", "fifo": r"config rejected.*not a regular file \(a FIFO\)",
+                "directory": r"config rejected.*not a regular file \(a directory\)"}[shape]
+        assert rig.mitm.wait_output(said, timeout=5.0, since=mark), rig.mitm.tail()
+        s = new_session()
+        r = rig.send(cc("opening", s), timeout=10.0)
+        assert r.status == 200 and rig.where(s) == {"glm": 1}, "the previous config is in force"
+        assert rig.send(cc("continuation", s), timeout=10.0).status == 200 and rig.where(s) == {"glm": 2}
+        assert not rig.mitm.wait_output(r"config reloaded from", timeout=0.6, since=mark), rig.mitm.tail()
+    finally:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        mark = rig.mitm.line_count
+        path.write_text(good)
+        assert rig.mitm.wait_output(r"accepted again|config reloaded", timeout=5.0, since=mark), rig.mitm.tail()
+
+
+@pytest.mark.parametrize("shape", ["huge", "fifo"])
+def test_a_config_that_is_no_config_file_at_start_stops_mitmdump_with_the_message(rig, tmp_path, shape):
+    import os
+    m = Mitmdump.router(tmp_path, rig.ca, rig.config(current="glm"))
+    m.config_path.unlink()
+    if shape == "huge":
+        m.config_path.write_text(rig.config(current="glm") + "#" + "x" * (2 << 20) + "\n")
+    else:
+        os.mkfifo(m.config_path, 0o600)
+    try:
+        with pytest.raises(MitmdumpError):
+            m.start(timeout=20.0)
+        out = m.output
+        assert re.search(r"sessionpin: config\.toml: (\d+ bytes|not a regular file \(a FIFO\))", out), out[-2000:]
+        assert "listening" not in out
+    finally:
+        m.stop(signal.SIGKILL)
+
+
 def test_config_error_at_start_stops_mitmdump_with_the_message(rig, tmp_path):
     text = rig.config(current="nosuchserver")
     m = Mitmdump.router(tmp_path, rig.ca, text)

@@ -114,6 +114,17 @@ def test_a_pinned_server_re_pointed_to_another_host_is_refused(at, want):
     assert ladder.moved(p, CONFIG) == (want[2] == "pinned-server-moved")
 
 
+def test_another_agent_s_pin_to_the_addressed_server_re_pointed_since_is_refused():
+    # left alone only when the pin names the server it addresses *as it was*: the name now at
+    # another host, the request would take the conversation there
+    p = Pin(agent=F.OPENCODE, server="anthropic", since=1.0, renewed=1.0, at="https://old.example")
+    d = ladder.decide(facts(F.CONTINUATION, has_history=True), p, CONFIG, SRC)
+    assert (d.target, d.pin_action, d.rule, d.refuse) == (None, "none", "other-agent-pin", 424)
+    p = Pin(agent=F.OPENCODE, server="anthropic", since=1.0, renewed=1.0, at="https://api.anthropic.com")
+    d = ladder.decide(facts(F.CONTINUATION, has_history=True), p, CONFIG, SRC)
+    assert (d.target, d.rule, d.refuse) == (None, "other-agent-pin", None)
+
+
 def test_a_prefix_changed_at_the_same_origin_is_the_same_server():
     cfg = parse('''
 [servers.glm]

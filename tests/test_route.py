@@ -282,6 +282,14 @@ def unnamed(f=None, source=ANTHROPIC, endpoint="/chat/completions", path="/chat/
     ("an opencode continuation: the title memory is not read", unnamed(OC := facts(
         F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)), {"title": "zen"},
      ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "unnamed-path", ())),
+    ("pinned to the server it addresses, the name re-pointed since: refused", unnamed(),
+     {"pin": Loaded(p := Pin(agent=F.CLAUDE_CODE, server="anthropic", since=NOW, renewed=NOW,
+                             at="https://old.example"), pins.encode(p))},
+     ["ReadPin"], ("Refuse", 424, "unnamed-path", ())),
+    ("pinned to the server it addresses, where it began: left alone", unnamed(),
+     {"pin": Loaded(p := Pin(agent=F.CLAUDE_CODE, server="anthropic", since=NOW, renewed=NOW,
+                             at="https://api.anthropic.com"), pins.encode(p))},
+     ["ReadPin"], ("Leave", None, "unnamed-path", ())),
     ("a store that cannot be read: refused, never 'no pin'", unnamed(), {"read_fails": True}, ["ReadPin"],
      ("Refuse", 424, None, ())),
 ])

@@ -160,7 +160,8 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
             # same conversation read otherwise (opencode's and pi's Claude Pro/Max providers send
             # Claude Code's User-Agent) or a forged one — which cannot be told. Pinned to a
             # server other than the one it addresses, it is refused; else left alone as before.
-            if pin.server is not None and (source is None or pin.server != source.name):
+            # (a server name re-pointed since the pin is not the server the pin names: ``moved``)
+            if pin.server is not None and (source is None or pin.server != source.name or moved(pin, config)):
                 return Decision(None, NONE, Rule.OTHER_AGENT_PIN, f"session pinned by {pin.agent} to {pin.server}",
                                 refuse=NO_RETRY_STATUS)
             return _leave(Rule.OTHER_AGENT_PIN, f"session pinned by {pin.agent}")

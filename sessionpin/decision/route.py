@@ -398,7 +398,7 @@ def _guard(state: State) -> Step:
     r, f = state.request, state.request.facts
     pin = state.loaded.pin or state.parent_pin
     addressed = r.source.name if r.source is not None else None
-    if pin is None or pin.server is None or pin.server == addressed:
+    if pin is None or pin.server is None or (pin.server == addressed and not ladder.moved(pin, r.config)):
         why = ("no pin" if pin is None else "pinned not routed" if pin.server is None
                else f"pinned to {pin.server}, which it addresses")
         return _decided(state, Decision(None, ladder.NONE, Rule.UNNAMED_PATH,

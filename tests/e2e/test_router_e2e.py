@@ -484,6 +484,11 @@ def test_a_pinned_server_re_pointed_to_another_host_is_refused_not_followed(rig)
     s2 = new_session()
     assert rig.send(cc("opening", s2)).status == 200
     assert rig.where(s2) == {"alt": 1}, "a new conversation goes where glm now is"
+    # at a path sessionpin does not route, addressed to the host glm now names: the guard
+    # leaves alone only a conversation pinned to the server it addresses as it was pinned
+    import dataclasses
+    r = rig.send(dataclasses.replace(cc("continuation", s1), path="/chat/completions"), to="alt")
+    assert r.status == 424 and "alt" not in rig.where(s1), (r.status, r.body[:300])
     # pointed back: the running conversation carries on where it began, nothing lost
     rig.set_config(current="glm")
     assert rig.send(cc("continuation", s1)).status == 200

@@ -124,6 +124,22 @@ def test_use_rewrites_only_that_setting_and_says_what_stays(env, capsys):
     assert "SP_TEST_GLM_KEY is not set" in e
 
 
+def test_use_and_servers_add_on_a_config_that_is_a_link_write_the_file_it_names(env, capsys, tmp_path):
+    # dotfiles kept elsewhere and linked in: the link stays, the file it names changes (a
+    # replaced link let the next dotfiles sync put the old choice back in force, unasked)
+    import os
+    dots = tmp_path / "dots"
+    dots.mkdir()
+    target = dots / "sessionpin.toml"
+    os.replace(env.cfg, target)
+    env.cfg.symlink_to(target)
+    assert run(capsys, "use", "claude-code", "glm")[0] == 0
+    assert run(capsys, "servers", "add", "zen", "https://opencode.ai/zen/v1")[0] == 0
+    assert env.cfg.is_symlink() and os.readlink(env.cfg) == str(target)
+    cfg = config.load(target)
+    assert cfg.current("claude-code") == "glm" and "zen" in cfg.servers
+
+
 def test_use_choice_in_force_writes_nothing(env, capsys):
     mtime = env.cfg.stat().st_mtime_ns
     code, o, _ = run(capsys, "use", "claude-code", "anthropic")

@@ -264,6 +264,16 @@ def test_a_config_others_may_write_or_another_user_owns_is_refused(tmp_path):
             config.load(p)
 
 
+def test_repointed_names_the_servers_at_another_origin():
+    old = config.parse('[servers.a]\nurl = "https://a.example/v1"\n[servers.b]\nurl = "https://b.example"\n'
+                       '[servers.c]\nurl = "http://c.example:8000"\n')
+    new = config.parse('[servers.a]\nurl = "https://a.example/api/v4"\n[servers.b]\nurl = "https://x.example"\n'
+                       '[servers.c]\nurl = "http://c.example:8001"\n[servers.d]\nurl = "https://d.example"\n')
+    assert config.repointed(old, new) == [("b", "https://b.example", "https://x.example"),
+                                          ("c", "http://c.example:8000", "http://c.example:8001")]
+    assert config.repointed(new, config.Config()) == []        # removed: pinned-server-gone, said as such
+
+
 def test_only_a_regular_file_of_a_config_s_size_is_read(tmp_path):
     """What no config is — a FIFO (its open() waited for a writer on the proxy's loop), a
     directory, a device, a file over MAX_BYTES — is a ConfigError saying what it is, read no

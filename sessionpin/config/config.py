@@ -201,6 +201,13 @@ class Config:
         return [p for p in self.pools.values() if server in p.members]
 
 
+def repointed(old: Config, new: Config) -> list[tuple[str, str, str]]:
+    """The servers ``new`` names at another origin than ``old`` did: (name, was, now). The
+    conversations pinned to them since before are refused (``ladder.moved``), so a reload says so."""
+    return [(name, s.origin, new.servers[name].origin) for name, s in old.servers.items()
+            if name in new.servers and new.servers[name].origin != s.origin]
+
+
 def default_path() -> Path:
     import platformdirs
 

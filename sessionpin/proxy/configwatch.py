@@ -15,6 +15,8 @@ Rules it keeps:
   mistaken delete). An emptied file is a valid, empty config: it routes no new
   conversation, and pinned ones still follow their pins (the router consults pins for
   every inference request).
+- A reload that points a server's name at another origin says so (a WARNING naming the
+  server and both origins): the conversations pinned to it are refused from then on.
 - ``load``/``configure``/``running``/``done`` are synchronous (mitmproxy.md).
 """
 
@@ -142,9 +144,13 @@ class ConfigWatch:
             self.rejected += 1
             log.error("sessionpin: config rejected, keeping the previous one: %s", self.problem)
             return
-        self.config, self.text, self.problem = cfg, text, None
+        old, self.config, self.text, self.problem = self.config, cfg, text, None
         self.reloads += 1
         log.info("sessionpin: config reloaded from %s: %s", path, self.describe())
+        for name, was, now in configmod.repointed(old, cfg):
+            log.warning("sessionpin: server %s now at %s, was %s: conversations pinned to it at %s are refused "
+                        "(pinned-server-moved), never sent to %s; point its url back to carry them on, or "
+                        "`sessionpin move SESSION %s` each", name, now, was, was, now, name)
 
     def describe(self) -> str:
         c = self.config

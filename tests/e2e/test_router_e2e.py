@@ -472,7 +472,12 @@ def test_a_pinned_server_re_pointed_to_another_host_is_refused_not_followed(rig)
     repointed = toml_config({"anthropic": {"url": f["anthropic"].url},
                              "glm": {"url": f["alt"].url, "key_env": ALT_ENV, "auth": "bearer"}},
                             {"claude-code": "glm"})
+    mark = rig.mitm.line_count
     _reload(rig, repointed)
+    # the reload says it: the operator learns of it before an agent does
+    assert rig.mitm.wait_output(rf"server glm now at {re.escape(f['alt'].origin)}, was "
+                                rf"{re.escape(f['glm'].origin)}: conversations pinned", timeout=3.0, since=mark), \
+        rig.mitm.tail()
     r = rig.send(cc("continuation", s1))
     assert r.status == 424, (r.status, r.body[:300])
     msg = r.body.decode()

@@ -345,6 +345,19 @@ def test_a_re_pointed_server_is_refused_naming_both_addresses_and_the_way_out():
     assert "sessionpin move s-1 glm" in m
 
 
+def test_a_refusal_only_the_operator_can_lift_is_the_no_retry_answer_naming_the_session():
+    no_key = Changes("https", "api.z.ai", 443, "/x", refuse="server glm: ZAI_API_KEY is not set", operator=True)
+    seen, s = drive(request(facts(F.CONTINUATION, has_history=True)), pin=loaded("glm"), plan=no_key)
+    e = s.effect
+    assert (type(e).__name__, e.status, e.kind, e.retry_after) == ("Refuse", 424, "no-key", None)
+    assert "session s-1" in e.message and "ZAI_API_KEY" in e.message and "stays pinned to glm" in e.message
+    seen, s = drive(request(), plan=no_key)                 # an opening: nothing pinned
+    assert s.effect.status == 424 and "CreatePin" not in seen and "stays pinned" not in s.effect.message
+    other = Changes("https", "api.z.ai", 443, "/x", refuse="model not found")
+    _, s = drive(request(facts(F.CONTINUATION, has_history=True)), pin=loaded("glm"), plan=other)
+    assert (s.effect.status, s.effect.kind) == (502, "rewrite")  # the request's own: as before
+
+
 def test_a_store_that_lost_what_it_held_is_a_refusal_never_no_pin():
     s = route.begin(request(facts(F.CONTINUATION, has_history=True)))
     s = route.step(s.state, route.StoreLost("store file:x lost what it held: run `sessionpin store accept-loss`"))

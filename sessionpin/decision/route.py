@@ -483,6 +483,13 @@ def _plan(state: State, target: str) -> Step:
 def _planned(state: State) -> Step:
     r, d, c = state.request, state.decision, state.changes
     f = r.facts
+    if c.refuse and c.operator:
+        # Only the operator can help (a key the proxy's environment lacks): no client retries it.
+        pinned = state.loaded.pin is not None and state.loaded.pin.server == d.target
+        return _go(state, Refuse(NO_RETRY_STATUS, "no-key", (
+            f"sessionpin: {f.agent} session {state.session or f.session}: {c.refuse}. The request was not sent "
+            f"anywhere{f', and the conversation stays pinned to {d.target}' if pinned else ''}; "
+            f"send it again once that is fixed.")))
     if c.refuse:
         return _go(state, Refuse(502, "rewrite", f"sessionpin: {c.refuse}; the request was not sent"))
     session = state.session or ""

@@ -500,6 +500,31 @@ def test_a_pinned_server_re_pointed_to_another_host_is_refused_not_followed(rig)
     assert rig.where(s1) == {"glm": 2}
 
 
+def test_a_server_whose_key_is_not_in_the_proxy_s_environment_is_a_refusal_no_agent_retries(rig):
+    """glm's key_env edited to a variable the proxy's environment does not hold: its running
+    conversation is not sent (no key), and the answer is one only the operator can act on — no
+    client may retry it (a 502 was retried by opencode, pi and Codex by its status, for tens of
+    seconds) — naming the session, the server, the variable and what to do."""
+    rig.set_config(current="glm")
+    s1 = new_session()
+    assert rig.send(cc("opening", s1)).status == 200
+    f = rig.fakes
+    unset = "SESSIONPIN_E2E_UNSET_KEY"
+    _reload(rig, toml_config({"anthropic": {"url": f["anthropic"].url},
+                              "glm": {"url": f["glm"].url, "key_env": unset, "models": MODELS}},
+                             {"claude-code": "glm"}))
+    for req in (cc("continuation", s1), cc("opening", new_session())):
+        r = rig.send(req)
+        assert r.status == 424, (r.status, r.body[:300])
+        assert r.header("x-should-retry") == "false" and r.header("retry-after") is None
+        msg = r.body.decode()
+        assert "glm" in msg and unset in msg and "restart" in msg, msg
+    assert short(s1) in rig.send(cc("continuation", s1)).body.decode()
+    assert rig.where(s1) == {"glm": 1}, "sent nowhere"
+    rig.set_config(current="glm")
+    assert rig.send(cc("continuation", s1)).status == 200 and rig.where(s1) == {"glm": 2}
+
+
 def test_continuation_never_seen_begin_is_left_alone(rig):
     rig.set_config(current="glm")
     s = new_session()

@@ -435,6 +435,7 @@ def test_move_to_a_re_pointed_server_is_how_the_operator_accepts_its_new_address
     assert code == 0 and "already on glm; nothing written" in o
     code, o, _ = run(capsys, "move", "ses_re1", "anthropic", "--yes")
     assert code == 0 and read_pin(env.url, "ses_re1").at == "https://api.anthropic.com"
+    assert "Moved ses_re1 (opencode) from glm to anthropic." in o, o     # another server: no addresses said
 
 
 def test_forget(env, capsys):

@@ -161,7 +161,8 @@ def cmd_move(ctx: Ctx, args: argparse.Namespace) -> int:
     if row.lost:
         return _move_lost(ctx, args, row, target, cfg)
     at = cfg.servers[target].origin if target is not None else ""
-    repointed = target is not None and bool(pin.at) and pin.at != at   # ladder.moved: the proxies refuse it
+    # the same server, its name re-pointed since the pin (ladder.moved: the proxies refuse it)
+    repointed = target is not None and pin.server == target and bool(pin.at) and pin.at != at
     if pin.server == target and not repointed:
         out(f"{short(sid)} ({pin.agent}) is already {'on ' + target if target else 'not routed'}; nothing written.")
         return 0

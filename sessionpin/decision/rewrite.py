@@ -125,9 +125,9 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
         if target.key_env:
             key = env.get(target.key_env, "").strip()
             if not key:
-                return _refused(request, f"server {target.name}: {target.key_env} is not set in the proxy's environment "
-                                         f"(set it where the proxy runs and restart the proxy: its environment is read "
-                                         f"at start)", operator=True)
+                return _refused(request, f"server {target.name}: {target.key_env} is not set in the proxy's "
+                                         f"environment (set it where the proxy runs and restart the proxy: its "
+                                         f"environment is read at start)", operator=True)
             drop = H.dropped_for_move(request.headers)
             if auth_style(target, request) == "x-api-key":
                 add = (("x-api-key", key),)

@@ -10,7 +10,8 @@ Rules it keeps:
   validation is logged (file:line: key: problem) and the previous config stays in force.
 - Only a regular file of a config's size is read (``config.read_trusted``): a FIFO, a
   directory, a device or a huge file at the path is refused, said once, the config kept —
-  never waited on or read whole on the loop.
+  never waited on or read whole on the loop. So is a path that cannot be read (permissions,
+  a link loop): an error line and ``config_error``, not a debug line.
 - A file that vanished keeps the config in force (an editor's save-by-rename, a
   mistaken delete). An emptied file is a valid, empty config: it routes no new
   conversation, and pinned ones still follow their pins (the router consults pins for
@@ -117,16 +118,18 @@ class ConfigWatch:
             return
         try:
             text = _read(path)
-        except ConfigError as e:                # untrusted now (chmod, chown): said once, kept out
-            if self.problem != str(e):
-                self.problem = str(e)
+        except (ConfigError, OSError) as e:
+            # Untrusted now (chmod, chown), no config file (a FIFO, a directory) or unreadable
+            # (permissions, a link loop): said once, kept out. (A missing file is no error: an
+            # editor's rename.) Unreadable was a debug line: the proxy stopped taking edits
+            # with nothing in its log or status saying so.
+            problem = str(e) if isinstance(e, ConfigError) else f"{path.name}: cannot read: {e.strerror or e}"
+            if self.problem != problem:
+                self.problem = problem
                 self.rejected += 1
                 log.error("sessionpin: config rejected, keeping the previous one: %s", self.problem)
             self._pending = None
             return
-        except OSError as e:
-            log.debug("sessionpin: config %s unreadable: %s", path, e)
-            text = None
         if text is not None and text == self.text and self.problem is not None:
             self.problem = None                 # trusted again, and what is in force is what it says
             log.info("sessionpin: config %s accepted again", path)

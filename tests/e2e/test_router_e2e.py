@@ -781,7 +781,7 @@ def test_config_error_on_reload_is_refused_and_the_previous_config_stays(rig):
     rig.set_config(current="glm")
 
 
-@pytest.mark.parametrize("shape", ["huge", "fifo", "directory"])
+@pytest.mark.parametrize("shape", ["huge", "fifo", "directory", "link loop"])
 def test_a_config_path_that_is_no_config_file_is_refused_and_the_proxy_keeps_serving(rig, shape):
     """The config path replaced, while running, by something no config is: a file of 2 MiB (a
     log file or a dump given as the config: valid TOML, a comment), a FIFO, a directory. The
@@ -800,11 +800,14 @@ def test_a_config_path_that_is_no_config_file_is_refused_and_the_proxy_keeps_ser
         path.write_text(rig.config(current="anthropic") + "#" + "x" * (2 << 20) + "\n")
     elif shape == "fifo":
         os.mkfifo(path, 0o600)
-    else:
+    elif shape == "directory":
         path.mkdir(mode=0o700)
+    else:                                           # a link to itself: unreadable, not missing
+        path.symlink_to(path.name)
     try:
         said = {"huge": r"config rejected.*\d+ bytes", "fifo": r"config rejected.*not a regular file \(a FIFO\)",
-                "directory": r"config rejected.*not a regular file \(a directory\)"}[shape]
+                "directory": r"config rejected.*not a regular file \(a directory\)",
+                "link loop": r"config rejected.*cannot read.*symbolic links"}[shape]
         assert rig.mitm.wait_output(said, timeout=5.0, since=mark), rig.mitm.tail()
         s = new_session()
         r = rig.send(cc("opening", s), timeout=10.0)

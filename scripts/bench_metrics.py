@@ -167,8 +167,8 @@ class Families:
             for mem in p.members:
                 c.add_metric([p.name, mem], a.allocated.get((p.name, mem), 0))
         yield c
-        c = CounterMetricFamily("sessionpin_pool_moves", "Soft-pool conversations moved to a member by this proxy.",
-                                labels=["pool", "member"])
+        c = CounterMetricFamily("sessionpin_pool_moves", "Pool conversations moved to a member by this proxy "
+                                "(soft misses, openings off an exhausted member).", labels=["pool", "member"])
         for (p, mem), n in sorted(a.moved.items()):
             c.add_metric([p, mem], n)
         yield c

@@ -18,6 +18,7 @@ from sessionpin.records import pins
 from sessionpin.config.config import parse
 from sessionpin.records.pins import Loaded, Pin
 from sessionpin.store import open_store
+from stores import file_url, memory_url, redis_url, store_options  # noqa: F401
 
 TEXT = '''
 [servers.glm-a]
@@ -45,6 +46,9 @@ class Clock:
         return self.t
 
     async def sleep(self, s: float) -> None:
+        self.t += s
+
+    def advance(self, s: float) -> None:     # the Redis fixtures make the same time pass for TTLs
         self.t += s
 
 
@@ -182,6 +186,19 @@ async def test_drained_members_and_side_choices(store, clock):
     assert ("drain", "glm-a") in kinds and ("undrain", "glm-a") in kinds
 
 
+async def test_a_hard_pool_s_opening_moved_off_an_exhausted_member_says_so(store, clock):
+    first = await alloc(store, "s1", clock)
+    assert first.member == "glm-a"
+    await exhaust(store, clock, "glm-a", 60)
+    got = await members.allocate(store, CONFIG, POOL, "s1", template(clock()), first.loaded,
+                                 exclude=frozenset({"glm-a"}), move_reason="out of quota before the opening began",
+                                 clock=clock)
+    assert got.member == "glm-b" and got.why == "hard: glm-a out of quota before the opening began → glm-b"
+    assert (await pins.load(store, "s1")).pin.server == "glm-b"
+    move = [r for r in await members.history(store, "glm") if r.kind == "move"]
+    assert [(r.session, r.previous, r.member) for r in move] == [("s1", "glm-a", "glm-b")]
+
+
 async def test_a_soft_move_replaces_the_pin_read_and_records_from_where(store, clock):
     soft = parse(TEXT.replace('members = ["glm-a", "glm-b", "glm-c"]',
                               'members = ["glm-a", "glm-b", "glm-c"]\naffinity = "soft"'))
@@ -288,3 +305,30 @@ async def test_by_pool_counts_a_member_s_pins_per_pool_that_allocated_them(store
     assert await members.by_pool(store, "glm-a", clock()) == {"glm": 2, "": 1}
     assert await members.by_pool(store, "glm-b", clock()) == {"glm": 1}
     assert await members.by_pool(store, "nobody", clock()) == {}
+
+
+@pytest.fixture(params=["memory", "file", "redis"])
+async def any_store(request, clock):
+    url = request.getfixturevalue(f"{request.param}_url")
+    s = open_store(url, **store_options(url, clock))
+    yield s
+    await s.close()
+
+
+async def test_an_answer_sent_before_a_stored_exhaustion_never_shortens_it(any_store, clock):
+    """Proxy 1 stores a 429 (60 s); proxy 0's success to a request sent before it lands
+    after: not written. An answer to a request sent after the 429 is. (Every store kind:
+    the write is a compare-and-set.)"""
+    store = any_store
+    t = clock()
+    await exhaust(store, clock, "glm-a", 60)
+    ok = quota.observe(200, [], t + 1)
+    assert not await members.write_quota(store, "glm-a", ok, sent=t - 5)
+    assert (await members.read_quota(store, "glm-a", t + 1)).exhausted_until == t + 60
+    # a longer exhaustion from an older request still extends it (it only ever grows then)
+    longer = quota.observe(429, [("retry-after", "120")], t + 1)
+    assert await members.write_quota(store, "glm-a", longer, sent=t - 5)
+    assert (await members.read_quota(store, "glm-a", t + 1)).exhausted_until == t + 121
+    # a request sent after the state was observed: its success clears it
+    assert await members.write_quota(store, "glm-a", quota.observe(200, [], t + 2), sent=t + 1.5)
+    assert (await members.read_quota(store, "glm-a", t + 2)).exhausted_until == 0.0

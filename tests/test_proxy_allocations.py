@@ -36,9 +36,9 @@ async def test_a_members_quota_is_written_after_the_hook_on_an_eager_loop(tmp_pa
     written = []
     real = members.write_quota
 
-    async def write_quota(store, member, q):
-        written.append(member)
-        await real(store, member, q)
+    async def write_quota(store, member, q, sent=None):
+        written.append((member, sent is not None))
+        await real(store, member, q, sent)
     monkeypatch.setattr(members, "write_quota", write_quota)
     p = tmp_path / "config.toml"
     p.write_text(CONFIG)
@@ -55,7 +55,7 @@ async def test_a_members_quota_is_written_after_the_hook_on_an_eager_loop(tmp_pa
             for _ in range(20):
                 if proxy.bundle.allocations._tasks:
                     await asyncio.gather(*list(proxy.bundle.allocations._tasks))
-            assert written == ["glm-a"]
+            assert written == [("glm-a", True)]                    # with when its request was sent
             q = await members.read_quota(proxy.store, "glm-a", time.time())
             assert q is not None and q.exhausted_until > time.time() + 20
         finally:

@@ -130,3 +130,17 @@ def test_a_stored_state_is_clamped_when_read_and_never_unreadable_numbers():
     assert quota.decode('{"observed": 1.0, "exhausted_until": 1e999}') is None
     assert quota.decode('{"observed": 1.0, "headroom": 7.5}').headroom == 1.0
     assert quota.decode('{"observed": 1.0, "headroom": -2}').headroom == 0.0
+
+
+def test_an_older_request_s_answer_never_shortens_a_later_exhaustion():
+    t = 1_800_000_000.0
+    limited = quota.observe(429, [("retry-after", "60")], t)
+    ok = quota.observe(200, [], t + 3)
+    assert not quota.supersedes(ok, t - 1, limited)         # sent before the 429 was seen
+    assert quota.supersedes(ok, t + 1, limited)             # sent after it: the member answered
+    assert quota.supersedes(ok, t - 1, None)
+    assert quota.supersedes(quota.observe(429, [("retry-after", "90")], t + 3), t - 1, limited)
+    assert not quota.supersedes(quota.observe(429, [("retry-after", "10")], t + 3), t - 1, limited)
+    assert quota.supersedes(ok, t - 1, quota.observe(200, [], t))           # no exhaustion to keep
+    assert quota.supersedes(ok, t + 100, limited)                           # and past it, anything
+    assert quota.supersedes(quota.observe(200, [], t + 70), t - 1, limited)  # it has ended

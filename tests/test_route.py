@@ -498,6 +498,8 @@ WALK = [
      {"pin": pools.pool_pin("glm-a"), "checks": [pools.EXHAUSTED]}),
     (P.CHECKING_REACHABLE, "Reachable", P.FORWARDED, "", R(), {}),
     (P.CHECKING_REACHABLE, "Reachable", P.REFUSED, "", R(), {"unreachable": "connection refused"}),
+    (P.CHECKING_REACHABLE, "Reachable", P.ALLOCATING, "pools", PR(),
+     {"allocations": [pools.allocated("glm-a"), pools.allocated("glm-b")], "reach": ["connection refused"]}),
 ]
 # every store effect may be answered StoreFailed or StoreLost: a refusal
 for _phase, _effect, _kind, _req, _answers in [

@@ -24,6 +24,8 @@ key_env = "B_KEY"
 url = "http://10.0.0.1:8000"
 [servers.vllm-2]
 url = "http://10.0.0.2:8000"
+[servers.vllm-3]
+url = "http://10.0.0.3:8000"
 [pools.glm]
 members = ["glm-a", "glm-b"]
 [pools.local]
@@ -62,10 +64,10 @@ def allocated(member, pool="glm", agent=F.CLAUDE_CODE, rule="opening"):
     return route.Allocated(member, loaded, loaded.pin.why)
 
 
-def answerer(*, pin=NONE, allocations=(), checks=(), plan=OK, create=None, instead=None):
+def answerer(*, pin=NONE, allocations=(), checks=(), plan=OK, create=None, instead=None, reach=()):
     """How the shell answers each effect: from the given queues (``instead``: an effect's name
     -> the event its first performance gets in place of the usual answer)."""
-    allocations, checks, instead = list(allocations), list(checks), dict(instead or {})
+    allocations, checks, instead, reach = list(allocations), list(checks), dict(instead or {}), list(reach)
 
     def answer(e):
         if type(e).__name__ in instead:
@@ -81,7 +83,7 @@ def answerer(*, pin=NONE, allocations=(), checks=(), plan=OK, create=None, inste
         if isinstance(e, route.CreatePin):
             return create if create is not None else route.PinCreated()
         if isinstance(e, route.CheckReachable):
-            return route.Reachable()
+            return route.Reachable(reach.pop(0) if reach else None)
         raise AssertionError(e)  # pragma: no cover
     return answer
 
@@ -168,9 +170,64 @@ CASES = [
       "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
      ["ReadPin", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan", "CheckReachable"],
      ("Forward", None, "soft-move", "vllm-2", ())),
+    ("soft: pinned member taken out of the pool's members (still a server) -> moved, not checked",
+     request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
+     {"pin": pool_pin("vllm-3", "local", F.PI), "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
+     ["ReadPin", "Allocate(vllm-3)", "CheckMember(vllm-2)", "Plan", "CheckReachable"],
+     ("Forward", None, "soft-move", "vllm-2", ())),
+    ("hard: pinned member taken out of the pool's members (still a server) -> stays, never moved",
+     request(facts(F.CONTINUATION, has_history=True)), {"pin": pool_pin("anthropic")},
+     ["ReadPin", "CheckMember(anthropic)", "Plan", "CheckReachable"], ("Forward", None, "pinned", "anthropic", ())),
+    ("opening asked again, its member now exhausted: nothing began there -> allocated afresh, sent",
+     request(facts(F.OPENING)), {"pin": pool_pin("glm-a"), "checks": [EXHAUSTED],
+                                 "allocations": [allocated("glm-b")]},
+     ["ReadPin", "CheckMember(glm-a)", "Allocate(glm-a)", "Plan", "CheckReachable"],
+     ("Forward", None, "pinned", "glm-b", ())),
+    ("opening asked again, every other member exhausted too -> the pool's 429",
+     request(facts(F.OPENING)), {"pin": pool_pin("glm-a"), "checks": [EXHAUSTED],
+                                 "allocations": [route.NotAllocated(429, "pool-exhausted", "every member …", 30)]},
+     ["ReadPin", "CheckMember(glm-a)", "Allocate(glm-a)"], ("Refuse", 429, "pinned", "glm-a", ())),
+    ("soft: opening asked again on an exhausted member -> allocated afresh, the new member checked",
+     request(facts(F.OPENING, agent=F.PI)), {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [EXHAUSTED],
+                                             "allocations": [allocated("vllm-2", "local", F.PI)]},
+     ["ReadPin", "CheckMember(vllm-1)", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan", "CheckReachable"],
+     ("Forward", None, "pinned", "vllm-2", ())),
+    ("a pin that is not the opening's allocation (moved since) -> deferred, not moved",
+     request(facts(F.OPENING)), {"pin": pool_pin("glm-a", rule="soft-move"), "checks": [EXHAUSTED]},
+     ["ReadPin", "CheckMember(glm-a)"], ("Refuse", 429, "pinned", "glm-a", ())),
+    ("opening allocated to a member found unreachable -> allocated afresh before anything is sent",
+     request(), {"allocations": [allocated("glm-a"), allocated("glm-b")], "reach": ["connection refused"]},
+     ["ReadPin", "Allocate", "Plan", "CheckReachable", "Allocate(glm-a)", "Plan", "CheckReachable"],
+     ("Forward", None, "opening", "glm-b", ())),
+    ("opening asked again, its member unreachable -> allocated afresh",
+     request(facts(F.OPENING)), {"pin": pool_pin("glm-a"), "allocations": [allocated("glm-b")],
+                                 "reach": ["connection refused"]},
+     ["ReadPin", "CheckMember(glm-a)", "Plan", "CheckReachable", "Allocate(glm-a)", "Plan", "CheckReachable"],
+     ("Forward", None, "pinned", "glm-b", ())),
+    ("opening allocated afresh, the next member unreachable too -> both left out: the pool's answer",
+     request(), {"allocations": [allocated("glm-a"), allocated("glm-b"),
+                                 route.NotAllocated(503, "pool-no-member", "no member …", None)],
+                 "reach": ["connection refused", "connection refused"]},
+     ["ReadPin", "Allocate", "Plan", "CheckReachable", "Allocate(glm-a)", "Plan", "CheckReachable",
+      "Allocate(glm-a,glm-b)"],
+     ("Refuse", 503, "opening", "glm-b", ())),
+    ("a conversation that began on an unreachable member (hard): refused, never moved",
+     request(facts(F.CONTINUATION, has_history=True)), {"pin": pool_pin("glm-a"), "reach": ["connection refused"]},
+     ["ReadPin", "CheckMember(glm-a)", "Plan", "CheckReachable"], ("Refuse", 424, "pinned", "glm-a", ())),
     ("soft: exhausted is deferred, not a miss", request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [EXHAUSTED]},
      ["ReadPin", "CheckMember(vllm-1)"], ("Refuse", 429, "pinned", "vllm-1", ())),
+    ("soft: exhausted and drained -> the miss decides: moved, not deferred",
+     request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
+     {"pin": pool_pin("vllm-1", "local", F.PI),
+      "checks": [route.MemberChecked(exhausted_until=NOW + 600, exhausted_why="429", missing="drained")],
+      "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
+     ["ReadPin", "CheckMember(vllm-1)", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan", "CheckReachable"],
+     ("Forward", None, "soft-move", "vllm-2", ())),
+    ("hard: exhausted and unreachable -> deferred (a hard pin never moves)",
+     request(facts(F.CONTINUATION, has_history=True)),
+     {"pin": pool_pin("glm-a"), "checks": [route.MemberChecked(exhausted_until=NOW + 30, missing="unreachable")]},
+     ["ReadPin", "CheckMember(glm-a)"], ("Refuse", 429, "pinned", "glm-a", ())),
     ("soft: every member missed -> the allocation's refusal",
      request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-1", "local", F.PI), "checks": [UNREACHABLE],
@@ -228,6 +285,23 @@ def test_a_soft_move_compares_against_the_old_pin_and_says_why():
     assert isinstance(s.effect, route.Forward)
     assert s.state.decision.why == "soft: vllm-1 unreachable → vllm-2"
     assert s.state.loaded.pin.server == "vllm-2"
+
+
+def test_a_soft_member_out_of_the_pool_is_a_miss_that_says_so():
+    s = route.begin(request(facts(F.CONTINUATION, agent=F.PI, has_history=True)))
+    s = route.step(s.state, route.PinRead(pool_pin("vllm-3", "local", F.PI)))
+    e = s.effect
+    assert isinstance(e, route.Allocate) and e.reason == "left the pool" and e.exclude == {"vllm-3"} and e.commit
+
+
+def test_an_opening_asked_again_is_moved_with_its_reason_and_the_opening_s_pin():
+    old = pool_pin("glm-a")
+    s = route.begin(request(facts(F.OPENING)))
+    s = route.step(s.state, route.PinRead(old))
+    s = route.step(s.state, EXHAUSTED)
+    e = s.effect
+    assert isinstance(e, route.Allocate) and e.seen == old and e.commit and e.exclude == {"glm-a"}
+    assert e.reason == "out of quota before the opening began" and e.pin.rule == "opening" and e.pin.server is None
 
 
 def test_the_deferral_names_member_session_and_reset():

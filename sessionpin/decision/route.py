@@ -85,9 +85,12 @@ Rules this module keeps beyond the ladder's:
   written by the allocation itself (``members.allocate``); a side request with no pin
   goes where the allocator would send the opening, pinning nothing. A turn pinned to a
   pool member known exhausted is answered 429 with the reset as ``retry-after`` — never
-  moved. In a soft pool, a pinned member that is gone, drained or unreachable is a clean
-  miss: the conversation is allocated afresh (compare-and-set over its pin), the move
-  recorded; a hard pool's pin never moves.
+  moved, but for the opening asked again while its pin is still its allocation (nothing
+  began there: allocated afresh, the member left out); so is an opening whose member is
+  unreachable (``CheckReachable``), its first request or asked again. In a soft pool, a pinned member
+  that is gone, out of the pool's members, drained or unreachable is a clean miss (before
+  its exhaustion is looked at): the conversation is allocated afresh (compare-and-set over
+  its pin), the move recorded; a hard pool's pin never moves.
 - A redirect answered by a server the request was moved to is not passed on: the agent
   would follow it with its own key (to another host, or to that server's origin, where
   requests keep the agent's headers). It gets a 502 naming the server and the host the
@@ -174,7 +177,7 @@ TRANSITIONS: dict[Phase, dict[type, frozenset[Phase]]] = {
     ALLOCATING: {Allocated: frozenset({PLANNING, CHECKING_MEMBER}), PinLost: _DECIDED,
                  NotAllocated: frozenset({REFUSED}), NotSaved: frozenset({REFUSED}), **_STORE},
     CHECKING_MEMBER: {MemberChecked: frozenset({PLANNING, ALLOCATING, REFUSED}), **_STORE},
-    CHECKING_REACHABLE: {Reachable: frozenset({FORWARDED, REFUSED})},
+    CHECKING_REACHABLE: {Reachable: frozenset({FORWARDED, REFUSED, ALLOCATING})},
 }
 
 
@@ -376,6 +379,8 @@ def _on_reachable(state: State, event: Reachable) -> Step:
     if event.error is None:
         return _go(state, Forward(state.changes), state.pending)
     r, d, c = state.request, state.decision, state.changes
+    if d.target and _opening_unbegun(state):     # a pool's member down before the opening began
+        return _reallocate(state, d.target, "unreachable before the opening began")
     f = r.facts
     server = r.config.servers.get(d.target)
     session = state.session or f.session
@@ -467,7 +472,12 @@ def _decided(state: State, d: Decision) -> Step:
         return _go(state, Allocate(session, d.target, _new_pin(state, d), state.loaded,
                                    commit=d.pin_action == ladder.CREATE))
     if d.rule is Rule.PINNED and pin is not None and pin.pool and state.checked != d.target:
-        return _go(state, CheckMember(pin.pool, d.target, _soft_pool(r, pin) is not None))
+        soft = _soft_pool(r, pin)
+        if soft is not None and d.target not in soft.members and d.target not in state.missed:
+            # a soft pin is a hint over the pool's members as configured now: one taken out of
+            # `members` is out of the candidate set (seed 004), though it may stay a server
+            return _soft_miss(state, d.target, "left the pool")
+        return _go(state, CheckMember(pin.pool, d.target, soft is not None))
     return _plan(state, d.target)
 
 
@@ -545,6 +555,30 @@ def _soft_miss(state: State, member: str, reason: str) -> Step:
     return _go(state, Allocate(state.session or "", pin.pool, fresh, state.loaded, exclude=state.missed, reason=reason))
 
 
+def _opening_unbegun(state: State) -> bool:
+    """The request is the conversation's opening (no history: its agent used no answer of
+    it, if it was asked before) and its pin is still the pool's allocation of that opening,
+    to the member it is headed for: nothing of the conversation began there, so the member
+    being out of quota or unreachable is no reason to keep it there."""
+    r, pin, d = state.request, state.loaded.pin, state.decision
+    f = r.facts
+    return (pin is not None and d is not None and pin.rule == Rule.OPENING and pin.pool in r.config.pools
+            and pin.server == d.target and d.target not in state.missed
+            and f.turn == F.OPENING and not f.has_history
+            and (d.rule is Rule.PINNED or (d.rule is Rule.OPENING and state.allocated)))
+
+
+def _reallocate(state: State, member: str, reason: str) -> Step:
+    """An opening whose member cannot take it: allocated afresh over its pin, the member left
+    out (compare-and-set over the pin read, recorded as a move), hard pool or soft."""
+    r, pin = state.request, state.loaded.pin
+    state = _replace(state, missed=state.missed | {member}, checked=None)
+    fresh = Pin(agent=pin.agent, server=None, since=r.now, renewed=r.now, rule=Rule.OPENING, turn=pin.turn,
+                source=pin.source)
+    return _go(state, Allocate(state.session or "", pin.pool, fresh, state.loaded, exclude=state.missed,
+                               reason=reason))
+
+
 def _on_not_allocated(state: State, event: NotAllocated) -> Step:
     return _go(state, Refuse(event.status, event.kind, event.message, event.retry_after))
 
@@ -565,14 +599,19 @@ def _on_member_checked(state: State, event: MemberChecked) -> Step:
     r, d = state.request, state.decision
     f = r.facts
     member, pin = d.target, state.loaded.pin
+    # a soft pool's miss (gone, drained, unreachable) comes before its exhaustion: the member
+    # cannot take the turn after its reset either, and draining it is how the operator moves
+    # its conversations off
+    if event.missing and member not in state.missed and _soft_pool(r, pin) is not None:
+        return _soft_miss(state, member, event.missing)
+    if event.exhausted_until > r.now and _opening_unbegun(state):
+        return _reallocate(state, member, "out of quota before the opening began")
     if event.exhausted_until > r.now:           # deferred, never moved
         wait = max(1, math.ceil(event.exhausted_until - r.now))
         return _go(state, Refuse(429, "member-exhausted", (
             f"sessionpin: server {member} (pool {pin.pool if pin else '?'}) is out of quota for another {wait}s "
             f"({event.exhausted_why or 'it said so'}); {f.agent} session {state.session} stays on {member} and is not "
             f"moved. Retry after {wait}s."), wait))
-    if event.missing and member not in state.missed and _soft_pool(r, pin) is not None:
-        return _soft_miss(state, member, event.missing)
     return _plan(_replace(state, checked=member), member)
 
 

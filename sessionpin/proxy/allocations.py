@@ -179,15 +179,17 @@ class Allocations(Participant):
         if q.exhausted_until > now:
             decisions.info("sessionpin: %s out of quota for %ds (%s): no new allocations until then",
                            member, round(q.exhausted_until - now), q.why)
-        self._later(self._write(member, q))
+        # the answer speaks for when the member admitted the request: a success to a request
+        # sent before another proxy's 429 must not clear that exhaustion (members.write_quota)
+        self._later(self._write(member, q, flow.request.timestamp_start or now))
 
-    async def _write(self, member: str, q: quota.Quota) -> None:
+    async def _write(self, member: str, q: quota.Quota, sent: float) -> None:
         await after_hook()      # mitmproxy's tasks start eagerly: not in the hook, ahead of the answer's stream
         store = self.runtime.store
         if store is None:
             return
         try:
-            await members.write_quota(store, member, q)
+            await members.write_quota(store, member, q, sent)
         except StoreError as e:
             self.runtime.errors += 1
             log.warning("sessionpin: quota of %s: %s", member, e)
@@ -244,7 +246,8 @@ def pool_metrics_text(pools: Iterable[Any], allocated: Mapping[tuple[str, str], 
     family(out, "sessionpin_pool_allocations_total", "counter",
            "New conversations allocated to a pool member by this proxy.", ("pool", "member"),
            [((p.name, m), allocated.get((p.name, m), 0)) for p in pools for m in p.members])
-    family(out, "sessionpin_pool_moves_total", "counter", "Soft-pool conversations moved to a member by this proxy.",
+    family(out, "sessionpin_pool_moves_total", "counter",
+           "Pool conversations moved to a member by this proxy (soft misses, openings off an exhausted member).",
            ("pool", "member"), sorted(moved.items()))
     family(out, "sessionpin_pool_member_active", "gauge", "Live pinned conversations per pool member.", ("member",),
            [(m, active.get(m, 0)) for m in everyone])

@@ -22,13 +22,15 @@ Rules it keeps:
 - When every eligible member is exhausted the allocation waits (``allocate.wait``) up
   to the caller's deadline, then ``Refused`` (429 "pool exhausted", retry-after: the
   earliest reset).
-- A soft pool's move is the same transaction over the old pin (its index entry is
-  removed in the same ``apply``); the record says from where and why.
+- A move is the same transaction over the old pin (its index entry is removed in the
+  same ``apply``); the record says from where and why: a soft pool's miss, or (any pool)
+  an opening asked again after its member ran out of quota, which never began there.
 - "Active conversations" per member are the pin index's live members (one ``zcount``
   per agent that has pinned there), never a walk; only ``by_pool`` (a drain's count of a
   pool's own conversations on a member, for the CLI) walks the member's pins.
 - Quota state and drains are shared by every proxy through the store; quota writes are
-  ordinary (an observation lost costs one stale reading), drains durable. A member's
+  ordinary (an observation lost costs one stale reading), drains durable; an answer to a
+  request sent before the stored exhaustion was observed never shortens it (``write_quota``). A member's
   exhaustion is read clamped to ``max_reset`` after it was observed, whoever wrote it;
   ``reset`` forgets a member's state (the operator's ``sessionpin pools reset``).
 - Records hold ids, names, times and rules — never content.
@@ -235,7 +237,8 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
                            f"was not sent anywhere. `sessionpin undrain MEMBER` or check the members "
                            f"(`sessionpin pools`).", MISSED_RETRY if exclude else None)
         moved = seen.pin is not None and seen.pin.server is not None
-        why = f"soft: {seen.pin.server} {move_reason or 'missed'} → {got.member}" if moved and seen.pin else got.why
+        why = (f"{pool.affinity}: {seen.pin.server} {move_reason or 'missed'} → {got.member}"
+               if moved and seen.pin else got.why)
         if not commit:
             return Allocated(got.member, pins.Loaded(None, None), why)
         server = config.servers[got.member]
@@ -277,8 +280,20 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
 
 # ---- quota, drains, records ---------------------------------------------------------------
 
-async def write_quota(store: Store, member: str, q: quota.Quota) -> None:
-    await store.set(quota_key(member), quota.encode(q), quota.ttl(q, q.observed))
+async def write_quota(store: Store, member: str, q: quota.Quota, sent: float | None = None) -> bool:
+    """Store ``q``, the answer to a request sent at ``sent``: unless the state stored now is
+    a later exhaustion it would shorten (``quota.supersedes``), compare-and-set on the text
+    read, so two proxies' answers cannot land in the wrong order. False: not written."""
+    key = quota_key(member)
+    if sent is None:
+        return bool(await store.set(key, quota.encode(q), quota.ttl(q, q.observed)))
+    for _ in range(3):
+        raw = await store.get(key)
+        if not quota.supersedes(q, sent, quota.decode(raw)):
+            return False
+        if await store.apply([Check(key, raw)], [Set(key, quota.encode(q), quota.ttl(q, q.observed))]):
+            return True
+    return False        # the state keeps changing under it: others' newer answers hold
 
 
 async def drain(store: Store, member: str, now: float) -> bool:

@@ -14,7 +14,9 @@ Rules it keeps:
   ``DEFAULT_429`` seconds. 529 (overloaded): until ``retry-after``, else for
   ``DEFAULT_529`` seconds.
 - A success with a dimension at 0 remaining: exhausted until that dimension's reset.
-  Any other success clears exhaustion (the member answered).
+  Any other success clears exhaustion (the member answered) — unless the exhaustion was
+  observed after the successful request was sent (``supersedes``): an answer speaks for
+  when its request was admitted, not for later.
 - Any other status teaches nothing (``None``) unless it carries rate-limit headers.
 - A member's claims are clamped, never trusted past what a real provider says (issue 20):
   a reset or ``retry-after`` further than ``max_reset`` (default ``MAX_RESET``, 1 h: the
@@ -85,6 +87,18 @@ def clamped(q: Quota | None, now: float, max_reset: float = MAX_RESET) -> Quota 
     if q.exhausted_until <= bound:
         return q
     return msgspec.structs.replace(q, exhausted_until=bound, why=f"{q.why} (taken as {max_reset:g}s)")
+
+
+def supersedes(new: Quota, sent: float, old: Quota | None) -> bool:
+    """Whether ``new``, the answer to a request sent at ``sent``, replaces the state ``old``.
+
+    Not when ``old`` was observed after that request was sent and is an exhaustion still in
+    force that ``new`` would shorten: a member admitted that request before it said "out of
+    quota" (a slow answer, another proxy's 429 meanwhile), which says nothing of after. Any
+    newer request's answer, or one that keeps or extends the exhaustion, replaces it."""
+    if old is None or old.observed <= sent:
+        return True
+    return not (old.exhausted_until > new.observed and new.exhausted_until < old.exhausted_until)
 
 
 def ttl(q: Quota, now: float) -> float:

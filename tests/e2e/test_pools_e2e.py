@@ -7,23 +7,30 @@ one config file, fake TLS members that answer 429 and rate-limit headers, real k
 - A pinned turn on an exhausted member is deferred with ``retry-after`` — by the member's
   own 429, then by the proxies themselves (which learned it from that answer, through the
   store) — and never moved; new conversations avoid the member, wait for a reset within
-  ``sessionpin_pools_wait_ms``, and get 429 "pool exhausted" past it.
+  ``sessionpin_pools_wait_ms``, and get 429 "pool exhausted" past it. An opening the
+  member refused, asked again, is allocated afresh (nothing of it began there); so is one
+  allocated to a hard member that is down.
 - A member's claims are clamped (issue 20): a 429 with ``retry-after: 99999999`` or ``1e300``
   defers its pinned turns for at most an hour (``retry-after`` at most 3600), ``sessionpin
   pools`` shows it, and ``sessionpin pools reset MEMBER`` makes every proxy send them again;
   under ``policy = "quota"`` a member claiming ``remaining 1000000`` of a limit of 1 gets no
-  more than a full member's share.
+  more than a full member's share. A slow turn's 200, sent before another proxy's 429,
+  does not clear the exhaustion that 429 taught every proxy.
 - A soft pool's member killed and restarted: its conversations move to a fresh member
   when they next ask while it is down; one still pinned to it goes back to it once it
-  is up.
+  is up. A soft member taken out of the pool's ``members`` (still a server, still up) is a
+  miss too: its conversation moves at its next turn; so is a drained one that is out of
+  quota (the miss comes before the deferral).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import json
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +39,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from sessionpin.proxy import allocations
 from sessionpin.serverpools import members
 from sessionpin.records import pins
 from sessionpin.store import open_store
@@ -57,18 +65,19 @@ class Pools:
                 "sessionpin_pools_wait_ms": 4000}
         self.proxies = [Mitmdump.router(tmp / f"proxy{i}", ca, "", env=ENV, options=opts) for i in range(3)]
 
-    def config(self, current: str) -> str:
+    def config(self, current: str, replicas: tuple[str, ...] = REPLICAS) -> str:
         servers: dict[str, dict[str, Any]] = {"anthropic": {"url": self.fakes["anthropic"].url}}
         for name in MEMBERS + REPLICAS:
             servers[name] = {"url": self.fakes[name].url, "key_env": f"SP_E2E_{name.upper().replace('-', '_')}_KEY"}
         text = toml_config(servers, {"claude-code": current})
         return text + (f'[pools.glm]\nmembers = {list(MEMBERS)!r}\n\n'
-                       f'[pools.local]\nmembers = {list(REPLICAS)!r}\naffinity = "soft"\n\n'
+                       f'[pools.local]\nmembers = {list(replicas)!r}\naffinity = "soft"\n\n'
                        f'[pools.quota]\nmembers = {list(MEMBERS)!r}\npolicy = "quota"\n').replace("'", '"')
 
-    def use(self, current: str) -> None:
-        """Point claude-code at a pool and wait until all three proxies show it."""
-        self.config_path.write_text(self.config(current))
+    def use(self, current: str, replicas: tuple[str, ...] = REPLICAS) -> None:
+        """Point claude-code at a pool (the soft pool ``local`` of ``replicas``) and wait until
+        all three proxies show it."""
+        self.config_path.write_text(self.config(current, replicas))
         deadline = time.monotonic() + 5
         for p in self.proxies:
             while time.monotonic() < deadline:
@@ -214,6 +223,160 @@ def test_a_pinned_turn_on_an_exhausted_member_is_deferred_never_moved(rig: Pools
     assert Counter(next(iter(rig.where(f))) for f in fresh) == {others[0]: 2, others[1]: 2}
 
 
+def test_a_success_sent_before_another_proxy_s_429_does_not_clear_the_exhaustion(rig: Pools) -> None:
+    """Two conversations on one member, through two proxies. Proxy 0's turn is slow to be
+    answered; meanwhile proxy 1's turn is answered 429 ``retry-after: 60`` and every proxy
+    learns it through the store. Then the slow turn's 200 arrives at proxy 0, which never saw
+    the 429: that answer says the member admitted a request sent *before* the 429, nothing
+    of after it. It used to be written over the store's state as "not exhausted" (any success
+    cleared exhaustion), so the other proxies sent new conversations and pinned turns to a
+    member still refusing them for most of a minute."""
+    rig.use("glm")
+    started = time.monotonic()
+    sessions = [new_session() for _ in range(len(MEMBERS) + 1)]
+    for s in sessions:
+        assert rig.send(cc("opening", s), proxy=2).status == 200
+    member = next(iter(rig.where(sessions[0])))
+    slow, limited = sessions[0], sessions[-1]
+    assert rig.where(limited) == {member: 1}
+    fake = rig.fakes[member]
+    release = threading.Event()
+    body = json.dumps({"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}).encode()
+
+    def canned(rec):
+        if rec.header(SESSION_HEADER) == slow:     # its continuation: the opening came before
+            release.wait(30)            # answered normally, once released
+            return None
+        if rec.header(SESSION_HEADER) == limited:
+            return 429, [("content-type", "application/json"), ("retry-after", "60")], body
+        return None
+
+    fake.canned = canned
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(rig.send, cc("continuation", slow), 0)
+            assert _until(lambda: rig.where(slow) == {member: 2})
+            r = rig.send(cc("continuation", limited), proxy=1)
+            assert r.status == 429 and r.header("x-fake-server") is None
+            assert _until(lambda: _exhausted(rig, member))
+            # a slow turn: past the 5 s in which proxy 0 would not write an unchanged state again
+            # (it may have written this member's "fine" in an earlier test)
+            time.sleep(max(0.0, started + allocations.WRITE_EVERY + 0.5 - time.monotonic()))
+            release.set()
+            assert pending.result(30).status == 200
+        # proxy 0 has read the 200 (its quota write is in the background): wait for what it
+        # would write, then look; the exhaustion stands
+        time.sleep(1.0)
+        assert _exhausted(rig, member), rig.store(lambda st: st.get(members.quota_key(member)))
+        r = rig.send(cc("continuation", limited), proxy=2)
+        assert r.status == 429 and r.header("x-sessionpin-refused") == "member-exhausted"
+    finally:
+        release.set()
+        fake.canned = None
+
+
+def _exhausted(rig: Pools, member: str) -> bool:
+    q = rig.store(lambda st: members.read_quota(st, member, time.time()))
+    return q is not None and q.exhausted_until > time.time() + 10
+
+
+def test_an_opening_its_member_refused_429_is_allocated_afresh_when_asked_again(rig: Pools) -> None:
+    """A member that refuses new conversations (429, retry-after 30) but serves the ones it
+    has. The opening allocated to it is answered with its 429; when the agent asks the
+    opening again (no history: it used no answer of it), nothing of the conversation began
+    there, so it is allocated afresh among the other members (a recorded move), through any
+    proxy. It used to stay pinned to the member: deferred by the proxies until the reset,
+    then sent to the same member again and refused again, while the others had room.
+    A conversation that began on the member is still deferred, never moved."""
+    rig.use("glm")
+    began = None
+    for _ in range(len(MEMBERS)):
+        s = new_session()
+        assert rig.send(cc("opening", s), proxy=0).status == 200
+        began = s
+    member = next(iter(rig.where(began)))           # the last one: the next opening goes elsewhere…
+    fake = rig.fakes[member]
+    body = json.dumps({"type": "error", "error": {"type": "rate_limit_error", "message": "no new sessions"}}).encode()
+    fake.canned = lambda rec: None if rec.header(SESSION_HEADER) == began else (
+        429, [("content-type", "application/json"), ("retry-after", "30")], body)
+    try:
+        opening = None
+        for _ in range(len(MEMBERS)):                # …until the member's turn comes round again
+            s = new_session()
+            r = rig.send(cc("opening", s), proxy=0)
+            if member in rig.where(s):
+                opening = s
+                break
+            assert r.status == 200
+        assert opening is not None and r.status == 429 and r.header("retry-after") == "30"
+        assert r.header("x-fake-server") is None             # the member's own answer
+        assert _until(lambda: _exhausted(rig, member))
+        mark = rig.proxies[1].line_count
+        r = rig.send(cc("opening", opening), proxy=1)
+        assert r.status == 200, r.body[:300]
+        [moved_to] = [m for m in rig.where(opening) if m != member]
+        assert rig.where(opening) == {member: 1, moved_to: 1}
+        why = f"hard: {member} out of quota before the opening began → {moved_to}"
+        assert rig.proxies[1].wait_output(why, since=mark)
+        pin = rig.store(lambda st: pins.load(st, opening)).pin
+        assert (pin.server, pin.pool, pin.rule, pin.why) == (moved_to, "glm", "opening", why)
+        moves = [x for x in rig.store(lambda st: members.history(st, "glm", 0)) if x.kind == "move"]
+        assert [(x.session, x.previous, x.member) for x in moves if x.session == opening] == [
+            (opening, member, moved_to)]
+        # its next turn stays where it began
+        assert rig.send(cc("continuation", opening), proxy=2).status == 200
+        assert rig.where(opening) == {member: 1, moved_to: 2}
+        # a conversation that began on the member: deferred, never moved
+        r = rig.send(cc("continuation", began), proxy=2)
+        assert r.status == 429 and r.header("x-sessionpin-refused") == "member-exhausted"
+        assert rig.where(began) == {member: 1}
+    finally:
+        fake.canned = None
+
+
+def test_an_opening_allocated_to_a_member_that_is_down_is_allocated_afresh(rig: Pools) -> None:
+    """A hard pool's member goes down. The new conversation whose turn it is used to be
+    pinned to it and refused 424 "stays there" — for good: its retry, the same opening,
+    went to the same dead member. Nothing of it began there: it is allocated afresh among
+    the others before anything is sent. A conversation that began on the member is still
+    refused, never moved."""
+    rig.use("glm")
+    began = None
+    for _ in range(len(MEMBERS)):
+        began = new_session()
+        assert rig.send(cc("opening", began), proxy=0).status == 200
+    member = next(iter(rig.where(began)))
+    down = MEMBERS[(MEMBERS.index(member) + 1) % len(MEMBERS)]
+    on_down = new_session()
+    for _ in range(len(MEMBERS)):
+        on_down = new_session()
+        assert rig.send(cc("opening", on_down), proxy=0).status == 200
+        if down in rig.where(on_down):
+            break
+    assert rig.where(on_down) == {down: 1}
+    rig.fakes[down].stop()
+    s = None
+    for _ in range(len(MEMBERS)):                    # round-robin comes round to `down` again
+        s = new_session()
+        mark = rig.proxies[1].line_count
+        r = rig.send(cc("opening", s), proxy=1)
+        assert r.status == 200, r.body[:300]
+        if rig.proxies[1].wait_output(f"hard: {down} unreachable before the opening began", since=mark,
+                                      timeout=0.5):
+            break
+    else:
+        raise AssertionError("no opening was allocated to the member that is down")
+    [moved_to] = rig.where(s)
+    assert moved_to != down
+    pin = rig.store(lambda st: pins.load(st, s)).pin
+    assert (pin.server, pin.rule) == (moved_to, "opening")
+    assert pin.why == f"hard: {down} unreachable before the opening began → {moved_to}"
+    # a conversation that began on it: refused, stays there
+    r = rig.send(cc("continuation", on_down), proxy=2)
+    assert r.status == 424 and down in r.json()["error"]["message"]
+    assert rig.store(lambda st: pins.load(st, on_down)).pin.server == down
+
+
 def _exhaust(rig: Pools, member: str, seconds: int) -> None:
     """Make ``member`` answer one pinned turn 429 with ``retry-after: seconds`` (a real answer)."""
     s = new_session()
@@ -284,6 +447,38 @@ def test_a_soft_member_killed_and_restarted(rig: Pools) -> None:
     assert rig.where(moving) == {"vllm-1": 1, "vllm-2": 2}
     moves = [r for r in rig.store(lambda s: members.history(s, "local", 0)) if r.kind == "move"]
     assert [(r.session, r.previous, r.member) for r in moves] == [(moving, "vllm-1", "vllm-2")]
+
+
+def test_a_soft_member_taken_out_of_the_pool_is_a_miss_though_still_a_server(rig: Pools) -> None:
+    """The operator takes vllm-1 out of the soft pool's members (its [servers.vllm-1] stays:
+    ``servers remove`` refuses a member, so this is the first step of retiring it, or it is
+    kept for direct use). A soft pin is a hint over the pool's current members (seed 004: a
+    node no longer in the candidate set is a clean miss): the conversation pinned to vllm-1
+    moves to a member at its next turn, through any proxy, although vllm-1 is up; a hard
+    pin would stay."""
+    rig.use("local")
+    cursor = rig.store(lambda s: members.cursor(s, "local")).n
+    sessions = [new_session() for _ in range(2)]
+    for s in sessions:
+        assert rig.send(cc("opening", s), proxy=0).status == 200
+    on_1 = [s for s in sessions if rig.where(s) == {"vllm-1": 1}]
+    assert len(on_1) == 1, (cursor, [rig.where(s) for s in sessions])
+    pinned = on_1[0]
+    try:
+        rig.use("glm")
+        rig.use("local", replicas=("vllm-2",))
+        mark = rig.proxies[1].line_count
+        r = rig.send(cc("continuation", pinned), proxy=1)
+        assert r.status == 200 and rig.where(pinned) == {"vllm-1": 1, "vllm-2": 1}
+        assert rig.proxies[1].wait_output(r"soft: vllm-1 left the pool → vllm-2", since=mark)
+        pin = rig.store(lambda st: pins.load(st, pinned)).pin
+        assert (pin.server, pin.rule, pin.why) == ("vllm-2", "soft-move", "soft: vllm-1 left the pool → vllm-2")
+        # and it stays there
+        assert rig.send(cc("continuation", pinned), proxy=2).status == 200
+        assert rig.where(pinned) == {"vllm-1": 1, "vllm-2": 2}
+    finally:
+        rig.use("glm")
+        rig.use("local")
 
 
 def _cli(rig: Pools, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -384,6 +579,37 @@ def test_a_pool_pin_lost_after_its_opening_is_refused_never_moved(rig: Pools, po
     r = rig.send(cc("continuation", s))
     assert r.status == 424 and r.header("x-sessionpin-refused") == "store-lost", (r.status, r.text[:300])
     assert rig.where(s) == {member: 1}
+
+
+def test_a_soft_member_drained_while_out_of_quota_is_a_miss_not_a_deferral(rig: Pools) -> None:
+    """In a soft pool a drained member is a miss: its conversations move at their next turn.
+    One that had also just answered 429 (retry-after 600) kept them instead: the deferral
+    was decided before the miss, so draining it to move its conversations off did nothing
+    for ten minutes. A miss (drained, gone, left the pool, unreachable) now comes first in a
+    soft pool; exhaustion alone still defers."""
+    rig.use("local")
+    sessions = [new_session() for _ in range(2)]
+    for s in sessions:
+        assert rig.send(cc("opening", s), proxy=0).status == 200
+    [pinned] = [s for s in sessions if rig.where(s) == {"vllm-1": 1}]
+    fake = rig.fakes["vllm-1"]
+    fake.status, fake.headers = 429, [("retry-after", "600")]
+    try:
+        assert rig.send(cc("continuation", pinned), proxy=0).status == 429
+    finally:
+        fake.status, fake.headers = None, []
+    assert _until(lambda: _exhausted(rig, "vllm-1"))
+    r = rig.send(cc("continuation", pinned), proxy=1)        # exhausted alone: deferred, not moved
+    assert r.status == 429 and r.header("x-sessionpin-refused") == "member-exhausted"
+    assert _cli(rig, "drain", "vllm-1").returncode == 0
+    try:
+        mark = rig.proxies[2].line_count
+        r = rig.send(cc("continuation", pinned), proxy=2)
+        assert r.status == 200, r.body[:300]
+        assert rig.where(pinned) == {"vllm-1": 2, "vllm-2": 1}
+        assert rig.proxies[2].wait_output(r"soft: vllm-1 drained → vllm-2", since=mark)
+    finally:
+        assert _cli(rig, "undrain", "vllm-1").returncode == 0
 
 
 def _hang_up_mid_stream(rig: Pools, session: str) -> None:

@@ -124,6 +124,22 @@ def test_use_rewrites_only_that_setting_and_says_what_stays(env, capsys):
     assert "SP_TEST_GLM_KEY is not set" in e
 
 
+def test_use_and_servers_add_on_a_config_that_is_a_link_write_the_file_it_names(env, capsys, tmp_path):
+    # dotfiles kept elsewhere and linked in: the link stays, the file it names changes (a
+    # replaced link let the next dotfiles sync put the old choice back in force, unasked)
+    import os
+    dots = tmp_path / "dots"
+    dots.mkdir()
+    target = dots / "sessionpin.toml"
+    os.replace(env.cfg, target)
+    env.cfg.symlink_to(target)
+    assert run(capsys, "use", "claude-code", "glm")[0] == 0
+    assert run(capsys, "servers", "add", "zen", "https://opencode.ai/zen/v1")[0] == 0
+    assert env.cfg.is_symlink() and os.readlink(env.cfg) == str(target)
+    cfg = config.load(target)
+    assert cfg.current("claude-code") == "glm" and "zen" in cfg.servers
+
+
 def test_use_choice_in_force_writes_nothing(env, capsys):
     mtime = env.cfg.stat().st_mtime_ns
     code, o, _ = run(capsys, "use", "claude-code", "anthropic")
@@ -398,6 +414,28 @@ def test_move_yes_and_not_routed_and_already_there(env, capsys):
     assert read_pin(env.url, "ses_5a1b2c3d4e5f").server is None
     code, o, _ = run(capsys, "move", "ses_5a", "--not-routed", "--yes")
     assert code == 0 and "already not routed; nothing written" in o
+
+
+def test_move_to_a_re_pointed_server_is_how_the_operator_accepts_its_new_address(env, capsys):
+    # The proxy refuses a conversation whose server name now points at another host
+    # (ladder.moved) and says `sessionpin move SESSION SERVER`: that must write, not say
+    # "already on glm; nothing written", and record the new address.
+    async def put() -> None:
+        store = open_store(env.url)
+        try:
+            await pins.create(store, "ses_re1", pins.Pin(agent="opencode", server="glm", since=time.time(),
+                                                         renewed=time.time(), at="https://old.example"))
+        finally:
+            await store.close()
+    asyncio.run(put())
+    code, o, e = run(capsys, "move", "ses_re1", "glm", "--yes")
+    assert code == 0 and "Moved" in o and "https://old.example" in o + e and "https://api.z.ai" in o + e, (o, e)
+    assert read_pin(env.url, "ses_re1").at == "https://api.z.ai"
+    code, o, _ = run(capsys, "move", "ses_re1", "glm", "--yes")
+    assert code == 0 and "already on glm; nothing written" in o
+    code, o, _ = run(capsys, "move", "ses_re1", "anthropic", "--yes")
+    assert code == 0 and read_pin(env.url, "ses_re1").at == "https://api.anthropic.com"
+    assert "Moved ses_re1 (opencode) from glm to anthropic." in o, o     # another server: no addresses said
 
 
 def test_forget(env, capsys):

@@ -264,6 +264,44 @@ def test_a_config_others_may_write_or_another_user_owns_is_refused(tmp_path):
             config.load(p)
 
 
+def test_repointed_names_the_servers_at_another_origin():
+    old = config.parse('[servers.a]\nurl = "https://a.example/v1"\n[servers.b]\nurl = "https://b.example"\n'
+                       '[servers.c]\nurl = "http://c.example:8000"\n')
+    new = config.parse('[servers.a]\nurl = "https://a.example/api/v4"\n[servers.b]\nurl = "https://x.example"\n'
+                       '[servers.c]\nurl = "http://c.example:8001"\n[servers.d]\nurl = "https://d.example"\n')
+    assert config.repointed(old, new) == [("b", "https://b.example", "https://x.example"),
+                                          ("c", "http://c.example:8000", "http://c.example:8001")]
+    assert config.repointed(new, config.Config()) == []        # removed: pinned-server-gone, said as such
+
+
+def test_only_a_regular_file_of_a_config_s_size_is_read(tmp_path):
+    """What no config is — a FIFO (its open() waited for a writer on the proxy's loop), a
+    directory, a device, a file over MAX_BYTES — is a ConfigError saying what it is, read no
+    further; a file at the bound is read; a missing file and a dangling link are no config."""
+    import os
+
+    p = tmp_path / "config.toml"
+    head = '[servers.glm]\nurl = "https://glm.example"\n'
+    p.write_text(head + "#" * (config.MAX_BYTES - len(head) - 1) + "\n")
+    assert len(p.read_bytes()) == config.MAX_BYTES and "glm" in config.load(p).servers
+    with open(p, "a") as f:
+        f.write("#" * 64)
+    with pytest.raises(ConfigError, match=rf"config.toml: {os.path.getsize(p)} bytes, more than"):
+        config.load(p)
+    p.unlink()
+    os.mkfifo(p, 0o600)
+    with pytest.raises(ConfigError, match=r"not a regular file \(a FIFO\)"):
+        config.read_trusted(p)                  # returns at once: nothing writes the FIFO
+    p.unlink()
+    p.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match=r"not a regular file \(a directory\)"):
+        config.load(p)
+    p.rmdir()
+    assert config.read_trusted(p) is None
+    p.symlink_to(tmp_path / "nowhere.toml")
+    assert config.read_trusted(p) is None
+
+
 @pytest.mark.parametrize("host,path,server,api", [
     ("api.z.ai", "/api/paas/v4/chat/completions", "zai", "openai-chat"),
     ("api.z.ai", "/v1/messages", "zai", "anthropic-messages"),           # a client's /v1 at that origin

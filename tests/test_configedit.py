@@ -210,6 +210,31 @@ def test_write_atomic_keeps_mode_and_new_file_is_private(tmp_path):
     assert [x.name for x in p.parent.iterdir()] == ["config.toml"]   # no temp file left
 
 
+def test_a_config_that_is_a_link_is_written_where_it_points(tmp_path):
+    """Replacing the link with a file left the file it named unchanged: the next re-link (a
+    dotfiles sync) put the old config back in force, unasked."""
+    dots = tmp_path / "dots"
+    dots.mkdir()
+    target = dots / "config.toml"
+    target.write_text("a = 1\n")
+    os.chmod(target, 0o640)
+    link = tmp_path / "config.toml"
+    link.symlink_to(target)
+    configedit.write_atomic(link, "a = 2\n")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "a = 2\n" and stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["config.toml", "dots"]
+    assert [x.name for x in dots.iterdir()] == ["config.toml"]          # no temp file left
+    chained = tmp_path / "again.toml"
+    chained.symlink_to(link)                     # a link to a link: the file at the end
+    configedit.write_atomic(chained, "a = 3\n")
+    assert chained.is_symlink() and link.is_symlink() and target.read_text() == "a = 3\n"
+    dangling = tmp_path / "new.toml"
+    dangling.symlink_to(dots / "sub" / "new.toml")   # a link made before its file: the file is made
+    configedit.write_atomic(dangling, "a = 4\n")
+    assert dangling.is_symlink() and (dots / "sub" / "new.toml").read_text() == "a = 4\n"
+
+
 def test_under_umask_000_the_config_s_directories_are_0700_and_no_one_else_may_write_it(tmp_path):
     """Issue 20: under umask 000 the config directory was 0777: anyone could replace
     config.toml and point a server's URL (with its key) elsewhere."""

@@ -98,6 +98,51 @@ def test_a_pin_decides_wherever_the_request_was_addressed(p, want):
     assert (d.target, d.pin_action, d.rule, d.refuse) == want
 
 
+@pytest.mark.parametrize("at, want", [
+    ("https://api.z.ai", ("glm", "renew", "pinned", None)),            # where it began
+    ("", ("glm", "renew", "pinned", None)),                            # a pin made before pins recorded it
+    ("https://other.example", (None, "none", "pinned-server-moved", 424)),
+    ("https://api.z.ai:8443", (None, "none", "pinned-server-moved", 424)),   # another port is another server
+    ("http://api.z.ai", (None, "none", "pinned-server-moved", 424)),
+])
+def test_a_pinned_server_re_pointed_to_another_host_is_refused(at, want):
+    # A pin names a server; the name re-pointed to another host (an edit, a name reused, another
+    # proxy's config) is not the server the conversation began on: refused, never followed.
+    p = Pin(agent=F.CLAUDE_CODE, server="glm", since=1.0, renewed=1.0, at=at)
+    d = ladder.decide(facts(F.CONTINUATION, has_history=True), p, CONFIG, SRC)
+    assert (d.target, d.pin_action, d.rule, d.refuse) == want
+    assert ladder.moved(p, CONFIG) == (want[2] == "pinned-server-moved")
+
+
+def test_another_agent_s_pin_to_the_addressed_server_re_pointed_since_is_refused():
+    # left alone only when the pin names the server it addresses *as it was*: the name now at
+    # another host, the request would take the conversation there
+    p = Pin(agent=F.OPENCODE, server="anthropic", since=1.0, renewed=1.0, at="https://old.example")
+    d = ladder.decide(facts(F.CONTINUATION, has_history=True), p, CONFIG, SRC)
+    assert (d.target, d.pin_action, d.rule, d.refuse) == (None, "none", "other-agent-pin", 424)
+    p = Pin(agent=F.OPENCODE, server="anthropic", since=1.0, renewed=1.0, at="https://api.anthropic.com")
+    d = ladder.decide(facts(F.CONTINUATION, has_history=True), p, CONFIG, SRC)
+    assert (d.target, d.rule, d.refuse) == (None, "other-agent-pin", None)
+
+
+def test_a_prefix_changed_at_the_same_origin_is_the_same_server():
+    cfg = parse('''
+[servers.glm]
+url = "https://api.z.ai/api/coding/paas/v4"
+''')
+    p = Pin(agent=F.CLAUDE_CODE, server="glm", since=1.0, renewed=1.0, at="https://api.z.ai")
+    assert ladder.decide(facts(F.CONTINUATION, has_history=True), p, cfg, None).rule == "pinned"
+
+
+def test_a_fork_of_a_conversation_whose_server_was_re_pointed_is_refused():
+    parent = Pin(agent=F.CLAUDE_CODE, server="glm", since=1.0, renewed=1.0, at="https://old.example")
+    d = ladder.decide(facts(F.CONTINUATION, has_history=True, session="s-2"), None, CONFIG, SRC, parent=parent)
+    assert (d.target, d.pin_action, d.rule, d.refuse) == (None, "none", "fork-of-moved", 424)
+    same = Pin(agent=F.CLAUDE_CODE, server="glm", since=1.0, renewed=1.0, at="https://api.z.ai")
+    d = ladder.decide(facts(F.CONTINUATION, has_history=True, session="s-2"), None, CONFIG, SRC, parent=same)
+    assert (d.target, d.rule) == ("glm", "fork")
+
+
 def test_current_server_change_moves_only_new_conversations():
     moved = parse(CONFIG_TEXT_SWITCHED)
     running = ladder.decide(facts(F.CONTINUATION, has_history=True), pin("glm"), moved, SRC)
@@ -188,6 +233,7 @@ def test_rule_ids_are_a_named_set_of_stable_strings():
     assert {r.value for r in Rule} == {
         "out-of-scope", "unknown-agent", "no-session", "other-agent-pin", "pinned-not-routed",
         "pinned-server-gone", "pinned", "fork-not-routed", "fork-of-gone", "fork", "unreadable",
+        "pinned-server-moved", "fork-of-moved",
         "side-unseen", "side-not-routed", "side-current", "subagent-unseen", "not-routed", "opening",
         "continuation-after-title", "continuation-unseen", "unknown-turn-unseen", "unknown-turn",
         "soft-move", "store-unreadable", "unnamed-path"}

@@ -80,6 +80,7 @@ async def test_one_allocation_writes_pin_index_cursor_and_record_together(store,
     assert pin == got.loaded.pin
     assert (pin.server, pin.pool, pin.models, pin.why) == ("glm-a", "glm", (("claude-*", "glm-4.6"),),
                                                            "pool glm: round-robin → glm-a")
+    assert pin.at == "https://a.example"     # where the member is: ladder.moved compares it
     assert await members.cursor(store, "glm") == A.Cursor(1, POOL.revision)
     assert await members.active_counts(store, POOL.members, clock()) == {"glm-a": 1, "glm-b": 0, "glm-c": 0}
     history = await members.history(store, "glm")

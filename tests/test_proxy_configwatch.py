@@ -123,3 +123,20 @@ def test_a_config_others_may_write_is_kept_out_at_reload_and_said_once(proxy, cf
     os.chmod(cfg_path, 0o600)
     proxy.reload()
     assert proxy.config.config.current("claude-code") == "anthropic" and proxy.config.problem is None
+
+
+def test_a_config_that_cannot_be_read_is_said_once_and_kept_out(proxy, cfg_path, caplog):
+    """A path that cannot be read (here a link to itself; permissions alike, which root does not
+    meet) keeps the config in force and is said once, in the log and as the problem status
+    shows — before, a debug line only: edits were no longer taken and nothing said so."""
+    cfg_path.unlink()
+    cfg_path.symlink_to(cfg_path.name)
+    for _ in range(3):
+        proxy.config.check()
+    assert proxy.config.config.current("claude-code") == "glm"
+    assert proxy.config.problem.startswith("config.toml: cannot read: ") and proxy.config.rejected == 1
+    assert caplog.text.count("config rejected, keeping the previous one") == 1
+    cfg_path.unlink()
+    cfg_path.write_text(CONFIG.replace('server = "glm"', 'server = "anthropic"'))
+    proxy.reload()
+    assert proxy.config.config.current("claude-code") == "anthropic" and proxy.config.problem is None

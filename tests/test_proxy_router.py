@@ -182,7 +182,9 @@ async def test_missing_key_refuses_without_pinning(proxy):
     proxy.router.env.pop("ZAI_API_KEY")
     f = flow()
     await proxy.send(f)
-    assert f.response.status_code == 502
+    # only the operator can fix it: the no-retry answer (424, x-should-retry: false), not a 502
+    assert f.response.status_code == 424 and f.response.headers["x-should-retry"] == "false"
+    assert f.response.headers["x-sessionpin-refused"] == "no-key" and "retry-after" not in f.response.headers
     assert "ZAI_API_KEY is not set" in json.loads(f.response.content)["error"]["message"]
     assert await pin_of(proxy) is None
 
@@ -192,7 +194,7 @@ async def test_server_without_key_env_refuses_foreign_requests(proxy, cfg_path):
     proxy.reload()
     f = flow()
     await proxy.send(f)
-    assert f.response.status_code == 502 and "nokey has no key_env" in f.response.text
+    assert f.response.status_code == 424 and "nokey has no key_env" in f.response.text
     assert b"agent-sentinel" not in f.response.content
 
 

@@ -224,12 +224,13 @@ def test_bearer_agent_gets_bearer_key():
 @pytest.mark.parametrize("env", [{}, {"ZAI_API_KEY": ""}, {"ZAI_API_KEY": "  "}])
 def test_missing_key_is_refused(env):
     c = rewrite.plan(go("glm"), view(), ANTHROPIC, CONFIG, env)
-    assert c.refuse == "server glm: ZAI_API_KEY is not set in the proxy's environment"
+    assert c.refuse.startswith("server glm: ZAI_API_KEY is not set in the proxy's environment (set it where the "
+                                "proxy runs and restart the proxy") and c.operator
 
 
 def test_server_without_key_env_only_takes_its_own_origin():
     c = rewrite.plan(go("nokey"), view(), ANTHROPIC, CONFIG, ENV)
-    assert c.refuse and "nokey has no key_env" in c.refuse and "servers.nokey.key_env" in c.refuse
+    assert c.refuse and "nokey has no key_env" in c.refuse and "servers.nokey.key_env" in c.refuse and c.operator
     # same origin, other prefix: the agent's key was for this origin, it stays
     c = rewrite.plan(go("zai-other"), view(host="api.z.ai", path="/api/anthropic/v1/messages"), GLM, CONFIG, ENV)
     assert c.refuse is None and c.path == "/api/paas/v1/messages"
@@ -336,7 +337,7 @@ def test_a_refusal_never_carries_a_key_even_from_a_config_built_by_hand():
     bad = replace(GLM, key_env=KEY)
     cfg = replace(CONFIG, servers={**CONFIG.servers, "glm": bad})
     c = rewrite.plan(go("glm"), view(), ANTHROPIC, cfg, {})
-    assert c.refuse == "server glm: [redacted] is not set in the proxy's environment"
+    assert c.refuse.startswith("server glm: [redacted] is not set in the proxy's environment")
     c = rewrite.plan(go("glm"), view(headers=(("x-api-key", KEY),), body=b'{"model":"claude-opus-4-1"',
                                        model="claude-opus-4-1"), ANTHROPIC, cfg, {bad.key_env: "k"})
     assert c.refuse and KEY not in c.refuse and KEY[10:30] not in c.refuse

@@ -282,6 +282,14 @@ def unnamed(f=None, source=ANTHROPIC, endpoint="/chat/completions", path="/chat/
     ("an opencode continuation: the title memory is not read", unnamed(OC := facts(
         F.CONTINUATION, agent=F.OPENCODE, api=F.OPENAI_CHAT, has_history=True)), {"title": "zen"},
      ["ReadPin", "ReadLineage", "FindParent"], ("Leave", None, "unnamed-path", ())),
+    ("pinned to the server it addresses, the name re-pointed since: refused", unnamed(),
+     {"pin": Loaded(p := Pin(agent=F.CLAUDE_CODE, server="anthropic", since=NOW, renewed=NOW,
+                             at="https://old.example"), pins.encode(p))},
+     ["ReadPin"], ("Refuse", 424, "unnamed-path", ())),
+    ("pinned to the server it addresses, where it began: left alone", unnamed(),
+     {"pin": Loaded(p := Pin(agent=F.CLAUDE_CODE, server="anthropic", since=NOW, renewed=NOW,
+                             at="https://api.anthropic.com"), pins.encode(p))},
+     ["ReadPin"], ("Leave", None, "unnamed-path", ())),
     ("a store that cannot be read: refused, never 'no pin'", unnamed(), {"read_fails": True}, ["ReadPin"],
      ("Refuse", 424, None, ())),
 ])
@@ -311,6 +319,43 @@ def test_refusals_say_what_to_do():
     assert s.effect.status == 424 and "once the store is back" in s.effect.message
     _, s = drive(request(facts(F.CONTINUATION)), pin=loaded("ete"))
     assert s.effect.retry_after is None and "'ete'" in s.effect.message
+
+
+def test_a_new_pin_records_where_its_server_is():
+    # the address ladder.moved compares a pin with: a server name re-pointed elsewhere later
+    made = []
+    def create(e):
+        made.append(e.pin)
+        return route.PinCreated()
+    seen, _, s = run(request(), lambda e: create(e) if isinstance(e, route.CreatePin) else answerer()(e))
+    assert made and made[0].server == "glm" and made[0].at == "https://api.z.ai"
+    assert pins.decode(pins.encode(made[0])).at == "https://api.z.ai"
+    old = pins.decode('{"agent":"claude-code","server":"glm","since":1,"renewed":1}')
+    assert old is not None and old.at == ""          # a pin made before: read, not compared
+
+
+def test_a_re_pointed_server_is_refused_naming_both_addresses_and_the_way_out():
+    p = Pin(agent=F.CLAUDE_CODE, server="glm", since=NOW - 60, renewed=NOW - 60, at="https://old.example:8443")
+    seen, s = drive(request(facts(F.CONTINUATION, has_history=True)), pin=Loaded(p, pins.encode(p)))
+    assert seen == ["ReadPin"]
+    e = s.effect
+    assert (type(e).__name__, e.status, e.kind, e.retry_after) == ("Refuse", 424, "pinned-server-moved", None)
+    m = e.message
+    assert "s-1" in m and "'glm'" in m and "https://old.example:8443" in m and "https://api.z.ai" in m
+    assert "sessionpin move s-1 glm" in m
+
+
+def test_a_refusal_only_the_operator_can_lift_is_the_no_retry_answer_naming_the_session():
+    no_key = Changes("https", "api.z.ai", 443, "/x", refuse="server glm: ZAI_API_KEY is not set", operator=True)
+    seen, s = drive(request(facts(F.CONTINUATION, has_history=True)), pin=loaded("glm"), plan=no_key)
+    e = s.effect
+    assert (type(e).__name__, e.status, e.kind, e.retry_after) == ("Refuse", 424, "no-key", None)
+    assert "session s-1" in e.message and "ZAI_API_KEY" in e.message and "stays pinned to glm" in e.message
+    seen, s = drive(request(), plan=no_key)                 # an opening: nothing pinned
+    assert s.effect.status == 424 and "CreatePin" not in seen and "stays pinned" not in s.effect.message
+    other = Changes("https", "api.z.ai", 443, "/x", refuse="model not found")
+    _, s = drive(request(facts(F.CONTINUATION, has_history=True)), pin=loaded("glm"), plan=other)
+    assert (s.effect.status, s.effect.kind) == (502, "rewrite")  # the request's own: as before
 
 
 def test_a_store_that_lost_what_it_held_is_a_refusal_never_no_pin():

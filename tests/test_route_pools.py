@@ -50,9 +50,9 @@ def request(f=None, source=ANTHROPIC, config=CONFIG):
     return route.Request(facts=f or facts(), source=source, config=config, now=NOW)
 
 
-def pool_pin(member, pool="glm", agent=F.CLAUDE_CODE, rule="opening"):
+def pool_pin(member, pool="glm", agent=F.CLAUDE_CODE, rule="opening", at=""):
     p = Pin(agent=agent, server=member, since=NOW - 60, renewed=NOW - 60, rule=rule, pool=pool,
-            models=(), why=f"pool {pool}: round-robin → {member}")
+            models=(), why=f"pool {pool}: round-robin → {member}", at=at)
     return Loaded(p, pins.encode(p))
 
 
@@ -161,6 +161,15 @@ CASES = [
      request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-9", "local", F.PI), "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
      ["ReadPin", "Allocate(vllm-9)", "CheckMember(vllm-2)", "Plan", "CheckReachable"], ("Forward", None, "soft-move", "vllm-2", ())),
+    ("pinned turn (hard), member re-pointed to another host: 424, never followed",
+     request(facts(F.CONTINUATION, has_history=True)), {"pin": pool_pin("glm-a", at="https://old.example")},
+     ["ReadPin"], ("Refuse", 424, "pinned-server-moved", None, ())),
+    ("soft: pinned member re-pointed to another host -> moved, as one removed",
+     request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
+     {"pin": pool_pin("vllm-1", "local", F.PI, at="http://10.9.9.9:8000"),
+      "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},
+     ["ReadPin", "Allocate(vllm-1)", "CheckMember(vllm-2)", "Plan", "CheckReachable"],
+     ("Forward", None, "soft-move", "vllm-2", ())),
     ("soft: pinned member taken out of the pool's members (still a server) -> moved, not checked",
      request(facts(F.CONTINUATION, agent=F.PI, has_history=True)),
      {"pin": pool_pin("vllm-3", "local", F.PI), "allocations": [allocated("vllm-2", "local", F.PI, rule="soft-move")]},

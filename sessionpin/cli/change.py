@@ -160,10 +160,15 @@ def cmd_move(ctx: Ctx, args: argparse.Namespace) -> int:
     sid, pin = row.session, row.pin
     if row.lost:
         return _move_lost(ctx, args, row, target, cfg)
-    if pin.server == target:
+    at = cfg.servers[target].origin if target is not None else ""
+    # the same server, its name re-pointed since the pin (ladder.moved: the proxies refuse it)
+    repointed = target is not None and pin.server == target and bool(pin.at) and pin.at != at
+    if pin.server == target and not repointed:
         out(f"{short(sid)} ({pin.agent}) is already {'on ' + target if target else 'not routed'}; nothing written.")
         return 0
     frm, to = where(pin.server), where(target)
+    if repointed:
+        frm, to = f"{frm} (then at {pin.at})", f"{to} (now at {at})"
     err(f"Moving running conversation {short(sid)} ({pin.agent}, last seen {ago(row.seen.last, time.time())}) "
         f"from {frm} to {to}.")
     err(MOVE_RISKS.format(frm=frm if pin.server else "the server it began on",
@@ -171,7 +176,7 @@ def cmd_move(ctx: Ctx, args: argparse.Namespace) -> int:
     confirm(args, "Move it?", f"{short(sid)} not moved")
     now = time.time()
     new = pins.Pin(agent=pin.agent, server=target, since=now, renewed=now, rule="operator", turn=pin.turn,
-                   source=pin.source)
+                   source=pin.source, at=at)
     _saved(ctx, "move it", ctx.run(pins.move(store, sid, row.loaded, new)), sid)
     out(f"Moved {short(sid)} ({pin.agent}) from {frm} to {to}. Its next request goes to {to}"
         + (f" (left alone: where {pin.agent} sends it)." if target is None else "."))
@@ -192,7 +197,8 @@ def _move_lost(ctx: Ctx, args: argparse.Namespace, row, target: str | None, cfg:
                               to=to if target else "the server the agent addresses"))
         confirm(args, "Move it?", f"{short(sid)} not moved")
     now = time.time()
-    new = pins.Pin(agent=pin.agent, server=target, since=now, renewed=now, rule="operator")
+    new = pins.Pin(agent=pin.agent, server=target, since=now, renewed=now, rule="operator",
+                   at=cfg.servers[target].origin if target is not None else "")
     _saved(ctx, "move it", ctx.run(pins.move(ctx.need_store(), sid, row.loaded, new)), sid)
     _settled_loss(ctx, sid)
     placed = f"on {target}" if target else "not routed"

@@ -67,10 +67,15 @@ class Ctx:
             raise Fail(f"{e}; fix {self.config_path} first (`sessionpin doctor` checks it)") from None
 
     def config_text(self) -> str:
+        """The text an edit starts from, read as the proxy reads it (``read_trusted``: a FIFO,
+        a directory or a file of another size than a config's is refused, not waited on)."""
         try:
-            return self.config_path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return ""
+            raw = configmod.read_trusted(self.config_path)
+            return raw.decode("utf-8") if raw is not None else ""
+        except configmod.ConfigError as e:
+            raise Fail(f"{e}; fix {self.config_path} first (`sessionpin doctor` checks it)") from None
+        except UnicodeDecodeError as e:
+            raise Fail(f"cannot read {self.config_path}: not UTF-8 text ({e.reason})") from None
         except OSError as e:
             raise Fail(f"cannot read {self.config_path}: {e.strerror or e}") from None
 

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,6 +201,13 @@ class Config:
         return [p for p in self.pools.values() if server in p.members]
 
 
+def repointed(old: Config, new: Config) -> list[tuple[str, str, str]]:
+    """The servers ``new`` names at another origin than ``old`` did: (name, was, now). The
+    conversations pinned to them since before are refused (``ladder.moved``), so a reload says so."""
+    return [(name, s.origin, new.servers[name].origin) for name, s in old.servers.items()
+            if name in new.servers and new.servers[name].origin != s.origin]
+
+
 def default_path() -> Path:
     import platformdirs
 
@@ -221,15 +229,52 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
     return parse(text, str(p))
 
 
+MAX_BYTES = 1 << 20     # a config names a few servers: a larger file is something else given as one
+
+
 def read_trusted(p: Path) -> bytes | None:
     """The config file's bytes (None: there is none), read only if it is trusted (``_trusted``:
-    else ``ConfigError``); what the proxy's watcher and every command read."""
+    else ``ConfigError``); what the proxy's watcher and every command read.
+
+    Only a regular file of at most ``MAX_BYTES`` is read; anything else is a ``ConfigError``
+    saying what it is. The watcher reads the path on the proxy's loop four times a second: a
+    FIFO's open() waited there for a writer (every request stalled), a device or a log file
+    given as the config was read whole each time, and a directory was skipped in silence.
+    Opened non-blocking, so a FIFO is looked at, not waited on."""
     try:
-        with open(p, "rb") as f:
-            _trusted(p, os.fstat(f.fileno()))
-            return f.read()
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(str(p), None, None, f"not a regular file ({_file_kind(st.st_mode)}): refusing it; "
+                              f"the config is a TOML file")
+        _trusted(p, st)
+        if st.st_size > MAX_BYTES:
+            raise _too_big(p, st.st_size)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1                                  # the file object closes it
+            data = f.read(MAX_BYTES + 1)             # bounded: it may have grown since fstat
+        if len(data) > MAX_BYTES:
+            raise _too_big(p, len(data))
+        return data
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _too_big(p: Path, size: int) -> ConfigError:
+    return ConfigError(str(p), None, None, f"{size} bytes, more than a sessionpin config holds ({MAX_BYTES} at most): "
+                       f"refusing it; is this the config file?")
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def _trusted(p: Path, st: os.stat_result) -> None:

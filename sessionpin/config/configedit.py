@@ -353,8 +353,15 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Replace ``path`` with ``text`` in one rename; keep its mode without write for group and
     others (0600 for a new file). Directories made for it are 0700 whatever the umask: a
     config directory others can write lets them replace the file (a server's URL, with its
-    key, pointed elsewhere; the proxy reloads it)."""
+    key, pointed elsewhere; the proxy reloads it).
+
+    A config that is a symbolic link (dotfiles kept in a repository, stow, chezmoi) is written
+    where it points: replacing the link with a file left the file it named as it was, and the
+    next re-link (a dotfiles sync) silently put the old choices back in force. A link into a
+    read-only place (a Nix store) fails to write, saying so, rather than be replaced."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     _make_dirs(path.parent)
     try:
         mode = path.stat().st_mode & 0o7777 & ~0o022

@@ -9,8 +9,9 @@ Rules it keeps:
 - Retry hints are honest: ``retry_after`` given (the cause is passing within seconds: a
   store busy writing) → ``retry-after`` and ``x-should-retry: true``; otherwise
   ``x-should-retry: false`` (the Anthropic and OpenAI SDKs then do not retry).
-- A refusal no agent may retry for minutes (a pinned server down or removed, a store that cannot be
-  read, once the proxy rode out a blip itself) is ``NO_RETRY_STATUS``: 424 with
+- A refusal no agent may retry for minutes (a pinned server down, removed or re-pointed, a store
+  that cannot be read, once the proxy rode out a blip itself; a target whose key the proxy's
+  environment lacks) is ``NO_RETRY_STATUS``: 424 with
   ``x-should-retry: false`` and no ``retry-after`` — a 4xx none of the four clients retries
   (not 401, 408, 409, 429 nor a 5xx: opencode's AI SDK and Codex go by the status alone),
   and its body's types and words are none their retry rules read as passing

@@ -12,7 +12,8 @@
    leave it alone) and renew the pin — **whatever the config says about the origin the
    request addresses** (a server removed from the config, an emptied config). A pinned
    server that is no longer configured is refused (``answers.NO_RETRY_STATUS``, 424: only
-   the operator can bring it back or move the conversation, so no client may retry it), never moved. A pin of another
+   the operator can bring it back or move the conversation, so no client may retry it), never moved;
+   so is one whose server name now points at another host than the pin recorded (``moved``). A pin of another
    agent is neither followed nor overwritten: the request is left alone when that pin is
    "not routed" or names the server it addresses, and refused (424) when it names another
    server — which conversation it is cannot be told, and leaving it alone would send a
@@ -81,9 +82,11 @@ class Rule(enum.StrEnum):
     OTHER_AGENT_PIN = "other-agent-pin"
     PINNED_NOT_ROUTED = "pinned-not-routed"
     PINNED_SERVER_GONE = "pinned-server-gone"
+    PINNED_SERVER_MOVED = "pinned-server-moved"
     PINNED = "pinned"
     FORK_NOT_ROUTED = "fork-not-routed"
     FORK_OF_GONE = "fork-of-gone"
+    FORK_OF_MOVED = "fork-of-moved"
     FORK = "fork"
     UNREADABLE = "unreadable"
     SIDE_UNSEEN = "side-unseen"
@@ -130,6 +133,17 @@ def is_title_shaped(facts: F.Facts) -> bool:
             and not facts.has_tools and facts.api != F.ANTHROPIC_COUNT_TOKENS)
 
 
+def moved(pin: Pin, config: Config) -> bool:
+    """Whether ``pin``'s server is configured at another host than the pin recorded: the name
+    was re-pointed (an edit, a name reused for another provider, or another proxy sharing the
+    store whose config says otherwise). The host is the server: the conversation's history, and
+    the server's key, would go to a host the conversation never talked to. A path prefix changed
+    at the same origin is the same server (a provider's endpoint moved). A pin that recorded no
+    address (made before pins did) is not compared."""
+    server = config.servers.get(pin.server) if pin.server else None
+    return server is not None and bool(pin.at) and pin.at != server.origin
+
+
 def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | None,
            title_went: str | None = None, parent: Pin | None = None) -> Decision:
     if facts.api not in F.INFERENCE_APIS:
@@ -146,7 +160,8 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
             # same conversation read otherwise (opencode's and pi's Claude Pro/Max providers send
             # Claude Code's User-Agent) or a forged one — which cannot be told. Pinned to a
             # server other than the one it addresses, it is refused; else left alone as before.
-            if pin.server is not None and (source is None or pin.server != source.name):
+            # (a server name re-pointed since the pin is not the server the pin names: ``moved``)
+            if pin.server is not None and (source is None or pin.server != source.name or moved(pin, config)):
                 return Decision(None, NONE, Rule.OTHER_AGENT_PIN, f"session pinned by {pin.agent} to {pin.server}",
                                 refuse=NO_RETRY_STATUS)
             return _leave(Rule.OTHER_AGENT_PIN, f"session pinned by {pin.agent}")
@@ -155,6 +170,9 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
         if pin.server not in config.servers:
             return Decision(None, NONE, Rule.PINNED_SERVER_GONE, f"pinned to {pin.server}, no longer configured",
                             refuse=NO_RETRY_STATUS)
+        if moved(pin, config):
+            return Decision(None, NONE, Rule.PINNED_SERVER_MOVED, f"pinned to {pin.server} at {pin.at}, "
+                            f"now at {config.servers[pin.server].origin}", refuse=NO_RETRY_STATUS)
         return Decision(pin.server, RENEW, Rule.PINNED, "pin")
     # 7. a fork or resume of a conversation the router knows follows its parent
     if parent is not None and parent.agent == facts.agent and facts.has_history:
@@ -163,6 +181,9 @@ def decide(facts: F.Facts, pin: Pin | None, config: Config, source: Server | Non
         if parent.server not in config.servers:
             return Decision(None, NONE, Rule.FORK_OF_GONE, f"fork of a conversation pinned to {parent.server}, "
                             "no longer configured", refuse=NO_RETRY_STATUS)
+        if moved(parent, config):
+            return Decision(None, NONE, Rule.FORK_OF_MOVED, f"fork of a conversation pinned to {parent.server} "
+                            f"at {parent.at}, now at {config.servers[parent.server].origin}", refuse=NO_RETRY_STATUS)
         return Decision(parent.server, CREATE, Rule.FORK, "fork, follows its parent")
     if source is None:
         return _leave(Rule.OUT_OF_SCOPE, "no pin, not addressed to a configured server")

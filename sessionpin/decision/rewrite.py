@@ -20,7 +20,8 @@ and returns ``Changes``; the addon applies them all or none. Rules it keeps:
 - A target with no ``key_env`` only receives requests addressed to its own origin
   (the agent's ``x-api-key``/``authorization`` are for it, and stay); anything else is
   refused, never sent with a wrong key. So is a target whose ``key_env`` is unset or
-  empty in the proxy's environment.
+  empty in the proxy's environment. Both are the operator's to fix (``Changes.operator``):
+  answered so that no client retries them.
 - A request that stays on the server it addressed keeps its headers as they are.
 - ``models``: only the top-level ``"model"`` value changes, in place; every other byte
   of the body is the agent's (re-serialising breaks thinking signatures). A body whose
@@ -74,6 +75,9 @@ class Changes(msgspec.Struct, frozen=True):
     body: bytes | None = None                   # the new decoded body, when the model changed
     model: tuple[str, str] | None = None        # (as sent, as forwarded)
     refuse: str | None = None                   # why the request must not be sent (502)
+    # The refusal is the config's or the proxy's environment's (no key for the target): only
+    # the operator can change it, so no client may retry it (``answers.NO_RETRY_STATUS``).
+    operator: bool = False
 
 
 def auth_style(server: Server, request: RequestView) -> str:
@@ -87,8 +91,8 @@ def auth_style(server: Server, request: RequestView) -> str:
     return "x-api-key" if request.api in (F.ANTHROPIC_MESSAGES, F.ANTHROPIC_COUNT_TOKENS) else "bearer"
 
 
-def _refused(request: RequestView, why: str) -> Changes:
-    return Changes(request.scheme, request.host, request.port, request.path, refuse=scrub(why))
+def _refused(request: RequestView, why: str, operator: bool = False) -> Changes:
+    return Changes(request.scheme, request.host, request.port, request.path, refuse=scrub(why), operator=operator)
 
 
 def plan(decision: Decision, request: RequestView, source: Server | None, config: Config,
@@ -121,7 +125,9 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
         if target.key_env:
             key = env.get(target.key_env, "").strip()
             if not key:
-                return _refused(request, f"server {target.name}: {target.key_env} is not set in the proxy's environment")
+                return _refused(request, f"server {target.name}: {target.key_env} is not set in the proxy's "
+                                         f"environment (set it where the proxy runs and restart the proxy: its "
+                                         f"environment is read at start)", operator=True)
             drop = H.dropped_for_move(request.headers)
             if auth_style(target, request) == "x-api-key":
                 add = (("x-api-key", key),)
@@ -132,7 +138,7 @@ def plan(decision: Decision, request: RequestView, source: Server | None, config
             return _refused(
                 request,
                 f"server {target.name} has no key_env, so it only takes requests addressed to {target.origin}; "
-                f"this one was addressed to {addressed} (set servers.{target.name}.key_env)",
+                f"this one was addressed to {addressed} (set servers.{target.name}.key_env)", operator=True,
             )
         else:
             # Another prefix of the same origin: the agent's key was for this origin and stays;

@@ -403,7 +403,7 @@ def _guard(state: State) -> Step:
     r, f = state.request, state.request.facts
     pin = state.loaded.pin or state.parent_pin
     addressed = r.source.name if r.source is not None else None
-    if pin is None or pin.server is None or pin.server == addressed:
+    if pin is None or pin.server is None or (pin.server == addressed and not ladder.moved(pin, r.config)):
         why = ("no pin" if pin is None else "pinned not routed" if pin.server is None
                else f"pinned to {pin.server}, which it addresses")
         return _decided(state, Decision(None, ladder.NONE, Rule.UNNAMED_PATH,
@@ -432,8 +432,8 @@ def _decided(state: State, d: Decision) -> Step:
     r = state.request
     f = r.facts
     session = state.session or ""
-    if d.rule is Rule.PINNED_SERVER_GONE and _soft_pool(r, state.loaded.pin) is not None:
-        return _soft_miss(state, state.loaded.pin.server, "gone")
+    if d.rule in (Rule.PINNED_SERVER_GONE, Rule.PINNED_SERVER_MOVED) and _soft_pool(r, state.loaded.pin) is not None:
+        return _soft_miss(state, state.loaded.pin.server, "gone" if d.rule is Rule.PINNED_SERVER_GONE else "moved")
     if d.refuse and d.rule is Rule.OTHER_AGENT_PIN:
         pin = state.loaded.pin
         return _go(state, Refuse(d.refuse, d.rule, (
@@ -448,6 +448,13 @@ def _decided(state: State, d: Decision) -> Step:
         pinned = pin.server if pin else "?"
         where = r.config.path or "the sessionpin config"
         whose = f"session {session}" if state.loaded.pin else f"session {session} (a fork of {state.parent})"
+        if d.rule in (Rule.PINNED_SERVER_MOVED, Rule.FORK_OF_MOVED) and pin is not None:
+            now_at = r.config.servers[pinned].origin
+            return _go(state, Refuse(d.refuse, d.rule, (
+                f"sessionpin: {whose} is pinned to server '{pinned}' at {pin.at}, but '{pinned}' in {where} is "
+                f"now {now_at}, another host: the conversation is not sent there. Point [servers.{pinned}] "
+                f"url back at {pin.at} to carry on where it began, or move it to the new address yourself "
+                f"with `sessionpin move {state.parent or session} {pinned}` (or start a new conversation).")))
         return _go(state, Refuse(d.refuse, d.rule, (
             f"sessionpin: {whose} is pinned to server '{pinned}', which is no longer configured. "
             f"It is not moved to another server. Add [servers.{pinned}] back to {where}, or move the "
@@ -486,6 +493,13 @@ def _plan(state: State, target: str) -> Step:
 def _planned(state: State) -> Step:
     r, d, c = state.request, state.decision, state.changes
     f = r.facts
+    if c.refuse and c.operator:
+        # Only the operator can help (a key the proxy's environment lacks): no client retries it.
+        pinned = state.loaded.pin is not None and state.loaded.pin.server == d.target
+        return _go(state, Refuse(NO_RETRY_STATUS, "no-key", (
+            f"sessionpin: {f.agent} session {state.session or f.session}: {c.refuse}. The request was not sent "
+            f"anywhere{f', and the conversation stays pinned to {d.target}' if pinned else ''}; "
+            f"send it again once that is fixed.")))
     if c.refuse:
         return _go(state, Refuse(502, "rewrite", f"sessionpin: {c.refuse}; the request was not sent"))
     session = state.session or ""
@@ -518,8 +532,10 @@ def _remember_opening(state: State) -> tuple[After, ...]:
 
 def _new_pin(state: State, d: Decision) -> Pin:
     r = state.request
+    server = r.config.servers.get(d.target) if d.target else None   # a pool's name: its allocation says
     return Pin(agent=r.facts.agent, server=d.target, since=r.now, renewed=r.now, rule=d.rule,
-               turn=r.facts.turn or "", source=r.source.name if r.source else "", parent=state.parent or "")
+               turn=r.facts.turn or "", source=r.source.name if r.source else "", parent=state.parent or "",
+               at=server.origin if server else "")
 
 
 # ---- server pools -----------------------------------------------------------------------

@@ -8,10 +8,16 @@ Rules it keeps:
 - While running, the file is looked at every ``sessionpin_reload_ms``; a new text is
   applied once two looks in a row find it (never a half-written file); a text that fails
   validation is logged (file:line: key: problem) and the previous config stays in force.
+- Only a regular file of a config's size is read (``config.read_trusted``): a FIFO, a
+  directory, a device or a huge file at the path is refused, said once, the config kept —
+  never waited on or read whole on the loop. So is a path that cannot be read (permissions,
+  a link loop): an error line and ``config_error``, not a debug line.
 - A file that vanished keeps the config in force (an editor's save-by-rename, a
   mistaken delete). An emptied file is a valid, empty config: it routes no new
   conversation, and pinned ones still follow their pins (the router consults pins for
   every inference request).
+- A reload that points a server's name at another origin says so (a WARNING naming the
+  server and both origins): the conversations pinned to it are refused from then on.
 - ``load``/``configure``/``running``/``done`` are synchronous (mitmproxy.md).
 """
 
@@ -112,16 +118,18 @@ class ConfigWatch:
             return
         try:
             text = _read(path)
-        except ConfigError as e:                # untrusted now (chmod, chown): said once, kept out
-            if self.problem != str(e):
-                self.problem = str(e)
+        except (ConfigError, OSError) as e:
+            # Untrusted now (chmod, chown), no config file (a FIFO, a directory) or unreadable
+            # (permissions, a link loop): said once, kept out. (A missing file is no error: an
+            # editor's rename.) Unreadable was a debug line: the proxy stopped taking edits
+            # with nothing in its log or status saying so.
+            problem = str(e) if isinstance(e, ConfigError) else f"{path.name}: cannot read: {e.strerror or e}"
+            if self.problem != problem:
+                self.problem = problem
                 self.rejected += 1
                 log.error("sessionpin: config rejected, keeping the previous one: %s", self.problem)
             self._pending = None
             return
-        except OSError as e:
-            log.debug("sessionpin: config %s unreadable: %s", path, e)
-            text = None
         if text is not None and text == self.text and self.problem is not None:
             self.problem = None                 # trusted again, and what is in force is what it says
             log.info("sessionpin: config %s accepted again", path)
@@ -139,9 +147,13 @@ class ConfigWatch:
             self.rejected += 1
             log.error("sessionpin: config rejected, keeping the previous one: %s", self.problem)
             return
-        self.config, self.text, self.problem = cfg, text, None
+        old, self.config, self.text, self.problem = self.config, cfg, text, None
         self.reloads += 1
         log.info("sessionpin: config reloaded from %s: %s", path, self.describe())
+        for name, was, now in configmod.repointed(old, cfg):
+            log.warning("sessionpin: server %s now at %s, was %s: conversations pinned to it at %s are refused "
+                        "(pinned-server-moved), never sent to %s; point its url back to carry them on, or "
+                        "`sessionpin move SESSION %s` each", name, now, was, was, now, name)
 
     def describe(self) -> str:
         c = self.config

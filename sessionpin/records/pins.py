@@ -26,6 +26,8 @@ Rules this module keeps (seeds/000, made stronger):
   the pin it forgot (its ``since`` and expiry as read), so a proxy that served the pin tells
   the operator's decision from a loss (``served``, ``forgot_after``) by comparing pins, not
   clocks: the operator's machine may run behind the proxy's, or the clock step back between.
+- A pin records where its server was (``at``, the origin): a server name re-pointed to
+  another host since is not the server the conversation began on (``ladder.moved``).
 - A stored value that is not a valid pin (bad JSON, wrong shape, no agent) reads as no pin.
 - A pool's allocation adds ``pool``, ``models`` and ``why`` (defaults omitted, so other pins
   read and write as before; unknown fields are ignored by older readers).
@@ -66,6 +68,10 @@ class Pin(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     turn: str = ""              # the turn that made it
     source: str = ""            # the configured server the request that made it addressed ("" none)
     parent: str = ""            # the conversation this one forked or resumed under a new id ("" none)
+    # Where ``server`` was when the pin was made (its origin, ``Server.origin``): a pin names a
+    # server, and the name may be re-pointed to another host while the conversation runs
+    # (``ladder.moved``). "" — not routed, or a pin made before this field — is not compared.
+    at: str = ""
     v: int = 1
     # A pin made by a server pool's allocation (docs/serverpools.md) snapshots the concrete
     # member: ``server`` is the member, ``models`` its model map then (None: not a

@@ -242,7 +242,8 @@ async def allocate(store: Store, config: Config, pool: Pool, session: str, pin: 
         if not commit:
             return Allocated(got.member, pins.Loaded(None, None), why)
         server = config.servers[got.member]
-        new = msgspec.structs.replace(pin, server=got.member, pool=pool.name, models=server.models, why=why)
+        new = msgspec.structs.replace(pin, server=got.member, pool=pool.name, models=server.models, why=why,
+                                      at=server.origin)
         text = pins.encode(new)
         writes: list[Write] = [Set(pins.key(session), text, pins.PIN_TTL), *pins.index_writes(session, new),
                                Set(cursor_key(pool.name), A.encode_cursor(got.cursor))]

@@ -42,7 +42,9 @@ from sessionpin.reader.ids import short
 from redis_servers import RedisServer, redis_cli_binary, shared_cluster, unique_prefix, wait_for
 from stores import raw_client
 
+from .harness import toml_config
 from .redisrig import CHOICES, Load, World, check, continue_all, served_by
+from .test_router_e2e import ALT_ENV
 from .test_cli_e2e import sessionpin_argv
 
 SECRET = f"redis-pw-SENTINEL-{uuid.uuid4().hex[:10]}"
@@ -147,6 +149,33 @@ def test_a_pinned_turn_costs_one_get(world: World) -> None:
 
 
 @pytest.mark.timeout(900)      # 30 mitmdump starts: ~1.5 min idle, 5 min seen on a loaded machine
+def test_a_router_whose_config_points_a_pinned_server_elsewhere_refuses_its_conversations(world: World) -> None:
+    """Two proxies on one store, their configs apart: router 1's 'glm' names another host (here
+    alt's, with alt's key) than the 'glm' router 0 pinned a conversation to. Router 1 must not
+    send that conversation to the host its config calls glm: 424 naming the session, the server
+    and both addresses; router 0 still serves it where it began."""
+    s = str(uuid.uuid4())
+    assert world.send(0, "opening", s).status == 200 and world.where(s) == {"glm": 1}
+    f, m = world.fakes, world.proxies[1]
+    apart = toml_config({"anthropic": {"url": f["anthropic"].url},
+                         "glm": {"url": f["alt"].url, "key_env": ALT_ENV}}, {"claude-code": "glm"})
+    before = m.config_path.read_text()
+    mark = m.line_count
+    m.write_config(apart)
+    try:
+        assert m.wait_output(r"config reloaded from", timeout=5.0, since=mark), m.tail()
+        r = world.send(1, "continuation", s)
+        assert r.status == 424, (r.status, r.body[:300])
+        msg = r.body.decode()
+        assert short(s) in msg and "'glm'" in msg and f["glm"].origin in msg and f["alt"].origin in msg, msg
+        assert world.where(s) == {"glm": 1}, "never sent to the host router 1 calls glm"
+        assert world.send(0, "continuation", s).status == 200 and world.where(s) == {"glm": 2}
+    finally:
+        mark = m.line_count
+        m.write_config(before)
+        assert m.wait_output(r"config reloaded from", timeout=5.0, since=mark), m.tail()
+
+
 def test_thirty_kill_9s_of_routers_under_load_lose_nothing(world: World) -> None:
     rng = random.Random(30)
     errors: list[BaseException] = []

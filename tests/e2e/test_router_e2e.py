@@ -449,6 +449,82 @@ def test_switch_by_editing_the_config_keeps_running_conversations(rig):
         assert got.header("x-api-key") == GLM_KEY and got.path.startswith("/api/anthropic/v1/messages")
 
 
+def _reload(rig, text: str) -> None:
+    """Write ``text`` as the config and wait for the proxy's line saying it took it."""
+    mark = rig.mitm.line_count
+    rig.mitm.write_config(text)
+    rig.applied = text
+    assert rig.mitm.wait_output(r"config reloaded from", timeout=5.0, since=mark), rig.mitm.tail()
+
+
+def test_a_pinned_server_re_pointed_to_another_host_is_refused_not_followed(rig):
+    """A pin names a server; the server's URL names where it is. Re-pointed to another host
+    (the operator reused the name, or changed a provider), a running conversation pinned
+    there must not be sent on, history and all, to a host it never talked to: it is refused
+    (424) naming the session, the server, both addresses and the way out. New conversations
+    go to the new address; pointed back, the conversation carries on where it began."""
+    rig.set_config(current="glm")
+    s1 = new_session()
+    assert rig.send(cc("opening", s1)).status == 200
+    assert rig.where(s1) == {"glm": 1}
+    f = rig.fakes
+    # glm now at alt's address (with alt's key: the operator's pairing), alt itself gone
+    repointed = toml_config({"anthropic": {"url": f["anthropic"].url},
+                             "glm": {"url": f["alt"].url, "key_env": ALT_ENV, "auth": "bearer"}},
+                            {"claude-code": "glm"})
+    mark = rig.mitm.line_count
+    _reload(rig, repointed)
+    # the reload says it: the operator learns of it before an agent does
+    assert rig.mitm.wait_output(rf"server glm now at {re.escape(f['alt'].origin)}, was "
+                                rf"{re.escape(f['glm'].origin)}: conversations pinned", timeout=3.0, since=mark), \
+        rig.mitm.tail()
+    r = rig.send(cc("continuation", s1))
+    assert r.status == 424, (r.status, r.body[:300])
+    msg = r.body.decode()
+    assert short(s1) in msg or s1 in msg
+    assert "'glm'" in msg and f["glm"].origin in msg and f["alt"].origin in msg, msg
+    assert "sessionpin move" in msg, msg
+    assert r.header("x-should-retry") == "false"
+    assert rig.where(s1) == {"glm": 1}, "never sent to the host glm now names"
+    s2 = new_session()
+    assert rig.send(cc("opening", s2)).status == 200
+    assert rig.where(s2) == {"alt": 1}, "a new conversation goes where glm now is"
+    # at a path sessionpin does not route, addressed to the host glm now names: the guard
+    # leaves alone only a conversation pinned to the server it addresses as it was pinned
+    import dataclasses
+    r = rig.send(dataclasses.replace(cc("continuation", s1), path="/chat/completions"), to="alt")
+    assert r.status == 424 and "alt" not in rig.where(s1), (r.status, r.body[:300])
+    # pointed back: the running conversation carries on where it began, nothing lost
+    rig.set_config(current="glm")
+    assert rig.send(cc("continuation", s1)).status == 200
+    assert rig.where(s1) == {"glm": 2}
+
+
+def test_a_server_whose_key_is_not_in_the_proxy_s_environment_is_a_refusal_no_agent_retries(rig):
+    """glm's key_env edited to a variable the proxy's environment does not hold: its running
+    conversation is not sent (no key), and the answer is one only the operator can act on — no
+    client may retry it (a 502 was retried by opencode, pi and Codex by its status, for tens of
+    seconds) — naming the session, the server, the variable and what to do."""
+    rig.set_config(current="glm")
+    s1 = new_session()
+    assert rig.send(cc("opening", s1)).status == 200
+    f = rig.fakes
+    unset = "SESSIONPIN_E2E_UNSET_KEY"
+    _reload(rig, toml_config({"anthropic": {"url": f["anthropic"].url},
+                              "glm": {"url": f["glm"].url, "key_env": unset, "models": MODELS}},
+                             {"claude-code": "glm"}))
+    for req in (cc("continuation", s1), cc("opening", new_session())):
+        r = rig.send(req)
+        assert r.status == 424, (r.status, r.body[:300])
+        assert r.header("x-should-retry") == "false" and r.header("retry-after") is None
+        msg = r.body.decode()
+        assert "glm" in msg and unset in msg and "restart" in msg, msg
+    assert short(s1) in rig.send(cc("continuation", s1)).body.decode()
+    assert rig.where(s1) == {"glm": 1}, "sent nowhere"
+    rig.set_config(current="glm")
+    assert rig.send(cc("continuation", s1)).status == 200 and rig.where(s1) == {"glm": 2}
+
+
 def test_continuation_never_seen_begin_is_left_alone(rig):
     rig.set_config(current="glm")
     s = new_session()
@@ -729,6 +805,68 @@ def test_a_config_error_never_writes_a_pasted_key_to_the_log_or_the_status(rig, 
     assert f"servers.alt.{written}" in said, said
     assert key not in said and key.lower() not in said, said
     rig.set_config(current="glm")
+
+
+@pytest.mark.parametrize("shape", ["huge", "fifo", "directory", "link loop"])
+def test_a_config_path_that_is_no_config_file_is_refused_and_the_proxy_keeps_serving(rig, shape):
+    """The config path replaced, while running, by something no config is: a file of 2 MiB (a
+    log file or a dump given as the config: valid TOML, a comment), a FIFO, a directory. The
+    watcher reads the path on the proxy's loop every 250 ms: a FIFO's open() waited there for a
+    writer — every request stalled — a huge file was read whole four times a second, and a
+    directory was skipped in silence. Each is refused with one line saying what it is; the
+    previous config stays in force, and the proxy keeps serving."""
+    import os
+    import shutil
+    rig.set_config(current="glm")
+    path = rig.mitm.config_path
+    good = path.read_text()
+    mark = rig.mitm.line_count
+    path.unlink()
+    if shape == "huge":
+        path.write_text(rig.config(current="anthropic") + "#" + "x" * (2 << 20) + "\n")
+    elif shape == "fifo":
+        os.mkfifo(path, 0o600)
+    elif shape == "directory":
+        path.mkdir(mode=0o700)
+    else:                                           # a link to itself: unreadable, not missing
+        path.symlink_to(path.name)
+    try:
+        said = {"huge": r"config rejected.*\d+ bytes", "fifo": r"config rejected.*not a regular file \(a FIFO\)",
+                "directory": r"config rejected.*not a regular file \(a directory\)",
+                "link loop": r"config rejected.*cannot read.*symbolic links"}[shape]
+        assert rig.mitm.wait_output(said, timeout=5.0, since=mark), rig.mitm.tail()
+        s = new_session()
+        r = rig.send(cc("opening", s), timeout=10.0)
+        assert r.status == 200 and rig.where(s) == {"glm": 1}, "the previous config is in force"
+        assert rig.send(cc("continuation", s), timeout=10.0).status == 200 and rig.where(s) == {"glm": 2}
+        assert not rig.mitm.wait_output(r"config reloaded from", timeout=0.6, since=mark), rig.mitm.tail()
+    finally:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        mark = rig.mitm.line_count
+        path.write_text(good)
+        assert rig.mitm.wait_output(r"accepted again|config reloaded", timeout=5.0, since=mark), rig.mitm.tail()
+
+
+@pytest.mark.parametrize("shape", ["huge", "fifo"])
+def test_a_config_that_is_no_config_file_at_start_stops_mitmdump_with_the_message(rig, tmp_path, shape):
+    import os
+    m = Mitmdump.router(tmp_path, rig.ca, rig.config(current="glm"))
+    m.config_path.unlink()
+    if shape == "huge":
+        m.config_path.write_text(rig.config(current="glm") + "#" + "x" * (2 << 20) + "\n")
+    else:
+        os.mkfifo(m.config_path, 0o600)
+    try:
+        with pytest.raises(MitmdumpError):
+            m.start(timeout=20.0)
+        out = m.output
+        assert re.search(r"sessionpin: config\.toml: (\d+ bytes|not a regular file \(a FIFO\))", out), out[-2000:]
+        assert "listening" not in out
+    finally:
+        m.stop(signal.SIGKILL)
 
 
 def test_config_error_at_start_stops_mitmdump_with_the_message(rig, tmp_path):

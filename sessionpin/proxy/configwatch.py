@@ -153,7 +153,10 @@ class ConfigWatch:
         for name, was, now in configmod.repointed(old, cfg):
             log.warning("sessionpin: server %s now at %s, was %s: conversations pinned to it at %s are refused "
                         "(pinned-server-moved), never sent to %s; point its url back to carry them on, or "
-                        "`sessionpin move SESSION %s` each", name, now, was, was, now, name)
+                        "`sessionpin move SESSION %s` each. To send new conversations to %s while the running "
+                        "ones end where they began: give it a name of its own (`sessionpin servers add NAME %s`, "
+                        "`sessionpin use AGENT NAME`) and point %s back at %s", name, now, was, was, now, name,
+                        now, now, name, was)
 
     def describe(self) -> str:
         c = self.config

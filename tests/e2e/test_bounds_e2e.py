@@ -373,8 +373,9 @@ def test_a_request_head_cut_short_never_writes_its_key_to_the_log(rig: Rig) -> N
     assert said
 
 
-def _tunnel(rig: Rig):
-    """A TLS connection through the proxy to the anthropic fake, for bytes no client library sends."""
+def _tunnel(rig: Rig, h2: bool = False):
+    """A TLS connection through the proxy to the anthropic fake, for bytes no client library
+    sends (``h2``: speaking HTTP/2, ALPN h2)."""
     import socket
     import ssl
     sock = socket.create_connection(("127.0.0.1", rig.mitm.port), timeout=10)
@@ -384,7 +385,11 @@ def _tunnel(rig: Rig):
     while b"\r\n\r\n" not in head:
         head += sock.recv(4096)
     ctx = ssl.create_default_context(cafile=str(rig.mitm.mitm_ca))
-    return ctx.wrap_socket(sock, server_hostname="127.0.0.1"), host
+    if h2:
+        ctx.set_alpn_protocols(["h2"])
+    tls = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
+    assert not h2 or tls.selected_alpn_protocol() == "h2"
+    return tls, host
 
 
 UNREADABLE_ANSWERS = {
@@ -482,7 +487,7 @@ def test_an_http2_header_the_proxy_refuses_never_writes_its_value_to_the_log(rig
     import h2.connection
     key = CLIENT_KEY + "-" + uuid.uuid4().hex[:8]
     sent = " " + key if value == "surrounded-by-whitespace" else key + "\n"
-    tls, host = _tunnel_h2(rig)
+    tls, host = _tunnel(rig, h2=True)
     lines = rig.mitm.line_count
     conn = h2.connection.H2Connection(h2.config.H2Configuration(
         client_side=True, header_encoding="utf-8", validate_outbound_headers=False, normalize_outbound_headers=False))
@@ -502,20 +507,3 @@ def test_an_http2_header_the_proxy_refuses_never_writes_its_value_to_the_log(rig
     assert key not in rig.mitm.tail(rig.mitm.line_count - lines)
     assert said
     assert rig.send("/v1/messages", opening()).status == 200 and rig.mitm.alive
-
-
-def _tunnel_h2(rig: Rig):
-    """``_tunnel`` speaking HTTP/2 (ALPN h2)."""
-    import socket
-    import ssl
-    sock = socket.create_connection(("127.0.0.1", rig.mitm.port), timeout=10)
-    host = f"127.0.0.1:{rig.anthropic.port}"
-    sock.sendall(f"CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += sock.recv(4096)
-    ctx = ssl.create_default_context(cafile=str(rig.mitm.mitm_ca))
-    ctx.set_alpn_protocols(["h2"])
-    tls = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
-    assert tls.selected_alpn_protocol() == "h2"
-    return tls, host

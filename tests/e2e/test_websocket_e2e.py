@@ -371,6 +371,17 @@ def peak_mb(rig: WsRig) -> float:
     raise AssertionError("no VmHWM")
 
 
+def _closed_1009_on_both_sides(ws, before: int, landed, sock, sent, side: str) -> None:
+    """The proxy closed both sides 1009, and nothing of the message reached the other side."""
+    assert ws.close_code == 1009 and len(ws.received) == before
+    assert landed == "alt" and sock is not None
+    deadline = time.monotonic() + 5
+    while sock.close_code is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sock.close_code == 1009, "the server's side was closed with 1009 too"
+    assert len(sock.received) == len(sent) + (side == "server")   # the message never reached the server
+
+
 @pytest.mark.parametrize("side", ["client", "server"])
 def test_a_deflate_bomb_on_a_routed_socket_closes_it_1009_and_reaches_no_one(rig: WsRig, side: str):
     """A 256 MiB message in one compressed frame, from Codex's side or the server's: the proxy
@@ -388,13 +399,7 @@ def test_a_deflate_bomb_on_a_routed_socket_closes_it_1009_and_reaches_no_one(rig
         else:
             ws.send(json.dumps({"type": "test.bomb", "size": BOMB}))
         assert ws.wait_closed(20), "the proxy closed the socket"
-    assert ws.close_code == 1009 and len(ws.received) == before
-    assert landed == "alt" and sock is not None
-    deadline = time.monotonic() + 5
-    while sock.close_code is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sock.close_code == 1009, "the server's side was closed with 1009 too"
-    assert len(sock.received) == len(sent) + (side == "server")   # the bomb never reached the server
+    _closed_1009_on_both_sides(ws, before, landed, sock, sent, side)
     assert rig.mitm.wait_output(rf"a WebSocket message from the {side} \(127\.0\.0\.1:\d+\) grew past 16 MiB "
                                 r"\(sessionpin_ws_max_message_mb\); the socket was closed \(1009\)", since=lines)
     assert peak_mb(rig) < 600, f"the proxy's peak RSS reached {peak_mb(rig):.0f} MiB"
@@ -437,13 +442,7 @@ def test_a_message_of_many_empty_frames_closes_the_socket_1009_at_a_bounded_cost
             ws.send(json.dumps({"type": "test.fragments", "count": FRAGMENTS[side]}))
         assert ws.wait_closed(30), "the proxy closed the socket"
     cpu = cpu_s(rig) - cpu0
-    assert ws.close_code == 1009 and len(ws.received) == before
-    assert landed == "alt" and sock is not None
-    deadline = time.monotonic() + 5
-    while sock.close_code is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sock.close_code == 1009, "the server's side was closed with 1009 too"
-    assert len(sock.received) == len(sent) + (side == "server")   # the message never reached the server
+    _closed_1009_on_both_sides(ws, before, landed, sock, sent, side)
     assert rig.mitm.wait_output(rf"a WebSocket message from the {side} \(127\.0\.0\.1:\d+\) came in more than "
                                 r"4195 frames \(one per 4000 bytes of sessionpin_ws_max_message_mb\); the socket was "
                                 r"closed \(1009\)", since=lines)

@@ -60,3 +60,16 @@ def test_bounded(caplog):
         for i in range(U.LIMIT + 10):
             u.note(GLM, "POST", f"/p{i}/v2/messages")
     assert len(u.entries) == U.LIMIT and u.dropped == 10 and len(caplog.records) == U.LIMIT
+
+
+def test_a_key_in_the_path_prefix_is_never_said_or_listed(caplog):
+    """Some gateways take the key in the URL's path (``/key/<key>/v4/...``): the warning and
+    the listing (doctor, status) name the prefix without it."""
+    key = "sk-Q8zv2Lr7XwKp4TnB9sYd6HcJ1mFgA5eRuV0iO3lZ"
+    u = U.Unrouted()
+    with caplog.at_level(logging.WARNING, "sessionpin"):
+        u.note(GLM, "POST", f"/key/{key}/v4/chat/completions", now=10.0)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "looks like inference" in said and key not in said and "Q8zv2Lr7" not in said, said
+    listed = u.listed(CONFIG)
+    assert len(listed) == 1 and key not in listed[0].prefix and key not in (listed[0].url or "")

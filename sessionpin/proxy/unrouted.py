@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ..config.redact import scrub
 from ..reader import paths
 from ..config.config import Config, Server
 from ..records.documents import Unrouted as UnroutedDoc
@@ -73,7 +74,7 @@ class Unrouted:
                            "(…/v1/<endpoint>, or a server's own base)")
         log.warning("sessionpin: left alone: POST %s%s%s looks like inference but is not in scope "
                     "(server %s is written %s); %s. Said once per origin and path prefix; `sessionpin doctor` "
-                    "lists it.", source.origin, before, endpoint, source.name, source.url, fix)
+                    "lists it.", source.origin, scrub(before), endpoint, source.name, source.url, scrub(fix))
 
     def listed(self, config: Config) -> list[UnroutedDoc]:
         """The entries the current config still leaves alone."""
@@ -83,6 +84,7 @@ class Unrouted:
             now = config.server_for(s.scheme, s.host, s.port, e.prefix + e.endpoint)
             if now is None or paths.scope("POST", e.prefix + e.endpoint, now.prefix).inference:
                 continue        # the origin is no longer configured, or a server now routes it
-            out.append(UnroutedDoc(origin=s.origin, prefix=e.prefix, endpoint=e.endpoint, server=now.name,
-                                   count=e.count, first=e.first, last=e.last, url=route_url(s.origin, e.prefix)))
+            url = route_url(s.origin, e.prefix)
+            out.append(UnroutedDoc(origin=s.origin, prefix=scrub(e.prefix), endpoint=e.endpoint, server=now.name,
+                                   count=e.count, first=e.first, last=e.last, url=scrub(url) if url else url))
         return out

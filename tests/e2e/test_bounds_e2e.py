@@ -73,6 +73,20 @@ def opening(size: int = 0) -> bytes:
                        "messages": [{"role": "user", "content": "hi " + "x" * size}]}).encode()
 
 
+def _answered(rig: Rig, answer, may_fail: bool = False):
+    """An opening sent while glm answers with ``answer`` (written on its socket as it is): the
+    reply, or with ``may_fail`` the exception the agent's read ended with."""
+    rig.glm._answer = answer
+    try:
+        return rig.send("/v1/messages", opening())
+    except Exception as e:
+        if not may_fail:
+            raise
+        return e
+    finally:
+        del rig.glm._answer
+
+
 def test_a_body_over_the_limit_gets_a_413_and_reaches_no_server(rig: Rig) -> None:
     before = (len(rig.anthropic.received()), len(rig.glm.received()))
     r = rig.send("/v1/messages?beta=true", opening(3 * 1024 * 1024))
@@ -136,11 +150,7 @@ def test_a_chunked_redirect_growing_past_the_stream_limit_never_reaches_the_agen
         for _ in range(12):
             h.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         h.wfile.write(b"0\r\n\r\n")
-    rig.glm._answer = answer
-    try:
-        r = rig.send("/v1/messages", opening())
-    finally:
-        del rig.glm._answer
+    r = _answered(rig, answer)
     assert r.header("location") is None, f"the agent got {r.status} Location: {r.header('location')}"
     assert r.status == 502 and r.header("x-sessionpin-refused") == "redirect"
     assert "evil.example" in r.json()["error"]["message"]
@@ -224,13 +234,7 @@ def test_a_response_head_that_never_ends_costs_the_proxy_bounded_memory(rig: Rig
     assert rig.send("/v1/messages", opening()).status == 200          # warm
     lines = rig.mitm.line_count
     peak = _peak_mb(pid)
-    rig.glm._answer = answer
-    try:
-        r = rig.send("/v1/messages", opening())
-    except Exception as e:        # (before: the head reached the agent, which could not read it)
-        r = e
-    finally:
-        del rig.glm._answer
+    r = _answered(rig, answer, may_fail=True)    # (before: the head reached the agent, unreadable)
     grew = _peak_mb(pid) - peak
     assert grew < 48, f"a never-ending response head grew the proxy's peak RSS by {grew:.0f} MB"
     assert not isinstance(r, Exception) and r.status == 502, r
@@ -260,13 +264,7 @@ def test_a_chunk_size_line_that_never_ends_costs_the_proxy_bounded_memory(rig: R
     assert rig.send("/v1/messages", opening()).status == 200          # warm
     lines = rig.mitm.line_count
     peak = _peak_mb(pid)
-    rig.glm._answer = answer
-    try:
-        r = rig.send("/v1/messages", opening())
-    except Exception as e:        # the answer's stream was cut (fixed), or its read failed (before)
-        r = e
-    finally:
-        del rig.glm._answer
+    r = _answered(rig, answer, may_fail=True)    # its stream cut (fixed), or its read failed (before)
     grew = _peak_mb(pid) - peak
     assert grew < 48, f"a never-ending chunk-size line grew the proxy's peak RSS by {grew:.0f} MB"
     assert rig.mitm.wait_output(r"sessionpin: the response body line from the server \(127\.0\.0\.1:\d+\) grew "
@@ -288,13 +286,7 @@ def test_an_answer_with_trailers_reaches_the_agent_whole(rig: Rig) -> None:
         h.wfile.write(b"%x\r\n%s\r\n" % (len(events), events) + b"0\r\nx-checksum: abc\r\n\r\n")
         h.close_connection = True
     lines = rig.mitm.line_count
-    rig.glm._answer = answer
-    try:
-        r = rig.send("/v1/messages", opening())
-    except Exception as e:        # (before: IncompleteRead)
-        r = e
-    finally:
-        del rig.glm._answer
+    r = _answered(rig, answer, may_fail=True)        # (before: IncompleteRead)
     assert not isinstance(r, Exception) and r.status == 200 and r.body == events, r
     assert rig.mitm.wait_output(r"sessionpin: the response from the server \(127\.0\.0\.1:\d+\) ended with "
                                 r"trailers \(x-checksum\); they were dropped", since=lines)
@@ -316,11 +308,7 @@ def test_an_early_hints_answer_before_the_answer_is_passed_over(rig: Rig) -> Non
                       % (len(body), body))
         h.close_connection = True
     lines = rig.mitm.line_count
-    rig.glm._answer = answer
-    try:
-        r = rig.send("/v1/messages", opening())
-    finally:
-        del rig.glm._answer
+    r = _answered(rig, answer)
     time.sleep(0.3)
     assert r.status == 200 and r.body == body, (r.status, r.body[:200])
     assert sentinel not in rig.mitm.tail(rig.mitm.line_count - lines)
@@ -337,11 +325,7 @@ def test_bytes_a_server_sends_past_its_answer_never_reach_the_log(rig: Rig) -> N
                       + sentinel.encode() * 10)
         h.close_connection = True
     lines = rig.mitm.line_count
-    rig.glm._answer = answer
-    try:
-        r = rig.send("/v1/messages", opening())
-    finally:
-        del rig.glm._answer
+    r = _answered(rig, answer)
     assert r.status == 200 and r.body == b"{}"
     said = rig.mitm.wait_output(r"sessionpin: the server \(127\.0\.0\.1:\d+\) sent \d+ bytes past its answer",
                                 since=lines)
@@ -421,13 +405,7 @@ def test_an_answer_the_proxy_cannot_parse_never_writes_its_bytes_to_the_log(rig:
         time.sleep(0.2)
         h.close_connection = True
     lines = rig.mitm.line_count
-    rig.glm._answer = answer
-    try:
-        r = rig.send("/v1/messages", opening())
-    except Exception as e:        # the answer's head had left (chunked): its stream is cut
-        r = e
-    finally:
-        del rig.glm._answer
+    r = _answered(rig, answer, may_fail=True)        # the answer's head had left (chunked): its stream is cut
     if not isinstance(r, Exception):
         assert r.status == 502 and sentinel not in r.text, (r.status, r.text[:300])
     assert rig.mitm.wait_output(r"POST https://127\.0\.0\.1:\d+/api/anthropic/v1/messages", since=lines)
